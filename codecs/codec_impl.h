@@ -1,0 +1,94 @@
+/* The internal interface every codec implements. lib/codec.c parses specs,
+ * validates tensors, writes and checks the 16-byte payload header and
+ * converts dtypes; a codec only maps dense fp32 values to its body bytes. */
+#ifndef EPIPE_CODECS_CODEC_IMPL_H
+#define EPIPE_CODECS_CODEC_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <epipe/codec.h>
+
+#include "../lib/error.h"
+
+#define EPIPE_CODEC_MAX_PARAMS 8
+#define EPIPE_SPEC_MAX 256
+/* Bytes of the header every payload starts with (docs/codecs.md). */
+#define EPIPE_PAYLOAD_HEADER 16
+#define EPIPE_PAYLOAD_VERSION 1
+
+/* Stable codec ids: written on the wire, never reused. */
+enum epipe_codec_id {
+    EPIPE_CODEC_ID_NONE = 1,
+    EPIPE_CODEC_ID_CAST = 2,
+    EPIPE_CODEC_ID_QUANT = 3,
+    EPIPE_CODEC_ID_SORTQUANT = 4,
+    EPIPE_CODEC_ID_KMEANS = 5,
+    EPIPE_CODEC_ID_TOPK = 6,
+};
+
+typedef enum epipe_param_kind {
+    EPIPE_PARAM_INT,    /* integer in [min, max] */
+    EPIPE_PARAM_REAL,   /* finite real in [min, max] */
+    EPIPE_PARAM_CHOICE, /* one of `choices`; the value is its index */
+} epipe_param_kind;
+
+typedef struct epipe_param_desc {
+    const char *key;
+    epipe_param_kind kind;
+    double min, max;
+    double def;                  /* default; NAN = the codec derives it */
+    const char *const *choices;  /* NULL-terminated, for EPIPE_PARAM_CHOICE */
+} epipe_param_desc;
+
+typedef struct epipe_codec_ops {
+    const char *name;
+    enum epipe_codec_id id;
+    const epipe_param_desc *params;
+    unsigned nparams;
+    /* Optional: derive defaults given as NAN and check parameters against
+     * each other. May allocate codec->state. */
+    int (*configure)(epipe_codec *c);
+    /* The 32-bit parameter word written into every payload header: the
+     * parameters a decoder must share with the encoder. */
+    uint32_t (*param_word)(const epipe_codec *c);
+    /* Exact body size for n values; EPIPE_EOVERFLOW if it does not fit. */
+    int (*body_size)(const epipe_codec *c, uint64_t n, size_t *bytes);
+    /* Writes exactly body_size(n) bytes for the dense fp32 values x. */
+    int (*encode)(epipe_codec *c, const float *x, size_t n, uint8_t *body);
+    /* Reads a body whose length was already checked to be body_size(n). */
+    int (*decode)(epipe_codec *c, const uint8_t *body, size_t n, float *y);
+    /* Optional: frees codec->state. */
+    void (*release)(epipe_codec *c);
+} epipe_codec_ops;
+
+struct epipe_codec {
+    const epipe_codec_ops *ops;
+    double p[EPIPE_CODEC_MAX_PARAMS]; /* parameter values, in ops->params order */
+    unsigned threads;                 /* EPIPE_CODEC_THREADS */
+    void *state;                      /* the codec's own */
+    float *scratch;                   /* fp32 staging for converted tensors */
+    size_t scratch_cap;
+    char spec[EPIPE_SPEC_MAX];
+    char msg[EPIPE_ERRMSG_MAX];
+};
+
+/* Records an error on the codec (and the thread) and returns status. */
+int epipe_codec_fail(epipe_codec *c, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Worker threads to use for n values: 1 below a size where threads pay. */
+unsigned epipe_codec_workers(const epipe_codec *c, size_t n);
+
+/* Index of the first non-finite value in x[0..n), or n if all are finite;
+ * the quantizers reject such input by name. */
+size_t epipe_find_nonfinite(const float *x, size_t n);
+
+extern const epipe_codec_ops epipe_codec_none;
+extern const epipe_codec_ops epipe_codec_cast;
+extern const epipe_codec_ops epipe_codec_quant;
+extern const epipe_codec_ops epipe_codec_sortquant;
+extern const epipe_codec_ops epipe_codec_kmeans;
+extern const epipe_codec_ops epipe_codec_topk;
+
+#endif

@@ -1,0 +1,74 @@
+/* libepipe: version, status codes, error reporting and the export macro.
+ * Every other public header includes this one. */
+#ifndef EPIPE_COMMON_H
+#define EPIPE_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* EPIPE_API marks the functions libepipe exports; everything else in the
+ * shared library is hidden (built with -fvisibility=hidden and a version
+ * script, lib/libepipe.map). */
+#if defined(EPIPE_BUILDING_LIBRARY) && defined(__GNUC__)
+#define EPIPE_API __attribute__((visibility("default")))
+#else
+#define EPIPE_API
+#endif
+
+#define EPIPE_VERSION_MAJOR 0
+#define EPIPE_VERSION_MINOR 1
+#define EPIPE_VERSION_PATCH 0
+/* One integer that sorts like the version: 10000*major + 100*minor + patch. */
+#define EPIPE_VERSION_NUMBER \
+    (EPIPE_VERSION_MAJOR * 10000 + EPIPE_VERSION_MINOR * 100 + EPIPE_VERSION_PATCH)
+
+/* The version of the library actually loaded, in the EPIPE_VERSION_NUMBER
+ * encoding; compare with the macro to detect a header/library mismatch.
+ * Thread-safe. */
+EPIPE_API unsigned epipe_version(void);
+/* The same as a static string, "0.1.0". Thread-safe; never NULL. */
+EPIPE_API const char *epipe_version_string(void);
+
+/* Status codes. EPIPE_OK is zero; every error is negative, so callers may
+ * test `if (rc < 0)`. New codes may be added at the end of the list. */
+typedef enum epipe_status {
+    EPIPE_OK = 0,
+    EPIPE_EINVAL = -1,     /* bad argument or spec: the message names it */
+    EPIPE_ENOMEM = -2,     /* an allocation failed */
+    EPIPE_ENOTSUP = -3,    /* valid, but not built or not supported here */
+    EPIPE_ENOSPC = -4,     /* output buffer too small */
+    EPIPE_ETRUNC = -5,     /* message or payload shorter than it says */
+    EPIPE_ETOOBIG = -6,    /* message larger than the configured limit */
+    EPIPE_EVERSION = -7,   /* wire version this library does not speak */
+    EPIPE_ECHECKSUM = -8,  /* checksum mismatch: the bytes were corrupted */
+    EPIPE_EOVERFLOW = -9,  /* a shape or size overflows what can be held */
+    EPIPE_EPROTO = -10,    /* malformed message or payload */
+    EPIPE_ESTATE = -11,    /* call not valid in the handle's current state */
+    EPIPE_EPEER = -12,     /* a peer died, disconnected or misbehaved */
+    EPIPE_ETIMEDOUT = -13, /* an operation did not complete in time */
+    EPIPE_EIO = -14,       /* an operating-system I/O call failed */
+    EPIPE_EAUTH = -15,     /* authentication failed */
+    EPIPE_EINTERNAL = -16  /* a bug in libepipe: please report it */
+} epipe_status;
+
+/* A static English sentence for a status ("invalid argument"). Unknown
+ * values give "unknown status". Thread-safe; never NULL. */
+EPIPE_API const char *epipe_strerror(int status);
+/* The status's enumerator name ("EPIPE_EINVAL"). Thread-safe; never NULL. */
+EPIPE_API const char *epipe_status_name(int status);
+
+/* The detailed message of the last call that failed on the calling thread
+ * ("sortquant: key 'bits' = 40 is out of range 2..16"), or "" if none has.
+ * Every failing libepipe call sets it, with or without a handle. The string
+ * belongs to the thread and stays valid until that thread's next libepipe
+ * call; copy it if you need it longer. */
+EPIPE_API const char *epipe_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* EPIPE_COMMON_H */

@@ -1,0 +1,31 @@
+/* Dense bit packing of codes 1..16 bits wide: code i occupies bits
+ * [i*w, (i+1)*w) of a little-endian bit stream (bit 0 = LSB of byte 0). */
+#ifndef EPIPE_LIB_BITPACK_H
+#define EPIPE_LIB_BITPACK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Bytes that n codes of width w take: ceil(n*w/8). n must be < 2^59. */
+static inline size_t epipe_bitpack_bytes(uint64_t n, unsigned w)
+{
+    return (size_t)((n * w + 7) / 8);
+}
+
+/* Packs n codes (each < 2^w) into out[0..epipe_bitpack_bytes(n, w)).
+ * Trailing bits of the last byte are zero. Packing a range that starts at
+ * a multiple of 8 codes writes from byte start*w/8, so threads can pack
+ * disjoint 8-aligned ranges into one buffer. */
+void epipe_bitpack(const uint16_t *codes, size_t n, unsigned w, uint8_t *out);
+/* The inverse: reads epipe_bitpack_bytes(n, w) bytes. */
+void epipe_bitunpack(const uint8_t *in, size_t n, unsigned w, uint16_t *codes);
+
+/* Bit-at-a-time references the fast versions are tested against. */
+void epipe_bitpack_ref(const uint16_t *codes, size_t n, unsigned w, uint8_t *out);
+void epipe_bitunpack_ref(const uint8_t *in, size_t n, unsigned w, uint16_t *codes);
+
+/* True when the bits after the last code in its final byte are zero; a
+ * strict decoder rejects anything else as corrupt. */
+int epipe_bitpack_tail_clean(const uint8_t *in, size_t n, unsigned w);
+
+#endif

@@ -1,0 +1,426 @@
+/* The public codec API: spec parsing, the codec registry, tensor checks,
+ * the payload header, and dtype staging around each codec's fp32 core. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <epipe/codec.h>
+
+#include "../codecs/codec_impl.h"
+#include "error.h"
+#include "parallel.h"
+#include "tensor.h"
+
+static const epipe_codec_ops *const registry[] = {
+    &epipe_codec_none,
+    &epipe_codec_cast,
+};
+#define NREGISTRY (sizeof registry / sizeof registry[0])
+
+int epipe_codec_fail(epipe_codec *c, int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    epipe_vfail_into(c ? c->msg : NULL, status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+unsigned epipe_codec_workers(const epipe_codec *c, size_t n)
+{
+    /* Below ~256K values a thread start (~20 us) is no longer negligible. */
+    if (c->threads == 1 || n < (size_t)1 << 18)
+        return 1;
+    unsigned t = c->threads ? c->threads : epipe_cpu_count();
+    size_t by_size = n >> 17; /* at least 128K values per thread */
+    if (t > by_size)
+        t = (unsigned)by_size;
+    return t ? t : 1;
+}
+
+size_t epipe_find_nonfinite(const float *x, size_t n)
+{
+    /* Summing x*0 is NaN exactly when some x is NaN or infinite; checking
+     * blocks this way vectorises, and only a bad block is scanned again. */
+    const size_t block = 4096;
+    for (size_t b = 0; b < n; b += block) {
+        size_t e = b + block < n ? b + block : n;
+        float acc = 0.0f;
+        for (size_t i = b; i < e; i++)
+            acc += x[i] * 0.0f;
+        if (acc != acc)
+            for (size_t i = b; i < e; i++)
+                if (!isfinite(x[i]))
+                    return i;
+    }
+    return n;
+}
+
+/* ---- spec parsing ------------------------------------------------------ */
+
+static const epipe_codec_ops *find_ops(const char *name, size_t len)
+{
+    for (size_t i = 0; i < NREGISTRY; i++)
+        if (strlen(registry[i]->name) == len && memcmp(registry[i]->name, name, len) == 0)
+            return registry[i];
+    return NULL;
+}
+
+static int unknown_codec(const char *name, size_t len)
+{
+    char known[160] = "";
+    for (size_t i = 0; i < NREGISTRY; i++) {
+        strncat(known, registry[i]->name, sizeof known - strlen(known) - 1);
+        if (i + 1 < NREGISTRY)
+            strncat(known, ", ", sizeof known - strlen(known) - 1);
+    }
+    return epipe_fail(EPIPE_EINVAL, "unknown codec '%.*s' (known: %s)", (int)len, name, known);
+}
+
+static int parse_value(const epipe_codec_ops *ops, const epipe_param_desc *d, const char *v,
+                       size_t vlen, double *out)
+{
+    char buf[64];
+    if (vlen == 0)
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' has an empty value", ops->name, d->key);
+    if (vlen >= sizeof buf)
+        return epipe_fail(EPIPE_EINVAL, "%s: value of key '%s' is too long", ops->name, d->key);
+    memcpy(buf, v, vlen);
+    buf[vlen] = '\0';
+    if (d->kind == EPIPE_PARAM_CHOICE) {
+        char options[96] = "";
+        for (unsigned i = 0; d->choices[i]; i++) {
+            if (strcmp(buf, d->choices[i]) == 0) {
+                *out = i;
+                return EPIPE_OK;
+            }
+            strncat(options, i ? "|" : "", sizeof options - strlen(options) - 1);
+            strncat(options, d->choices[i], sizeof options - strlen(options) - 1);
+        }
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not one of %s", ops->name,
+                          d->key, buf, options);
+    }
+    char *end;
+    double x = strtod(buf, &end);
+    if (*end != '\0' || !isfinite(x) || buf[0] == ' ')
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not a number", ops->name, d->key,
+                          buf);
+    if (d->kind == EPIPE_PARAM_INT && x != floor(x))
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not an integer", ops->name,
+                          d->key, buf);
+    if (x < d->min || x > d->max) {
+        if (d->kind == EPIPE_PARAM_INT)
+            return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = %s is out of range %.0f..%.0f",
+                              ops->name, d->key, buf, d->min, d->max);
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = %s is out of range [%g, %g]", ops->name,
+                          d->key, buf, d->min, d->max);
+    }
+    *out = x;
+    return EPIPE_OK;
+}
+
+/* Writes a real so that strtod gives back exactly the same double. */
+static void format_real(char *buf, size_t cap, double x)
+{
+    for (int prec = 6; prec <= 17; prec++) {
+        snprintf(buf, cap, "%.*g", prec, x);
+        if (strtod(buf, NULL) == x)
+            return;
+    }
+}
+
+static void build_canonical_spec(epipe_codec *c)
+{
+    const epipe_codec_ops *ops = c->ops;
+    size_t len = (size_t)snprintf(c->spec, sizeof c->spec, "%s", ops->name);
+    for (unsigned i = 0; i < ops->nparams && len < sizeof c->spec; i++) {
+        const epipe_param_desc *d = &ops->params[i];
+        char val[40];
+        if (d->kind == EPIPE_PARAM_CHOICE)
+            snprintf(val, sizeof val, "%s", d->choices[(int)c->p[i]]);
+        else if (d->kind == EPIPE_PARAM_INT)
+            snprintf(val, sizeof val, "%.0f", c->p[i]);
+        else
+            format_real(val, sizeof val, c->p[i]);
+        len += (size_t)snprintf(c->spec + len, sizeof c->spec - len, "%c%s=%s", i ? ',' : ':',
+                                d->key, val);
+    }
+}
+
+static int parse_spec(epipe_codec *c, const char *spec)
+{
+    size_t total = strlen(spec);
+    if (total == 0)
+        return epipe_fail(EPIPE_EINVAL, "codec spec is empty");
+    if (total >= EPIPE_SPEC_MAX)
+        return epipe_fail(EPIPE_EINVAL, "codec spec is %zu characters; the limit is %d", total,
+                          EPIPE_SPEC_MAX - 1);
+    const char *colon = strchr(spec, ':');
+    size_t nlen = colon ? (size_t)(colon - spec) : total;
+    const epipe_codec_ops *ops = find_ops(spec, nlen);
+    if (!ops)
+        return unknown_codec(spec, nlen);
+    c->ops = ops;
+    int set[EPIPE_CODEC_MAX_PARAMS] = {0};
+    if (colon) {
+        const char *p = colon + 1;
+        if (*p == '\0')
+            return epipe_fail(EPIPE_EINVAL, "%s: nothing after ':'", ops->name);
+        for (;;) {
+            const char *comma = strchr(p, ',');
+            size_t ilen = comma ? (size_t)(comma - p) : strlen(p);
+            const char *eq = memchr(p, '=', ilen);
+            if (ilen == 0)
+                return epipe_fail(EPIPE_EINVAL, "%s: empty parameter in '%s'", ops->name, spec);
+            if (!eq)
+                return epipe_fail(EPIPE_EINVAL, "%s: parameter '%.*s' has no '=value'",
+                                  ops->name, (int)ilen, p);
+            size_t klen = (size_t)(eq - p);
+            unsigned k = 0;
+            while (k < ops->nparams &&
+                   !(strlen(ops->params[k].key) == klen && memcmp(ops->params[k].key, p, klen) == 0))
+                k++;
+            if (k == ops->nparams)
+                return epipe_fail(EPIPE_EINVAL, "%s: unknown key '%.*s'", ops->name, (int)klen, p);
+            if (set[k])
+                return epipe_fail(EPIPE_EINVAL, "%s: key '%s' is given twice", ops->name,
+                                  ops->params[k].key);
+            int rc = parse_value(ops, &ops->params[k], eq + 1, ilen - klen - 1, &c->p[k]);
+            if (rc)
+                return rc;
+            set[k] = 1;
+            if (!comma)
+                break;
+            p = comma + 1;
+        }
+    }
+    for (unsigned k = 0; k < ops->nparams; k++)
+        if (!set[k])
+            c->p[k] = ops->params[k].def;
+    if (ops->configure) {
+        int rc = ops->configure(c);
+        if (rc)
+            return rc;
+    }
+    return EPIPE_OK;
+}
+
+/* ---- handles ----------------------------------------------------------- */
+
+EPIPE_API int epipe_codec_create(epipe_codec **out, const char *spec)
+{
+    epipe_clear_error();
+    if (!out)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_create: out is NULL");
+    *out = NULL;
+    if (!spec)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_create: spec is NULL");
+    epipe_codec *c = calloc(1, sizeof *c);
+    if (!c)
+        return epipe_fail(EPIPE_ENOMEM, "epipe_codec_create: out of memory");
+    int rc = parse_spec(c, spec);
+    if (rc) {
+        epipe_codec_destroy(c);
+        return rc;
+    }
+    build_canonical_spec(c);
+    *out = c;
+    return EPIPE_OK;
+}
+
+EPIPE_API void epipe_codec_destroy(epipe_codec *c)
+{
+    if (!c)
+        return;
+    if (c->ops && c->ops->release)
+        c->ops->release(c);
+    free(c->scratch);
+    free(c);
+}
+
+EPIPE_API const char *epipe_codec_spec(const epipe_codec *c)
+{
+    return c ? c->spec : "";
+}
+
+EPIPE_API const char *epipe_codec_name(const epipe_codec *c)
+{
+    return c ? c->ops->name : "";
+}
+
+EPIPE_API unsigned epipe_codec_id(const epipe_codec *c)
+{
+    return c ? (unsigned)c->ops->id : 0;
+}
+
+EPIPE_API const char *epipe_codec_last_error(const epipe_codec *c)
+{
+    return c ? c->msg : "";
+}
+
+EPIPE_API int epipe_codec_set_param(epipe_codec *c, epipe_codec_param param, int64_t value)
+{
+    epipe_clear_error();
+    if (!c)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_set_param: codec is NULL");
+    switch (param) {
+    case EPIPE_CODEC_THREADS:
+        if (value < 0 || value > 256)
+            return epipe_codec_fail(c, EPIPE_EINVAL,
+                                    "EPIPE_CODEC_THREADS = %lld is out of range 0..256",
+                                    (long long)value);
+        c->threads = (unsigned)value;
+        return EPIPE_OK;
+    }
+    return epipe_codec_fail(c, EPIPE_EINVAL, "unknown codec parameter %d", (int)param);
+}
+
+/* ---- encode and decode ------------------------------------------------- */
+
+static int payload_size(epipe_codec *c, uint64_t n, size_t *bytes)
+{
+    size_t body;
+    int rc = c->ops->body_size(c, n, &body);
+    if (rc)
+        return epipe_codec_fail(c, rc, "%s: payload for %llu values overflows size_t",
+                                c->ops->name, (unsigned long long)n);
+    if (body > SIZE_MAX - EPIPE_PAYLOAD_HEADER)
+        return epipe_codec_fail(c, EPIPE_EOVERFLOW, "%s: payload overflows size_t", c->ops->name);
+    *bytes = body + EPIPE_PAYLOAD_HEADER;
+    return EPIPE_OK;
+}
+
+static float *scratch(epipe_codec *c, size_t n)
+{
+    if (c->scratch_cap < n) {
+        float *p = realloc(c->scratch, n * sizeof *p);
+        if (!p)
+            return NULL;
+        c->scratch = p;
+        c->scratch_cap = n;
+    }
+    return c->scratch;
+}
+
+EPIPE_API int epipe_codec_max_encoded_size(epipe_codec *c, const DLTensor *src, size_t *bytes)
+{
+    epipe_clear_error();
+    if (!c || !bytes)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_max_encoded_size: codec or bytes is NULL");
+    uint64_t n;
+    enum epipe_dtype dt;
+    int rc = epipe_tensor_inspect(src, "src", c->msg, &n, &dt);
+    if (rc)
+        return rc;
+    return payload_size(c, n, bytes);
+}
+
+EPIPE_API int epipe_codec_encode(epipe_codec *c, const DLTensor *src, void *dst, size_t capacity,
+                                 size_t *written)
+{
+    epipe_clear_error();
+    if (!c || !written)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_encode: codec or written is NULL");
+    *written = 0;
+    uint64_t n;
+    enum epipe_dtype dt;
+    int rc = epipe_tensor_inspect(src, "src", c->msg, &n, &dt);
+    if (rc)
+        return rc;
+    size_t need = 0;
+    if ((rc = payload_size(c, n, &need)))
+        return rc;
+    if (!dst || capacity < need)
+        return epipe_codec_fail(c, EPIPE_ENOSPC,
+                                "%s: encoding %llu values needs %zu bytes; capacity is %zu",
+                                c->ops->name, (unsigned long long)n, need, dst ? capacity : 0);
+    const float *x;
+    if (dt == EPIPE_DTYPE_F32 && epipe_tensor_is_dense(src)) {
+        x = (const float *)((const char *)src->data + src->byte_offset);
+    } else {
+        float *s = scratch(c, n);
+        if (!s && n)
+            return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: no memory to stage %llu values",
+                                    c->ops->name, (unsigned long long)n);
+        epipe_tensor_read_f32(src, s, n);
+        x = s;
+    }
+    uint8_t *h = dst;
+    h[0] = (uint8_t)c->ops->id;
+    h[1] = EPIPE_PAYLOAD_VERSION;
+    h[2] = (uint8_t)dt;
+    h[3] = 0;
+    epipe_put_u32(h + 4, c->ops->param_word(c));
+    epipe_put_u64(h + 8, n);
+    if ((rc = c->ops->encode(c, x, n, h + EPIPE_PAYLOAD_HEADER)))
+        return rc;
+    *written = need;
+    return EPIPE_OK;
+}
+
+static const char *codec_name_of_id(unsigned id)
+{
+    for (size_t i = 0; i < NREGISTRY; i++)
+        if ((unsigned)registry[i]->id == id)
+            return registry[i]->name;
+    return "unknown";
+}
+
+EPIPE_API int epipe_codec_decode(epipe_codec *c, const void *src, size_t len, DLTensor *dst)
+{
+    epipe_clear_error();
+    if (!c)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_decode: codec is NULL");
+    uint64_t n;
+    enum epipe_dtype dt;
+    int rc = epipe_tensor_inspect(dst, "dst", c->msg, &n, &dt);
+    if (rc)
+        return rc;
+    if (!src && len)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "%s: src is NULL", c->ops->name);
+    const uint8_t *h = src;
+    if (len < EPIPE_PAYLOAD_HEADER)
+        return epipe_codec_fail(c, EPIPE_ETRUNC, "%s: payload is %zu bytes; its header alone is %d",
+                                c->ops->name, len, EPIPE_PAYLOAD_HEADER);
+    if (h[0] != (uint8_t)c->ops->id)
+        return epipe_codec_fail(c, EPIPE_EPROTO,
+                                "%s: payload was made by codec id %u (%s), not this codec (id %u)",
+                                c->ops->name, h[0], codec_name_of_id(h[0]), (unsigned)c->ops->id);
+    if (h[1] != EPIPE_PAYLOAD_VERSION)
+        return epipe_codec_fail(c, EPIPE_EVERSION, "%s: payload format version %u; this library reads %d",
+                                c->ops->name, h[1], EPIPE_PAYLOAD_VERSION);
+    if (h[2] > EPIPE_DTYPE_BF16 || h[3] != 0)
+        return epipe_codec_fail(c, EPIPE_EPROTO, "%s: payload header has bad dtype %u or reserved byte %u",
+                                c->ops->name, h[2], h[3]);
+    uint32_t word = epipe_get_u32(h + 4), mine = c->ops->param_word(c);
+    if (word != mine)
+        return epipe_codec_fail(c, EPIPE_EPROTO,
+                                "%s: payload parameter word 0x%08x differs from this codec's 0x%08x (%s)",
+                                c->ops->name, word, mine, c->spec);
+    uint64_t count = epipe_get_u64(h + 8);
+    if (count != n)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "%s: payload holds %llu values but dst has %llu",
+                                c->ops->name, (unsigned long long)count, (unsigned long long)n);
+    size_t need = 0;
+    if ((rc = payload_size(c, n, &need)))
+        return rc;
+    if (len < need)
+        return epipe_codec_fail(c, EPIPE_ETRUNC, "%s: payload is %zu bytes; %llu values need %zu",
+                                c->ops->name, len, (unsigned long long)n, need);
+    if (len > need)
+        return epipe_codec_fail(c, EPIPE_EPROTO, "%s: payload has %zu bytes after its end",
+                                c->ops->name, len - need);
+    const uint8_t *body = h + EPIPE_PAYLOAD_HEADER;
+    if (dt == EPIPE_DTYPE_F32 && epipe_tensor_is_dense(dst))
+        return c->ops->decode(c, body, n, (float *)((char *)dst->data + dst->byte_offset));
+    float *s = scratch(c, n);
+    if (!s && n)
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: no memory to stage %llu values",
+                                c->ops->name, (unsigned long long)n);
+    if ((rc = c->ops->decode(c, body, n, s)))
+        return rc;
+    epipe_tensor_write_f32(dst, s, n);
+    return EPIPE_OK;
+}

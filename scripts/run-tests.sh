@@ -1,0 +1,52 @@
+#!/bin/sh
+# Sets up, builds and runs the whole test suite: a -Werror build, the same
+# suite under ASan+UBSan, the unit tests under valgrind, and the libFuzzer
+# targets for a few seconds each when clang is present. Safe to run twice.
+set -eu
+cd "$(dirname "$0")/.."
+sh scripts/setup-debian.sh
+
+configure() { # dir, options...
+    dir=$1; shift
+    if [ -f "$dir/build.ninja" ]; then
+        meson setup --reconfigure "$dir" "$@" >/dev/null
+    else
+        meson setup "$dir" "$@" >/dev/null
+    fi
+}
+
+echo "== build and test (-Werror)"
+configure build-test -Dwerror=true
+ninja -C build-test
+meson test -C build-test --print-errorlogs --num-processes 2
+
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer"
+configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Doptimization=1
+ninja -C build-asan
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    meson test -C build-asan --print-errorlogs --num-processes 2 --suite unit --suite fuzz
+
+echo "== valgrind (memcheck)"
+meson test -C build-test --print-errorlogs --num-processes 2 --suite unit --suite fuzz \
+    --wrapper 'valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite -q' \
+    --timeout-multiplier 10
+
+if command -v clang >/dev/null 2>&1 && [ -n "$(find /usr/lib/llvm-*/lib/clang -name 'libclang_rt.fuzzer*.a' 2>/dev/null | head -n 1)" ]; then
+    echo "== libFuzzer (10 s a target)"
+    CC=clang configure build-fuzz -Dfuzz=enabled -Db_sanitize=address,undefined -Db_lundef=false -Dtests=true
+    ninja -C build-fuzz
+    for f in build-fuzz/tests/fuzz/fuzz_*; do
+        case "$f" in *_replay|*.p) continue ;; esac
+        [ -x "$f" ] || continue
+        name=$(basename "$f")
+        work=$(mktemp -d)
+        cp tests/fuzz/corpus/"${name#fuzz_}"/* "$work"/ 2>/dev/null || true
+        "$f" -max_total_time=10 -rss_limit_mb=2048 "$work" >/dev/null 2>build-fuzz/"$name".log ||
+            { tail -n 40 build-fuzz/"$name".log; exit 1; }
+        echo "$name: $(grep -c . build-fuzz/"$name".log) log lines, no crash"
+        rm -rf "$work"
+    done
+else
+    echo "== libFuzzer: skipped (clang with libclang-rt-*-dev not installed)"
+fi
+echo "all test stages passed"

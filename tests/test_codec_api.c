@@ -1,0 +1,314 @@
+/* The codec API contract, codec by codec where it is generic: spec parsing
+ * and its errors, the canonical spec, the payload header checks, dtypes,
+ * strides, degenerate tensors and buffer planning. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include <epipe/epipe.h>
+
+#include "tensor.h"
+#include "testutil.h"
+
+/* Every registered codec in a typical configuration; each must round-trip
+ * within its own bound (checked per codec in its own test file). */
+static const char *const all_specs[] = {
+    "none",
+    "cast:dtype=fp16",
+    "cast:dtype=bf16",
+};
+#define NSPECS (sizeof all_specs / sizeof all_specs[0])
+
+static void version_matches_header(void **state)
+{
+    (void)state;
+    assert_int_equal(epipe_version(), EPIPE_VERSION_NUMBER);
+    assert_string_equal(epipe_version_string(), "0.1.0");
+}
+
+static void status_strings(void **state)
+{
+    (void)state;
+    assert_string_equal(epipe_strerror(EPIPE_OK), "success");
+    assert_string_equal(epipe_status_name(EPIPE_EINVAL), "EPIPE_EINVAL");
+    assert_string_equal(epipe_strerror(12345), "unknown status");
+    for (int s = 0; s >= EPIPE_EINTERNAL; s--)
+        assert_string_not_equal(epipe_strerror(s), "unknown status");
+}
+
+/* The message must mention `needle`, so a user can see what was wrong. */
+static void expect_spec_error(const char *spec, const char *needle)
+{
+    epipe_codec *c = (epipe_codec *)1;
+    int rc = epipe_codec_create(&c, spec);
+    if (rc != EPIPE_EINVAL || c != NULL || !strstr(epipe_last_error(), needle))
+        fail_msg("spec '%s': rc %d, message '%s', expected EINVAL mentioning '%s'", spec, rc,
+                 epipe_last_error(), needle);
+}
+
+static void bad_specs_are_named(void **state)
+{
+    (void)state;
+    expect_spec_error("", "empty");
+    expect_spec_error("zstd", "unknown codec 'zstd'");
+    expect_spec_error("none:", "nothing after");
+    expect_spec_error("cast:dtype=fp8", "'fp8' is not one of fp16|bf16");
+    expect_spec_error("cast:width=3", "unknown key 'width'");
+    expect_spec_error("cast:dtype", "has no '=value'");
+    expect_spec_error("cast:dtype=", "empty value");
+    expect_spec_error("cast:dtype=fp16,", "empty parameter");
+    expect_spec_error("cast:dtype=fp16,dtype=bf16", "given twice");
+    expect_spec_error("none:dtype=fp16", "unknown key 'dtype'");
+    char longspec[400];
+    memset(longspec, 'a', sizeof longspec - 1);
+    longspec[sizeof longspec - 1] = '\0';
+    expect_spec_error(longspec, "limit");
+    assert_int_equal(epipe_codec_create(NULL, "none"), EPIPE_EINVAL);
+    epipe_codec *c;
+    assert_int_equal(epipe_codec_create(&c, NULL), EPIPE_EINVAL);
+}
+
+static void canonical_spec_round_trips(void **state)
+{
+    (void)state;
+    epipe_codec *c, *d;
+    assert_int_equal(epipe_codec_create(&c, "cast"), EPIPE_OK);
+    assert_string_equal(epipe_codec_spec(c), "cast:dtype=fp16");
+    assert_string_equal(epipe_codec_name(c), "cast");
+    epipe_codec_destroy(c);
+    for (size_t i = 0; i < NSPECS; i++) {
+        assert_int_equal(epipe_codec_create(&c, all_specs[i]), EPIPE_OK);
+        assert_int_equal(epipe_codec_create(&d, epipe_codec_spec(c)), EPIPE_OK);
+        assert_string_equal(epipe_codec_spec(c), epipe_codec_spec(d));
+        assert_int_equal(epipe_codec_id(c), epipe_codec_id(d));
+        epipe_codec_destroy(c);
+        epipe_codec_destroy(d);
+    }
+    epipe_codec_destroy(NULL);
+}
+
+static void none_is_exact_and_cast_rounds(void **state)
+{
+    (void)state;
+    float x[5] = {1.0f, -2.5f, 3.14159265f, 65504.0f, 1e-8f}, y[5];
+    int64_t sx, sy;
+    DLTensor tx = test_view_f32(x, &sx, 5), ty = test_view_f32(y, &sy, 5);
+    uint8_t buf[64];
+    size_t cap, n;
+    epipe_codec *c;
+    assert_int_equal(epipe_codec_create(&c, "none"), EPIPE_OK);
+    assert_int_equal(epipe_codec_max_encoded_size(c, &tx, &cap), EPIPE_OK);
+    assert_int_equal(cap, 16 + 20);
+    assert_int_equal(epipe_codec_encode(c, &tx, buf, sizeof buf, &n), EPIPE_OK);
+    assert_int_equal(n, cap);
+    assert_int_equal(epipe_codec_decode(c, buf, n, &ty), EPIPE_OK);
+    assert_memory_equal(x, y, sizeof x);
+    epipe_codec_destroy(c);
+
+    assert_int_equal(epipe_codec_create(&c, "cast:dtype=bf16"), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(c, &tx, buf, sizeof buf, &n), EPIPE_OK);
+    assert_int_equal(n, 16 + 10);
+    assert_int_equal(epipe_codec_decode(c, buf, n, &ty), EPIPE_OK);
+    for (int i = 0; i < 5; i++)
+        assert_true(fabsf(y[i] - x[i]) <= fabsf(x[i]) * (1.0f / 256));
+    epipe_codec_destroy(c);
+
+    assert_int_equal(epipe_codec_create(&c, "cast:dtype=fp16"), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(c, &tx, buf, sizeof buf, &n), EPIPE_OK);
+    assert_int_equal(epipe_codec_decode(c, buf, n, &ty), EPIPE_OK);
+    assert_true(y[3] == 65504.0f); /* the largest fp16 survives */
+    assert_true(fabsf(y[2] - x[2]) <= 2e-3f);
+    assert_true(y[4] >= 0.0f && y[4] < 1e-7f); /* flushes to a subnormal or zero */
+    epipe_codec_destroy(c);
+}
+
+static void f16_and_bf16_conversion_edges(void **state)
+{
+    (void)state;
+    assert_true(epipe_f16_to_f32(epipe_f32_to_f16(1.0f)) == 1.0f);
+    assert_true(isinf(epipe_f16_to_f32(epipe_f32_to_f16(70000.0f))));
+    assert_true(isnan(epipe_f16_to_f32(epipe_f32_to_f16(NAN))));
+    assert_true(epipe_f16_to_f32(epipe_f32_to_f16(5.9604645e-8f)) == 5.9604645e-8f);
+    /* round to nearest even at the halfway point 1 + 2^-11 */
+    assert_true(epipe_f16_to_f32(epipe_f32_to_f16(1.0f + 0.00048828125f)) == 1.0f);
+    assert_true(isnan(epipe_bf16_to_f32(epipe_f32_to_bf16(NAN))));
+    assert_true(epipe_bf16_to_f32(epipe_f32_to_bf16(-3.0f)) == -3.0f);
+    /* every fp16 value converts to fp32 and back unchanged */
+    for (uint32_t h = 0; h < 65536; h++) {
+        if ((h & 0x7c00u) == 0x7c00u && (h & 0x3ffu))
+            continue; /* NaN payloads may be quietened */
+        assert_int_equal(epipe_f32_to_f16(epipe_f16_to_f32((uint16_t)h)), h);
+    }
+}
+
+/* A strided fp16 source and a strided bf16 destination give the same
+ * values as the dense fp32 path. */
+static void strided_and_half_tensors(void **state)
+{
+    (void)state;
+    enum { R = 3, C = 4 };
+    uint16_t src16[R * C * 2];
+    float dense[R * C];
+    for (int i = 0; i < R * C; i++)
+        dense[i] = (float)(i - 5) * 0.25f;
+    /* src viewed as the transpose of a [C, R] buffer: shape [R, C], strides [1, R] */
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            src16[c * R + r] = epipe_f32_to_f16(dense[r * C + c]);
+    int64_t shape[2] = {R, C}, strides[2] = {1, R};
+    DLTensor src = {.data = src16, .device = {kDLCPU, 0}, .ndim = 2,
+                    .dtype = {kDLFloat, 16, 1}, .shape = shape, .strides = strides};
+    uint16_t out16[R * C * 2];
+    int64_t ostrides[2] = {2 * C, 2}; /* every other element of a [R, 2C] buffer */
+    memset(out16, 0, sizeof out16);
+    DLTensor dst = {.data = out16, .device = {kDLCPU, 0}, .ndim = 2,
+                    .dtype = {kDLBfloat, 16, 1}, .shape = shape, .strides = ostrides};
+    epipe_codec *c;
+    uint8_t buf[256];
+    size_t n;
+    assert_int_equal(epipe_codec_create(&c, "none"), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(c, &src, buf, sizeof buf, &n), EPIPE_OK);
+    assert_int_equal(buf[2], 1); /* source dtype fp16 recorded */
+    assert_int_equal(epipe_codec_decode(c, buf, n, &dst), EPIPE_OK);
+    for (int r = 0; r < R; r++)
+        for (int col = 0; col < C; col++) {
+            assert_true(epipe_bf16_to_f32(out16[r * 2 * C + 2 * col]) == dense[r * C + col]);
+            assert_int_equal(out16[r * 2 * C + 2 * col + 1], 0); /* gaps untouched */
+        }
+    epipe_codec_destroy(c);
+}
+
+static void degenerate_tensors(void **state)
+{
+    (void)state;
+    for (size_t s = 0; s < NSPECS; s++) {
+        epipe_codec *c;
+        assert_int_equal(epipe_codec_create(&c, all_specs[s]), EPIPE_OK);
+        uint8_t buf[256];
+        size_t n;
+        /* empty tensor */
+        int64_t zero = 0;
+        DLTensor e = {.data = NULL, .device = {kDLCPU, 0}, .ndim = 1,
+                      .dtype = {kDLFloat, 32, 1}, .shape = &zero};
+        assert_int_equal(epipe_codec_encode(c, &e, buf, sizeof buf, &n), EPIPE_OK);
+        assert_int_equal(epipe_codec_decode(c, buf, n, &e), EPIPE_OK);
+        /* a scalar (ndim 0) and all-equal values */
+        float one = 0.75f, back = 0;
+        DLTensor sc = {.data = &one, .device = {kDLCPU, 0}, .ndim = 0, .dtype = {kDLFloat, 32, 1}};
+        DLTensor scb = sc;
+        scb.data = &back;
+        assert_int_equal(epipe_codec_encode(c, &sc, buf, sizeof buf, &n), EPIPE_OK);
+        assert_int_equal(epipe_codec_decode(c, buf, n, &scb), EPIPE_OK);
+        assert_true(back == 0.75f);
+        float same[40], out[40];
+        int64_t s1, s2;
+        for (int i = 0; i < 40; i++)
+            same[i] = -2.0f;
+        DLTensor ts = test_view_f32(same, &s1, 40), to = test_view_f32(out, &s2, 40);
+        assert_int_equal(epipe_codec_encode(c, &ts, buf, sizeof buf, &n), EPIPE_OK);
+        assert_int_equal(epipe_codec_decode(c, buf, n, &to), EPIPE_OK);
+        for (int i = 0; i < 40; i++)
+            assert_true(out[i] == -2.0f);
+        epipe_codec_destroy(c);
+    }
+}
+
+static void bad_tensors_and_buffers(void **state)
+{
+    (void)state;
+    epipe_codec *c;
+    float x[8] = {0};
+    int64_t s;
+    DLTensor t = test_view_f32(x, &s, 8);
+    uint8_t buf[128];
+    size_t n;
+    assert_int_equal(epipe_codec_create(&c, "none"), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(c, &t, buf, 16 + 31, &n), EPIPE_ENOSPC);
+    assert_non_null(strstr(epipe_codec_last_error(c), "needs 48 bytes"));
+    assert_int_equal(n, 0);
+    DLTensor bad = t;
+    bad.dtype.code = kDLInt;
+    assert_int_equal(epipe_codec_encode(c, &bad, buf, sizeof buf, &n), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "src has dtype"));
+    bad = t;
+    bad.device.device_type = kDLCUDA;
+    assert_int_equal(epipe_codec_encode(c, &bad, buf, sizeof buf, &n), EPIPE_ENOTSUP);
+    assert_non_null(strstr(epipe_last_error(), "CUDA"));
+    bad = t;
+    int64_t neg = -1;
+    bad.shape = &neg;
+    assert_int_equal(epipe_codec_encode(c, &bad, buf, sizeof buf, &n), EPIPE_EINVAL);
+    bad = t;
+    int64_t huge[4] = {INT64_MAX, INT64_MAX, 2, 2};
+    bad.shape = huge;
+    bad.ndim = 4;
+    assert_int_equal(epipe_codec_max_encoded_size(c, &bad, &n), EPIPE_EOVERFLOW);
+    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_THREADS, 300), EPIPE_EINVAL);
+    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_THREADS, 2), EPIPE_OK);
+    assert_int_equal(epipe_codec_set_param(c, (epipe_codec_param)99, 2), EPIPE_EINVAL);
+    epipe_codec_destroy(c);
+}
+
+/* A payload is checked against the decoder before any body byte is used. */
+static void payload_header_is_checked(void **state)
+{
+    (void)state;
+    float x[8] = {1, 2, 3, 4, 5, 6, 7, 8}, y[8];
+    int64_t sx, sy, s7;
+    DLTensor tx = test_view_f32(x, &sx, 8), ty = test_view_f32(y, &sy, 8);
+    DLTensor t7 = test_view_f32(y, &s7, 7);
+    uint8_t buf[128], tmp[129];
+    size_t n;
+    epipe_codec *none, *f16, *b16;
+    assert_int_equal(epipe_codec_create(&none, "none"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&f16, "cast:dtype=fp16"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&b16, "cast:dtype=bf16"), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(f16, &tx, buf, sizeof buf, &n), EPIPE_OK);
+    assert_int_equal(epipe_codec_decode(none, buf, n, &ty), EPIPE_EPROTO);
+    assert_non_null(strstr(epipe_codec_last_error(none), "(cast)"));
+    assert_int_equal(epipe_codec_decode(b16, buf, n, &ty), EPIPE_EPROTO);
+    assert_non_null(strstr(epipe_codec_last_error(b16), "parameter word"));
+    assert_int_equal(epipe_codec_decode(f16, buf, n, &t7), EPIPE_EINVAL);
+    assert_int_equal(epipe_codec_decode(f16, buf, n - 1, &ty), EPIPE_ETRUNC);
+    assert_int_equal(epipe_codec_decode(f16, buf, 15, &ty), EPIPE_ETRUNC);
+    memcpy(tmp, buf, n);
+    tmp[n] = 0;
+    assert_int_equal(epipe_codec_decode(f16, tmp, n + 1, &ty), EPIPE_EPROTO);
+    memcpy(tmp, buf, n);
+    tmp[1] = 9;
+    assert_int_equal(epipe_codec_decode(f16, tmp, n, &ty), EPIPE_EVERSION);
+    memcpy(tmp, buf, n);
+    tmp[3] = 1;
+    assert_int_equal(epipe_codec_decode(f16, tmp, n, &ty), EPIPE_EPROTO);
+    memcpy(tmp, buf, n);
+    tmp[8] = 0xff; /* count field */
+    assert_int_equal(epipe_codec_decode(f16, tmp, n, &ty), EPIPE_EINVAL);
+    assert_int_equal(epipe_codec_decode(f16, buf, n, &ty), EPIPE_OK);
+    assert_memory_equal(x, y, sizeof x); /* small integers are exact in fp16 */
+    epipe_codec_destroy(none);
+    epipe_codec_destroy(f16);
+    epipe_codec_destroy(b16);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(version_matches_header),
+        cmocka_unit_test(status_strings),
+        cmocka_unit_test(bad_specs_are_named),
+        cmocka_unit_test(canonical_spec_round_trips),
+        cmocka_unit_test(none_is_exact_and_cast_rounds),
+        cmocka_unit_test(f16_and_bf16_conversion_edges),
+        cmocka_unit_test(strided_and_half_tensors),
+        cmocka_unit_test(degenerate_tensors),
+        cmocka_unit_test(bad_tensors_and_buffers),
+        cmocka_unit_test(payload_header_is_checked),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

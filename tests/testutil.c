@@ -1,0 +1,71 @@
+/* Shared test helpers: deterministic random data and DLTensor views. */
+#include "testutil.h"
+
+#include <math.h>
+
+void test_rng_seed(test_rng *r, uint64_t seed)
+{
+    r->s = seed * 0x9e3779b97f4a7c15ull + 0x2545f4914f6cdd1dull;
+    if (!r->s)
+        r->s = 1;
+}
+
+uint64_t test_rng_next(test_rng *r)
+{
+    r->s ^= r->s >> 12;
+    r->s ^= r->s << 25;
+    r->s ^= r->s >> 27;
+    return r->s * 0x2545f4914f6cdd1dull;
+}
+
+double test_rng_uniform(test_rng *r)
+{
+    return (double)(test_rng_next(r) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+double test_rng_normal(test_rng *r)
+{
+    double u = test_rng_uniform(r), v = test_rng_uniform(r);
+    return sqrt(-2.0 * log(1.0 - u)) * cos(6.283185307179586 * v);
+}
+
+void test_fill(float *x, size_t n, enum test_dist d, uint64_t seed)
+{
+    test_rng r;
+    test_rng_seed(&r, seed);
+    for (size_t i = 0; i < n; i++) {
+        double g = test_rng_normal(&r);
+        switch (d) {
+        case DIST_NORMAL: x[i] = (float)g; break;
+        case DIST_RELU: x[i] = g > 0 ? (float)g : 0.0f; break;
+        case DIST_LOGNORMAL:
+            x[i] = (float)(exp(g) * ((test_rng_next(&r) & 1) ? 1 : -1));
+            break;
+        case DIST_UNIFORM: x[i] = (float)(2.0 * test_rng_uniform(&r) - 1.0); break;
+        }
+    }
+}
+
+DLTensor test_view_f32(float *x, int64_t *shape_store, size_t n)
+{
+    *shape_store = (int64_t)n;
+    DLTensor t = {0};
+    t.data = x;
+    t.device.device_type = kDLCPU;
+    t.ndim = 1;
+    t.dtype.code = kDLFloat;
+    t.dtype.bits = 32;
+    t.dtype.lanes = 1;
+    t.shape = shape_store;
+    return t;
+}
+
+double test_mse(const float *a, const float *b, size_t n)
+{
+    double s = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - (double)b[i];
+        s += d * d;
+    }
+    return n ? s / (double)n : 0.0;
+}
