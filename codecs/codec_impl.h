@@ -56,8 +56,14 @@ typedef struct epipe_codec_ops {
     int (*body_size)(const epipe_codec *c, uint64_t n, size_t *bytes);
     /* Writes exactly body_size(n) bytes for the dense fp32 values x. */
     int (*encode)(epipe_codec *c, const float *x, size_t n, uint8_t *body);
-    /* Reads a body whose length was already checked to be body_size(n). */
+    /* Reads a body whose length was already checked to be body_size(n).
+     * Must validate every metadata byte it uses (EPIPE_EPROTO otherwise). */
     int (*decode)(epipe_codec *c, const uint8_t *body, size_t n, float *y);
+    /* Optional plain scalar references with the same contract. When present,
+     * tests check that the fast paths above produce identical bytes (or stay
+     * within a stated tolerance), and epipe-bench times both. */
+    int (*encode_ref)(epipe_codec *c, const float *x, size_t n, uint8_t *body);
+    int (*decode_ref)(epipe_codec *c, const uint8_t *body, size_t n, float *y);
     /* Optional: frees codec->state. */
     void (*release)(epipe_codec *c);
 } epipe_codec_ops;
@@ -66,6 +72,7 @@ struct epipe_codec {
     const epipe_codec_ops *ops;
     double p[EPIPE_CODEC_MAX_PARAMS]; /* parameter values, in ops->params order */
     unsigned threads;                 /* EPIPE_CODEC_THREADS */
+    int use_reference;                /* run encode_ref/decode_ref (tests, bench) */
     void *state;                      /* the codec's own */
     float *scratch;                   /* fp32 staging for converted tensors */
     size_t scratch_cap;
@@ -76,6 +83,10 @@ struct epipe_codec {
 /* Records an error on the codec (and the thread) and returns status. */
 int epipe_codec_fail(epipe_codec *c, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* Internal, for tests and epipe-bench: route encode and decode through the
+ * codec's scalar reference (where it has one). Returns 0 if it has none. */
+int epipe_codec_use_reference(epipe_codec *c, int on);
 
 /* Worker threads to use for n values: 1 below a size where threads pay. */
 unsigned epipe_codec_workers(const epipe_codec *c, size_t n);

@@ -28,6 +28,12 @@ int epipe_codec_fail(epipe_codec *c, int status, const char *fmt, ...)
     return status;
 }
 
+int epipe_codec_use_reference(epipe_codec *c, int on)
+{
+    c->use_reference = on && c->ops->encode_ref && c->ops->decode_ref;
+    return c->use_reference || !on;
+}
+
 unsigned epipe_codec_workers(const epipe_codec *c, size_t n)
 {
     /* Below ~256K values a thread start (~20 us) is no longer negligible. */
@@ -354,7 +360,8 @@ EPIPE_API int epipe_codec_encode(epipe_codec *c, const DLTensor *src, void *dst,
     h[3] = 0;
     epipe_put_u32(h + 4, c->ops->param_word(c));
     epipe_put_u64(h + 8, n);
-    if ((rc = c->ops->encode(c, x, n, h + EPIPE_PAYLOAD_HEADER)))
+    if ((rc = (c->use_reference ? c->ops->encode_ref : c->ops->encode)(c, x, n,
+                                                                      h + EPIPE_PAYLOAD_HEADER)))
         return rc;
     *written = need;
     return EPIPE_OK;
@@ -413,13 +420,15 @@ EPIPE_API int epipe_codec_decode(epipe_codec *c, const void *src, size_t len, DL
         return epipe_codec_fail(c, EPIPE_EPROTO, "%s: payload has %zu bytes after its end",
                                 c->ops->name, len - need);
     const uint8_t *body = h + EPIPE_PAYLOAD_HEADER;
+    int (*decode)(epipe_codec *, const uint8_t *, size_t, float *) =
+        c->use_reference ? c->ops->decode_ref : c->ops->decode;
     if (dt == EPIPE_DTYPE_F32 && epipe_tensor_is_dense(dst))
-        return c->ops->decode(c, body, n, (float *)((char *)dst->data + dst->byte_offset));
+        return decode(c, body, n, (float *)((char *)dst->data + dst->byte_offset));
     float *s = scratch(c, n);
     if (!s && n)
         return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: no memory to stage %llu values",
                                 c->ops->name, (unsigned long long)n);
-    if ((rc = c->ops->decode(c, body, n, s)))
+    if ((rc = decode(c, body, n, s)))
         return rc;
     epipe_tensor_write_f32(dst, s, n);
     return EPIPE_OK;
