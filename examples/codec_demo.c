@@ -1,0 +1,157 @@
+/* epipe-codec-demo: every codec on a real tensor (Fashion-MNIST images),
+ * with the compression ratio, the error, and the speed of each. */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <zlib.h>
+
+#include <epipe/epipe.h>
+
+static const char *const default_specs[] = {
+    "none",
+    "cast:dtype=bf16",
+    "quant:bits=8",
+    "quant:bits=4",
+    "sortquant:bits=8",
+    "sortquant:bits=4",
+    "sortquant:bits=8,mode=exact",
+    "kmeans:bits=4",
+    "topk:ratio=0.1",
+};
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Reads an IDX3 image file (gzip or plain) into floats normalised to zero
+ * mean and unit variance, as a trainer would feed them. */
+static float *load_idx_images(const char *path, int64_t shape[4])
+{
+    gzFile f = gzopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "cannot open %s (install dataset-fashion-mnist, or pass a path)\n", path);
+        return NULL;
+    }
+    unsigned char h[16];
+    if (gzread(f, h, 16) != 16 || h[0] || h[1] || h[2] != 8 || h[3] != 3) {
+        fprintf(stderr, "%s: not an IDX3 unsigned-byte file\n", path);
+        gzclose(f);
+        return NULL;
+    }
+    uint32_t dim[3];
+    for (int i = 0; i < 3; i++)
+        dim[i] = (uint32_t)h[4 + 4 * i] << 24 | (uint32_t)h[5 + 4 * i] << 16 |
+                 (uint32_t)h[6 + 4 * i] << 8 | h[7 + 4 * i];
+    if (!dim[0] || dim[1] != 28 || dim[2] != 28 || dim[0] > 1000000) {
+        fprintf(stderr, "%s: unexpected shape %ux%ux%u\n", path, dim[0], dim[1], dim[2]);
+        gzclose(f);
+        return NULL;
+    }
+    size_t n = (size_t)dim[0] * 784;
+    unsigned char *raw = malloc(n);
+    float *x = malloc(n * sizeof *x);
+    if (!raw || !x || gzread(f, raw, (unsigned)n) != (int)n) {
+        fprintf(stderr, "%s: truncated or out of memory\n", path);
+        free(raw), free(x), gzclose(f);
+        return NULL;
+    }
+    gzclose(f);
+    double sum = 0, sq = 0;
+    for (size_t i = 0; i < n; i++)
+        sum += raw[i], sq += (double)raw[i] * raw[i];
+    double mean = sum / (double)n, sd = sqrt(sq / (double)n - mean * mean);
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)(((double)raw[i] - mean) / sd);
+    free(raw);
+    shape[0] = dim[0], shape[1] = 1, shape[2] = 28, shape[3] = 28;
+    return x;
+}
+
+int main(int argc, char **argv)
+{
+    const char *path = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz";
+    const char *specs[64];
+    int nspecs = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            printf("usage: epipe-codec-demo [--images FILE.idx3[.gz]] [SPEC...]\n"
+                   "Encodes the Fashion-MNIST training images with each codec and prints\n"
+                   "the wire ratio, the error and the speed. Default specs: a tour of all.\n");
+            return 0;
+        } else if (!strcmp(argv[i], "--images") && i + 1 < argc) {
+            path = argv[++i];
+        } else if (nspecs < 64) {
+            specs[nspecs++] = argv[i];
+        }
+    }
+    if (!nspecs)
+        for (size_t i = 0; i < sizeof default_specs / sizeof default_specs[0]; i++)
+            specs[nspecs++] = default_specs[i];
+
+    int64_t shape[4];
+    float *x = load_idx_images(path, shape);
+    if (!x)
+        return 1;
+    size_t n = (size_t)(shape[0] * shape[1] * shape[2] * shape[3]);
+    float *y = calloc(n, sizeof *y);
+    DLTensor src = {.data = x, .device = {kDLCPU, 0}, .ndim = 4, .dtype = {kDLFloat, 32, 1},
+                    .shape = shape};
+    DLTensor dst = src;
+    dst.data = y;
+    printf("libepipe %s: %s as a [%lld,1,28,28] fp32 tensor (%.1f MB)\n\n",
+           epipe_version_string(), path, (long long)shape[0], (double)n * 4 / 1e6);
+    printf("%-44s %9s %11s %10s %10s %10s\n", "codec (canonical spec)", "ratio", "MSE",
+           "PSNR dB", "enc MB/s", "dec MB/s");
+    int failed = 0;
+    for (int s = 0; s < nspecs; s++) {
+        epipe_codec *c;
+        if (epipe_codec_create(&c, specs[s]) != EPIPE_OK) {
+            printf("%-44s %s\n", specs[s], epipe_last_error());
+            failed = 1;
+            continue;
+        }
+        size_t cap, len;
+        uint8_t *buf = NULL;
+        int rc = epipe_codec_max_encoded_size(c, &src, &cap);
+        if (!rc && !(buf = malloc(cap)))
+            rc = EPIPE_ENOMEM;
+        if (!rc) /* touch the pages first, so the timings are the codec's */
+            memset(buf, 0, cap), memset(y, 0, n * sizeof *y);
+        double t0 = now();
+        if (!rc)
+            rc = epipe_codec_encode(c, &src, buf, cap, &len);
+        double t1 = now();
+        if (!rc)
+            rc = epipe_codec_decode(c, buf, len, &dst);
+        double t2 = now();
+        if (rc) {
+            printf("%-44s %s: %s\n", epipe_codec_spec(c), epipe_strerror(rc),
+                   epipe_codec_last_error(c));
+            failed = 1;
+        } else {
+            double se = 0, peak = 0;
+            for (size_t i = 0; i < n; i++) {
+                double d = (double)x[i] - y[i];
+                se += d * d;
+                peak = fabs(x[i]) > peak ? fabs(x[i]) : peak;
+            }
+            double mse = se / (double)n;
+            printf("%-44s %9.4f %11.3g %10.1f %10.0f %10.0f\n", epipe_codec_spec(c),
+                   (double)len / ((double)n * 4), mse,
+                   mse > 0 ? 10 * log10(peak * peak / mse) : INFINITY,
+                   (double)n * 4 / 1e6 / (t1 - t0), (double)n * 4 / 1e6 / (t2 - t1));
+        }
+        free(buf);
+        epipe_codec_destroy(c);
+    }
+    printf("\nratio = bytes on the wire / raw fp32 bytes; MB/s counts raw fp32 bytes.\n");
+    free(x);
+    free(y);
+    return failed;
+}
