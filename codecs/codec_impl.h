@@ -71,6 +71,11 @@ typedef struct epipe_codec_ops {
 struct epipe_codec {
     const epipe_codec_ops *ops;
     double p[EPIPE_CODEC_MAX_PARAMS]; /* parameter values, in ops->params order */
+    /* The shape of the tensor of the current call, set by lib/codec.c before
+     * body_size, encode or decode: codecs that work on matrices (poweriter)
+     * or patches (insert) read it; the others need only the count. */
+    int ndim;
+    int64_t shape[16];
     unsigned threads;                 /* EPIPE_CODEC_THREADS */
     int use_reference;                /* run encode_ref/decode_ref (tests, bench) */
     void *state;                      /* the codec's own */

@@ -16,6 +16,10 @@
 static const epipe_codec_ops *const registry[] = {
     &epipe_codec_none,
     &epipe_codec_cast,
+    &epipe_codec_quant,
+    &epipe_codec_sortquant,
+    &epipe_codec_kmeans,
+    &epipe_codec_topk,
 };
 #define NREGISTRY (sizeof registry / sizeof registry[0])
 
@@ -285,6 +289,13 @@ EPIPE_API int epipe_codec_set_param(epipe_codec *c, epipe_codec_param param, int
 
 /* ---- encode and decode ------------------------------------------------- */
 
+static void note_shape(epipe_codec *c, const DLTensor *t)
+{
+    c->ndim = t->ndim;
+    for (int d = 0; d < t->ndim; d++)
+        c->shape[d] = t->shape[d];
+}
+
 static int payload_size(epipe_codec *c, uint64_t n, size_t *bytes)
 {
     size_t body;
@@ -320,6 +331,7 @@ EPIPE_API int epipe_codec_max_encoded_size(epipe_codec *c, const DLTensor *src, 
     int rc = epipe_tensor_inspect(src, "src", c->msg, &n, &dt);
     if (rc)
         return rc;
+    note_shape(c, src);
     return payload_size(c, n, bytes);
 }
 
@@ -335,6 +347,7 @@ EPIPE_API int epipe_codec_encode(epipe_codec *c, const DLTensor *src, void *dst,
     int rc = epipe_tensor_inspect(src, "src", c->msg, &n, &dt);
     if (rc)
         return rc;
+    note_shape(c, src);
     size_t need = 0;
     if ((rc = payload_size(c, n, &need)))
         return rc;
@@ -385,6 +398,7 @@ EPIPE_API int epipe_codec_decode(epipe_codec *c, const void *src, size_t len, DL
     int rc = epipe_tensor_inspect(dst, "dst", c->msg, &n, &dt);
     if (rc)
         return rc;
+    note_shape(c, dst);
     if (!src && len)
         return epipe_codec_fail(c, EPIPE_EINVAL, "%s: src is NULL", c->ops->name);
     const uint8_t *h = src;

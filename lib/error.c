@@ -30,6 +30,7 @@ static const struct {
     {EPIPE_EIO, "EPIPE_EIO", "I/O error"},
     {EPIPE_EAUTH, "EPIPE_EAUTH", "authentication failed"},
     {EPIPE_EINTERNAL, "EPIPE_EINTERNAL", "internal error"},
+    {EPIPE_ECALLBACK, "EPIPE_ECALLBACK", "a host callback failed"},
 };
 
 EPIPE_API const char *epipe_strerror(int status)

@@ -22,6 +22,14 @@ static const char *const all_specs[] = {
     "none",
     "cast:dtype=fp16",
     "cast:dtype=bf16",
+    "kmeans:bits=4",
+    "topk:ratio=1",
+    "quant:bits=8",
+    "quant:bits=1",
+    "sortquant:bits=8",
+    "sortquant:bits=8,mode=exact",
+    "sortquant:bits=16",
+    "sortquant:bits=5,split=0",
 };
 #define NSPECS (sizeof all_specs / sizeof all_specs[0])
 
@@ -38,7 +46,7 @@ static void status_strings(void **state)
     assert_string_equal(epipe_strerror(EPIPE_OK), "success");
     assert_string_equal(epipe_status_name(EPIPE_EINVAL), "EPIPE_EINVAL");
     assert_string_equal(epipe_strerror(12345), "unknown status");
-    for (int s = 0; s >= EPIPE_EINTERNAL; s--)
+    for (int s = 0; s >= EPIPE_ECALLBACK; s--)
         assert_string_not_equal(epipe_strerror(s), "unknown status");
 }
 
@@ -190,7 +198,7 @@ static void degenerate_tensors(void **state)
     for (size_t s = 0; s < NSPECS; s++) {
         epipe_codec *c;
         assert_int_equal(epipe_codec_create(&c, all_specs[s]), EPIPE_OK);
-        uint8_t buf[256];
+        static uint8_t buf[1 << 16]; /* room for the largest per-chunk tables */
         size_t n;
         /* empty tensor */
         int64_t zero = 0;

@@ -52,7 +52,8 @@ typedef enum epipe_status {
     EPIPE_ETIMEDOUT = -13, /* an operation did not complete in time */
     EPIPE_EIO = -14,       /* an operating-system I/O call failed */
     EPIPE_EAUTH = -15,     /* authentication failed */
-    EPIPE_EINTERNAL = -16  /* a bug in libepipe: please report it */
+    EPIPE_EINTERNAL = -16, /* a bug in libepipe: please report it */
+    EPIPE_ECALLBACK = -17  /* a host callback returned an error */
 } epipe_status;
 
 /* A static English sentence for a status ("invalid argument"). Unknown

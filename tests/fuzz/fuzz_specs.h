@@ -7,6 +7,17 @@ static const char *const fuzz_specs[] = {
     "none",
     "cast:dtype=fp16",
     "cast:dtype=bf16",
+    "kmeans:bits=1",
+    "kmeans:bits=5",
+    "topk:ratio=0.1",
+    "topk:ratio=1",
+    "quant:bits=1",
+    "quant:bits=7",
+    "quant:bits=16",
+    "sortquant:bits=8",
+    "sortquant:bits=5,split=2,mode=exact",
+    "sortquant:bits=16",
+    "sortquant:bits=11,split=5",
 };
 #define FUZZ_NSPECS (sizeof fuzz_specs / sizeof fuzz_specs[0])
 

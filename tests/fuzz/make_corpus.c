@@ -10,6 +10,8 @@
 #include <epipe/epipe.h>
 
 #include "fuzz_specs.h"
+#include "wire/crc32c.h"
+#include "wire/wire.h"
 
 static void write_file(const char *dir, const char *name, const void *p, size_t n)
 {
@@ -22,6 +24,67 @@ static void write_file(const char *dir, const char *name, const void *p, size_t 
         exit(1);
     }
     fclose(f);
+}
+
+/* corpus/wire: framed messages of every kind with small payloads, a tensor
+ * message with a real codec payload, and one with a longer header. */
+static void write_wire_corpus(const char *root)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/wire", root);
+    mkdir(dir, 0755);
+    uint8_t msg[1024], payload[512];
+    size_t w;
+    /* Tensor kinds: a 2x3 fp32 tensor through each codec in fuzz_specs.h. */
+    for (size_t s = 0; s < FUZZ_NSPECS; s++) {
+        float x[6] = {1.5f, -2.0f, 0.25f, 3.0f, -0.5f, 8.0f};
+        int64_t shape[2] = {2, 3};
+        DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = 2,
+                      .dtype = {kDLFloat, 32, 1}, .shape = shape};
+        epipe_codec *c;
+        size_t plen;
+        if (epipe_codec_create(&c, fuzz_specs[s]) != EPIPE_OK ||
+            epipe_codec_encode(c, &t, payload, sizeof payload, &plen) != EPIPE_OK) {
+            fprintf(stderr, "%s: %s\n", fuzz_specs[s], epipe_last_error());
+            exit(1);
+        }
+        epipe_codec_destroy(c);
+        epipe_wire_header h = {.kind = s % 2 ? EPIPE_WIRE_GRADIENT : EPIPE_WIRE_ACTIVATION,
+                               .dtype = payload[2], .ndim = 2, .codec_id = payload[0],
+                               .codec_param = epipe_get_u32(payload + 4), .micro_batch = (uint32_t)s,
+                               .step = 1000 + s, .src_stage = 0, .dst_stage = 1, .shape = {2, 3}};
+        if (epipe_wire_frame(&h, payload, plen, msg, sizeof msg, &w) != EPIPE_OK)
+            exit(1);
+        char name[32];
+        snprintf(name, sizeof name, "tensor-%zu", s);
+        write_file(dir, name, msg, w);
+    }
+    /* Control kinds. */
+    static const struct {
+        unsigned kind;
+        const char *payload, *name;
+    } ctl[] = {
+        {EPIPE_WIRE_HELLO, "epipe hello v1", "hello"},
+        {EPIPE_WIRE_HEARTBEAT, "", "heartbeat"},
+        {EPIPE_WIRE_ERROR, "stage 2: out of memory", "error"},
+        {EPIPE_WIRE_BYE, "", "bye"},
+    };
+    for (size_t i = 0; i < sizeof ctl / sizeof ctl[0]; i++) {
+        epipe_wire_header h = {.kind = (uint8_t)ctl[i].kind, .step = 7, .src_stage = 2,
+                               .dst_stage = 1};
+        if (epipe_wire_frame(&h, ctl[i].payload, strlen(ctl[i].payload), msg, sizeof msg,
+                             &w) != EPIPE_OK)
+            exit(1);
+        write_file(dir, ctl[i].name, msg, w);
+    }
+    /* The heartbeat again with a 16-byte longer header (extension bytes). */
+    size_t hl = EPIPE_WIRE_HEADER_SIZE + 16;
+    memmove(msg + hl - 4, msg + EPIPE_WIRE_HEADER_SIZE - 4, 4);
+    memset(msg + EPIPE_WIRE_HEADER_SIZE - 8, 0x5A, 20);
+    msg[6] = (uint8_t)hl;
+    msg[7] = (uint8_t)(hl >> 8);
+    epipe_put_u32(msg + hl - 4, epipe_crc32c(0, msg, hl - 4));
+    write_file(dir, "heartbeat-longer-header", msg, hl);
 }
 
 int main(int argc, char **argv)
@@ -71,5 +134,6 @@ int main(int argc, char **argv)
         snprintf(name, sizeof name, "spec-%zu", s);
         write_file(dir, name, fuzz_specs[s], strlen(fuzz_specs[s]));
     }
+    write_wire_corpus(argv[1]);
     return 0;
 }

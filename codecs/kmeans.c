@@ -1,0 +1,519 @@
+/* `kmeans:bits=B[,iters=K]`: a 1-D Lloyd-Max (k-means) codebook of 2^B
+ * centroids fitted to the tensor; each value is sent as its centroid's code. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../lib/bitpack.h"
+#include "../lib/parallel.h"
+#include "../lib/tensor.h"
+#include "codec_impl.h"
+
+enum { KM_BITS, KM_ITERS };
+
+/* Initial codebooks come from all values when there are at most
+ * max(KM_SAMPLE, KM_SAMPLE_PER * 2^B) of them, else from a deterministic
+ * sample of exactly that many. */
+#define KM_SAMPLE ((size_t)1 << 16)
+#define KM_SAMPLE_PER 64
+/* Centroid sums are taken per fixed block of values, in value order, and
+ * blocks are merged in block order: the result never depends on threads. */
+#define KM_BLOCK ((size_t)1 << 16)
+/* Blocks handled by one parallel round (bounds the partial-sum memory). */
+#define KM_GROUP 16
+/* Codes packed or unpacked at a time through a stack buffer (multiple of 8). */
+#define KM_CHUNK 4096
+
+static const epipe_param_desc kmeans_params[] = {
+    {.key = "bits", .kind = EPIPE_PARAM_INT, .min = 1, .max = 12, .def = 8},
+    {.key = "iters", .kind = EPIPE_PARAM_INT, .min = 1, .max = 100, .def = 20},
+};
+
+static unsigned km_bits(const epipe_codec *c)
+{
+    return (unsigned)c->p[KM_BITS];
+}
+
+/* Only the width matters to a decoder; iters changes the fit, not the format. */
+static uint32_t kmeans_param_word(const epipe_codec *c)
+{
+    return km_bits(c);
+}
+
+static int kmeans_body_size(const epipe_codec *c, uint64_t n, size_t *bytes)
+{
+    unsigned b = km_bits(c);
+    if (n >= (uint64_t)1 << 59)
+        return EPIPE_EOVERFLOW;
+    uint64_t total = ((uint64_t)4 << b) + (n * b + 7) / 8;
+    if (total > SIZE_MAX)
+        return EPIPE_EOVERFLOW;
+    *bytes = (size_t)total;
+    return EPIPE_OK;
+}
+
+/* ---- the codebook fit -------------------------------------------------- */
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static uint64_t km_hash(uint64_t i)
+{
+    i ^= i >> 33;
+    i *= 0xff51afd7ed558ccdull;
+    i ^= i >> 33;
+    i *= 0xc4ceb9fe1a85ec53ull;
+    return i ^ (i >> 33);
+}
+
+/* The sample the initial codebooks are built from, sorted: all values for
+ * n <= M = max(KM_SAMPLE, KM_SAMPLE_PER * k), else one value at a hashed
+ * position inside each of M equal strides (deterministic, and blind to
+ * periodic layouts such as channels), with its ends replaced by the true
+ * minimum and maximum so that no candidate leaves the tails uncovered. */
+static float *km_sample(const float *x, size_t n, size_t k, float lo, float hi, size_t *m_out)
+{
+    size_t m = KM_SAMPLE_PER * k > KM_SAMPLE ? KM_SAMPLE_PER * k : KM_SAMPLE;
+    m = n < m ? n : m;
+    float *s = malloc(m * sizeof *s);
+    if (!s)
+        return NULL;
+    if (m == n) {
+        memcpy(s, x, n * sizeof *s);
+    } else {
+        size_t q = n / m, r = n % m; /* floor(i*n/m) = i*q + i*r/m, no overflow */
+        for (size_t i = 0; i < m; i++) {
+            size_t b = i * q + (size_t)((uint64_t)i * r / m);
+            size_t e = (i + 1) * q + (size_t)((uint64_t)(i + 1) * r / m);
+            s[i] = x[b + (size_t)(km_hash(i) % (e - b))];
+        }
+    }
+    qsort(s, m, sizeof *s, cmp_float);
+    s[0] = lo;
+    s[m - 1] = hi;
+    *m_out = m;
+    return s;
+}
+
+static void km_make_sorted(float *cent, size_t k)
+{
+    for (size_t j = 1; j < k; j++)
+        if (cent[j] < cent[j - 1])
+            cent[j] = cent[j - 1];
+}
+
+/* Candidate 1, equal-count quantiles: centroid j is the mean of the j-th of
+ * k equal chunks of the sorted sample (its middle value when the sample is
+ * smaller than k). Exact for data with at most k distinct values. */
+static void km_init_quantiles(const float *s, size_t m, float *cent, size_t k)
+{
+    for (size_t j = 0; j < k; j++) {
+        size_t lo = j * m / k, hi = (j + 1) * m / k;
+        if (lo == hi) {
+            cent[j] = s[(2 * j + 1) * m / (2 * k)];
+            continue;
+        }
+        double sum = 0;
+        for (size_t i = lo; i < hi; i++)
+            sum += s[i];
+        float v = (float)(sum / (double)(hi - lo));
+        cent[j] = v < s[lo] ? s[lo] : v > s[hi - 1] ? s[hi - 1] : v;
+    }
+    km_make_sorted(cent, k);
+}
+
+/* Candidate 2, the Panter-Dite point density: for many levels the optimal
+ * centroids are equal-count quantiles of f^(1/3), f the density. Between
+ * neighbouring sample values f is about 1/(m L), L their distance, so that
+ * gap holds f^(1/3) mass proportional to L^(2/3). Single gaps fit the
+ * tails better than wider segments (measured); their noise averages out
+ * over the gaps of a cell (64 once n is sampled). Needs w[m] scratch;
+ * returns 0 when the sample has no spread. */
+static int km_init_panter_dite(const float *s, size_t m, float *cent, size_t k, double *w)
+{
+    if (m < 2 || s[m - 1] == s[0])
+        return 0;
+    double total = 0;
+    for (size_t i = 0; i + 1 < m; i++) {
+        double gap = (double)s[i + 1] - (double)s[i];
+        w[i] = cbrt(gap * gap);
+        total += w[i];
+    }
+    double acc = 0;
+    size_t i = 0, j = 0;
+    while (j < k) {
+        double target = ((double)j + 0.5) / (double)k * total;
+        if (acc + w[i] < target && i + 2 < m) {
+            acc += w[i++];
+            continue;
+        }
+        double f = w[i] > 0 ? (target - acc) / w[i] : 0;
+        f = f < 0 ? 0 : f > 1 ? 1 : f;
+        cent[j++] = (float)((double)s[i] + f * ((double)s[i + 1] - (double)s[i]));
+    }
+    km_make_sorted(cent, k);
+    return 1;
+}
+
+/* Candidate 3, the uniform grid on [min, max] of all values: the levels of
+ * `quant:bits=B`, so Lloyd's monotone descent from it never does worse. */
+static void km_init_uniform(float lo, float hi, float *cent, size_t k)
+{
+    double step = ((double)hi - (double)lo) / (double)(k - 1);
+    for (size_t j = 0; j < k; j++)
+        cent[j] = j + 1 == k ? hi : (float)((double)lo + step * (double)j);
+    km_make_sorted(cent, k);
+}
+
+/* Decision boundaries: mid[j] is halfway between centroids j and j+1 (exact
+ * in double); mid[k-1] = +inf. A value's code is the number of mid[] below
+ * it: its nearest centroid, ties going to the lower one. */
+static void km_midpoints(const float *cent, size_t k, double *mid)
+{
+    for (size_t j = 0; j + 1 < k; j++)
+        mid[j] = ((double)cent[j] + (double)cent[j + 1]) * 0.5;
+    mid[k - 1] = INFINITY;
+}
+
+/* Branchless binary search over the k (a power of two) sorted mid[]. */
+static inline unsigned km_code(const double *mid, size_t k, float v)
+{
+    size_t base = 0;
+    double x = v;
+    for (size_t half = k >> 1; half; half >>= 1)
+        base += mid[base + half - 1] < x ? half : 0;
+    return (unsigned)base;
+}
+
+/* The reference: count the boundaries below v one by one. */
+static unsigned km_code_ref(const double *mid, size_t k, float v)
+{
+    unsigned code = 0;
+    for (size_t j = 0; j < k; j++)
+        code += mid[j] < (double)v;
+    return code;
+}
+
+/* One block's member sums and counts per centroid and its squared error,
+ * accumulated in value order. */
+static double km_block_sums(const float *x, size_t b, size_t e, const float *cent,
+                            const double *mid, size_t k, int ref, double *sum, uint32_t *cnt)
+{
+    double sq = 0;
+    memset(sum, 0, k * sizeof *sum);
+    memset(cnt, 0, k * sizeof *cnt);
+    for (size_t i = b; i < e; i++) {
+        unsigned j = ref ? km_code_ref(mid, k, x[i]) : km_code(mid, k, x[i]);
+        double d = (double)x[i] - (double)cent[j];
+        sum[j] += x[i];
+        cnt[j]++;
+        sq += d * d;
+    }
+    return sq;
+}
+
+/* New centroid = mean of its members; an empty cluster keeps its value. */
+static int km_update(float *cent, size_t k, const double *tsum, const uint64_t *tcnt)
+{
+    int changed = 0;
+    for (size_t j = 0; j < k; j++) {
+        float v = tcnt[j] ? (float)(tsum[j] / (double)tcnt[j]) : cent[j];
+        if (j && v < cent[j - 1])
+            v = cent[j - 1]; /* keeps the table sorted against rounding */
+        changed |= memcmp(&v, &cent[j], sizeof v) != 0;
+        cent[j] = v;
+    }
+    return changed;
+}
+
+typedef struct km_job {
+    const float *x;
+    size_t n, k;
+    unsigned bits;
+    const float *cent;
+    const double *mid;
+    size_t block0, nblocks; /* this round's blocks */
+    double *psum;           /* [KM_GROUP][k] */
+    uint32_t *pcnt;         /* [KM_GROUP][k] */
+    double *psq;            /* [KM_GROUP] */
+    uint8_t *codes_out;     /* final pass: the packed codes */
+    const uint8_t *codes_in;
+    float *y;
+} km_job;
+
+static void km_sums_task(void *ctx, unsigned t, unsigned nt)
+{
+    km_job *j = ctx;
+    size_t lo, hi;
+    epipe_split_range(j->nblocks, nt, t, 1, &lo, &hi);
+    for (size_t bl = lo; bl < hi; bl++) {
+        size_t b = (j->block0 + bl) * KM_BLOCK, e = b + KM_BLOCK < j->n ? b + KM_BLOCK : j->n;
+        j->psq[bl] = km_block_sums(j->x, b, e, j->cent, j->mid, j->k, 0, j->psum + bl * j->k,
+                                   j->pcnt + bl * j->k);
+    }
+}
+
+static void km_pack_range(const float *x, size_t b, size_t e, const double *mid, size_t k,
+                          unsigned bits, int ref, uint8_t *out)
+{
+    uint16_t codes[KM_CHUNK];
+    for (size_t s = b; s < e; s += KM_CHUNK) {
+        size_t m = e - s < KM_CHUNK ? e - s : KM_CHUNK;
+        for (size_t i = 0; i < m; i++)
+            codes[i] = (uint16_t)(ref ? km_code_ref(mid, k, x[s + i]) : km_code(mid, k, x[s + i]));
+        if (ref)
+            epipe_bitpack_ref(codes, m, bits, out + s / 8 * bits);
+        else
+            epipe_bitpack(codes, m, bits, out + s / 8 * bits);
+    }
+}
+
+static void km_pack_task(void *ctx, unsigned t, unsigned nt)
+{
+    km_job *j = ctx;
+    size_t b, e;
+    epipe_split_range(j->n, nt, t, KM_CHUNK, &b, &e);
+    km_pack_range(j->x, b, e, j->mid, j->k, j->bits, 0, j->codes_out);
+}
+
+/* Everything one fit needs, allocated once per encode. */
+typedef struct km_fit {
+    const float *x;
+    size_t n, k;
+    int ref;
+    unsigned workers;
+    size_t group;
+    double *mid, *tsum, *psum, *psq;
+    uint64_t *tcnt;
+    uint32_t *pcnt;
+} km_fit;
+
+/* One assignment pass over all values for the codebook cent: the members'
+ * sums and counts per centroid into f->tsum/tcnt, and the total squared
+ * error returned. Per-block partials are merged in block order, so the
+ * result is the same for every thread count and for the reference. */
+static double km_pass(km_fit *f, const float *cent)
+{
+    size_t n = f->n, k = f->k, nblocks = (n + KM_BLOCK - 1) / KM_BLOCK;
+    double sq = 0;
+    km_midpoints(cent, k, f->mid);
+    memset(f->tsum, 0, k * sizeof *f->tsum);
+    memset(f->tcnt, 0, k * sizeof *f->tcnt);
+    for (size_t g = 0; g < nblocks; g += f->group) {
+        size_t nb = nblocks - g < f->group ? nblocks - g : f->group;
+        if (f->ref) {
+            size_t b = g * KM_BLOCK, e = b + KM_BLOCK < n ? b + KM_BLOCK : n;
+            f->psq[0] = km_block_sums(f->x, b, e, cent, f->mid, k, 1, f->psum, f->pcnt);
+        } else {
+            km_job job = {.x = f->x, .n = n, .k = k, .cent = cent, .mid = f->mid, .block0 = g,
+                          .nblocks = nb, .psum = f->psum, .pcnt = f->pcnt, .psq = f->psq};
+            unsigned nt = f->workers < nb ? f->workers : (unsigned)nb;
+            if (nt > 1)
+                epipe_parallel_run(nt, km_sums_task, &job);
+            else
+                km_sums_task(&job, 0, 1);
+        }
+        for (size_t bl = 0; bl < nb; bl++) { /* block order, always */
+            for (size_t j = 0; j < k; j++) {
+                f->tsum[j] += f->psum[bl * k + j];
+                f->tcnt[j] += f->pcnt[bl * k + j];
+            }
+            sq += f->psq[bl];
+        }
+    }
+    return sq;
+}
+
+/* Fits the codebook into cent[0..k): the best of the candidate starts (by
+ * squared error on all values; the first wins a tie), then Lloyd
+ * iterations, stopping early at a fixed point. */
+static int km_fit_codebook(km_fit *f, unsigned iters, float *cent)
+{
+    size_t k = f->k, m = 0;
+    float lo = f->x[0], hi = f->x[0];
+    for (size_t i = 1; i < f->n; i++) {
+        lo = f->x[i] < lo ? f->x[i] : lo;
+        hi = f->x[i] > hi ? f->x[i] : hi;
+    }
+    float *s = km_sample(f->x, f->n, k, lo, hi, &m);
+    double *w = malloc((m ? m : 1) * sizeof *w);
+    float *cand = malloc(k * sizeof *cand);
+    double *bsum = malloc(k * sizeof *bsum);
+    uint64_t *bcnt = malloc(k * sizeof *bcnt);
+    if (!s || !w || !cand || !bsum || !bcnt) {
+        free(s);
+        free(w);
+        free(cand);
+        free(bsum);
+        free(bcnt);
+        return EPIPE_ENOMEM;
+    }
+    double best = INFINITY;
+    for (int which = 0; which < 3; which++) {
+        if (which == 0)
+            km_init_quantiles(s, m, cand, k);
+        else if (which == 1 && !km_init_panter_dite(s, m, cand, k, w))
+            continue;
+        else if (which == 2)
+            km_init_uniform(lo, hi, cand, k);
+        double sq = km_pass(f, cand);
+        if (sq < best) {
+            best = sq;
+            memcpy(cent, cand, k * sizeof *cent);
+            memcpy(bsum, f->tsum, k * sizeof *bsum);
+            memcpy(bcnt, f->tcnt, k * sizeof *bcnt);
+        }
+    }
+    memcpy(f->tsum, bsum, k * sizeof *bsum);
+    memcpy(f->tcnt, bcnt, k * sizeof *bcnt);
+    for (unsigned it = 0; it < iters; it++) {
+        if (!km_update(cent, k, f->tsum, f->tcnt))
+            break; /* a fixed point: further iterations change nothing */
+        if (it + 1 < iters)
+            km_pass(f, cent);
+    }
+    free(s);
+    free(w);
+    free(cand);
+    free(bsum);
+    free(bcnt);
+    return EPIPE_OK;
+}
+
+static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *body, int ref)
+{
+    unsigned bits = km_bits(c), iters = (unsigned)c->p[KM_ITERS];
+    size_t k = (size_t)1 << bits;
+    size_t bad = epipe_find_nonfinite(x, n);
+    if (bad < n)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "kmeans: value at index %zu is not finite (%g)",
+                                bad, (double)x[bad]);
+    km_fit f = {.x = x, .n = n, .k = k, .ref = ref, .workers = ref ? 1 : epipe_codec_workers(c, n),
+                .group = ref ? 1 : KM_GROUP};
+    float *cent = calloc(k, sizeof *cent);
+    f.mid = malloc(k * sizeof *f.mid);
+    f.tsum = malloc(k * sizeof *f.tsum);
+    f.tcnt = malloc(k * sizeof *f.tcnt);
+    f.psum = malloc(f.group * k * sizeof *f.psum);
+    f.pcnt = malloc(f.group * k * sizeof *f.pcnt);
+    f.psq = malloc(f.group * sizeof *f.psq);
+    int rc = EPIPE_ENOMEM;
+    if (!cent || !f.mid || !f.tsum || !f.tcnt || !f.psum || !f.pcnt || !f.psq)
+        goto out;
+    if (n && (rc = km_fit_codebook(&f, iters, cent)))
+        goto out;
+    rc = EPIPE_OK;
+    for (size_t j = 0; j < k; j++)
+        epipe_put_f32(body + 4 * j, cent[j]);
+    km_midpoints(cent, k, f.mid);
+    uint8_t *codes = body + 4 * k;
+    if (ref) {
+        km_pack_range(x, 0, n, f.mid, k, bits, 1, codes);
+    } else {
+        km_job job = {.x = x, .n = n, .k = k, .bits = bits, .mid = f.mid, .codes_out = codes};
+        if (f.workers > 1)
+            epipe_parallel_run(f.workers, km_pack_task, &job);
+        else
+            km_pack_task(&job, 0, 1);
+    }
+out:
+    free(cent);
+    free(f.mid);
+    free(f.tsum);
+    free(f.tcnt);
+    free(f.psum);
+    free(f.pcnt);
+    free(f.psq);
+    if (rc == EPIPE_ENOMEM)
+        return epipe_codec_fail(c, rc, "kmeans: out of memory for a %zu-entry codebook", k);
+    return rc;
+}
+
+static int kmeans_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    return km_encode_impl(c, x, n, body, 0);
+}
+
+static int kmeans_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    return km_encode_impl(c, x, n, body, 1);
+}
+
+/* ---- decode ------------------------------------------------------------ */
+
+static void km_unpack_range(const uint8_t *in, size_t b, size_t e, const float *cent,
+                            unsigned bits, int ref, float *y)
+{
+    uint16_t codes[KM_CHUNK];
+    for (size_t s = b; s < e; s += KM_CHUNK) {
+        size_t m = e - s < KM_CHUNK ? e - s : KM_CHUNK;
+        if (ref)
+            epipe_bitunpack_ref(in + s / 8 * bits, m, bits, codes);
+        else
+            epipe_bitunpack(in + s / 8 * bits, m, bits, codes);
+        for (size_t i = 0; i < m; i++)
+            y[s + i] = cent[codes[i]]; /* codes < 2^bits by construction */
+    }
+}
+
+static void km_unpack_task(void *ctx, unsigned t, unsigned nt)
+{
+    km_job *j = ctx;
+    size_t b, e;
+    epipe_split_range(j->n, nt, t, KM_CHUNK, &b, &e);
+    km_unpack_range(j->codes_in, b, e, j->cent, j->bits, 0, j->y);
+}
+
+static int km_decode_impl(epipe_codec *c, const uint8_t *body, size_t n, float *y, int ref)
+{
+    unsigned bits = km_bits(c);
+    size_t k = (size_t)1 << bits;
+    float cent[1u << 12];
+    for (size_t j = 0; j < k; j++) {
+        cent[j] = epipe_get_f32(body + 4 * j);
+        if (!isfinite(cent[j]))
+            return epipe_codec_fail(c, EPIPE_EPROTO, "kmeans: centroid %zu is not finite", j);
+        if (j && cent[j] < cent[j - 1])
+            return epipe_codec_fail(c, EPIPE_EPROTO,
+                                    "kmeans: centroids are not sorted (%zu: %g < %g)", j,
+                                    (double)cent[j], (double)cent[j - 1]);
+    }
+    const uint8_t *codes = body + 4 * k;
+    if (!epipe_bitpack_tail_clean(codes, n, bits))
+        return epipe_codec_fail(c, EPIPE_EPROTO, "kmeans: padding bits after code %zu are not zero",
+                                n ? n - 1 : 0);
+    unsigned workers = ref ? 1 : epipe_codec_workers(c, n);
+    if (workers > 1) {
+        km_job job = {.n = n, .bits = bits, .cent = cent, .codes_in = codes, .y = y};
+        epipe_parallel_run(workers, km_unpack_task, &job);
+    } else {
+        km_unpack_range(codes, 0, n, cent, bits, ref, y);
+    }
+    return EPIPE_OK;
+}
+
+static int kmeans_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    return km_decode_impl(c, body, n, y, 0);
+}
+
+static int kmeans_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    return km_decode_impl(c, body, n, y, 1);
+}
+
+const epipe_codec_ops epipe_codec_kmeans = {
+    .name = "kmeans",
+    .id = EPIPE_CODEC_ID_KMEANS,
+    .params = kmeans_params,
+    .nparams = 2,
+    .param_word = kmeans_param_word,
+    .body_size = kmeans_body_size,
+    .encode = kmeans_encode,
+    .decode = kmeans_decode,
+    .encode_ref = kmeans_encode_ref,
+    .decode_ref = kmeans_decode_ref,
+};

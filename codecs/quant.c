@@ -1,0 +1,141 @@
+/* `quant:bits=B`: global min/max uniform quantization, the research
+ * baseline sortquant is measured against; fast path and scalar reference. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "../lib/bitpack.h"
+#include "codec_impl.h"
+#include "quantize_common.h"
+
+enum { QUANT_BITS };
+
+static const epipe_param_desc quant_params[] = {
+    {.key = "bits", .kind = EPIPE_PARAM_INT, .min = 1, .max = 16, .def = 8},
+};
+
+typedef struct quant_state {
+    epipe_qtab tab; /* one chunk */
+    float *lut;
+} quant_state;
+
+static void quant_release(epipe_codec *c)
+{
+    quant_state *st = c->state;
+    if (!st)
+        return;
+    epipe_qtab_free(&st->tab);
+    free(st->lut);
+    free(st);
+    c->state = NULL;
+}
+
+static int quant_configure(epipe_codec *c)
+{
+    unsigned bits = (unsigned)c->p[QUANT_BITS];
+    quant_state *st = calloc(1, sizeof *st);
+    if (!st)
+        return epipe_fail(EPIPE_ENOMEM, "quant: out of memory");
+    c->state = st;
+    if (epipe_qtab_init(&st->tab, bits, 0) || !(st->lut = malloc(sizeof(float) << bits)))
+        return epipe_fail(EPIPE_ENOMEM, "quant: out of memory");
+    return EPIPE_OK;
+}
+
+static uint32_t quant_param_word(const epipe_codec *c)
+{
+    return (uint32_t)c->p[QUANT_BITS];
+}
+
+static int quant_body_size(const epipe_codec *c, uint64_t n, size_t *bytes)
+{
+    if (n >= 1ull << 59)
+        return EPIPE_EOVERFLOW;
+    uint64_t codes = epipe_bitpack_bytes(n, (unsigned)c->p[QUANT_BITS]);
+    if (codes > SIZE_MAX - 8)
+        return EPIPE_EOVERFLOW;
+    *bytes = (size_t)codes + 8;
+    return EPIPE_OK;
+}
+
+static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    quant_state *st = c->state;
+    epipe_qtab *t = &st->tab;
+    epipe_q_set_empty(t, 0);
+    if (n) {
+        unsigned threads = epipe_codec_workers(c, n);
+        float lo, hi;
+        size_t bad = epipe_q_extent(t, x, n, &lo, &hi, threads);
+        if (bad < n)
+            return epipe_q_reject_nonfinite(c, x, n, bad);
+        epipe_q_set_chunk(t, 0, lo, hi);
+        epipe_q_encode(t, x, n, body + 8, threads, NULL, NULL);
+    }
+    epipe_q_write_table(t, body);
+    return EPIPE_OK;
+}
+
+static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    quant_state *st = c->state;
+    int rc = epipe_q_read_table(c, &st->tab, body, n);
+    if (rc)
+        return rc;
+    epipe_q_decode(&st->tab, body + 8, n, y, st->lut, epipe_codec_workers(c, n));
+    return EPIPE_OK;
+}
+
+/* The reference: a min/max loop, then one value at a time. */
+static int quant_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    quant_state *st = c->state;
+    epipe_qtab *t = &st->tab;
+    size_t bad = epipe_find_nonfinite(x, n);
+    if (bad < n)
+        return epipe_q_reject_nonfinite(c, x, n, bad);
+    epipe_q_set_empty(t, 0);
+    if (n) {
+        float lo = x[0], hi = x[0];
+        for (size_t i = 1; i < n; i++) {
+            if (x[i] < lo)
+                lo = x[i];
+            if (x[i] > hi)
+                hi = x[i];
+        }
+        epipe_q_set_chunk(t, 0, lo, hi);
+    }
+    uint16_t *codes = malloc(sizeof *codes * (n + 1));
+    if (!codes)
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "quant: out of memory");
+    for (size_t i = 0; i < n; i++)
+        codes[i] = epipe_q_code(t, x[i], 0);
+    epipe_q_write_table(t, body);
+    epipe_bitpack_ref(codes, n, t->bits, body + 8);
+    free(codes);
+    return EPIPE_OK;
+}
+
+static int quant_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    quant_state *st = c->state;
+    int rc = epipe_q_read_table(c, &st->tab, body, n);
+    if (rc)
+        return rc;
+    epipe_q_decode_ref(&st->tab, body + 8, n, y);
+    return EPIPE_OK;
+}
+
+const epipe_codec_ops epipe_codec_quant = {
+    .name = "quant",
+    .id = EPIPE_CODEC_ID_QUANT,
+    .params = quant_params,
+    .nparams = 1,
+    .configure = quant_configure,
+    .param_word = quant_param_word,
+    .body_size = quant_body_size,
+    .encode = quant_encode,
+    .decode = quant_decode,
+    .encode_ref = quant_encode_ref,
+    .decode_ref = quant_decode_ref,
+    .release = quant_release,
+};

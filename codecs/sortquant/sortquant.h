@@ -1,0 +1,77 @@
+/* sortquant internals shared by the fast path and the scalar reference:
+ * parameters, the rank and sample-position formulas, the codec's state. */
+#ifndef EPIPE_CODECS_SORTQUANT_H
+#define EPIPE_CODECS_SORTQUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../codec_impl.h"
+#include "../quantize_common.h"
+#include "select.h"
+
+enum { SQ_BITS, SQ_SPLIT, SQ_MODE, SQ_SAMPLE };
+enum { SQ_MODE_EXACT, SQ_MODE_SAMPLE };
+
+typedef struct sq_state {
+    epipe_qtab tab;
+    float *lut; /* 2^bits decoded values */
+    sq_select sel;
+    void *work; /* ranks, order statistics, extents, tie counters */
+    size_t work_cap;
+} sq_state;
+
+/* floor(j * n / k) without overflow, for j <= k <= 4096: where chunk j of k
+ * starts in sorted order in exact mode, and which sample order statistic
+ * bounds chunk j in sample mode. */
+static inline uint64_t sq_rank(uint64_t j, uint64_t n, unsigned k)
+{
+    return n / k * j + n % k * j / k;
+}
+
+static inline uint64_t sq_mix(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Sample mode reads m = min(n, sample) values: sample k is a pseudo-random
+ * position in the k-th of m equal strata of [0, n), stratum k being
+ * [floor(k n / m), floor((k+1) n / m)), the offset in it
+ * ((mix(k) >> 32) * len) >> 32 for a stratum of len values (mix(k) % len
+ * past 2^32). With m == n, every value once, in order. */
+static inline void sq_sample_gather(const float *x, uint64_t n, uint64_t m, float *out)
+{
+    /* Positions run PF ahead of the loads, so that many cache and TLB misses
+     * are in flight at once: the reads are scattered over all of x. */
+    enum { PF = 32 };
+    uint64_t q = n / m, r = n % m, lo = 0, rem = 0, pos[PF];
+    for (uint64_t k = 0; k < m + PF; k++) {
+        if (k >= PF)
+            out[k - PF] = x[pos[k % PF]];
+        if (k >= m)
+            continue;
+        uint64_t len = q;
+        rem += r;
+        if (rem >= m) {
+            rem -= m;
+            len++;
+        }
+        uint64_t z = sq_mix(k);
+        pos[k % PF] = lo + (len <= 0xffffffffu ? ((z >> 32) * len) >> 32 : z % len);
+        __builtin_prefetch(x + pos[k % PF]);
+        lo += len;
+    }
+}
+
+static inline uint64_t sq_sample_count(uint64_t n, double sample)
+{
+    return n < (uint64_t)sample ? n : (uint64_t)sample;
+}
+
+int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body);
+int sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y);
+
+#endif
