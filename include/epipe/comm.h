@@ -1,0 +1,139 @@
+/* libepipe communicators: the ranks of one pipeline and the transport that
+ * joins them. The stage runtime (epipe/stage.h) moves its tensors over one. */
+#ifndef EPIPE_COMM_H
+#define EPIPE_COMM_H
+
+#include <epipe/common.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* An opaque communicator: this rank's end of a group of `size` ranks.
+ *
+ * Thread safety: one thread at a time may call functions on a handle,
+ * except epipe_comm_abort(), which any thread may call at any time (to
+ * wake a stage blocked in a receive). Transports may run threads of their
+ * own; they end when the handle is destroyed. */
+typedef struct epipe_comm epipe_comm;
+
+/* Creates `size` communicators joined in this process, comms[0..size-1]
+ * with ranks 0..size-1, for stages that run as threads of one process.
+ * Messages are framed, checksummed and parsed exactly as over a network.
+ * Each handle is destroyed on its own (by the thread that uses it, when it
+ * is done). Returns EPIPE_OK, EPIPE_EINVAL for size 0 or above 1024, or
+ * EPIPE_ENOMEM; on error every comms[i] is NULL. Thread-safe. */
+EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
+
+/* ---- TCP (docs/transport.md) --------------------------------------------
+ *
+ * Joins a group of `size` processes over TCP as rank `rank`. Rank 0 listens
+ * on master_addr:master_port; every other rank connects to it, registers
+ * the address it listens on, receives the table of all ranks, and then
+ * connects to its pipeline neighbours (rank r to r-1; every rank keeps its
+ * connection to rank 0 for control). A progress thread per handle moves
+ * messages while the host computes; it ends in epipe_comm_destroy().
+ * size 1 makes a group of one with no sockets.
+ *
+ * `options` is NULL, "" or a spec of comma-separated key=value pairs; each
+ * key may also come from an environment variable (in brackets), which the
+ * spec overrides:
+ *   timeout_ms=N       receives and peer liveness, ms (EPIPE_TIMEOUT_MS;
+ *                      default 30000; later EPIPE_COMM_TIMEOUT_MS changes it)
+ *   init_timeout_ms=N  the whole rendezvous (EPIPE_INIT_TIMEOUT_MS; 120000)
+ *   heartbeat_ms=N     idle heartbeat period (EPIPE_HEARTBEAT_MS; default
+ *                      timeout/4, at most 5000)
+ *   spin_us=N          receives busy-wait this long before they sleep
+ *                      (EPIPE_SPIN_US; default 50; see EPIPE_COMM_SPIN_US)
+ *   streams=N          connections per neighbour, 1..8 (EPIPE_TCP_STREAMS; 1)
+ *   topology=pipeline|mesh   mesh joins every pair (EPIPE_TCP_TOPOLOGY)
+ *   listen_addr=A      the address this rank listens on and advertises
+ *                      (EPIPE_LISTEN_ADDR); else the address of ifname
+ *   ifname=I           (EPIPE_IFNAME); else the address this host uses to
+ *                      reach the master (rank 0: the master address if it
+ *                      is a loopback one, else every address)
+ *   key_file=PATH      authenticate every connection with the pre-shared
+ *                      key in PATH (EPIPE_AUTH_KEY_FILE); off by default
+ *
+ * Blocks until every rank has joined or init_timeout_ms has passed. Returns
+ * EPIPE_OK and *out, owned by the caller (epipe_comm_destroy), or an error
+ * with *out NULL and a message (epipe_last_error) that says which rank,
+ * address and cause:
+ *   EPIPE_EINVAL    bad argument or option; a rank that says another world
+ *                   size; two processes with the same rank
+ *   EPIPE_EIO       cannot listen (the port is in use, the address is not
+ *                   this host's)
+ *   EPIPE_ETIMEDOUT the master is unreachable, or a rank did not join, in time
+ *   EPIPE_EVERSION  a peer speaks another wire version
+ *   EPIPE_EAUTH     a peer lacks the key or holds another one
+ *   EPIPE_ENOTSUP   key_file set in a build without libsodium
+ *   EPIPE_ENOMEM
+ * Thread-safe (each call makes its own handle).
+ *
+ * After creation, failures surface in receives: a peer that exits without
+ * epipe_comm_destroy, is killed, or falls silent for timeout_ms makes
+ * receives from it return EPIPE_EPEER (EPIPE_ETIMEDOUT when it fell
+ * silent); a peer whose message fails its checks (its CRC, its header)
+ * is cut off and receives from it return that check's status:
+ * EPIPE_ECHECKSUM, EPIPE_EPROTO or EPIPE_ETOOBIG; the message names it. */
+EPIPE_API int epipe_comm_create_tcp(epipe_comm **out, unsigned rank, unsigned size,
+                                    const char *master_addr, unsigned master_port,
+                                    const char *options);
+
+/* epipe_comm_create_tcp() with rank, size and master taken from the
+ * environment, first found wins (docs/transport.md has the details):
+ *   1. EPIPE_RANK, EPIPE_WORLD_SIZE (what epipe-run sets);
+ *   2. torchrun: RANK, WORLD_SIZE;
+ *   3. Open MPI: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE;
+ *   4. PMI (MPICH, Intel MPI): PMI_RANK, PMI_SIZE;
+ *   5. Slurm: SLURM_PROCID, SLURM_NTASKS.
+ * Master address: EPIPE_MASTER_ADDR, else MASTER_ADDR (torchrun), else the
+ * local host for single-node runs, else Slurm's first host of
+ * SLURM_JOB_NODELIST. Master port: EPIPE_MASTER_PORT, else MASTER_PORT+1
+ * under torchrun (its agent holds MASTER_PORT), else 29600 (+ SLURM_JOB_ID
+ * % 1000 under Slurm). With EPIPE_LOG=info the log says which source won.
+ * Errors: those of epipe_comm_create_tcp(), and EPIPE_EINVAL when no rank
+ * is found or a variable is malformed (the message names it). */
+EPIPE_API int epipe_comm_create_from_env(epipe_comm **out, const char *options);
+
+/* Leaves the group and frees the handle. A peer still waiting for a message
+ * from this rank gets EPIPE_EPEER. Over TCP, messages already sent are
+ * flushed first (for up to the timeout, at most 10 s) and the peers are
+ * told this rank left. NULL is a no-op. */
+EPIPE_API void epipe_comm_destroy(epipe_comm *comm);
+
+/* Marks this rank as failed: its blocked and later receives, and its peers'
+ * receives from it, return EPIPE_EPEER. Use it to stop a pipeline when one
+ * stage hits an error the others cannot see. Any thread; never blocks. */
+EPIPE_API void epipe_comm_abort(epipe_comm *comm);
+
+EPIPE_API unsigned epipe_comm_rank(const epipe_comm *comm);
+EPIPE_API unsigned epipe_comm_size(const epipe_comm *comm);
+/* The transport's name: "inproc" or "tcp". Static string. */
+EPIPE_API const char *epipe_comm_transport(const epipe_comm *comm);
+/* The message of the last failing call on this handle, or "". */
+EPIPE_API const char *epipe_comm_last_error(const epipe_comm *comm);
+
+/* Knobs, set with epipe_comm_set_param(). */
+typedef enum epipe_comm_param {
+    /* How long a receive waits before EPIPE_ETIMEDOUT, in milliseconds,
+     * 1 .. 86400000. Default 30000. */
+    EPIPE_COMM_TIMEOUT_MS = 1,
+    /* The largest message accepted from a peer, in bytes, 4096 .. 2^40.
+     * Larger ones are refused with EPIPE_ETOOBIG. Default 2^32. */
+    EPIPE_COMM_MAX_MESSAGE = 2,
+    /* How long a receive busy-waits for its message before it sleeps, in
+     * microseconds, 0 .. 1000000. Spinning saves a thread wake-up (several
+     * microseconds) on each message that arrives within it, at the cost of
+     * a busy core while it waits. Default 0 for inproc; tcp takes
+     * spin_us from its options (default 50). */
+    EPIPE_COMM_SPIN_US = 3
+} epipe_comm_param;
+
+/* EPIPE_EINVAL for an unknown knob or a value out of range. */
+EPIPE_API int epipe_comm_set_param(epipe_comm *comm, epipe_comm_param param, int64_t value);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* EPIPE_COMM_H */

@@ -1,0 +1,202 @@
+/* libepipe stage runtime: runs one pipeline stage's share of a schedule,
+ * compressing and moving activations and gradients across its boundaries. */
+#ifndef EPIPE_STAGE_H
+#define EPIPE_STAGE_H
+
+#include <dlpack/dlpack.h>
+#include <epipe/comm.h>
+#include <epipe/common.h>
+#include <epipe/schedule.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* An opaque stage: the stage whose index is its communicator's rank, in a
+ * pipeline of as many stages as the communicator has ranks.
+ *
+ * The host owns the model and does the compute; the stage owns the
+ * schedule, the codecs of its two boundaries, and the messages. Boundary b
+ * joins stage b and stage b+1: activations cross it forward (encoded by b,
+ * decoded by b+1), gradients backward (encoded by b+1, decoded by b).
+ *
+ * Drive a stage in one of two ways, one step (mini-batch) at a time:
+ *  - callbacks: epipe_stage_set_callbacks(), then epipe_stage_step();
+ *  - the op stream, for hosts with their own control flow (autograd):
+ *    epipe_stage_next_op() says which compute op comes next, and the host
+ *    calls the matching receive before it and send after it (see below).
+ *
+ * Thread safety: one thread at a time per handle; distinct stages (one per
+ * thread, over epipe_comm_create_inproc) are independent. Calls may block
+ * in receives for up to the timeout (EPIPE_STAGE_TIMEOUT_MS). */
+typedef struct epipe_stage epipe_stage;
+
+/* Returned in epipe_op.kind by epipe_stage_next_op() when the step is over. */
+#define EPIPE_OP_NONE 0u
+
+/* Creates a stage on comm running schedule `schedule` ("gpipe", "1f1b")
+ * with `microbatches` micro-batches per step. The stage borrows comm, which
+ * must outlive it. Codecs default to "none" on every boundary. Returns
+ * EPIPE_OK; EPIPE_EINVAL for a NULL argument, an unknown schedule or a bad
+ * micro-batch count (the message says which); EPIPE_ENOMEM. On error *out
+ * is NULL. The caller frees the stage with epipe_stage_destroy(). */
+EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char *schedule,
+                                 unsigned microbatches);
+
+/* Frees the stage, its codecs and every buffer it lent. Messages still in
+ * flight to peers are delivered first on the transports that queue them.
+ * NULL is a no-op. */
+EPIPE_API void epipe_stage_destroy(epipe_stage *stage);
+
+/* Which way a tensor crosses a boundary. */
+typedef enum epipe_direction {
+    EPIPE_DIR_ACTIVATION = 0, /* forward: stage b to b+1 */
+    EPIPE_DIR_GRADIENT = 1    /* backward: stage b+1 to b */
+} epipe_direction;
+
+/* The `boundary` argument of epipe_stage_set_codec() meaning all of them. */
+#define EPIPE_ALL_BOUNDARIES (~0u)
+
+/* Sets the codec spec (epipe/codec.h) for one direction of one boundary, or
+ * of every boundary. Both stages of a boundary must set the same spec: a
+ * payload from another codec is refused with EPIPE_EPROTO. Only allowed
+ * before the first step. EPIPE_EINVAL for a spec that fails to parse (the
+ * message is the parser's) or a boundary >= stages-1; EPIPE_ESTATE after
+ * the first step. Boundaries that do not touch this stage are checked and
+ * ignored, so every rank may run the same configuration code. */
+EPIPE_API int epipe_stage_set_codec(epipe_stage *stage, epipe_direction dir, unsigned boundary,
+                                    const char *spec);
+
+/* Knobs, set with epipe_stage_set_param(). */
+typedef enum epipe_stage_param {
+    /* How long a receive waits, in ms (1 .. 86400000). Default: the
+     * communicator's EPIPE_COMM_TIMEOUT_MS. */
+    EPIPE_STAGE_TIMEOUT_MS = 1,
+    /* Worker threads for each codec call (as EPIPE_CODEC_THREADS). Default 1:
+     * the host's compute usually owns the other cores. */
+    EPIPE_STAGE_CODEC_THREADS = 2,
+    /* The mini-batch size, when the host wants it checked: it must divide
+     * by the micro-batch count (else EPIPE_EINVAL), and every tensor sent
+     * must then have batch/microbatches rows in dimension 0. 0 = unchecked
+     * (the default). */
+    EPIPE_STAGE_BATCH_SIZE = 3,
+    /* 1 (the default): steps run the schedule, forwards and backwards.
+     * 0: steps run forwards only, micro-batch by micro-batch (evaluation,
+     * inference): no backward op, no gradient crosses, and a received
+     * activation is lent only until the next op. Every stage must switch
+     * for the same steps. Only between steps (EPIPE_ESTATE otherwise). */
+    EPIPE_STAGE_TRAINING = 4
+} epipe_stage_param;
+
+EPIPE_API int epipe_stage_set_param(epipe_stage *stage, epipe_stage_param param, int64_t value);
+
+EPIPE_API unsigned epipe_stage_index(const epipe_stage *stage);
+EPIPE_API unsigned epipe_stage_count(const epipe_stage *stage);
+/* The schedule the stage runs; owned by the stage. */
+EPIPE_API const epipe_schedule *epipe_stage_schedule(const epipe_stage *stage);
+/* The message of the last failing call on this handle, or "". */
+EPIPE_API const char *epipe_stage_last_error(const epipe_stage *stage);
+
+/* ---- The op stream ------------------------------------------------------
+ *
+ * epipe_stage_next_op() fills *op with the next compute op of this stage's
+ * schedule (EPIPE_OP_FORWARD or EPIPE_OP_BACKWARD of op->microbatch), or
+ * with kind EPIPE_OP_NONE when the step is over; the call after that
+ * starts the next step. For a FORWARD of micro-batch i the host:
+ *   - on every stage but the first: epipe_stage_recv_activation(i) for its
+ *     input (the first stage reads its own data);
+ *   - computes; on every stage but the last: epipe_stage_send_activation(i).
+ * For a BACKWARD of micro-batch i:
+ *   - on every stage but the last: epipe_stage_recv_gradient(i) for the
+ *     gradient of its output (the last stage starts from its loss);
+ *   - computes; on every stage but the first: epipe_stage_send_gradient(i).
+ * A call out of this order, or for another micro-batch, returns
+ * EPIPE_ESTATE with a message that says what was expected.
+ *
+ * Tensor lifetimes: a received activation is owned by the stage and stays
+ * valid until the backward of its micro-batch is over (the next
+ * epipe_stage_next_op() after that backward), so a host may keep it for
+ * autograd without a copy. A received gradient stays valid until the next
+ * epipe_stage_next_op(). A tensor the host sends is encoded before the send
+ * returns; the host may reuse it at once. Sent tensors: fp32, fp16 or bf16,
+ * on the CPU, any strides; every micro-batch of a step must send the same
+ * shape and dtype on the same boundary and direction (EPIPE_EINVAL else).
+ * Received tensors are dense, in the dtype and shape that was sent. */
+EPIPE_API int epipe_stage_next_op(epipe_stage *stage, epipe_op *op);
+EPIPE_API int epipe_stage_recv_activation(epipe_stage *stage, unsigned microbatch,
+                                          const DLTensor **input);
+EPIPE_API int epipe_stage_send_activation(epipe_stage *stage, unsigned microbatch,
+                                          const DLTensor *output);
+EPIPE_API int epipe_stage_recv_gradient(epipe_stage *stage, unsigned microbatch,
+                                        const DLTensor **grad_output);
+EPIPE_API int epipe_stage_send_gradient(epipe_stage *stage, unsigned microbatch,
+                                        const DLTensor *grad_input);
+
+/* ---- Callbacks ----------------------------------------------------------
+ *
+ * Fill with EPIPE_STAGE_CALLBACKS_INIT, then set what you need; struct_size
+ * lets later versions add fields at the end. A callback returns 0, or any
+ * nonzero value to stop the step: epipe_stage_step() then returns
+ * EPIPE_ECALLBACK with a message naming the callback, the micro-batch and
+ * the value, and aborts the communicator so the peers stop too.
+ *
+ *  forward(user, mb, input, &output): input is the received activation
+ *      (NULL on the first stage); set *output to the activation to send
+ *      (ignored on the last stage), valid until forward's caller returns.
+ *  backward(user, mb, grad_output, &grad_input): grad_output is the
+ *      received gradient (NULL on the last stage, which starts from its
+ *      loss); set *grad_input to the gradient to send (ignored on stage 0).
+ *  loss(user, mb, &value): optional, last stage only, after forward: the
+ *      micro-batch's loss, summed into the statistics. */
+typedef struct epipe_stage_callbacks {
+    size_t struct_size;
+    void *user;
+    int (*forward)(void *user, unsigned microbatch, const DLTensor *input,
+                   const DLTensor **output);
+    int (*backward)(void *user, unsigned microbatch, const DLTensor *grad_output,
+                    const DLTensor **grad_input);
+    int (*loss)(void *user, unsigned microbatch, double *value);
+} epipe_stage_callbacks;
+
+#define EPIPE_STAGE_CALLBACKS_INIT {sizeof(epipe_stage_callbacks), NULL, NULL, NULL, NULL}
+
+/* Copies the callbacks (the stage keeps cb->user, not cb). EPIPE_EINVAL if
+ * struct_size is 0 or larger than this library knows, or forward or
+ * backward is NULL. */
+EPIPE_API int epipe_stage_set_callbacks(epipe_stage *stage, const epipe_stage_callbacks *cb);
+
+/* Runs one step: every op of this stage's schedule, calling the callbacks
+ * and moving tensors. Blocks until the step is over on this stage. Errors:
+ * those of the calls above, EPIPE_ESTATE if no callbacks are set or the
+ * op stream is mid-step, EPIPE_EPEER / EPIPE_ETIMEDOUT from the transport. */
+EPIPE_API int epipe_stage_step(epipe_stage *stage);
+
+/* ---- Statistics ---------------------------------------------------------
+ *
+ * Totals since the stage was created (or last reset). Set struct_size to
+ * sizeof(epipe_stage_stats) before the call; a later library fills only
+ * the fields your struct has. "down" is the boundary to the next stage,
+ * "up" the one to the previous stage; raw bytes are the tensors' own
+ * (elements x element size), wire bytes the messages' (framing included). */
+typedef struct epipe_stage_stats {
+    size_t struct_size;
+    uint64_t steps;
+    double step_seconds;    /* wall time inside steps */
+    double compute_seconds; /* in callbacks, or between op-stream calls */
+    double encode_seconds, decode_seconds;
+    double wait_seconds;    /* blocked waiting for a message */
+    uint64_t act_sent_raw, act_sent_wire;   /* down */
+    uint64_t grad_recv_raw, grad_recv_wire; /* down */
+    uint64_t act_recv_raw, act_recv_wire;   /* up */
+    uint64_t grad_sent_raw, grad_sent_wire; /* up */
+    double loss_sum;        /* last stage: sum of loss() values */
+    uint64_t loss_count;
+} epipe_stage_stats;
+
+EPIPE_API int epipe_stage_get_stats(const epipe_stage *stage, epipe_stage_stats *stats);
+EPIPE_API void epipe_stage_reset_stats(epipe_stage *stage);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* EPIPE_STAGE_H */

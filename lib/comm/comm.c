@@ -1,0 +1,386 @@
+/* The communicator core: the public handle functions, the mailbox that
+ * matches arriving messages to receives, and peer-failure bookkeeping. */
+#include "comm_impl.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* Large message buffers are kept for reuse: a stage sends and receives
+ * messages of the same few sizes every step, and a fresh large block costs
+ * a page fault per 4 KiB on first touch (glibc maps and unmaps blocks over
+ * 32 MiB every time). At most MSGBUF_SLOTS buffers of MSGBUF_MIN bytes or
+ * more are kept, MSGBUF_TOTAL bytes in all; a buffer serves a message of
+ * half its size or more. */
+#define MSGBUF_MIN ((size_t)256 << 10)
+#define MSGBUF_SLOTS 8
+#define MSGBUF_TOTAL ((size_t)512 << 20)
+static pthread_mutex_t msgbuf_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    void *p;
+    size_t cap;
+} msgbuf[MSGBUF_SLOTS];
+static size_t msgbuf_bytes;
+static unsigned msgbuf_next;
+
+static void *msgbuf_get(size_t *cap)
+{
+    if (*cap >= MSGBUF_MIN) {
+        pthread_mutex_lock(&msgbuf_lock);
+        int best = -1;
+        for (int i = 0; i < MSGBUF_SLOTS; i++)
+            if (msgbuf[i].p && msgbuf[i].cap >= *cap && msgbuf[i].cap / 2 <= *cap &&
+                (best < 0 || msgbuf[i].cap < msgbuf[best].cap))
+                best = i;
+        if (best >= 0) {
+            void *p = msgbuf[best].p;
+            *cap = msgbuf[best].cap;
+            msgbuf_bytes -= *cap;
+            msgbuf[best].p = NULL;
+            pthread_mutex_unlock(&msgbuf_lock);
+            return p;
+        }
+        pthread_mutex_unlock(&msgbuf_lock);
+    }
+    return malloc(*cap);
+}
+
+static void msgbuf_put(void *p, size_t cap)
+{
+    if (p && cap >= MSGBUF_MIN && cap <= MSGBUF_TOTAL / 2) {
+        pthread_mutex_lock(&msgbuf_lock);
+        int slot = -1;
+        for (int i = 0; i < MSGBUF_SLOTS && slot < 0; i++)
+            if (!msgbuf[i].p)
+                slot = i;
+        if (slot < 0) /* full: the oldest-placed slot in turn makes room */
+            slot = (int)(msgbuf_next++ % MSGBUF_SLOTS);
+        void *old = msgbuf[slot].p;
+        if (old)
+            msgbuf_bytes -= msgbuf[slot].cap;
+        for (int i = 0; i < MSGBUF_SLOTS && msgbuf_bytes + cap > MSGBUF_TOTAL; i++)
+            if (msgbuf[i].p && i != slot) {
+                msgbuf_bytes -= msgbuf[i].cap;
+                free(msgbuf[i].p);
+                msgbuf[i].p = NULL;
+            }
+        msgbuf[slot].p = p;
+        msgbuf[slot].cap = cap;
+        msgbuf_bytes += cap;
+        pthread_mutex_unlock(&msgbuf_lock);
+        free(old);
+        return;
+    }
+    free(p);
+}
+
+__attribute__((destructor)) static void msgbuf_release(void)
+{
+    for (int i = 0; i < MSGBUF_SLOTS; i++)
+        free(msgbuf[i].p), msgbuf[i].p = NULL;
+    msgbuf_bytes = 0;
+}
+
+epipe_msg *epipe_msg_new(size_t payload_cap)
+{
+    if (payload_cap > SIZE_MAX - EPIPE_WIRE_HEADER_SIZE)
+        return NULL;
+    epipe_msg *m = calloc(1, sizeof *m);
+    if (!m)
+        return NULL;
+    m->cap = EPIPE_WIRE_HEADER_SIZE + payload_cap;
+    m->data = msgbuf_get(&m->cap);
+    if (!m->data) {
+        free(m);
+        return NULL;
+    }
+    return m;
+}
+
+void epipe_msg_free(epipe_msg *m)
+{
+    if (m) {
+        msgbuf_put(m->data, m->cap);
+        free(m);
+    }
+}
+
+int epipe_msg_seal(epipe_msg *m, size_t payload_len)
+{
+    epipe_wire_set_payload(&m->hdr, epipe_msg_payload(m), payload_len);
+    int rc = epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE);
+    if (rc == EPIPE_OK)
+        m->len = EPIPE_WIRE_HEADER_SIZE + payload_len;
+    return rc;
+}
+
+epipe_comm *epipe_comm_alloc(const epipe_transport_ops *ops, unsigned rank, unsigned size)
+{
+    epipe_comm *c = calloc(1, sizeof *c);
+    if (!c)
+        return NULL;
+    c->peer_state = calloc(size, 1);
+    c->peer_why = calloc(size, sizeof *c->peer_why);
+    c->peer_status = calloc(size, sizeof *c->peer_status);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    int ok = c->peer_state && c->peer_why && c->peer_status && pthread_mutex_init(&c->lock, NULL) == 0;
+    if (ok && pthread_cond_init(&c->arrived, &ca) != 0) {
+        pthread_mutex_destroy(&c->lock);
+        ok = 0;
+    }
+    pthread_condattr_destroy(&ca);
+    if (!ok) {
+        free(c->peer_state);
+        free(c->peer_why);
+        free(c->peer_status);
+        free(c);
+        return NULL;
+    }
+    c->ops = ops;
+    c->rank = rank;
+    c->size = size;
+    c->timeout_ms = 30000;
+    c->max_message = UINT64_C(1) << 32;
+    return c;
+}
+
+void epipe_comm_free(epipe_comm *c)
+{
+    for (epipe_msg *m = c->inbox, *next; m; m = next) {
+        next = m->next;
+        epipe_msg_free(m);
+    }
+    pthread_cond_destroy(&c->arrived);
+    pthread_mutex_destroy(&c->lock);
+    free(c->peer_state);
+    free(c->peer_why);
+    free(c->peer_status);
+    free(c);
+}
+
+void epipe_comm_deliver(epipe_comm *c, epipe_msg *m)
+{
+    m->next = NULL;
+    pthread_mutex_lock(&c->lock);
+    if (c->inbox_tail)
+        c->inbox_tail->next = m;
+    else
+        c->inbox = m;
+    c->inbox_tail = m;
+    __atomic_add_fetch(&c->arrivals, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&c->arrived);
+    pthread_mutex_unlock(&c->lock);
+}
+
+void epipe_comm_peer_down(epipe_comm *c, unsigned peer, enum epipe_peer_state state,
+                          const char *why)
+{
+    pthread_mutex_lock(&c->lock);
+    if (peer < c->size && c->peer_state[peer] == EPIPE_PEER_UP) {
+        c->peer_state[peer] = (unsigned char)state;
+        strncpy(c->peer_why[peer], why ? why : "", sizeof c->peer_why[peer] - 1);
+    }
+    __atomic_add_fetch(&c->arrivals, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&c->arrived);
+    pthread_mutex_unlock(&c->lock);
+}
+
+void epipe_comm_peer_failed(epipe_comm *c, unsigned peer, int status, const char *why)
+{
+    pthread_mutex_lock(&c->lock);
+    if (peer < c->size && c->peer_state[peer] == EPIPE_PEER_UP) {
+        c->peer_state[peer] = EPIPE_PEER_FAILED;
+        c->peer_status[peer] = status;
+        strncpy(c->peer_why[peer], why ? why : "", sizeof c->peer_why[peer] - 1);
+    }
+    __atomic_add_fetch(&c->arrivals, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&c->arrived);
+    pthread_mutex_unlock(&c->lock);
+}
+
+int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m)
+{
+    if (peer >= c->size || peer == c->rank) {
+        epipe_msg_free(m);
+        return epipe_fail_into(c->msg, EPIPE_EINVAL, "rank %u: cannot send to rank %u of %u",
+                               c->rank, peer, c->size);
+    }
+    pthread_mutex_lock(&c->lock);
+    int aborted = c->aborted, state = c->peer_state[peer];
+    pthread_mutex_unlock(&c->lock);
+    if (aborted || state != EPIPE_PEER_UP) {
+        epipe_msg_free(m);
+        return epipe_fail_into(c->msg, EPIPE_EPEER, "rank %u: cannot send to rank %u: %s",
+                               c->rank, peer,
+                               aborted ? "this rank was aborted" : "the peer is gone");
+    }
+    return c->ops->send(c, peer, m);
+}
+
+static void deadline_after(struct timespec *ts, int64_t ms)
+{
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += ms / 1000;
+    ts->tv_nsec += (ms % 1000) * 1000000;
+    if (ts->tv_nsec >= 1000000000) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000;
+    }
+}
+
+/* Called with c->lock held; releases it while it busy-waits up to
+ * c->spin_us (and the deadline) for an arrival. 1 if something arrived. */
+static int spin_for_arrival(epipe_comm *c, const struct timespec *deadline)
+{
+    uint64_t seen = c->arrivals;
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int64_t limit = c->spin_us * 1000;
+    int64_t to_deadline = (int64_t)(deadline->tv_sec - t0.tv_sec) * 1000000000 +
+                          (deadline->tv_nsec - t0.tv_nsec);
+    if (to_deadline < limit)
+        limit = to_deadline;
+    pthread_mutex_unlock(&c->lock);
+    int changed = 0;
+    for (unsigned i = 1; !changed; i++) {
+        changed = __atomic_load_n(&c->arrivals, __ATOMIC_ACQUIRE) != seen;
+        /* Yield, not pause: the transport thread that will deliver the
+         * message may need this core (few cores, or more threads than them). */
+        sched_yield();
+        if (!changed && (i & 7) == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((int64_t)(t.tv_sec - t0.tv_sec) * 1000000000 + (t.tv_nsec - t0.tv_nsec) >= limit)
+                break;
+        }
+    }
+    pthread_mutex_lock(&c->lock);
+    return changed || c->arrivals != seen; /* an arrival just before the lock */
+}
+
+int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
+                    uint32_t micro_batch, int64_t timeout_ms, epipe_msg **out)
+{
+    struct timespec deadline;
+    deadline_after(&deadline, timeout_ms);
+    *out = NULL;
+    if (peer >= c->size || peer == c->rank)
+        return epipe_fail_into(c->msg, EPIPE_EINVAL, "rank %u: cannot receive from rank %u of %u",
+                               c->rank, peer, c->size);
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        epipe_msg *prev = NULL;
+        for (epipe_msg *m = c->inbox; m; prev = m, m = m->next) {
+            if (m->hdr.src_stage != peer || m->hdr.kind != kind || m->hdr.step != step ||
+                m->hdr.micro_batch != micro_batch)
+                continue;
+            if (prev)
+                prev->next = m->next;
+            else
+                c->inbox = m->next;
+            if (c->inbox_tail == m)
+                c->inbox_tail = prev;
+            pthread_mutex_unlock(&c->lock);
+            m->next = NULL;
+            *out = m;
+            return EPIPE_OK;
+        }
+        int rc = EPIPE_OK;
+        if (c->aborted)
+            rc = epipe_fail_into(c->msg, EPIPE_EPEER, "rank %u was aborted", c->rank);
+        else if (c->peer_state[peer] != EPIPE_PEER_UP)
+            rc = epipe_fail_into(c->msg, c->peer_status[peer] ? c->peer_status[peer] : EPIPE_EPEER,
+                                 "rank %u: rank %u %s before sending %s of step %llu, "
+                                 "micro-batch %u%s%s",
+                                 c->rank, peer,
+                                 c->peer_state[peer] == EPIPE_PEER_LEFT ? "left" : "failed",
+                                 epipe_wire_kind_name(kind), (unsigned long long)step,
+                                 micro_batch, c->peer_why[peer][0] ? ": " : "", c->peer_why[peer]);
+        else if (c->spin_us > 0 && spin_for_arrival(c, &deadline))
+            continue; /* something arrived while spinning: look again */
+        else if (pthread_cond_timedwait(&c->arrived, &c->lock, &deadline) == ETIMEDOUT)
+            rc = epipe_fail_into(c->msg, EPIPE_ETIMEDOUT,
+                                 "rank %u: no %s from rank %u for step %llu, micro-batch %u "
+                                 "within %lld ms",
+                                 c->rank, epipe_wire_kind_name(kind), peer,
+                                 (unsigned long long)step, micro_batch, (long long)timeout_ms);
+        if (rc) {
+            pthread_mutex_unlock(&c->lock);
+            return rc;
+        }
+    }
+}
+
+/* ---- public handle functions ------------------------------------------- */
+
+EPIPE_API void epipe_comm_destroy(epipe_comm *c)
+{
+    if (c)
+        c->ops->destroy(c);
+}
+
+EPIPE_API void epipe_comm_abort(epipe_comm *c)
+{
+    if (!c)
+        return;
+    pthread_mutex_lock(&c->lock);
+    c->aborted = 1;
+    pthread_cond_broadcast(&c->arrived);
+    pthread_mutex_unlock(&c->lock);
+    if (c->ops->abort)
+        c->ops->abort(c);
+}
+
+EPIPE_API unsigned epipe_comm_rank(const epipe_comm *c)
+{
+    return c ? c->rank : 0;
+}
+
+EPIPE_API unsigned epipe_comm_size(const epipe_comm *c)
+{
+    return c ? c->size : 0;
+}
+
+EPIPE_API const char *epipe_comm_transport(const epipe_comm *c)
+{
+    return c ? c->ops->name : "";
+}
+
+EPIPE_API const char *epipe_comm_last_error(const epipe_comm *c)
+{
+    return c ? c->msg : "";
+}
+
+EPIPE_API int epipe_comm_set_param(epipe_comm *c, epipe_comm_param param, int64_t value)
+{
+    epipe_clear_error();
+    if (!c)
+        return epipe_fail(EPIPE_EINVAL, "epipe_comm_set_param: comm is NULL");
+    switch (param) {
+    case EPIPE_COMM_TIMEOUT_MS:
+        if (value < 1 || value > 86400000)
+            return epipe_fail_into(c->msg, EPIPE_EINVAL,
+                                   "EPIPE_COMM_TIMEOUT_MS = %lld is out of range 1..86400000",
+                                   (long long)value);
+        c->timeout_ms = value;
+        return EPIPE_OK;
+    case EPIPE_COMM_SPIN_US:
+        if (value < 0 || value > 1000000)
+            return epipe_fail_into(c->msg, EPIPE_EINVAL,
+                                   "EPIPE_COMM_SPIN_US = %lld is out of range 0..1000000",
+                                   (long long)value);
+        __atomic_store_n(&c->spin_us, value, __ATOMIC_RELAXED);
+        return EPIPE_OK;
+    case EPIPE_COMM_MAX_MESSAGE:
+        if (value < 4096 || value > (INT64_C(1) << 40))
+            return epipe_fail_into(c->msg, EPIPE_EINVAL,
+                                   "EPIPE_COMM_MAX_MESSAGE = %lld is out of range 4096..2^40",
+                                   (long long)value);
+        c->max_message = (uint64_t)value;
+        return EPIPE_OK;
+    }
+    return epipe_fail_into(c->msg, EPIPE_EINVAL, "unknown communicator parameter %d", (int)param);
+}

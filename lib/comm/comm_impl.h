@@ -1,0 +1,92 @@
+/* The communicator core shared by every transport: framed messages, the
+ * mailbox that matches them to receives, and peer-failure bookkeeping. */
+#ifndef EPIPE_LIB_COMM_IMPL_H
+#define EPIPE_LIB_COMM_IMPL_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include <epipe/comm.h>
+
+#include "../error.h"
+#include "../wire/wire.h"
+
+/* One framed message: wire header and payload in one allocation. */
+typedef struct epipe_msg {
+    struct epipe_msg *next;
+    epipe_wire_header hdr;   /* parsed on receipt; filled by the sender */
+    uint8_t *data;           /* header bytes, then payload */
+    size_t len;              /* bytes used in data */
+    size_t cap;
+} epipe_msg;
+
+/* A message with room for a payload of `payload_cap` bytes after the
+ * header; NULL when out of memory. epipe_msg_payload() is where it goes. */
+epipe_msg *epipe_msg_new(size_t payload_cap);
+void epipe_msg_free(epipe_msg *m);
+static inline uint8_t *epipe_msg_payload(epipe_msg *m)
+{
+    return m->data + EPIPE_WIRE_HEADER_SIZE;
+}
+/* Frames m in place: sets the payload length and CRC in m->hdr from the
+ * `payload_len` bytes at epipe_msg_payload(m) and writes the header. */
+int epipe_msg_seal(epipe_msg *m, size_t payload_len);
+
+typedef struct epipe_transport_ops {
+    const char *name;
+    /* Delivers a sealed message to peer; takes ownership of m in every case.
+     * Must not block for long (queue it if the wire is busy). */
+    int (*send)(epipe_comm *c, unsigned peer, epipe_msg *m);
+    /* Leaves the group: peers see this rank gone. Frees transport state. */
+    void (*destroy)(epipe_comm *c);
+    /* Optional: tells peers this rank failed (epipe_comm_abort). */
+    void (*abort)(epipe_comm *c);
+} epipe_transport_ops;
+
+enum epipe_peer_state { EPIPE_PEER_UP = 0, EPIPE_PEER_LEFT = 1, EPIPE_PEER_FAILED = 2 };
+
+struct epipe_comm {
+    const epipe_transport_ops *ops;
+    void *tp; /* the transport's own state */
+    unsigned rank, size;
+    int64_t timeout_ms;
+    uint64_t max_message;
+    int64_t spin_us;             /* a receive busy-waits this long before sleeping */
+    char msg[EPIPE_ERRMSG_MAX];
+
+    pthread_mutex_t lock; /* guards everything below */
+    pthread_cond_t arrived;
+    epipe_msg *inbox, *inbox_tail;
+    int aborted;
+    uint64_t arrivals;           /* counts deliveries and peer changes (spinners
+                                    read it without the lock) */
+    unsigned char *peer_state;   /* [size] enum epipe_peer_state */
+    char (*peer_why)[96];        /* [size] why a peer failed */
+    int *peer_status;            /* [size] what receives from a failed peer
+                                    return; 0 means EPIPE_EPEER */
+};
+
+/* Allocates the common part for a transport. NULL when out of memory. */
+epipe_comm *epipe_comm_alloc(const epipe_transport_ops *ops, unsigned rank, unsigned size);
+/* Frees the common part (queued messages included); transports call it
+ * last in their destroy. */
+void epipe_comm_free(epipe_comm *c);
+
+/* Transports call these from any thread. deliver takes ownership of a
+ * message whose header was parsed into m->hdr and payload checked. */
+void epipe_comm_deliver(epipe_comm *c, epipe_msg *m);
+void epipe_comm_peer_down(epipe_comm *c, unsigned peer, enum epipe_peer_state state,
+                          const char *why);
+/* The same as peer_down(FAILED), but receives from the peer return
+ * `status` (EPIPE_ECHECKSUM for a corrupted message, ...) not EPIPE_EPEER. */
+void epipe_comm_peer_failed(epipe_comm *c, unsigned peer, int status, const char *why);
+
+/* Sends a sealed message (ownership passes, even on error). */
+int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m);
+/* Waits up to timeout_ms for the message of `kind`, step and micro-batch
+ * from peer, and hands it over. EPIPE_ETIMEDOUT, or EPIPE_EPEER if the
+ * peer left or failed (or this rank was aborted) before sending it. */
+int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
+                    uint32_t micro_batch, int64_t timeout_ms, epipe_msg **out);
+
+#endif

@@ -1,0 +1,481 @@
+/* The stage runtime over the in-process transport: pipelined training of
+ * the test MLP equals single-process training, codecs train comparably,
+ * statistics add up, the trace is written, and bad use gets clear errors. */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "pipeline_host.h"
+
+#define STEPS 6
+#define MAX_P 4
+
+struct thread_arg {
+    epipe_comm *comm;
+    const struct host_config *cfg;
+    struct host_result *res;
+};
+
+static void *stage_thread(void *p)
+{
+    struct thread_arg *a = p;
+    host_run(a->comm, a->cfg, a->res);
+    return NULL;
+}
+
+/* Runs a p-stage pipeline as p threads; res[0..p-1] get the results. */
+static void run_pipeline(unsigned p, const struct host_config *cfg, struct host_result *res)
+{
+    epipe_comm *comms[MAX_P];
+    pthread_t tid[MAX_P];
+    struct thread_arg args[MAX_P];
+    assert_int_equal(epipe_comm_create_inproc(comms, p), EPIPE_OK);
+    for (unsigned s = 0; s < p; s++) {
+        args[s] = (struct thread_arg){comms[s], cfg, &res[s]};
+        assert_int_equal(pthread_create(&tid[s], NULL, stage_thread, &args[s]), 0);
+    }
+    for (unsigned s = 0; s < p; s++)
+        pthread_join(tid[s], NULL);
+}
+
+static double rel_diff(float a, float b)
+{
+    double d = fabs((double)a - (double)b), m = fmax(fabs((double)a), fabs((double)b));
+    return m > 1e-30 ? d / m : d;
+}
+
+static void assert_params_match(const struct host_result *res, unsigned p, const mlp_layer *ref,
+                                double tol)
+{
+    for (unsigned s = 0; s < p; s++)
+        for (int l = res[s].l0; l < res[s].l1; l++) {
+            const mlp_layer *a = &res[s].layers[l], *b = &ref[l];
+            for (int i = 0; i < a->in * a->out; i++)
+                if (rel_diff(a->w[i], b->w[i]) > tol)
+                    fail_msg("stage %u layer %d w[%d]: %.9g vs %.9g", s, l, i, a->w[i], b->w[i]);
+            for (int o = 0; o < a->out; o++)
+                if (rel_diff(a->b[o], b->b[o]) > tol)
+                    fail_msg("stage %u layer %d b[%d]: %.9g vs %.9g", s, l, o, a->b[o], b->b[o]);
+        }
+}
+
+static void check_ok(const struct host_result *res, unsigned p, const char *what)
+{
+    for (unsigned s = 0; s < p; s++)
+        if (res[s].rc != EPIPE_OK)
+            fail_msg("%s: stage %u failed with %s: %s", what, s, epipe_status_name(res[s].rc),
+                     res[s].error);
+}
+
+/* Pipelined training over 2, 3 and 4 stages, with both schedules, driven
+ * by callbacks and by the op stream, with codec none: the parameters equal
+ * those of single-process training (within 1e-6 relative). */
+static void pipelined_equals_single_process(void **state)
+{
+    (void)state;
+    const char *kinds[] = {"gpipe", "1f1b"};
+    const unsigned mbs[] = {1, 4, 8};
+    for (unsigned mi = 0; mi < 3; mi++) {
+        mlp_layer ref[HOST_MAX_LAYERS];
+        double ref_first, ref_last;
+        host_reference(mbs[mi], STEPS, ref, &ref_first, &ref_last);
+        assert_true(ref_last < ref_first);
+        for (unsigned p = 2; p <= MAX_P; p++)
+            for (int k = 0; k < 2; k++)
+                for (int stream = 0; stream < 2; stream++) {
+                    struct host_config cfg = {.schedule = kinds[k], .microbatches = mbs[mi],
+                                              .steps = STEPS, .use_op_stream = stream};
+                    struct host_result res[MAX_P];
+                    run_pipeline(p, &cfg, res);
+                    check_ok(res, p, kinds[k]);
+                    assert_params_match(res, p, ref, 1e-6);
+                    assert_true(fabs(res[p - 1].last_loss - ref_last) <= 1e-6 * ref_last);
+                    for (unsigned s = 0; s < p; s++)
+                        host_result_free(&res[s]);
+                }
+        for (int l = 0; l < host_nlayers; l++)
+            mlp_layer_free(&ref[l]);
+    }
+}
+
+/* With sortquant:bits=8 on activations and gradients, the loss falls about
+ * as far as without compression. */
+static void sortquant_trains_comparably(void **state)
+{
+    (void)state;
+    struct host_config cfg = {.schedule = "1f1b", .microbatches = 4, .steps = 20,
+                              .act_codec = "sortquant:bits=8", .grad_codec = "sortquant:bits=8"};
+    struct host_result res[3], plain[3];
+    run_pipeline(3, &cfg, res);
+    check_ok(res, 3, "sortquant");
+    cfg.act_codec = cfg.grad_codec = NULL;
+    run_pipeline(3, &cfg, plain);
+    check_ok(plain, 3, "none");
+    double fell = res[2].first_loss - res[2].last_loss;
+    double fell_plain = plain[2].first_loss - plain[2].last_loss;
+    print_message("loss %.5f -> %.5f with sortquant:bits=8, %.5f -> %.5f without\n",
+                  res[2].first_loss, res[2].last_loss, plain[2].first_loss, plain[2].last_loss);
+    assert_true(fell_plain > 0);
+    assert_true(fell > 0.9 * fell_plain);
+    /* compressed: each message carries its 192 + 16 header bytes, one byte a
+     * value (48 of them) and the 4-chunk table (8 bytes a chunk), against 4
+     * bytes a value raw */
+    uint64_t msgs = 20 * 4;
+    assert_int_equal(res[0].stats.act_sent_raw, msgs * 48 * 4);
+    assert_int_equal(res[0].stats.act_sent_wire, msgs * (192 + 16 + 48 + 4 * 8));
+    assert_int_equal(res[1].stats.grad_sent_wire, msgs * (192 + 16 + 48 + 4 * 8));
+    for (int s = 0; s < 3; s++)
+        host_result_free(&res[s]), host_result_free(&plain[s]);
+}
+
+/* What one stage sends, its neighbour receives, byte for byte, and every
+ * time counter moves. */
+static void statistics_add_up(void **state)
+{
+    (void)state;
+    struct host_config cfg = {.schedule = "1f1b", .microbatches = 4, .steps = 3,
+                              .act_codec = "cast:dtype=bf16"};
+    struct host_result res[3];
+    run_pipeline(3, &cfg, res);
+    check_ok(res, 3, "stats");
+    for (int s = 0; s < 2; s++) {
+        const epipe_stage_stats *a = &res[s].stats, *b = &res[s + 1].stats;
+        assert_int_equal(a->act_sent_raw, b->act_recv_raw);
+        assert_int_equal(a->act_sent_wire, b->act_recv_wire);
+        assert_int_equal(a->grad_recv_raw, b->grad_sent_raw);
+        assert_int_equal(a->grad_recv_wire, b->grad_sent_wire);
+        /* 3 steps x 4 micro-batches x 4 rows x 12 floats */
+        assert_int_equal(a->act_sent_raw, 3 * 4 * 4 * 12 * 4);
+        /* per message: the 192-byte wire header, the 16-byte codec header, and
+         * the body: bf16 halves the activations, none sends the gradients whole */
+        assert_int_equal(a->act_sent_wire, 3 * 4 * (192 + 16 + 4 * 12 * 2));
+        assert_int_equal(a->grad_recv_wire, 3 * 4 * (192 + 16 + 4 * 12 * 4));
+    }
+    for (int s = 0; s < 3; s++) {
+        assert_int_equal(res[s].stats.steps, 3);
+        assert_true(res[s].stats.step_seconds > 0);
+        assert_true(res[s].stats.compute_seconds > 0);
+        assert_true(res[s].stats.compute_seconds <= res[s].stats.step_seconds);
+    }
+    assert_int_equal(res[2].stats.loss_count, 12);
+    assert_true(res[2].stats.loss_sum > 0);
+    for (int s = 0; s < 3; s++)
+        host_result_free(&res[s]);
+}
+
+static void trace_file_is_written(void **state)
+{
+    (void)state;
+    char path[] = "/tmp/epipe-trace-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    setenv("EPIPE_TRACE", path, 1);
+    struct host_config cfg = {.schedule = "gpipe", .microbatches = 2, .steps = 1};
+    struct host_result res[2];
+    run_pipeline(2, &cfg, res);
+    unsetenv("EPIPE_TRACE");
+    check_ok(res, 2, "trace");
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    static char text[1 << 16];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    unlink(path);
+    text[n] = '\0';
+    assert_non_null(strstr(text, "\"traceEvents\""));
+    assert_non_null(strstr(text, "\"name\": \"F0\""));
+    assert_non_null(strstr(text, "\"name\": \"B1\""));
+    assert_non_null(strstr(text, "\"stage 1\""));
+    for (int s = 0; s < 2; s++)
+        host_result_free(&res[s]);
+}
+
+/* ---- bad use ------------------------------------------------------------- */
+
+static float data8[64];
+
+static DLTensor tensor2d(int64_t *shape, int64_t rows, int64_t cols)
+{
+    shape[0] = rows, shape[1] = cols;
+    DLTensor t = {.data = data8, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1},
+                  .shape = shape};
+    return t;
+}
+
+static void expect_error(epipe_stage *st, int rc, int want, const char *needle)
+{
+    if (rc != want || !strstr(epipe_stage_last_error(st), needle))
+        fail_msg("got %s '%s', wanted %s mentioning '%s'", epipe_status_name(rc),
+                 epipe_stage_last_error(st), epipe_status_name(want), needle);
+}
+
+static void wrong_op_order_is_refused(void **state)
+{
+    (void)state;
+    epipe_comm *c[2];
+    epipe_stage *st;
+    epipe_op op;
+    int64_t shape[2];
+    DLTensor t = tensor2d(shape, 2, 4);
+    const DLTensor *in;
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&st, c[0], "1f1b", 2), EPIPE_OK);
+    expect_error(st, epipe_stage_send_activation(st, 0, &t), EPIPE_ESTATE, "call next_op first");
+    assert_int_equal(epipe_stage_next_op(st, &op), EPIPE_OK);
+    assert_int_equal(op.kind, EPIPE_OP_FORWARD);
+    assert_int_equal(op.microbatch, 0);
+    expect_error(st, epipe_stage_recv_activation(st, 0, &in), EPIPE_ESTATE, "nothing to receive");
+    expect_error(st, epipe_stage_send_activation(st, 1, &t), EPIPE_ESTATE,
+                 "during the forward of micro-batch 0");
+    expect_error(st, epipe_stage_send_gradient(st, 0, &t), EPIPE_ESTATE, "during the forward");
+    expect_error(st, epipe_stage_next_op(st, &op), EPIPE_ESTATE, "without sending its activation");
+    assert_int_equal(epipe_stage_send_activation(st, 0, &t), EPIPE_OK);
+    expect_error(st, epipe_stage_send_activation(st, 0, &t), EPIPE_ESTATE, "called twice");
+    assert_int_equal(epipe_stage_next_op(st, &op), EPIPE_OK);
+    assert_int_equal(op.kind, EPIPE_OP_FORWARD);
+    /* micro-batch 1 sends another shape than micro-batch 0 did */
+    DLTensor t2 = tensor2d(shape, 3, 4);
+    expect_error(st, epipe_stage_send_activation(st, 1, &t2), EPIPE_EINVAL, "differs in shape");
+    DLTensor bad = tensor2d(shape, 2, 4);
+    bad.dtype.code = kDLInt;
+    expect_error(st, epipe_stage_send_activation(st, 1, &bad), EPIPE_EINVAL, "dtype");
+    expect_error(st, epipe_stage_step(st), EPIPE_ESTATE, "callbacks");
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+}
+
+static void bad_configuration_is_refused(void **state)
+{
+    (void)state;
+    epipe_comm *c[3];
+    epipe_stage *st = NULL;
+    assert_int_equal(epipe_comm_create_inproc(c, 3), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&st, c[1], "zigzag", 4), EPIPE_EINVAL);
+    assert_null(st);
+    assert_non_null(strstr(epipe_last_error(), "zigzag"));
+    assert_int_equal(epipe_stage_create(&st, c[1], "1f1b", 0), EPIPE_EINVAL);
+    assert_int_equal(epipe_stage_create(&st, c[1], "1f1b", 4), EPIPE_OK);
+    expect_error(st, epipe_stage_set_param(st, EPIPE_STAGE_BATCH_SIZE, 10), EPIPE_EINVAL,
+                 "does not divide into 4 micro-batches");
+    expect_error(st, epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, 0, "quant:bits=99"),
+                 EPIPE_EINVAL, "bits");
+    expect_error(st, epipe_stage_set_codec(st, EPIPE_DIR_GRADIENT, 2, "none"), EPIPE_EINVAL,
+                 "boundary 2 does not exist");
+    assert_int_equal(epipe_stage_set_codec(st, EPIPE_DIR_GRADIENT, 1, "cast:dtype=bf16"),
+                     EPIPE_OK);
+    epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
+    expect_error(st, epipe_stage_set_callbacks(st, &cb), EPIPE_EINVAL, "required");
+    cb.struct_size = 4096;
+    expect_error(st, epipe_stage_set_callbacks(st, &cb), EPIPE_EINVAL, "struct_size");
+    epipe_stage_stats stats = {0};
+    assert_int_equal(epipe_stage_get_stats(st, &stats), EPIPE_EINVAL);
+    epipe_stage_destroy(st);
+    for (int i = 0; i < 3; i++)
+        epipe_comm_destroy(c[i]);
+}
+
+/* A receive with no sender times out; one from a rank that left or was
+ * aborted fails at once with EPIPE_EPEER. */
+static void dead_or_silent_peers(void **state)
+{
+    (void)state;
+    epipe_comm *c[2];
+    epipe_stage *st;
+    epipe_op op;
+    const DLTensor *in;
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&st, c[1], "gpipe", 1), EPIPE_OK);
+    assert_int_equal(epipe_stage_set_param(st, EPIPE_STAGE_TIMEOUT_MS, 50), EPIPE_OK);
+    assert_int_equal(epipe_stage_next_op(st, &op), EPIPE_OK);
+    expect_error(st, epipe_stage_recv_activation(st, 0, &in), EPIPE_ETIMEDOUT, "within 50 ms");
+    epipe_comm_abort(c[0]);
+    expect_error(st, epipe_stage_recv_activation(st, 0, &in), EPIPE_EPEER, "rank 0 failed");
+    epipe_comm_destroy(c[0]);
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(c[1]);
+
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&st, c[1], "gpipe", 1), EPIPE_OK);
+    epipe_comm_destroy(c[0]);
+    assert_int_equal(epipe_stage_next_op(st, &op), EPIPE_OK);
+    expect_error(st, epipe_stage_recv_activation(st, 0, &in), EPIPE_EPEER, "rank 0 left");
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(c[1]);
+}
+
+static int failing_forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
+{
+    (void)user, (void)in, (void)out;
+    return mb == 1 ? 42 : 0;
+}
+
+static int noop_backward(void *user, unsigned mb, const DLTensor *g, const DLTensor **gin)
+{
+    (void)user, (void)mb, (void)g, (void)gin;
+    return 0;
+}
+
+static void failing_callback_stops_the_pipeline(void **state)
+{
+    (void)state;
+    epipe_comm *c[1];
+    epipe_stage *st;
+    assert_int_equal(epipe_comm_create_inproc(c, 1), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&st, c[0], "1f1b", 2), EPIPE_OK);
+    epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
+    cb.forward = failing_forward;
+    cb.backward = noop_backward;
+    assert_int_equal(epipe_stage_set_callbacks(st, &cb), EPIPE_OK);
+    expect_error(st, epipe_stage_step(st), EPIPE_ECALLBACK,
+                 "forward callback of micro-batch 1 returned 42");
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(c[0]);
+}
+
+/* Stages configured with different codecs for one boundary: the receiver
+ * refuses the payload instead of misreading it. */
+static void mismatched_codecs_are_caught(void **state)
+{
+    (void)state;
+    epipe_comm *c[2];
+    epipe_stage *a, *b;
+    epipe_op op;
+    int64_t shape[2];
+    DLTensor t = tensor2d(shape, 2, 4);
+    const DLTensor *in;
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&a, c[0], "gpipe", 1), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&b, c[1], "gpipe", 1), EPIPE_OK);
+    assert_int_equal(epipe_stage_set_codec(a, EPIPE_DIR_ACTIVATION, 0, "cast:dtype=fp16"),
+                     EPIPE_OK);
+    assert_int_equal(epipe_stage_next_op(a, &op), EPIPE_OK);
+    assert_int_equal(epipe_stage_send_activation(a, 0, &t), EPIPE_OK);
+    assert_int_equal(epipe_stage_next_op(b, &op), EPIPE_OK);
+    expect_error(b, epipe_stage_recv_activation(b, 0, &in), EPIPE_EPROTO, "codec id 2 (cast)");
+    epipe_stage_destroy(a);
+    epipe_stage_destroy(b);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+}
+
+/* Forward-only steps (evaluation): forwards run and activations cross,
+ * no backward is called and no gradient is sent. */
+struct count_host {
+    int fwd, bwd;
+    float buf[8];
+    int64_t shape[2];
+    DLTensor t;
+};
+
+static int count_forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
+{
+    struct count_host *h = user;
+    (void)mb, (void)in;
+    h->fwd++;
+    *out = &h->t;
+    return 0;
+}
+
+static int count_backward(void *user, unsigned mb, const DLTensor *g, const DLTensor **gin)
+{
+    struct count_host *h = user;
+    (void)mb, (void)g;
+    h->bwd++;
+    *gin = &h->t;
+    return 0;
+}
+
+struct count_arg {
+    epipe_comm *comm;
+    struct count_host host;
+    epipe_stage_stats stats;
+    int rc, mid_step_rc;
+};
+
+static void *count_thread(void *p)
+{
+    struct count_arg *a = p;
+    epipe_stage *st;
+    a->host.shape[0] = 2, a->host.shape[1] = 4;
+    a->host.t = (DLTensor){.data = a->host.buf, .device = {kDLCPU, 0}, .ndim = 2,
+                           .dtype = {kDLFloat, 32, 1}, .shape = a->host.shape};
+    a->rc = epipe_stage_create(&st, a->comm, "1f1b", 4);
+    epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
+    cb.user = &a->host;
+    cb.forward = count_forward;
+    cb.backward = count_backward;
+    if (!a->rc)
+        a->rc = epipe_stage_set_callbacks(st, &cb);
+    if (!a->rc)
+        a->rc = epipe_stage_step(st); /* one training step */
+    if (!a->rc)
+        a->rc = epipe_stage_set_param(st, EPIPE_STAGE_TRAINING, 0);
+    for (int i = 0; !a->rc && i < 2; i++)
+        a->rc = epipe_stage_step(st); /* two forward-only steps */
+    epipe_op op;
+    if (!a->rc && !(a->rc = epipe_stage_next_op(st, &op))) {
+        a->mid_step_rc = epipe_stage_set_param(st, EPIPE_STAGE_TRAINING, 1);
+        a->rc = epipe_comm_rank(a->comm) == 0 ? epipe_stage_send_activation(st, 0, &a->host.t)
+                                              : EPIPE_OK;
+    }
+    a->stats.struct_size = sizeof a->stats;
+    epipe_stage_get_stats(st, &a->stats);
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(a->comm);
+    return NULL;
+}
+
+static void forward_only_steps(void **state)
+{
+    (void)state;
+    epipe_comm *c[2];
+    struct count_arg a[2];
+    pthread_t tid[2];
+    memset(a, 0, sizeof a);
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    for (int s = 0; s < 2; s++) {
+        a[s].comm = c[s];
+        pthread_create(&tid[s], NULL, count_thread, &a[s]);
+    }
+    for (int s = 0; s < 2; s++)
+        pthread_join(tid[s], NULL);
+    for (int s = 0; s < 2; s++) {
+        assert_int_equal(a[s].rc, EPIPE_OK);
+        assert_int_equal(a[s].host.fwd, 4 + 2 * 4);
+        assert_int_equal(a[s].host.bwd, 4);
+        assert_int_equal(a[s].mid_step_rc, EPIPE_ESTATE);
+    }
+    /* 4 + 8 activations crossed (and one more sent mid-step), 4 gradients */
+    assert_int_equal(a[0].stats.act_sent_raw, 13 * 8 * 4);
+    assert_int_equal(a[0].stats.grad_recv_raw, 4 * 8 * 4);
+    assert_int_equal(a[1].stats.act_recv_raw, 12 * 8 * 4);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(pipelined_equals_single_process),
+        cmocka_unit_test(sortquant_trains_comparably),
+        cmocka_unit_test(statistics_add_up),
+        cmocka_unit_test(trace_file_is_written),
+        cmocka_unit_test(wrong_op_order_is_refused),
+        cmocka_unit_test(bad_configuration_is_refused),
+        cmocka_unit_test(dead_or_silent_peers),
+        cmocka_unit_test(failing_callback_stops_the_pipeline),
+        cmocka_unit_test(mismatched_codecs_are_caught),
+        cmocka_unit_test(forward_only_steps),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

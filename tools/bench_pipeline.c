@@ -1,0 +1,232 @@
+/* epipe-bench pipeline: the stage runtime's cost. Per-op overhead with empty
+ * callbacks, and step time with timed callbacks against the simulator. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <epipe/epipe.h>
+
+#include "bench.h"
+
+struct bench_opts {
+    const char *kind, *codec;
+    unsigned p, m;
+    int steps, json;
+    double fwd_ms, bwd_ms; /* 0: empty callbacks (overhead mode) */
+    int elems;
+};
+
+struct stage_arg {
+    epipe_comm *comm;
+    const struct bench_opts *o;
+    double seconds; /* wall time of the timed steps */
+    int rc;
+    char err[256];
+    float *buf;
+    int64_t shape[2];
+    DLTensor t;
+};
+
+/* Stands for device compute: sleeps to an absolute deadline, so two cores
+ * can host four stages without the stages' "compute" competing for them. */
+static void busy_for(double ms)
+{
+    if (ms <= 0)
+        return;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    long long ns = (long long)ts.tv_nsec + (long long)(ms * 1e6);
+    ts.tv_sec += (time_t)(ns / 1000000000);
+    ts.tv_nsec = (long)(ns % 1000000000);
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0)
+        ;
+}
+
+static int fwd(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
+{
+    struct stage_arg *a = user;
+    (void)mb, (void)in;
+    busy_for(a->o->fwd_ms);
+    *out = &a->t;
+    return 0;
+}
+
+static int bwd(void *user, unsigned mb, const DLTensor *g, const DLTensor **gin)
+{
+    struct stage_arg *a = user;
+    (void)mb, (void)g;
+    busy_for(a->o->bwd_ms);
+    *gin = &a->t;
+    return 0;
+}
+
+static void *stage_main(void *p)
+{
+    struct stage_arg *a = p;
+    const struct bench_opts *o = a->o;
+    epipe_stage *st;
+    a->buf = calloc((size_t)o->elems, sizeof(float));
+    a->shape[0] = 1, a->shape[1] = o->elems;
+    a->t = (DLTensor){.data = a->buf, .device = {kDLCPU, 0}, .ndim = 2,
+                      .dtype = {kDLFloat, 32, 1}, .shape = a->shape};
+    a->rc = epipe_stage_create(&st, a->comm, o->kind, o->m);
+    if (a->rc == EPIPE_OK)
+        a->rc = epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, o->codec);
+    if (a->rc == EPIPE_OK)
+        a->rc = epipe_stage_set_codec(st, EPIPE_DIR_GRADIENT, EPIPE_ALL_BOUNDARIES, o->codec);
+    epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
+    cb.user = a;
+    cb.forward = fwd;
+    cb.backward = bwd;
+    if (a->rc == EPIPE_OK)
+        a->rc = epipe_stage_set_callbacks(st, &cb);
+    int warmup = o->steps / 10 + 1;
+    double t0 = 0;
+    for (int s = 0; a->rc == EPIPE_OK && s < warmup + o->steps; s++) {
+        if (s == warmup)
+            t0 = bench_now();
+        a->rc = epipe_stage_step(st);
+    }
+    a->seconds = bench_now() - t0;
+    if (a->rc) {
+        snprintf(a->err, sizeof a->err, "%s", epipe_stage_last_error(st));
+        epipe_comm_abort(a->comm);
+    }
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(a->comm);
+    free(a->buf);
+    return NULL;
+}
+
+static int simulated_makespan(const struct bench_opts *o, double *ms)
+{
+    epipe_schedule *s;
+    epipe_sim *sim;
+    int rc = epipe_schedule_create(&s, o->kind, o->p, o->m);
+    if (rc)
+        return rc;
+    rc = epipe_sim_create(&sim, s);
+    if (!rc)
+        rc = epipe_sim_set_cost(sim, EPIPE_SIM_FORWARD, EPIPE_SIM_ALL_STAGES, o->fwd_ms);
+    if (!rc)
+        rc = epipe_sim_set_cost(sim, EPIPE_SIM_BACKWARD, EPIPE_SIM_ALL_STAGES, o->bwd_ms);
+    if (!rc)
+        rc = epipe_sim_run(sim);
+    if (!rc)
+        *ms = epipe_sim_makespan(sim);
+    epipe_sim_destroy(sim);
+    epipe_schedule_destroy(s);
+    return rc;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: epipe-bench pipeline [--kind gpipe|1f1b] [-p STAGES] [-m MICROBATCHES]\n"
+            "       [--steps N] [--fwd-ms F --bwd-ms B] [--elems N] [--codec SPEC] [--json]\n\n"
+            "Runs a pipeline of in-process stages (threads). Without --fwd-ms/--bwd-ms the\n"
+            "callbacks do nothing and the result is the runtime's overhead per op\n"
+            "(one op = a forward or backward with its receive and send). With them, each\n"
+            "callback sleeps that long (standing for device compute) and the measured\n"
+            "step time is compared with the simulator's makespan for the same costs.\n");
+}
+
+int bench_pipeline_main(int argc, char **argv)
+{
+    struct bench_opts o = {.kind = "1f1b", .codec = "none", .p = 4, .m = 8, .steps = 0,
+                           .elems = 4};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int more = i + 1 < argc;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--json")) {
+            o.json = 1;
+        } else if (!strcmp(a, "--kind") && more) {
+            o.kind = argv[++i];
+        } else if (!strcmp(a, "--codec") && more) {
+            o.codec = argv[++i];
+        } else if (!strcmp(a, "-p") && more) {
+            o.p = (unsigned)atoi(argv[++i]);
+        } else if (!strcmp(a, "-m") && more) {
+            o.m = (unsigned)atoi(argv[++i]);
+        } else if (!strcmp(a, "--steps") && more) {
+            o.steps = atoi(argv[++i]);
+        } else if (!strcmp(a, "--fwd-ms") && more) {
+            o.fwd_ms = atof(argv[++i]);
+        } else if (!strcmp(a, "--bwd-ms") && more) {
+            o.bwd_ms = atof(argv[++i]);
+        } else if (!strcmp(a, "--elems") && more) {
+            o.elems = atoi(argv[++i]);
+        } else {
+            fprintf(stderr, "epipe-bench pipeline: unknown or incomplete option '%s'\n", a);
+            usage(stderr);
+            return 2;
+        }
+    }
+    int timed = o.fwd_ms > 0 || o.bwd_ms > 0;
+    if (o.p < 1 || o.p > 64 || o.m < 1 || o.elems < 1 || o.fwd_ms < 0 || o.bwd_ms < 0) {
+        fprintf(stderr, "epipe-bench pipeline: need 1 <= p <= 64, m >= 1, elems >= 1, costs >= 0\n");
+        return 2;
+    }
+    if (o.steps <= 0)
+        o.steps = timed ? 20 : 2000;
+    epipe_comm *comms[64];
+    if (epipe_comm_create_inproc(comms, o.p)) {
+        fprintf(stderr, "epipe-bench pipeline: %s\n", epipe_last_error());
+        return 1;
+    }
+    struct stage_arg args[64];
+    pthread_t tid[64];
+    memset(args, 0, sizeof args);
+    for (unsigned s = 0; s < o.p; s++) {
+        args[s].comm = comms[s];
+        args[s].o = &o;
+        pthread_create(&tid[s], NULL, stage_main, &args[s]);
+    }
+    double worst = 0;
+    for (unsigned s = 0; s < o.p; s++) {
+        pthread_join(tid[s], NULL);
+        if (args[s].rc) {
+            fprintf(stderr, "epipe-bench pipeline: stage %u: %s\n", s, args[s].err);
+            return 1;
+        }
+        worst = args[s].seconds > worst ? args[s].seconds : worst;
+    }
+    double step_ms = worst * 1e3 / o.steps;
+    if (!timed) {
+        double us_per_op = step_ms * 1e3 / (2.0 * o.m); /* per stage: m forwards, m backwards */
+        if (o.json)
+            printf("{\"bench\": \"pipeline-overhead\", \"kind\": \"%s\", \"stages\": %u, "
+                   "\"microbatches\": %u, \"steps\": %d, \"elems\": %d, \"codec\": \"%s\", "
+                   "\"step_us\": %.2f, \"us_per_op\": %.3f}\n",
+                   o.kind, o.p, o.m, o.steps, o.elems, o.codec, step_ms * 1e3, us_per_op);
+        else
+            printf("%s, %u stages, %u micro-batches, %d-value tensors, codec %s, empty callbacks:\n"
+                   "  %.1f us a step, %.2f us an op (forward or backward with its receive and send)\n",
+                   o.kind, o.p, o.m, o.elems, o.codec, step_ms * 1e3, us_per_op);
+        return 0;
+    }
+    double sim_ms;
+    if (simulated_makespan(&o, &sim_ms)) {
+        fprintf(stderr, "epipe-bench pipeline: %s\n", epipe_last_error());
+        return 1;
+    }
+    double ideal = (o.m + o.p - 1.0) / o.m * o.m * (o.fwd_ms + o.bwd_ms);
+    if (o.json)
+        printf("{\"bench\": \"pipeline-step\", \"kind\": \"%s\", \"stages\": %u, "
+               "\"microbatches\": %u, \"steps\": %d, \"fwd_ms\": %g, \"bwd_ms\": %g, "
+               "\"codec\": \"%s\", \"measured_step_ms\": %.3f, \"simulated_step_ms\": %.3f, "
+               "\"ratio\": %.4f, \"compute_only_ideal_ms\": %.3f}\n",
+               o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.codec, step_ms, sim_ms,
+               step_ms / sim_ms, ideal);
+    else
+        printf("%s, %u stages, %u micro-batches, forward %g ms, backward %g ms, codec %s:\n"
+               "  measured %.3f ms a step, simulated %.3f ms: ratio %.4f\n",
+               o.kind, o.p, o.m, o.fwd_ms, o.bwd_ms, o.codec, step_ms, sim_ms, step_ms / sim_ms);
+    return 0;
+}
