@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Faults across processes: kill -9 of a stage mid-step (every other rank
+reports EPIPE_EPEER or EPIPE_ETIMEDOUT, epipe-run exits 137), a wrong key
+(EPIPE_EAUTH at init), and the launcher's own duties: prefixes, status,
+signal forwarding."""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+run, trainer = sys.argv[1], sys.argv[2]
+ok = True
+
+
+def fail(msg):
+    global ok
+    print("FAIL:", msg)
+    ok = False
+
+
+def launch(args, timeout=30, env=None):
+    t0 = time.time()
+    r = subprocess.run([run, *args], capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, **(env or {})))
+    return r, time.time() - t0
+
+
+# 1. The launcher: prefixes, the environment, the first failing status.
+r, _ = launch(["-n", "3", "--", "sh", "-c",
+               'echo "hello $EPIPE_RANK/$EPIPE_WORLD_SIZE $EPIPE_MASTER_ADDR"; echo err >&2'])
+for k in range(3):
+    if "[rank %d] hello %d/3 127.0.0.1" % (k, k) not in r.stdout:
+        fail("launcher output lacks rank %d's line:\n%s" % (k, r.stdout))
+    if "[rank %d] err" % k not in r.stderr:
+        fail("launcher stderr lacks rank %d's line:\n%s" % (k, r.stderr))
+if r.returncode != 0:
+    fail("launcher exit %d for ranks that all succeed" % r.returncode)
+r, dt = launch(["-n", "3", "--grace", "0.2", "--", "sh", "-c",
+                'if [ "$EPIPE_RANK" = 1 ]; then exit 7; fi; sleep 20'])
+print("a rank exits 7: launcher exit %d in %.2f s" % (r.returncode, dt))
+if r.returncode != 7 or dt > 5:
+    fail("launcher should exit 7 quickly, got %d after %.1f s: %s" % (r.returncode, dt, r.stderr))
+if r.returncode == 7 and "rank 1 exited with status 7" not in r.stderr:
+    fail("launcher did not say which rank failed: " + r.stderr)
+p = subprocess.Popen([run, "-n", "2", "--", "sleep", "20"], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+time.sleep(0.3)
+t0 = time.time()
+p.send_signal(signal.SIGTERM)
+out, err = p.communicate(timeout=10)
+print("SIGTERM to the launcher: exit %d in %.2f s" % (p.returncode, time.time() - t0))
+if p.returncode != 128 + signal.SIGTERM or time.time() - t0 > 5:
+    fail("SIGTERM not forwarded: exit %d, %s" % (p.returncode, err))
+
+# 2. kill -9 of rank 1 of 3 (of 4) mid-step: the others report the peer.
+for n, victim in ((3, 1), (4, 3)):
+    r, dt = launch(["-n", str(n), "--", trainer, "--steps", "1000000", "--die-rank", str(victim),
+                    "--die-after-ms", "400", "--options", "timeout_ms=3000"], timeout=40)
+    print("kill -9 of rank %d of %d: launcher exit %d in %.2f s" % (victim, n, r.returncode, dt))
+    if r.returncode != 128 + signal.SIGKILL:
+        fail("launcher exit %d, expected %d:\n%s%s" % (r.returncode, 128 + 9, r.stdout, r.stderr))
+    if dt > 15:
+        fail("kill -9: took %.1f s" % dt)
+    for k in range(n):
+        if k == victim:
+            continue
+        line = [l for l in r.stdout.splitlines() if l.startswith("[rank %d] rank %d: training FAILED"
+                                                                 % (k, k))]
+        if not line or not ("EPIPE_EPEER" in line[0] or "EPIPE_ETIMEDOUT" in line[0]):
+            fail("rank %d did not report the dead peer:\n%s%s" % (k, r.stdout, r.stderr))
+        else:
+            print("  " + line[0][:160])
+
+# 3. A wrong key: EPIPE_EAUTH at init on the rank that holds it.
+with tempfile.TemporaryDirectory() as d:
+    for k, text in ((0, "the first secret key, long enough"), (1, "another secret key, long enough")):
+        with open(os.path.join(d, "key%d" % k), "w") as f:
+            f.write(text)
+        os.chmod(os.path.join(d, "key%d" % k), 0o600)
+    r, dt = launch(["-n", "2", "--grace", "5", "--", "sh", "-c",
+                    'EPIPE_AUTH_KEY_FILE=%s/key$EPIPE_RANK exec "$0" "$@"' % d, trainer,
+                    "--options", "init_timeout_ms=1500"], timeout=30)
+    print("wrong key: launcher exit %d in %.2f s" % (r.returncode, dt))
+    if "unknown codec" not in r.stdout and "libsodium" in r.stdout:
+        print("  built without libsodium: EPIPE_ENOTSUP expected")
+        if "EPIPE_ENOTSUP" not in r.stdout:
+            fail("no EPIPE_ENOTSUP:\n" + r.stdout)
+    else:
+        if "[rank 1] init FAILED EPIPE_EAUTH" not in r.stdout:
+            fail("rank 1 should fail with EPIPE_EAUTH:\n%s%s" % (r.stdout, r.stderr))
+        if "[rank 0] init FAILED EPIPE_ETIMEDOUT" not in r.stdout or "key" not in r.stdout:
+            fail("rank 0 should time out naming the refused rank:\n%s%s" % (r.stdout, r.stderr))
+        if r.returncode == 0:
+            fail("a wrong key must fail the launch")
+        for l in r.stdout.splitlines():
+            print("  " + l[:160])
+    # The same key on both: it trains.
+    r, dt = launch(["-n", "2", "--", trainer, "--steps", "3"],
+                   env={"EPIPE_AUTH_KEY_FILE": os.path.join(d, "key0")})
+    print("same key: launcher exit %d in %.2f s" % (r.returncode, dt))
+    if r.returncode != 0 and "libsodium" not in r.stdout:
+        fail("same key should train:\n%s%s" % (r.stdout, r.stderr))
+sys.exit(0 if ok else 1)

@@ -1,0 +1,141 @@
+/* One rank of the test MLP's pipelined training over TCP (the rendezvous
+ * from the environment, as epipe-run sets it), or the one-process reference. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <epipe/epipe.h>
+
+#include "pipeline_host.h"
+
+static void usage(void)
+{
+    fprintf(stderr,
+            "usage: tcp_trainer [--schedule gpipe|1f1b] [--micro M] [--steps N] [--codec SPEC]\n"
+            "                   [--options SPEC] [--out PREFIX] [--die-rank R --die-after-ms MS]\n"
+            "       tcp_trainer --reference P [--micro M] [--steps N] [--out PREFIX]\n"
+            "Trains this rank's stage (rank and size from the environment) and writes its\n"
+            "parameters to PREFIX.stageS; --reference writes the one-process result the same way\n"
+            "for P stages. Exit 0, 2 for usage, 3 when training fails.\n");
+}
+
+/* Parameters of layers [l0, l1) as raw floats: w then b of each layer. */
+static int write_params(const char *prefix, unsigned s, const mlp_layer *layers, int l0, int l1)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s.stage%u", prefix, s);
+    FILE *f = fopen(path, "wb");
+    if (!f)
+        return -1;
+    for (int l = l0; l < l1; l++) {
+        fwrite(layers[l].w, sizeof(float), (size_t)(layers[l].in * layers[l].out), f);
+        fwrite(layers[l].b, sizeof(float), (size_t)layers[l].out, f);
+    }
+    return fclose(f);
+}
+
+static int die_after_ms;
+
+static void *killer(void *arg)
+{
+    (void)arg;
+    struct timespec ts = {die_after_ms / 1000, (die_after_ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    raise(SIGKILL); /* as kill -9 from outside: no cleanup, no goodbye */
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    struct host_config cfg = {.schedule = "1f1b", .microbatches = 4, .steps = 20};
+    const char *codec = NULL, *options = NULL, *out = NULL;
+    int reference = 0, die_rank = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help")) {
+            usage();
+            return 0;
+        }
+        if (!v) {
+            usage();
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "--schedule"))
+            cfg.schedule = v;
+        else if (!strcmp(a, "--micro"))
+            cfg.microbatches = (unsigned)atoi(v);
+        else if (!strcmp(a, "--steps"))
+            cfg.steps = atoi(v);
+        else if (!strcmp(a, "--codec"))
+            codec = v;
+        else if (!strcmp(a, "--options"))
+            options = v;
+        else if (!strcmp(a, "--out"))
+            out = v;
+        else if (!strcmp(a, "--reference"))
+            reference = atoi(v);
+        else if (!strcmp(a, "--die-rank"))
+            die_rank = atoi(v);
+        else if (!strcmp(a, "--die-after-ms"))
+            die_after_ms = atoi(v);
+        else {
+            usage();
+            return 2;
+        }
+    }
+    if (cfg.microbatches < 1 || cfg.microbatches > HOST_MAX_MB || cfg.steps < 1) {
+        usage();
+        return 2;
+    }
+    cfg.act_codec = cfg.grad_codec = codec;
+
+    if (reference > 0) {
+        mlp_layer layers[HOST_MAX_LAYERS];
+        double first, last;
+        host_reference(cfg.microbatches, cfg.steps, layers, &first, &last);
+        for (unsigned s = 0; out && s < (unsigned)reference; s++) {
+            int l0, l1;
+            host_partition(s, (unsigned)reference, &l0, &l1);
+            if (write_params(out, s, layers, l0, l1))
+                return 3;
+        }
+        printf("reference: loss first %.9g last %.9g\n", first, last);
+        for (int l = 0; l < host_nlayers; l++)
+            mlp_layer_free(&layers[l]);
+        return 0;
+    }
+
+    epipe_comm *comm;
+    int rc = epipe_comm_create_from_env(&comm, options);
+    if (rc) {
+        printf("init FAILED %s: %s\n", epipe_status_name(rc), epipe_last_error());
+        return 3;
+    }
+    unsigned rank = epipe_comm_rank(comm), size = epipe_comm_size(comm);
+    if ((int)rank == die_rank) {
+        pthread_t th;
+        pthread_create(&th, NULL, killer, NULL);
+        pthread_detach(th);
+    }
+    struct host_result res;
+    host_run(comm, &cfg, &res); /* destroys comm */
+    if (res.rc) {
+        printf("rank %u: training FAILED %s: %s\n", rank, epipe_status_name(res.rc), res.error);
+        host_result_free(&res);
+        return 3;
+    }
+    if (rank + 1 == size)
+        printf("rank %u: loss first %.9g last %.9g\n", rank, res.first_loss, res.last_loss);
+    printf("rank %u: ok, %llu steps, sent %llu wire bytes\n", rank,
+           (unsigned long long)res.stats.steps,
+           (unsigned long long)(res.stats.act_sent_wire + res.stats.grad_sent_wire));
+    if (out && write_params(out, rank, res.layers, res.l0, res.l1))
+        rc = 3;
+    host_result_free(&res);
+    return rc;
+}

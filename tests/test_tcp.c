@@ -1,0 +1,788 @@
+/* Unit tests of the TCP transport over loopback, ranks as threads: the
+ * environment rendezvous, messages, init failures, faults, authentication. */
+#define _GNU_SOURCE
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <epipe/codec.h>
+#include <epipe/comm.h>
+
+#include "../transport/tcp_impl.h"
+#include "comm/comm_impl.h"
+#include "tensor.h"
+#include "testutil.h"
+#include "wire/crc32c.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static unsigned free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    getsockname(fd, (struct sockaddr *)&a, &len);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+/* ---- groups of ranks as threads ----------------------------------------- */
+
+struct rank_arg {
+    pthread_t th;
+    unsigned rank, size, port;
+    const char *opts;
+    epipe_comm *c;
+    int rc;
+    char err[256];
+    double seconds;
+};
+
+static void *create_thread(void *p)
+{
+    struct rank_arg *a = p;
+    double t0 = now_s();
+    a->rc = epipe_comm_create_tcp(&a->c, a->rank, a->size, "127.0.0.1", a->port, a->opts);
+    a->seconds = now_s() - t0;
+    snprintf(a->err, sizeof a->err, "%s", epipe_last_error());
+    return NULL;
+}
+
+static void start_rank(struct rank_arg *a, unsigned rank, unsigned size, unsigned port,
+                       const char *opts)
+{
+    memset(a, 0, sizeof *a);
+    a->rank = rank, a->size = size, a->port = port, a->opts = opts;
+    assert_int_equal(pthread_create(&a->th, NULL, create_thread, a), 0);
+}
+
+static void make_group(epipe_comm **comms, unsigned size, const char *opts)
+{
+    struct rank_arg a[8];
+    unsigned port = free_port();
+    for (unsigned r = 0; r < size; r++)
+        start_rank(&a[r], r, size, port, opts);
+    for (unsigned r = 0; r < size; r++) {
+        pthread_join(a[r].th, NULL);
+        if (a[r].rc)
+            print_error("rank %u: %s\n", r, a[r].err);
+        assert_int_equal(a[r].rc, EPIPE_OK);
+        comms[r] = a[r].c;
+        assert_string_equal(epipe_comm_transport(comms[r]), "tcp");
+        assert_int_equal(epipe_comm_rank(comms[r]), r);
+        assert_int_equal(epipe_comm_size(comms[r]), size);
+    }
+}
+
+/* An activation message of n floats from src to dst, made as the stage does. */
+static epipe_msg *make_act(unsigned src, unsigned dst, uint64_t step, uint32_t mb, size_t n,
+                           uint64_t seed)
+{
+    epipe_codec *codec;
+    assert_int_equal(epipe_codec_create(&codec, "none"), EPIPE_OK);
+    float *x = malloc(n * sizeof *x);
+    test_fill(x, n, DIST_NORMAL, seed);
+    int64_t shape;
+    DLTensor t = test_view_f32(x, &shape, n);
+    size_t cap, len;
+    assert_int_equal(epipe_codec_max_encoded_size(codec, &t, &cap), EPIPE_OK);
+    epipe_msg *m = epipe_msg_new(cap);
+    assert_non_null(m);
+    assert_int_equal(epipe_codec_encode(codec, &t, epipe_msg_payload(m), cap, &len), EPIPE_OK);
+    const uint8_t *p = epipe_msg_payload(m);
+    memset(&m->hdr, 0, sizeof m->hdr);
+    m->hdr.kind = EPIPE_WIRE_ACTIVATION;
+    m->hdr.dtype = p[2];
+    m->hdr.ndim = 1;
+    m->hdr.shape[0] = n;
+    m->hdr.codec_id = p[0];
+    m->hdr.codec_param = epipe_get_u32(p + 4);
+    m->hdr.micro_batch = mb;
+    m->hdr.step = step;
+    m->hdr.src_stage = src;
+    m->hdr.dst_stage = dst;
+    assert_int_equal(epipe_msg_seal(m, len), EPIPE_OK);
+    free(x);
+    epipe_codec_destroy(codec);
+    return m;
+}
+
+static void check_act(epipe_msg *m, size_t n, uint64_t seed)
+{
+    float *want = malloc(n * sizeof *want);
+    test_fill(want, n, DIST_NORMAL, seed);
+    assert_int_equal(m->hdr.shape[0], n);
+    /* codec none: the floats follow the 16-byte codec payload header */
+    assert_memory_equal(m->data + m->hdr.header_len + 16, want, n * sizeof *want);
+    free(want);
+}
+
+static void recv_act(epipe_comm *c, unsigned peer, uint64_t step, uint32_t mb, size_t n,
+                     uint64_t seed)
+{
+    epipe_msg *m;
+    int rc = epipe_comm_recv(c, peer, EPIPE_WIRE_ACTIVATION, step, mb, 5000, &m);
+    if (rc)
+        print_error("%s\n", epipe_comm_last_error(c));
+    assert_int_equal(rc, EPIPE_OK);
+    check_act(m, n, seed);
+    epipe_msg_free(m);
+}
+
+/* ---- rendezvous from the environment ----------------------------------- */
+
+static const char *all_vars[] = {
+    "EPIPE_RANK", "EPIPE_WORLD_SIZE", "EPIPE_MASTER_ADDR", "EPIPE_MASTER_PORT", "RANK",
+    "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS", "SLURM_PROCID",
+    "SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_NNODES",
+    "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", "EPIPE_TIMEOUT_MS", "EPIPE_TCP_STREAMS",
+    "EPIPE_AUTH_KEY_FILE", "EPIPE_IFNAME", "EPIPE_LISTEN_ADDR", "EPIPE_TCP_TOPOLOGY",
+    "EPIPE_INIT_TIMEOUT_MS", "EPIPE_HEARTBEAT_MS",
+};
+
+static void clear_env(void)
+{
+    for (size_t i = 0; i < sizeof all_vars / sizeof all_vars[0]; i++)
+        unsetenv(all_vars[i]);
+}
+
+static void test_env_precedence(void **state)
+{
+    (void)state;
+    epipe_rdv_env e;
+    clear_env();
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "EPIPE_RANK"));
+
+    /* Slurm alone: first host of the node list, port from the job id. */
+    setenv("SLURM_PROCID", "3", 1);
+    setenv("SLURM_NTASKS", "8", 1);
+    setenv("SLURM_JOB_NODELIST", "gpu[07-09,12],cpu1", 1);
+    setenv("SLURM_NNODES", "4", 1);
+    setenv("SLURM_JOB_ID", "123456", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_int_equal(e.rank, 3);
+    assert_int_equal(e.size, 8);
+    assert_string_equal(e.master_addr, "gpu07");
+    assert_int_equal(e.master_port, EPIPE_TCP_DEFAULT_PORT + 456);
+    assert_non_null(strstr(e.source, "Slurm"));
+    setenv("SLURM_NNODES", "1", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_string_equal(e.master_addr, "127.0.0.1");
+
+    /* PMI wins over Slurm (srun --mpi=pmi2 sets both). */
+    setenv("PMI_RANK", "1", 1);
+    setenv("PMI_SIZE", "2", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_int_equal(e.rank, 1);
+    assert_int_equal(e.size, 2);
+    assert_non_null(strstr(e.source, "PMI"));
+
+    /* Open MPI over PMI; one node means the local host; multi-node needs
+     * an address (here the Slurm node list gives one). */
+    setenv("OMPI_COMM_WORLD_RANK", "2", 1);
+    setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_int_equal(e.rank, 2);
+    assert_non_null(strstr(e.source, "Open MPI"));
+    assert_string_equal(e.master_addr, "127.0.0.1");
+    assert_int_equal(e.master_port, EPIPE_TCP_DEFAULT_PORT);
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+    unsetenv("SLURM_JOB_NODELIST");
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "EPIPE_MASTER_ADDR"));
+    setenv("EPIPE_MASTER_ADDR", "10.1.2.3", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_string_equal(e.master_addr, "10.1.2.3");
+
+    /* torchrun over Open MPI: MASTER_PORT + 1, EPIPE_MASTER_ADDR still wins. */
+    setenv("RANK", "1", 1);
+    setenv("WORLD_SIZE", "3", 1);
+    setenv("MASTER_ADDR", "node0", 1);
+    setenv("MASTER_PORT", "29500", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_int_equal(e.rank, 1);
+    assert_int_equal(e.size, 3);
+    assert_non_null(strstr(e.source, "torchrun"));
+    assert_string_equal(e.master_addr, "10.1.2.3");
+    assert_int_equal(e.master_port, 29501);
+    unsetenv("EPIPE_MASTER_ADDR");
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_string_equal(e.master_addr, "node0");
+    setenv("EPIPE_MASTER_PORT", "4000", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_int_equal(e.master_port, 4000);
+
+    /* Ours over everything. */
+    setenv("EPIPE_RANK", "0", 1);
+    setenv("EPIPE_WORLD_SIZE", "5", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_int_equal(e.rank, 0);
+    assert_int_equal(e.size, 5);
+    assert_string_equal(e.source, "EPIPE_RANK/EPIPE_WORLD_SIZE");
+
+    /* Errors name the variable. */
+    unsetenv("EPIPE_WORLD_SIZE");
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "EPIPE_WORLD_SIZE"));
+    setenv("EPIPE_WORLD_SIZE", "5", 1);
+    setenv("EPIPE_RANK", "5", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    setenv("EPIPE_RANK", "x1", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "EPIPE_RANK"));
+    setenv("EPIPE_RANK", "1", 1);
+    setenv("EPIPE_MASTER_PORT", "70000", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    clear_env();
+}
+
+static void test_first_host(void **state)
+{
+    (void)state;
+    char h[64];
+    assert_int_equal(epipe_rdv_first_host("node1", h, sizeof h), EPIPE_OK);
+    assert_string_equal(h, "node1");
+    assert_int_equal(epipe_rdv_first_host("n[3-5]", h, sizeof h), EPIPE_OK);
+    assert_string_equal(h, "n3");
+    assert_int_equal(epipe_rdv_first_host("a[010,2]-ib,b1", h, sizeof h), EPIPE_OK);
+    assert_string_equal(h, "a010-ib");
+    assert_int_equal(epipe_rdv_first_host("x,y", h, sizeof h), EPIPE_OK);
+    assert_string_equal(h, "x");
+    assert_int_equal(epipe_rdv_first_host("n[1-2", h, sizeof h), EPIPE_EINVAL);
+    assert_int_equal(epipe_rdv_first_host("", h, sizeof h), EPIPE_EINVAL);
+}
+
+static void test_options(void **state)
+{
+    (void)state;
+    epipe_tcp_opts o;
+    clear_env();
+    assert_int_equal(epipe_tcp_opts_parse(&o, NULL), EPIPE_OK);
+    assert_int_equal(o.timeout_ms, 30000);
+    assert_int_equal(o.streams, 1);
+    assert_int_equal(o.mesh, 0);
+    setenv("EPIPE_TIMEOUT_MS", "1500", 1);
+    setenv("EPIPE_TCP_STREAMS", "3", 1);
+    assert_int_equal(epipe_tcp_opts_parse(&o, "streams=2,topology=mesh,key_file=/k"), EPIPE_OK);
+    assert_int_equal(o.timeout_ms, 1500);
+    assert_int_equal(o.streams, 2);
+    assert_int_equal(o.mesh, 1);
+    assert_string_equal(o.key_file, "/k");
+    assert_int_equal(epipe_tcp_opts_parse(&o, "bogus=1"), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "bogus"));
+    assert_int_equal(epipe_tcp_opts_parse(&o, "streams=9"), EPIPE_EINVAL);
+    assert_int_equal(epipe_tcp_opts_parse(&o, "streams"), EPIPE_EINVAL);
+    setenv("EPIPE_TIMEOUT_MS", "-4", 1);
+    assert_int_equal(epipe_tcp_opts_parse(&o, NULL), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "EPIPE_TIMEOUT_MS"));
+    clear_env();
+    epipe_comm *c = (epipe_comm *)1;
+    assert_int_equal(epipe_comm_create_tcp(&c, 2, 2, "127.0.0.1", 1, NULL), EPIPE_EINVAL);
+    assert_null(c);
+    assert_int_equal(epipe_comm_create_tcp(&c, 0, 2, NULL, 1, NULL), EPIPE_EINVAL);
+    assert_int_equal(epipe_comm_create_from_env(&c, NULL), EPIPE_EINVAL);
+    /* A group of one needs no sockets. */
+    assert_int_equal(epipe_comm_create_tcp(&c, 0, 1, NULL, 0, NULL), EPIPE_OK);
+    assert_int_equal(epipe_comm_size(c), 1);
+    epipe_comm_destroy(c);
+}
+
+static void test_from_env(void **state)
+{
+    (void)state;
+    clear_env();
+    char port[16];
+    snprintf(port, sizeof port, "%u", free_port());
+    setenv("EPIPE_MASTER_PORT", port, 1);
+    setenv("EPIPE_WORLD_SIZE", "1", 1);
+    setenv("EPIPE_RANK", "0", 1);
+    epipe_comm *c;
+    assert_int_equal(epipe_comm_create_from_env(&c, "timeout_ms=2000"), EPIPE_OK);
+    assert_int_equal(epipe_comm_size(c), 1);
+    epipe_comm_destroy(c);
+    clear_env();
+}
+
+/* ---- messages ----------------------------------------------------------- */
+
+static void test_two_ranks(void **state)
+{
+    (void)state;
+    epipe_comm *c[2];
+    make_group(c, 2, "timeout_ms=5000");
+    /* Out of order: matched by step and micro-batch, not arrival. */
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 7, 1, 100, 11)), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 7, 0, 100, 10)), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[1], 0, make_act(1, 0, 7, 0, 3, 12)), EPIPE_OK);
+    recv_act(c[1], 0, 7, 0, 100, 10);
+    recv_act(c[1], 0, 7, 1, 100, 11);
+    recv_act(c[0], 1, 7, 0, 3, 12);
+    /* Large messages both ways at once. */
+    size_t big = 3u << 20;
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 8, 0, big, 20)), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[1], 0, make_act(1, 0, 8, 0, big, 21)), EPIPE_OK);
+    recv_act(c[0], 1, 8, 0, big, 21);
+    recv_act(c[1], 0, 8, 0, big, 20);
+    /* Nothing arrives: a timeout, not a hang. */
+    epipe_msg *m;
+    assert_int_equal(epipe_comm_recv(c[1], 0, EPIPE_WIRE_ACTIVATION, 9, 0, 50, &m), EPIPE_ETIMEDOUT);
+    /* Messages sent just before destroy are flushed; then the peer is gone. */
+    for (uint32_t i = 0; i < 8; i++)
+        assert_int_equal(epipe_comm_send(c[1], 0, make_act(1, 0, 10, i, 50000, 30 + i)), EPIPE_OK);
+    epipe_comm_destroy(c[1]);
+    for (uint32_t i = 0; i < 8; i++)
+        recv_act(c[0], 1, 10, i, 50000, 30 + i);
+    double t0 = now_s();
+    assert_int_equal(epipe_comm_recv(c[0], 1, EPIPE_WIRE_ACTIVATION, 11, 0, 5000, &m), EPIPE_EPEER);
+    assert_true(now_s() - t0 < 3.0); /* at once; generous for loaded CI */
+    assert_non_null(strstr(epipe_comm_last_error(c[0]), "rank 1 left"));
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 11, 0, 4, 1)), EPIPE_EPEER);
+    epipe_comm_destroy(c[0]);
+}
+
+static void test_streams_mesh(void **state)
+{
+    (void)state;
+    epipe_comm *c[4];
+    make_group(c, 4, "streams=3,topology=mesh,timeout_ms=5000");
+    for (unsigned s = 0; s < 4; s++)
+        for (unsigned d = 0; d < 4; d++)
+            if (s != d)
+                for (uint32_t mb = 0; mb < 6; mb++)
+                    assert_int_equal(epipe_comm_send(c[s], d, make_act(s, d, 1, mb, 20000 + 100 * s,
+                                                                         s * 100 + d * 10 + mb)),
+                                     EPIPE_OK);
+    for (unsigned d = 0; d < 4; d++)
+        for (unsigned s = 0; s < 4; s++)
+            if (s != d)
+                for (uint32_t mb = 6; mb-- > 0;)
+                    recv_act(c[d], s, 1, mb, 20000 + 100 * s, s * 100 + d * 10 + mb);
+    for (unsigned r = 0; r < 4; r++)
+        epipe_comm_destroy(c[r]);
+}
+
+static void test_pipeline_topology(void **state)
+{
+    (void)state;
+    epipe_comm *c[4];
+    make_group(c, 4, "timeout_ms=5000,streams=2");
+    /* Neighbours and rank 0 are joined; 1 and 3 are not. */
+    assert_int_equal(epipe_comm_send(c[3], 0, make_act(3, 0, 1, 0, 10, 1)), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[2], 3, make_act(2, 3, 1, 0, 10, 2)), EPIPE_OK);
+    recv_act(c[0], 3, 1, 0, 10, 1);
+    recv_act(c[3], 2, 1, 0, 10, 2);
+    assert_int_equal(epipe_comm_send(c[1], 3, make_act(1, 3, 1, 0, 10, 3)), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_comm_last_error(c[1]), "topology"));
+    /* Rank 3 aborts: rank 1, not joined to it, hears through rank 0. */
+    epipe_comm_abort(c[3]);
+    epipe_msg *m;
+    double t0 = now_s();
+    assert_int_equal(epipe_comm_recv(c[2], 3, EPIPE_WIRE_GRADIENT, 1, 0, 5000, &m), EPIPE_EPEER);
+    assert_non_null(strstr(epipe_comm_last_error(c[2]), "aborted"));
+    assert_int_equal(epipe_comm_recv(c[1], 3, EPIPE_WIRE_GRADIENT, 1, 0, 5000, &m), EPIPE_EPEER);
+    assert_non_null(strstr(epipe_comm_last_error(c[1]), "rank 3 failed"));
+    assert_true(now_s() - t0 < 3.0);
+    for (unsigned r = 0; r < 4; r++)
+        epipe_comm_destroy(c[r]);
+}
+
+/* ---- init failures ------------------------------------------------------ */
+
+static void test_port_in_use(void **state)
+{
+    (void)state;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(listen(fd, 4), 0);
+    getsockname(fd, (struct sockaddr *)&a, &len);
+    epipe_comm *c;
+    int rc = epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", ntohs(a.sin_port), "init_timeout_ms=2000");
+    assert_int_equal(rc, EPIPE_EIO);
+    assert_null(c);
+    assert_non_null(strstr(epipe_last_error(), "in use"));
+    close(fd);
+}
+
+static void test_unreachable_master(void **state)
+{
+    (void)state;
+    epipe_comm *c;
+    double t0 = now_s();
+    int rc = epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", free_port(), "init_timeout_ms=400");
+    print_message("%s\n", epipe_last_error());
+    assert_int_equal(rc, EPIPE_ETIMEDOUT);
+    assert_true(now_s() - t0 < 3.0);
+    assert_non_null(strstr(epipe_last_error(), "master"));
+    assert_non_null(strstr(epipe_last_error(), "refused"));
+}
+
+static void test_world_size_mismatch(void **state)
+{
+    (void)state;
+    struct rank_arg a0, a1;
+    unsigned port = free_port();
+    start_rank(&a0, 0, 2, port, "init_timeout_ms=3000");
+    start_rank(&a1, 1, 3, port, "init_timeout_ms=3000");
+    pthread_join(a0.th, NULL);
+    pthread_join(a1.th, NULL);
+    assert_int_equal(a0.rc, EPIPE_EINVAL);
+    assert_int_equal(a1.rc, EPIPE_EINVAL);
+    assert_non_null(strstr(a0.err, "world size"));
+    assert_non_null(strstr(a1.err, "world size"));
+    assert_true(a0.seconds < 2.5 && a1.seconds < 2.5);
+}
+
+/* Captures what libepipe logs to stderr. */
+static int saved_stderr = -1;
+static FILE *capture;
+
+static void capture_begin(void)
+{
+    fflush(stderr);
+    capture = tmpfile();
+    saved_stderr = dup(2);
+    dup2(fileno(capture), 2);
+}
+
+static char *capture_end(void)
+{
+    fflush(stderr);
+    dup2(saved_stderr, 2);
+    close(saved_stderr);
+    static char buf[8192];
+    rewind(capture);
+    size_t n = fread(buf, 1, sizeof buf - 1, capture);
+    buf[n] = '\0';
+    fclose(capture);
+    fprintf(stderr, "%s", buf); /* keep it visible in the test log */
+    return buf;
+}
+
+static int connect_to(unsigned port)
+{
+    for (int i = 0; i < 200; i++) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0)
+            return fd;
+        close(fd);
+        usleep(10000);
+    }
+    fail_msg("cannot connect to port %u", port);
+    return -1;
+}
+
+static void test_garbage_and_version(void **state)
+{
+    (void)state;
+    capture_begin();
+    struct rank_arg a0, a1;
+    unsigned port = free_port();
+    start_rank(&a0, 0, 2, port, "init_timeout_ms=5000");
+    /* Garbage, then a message of another wire version, then silence. */
+    int g = connect_to(port);
+    const char junk[] = "GET / HTTP/1.0\r\n\r\n";
+    assert_true(write(g, junk, sizeof junk) > 0);
+    uint8_t hdr[EPIPE_WIRE_HEADER_SIZE];
+    epipe_wire_header h;
+    memset(&h, 0, sizeof h);
+    h.kind = EPIPE_WIRE_HELLO;
+    h.src_stage = 1;
+    assert_int_equal(epipe_wire_encode_header(&h, hdr, sizeof hdr), EPIPE_OK);
+    hdr[4] = 2; /* version 2, and a header CRC that matches it */
+    uint32_t crc = epipe_crc32c(0, hdr, sizeof hdr - 4);
+    memcpy(hdr + sizeof hdr - 4, &crc, 4);
+    int v = connect_to(port);
+    assert_true(write(v, hdr, sizeof hdr) == (ssize_t)sizeof hdr);
+    int silent = connect_to(port);
+    usleep(100000);
+    start_rank(&a1, 1, 2, port, "init_timeout_ms=5000");
+    pthread_join(a0.th, NULL);
+    pthread_join(a1.th, NULL);
+    char *log = capture_end();
+    assert_int_equal(a0.rc, EPIPE_OK);
+    assert_int_equal(a1.rc, EPIPE_OK);
+    assert_non_null(strstr(log, "refused the connection"));
+    assert_non_null(strstr(log, "magic"));
+    assert_non_null(strstr(log, "wire version 2"));
+    epipe_comm_destroy(a0.c);
+    epipe_comm_destroy(a1.c);
+    close(g);
+    close(v);
+    close(silent);
+}
+
+/* A master that answers in wire version 2: the client says so. */
+static void *fake_master(void *p)
+{
+    int lfd = *(int *)p;
+    int fd = accept(lfd, NULL, NULL);
+    uint8_t buf[4096];
+    ssize_t n = read(fd, buf, sizeof buf);
+    (void)n;
+    uint8_t hdr[EPIPE_WIRE_HEADER_SIZE];
+    epipe_wire_header h;
+    memset(&h, 0, sizeof h);
+    h.kind = EPIPE_WIRE_HELLO;
+    epipe_wire_encode_header(&h, hdr, sizeof hdr);
+    hdr[4] = 2;
+    uint32_t crc = epipe_crc32c(0, hdr, sizeof hdr - 4);
+    memcpy(hdr + sizeof hdr - 4, &crc, 4);
+    n = write(fd, hdr, sizeof hdr);
+    usleep(200000);
+    close(fd);
+    return NULL;
+}
+
+static void test_master_version(void **state)
+{
+    (void)state;
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+    listen(lfd, 4);
+    getsockname(lfd, (struct sockaddr *)&a, &len);
+    pthread_t th;
+    pthread_create(&th, NULL, fake_master, &lfd);
+    epipe_comm *c;
+    int rc = epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", ntohs(a.sin_port), "init_timeout_ms=3000");
+    pthread_join(th, NULL);
+    close(lfd);
+    print_message("%s\n", epipe_last_error());
+    assert_int_equal(rc, EPIPE_EVERSION);
+    assert_non_null(strstr(epipe_last_error(), "version 2"));
+    assert_non_null(strstr(epipe_last_error(), "master"));
+}
+
+/* ---- authentication ----------------------------------------------------- */
+
+static void write_key(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+static void test_auth(void **state)
+{
+    (void)state;
+    char ka[] = "/tmp/epipe-key-a-XXXXXX", kb[] = "/tmp/epipe-key-b-XXXXXX";
+    close(mkstemp(ka));
+    close(mkstemp(kb));
+    write_key(ka, "correct horse battery staple, 32+");
+    write_key(kb, "a different secret of some length");
+    char oa[128], ob[128];
+    snprintf(oa, sizeof oa, "init_timeout_ms=1500,key_file=%s", ka);
+    snprintf(ob, sizeof ob, "init_timeout_ms=1500,key_file=%s", kb);
+#ifdef EPIPE_HAVE_SODIUM
+    /* The same key: a working group. */
+    epipe_comm *c[3];
+    make_group(c, 3, oa);
+    assert_int_equal(epipe_comm_send(c[2], 1, make_act(2, 1, 1, 0, 1000, 5)), EPIPE_OK);
+    recv_act(c[1], 2, 1, 0, 1000, 5);
+    for (int r = 0; r < 3; r++)
+        epipe_comm_destroy(c[r]);
+
+    /* A wrong key: refused on both sides, and rank 0 says why. */
+    capture_begin();
+    struct rank_arg a0, a1;
+    unsigned port = free_port();
+    start_rank(&a0, 0, 2, port, oa);
+    start_rank(&a1, 1, 2, port, ob);
+    pthread_join(a0.th, NULL);
+    pthread_join(a1.th, NULL);
+    char *log = capture_end();
+    assert_int_equal(a1.rc, EPIPE_EAUTH);
+    assert_non_null(strstr(a1.err, "key"));
+    assert_int_equal(a0.rc, EPIPE_ETIMEDOUT);
+    assert_non_null(strstr(a0.err, "refused"));
+    assert_non_null(strstr(log, "refused"));
+
+    /* No key against a keyed rank 0. */
+    port = free_port();
+    start_rank(&a0, 0, 2, port, oa);
+    start_rank(&a1, 1, 2, port, "init_timeout_ms=1500");
+    pthread_join(a0.th, NULL);
+    pthread_join(a1.th, NULL);
+    assert_int_equal(a1.rc, EPIPE_EAUTH);
+    assert_non_null(strstr(a1.err, "requires"));
+    assert_int_equal(a0.rc, EPIPE_ETIMEDOUT);
+
+    /* A key file too short to be a key. */
+    write_key(kb, "short");
+    epipe_comm *x;
+    assert_int_equal(epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", free_port(), ob), EPIPE_EINVAL);
+#else
+    epipe_comm *x;
+    assert_int_equal(epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", free_port(), oa), EPIPE_ENOTSUP);
+    assert_non_null(strstr(epipe_last_error(), "libsodium"));
+#endif
+    unlink(ka);
+    unlink(kb);
+}
+
+/* ---- faults after init -------------------------------------------------- */
+
+static void test_corrupted_message(void **state)
+{
+    (void)state;
+    epipe_comm *c[2];
+    make_group(c, 2, "timeout_ms=5000");
+    epipe_msg *m = make_act(1, 0, 3, 0, 1000, 7);
+    m->data[m->len - 5] ^= 0x20; /* a flipped bit in the payload */
+    capture_begin();
+    assert_int_equal(epipe_tcp_debug_send_raw(c[1], 0, m->data, m->len, 0), EPIPE_OK);
+    epipe_msg_free(m);
+    epipe_msg *got;
+    int rc = epipe_comm_recv(c[0], 1, EPIPE_WIRE_ACTIVATION, 3, 0, 5000, &got);
+    char *log = capture_end();
+    assert_int_equal(rc, EPIPE_ECHECKSUM);
+    assert_non_null(strstr(epipe_comm_last_error(c[0]), "rank 1"));
+    assert_non_null(strstr(epipe_comm_last_error(c[0]), "CRC"));
+    assert_non_null(strstr(log, "rank 1 failed"));
+    /* Rank 1 learns its peer cut it off. */
+    rc = epipe_comm_recv(c[1], 0, EPIPE_WIRE_GRADIENT, 3, 0, 5000, &got);
+    assert_int_equal(rc, EPIPE_EPEER);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+}
+
+/* Small and large (checksummed by the helper thread, which must let go). */
+static void cut_mid_message(size_t floats)
+{
+    epipe_comm *c[2];
+    make_group(c, 2, "timeout_ms=5000");
+    epipe_msg *m = make_act(1, 0, 3, 0, floats, 7);
+    assert_int_equal(epipe_tcp_debug_send_raw(c[1], 0, m->data, m->len / 2, 1), EPIPE_OK);
+    epipe_msg_free(m);
+    epipe_msg *got;
+    double t0 = now_s();
+    int rc = epipe_comm_recv(c[0], 1, EPIPE_WIRE_ACTIVATION, 3, 0, 5000, &got);
+    assert_int_equal(rc, EPIPE_EPEER);
+    assert_true(now_s() - t0 < 3.0); /* at once; generous for loaded CI */
+    assert_non_null(strstr(epipe_comm_last_error(c[0]), "middle of a message"));
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+}
+
+static void test_cut_mid_message(void **state)
+{
+    (void)state;
+    cut_mid_message(100000);
+    cut_mid_message(3u << 20);
+}
+
+/* A peer that stops (SIGSTOP) sends no heartbeats: found within the timeout. */
+static void test_silent_peer(void **state)
+{
+    (void)state;
+    unsigned port = free_port();
+    pid_t pid = fork();
+    if (pid == 0) {
+        epipe_comm *c;
+        if (epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", port, "timeout_ms=600,init_timeout_ms=5000"))
+            _exit(1);
+        for (;;)
+            pause();
+    }
+    epipe_comm *c;
+    assert_int_equal(epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", port,
+                                           "timeout_ms=600,init_timeout_ms=5000"), EPIPE_OK);
+    epipe_msg *m;
+    /* Alive and idle: heartbeats keep it up past the timeout. */
+    assert_int_equal(epipe_comm_recv(c, 1, EPIPE_WIRE_ACTIVATION, 0, 0, 1500, &m), EPIPE_ETIMEDOUT);
+    assert_non_null(strstr(epipe_comm_last_error(c), "within 1500 ms"));
+    kill(pid, SIGSTOP);
+    double t0 = now_s();
+    int rc = epipe_comm_recv(c, 1, EPIPE_WIRE_ACTIVATION, 0, 0, 10000, &m);
+    double dt = now_s() - t0;
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    assert_int_equal(rc, EPIPE_ETIMEDOUT);
+    assert_non_null(strstr(epipe_comm_last_error(c), "nothing heard"));
+    assert_true(dt < 3.0);
+    epipe_comm_destroy(c);
+}
+
+/* kill -9 of a peer: the other side's receive fails at once. */
+static void test_killed_peer(void **state)
+{
+    (void)state;
+    unsigned port = free_port();
+    pid_t pid = fork();
+    if (pid == 0) {
+        epipe_comm *c;
+        if (epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", port, "init_timeout_ms=5000"))
+            _exit(1);
+        for (;;)
+            pause();
+    }
+    epipe_comm *c;
+    assert_int_equal(epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", port, "init_timeout_ms=5000"),
+                     EPIPE_OK);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    epipe_msg *m;
+    double t0 = now_s();
+    int rc = epipe_comm_recv(c, 1, EPIPE_WIRE_GRADIENT, 0, 0, 10000, &m);
+    assert_int_equal(rc, EPIPE_EPEER);
+    assert_true(now_s() - t0 < 3.0); /* at once; generous for loaded CI */
+    assert_non_null(strstr(epipe_comm_last_error(c), "without a goodbye"));
+    epipe_comm_destroy(c);
+}
+
+int main(int argc, char **argv)
+{
+    signal(SIGPIPE, SIG_IGN);
+    if (argc > 1) /* one test by name (a pattern), for valgrind and debugging */
+        cmocka_set_test_filter(argv[1]);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_env_precedence),
+        cmocka_unit_test(test_first_host),
+        cmocka_unit_test(test_options),
+        cmocka_unit_test(test_from_env),
+        cmocka_unit_test(test_two_ranks),
+        cmocka_unit_test(test_streams_mesh),
+        cmocka_unit_test(test_pipeline_topology),
+        cmocka_unit_test(test_port_in_use),
+        cmocka_unit_test(test_unreachable_master),
+        cmocka_unit_test(test_world_size_mismatch),
+        cmocka_unit_test(test_garbage_and_version),
+        cmocka_unit_test(test_master_version),
+        cmocka_unit_test(test_auth),
+        cmocka_unit_test(test_corrupted_message),
+        cmocka_unit_test(test_cut_mid_message),
+        cmocka_unit_test(test_silent_peer),
+        cmocka_unit_test(test_killed_peer),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

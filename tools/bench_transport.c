@@ -1,0 +1,443 @@
+/* epipe-bench transport: TCP transport throughput and one-way latency over
+ * loopback, each against a raw-socket stream of the same sizes in one run. */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <epipe/epipe.h>
+
+#include "bench.h"
+#include "comm/comm_impl.h"
+#include "tensor.h"
+
+struct cfg {
+    size_t sizes[32];
+    int nsizes;
+    int json, quick, reps;
+    unsigned streams;
+    int spin_us;
+};
+
+struct peer {
+    int rank;
+    epipe_comm *comm;
+    int raw;          /* raw socket to the other process */
+    epipe_codec *none;
+    float *src;       /* the tensor sent, largest size */
+    uint8_t *rawbuf;  /* raw socket buffer, largest size */
+    uint32_t phase;   /* tags every phase's messages (micro-batch field) */
+};
+
+static int parse_size(const char *s, size_t *out)
+{
+    char *end;
+    double v = strtod(s, &end);
+    size_t mul = 1;
+    if (*end == 'K' || *end == 'k')
+        mul = 1024, end++;
+    else if (*end == 'M' || *end == 'm')
+        mul = 1024 * 1024, end++;
+    if (*end || v * (double)mul < 4 || v * (double)mul > (double)(1u << 30))
+        return -1;
+    *out = (size_t)(v * (double)mul) / 4 * 4;
+    return 0;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: epipe-bench transport [--json] [--sizes 4,4K,64K,1M,4M,64M] [--streams N]\n"
+            "                             [--spin-us US] [--reps R] [--quick]\n"
+            "Two processes on loopback: for each message size (tensor bytes), streaming\n"
+            "throughput and one-way latency (ping-pong / 2) of the TCP transport and of a raw\n"
+            "TCP socket moving the same bytes. Transport messages are built (codec none, sealed)\n"
+            "before the clock starts; timed is epipe_comm_send to the checked message returned\n"
+            "by epipe_comm_recv in the other process. Best of R repetitions (default 3) of\n"
+            "each. --quick moves less data (for tests).\n");
+}
+
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) ||
+        getsockname(fd, (struct sockaddr *)&a, &len))
+        return -1;
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+static int raw_io(int fd, void *buf, size_t n, int wr)
+{
+    uint8_t *p = buf;
+    while (n) {
+        ssize_t k = wr ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return -1;
+        p += k, n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* A message as the stage builds it: codec none encodes `bytes` of src. */
+static epipe_msg *make_msg(struct peer *p, unsigned kind, uint64_t step, size_t bytes)
+{
+    int64_t shape = (int64_t)(bytes / 4);
+    DLTensor t = {.data = p->src, .device = {kDLCPU, 0}, .ndim = 1,
+                  .dtype = {kDLFloat, 32, 1}, .shape = &shape};
+    size_t cap, len;
+    if (epipe_codec_max_encoded_size(p->none, &t, &cap))
+        return NULL;
+    epipe_msg *m = epipe_msg_new(cap);
+    if (!m)
+        return NULL;
+    if (epipe_codec_encode(p->none, &t, epipe_msg_payload(m), cap, &len)) {
+        epipe_msg_free(m);
+        return NULL;
+    }
+    const uint8_t *ph = epipe_msg_payload(m);
+    memset(&m->hdr, 0, sizeof m->hdr);
+    m->hdr.kind = (uint8_t)kind;
+    m->hdr.dtype = ph[2];
+    m->hdr.ndim = 1;
+    m->hdr.shape[0] = (uint64_t)shape;
+    m->hdr.codec_id = ph[0];
+    m->hdr.codec_param = epipe_get_u32(ph + 4);
+    m->hdr.micro_batch = p->phase;
+    m->hdr.step = step;
+    m->hdr.src_stage = (uint32_t)p->rank;
+    m->hdr.dst_stage = (uint32_t)(1 - p->rank);
+    if (epipe_msg_seal(m, len)) {
+        epipe_msg_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* Builds `n` sealed messages before a timed phase: what is timed is the
+ * transport (send of a sealed message to its checked receipt), not the
+ * codec and framing that make the message. */
+static epipe_msg **prebuild(struct peer *p, unsigned kind, size_t n, size_t bytes)
+{
+    epipe_msg **ms = calloc(n, sizeof *ms);
+    for (size_t i = 0; ms && i < n; i++)
+        if (!(ms[i] = make_msg(p, kind, i, bytes))) {
+            while (i--)
+                epipe_msg_free(ms[i]);
+            free(ms);
+            return NULL;
+        }
+    return ms;
+}
+
+static void free_msgs(epipe_msg **ms, size_t from, size_t n)
+{
+    for (size_t i = from; ms && i < n; i++)
+        epipe_msg_free(ms[i]);
+    free(ms);
+}
+
+static int tsend_msg(struct peer *p, epipe_msg *m)
+{
+    int rc = epipe_comm_send(p->comm, (unsigned)(1 - p->rank), m);
+    if (rc)
+        fprintf(stderr, "epipe-bench transport: %s\n", epipe_comm_last_error(p->comm));
+    return rc;
+}
+
+static int tsend(struct peer *p, unsigned kind, uint64_t step, size_t bytes)
+{
+    epipe_msg *m = make_msg(p, kind, step, bytes);
+    return m ? tsend_msg(p, m) : -1;
+}
+
+static int trecv(struct peer *p, unsigned kind, uint64_t step)
+{
+    epipe_msg *m;
+    int rc = epipe_comm_recv(p->comm, (unsigned)(1 - p->rank), kind, step, p->phase, 60000, &m);
+    if (rc) {
+        fprintf(stderr, "epipe-bench transport: %s\n", epipe_comm_last_error(p->comm));
+        return rc;
+    }
+    epipe_msg_free(m);
+    return 0;
+}
+
+/* Each function runs on both ranks; rank 0 returns the seconds taken. */
+static double tcp_stream(struct peer *p, size_t bytes, size_t count)
+{
+    size_t every = (16u << 20) / bytes; /* flow control: an ack per ~16 MiB */
+    if (every < 1)
+        every = 1;
+    if (every > count)
+        every = count;
+    p->phase++;
+    epipe_msg **ms = p->rank == 0 ? prebuild(p, EPIPE_WIRE_ACTIVATION, count, bytes) : NULL;
+    if (p->rank == 0 && !ms)
+        return -1;
+    size_t sent = 0;
+    double t0 = bench_now(), dt = -1;
+    if (p->rank == 0) {
+        size_t acked = 0;
+        for (; sent < count; sent++) {
+            while (sent - acked >= 2 * every) {
+                size_t next = acked + every < count ? acked + every : count;
+                if (trecv(p, EPIPE_WIRE_GRADIENT, next))
+                    goto out;
+                acked = next;
+            }
+            ms[sent]->hdr.micro_batch = p->phase; /* re-sealed: the header changed */
+            epipe_wire_encode_header(&ms[sent]->hdr, ms[sent]->data, EPIPE_WIRE_HEADER_SIZE);
+            if (tsend_msg(p, ms[sent]))
+                goto out;
+        }
+        while (acked < count) {
+            size_t next = acked + every < count ? acked + every : count;
+            if (trecv(p, EPIPE_WIRE_GRADIENT, next))
+                goto out;
+            acked = next;
+        }
+    } else {
+        for (size_t i = 0; i < count; i++) {
+            if (trecv(p, EPIPE_WIRE_ACTIVATION, i))
+                goto out;
+            if (((i + 1) % every == 0 || i + 1 == count) &&
+                tsend(p, EPIPE_WIRE_GRADIENT, i + 1, 4))
+                goto out;
+        }
+    }
+    dt = bench_now() - t0;
+out:
+    free_msgs(ms, sent + (dt < 0 && sent < count), count);
+    return dt;
+}
+
+static double raw_stream(struct peer *p, size_t bytes, size_t count)
+{
+    double t0 = bench_now();
+    uint8_t ack = 1;
+    for (size_t i = 0; i < count; i++)
+        if (raw_io(p->raw, p->rawbuf, bytes, p->rank == 0))
+            return -1;
+    if (raw_io(p->raw, &ack, 1, p->rank == 1))
+        return -1;
+    return bench_now() - t0;
+}
+
+static double tcp_pingpong(struct peer *p, size_t bytes, size_t iters)
+{
+    p->phase++;
+    unsigned kind = p->rank == 0 ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT;
+    epipe_msg **ms = prebuild(p, kind, iters, bytes);
+    if (!ms)
+        return -1;
+    size_t i = 0;
+    double t0 = bench_now(), dt = -1;
+    for (; i < iters; i++) {
+        ms[i]->hdr.micro_batch = p->phase;
+        epipe_wire_encode_header(&ms[i]->hdr, ms[i]->data, EPIPE_WIRE_HEADER_SIZE);
+        if (p->rank == 0) {
+            if (tsend_msg(p, ms[i]) || trecv(p, EPIPE_WIRE_GRADIENT, i))
+                goto out;
+        } else {
+            if (trecv(p, EPIPE_WIRE_ACTIVATION, i) || tsend_msg(p, ms[i]))
+                goto out;
+        }
+    }
+    dt = bench_now() - t0;
+out:
+    free_msgs(ms, i + (dt < 0 && i < iters), iters);
+    return dt;
+}
+
+static double raw_pingpong(struct peer *p, size_t bytes, size_t iters)
+{
+    double t0 = bench_now();
+    for (size_t i = 0; i < iters; i++) {
+        int first = p->rank == 0;
+        if (raw_io(p->raw, p->rawbuf, bytes, first) || raw_io(p->raw, p->rawbuf, bytes, !first))
+            return -1;
+    }
+    return bench_now() - t0;
+}
+
+static double best(double a, double b)
+{
+    return a < 0 ? b : b < 0 ? a : a < b ? a : b;
+}
+
+static int run(struct peer *p, const struct cfg *c)
+{
+    for (int si = 0; si < c->nsizes; si++) {
+        size_t s = c->sizes[si];
+        size_t budget = c->quick ? (8u << 20) : (256u << 20);
+        size_t count = budget / s < 8 ? 8 : budget / s;
+        if (count > (c->quick ? 20000u : 200000u))
+            count = c->quick ? 20000u : 200000u;
+        size_t iters = s <= 65536 ? (c->quick ? 200 : 2000)
+                                  : ((c->quick ? 16u : 128u) << 20) / s < 4 ? 4
+                                                                            : ((c->quick ? 16u : 128u) << 20) / s;
+        double ts = -1, rs = -1, tl = -1, rl = -1;
+        /* A warm-up of each, then the repetitions, alternating the two. */
+        tcp_stream(p, s, count / 8 + 1);
+        raw_stream(p, s, count / 8 + 1);
+        for (int r = 0; r < c->reps; r++) {
+            double a = raw_stream(p, s, count), b = tcp_stream(p, s, count);
+            if (a < 0 || b < 0)
+                return -1;
+            rs = best(rs, a), ts = best(ts, b);
+        }
+        tcp_pingpong(p, s, iters / 8 + 1);
+        raw_pingpong(p, s, iters / 8 + 1);
+        for (int r = 0; r < c->reps; r++) {
+            double a = raw_pingpong(p, s, iters), b = tcp_pingpong(p, s, iters);
+            if (a < 0 || b < 0)
+                return -1;
+            rl = best(rl, a), tl = best(tl, b);
+        }
+        if (p->rank != 0)
+            continue;
+        double mb = (double)s * (double)count / 1e6;
+        double tput = mb / ts, rtput = mb / rs;
+        double lat = tl / (double)iters / 2 * 1e6, rlat = rl / (double)iters / 2 * 1e6;
+        char name[32];
+        snprintf(name, sizeof name, c->streams > 1 ? "tcp:streams=%u" : "tcp", c->streams);
+        if (c->json)
+            printf("{\"bench\":\"transport\",\"transport\":\"%s\",\"size\":%zu,\"messages\":%zu,"
+                   "\"streams\":%u,\"spin_us\":%d,"
+                   "\"mbytes_per_s\":%.1f,\"raw_mbytes_per_s\":%.1f,\"throughput_ratio\":%.3f,"
+                   "\"latency_us\":%.2f,\"raw_latency_us\":%.2f,\"latency_ratio\":%.3f}\n",
+                   name, s, count, c->streams, c->spin_us, tput, rtput, tput / rtput, lat, rlat,
+                   lat / rlat);
+        else
+            printf("%-14s %9zu B  %9.1f MB/s  raw %9.1f MB/s  (%.2fx)   one-way %8.2f us  raw "
+                   "%8.2f us  (%.2fx)\n",
+                   name, s, tput, rtput, tput / rtput, lat, rlat, lat / rlat);
+        fflush(stdout);
+    }
+    return 0;
+}
+
+int bench_transport_main(int argc, char **argv)
+{
+    struct cfg c = {.reps = 3, .streams = 1, .spin_us = 50};
+    const char *sizes = "4,4K,16K,64K,256K,1M,4M,16M,64M";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--json"))
+            c.json = 1;
+        else if (!strcmp(argv[i], "--quick"))
+            c.quick = 1;
+        else if (!strcmp(argv[i], "--sizes") && i + 1 < argc)
+            sizes = argv[++i];
+        else if (!strcmp(argv[i], "--spin-us") && i + 1 < argc)
+            c.spin_us = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--streams") && i + 1 < argc)
+            c.streams = (unsigned)atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
+            c.reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            usage(stdout);
+            return 0;
+        } else {
+            usage(stderr);
+            return 2;
+        }
+    }
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", sizes);
+    for (char *save, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (c.nsizes == 32 || parse_size(t, &c.sizes[c.nsizes++])) {
+            fprintf(stderr, "epipe-bench transport: bad size '%s' (4 .. 1G, with K or M)\n", t);
+            return 2;
+        }
+    }
+    if (c.reps < 1 || c.streams < 1 || c.streams > 8 || !c.nsizes) {
+        usage(stderr);
+        return 2;
+    }
+    size_t maxs = 0;
+    for (int i = 0; i < c.nsizes; i++)
+        maxs = c.sizes[i] > maxs ? c.sizes[i] : maxs;
+    int port = free_port(), raw_port = free_port();
+    if (port < 0 || raw_port < 0) {
+        fprintf(stderr, "epipe-bench transport: no free port on 127.0.0.1\n");
+        return 1;
+    }
+    char opts[96];
+    snprintf(opts, sizeof opts, "streams=%u,spin_us=%d,timeout_ms=60000,init_timeout_ms=20000",
+             c.streams, c.spin_us);
+
+    /* The raw listener exists before the fork, so the parent's connect finds it. */
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)raw_port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int one = 1;
+    setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(lfd, (struct sockaddr *)&a, sizeof a) || listen(lfd, 1)) {
+        fprintf(stderr, "epipe-bench transport: raw listener: %s\n", strerror(errno));
+        return 1;
+    }
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) {
+        perror("fork");
+        return 1;
+    }
+    struct peer p = {.rank = pid == 0 ? 1 : 0, .raw = -1};
+    p.src = calloc(maxs / 4 + 1, sizeof(float));
+    p.rawbuf = calloc(maxs + 1, 1);
+    for (size_t i = 0; p.src && i < maxs / 4; i++)
+        p.src[i] = (float)(i % 1000) * 0.001f;
+    int rc = p.src && p.rawbuf ? epipe_codec_create(&p.none, "none") : EPIPE_ENOMEM;
+    if (rc == EPIPE_OK)
+        rc = epipe_comm_create_tcp(&p.comm, (unsigned)p.rank, 2, "127.0.0.1", (unsigned)port, opts);
+    if (rc) {
+        fprintf(stderr, "epipe-bench transport: rank %d: %s\n", p.rank, epipe_last_error());
+    } else if (p.rank == 1) {
+        p.raw = accept(lfd, NULL, NULL);
+    } else {
+        p.raw = socket(AF_INET, SOCK_STREAM, 0);
+        if (connect(p.raw, (struct sockaddr *)&a, sizeof a)) {
+            close(p.raw);
+            p.raw = -1;
+        }
+    }
+    close(lfd);
+    if (rc == EPIPE_OK && p.raw < 0) {
+        fprintf(stderr, "epipe-bench transport: raw socket: %s\n", strerror(errno));
+        rc = EPIPE_EIO;
+    }
+    if (rc == EPIPE_OK) {
+        setsockopt(p.raw, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        if (p.rank == 0 && !c.json)
+            printf("transport over loopback: two processes, best of %d, streams %u\n", c.reps,
+                   c.streams);
+        if (run(&p, &c))
+            rc = EPIPE_EIO;
+    }
+    if (p.raw >= 0)
+        close(p.raw);
+    epipe_comm_destroy(p.comm);
+    epipe_codec_destroy(p.none);
+    free(p.src);
+    free(p.rawbuf);
+    if (p.rank == 1)
+        _exit(rc ? 1 : 0);
+    int st = 0;
+    if (rc)
+        kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    return rc || !WIFEXITED(st) || WEXITSTATUS(st) ? 1 : 0;
+}

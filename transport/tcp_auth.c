@@ -1,0 +1,139 @@
+/* Pre-shared-key authentication for TCP connections: the key file, nonces
+ * and HMAC-SHA512-256 (libsodium crypto_auth); no crypto of our own. */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../lib/log.h"
+#include "tcp_impl.h"
+
+#ifdef EPIPE_HAVE_SODIUM
+#include <sodium.h>
+
+int epipe_tcp_key_load(epipe_tcp_key *k, const char *path)
+{
+    memset(k, 0, sizeof *k);
+    if (sodium_init() < 0)
+        return epipe_fail(EPIPE_EINTERNAL, "auth: libsodium failed to initialise");
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return epipe_fail(EPIPE_EIO, "auth: cannot open the key file '%s': %s", path,
+                          strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) == 0 && (st.st_mode & 077))
+        epipe_log_warn(-1, "auth", "key file '%s' is readable by other users (mode %03o); "
+                                   "chmod 600 it", path, (unsigned)(st.st_mode & 0777));
+    uint8_t buf[4096];
+    size_t n = 0;
+    crypto_generichash_state h;
+    crypto_generichash_init(&h, (const uint8_t *)"epipe-key-v1", 12, sizeof k->key);
+    for (;;) {
+        ssize_t r = read(fd, buf, sizeof buf);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            int e = errno;
+            close(fd);
+            sodium_memzero(buf, sizeof buf);
+            return epipe_fail(EPIPE_EIO, "auth: cannot read the key file '%s': %s", path,
+                              strerror(e));
+        }
+        if (r == 0)
+            break;
+        crypto_generichash_update(&h, buf, (size_t)r);
+        n += (size_t)r;
+    }
+    close(fd);
+    sodium_memzero(buf, sizeof buf);
+    if (n < 16) {
+        sodium_memzero(&h, sizeof h);
+        return epipe_fail(EPIPE_EINVAL, "auth: the key file '%s' holds %zu bytes; a key needs at "
+                                        "least 16 (head -c 32 /dev/urandom > FILE)", path, n);
+    }
+    crypto_generichash_final(&h, k->key, sizeof k->key);
+    k->on = 1;
+    return EPIPE_OK;
+}
+
+void epipe_tcp_key_wipe(epipe_tcp_key *k)
+{
+    sodium_memzero(k, sizeof *k);
+}
+
+void epipe_tcp_random(uint8_t *buf, size_t len)
+{
+    if (sodium_init() < 0) { /* cannot happen after a key loaded; be safe */
+        memset(buf, 0, len);
+        return;
+    }
+    randombytes_buf(buf, len);
+}
+
+static void transcript(uint8_t *t, char role, const uint8_t *nc, const uint8_t *ns, uint32_t rc,
+                       uint32_t rs, uint32_t stream)
+{
+    memcpy(t, "epipe-tcp-auth-v1", 17);
+    t[17] = (uint8_t)role;
+    memcpy(t + 18, nc, EPIPE_TCP_NONCE);
+    memcpy(t + 18 + EPIPE_TCP_NONCE, ns, EPIPE_TCP_NONCE);
+    uint32_t v[3] = {rc, rs, stream};
+    for (int i = 0; i < 3; i++)
+        for (int b = 0; b < 4; b++)
+            t[18 + 2 * EPIPE_TCP_NONCE + 4 * i + b] = (uint8_t)(v[i] >> (8 * b));
+}
+
+#define TRANSCRIPT (18 + 2 * EPIPE_TCP_NONCE + 12)
+
+void epipe_tcp_mac(const epipe_tcp_key *k, char role, const uint8_t *nc, const uint8_t *ns,
+                   uint32_t rc, uint32_t rs, uint32_t stream, uint8_t mac[EPIPE_TCP_MAC])
+{
+    uint8_t t[TRANSCRIPT];
+    transcript(t, role, nc, ns, rc, rs, stream);
+    crypto_auth(mac, t, sizeof t, k->key);
+}
+
+int epipe_tcp_mac_ok(const epipe_tcp_key *k, char role, const uint8_t *nc, const uint8_t *ns,
+                     uint32_t rc, uint32_t rs, uint32_t stream, const uint8_t mac[EPIPE_TCP_MAC])
+{
+    uint8_t t[TRANSCRIPT];
+    transcript(t, role, nc, ns, rc, rs, stream);
+    return crypto_auth_verify(mac, t, sizeof t, k->key) == 0;
+}
+
+#else /* built without libsodium: no authentication, and never silently so */
+
+int epipe_tcp_key_load(epipe_tcp_key *k, const char *path)
+{
+    memset(k, 0, sizeof *k);
+    return epipe_fail(EPIPE_ENOTSUP, "auth: key file '%s' given, but this libepipe was built "
+                                     "without libsodium, so it cannot authenticate peers "
+                                     "(install libsodium-dev and rebuild)", path);
+}
+
+void epipe_tcp_key_wipe(epipe_tcp_key *k)
+{
+    memset(k, 0, sizeof *k);
+}
+
+void epipe_tcp_random(uint8_t *buf, size_t len)
+{
+    memset(buf, 0, len); /* nonces matter only with a key */
+}
+
+void epipe_tcp_mac(const epipe_tcp_key *k, char role, const uint8_t *nc, const uint8_t *ns,
+                   uint32_t rc, uint32_t rs, uint32_t stream, uint8_t mac[EPIPE_TCP_MAC])
+{
+    memset(mac, 0, EPIPE_TCP_MAC);
+}
+
+int epipe_tcp_mac_ok(const epipe_tcp_key *k, char role, const uint8_t *nc, const uint8_t *ns,
+                     uint32_t rc, uint32_t rs, uint32_t stream, const uint8_t mac[EPIPE_TCP_MAC])
+{
+    return 0;
+}
+
+#endif

@@ -1,0 +1,107 @@
+/* Internals of the TCP transport shared by its files: settings, rendezvous
+ * from the environment, the connection handshake and authentication. */
+#ifndef EPIPE_TRANSPORT_TCP_IMPL_H
+#define EPIPE_TRANSPORT_TCP_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../lib/comm/comm_impl.h"
+
+#define EPIPE_TCP_DEFAULT_PORT 29600 /* master port when no source gives one */
+#define EPIPE_TCP_ADDR_MAX 64        /* numeric addresses and interface names */
+#define EPIPE_TCP_MAX_STREAMS 8
+
+/* Init-time settings: defaults, then EPIPE_* environment variables, then
+ * the options spec ("timeout_ms=5000,streams=2"), each overriding the last. */
+typedef struct epipe_tcp_opts {
+    int64_t timeout_ms;      /* receives and liveness (EPIPE_TIMEOUT_MS): 30000 */
+    int64_t init_timeout_ms; /* rendezvous (EPIPE_INIT_TIMEOUT_MS): 120000 */
+    int64_t heartbeat_ms;    /* 0: timeout/4, at most 5000 (EPIPE_HEARTBEAT_MS) */
+    int64_t spin_us;         /* receive busy-wait (EPIPE_SPIN_US): 50 */
+    unsigned streams;        /* connections per neighbour (EPIPE_TCP_STREAMS): 1 */
+    int mesh;                /* topology=mesh (EPIPE_TCP_TOPOLOGY): 0 = pipeline */
+    char listen_addr[EPIPE_TCP_ADDR_MAX]; /* EPIPE_LISTEN_ADDR */
+    char ifname[EPIPE_TCP_ADDR_MAX];      /* EPIPE_IFNAME */
+    char key_file[512];                   /* EPIPE_AUTH_KEY_FILE */
+} epipe_tcp_opts;
+
+/* Fills *o from defaults, the environment and spec (NULL or "" for none).
+ * EPIPE_EINVAL naming the bad key or variable; sets the thread's error. */
+int epipe_tcp_opts_parse(epipe_tcp_opts *o, const char *spec);
+
+/* Where rank, size and master came from, as found in the environment. */
+typedef struct epipe_rdv_env {
+    unsigned rank, size;
+    char master_addr[256];
+    unsigned master_port;
+    char source[64];      /* "EPIPE_RANK/EPIPE_WORLD_SIZE", "torchrun (RANK/WORLD_SIZE)", ... */
+    char addr_source[96]; /* "EPIPE_MASTER_ADDR", "local host (single-node Open MPI run)", ... */
+    char port_source[64]; /* "EPIPE_MASTER_PORT", "MASTER_PORT+1 (torchrun's agent ...)", ... */
+} epipe_rdv_env;
+
+/* Reads the environment in the documented order (docs/transport.md):
+ * EPIPE_*, torchrun, Open MPI, PMI, Slurm. EPIPE_EINVAL with a message
+ * naming the variable when none is set, one of a pair is missing, a value
+ * is not a number or the rank is not below the size. */
+int epipe_rdv_env_parse(epipe_rdv_env *out);
+
+/* Slurm's first host of a node list: "node[03-05,9],gpu1" gives "node03".
+ * EPIPE_EINVAL if the list cannot be read. */
+int epipe_rdv_first_host(const char *nodelist, char *out, size_t cap);
+
+/* ---- authentication (tcp_auth.c) -------------------------------------- */
+
+#define EPIPE_TCP_NONCE 32
+#define EPIPE_TCP_MAC 32
+
+typedef struct epipe_tcp_key {
+    int on;
+    uint8_t key[32];
+} epipe_tcp_key;
+
+/* Loads and hashes the key file; EPIPE_ENOTSUP without libsodium, EPIPE_EIO
+ * if it cannot be read, EPIPE_EINVAL if it holds fewer than 16 bytes. */
+int epipe_tcp_key_load(epipe_tcp_key *k, const char *path);
+void epipe_tcp_key_wipe(epipe_tcp_key *k);
+void epipe_tcp_random(uint8_t *buf, size_t len);
+/* The MAC of one side of a handshake over both nonces and both ranks. */
+void epipe_tcp_mac(const epipe_tcp_key *k, char role, const uint8_t *nonce_c,
+                   const uint8_t *nonce_s, uint32_t rank_c, uint32_t rank_s, uint32_t stream,
+                   uint8_t mac[EPIPE_TCP_MAC]);
+/* Constant-time check of a MAC made by epipe_tcp_mac: 1 if it matches. */
+int epipe_tcp_mac_ok(const epipe_tcp_key *k, char role, const uint8_t *nonce_c,
+                     const uint8_t *nonce_s, uint32_t rank_c, uint32_t rank_s, uint32_t stream,
+                     const uint8_t mac[EPIPE_TCP_MAC]);
+
+/* ---- connection setup (tcp_setup.c) ----------------------------------- */
+
+/* One established, authenticated connection to a peer, before the progress
+ * thread takes it. */
+typedef struct epipe_tcp_link {
+    int fd;
+    unsigned peer, stream;
+} epipe_tcp_link;
+
+/* Runs the rendezvous and connects this rank to its peers (docs/transport.md
+ * says how). On success *links holds *nlinks connections, blocking, with
+ * TCP_NODELAY set; the caller owns and frees the array and closes the fds.
+ * Errors name the peer, address and cause: EPIPE_EIO (port in use, cannot
+ * listen), EPIPE_ETIMEDOUT (master unreachable, a rank missing), EPIPE_EINVAL
+ * (mismatched world size, duplicate rank), EPIPE_EVERSION, EPIPE_EAUTH. */
+int epipe_tcp_setup(unsigned rank, unsigned size, const char *master_addr, unsigned master_port,
+                    const epipe_tcp_opts *o, const epipe_tcp_key *key, epipe_tcp_link **links,
+                    unsigned *nlinks);
+
+/* Whether ranks a and b are joined under the topology, and how many streams. */
+unsigned epipe_tcp_streams_between(const epipe_tcp_opts *o, unsigned a, unsigned b);
+
+/* ---- test hooks (tcp.c) ------------------------------------------------ */
+
+/* Queues `len` raw bytes (not framed) on the first connection to peer, and
+ * shuts that connection (FIN) once they are written when close_after.
+ * Tests use it to send corrupted messages and to cut a stream mid-message. */
+int epipe_tcp_debug_send_raw(epipe_comm *c, unsigned peer, const void *bytes, size_t len,
+                             int close_after);
+
+#endif
