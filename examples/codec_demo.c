@@ -6,9 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <zlib.h>
 
 #include <epipe/epipe.h>
+
+#include "common/idx.h"
 
 static const char *const default_specs[] = {
     "none",
@@ -29,53 +30,9 @@ static double now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Reads an IDX3 image file (gzip or plain) into floats normalised to zero
- * mean and unit variance, as a trainer would feed them. */
-static float *load_idx_images(const char *path, int64_t shape[4])
-{
-    gzFile f = gzopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, "cannot open %s (install dataset-fashion-mnist, or pass a path)\n", path);
-        return NULL;
-    }
-    unsigned char h[16];
-    if (gzread(f, h, 16) != 16 || h[0] || h[1] || h[2] != 8 || h[3] != 3) {
-        fprintf(stderr, "%s: not an IDX3 unsigned-byte file\n", path);
-        gzclose(f);
-        return NULL;
-    }
-    uint32_t dim[3];
-    for (int i = 0; i < 3; i++)
-        dim[i] = (uint32_t)h[4 + 4 * i] << 24 | (uint32_t)h[5 + 4 * i] << 16 |
-                 (uint32_t)h[6 + 4 * i] << 8 | h[7 + 4 * i];
-    if (!dim[0] || dim[1] != 28 || dim[2] != 28 || dim[0] > 1000000) {
-        fprintf(stderr, "%s: unexpected shape %ux%ux%u\n", path, dim[0], dim[1], dim[2]);
-        gzclose(f);
-        return NULL;
-    }
-    size_t n = (size_t)dim[0] * 784;
-    unsigned char *raw = malloc(n);
-    float *x = malloc(n * sizeof *x);
-    if (!raw || !x || gzread(f, raw, (unsigned)n) != (int)n) {
-        fprintf(stderr, "%s: truncated or out of memory\n", path);
-        free(raw), free(x), gzclose(f);
-        return NULL;
-    }
-    gzclose(f);
-    double sum = 0, sq = 0;
-    for (size_t i = 0; i < n; i++)
-        sum += raw[i], sq += (double)raw[i] * raw[i];
-    double mean = sum / (double)n, sd = sqrt(sq / (double)n - mean * mean);
-    for (size_t i = 0; i < n; i++)
-        x[i] = (float)(((double)raw[i] - mean) / sd);
-    free(raw);
-    shape[0] = dim[0], shape[1] = 1, shape[2] = 28, shape[3] = 28;
-    return x;
-}
-
 int main(int argc, char **argv)
 {
-    const char *path = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz";
+    const char *path = IDX_FASHION_DIR "/train-images-idx3-ubyte.gz";
     const char *specs[64];
     int nspecs = 0;
     for (int i = 1; i < argc; i++) {
@@ -94,18 +51,22 @@ int main(int argc, char **argv)
         for (size_t i = 0; i < sizeof default_specs / sizeof default_specs[0]; i++)
             specs[nspecs++] = default_specs[i];
 
-    int64_t shape[4];
-    float *x = load_idx_images(path, shape);
+    uint32_t count, pixels;
+    float *x = idx_load_images(path, 0, 0, &count, &pixels); /* zero mean, unit variance */
     if (!x)
         return 1;
-    size_t n = (size_t)(shape[0] * shape[1] * shape[2] * shape[3]);
+    int64_t shape[4] = {count, 1, 28, 28};
+    if (pixels != 28 * 28)
+        shape[2] = pixels, shape[3] = 1;
+    size_t n = (size_t)count * pixels;
     float *y = calloc(n, sizeof *y);
     DLTensor src = {.data = x, .device = {kDLCPU, 0}, .ndim = 4, .dtype = {kDLFloat, 32, 1},
                     .shape = shape};
     DLTensor dst = src;
     dst.data = y;
-    printf("libepipe %s: %s as a [%lld,1,28,28] fp32 tensor (%.1f MB)\n\n",
-           epipe_version_string(), path, (long long)shape[0], (double)n * 4 / 1e6);
+    printf("libepipe %s: %s as a [%lld,%lld,%lld,%lld] fp32 tensor (%.1f MB)\n\n",
+           epipe_version_string(), path, (long long)shape[0], (long long)shape[1],
+           (long long)shape[2], (long long)shape[3], (double)n * 4 / 1e6);
     printf("%-44s %9s %11s %10s %10s %10s\n", "codec (canonical spec)", "ratio", "MSE",
            "PSNR dB", "enc MB/s", "dec MB/s");
     int failed = 0;

@@ -3,7 +3,7 @@
 # Safe to run twice: it installs only the packages that are missing.
 # Usage: scripts/setup-debian.sh [extra-package ...]
 set -eu
-pkgs="meson ninja-build pkg-config gcc g++ python3 libcmocka-dev libdlpack-dev zlib1g-dev
+pkgs="meson ninja-build pkg-config gcc g++ python3 libcmocka-dev libdlpack-dev zlib1g-dev libsodium-dev
       libopenblas-dev liblapacke-dev dataset-fashion-mnist valgrind $*"
 missing=""
 for p in $pkgs; do

@@ -10,5 +10,7 @@ double bench_now(void);
 
 int bench_codec_main(int argc, char **argv);
 int bench_schedule_main(int argc, char **argv);
+int bench_pipeline_main(int argc, char **argv);
+int bench_transport_main(int argc, char **argv);
 
 #endif

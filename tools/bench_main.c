@@ -22,6 +22,9 @@ static const struct {
     const char *help;
 } subcommands[] = {
     {"codec", bench_codec_main, "codec throughput and error against memcpy"},
+    {"schedule", bench_schedule_main, "a pipeline schedule's simulated timeline and bubble"},
+    {"pipeline", bench_pipeline_main, "stage runtime overhead and step time against the simulator"},
+    {"transport", bench_transport_main, "TCP transport throughput and latency against a raw socket"},
 };
 
 static void usage(FILE *f)

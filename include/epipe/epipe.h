@@ -5,5 +5,8 @@
 
 #include <epipe/common.h>
 #include <epipe/codec.h>
+#include <epipe/comm.h>
+#include <epipe/stage.h>
+#include <epipe/schedule.h>
 
 #endif /* EPIPE_EPIPE_H */

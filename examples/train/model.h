@@ -1,0 +1,51 @@
+/* The trainer's model: dense layers with ReLU, a softmax cross-entropy head,
+ * SGD with momentum; the matrix products go to the BLAS. Each stage owns a
+ * contiguous run of layers and keeps per-micro-batch activations. */
+#ifndef EPIPE_TRAIN_MODEL_H
+#define EPIPE_TRAIN_MODEL_H
+
+#include <stdint.h>
+
+#define MODEL_MAX_LAYERS 8
+#define MODEL_MAX_MB 64
+
+typedef struct dense_layer {
+    int in, out, relu;
+    float *w, *b;   /* [out][in], [out] */
+    float *gw, *gb; /* gradients summed over the step's micro-batches */
+    float *vw, *vb; /* momentum */
+} dense_layer;
+
+/* One stage's part of the model and its working memory. */
+typedef struct stage_model {
+    int nlayers;              /* layers this stage owns */
+    dense_layer layers[MODEL_MAX_LAYERS];
+    int rows;                 /* rows of one micro-batch */
+    int mbs;                  /* micro-batches a step */
+    /* act[mb][k]: input of layer k (k = 0) or output of layer k-1 */
+    float *act[MODEL_MAX_MB][MODEL_MAX_LAYERS + 1];
+    float *grad[2];           /* backward scratch between layers */
+    float *dx;                /* gradient of the stage's input */
+} stage_model;
+
+/* dims[0..n]: the widths of the whole network (input, hidden..., classes).
+ * Builds the layers [l0, l1) with weights from `seed` (He initialisation),
+ * the same on every rank. Returns 0, or -1 when out of memory. */
+int model_init(stage_model *m, const int *dims, int n, int l0, int l1, int rows, int mbs,
+               uint64_t seed);
+void model_free(stage_model *m);
+
+/* Forward of micro-batch mb from input x (copied in); returns the output. */
+const float *model_forward(stage_model *m, int mb, const float *x, int rows);
+/* Backward of micro-batch mb given the gradient of its output; returns the
+ * gradient of its input (NULL when want_dx is 0). */
+const float *model_backward(stage_model *m, int mb, const float *dy, int rows, int want_dx);
+/* SGD with momentum over the summed gradients, which are then zeroed. */
+void model_sgd(stage_model *m, float lr, float momentum);
+
+/* Softmax cross-entropy of logits [rows][classes] against labels: returns
+ * the summed loss, writes dlogits scaled by 1/batch, counts correct. */
+double softmax_xent(const float *logits, const uint8_t *labels, int rows, int classes, int batch,
+                    float *dlogits, int *correct);
+
+#endif
