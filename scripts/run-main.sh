@@ -1,8 +1,9 @@
 #!/bin/sh
-# Sets up, builds and runs libepipe's main job on its embedded default.
-# For now that is the codec tour on Fashion-MNIST (epipe-codec-demo); the
-# pipeline-training demo replaces it when the stage runtime lands.
-# Safe to run twice. Extra arguments go to the demo.
+# Sets up, builds and runs libepipe's main job on its embedded default:
+# epipe-train on Fashion-MNIST, 3 pipeline stages as 3 processes over TCP on
+# this machine (started by epipe-run), 1f1b, sortquant:bits=8 on activations
+# and gradients. Safe to run twice. Extra arguments go to epipe-train
+# (--help lists them), e.g. --act-codec none --grad-codec none.
 set -eu
 cd "$(dirname "$0")/.."
 sh scripts/setup-debian.sh
@@ -12,4 +13,4 @@ else
     meson setup build-main -Dtests=false >/dev/null
 fi
 ninja -C build-main >/dev/null
-exec build-main/examples/epipe-codec-demo "$@"
+exec build-main/tools/epipe-run -n "${EPIPE_STAGES:-3}" -- build-main/examples/epipe-train "$@"

@@ -414,6 +414,71 @@ static void *rank_thread(void *p)
     return NULL;
 }
 
+/* True when a launcher (epipe-run, mpirun, srun, torchrun) started this
+ * process as one rank of several: the variables epipe_comm_create_from_env
+ * reads. */
+static int launched_as_rank(void)
+{
+    static const char *const vars[] = {"EPIPE_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                                       "SLURM_PROCID"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
+        if (getenv(vars[i]))
+            return 1;
+    return 0;
+}
+
+/* One rank of a multi-process run: joins the others over TCP, trains its
+ * stage, and prints its own row of the table (the last stage adds the
+ * accuracy). Rows of different ranks arrive in any order, each prefixed by
+ * the launcher. */
+static int main_rank(struct options *o, const struct dataset *d)
+{
+    epipe_comm *comm;
+    if (epipe_comm_create_from_env(&comm, NULL)) {
+        fprintf(stderr, "epipe-train: %s\n", epipe_last_error());
+        return 1;
+    }
+    unsigned s = epipe_comm_rank(comm), p = epipe_comm_size(comm);
+    o->stages = p;
+    if (p > (unsigned)o->nhidden + 1) {
+        fprintf(stderr, "epipe-train: %u ranks but the model has only %d layers (one layer a "
+                "stage at least; widen --hidden)\n", p, o->nhidden + 1);
+        epipe_comm_destroy(comm);
+        return 2;
+    }
+    if (s == 0)
+        printf("libepipe %s: %u stages as processes over %s, %s, %u micro-batches, act %s, "
+               "grad %s\n", epipe_version_string(), p, epipe_comm_transport(comm), o->schedule,
+               o->microbatches, o->act_codec, o->grad_codec);
+    fflush(stdout);
+    struct rank_result res;
+    run_rank(comm, o, d, &res);
+    epipe_comm_destroy(comm);
+    if (res.rc) {
+        fprintf(stderr, "epipe-train: stage %u: %s\n", s, res.error);
+        return 1;
+    }
+    const epipe_stage_stats *st = &res.stats;
+    double tot = st->step_seconds > 0 ? st->step_seconds : 1;
+    double other = st->step_seconds - st->compute_seconds - st->encode_seconds -
+                   st->decode_seconds - st->wait_seconds;
+    char wire[128] = "last stage, sends no activations";
+    if (s + 1 < p) {
+        double raw = (double)(st->act_sent_raw + st->grad_recv_raw);
+        double w = (double)(st->act_sent_wire + st->grad_recv_wire);
+        snprintf(wire, sizeof wire, "boundary %u->%u raw %.2f MB wire %.2f MB ratio %.4f", s,
+                 s + 1, raw / 1e6, w / 1e6, raw ? w / raw : 0);
+    }
+    printf("stage %u: %s | compute %.1f%% codec %.1f%% wait %.1f%% other %.1f%%\n", s, wire,
+           100 * st->compute_seconds / tot, 100 * (st->encode_seconds + st->decode_seconds) / tot,
+           100 * st->wait_seconds / tot, 100 * other / tot);
+    if (s + 1 == p)
+        printf("test accuracy %.2f%%  (%u stages, %s, %u micro-batches, batch %d, %d epoch%s), "
+               "%.0f samples/s\n", 100 * res.accuracy, p, o->schedule, o->microbatches, o->batch,
+               o->epochs, o->epochs == 1 ? "" : "s", res.samples_per_s);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     struct options o = {.stages = 3, .microbatches = 4, .schedule = "1f1b",
@@ -426,6 +491,11 @@ int main(int argc, char **argv)
     struct dataset d = {0};
     if (load_data(&o, &d))
         return 1;
+    if (launched_as_rank()) {
+        int rc = main_rank(&o, &d);
+        free(d.train_x), free(d.train_y), free(d.test_x), free(d.test_y);
+        return rc;
+    }
     unsigned p = o.stages;
     struct rank_result *res = calloc(p, sizeof *res);
     epipe_comm **comms = calloc(p, sizeof *comms);
