@@ -167,7 +167,7 @@ EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char
         epipe_stage_destroy(st);
         return epipe_fail(EPIPE_ENOMEM, "epipe_stage_create: out of memory");
     }
-    st->tracing = epipe_trace_join();
+    st->tracing = epipe_trace_join(st->s, !strcmp(epipe_comm_transport(comm), "tcp"));
     st->st.struct_size = sizeof st->st;
     *out = st;
     return EPIPE_OK;

@@ -21,15 +21,34 @@ static unsigned trace_users;
 static char *trace_path;
 static struct span *spans;
 static size_t nspans, capspans;
-static double trace_origin = -1;
 
-int epipe_trace_join(void)
+/* The file this process writes: EPIPE_TRACE as given when every rank is in
+ * this process, else made distinct per rank (see trace.h). */
+static char *rank_path(const char *p, unsigned rank, int per_rank)
+{
+    const char *mark = strstr(p, "%r");
+    size_t n = strlen(p);
+    char *out = malloc(n + 32);
+    if (!out)
+        return NULL;
+    if (mark)
+        snprintf(out, n + 32, "%.*s%u%s", (int)(mark - p), p, rank, mark + 2);
+    else if (!per_rank)
+        memcpy(out, p, n + 1);
+    else if (n > 5 && !strcmp(p + n - 5, ".json"))
+        snprintf(out, n + 32, "%.*s.rank%u.json", (int)(n - 5), p, rank);
+    else
+        snprintf(out, n + 32, "%s.rank%u", p, rank);
+    return out;
+}
+
+int epipe_trace_join(unsigned rank, int one_process_per_rank)
 {
     pthread_mutex_lock(&trace_lock);
     if (trace_users++ == 0) {
         const char *p = getenv("EPIPE_TRACE");
         free(trace_path);
-        trace_path = p && *p ? strdup(p) : NULL;
+        trace_path = p && *p ? rank_path(p, rank, one_process_per_rank) : NULL;
     }
     int on = trace_path != NULL;
     pthread_mutex_unlock(&trace_lock);
@@ -49,8 +68,6 @@ void epipe_trace_span(unsigned stage, const char *name, const char *cat, double 
             }
             spans = p, capspans = cap;
         }
-        if (trace_origin < 0)
-            trace_origin = t0;
         struct span *s = &spans[nspans++];
         s->stage = stage;
         snprintf(s->name, sizeof s->name, "%s", name);
@@ -82,7 +99,7 @@ static void write_trace(void)
         fprintf(f,
                 "{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": %u, \"tid\": 0, "
                 "\"ts\": %.3f, \"dur\": %.3f}%s\n",
-                spans[i].name, spans[i].cat, spans[i].stage, (spans[i].t0 - trace_origin) * 1e6,
+                spans[i].name, spans[i].cat, spans[i].stage, spans[i].t0 * 1e6,
                 (spans[i].t1 - spans[i].t0) * 1e6, i + 1 < nspans ? "," : "");
     fprintf(f, "]}\n");
     if (fclose(f) != 0)
@@ -100,7 +117,6 @@ void epipe_trace_leave(void)
         trace_path = NULL;
         spans = NULL;
         nspans = capspans = 0;
-        trace_origin = -1;
     }
     pthread_mutex_unlock(&trace_lock);
 }
