@@ -102,6 +102,12 @@ def timed_run(train, codec, micro, args):
     if not m:
         raise RuntimeError("no result line from %s:\n%s" % (codec, outs[1]))
     sps = float(m.group(2))
+    # The compute-only ideal of a step: (m+p-1)/m x the slowest stage's
+    # compute a step; the measured step is the slowest rank's.
+    steps = [tuple(map(float, x)) for o in outs for x in
+             re.findall(r"step ([0-9.]+) ms, compute ([0-9.]+) ms a step", o)]
+    ideal = (micro + 1) / micro * max(c for _, c in steps)
+    efficiency = ideal / max(t for t, _ in steps)
     # Peak over 200 ms windows; the average over the stretch where the link
     # carried traffic (training and evaluation).
     peak = 0.0
@@ -117,7 +123,7 @@ def timed_run(train, codec, micro, args):
     avg = 0.0
     if len(busy) >= 2 and busy[-1][0] > busy[0][0]:
         avg = (busy[-1][1] - busy[0][1]) * 8 / (busy[-1][0] - busy[0][0]) / 1e6
-    return sps, avg, peak
+    return sps, avg, peak, efficiency
 
 
 def accuracy(train, codec, args):
@@ -144,7 +150,8 @@ def main():
     ap.add_argument("--epochs", type=int, default=3, help="epochs of each accuracy run")
     ap.add_argument("--accuracy-samples", type=int, default=0,
                     help="training images of each accuracy run (default all 60000)")
-    ap.add_argument("--out", help="markdown table here (default stdout)")
+    ap.add_argument("--out", help="markdown table here (default stdout); avg and peak "
+                    "bandwidth count both directions of the link")
     ap.add_argument("--json", help="one JSON object a run here")
     ap.add_argument("--plot", help="PNG plot here (needs matplotlib)")
     a = ap.parse_args()
@@ -174,11 +181,11 @@ def main():
             setup(rate)
             for c in usable:
                 for m in (int(x) for x in a.micro.split(",")):
-                    sps, avg, peak = timed_run(train, c, m, common + [
+                    sps, avg, peak, eff = timed_run(train, c, m, common + [
                         "--epochs", "1", "--train-limit", str(a.timed_samples)])
                     row = {"rate": rate, "codec": c, "microbatches": m,
                            "s_per_batch": a.batch / sps, "avg_mbit": avg, "peak_mbit": peak,
-                           "accuracy": acc[c]}
+                           "accuracy": acc[c], "ideal_fraction": eff}
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
     finally:
@@ -187,14 +194,17 @@ def main():
         with open(a.json, "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-    table = ["| link | codec | micro-batches | s / batch | speed-up vs none | avg Mbit/s "
-             "| peak Mbit/s | test accuracy |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    ref = "none" if "none" in usable else usable[0]
+    table = ["| link | codec | micro-batches | s / batch | speed-up vs %s | avg Mbit/s " % ref +
+             "| peak Mbit/s | of ideal | test accuracy |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        base = next(x for x in rows if x["rate"] == r["rate"] and x["codec"] == usable[0]
+        base = next(x for x in rows if x["rate"] == r["rate"] and x["codec"] == ref
                     and x["microbatches"] == r["microbatches"])
-        table.append("| %s | `%s` | %d | %.4f | %.2fx | %.0f | %.0f | %.2f%% |" % (
+        table.append("| %s | `%s` | %d | %.4f | %.2fx | %.0f | %.0f | %.0f%% | %.2f%% |" % (
             r["rate"], r["codec"], r["microbatches"], r["s_per_batch"],
-            base["s_per_batch"] / r["s_per_batch"], r["avg_mbit"], r["peak_mbit"], r["accuracy"]))
+            base["s_per_batch"] / r["s_per_batch"], r["avg_mbit"], r["peak_mbit"],
+            100 * r["ideal_fraction"], r["accuracy"]))
     text = "\n".join(table) + "\n"
     if a.out:
         open(a.out, "w").write(text)

@@ -237,6 +237,10 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
     }
     res->seconds = now() - t_start;
     res->samples_per_s = res->seconds > 0 ? (double)(steps * o->batch * o->epochs) / res->seconds : 0;
+    /* The statistics cover training only: evaluation steps run forwards. */
+    res->stats.struct_size = sizeof res->stats;
+    if (r.stage)
+        epipe_stage_get_stats(r.stage, &res->stats);
     if (!rc)
         rc = evaluate(&r, &res->accuracy);
     res->rc = rc;
@@ -245,9 +249,6 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
                  r.stage ? epipe_stage_last_error(r.stage) : "out of memory");
         epipe_comm_abort(comm);
     }
-    res->stats.struct_size = sizeof res->stats;
-    if (r.stage)
-        epipe_stage_get_stats(r.stage, &res->stats);
     epipe_stage_destroy(r.stage);
     model_free(&r.model);
     for (unsigned mb = 0; mb < o->microbatches; mb++)
@@ -469,9 +470,12 @@ static int main_rank(struct options *o, const struct dataset *d)
         snprintf(wire, sizeof wire, "boundary %u->%u raw %.2f MB wire %.2f MB ratio %.4f", s,
                  s + 1, raw / 1e6, w / 1e6, raw ? w / raw : 0);
     }
-    printf("stage %u: %s | compute %.1f%% codec %.1f%% wait %.1f%% other %.1f%%\n", s, wire,
+    double steps = st->steps ? (double)st->steps : 1;
+    printf("stage %u: %s | compute %.1f%% codec %.1f%% wait %.1f%% other %.1f%% | "
+           "step %.3f ms, compute %.3f ms a step\n", s, wire,
            100 * st->compute_seconds / tot, 100 * (st->encode_seconds + st->decode_seconds) / tot,
-           100 * st->wait_seconds / tot, 100 * other / tot);
+           100 * st->wait_seconds / tot, 100 * other / tot, 1e3 * st->step_seconds / steps,
+           1e3 * st->compute_seconds / steps);
     if (s + 1 == p)
         printf("test accuracy %.2f%%  (%u stages, %s, %u micro-batches, batch %d, %d epoch%s), "
                "%.0f samples/s\n", 100 * res.accuracy, p, o->schedule, o->microbatches, o->batch,
