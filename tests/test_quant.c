@@ -22,48 +22,6 @@
 
 #define HDR 16
 
-typedef struct {
-    uint8_t *buf;
-    size_t len;
-} payload;
-
-static epipe_codec *make(const char *spec, int threads, int ref)
-{
-    epipe_codec *c;
-    if (epipe_codec_create(&c, spec) != EPIPE_OK)
-        fail_msg("create '%s': %s", spec, epipe_last_error());
-    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_THREADS, threads), EPIPE_OK);
-    if (ref)
-        assert_true(epipe_codec_use_reference(c, 1));
-    return c;
-}
-
-static payload encode(const char *spec, float *x, size_t n, int threads, int ref)
-{
-    epipe_codec *c = make(spec, threads, ref);
-    int64_t shape;
-    DLTensor t = test_view_f32(x, &shape, n);
-    payload p;
-    assert_int_equal(epipe_codec_max_encoded_size(c, &t, &p.len), EPIPE_OK);
-    p.buf = malloc(p.len);
-    size_t w;
-    if (epipe_codec_encode(c, &t, p.buf, p.len, &w) != EPIPE_OK)
-        fail_msg("encode '%s' n=%zu: %s", spec, n, epipe_codec_last_error(c));
-    assert_int_equal(w, p.len);
-    epipe_codec_destroy(c);
-    return p;
-}
-
-static void decode(const char *spec, const payload *p, float *y, size_t n, int threads, int ref)
-{
-    epipe_codec *c = make(spec, threads, ref);
-    int64_t shape;
-    DLTensor t = test_view_f32(y, &shape, n);
-    if (epipe_codec_decode(c, p->buf, p->len, &t) != EPIPE_OK)
-        fail_msg("decode '%s': %s", spec, epipe_codec_last_error(c));
-    epipe_codec_destroy(c);
-}
-
 /* Every value within half a step (plus float rounding), at every width. */
 static void half_step_bound(void **state)
 {
@@ -81,12 +39,12 @@ static void half_step_bound(void **state)
         for (unsigned bits = 1; bits <= 16; bits++) {
             char spec[32];
             snprintf(spec, sizeof spec, "quant:bits=%u", bits);
-            payload p = encode(spec, x, n, 1, 0);
+            test_payload p = test_encode(spec, x, n, 1, 0);
             assert_int_equal(p.len, HDR + 8 + (n * bits + 7) / 8);
             float min = epipe_get_f32(p.buf + HDR), step = epipe_get_f32(p.buf + HDR + 4);
             assert_true(min == lo);
             assert_true(fabs((double)step - ((double)hi - lo) / ((1u << bits) - 1)) <= 1e-6 * step);
-            decode(spec, &p, y, n, 1, 0);
+            test_decode(spec, &p, y, n, 1, 0);
             for (size_t i = 0; i < n; i++) {
                 double err = fabs((double)x[i] - y[i]);
                 if (err > step / 2 * (1 + 1e-6) + 16 * FLT_EPSILON * amax)
@@ -109,17 +67,17 @@ static void all_equal_is_exact(void **state)
     for (unsigned bits = 1; bits <= 16; bits += 5) {
         char spec[32];
         snprintf(spec, sizeof spec, "quant:bits=%u", bits);
-        payload p = encode(spec, x, 300, 1, 0);
+        test_payload p = test_encode(spec, x, 300, 1, 0);
         assert_true(epipe_get_f32(p.buf + HDR + 4) == 0.0f);
-        decode(spec, &p, y, 300, 1, 0);
+        test_decode(spec, &p, y, 300, 1, 0);
         for (int i = 0; i < 300; i++)
             assert_true(y[i] == -7.25f);
         free(p.buf);
     }
     /* the full float range still decodes to finite values */
     float z[4] = {-FLT_MAX, FLT_MAX, 0.0f, 1.0f};
-    payload p = encode("quant:bits=1", z, 4, 1, 0);
-    decode("quant:bits=1", &p, y, 4, 1, 0);
+    test_payload p = test_encode("quant:bits=1", z, 4, 1, 0);
+    test_decode("quant:bits=1", &p, y, 4, 1, 0);
     for (int i = 0; i < 4; i++)
         assert_true(isfinite(y[i]));
     free(p.buf);
@@ -127,17 +85,17 @@ static void all_equal_is_exact(void **state)
 
 static void check_same(const char *spec, float *x, size_t n)
 {
-    payload r = encode(spec, x, n, 1, 1);
+    test_payload r = test_encode(spec, x, n, 1, 1);
     const int threads[] = {1, 2, 3, 7};
     float *y = malloc(sizeof *y * (n + 1)), *yr = malloc(sizeof *yr * (n + 1));
-    decode(spec, &r, yr, n, 1, 1);
+    test_decode(spec, &r, yr, n, 1, 1);
     for (size_t t = 0; t < 4; t++) {
-        payload f = encode(spec, x, n, threads[t], 0);
+        test_payload f = test_encode(spec, x, n, threads[t], 0);
         assert_int_equal(f.len, r.len);
         if (memcmp(f.buf, r.buf, r.len) != 0)
             fail_msg("%s n=%zu threads=%d: fast bytes differ from the reference", spec, n,
                      threads[t]);
-        decode(spec, &f, y, n, threads[t], 0);
+        test_decode(spec, &f, y, n, threads[t], 0);
         if (n && memcmp(y, yr, n * sizeof *y) != 0)
             fail_msg("%s n=%zu threads=%d: decoders disagree", spec, n, threads[t]);
         free(f.buf);
@@ -203,7 +161,7 @@ static void nonfinite_rejected(void **state)
         for (size_t b = 0; b < 3; b++) {
             float keep = x[where[b]];
             x[where[b]] = bad[b];
-            epipe_codec *c = make("quant:bits=8", 1, ref);
+            epipe_codec *c = test_codec("quant:bits=8", 1, ref);
             int64_t shape;
             DLTensor t = test_view_f32(x, &shape, 3000);
             size_t w;
@@ -217,48 +175,32 @@ static void nonfinite_rejected(void **state)
         }
 }
 
-static void expect_proto(const char *spec, const payload *p, size_t n, const char *needle)
-{
-    for (int ref = 0; ref < 2; ref++) {
-        epipe_codec *c = make(spec, 1, ref);
-        float *y = malloc(sizeof *y * n);
-        int64_t shape;
-        DLTensor t = test_view_f32(y, &shape, n);
-        int rc = epipe_codec_decode(c, p->buf, p->len, &t);
-        if (rc != EPIPE_EPROTO || !strstr(epipe_codec_last_error(c), needle))
-            fail_msg("%s: rc %d '%s', expected EPROTO with '%s'", spec, rc,
-                     epipe_codec_last_error(c), needle);
-        free(y);
-        epipe_codec_destroy(c);
-    }
-}
-
 static void hostile_payloads(void **state)
 {
     (void)state;
     float x[13];
     test_fill(x, 13, DIST_NORMAL, 8);
     const char *spec = "quant:bits=7";
-    payload p = encode(spec, x, 13, 1, 0);
+    test_payload p = test_encode(spec, x, 13, 1, 0);
     uint8_t orig[256];
     memcpy(orig, p.buf, p.len);
     epipe_put_f32(p.buf + HDR, NAN);
-    expect_proto(spec, &p, 13, "min");
+    test_expect_proto(spec, &p, 13, "min");
     memcpy(p.buf, orig, p.len);
     epipe_put_f32(p.buf + HDR, -INFINITY);
-    expect_proto(spec, &p, 13, "min");
+    test_expect_proto(spec, &p, 13, "min");
     memcpy(p.buf, orig, p.len);
     epipe_put_f32(p.buf + HDR + 4, -1.0f);
-    expect_proto(spec, &p, 13, "step");
+    test_expect_proto(spec, &p, 13, "step");
     memcpy(p.buf, orig, p.len);
     epipe_put_f32(p.buf + HDR + 4, NAN);
-    expect_proto(spec, &p, 13, "step");
+    test_expect_proto(spec, &p, 13, "step");
     memcpy(p.buf, orig, p.len);
     epipe_put_f32(p.buf + HDR + 4, 1e37f); /* 127 steps overflow */
-    expect_proto(spec, &p, 13, "float range");
+    test_expect_proto(spec, &p, 13, "float range");
     memcpy(p.buf, orig, p.len);
     p.buf[p.len - 1] |= 0x80; /* 13 * 7 = 91 bits: 5 bits of padding */
-    expect_proto(spec, &p, 13, "padding");
+    test_expect_proto(spec, &p, 13, "padding");
     free(p.buf);
 }
 
@@ -278,7 +220,7 @@ static void specs(void **state)
     expect_spec_error("quant:bits=0", "'bits'");
     expect_spec_error("quant:bits=2.5", "'bits'");
     expect_spec_error("quant:split=2", "unknown key 'split'");
-    epipe_codec *c = make("quant", 1, 0);
+    epipe_codec *c = test_codec("quant", 1, 0);
     assert_string_equal(epipe_codec_spec(c), "quant:bits=8");
     epipe_codec_destroy(c);
 }

@@ -23,58 +23,16 @@
 
 #define HDR 16
 
-typedef struct {
-    uint8_t *buf;
-    size_t len;
-} payload;
-
-static epipe_codec *make(const char *spec, int threads, int ref)
-{
-    epipe_codec *c;
-    if (epipe_codec_create(&c, spec) != EPIPE_OK)
-        fail_msg("create '%s': %s", spec, epipe_last_error());
-    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_THREADS, threads), EPIPE_OK);
-    if (ref)
-        assert_true(epipe_codec_use_reference(c, 1));
-    return c;
-}
-
-static payload encode(const char *spec, float *x, size_t n, int threads, int ref)
-{
-    epipe_codec *c = make(spec, threads, ref);
-    int64_t shape;
-    DLTensor t = test_view_f32(x, &shape, n);
-    payload p;
-    assert_int_equal(epipe_codec_max_encoded_size(c, &t, &p.len), EPIPE_OK);
-    p.buf = malloc(p.len);
-    size_t w;
-    if (epipe_codec_encode(c, &t, p.buf, p.len, &w) != EPIPE_OK)
-        fail_msg("encode '%s' n=%zu: %s", spec, n, epipe_codec_last_error(c));
-    assert_int_equal(w, p.len);
-    epipe_codec_destroy(c);
-    return p;
-}
-
-static void decode(const char *spec, const payload *p, float *y, size_t n, int threads, int ref)
-{
-    epipe_codec *c = make(spec, threads, ref);
-    int64_t shape;
-    DLTensor t = test_view_f32(y, &shape, n);
-    if (epipe_codec_decode(c, p->buf, p->len, &t) != EPIPE_OK)
-        fail_msg("decode '%s': %s", spec, epipe_codec_last_error(c));
-    epipe_codec_destroy(c);
-}
-
 /* The chunk count k and bits of a spec, from the parameter word. */
 static void geometry(const char *spec, unsigned *bits, unsigned *k)
 {
-    epipe_codec *c = make(spec, 1, 0);
+    epipe_codec *c = test_codec(spec, 1, 0);
     *bits = (unsigned)c->p[0];
     *k = 1u << (unsigned)c->p[1];
     epipe_codec_destroy(c);
 }
 
-static uint16_t *codes_of(const payload *p, size_t n, unsigned bits, unsigned k)
+static uint16_t *codes_of(const test_payload *p, size_t n, unsigned bits, unsigned k)
 {
     uint16_t *codes = malloc(sizeof *codes * (n + 1));
     epipe_bitunpack_ref(p->buf + HDR + 8 * k, n, bits, codes);
@@ -87,9 +45,9 @@ static void check_error_bound(const char *spec, const float *x, size_t n)
 {
     unsigned bits, k;
     geometry(spec, &bits, &k);
-    payload p = encode(spec, (float *)x, n, 1, 0);
+    test_payload p = test_encode(spec, (float *)x, n, 1, 0);
     float *y = malloc(sizeof *y * (n + 1));
-    decode(spec, &p, y, n, 1, 0);
+    test_decode(spec, &p, y, n, 1, 0);
     uint16_t *codes = codes_of(&p, n, bits, k);
     unsigned q = bits - (unsigned)log2((double)k);
     float amax = 0;
@@ -152,7 +110,7 @@ static void exact_counts_equal(void **state)
                         x[i] = roundf(x[i] * 2.0f) / 2.0f;
                 unsigned bits, k;
                 geometry(specs[s], &bits, &k);
-                payload p = encode(specs[s], x, n, 2, 0);
+                test_payload p = test_encode(specs[s], x, n, 2, 0);
                 uint16_t *codes = codes_of(&p, n, bits, k);
                 size_t *count = calloc(k, sizeof *count);
                 unsigned q = bits - (unsigned)log2((double)k);
@@ -178,9 +136,9 @@ static void exact_counts_equal(void **state)
 
 static double mse_of(const char *spec, const float *x, size_t n)
 {
-    payload p = encode(spec, (float *)x, n, 0, 0);
+    test_payload p = test_encode(spec, (float *)x, n, 0, 0);
     float *y = malloc(sizeof *y * n);
-    decode(spec, &p, y, n, 0, 0);
+    test_decode(spec, &p, y, n, 0, 0);
     double m = test_mse(x, y, n);
     free(y);
     free(p.buf);
@@ -235,12 +193,12 @@ static void mse_against_quant(void **state)
  * decoders give the same floats. */
 static void check_same(const char *spec, float *x, size_t n)
 {
-    payload r = encode(spec, x, n, 1, 1);
+    test_payload r = test_encode(spec, x, n, 1, 1);
     const int threads[] = {1, 2, 3, 7};
     float *y = malloc(sizeof *y * (n + 1)), *yr = malloc(sizeof *yr * (n + 1));
-    decode(spec, &r, yr, n, 1, 1);
+    test_decode(spec, &r, yr, n, 1, 1);
     for (size_t t = 0; t < 4; t++) {
-        payload f = encode(spec, x, n, threads[t], 0);
+        test_payload f = test_encode(spec, x, n, threads[t], 0);
         assert_int_equal(f.len, r.len);
         if (memcmp(f.buf, r.buf, r.len) != 0) {
             size_t i = 0;
@@ -249,7 +207,7 @@ static void check_same(const char *spec, float *x, size_t n)
             fail_msg("%s n=%zu threads=%d: byte %zu is %u, reference %u", spec, n, threads[t], i,
                      f.buf[i], r.buf[i]);
         }
-        decode(spec, &f, y, n, threads[t], 0);
+        test_decode(spec, &f, y, n, threads[t], 0);
         if (n && memcmp(y, yr, n * sizeof *y) != 0)
             fail_msg("%s n=%zu threads=%d: decoders disagree", spec, n, threads[t]);
         free(f.buf);
@@ -348,8 +306,8 @@ static void degenerate_inputs(void **state)
     const char *specs[] = {"sortquant:bits=8", "sortquant:bits=8,mode=exact", "sortquant:bits=16"};
     for (size_t s = 0; s < 3; s++)
         for (size_t n = 0; n <= 100; n += 33) {
-            payload p = encode(specs[s], x, n, 1, 0);
-            decode(specs[s], &p, y, n, 1, 0);
+            test_payload p = test_encode(specs[s], x, n, 1, 0);
+            test_decode(specs[s], &p, y, n, 1, 0);
             for (size_t i = 0; i < n; i++)
                 assert_true(y[i] == 3.5f);
             free(p.buf);
@@ -357,8 +315,8 @@ static void degenerate_inputs(void **state)
     /* two values, extreme magnitudes */
     float z[6] = {-FLT_MAX, FLT_MAX, 0.0f, 1e-45f, -1e-45f, FLT_MAX};
     for (size_t s = 0; s < 3; s++) {
-        payload p = encode(specs[s], z, 6, 1, 0);
-        decode(specs[s], &p, y, 6, 1, 0);
+        test_payload p = test_encode(specs[s], z, 6, 1, 0);
+        test_decode(specs[s], &p, y, 6, 1, 0);
         for (int i = 0; i < 6; i++)
             assert_true(isfinite(y[i]));
         check_same(specs[s], z, 6);
@@ -379,7 +337,7 @@ static void nonfinite_rejected(void **state)
             for (size_t b = 0; b < 3; b++) {
                 float keep = x[where[b]];
                 x[where[b]] = bad[b];
-                epipe_codec *c = make(specs[s], 1, ref);
+                epipe_codec *c = test_codec(specs[s], 1, ref);
                 int64_t shape;
                 DLTensor t = test_view_f32(x, &shape, 5000);
                 uint8_t *buf = malloc(8192);
@@ -395,49 +353,33 @@ static void nonfinite_rejected(void **state)
             }
 }
 
-static void expect_proto(const char *spec, const payload *p, size_t n, const char *needle)
-{
-    for (int ref = 0; ref < 2; ref++) {
-        epipe_codec *c = make(spec, 1, ref);
-        float *y = malloc(sizeof *y * n);
-        int64_t shape;
-        DLTensor t = test_view_f32(y, &shape, n);
-        int rc = epipe_codec_decode(c, p->buf, p->len, &t);
-        if (rc != EPIPE_EPROTO || !strstr(epipe_codec_last_error(c), needle))
-            fail_msg("%s: rc %d '%s', expected EPROTO with '%s'", spec, rc,
-                     epipe_codec_last_error(c), needle);
-        free(y);
-        epipe_codec_destroy(c);
-    }
-}
-
 static void hostile_payloads(void **state)
 {
     (void)state;
     float x[37];
     test_fill(x, 37, DIST_NORMAL, 4);
     const char *spec = "sortquant:bits=5,split=2,mode=exact";
-    payload p = encode(spec, x, 37, 1, 0);
+    test_payload p = test_encode(spec, x, 37, 1, 0);
     uint8_t *orig = malloc(p.len);
     memcpy(orig, p.buf, p.len);
     epipe_put_f32(p.buf + HDR + 8, NAN); /* chunk 1 min */
-    expect_proto(spec, &p, 37, "min");
+    test_expect_proto(spec, &p, 37, "min");
     memcpy(p.buf, orig, p.len);
     epipe_put_f32(p.buf + HDR + 8 * 3 + 4, -0.5f); /* chunk 3 step */
-    expect_proto(spec, &p, 37, "step");
+    test_expect_proto(spec, &p, 37, "step");
     memcpy(p.buf, orig, p.len);
     epipe_put_f32(p.buf + HDR + 4, INFINITY);
-    expect_proto(spec, &p, 37, "step");
+    test_expect_proto(spec, &p, 37, "step");
     memcpy(p.buf, orig, p.len);
     epipe_put_f32(p.buf + HDR, 3e38f);
     epipe_put_f32(p.buf + HDR + 4, 1e37f); /* min + 7 steps overflows */
-    expect_proto(spec, &p, 37, "float range");
+    test_expect_proto(spec, &p, 37, "float range");
     memcpy(p.buf, orig, p.len);
     p.buf[p.len - 1] |= 0x80; /* 37 * 5 bits leave 3 bits of padding */
-    expect_proto(spec, &p, 37, "padding");
+    test_expect_proto(spec, &p, 37, "padding");
     memcpy(p.buf, orig, p.len);
     float y[37];
-    decode(spec, &p, y, 37, 1, 0);
+    test_decode(spec, &p, y, 37, 1, 0);
     free(orig);
     free(p.buf);
 }
@@ -469,15 +411,15 @@ static void specs_and_defaults(void **state)
         {"sortquant:bits=3,split=0", "sortquant:bits=3,split=0,mode=sample,sample=65536"},
     };
     for (size_t i = 0; i < sizeof canon / sizeof *canon; i++) {
-        epipe_codec *c = make(canon[i].in, 1, 0);
+        epipe_codec *c = test_codec(canon[i].in, 1, 0);
         assert_string_equal(epipe_codec_spec(c), canon[i].out);
         epipe_codec_destroy(c);
     }
     /* mode and sample do not change what a decoder needs */
     float x[100], y[100];
     test_fill(x, 100, DIST_NORMAL, 1);
-    payload p = encode("sortquant:bits=8,mode=exact", x, 100, 1, 0);
-    decode("sortquant:bits=8,sample=2048", &p, y, 100, 1, 0);
+    test_payload p = test_encode("sortquant:bits=8,mode=exact", x, 100, 1, 0);
+    test_decode("sortquant:bits=8,sample=2048", &p, y, 100, 1, 0);
     free(p.buf);
 }
 

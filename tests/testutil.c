@@ -2,6 +2,15 @@
 #include "testutil.h"
 
 #include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <epipe/epipe.h>
+
+#include "../codecs/codec_impl.h"
 
 void test_rng_seed(test_rng *r, uint64_t seed)
 {
@@ -68,4 +77,64 @@ double test_mse(const float *a, const float *b, size_t n)
         s += d * d;
     }
     return n ? s / (double)n : 0.0;
+}
+
+epipe_codec *test_codec(const char *spec, int threads, int ref)
+{
+    epipe_codec *c;
+    if (epipe_codec_create(&c, spec) != EPIPE_OK)
+        fail_msg("create '%s': %s", spec, epipe_last_error());
+    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_THREADS, threads), EPIPE_OK);
+    if (ref)
+        assert_true(epipe_codec_use_reference(c, 1));
+    return c;
+}
+
+test_payload test_encode(const char *spec, float *x, size_t n, int threads, int ref)
+{
+    epipe_codec *c = test_codec(spec, threads, ref);
+    int64_t shape;
+    DLTensor t = test_view_f32(x, &shape, n);
+    test_payload p;
+    assert_int_equal(epipe_codec_max_encoded_size(c, &t, &p.len), EPIPE_OK);
+    p.buf = malloc(p.len);
+    size_t w;
+    if (epipe_codec_encode(c, &t, p.buf, p.len, &w) != EPIPE_OK)
+        fail_msg("encode '%s' n=%zu: %s", spec, n, epipe_codec_last_error(c));
+    assert_int_equal(w, p.len);
+    epipe_codec_destroy(c);
+    return p;
+}
+
+void test_decode(const char *spec, const test_payload *p, float *y, size_t n, int threads, int ref)
+{
+    epipe_codec *c = test_codec(spec, threads, ref);
+    int64_t shape;
+    DLTensor t = test_view_f32(y, &shape, n);
+    if (epipe_codec_decode(c, p->buf, p->len, &t) != EPIPE_OK)
+        fail_msg("decode '%s': %s", spec, epipe_codec_last_error(c));
+    epipe_codec_destroy(c);
+}
+
+void test_expect_rejected(epipe_codec *c, const uint8_t *p, size_t len, DLTensor *t,
+                          const char *needle)
+{
+    for (int ref = 0; ref < 2; ref++) {
+        assert_true(epipe_codec_use_reference(c, ref));
+        int rc = epipe_codec_decode(c, p, len, t);
+        if (rc != EPIPE_EPROTO || !strstr(epipe_codec_last_error(c), needle))
+            fail_msg("rc %d, message '%s', expected EPROTO mentioning '%s'", rc,
+                     epipe_codec_last_error(c), needle);
+    }
+}
+
+void test_expect_proto(const char *spec, const test_payload *p, size_t n, const char *needle)
+{
+    epipe_codec *c = test_codec(spec, 1, 0);
+    float *y = malloc(sizeof *y * (n ? n : 1));
+    int64_t shape;
+    DLTensor t = test_view_f32(y, &shape, n);
+    test_expect_rejected(c, p->buf, p->len, &t, needle);
+    free(y);
+    epipe_codec_destroy(c);
 }

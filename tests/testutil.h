@@ -24,4 +24,24 @@ DLTensor test_view_f32(float *x, int64_t *shape_store, size_t n);
 
 double test_mse(const float *a, const float *b, size_t n);
 
+/* Codec helpers for cmocka tests: each fails the test, with the library's
+ * message, on any error. `threads` sets EPIPE_CODEC_THREADS; `ref` routes
+ * through the codec's scalar reference. */
+struct epipe_codec;
+typedef struct {
+    uint8_t *buf; /* malloc'd; the caller frees it */
+    size_t len;
+} test_payload;
+struct epipe_codec *test_codec(const char *spec, int threads, int ref);
+/* Encodes x[0..n) as a 1-D tensor with a fresh codec of `spec`. */
+test_payload test_encode(const char *spec, float *x, size_t n, int threads, int ref);
+/* Decodes p into y[0..n) with a fresh codec of `spec`. */
+void test_decode(const char *spec, const test_payload *p, float *y, size_t n, int threads, int ref);
+/* Decoding p with c, through the fast path and the scalar reference, must
+ * give EPIPE_EPROTO with a message that contains `needle`. */
+void test_expect_rejected(struct epipe_codec *c, const uint8_t *p, size_t len, DLTensor *t,
+                          const char *needle);
+/* The same for a fresh codec of `spec` decoding p into n values. */
+void test_expect_proto(const char *spec, const test_payload *p, size_t n, const char *needle);
+
 #endif
