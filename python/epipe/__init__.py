@@ -1,0 +1,36 @@
+"""epipe: a thin ctypes binding of libepipe (pipeline-parallel training with
+compressed stage boundaries). See docs/python.md.
+
+The shared library is found through EPIPE_LIBRARY (a path), else the source
+tree's build/lib/libepipe.so, else the system's libepipe.so.0.
+"""
+from ._core import (
+    ACTIVATION,
+    ALL_BOUNDARIES,
+    CODEC_THREADS,
+    COMM_MAX_MESSAGE,
+    COMM_SPIN_US,
+    COMM_TIMEOUT_MS,
+    GRADIENT,
+    OP_BACKWARD,
+    OP_FORWARD,
+    OP_NONE,
+    STAGE_BATCH_SIZE,
+    STAGE_CODEC_THREADS,
+    STAGE_TIMEOUT_MS,
+    STAGE_TRAINING,
+    Codec,
+    Comm,
+    Op,
+    Stage,
+    version,
+    version_number,
+)
+from ._lib import Error, library_path, status_name, strerror
+
+__all__ = [
+    "ACTIVATION", "ALL_BOUNDARIES", "CODEC_THREADS", "COMM_MAX_MESSAGE", "COMM_SPIN_US",
+    "COMM_TIMEOUT_MS", "GRADIENT", "OP_BACKWARD", "OP_FORWARD", "OP_NONE", "STAGE_BATCH_SIZE",
+    "STAGE_CODEC_THREADS", "STAGE_TIMEOUT_MS", "STAGE_TRAINING", "Codec", "Comm", "Error", "Op",
+    "Stage", "library_path", "status_name", "strerror", "version", "version_number",
+]

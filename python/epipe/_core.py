@@ -1,0 +1,370 @@
+"""Codec, Comm and Stage: thin wrappers over the opaque libepipe handles."""
+import ctypes
+import threading
+import weakref
+from collections import namedtuple
+
+from . import _lib
+from ._lib import Error, check, lib
+from ._tensor import DLView, wrap_lent
+
+# epipe_op_kind (schedule.h) values the op stream returns
+OP_NONE, OP_FORWARD, OP_BACKWARD = 0, 1, 2
+ACTIVATION, GRADIENT = 0, 1  # epipe_direction
+ALL_BOUNDARIES = 0xFFFFFFFF
+
+# knobs (codec.h, comm.h, stage.h)
+CODEC_THREADS = 1
+COMM_TIMEOUT_MS, COMM_MAX_MESSAGE, COMM_SPIN_US = 1, 2, 3
+STAGE_TIMEOUT_MS, STAGE_CODEC_THREADS, STAGE_BATCH_SIZE, STAGE_TRAINING = 1, 2, 3, 4
+
+
+def version():
+    """The loaded library's version as a string, "0.1.0"."""
+    return lib.epipe_version_string().decode()
+
+
+def version_number():
+    """The loaded library's version as 10000*major + 100*minor + patch."""
+    return int(lib.epipe_version())
+
+
+def _enc(s):
+    if not isinstance(s, str):
+        raise TypeError(f"expected a str, got {type(s).__name__}")
+    return s.encode("utf-8")
+
+
+def _s(b):
+    return b.decode("utf-8", "replace") if b else ""
+
+
+class _Handle:
+    _destroy = None
+
+    def __init__(self):
+        self._h = None
+
+    @property
+    def closed(self):
+        return not self._h
+
+    def _handle(self):
+        if not self._h:
+            raise Error(-11, f"this {type(self).__name__} is closed")
+        return self._h
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---- codecs -----------------------------------------------------------------
+
+
+class Codec(_Handle):
+    """A codec from a spec string ("sortquant:bits=8"). Not thread-safe: use
+    one Codec per thread."""
+
+    def __init__(self, spec):
+        super().__init__()
+        h = ctypes.c_void_p()
+        check(lib.epipe_codec_create(ctypes.byref(h), _enc(spec)), "epipe_codec_create")
+        self._h = h.value
+
+    def close(self):
+        if self._h:
+            h, self._h = self._h, None
+            lib.epipe_codec_destroy(h)
+
+    def _check(self, rc, fn):
+        return check(rc, fn, lib.epipe_codec_last_error, self._h)
+
+    @property
+    def spec(self):
+        """The canonical spec, every default filled in."""
+        return _s(lib.epipe_codec_spec(self._handle()))
+
+    @property
+    def name(self):
+        return _s(lib.epipe_codec_name(self._handle()))
+
+    @property
+    def id(self):
+        return int(lib.epipe_codec_id(self._handle()))
+
+    def set_threads(self, n):
+        """Worker threads per call (0 = automatic); never changes the bytes."""
+        self._check(lib.epipe_codec_set_param(self._handle(), CODEC_THREADS, int(n)),
+                    "epipe_codec_set_param")
+
+    def max_encoded_size(self, tensor):
+        v = DLView(tensor)
+        n = ctypes.c_size_t()
+        self._check(lib.epipe_codec_max_encoded_size(self._handle(), v.ptr, ctypes.byref(n)),
+                    "epipe_codec_max_encoded_size")
+        return n.value
+
+    def encode(self, tensor):
+        """Encodes a CPU tensor (fp32, fp16 or bf16, any strides), read in
+        place through DLPack. Returns the payload as bytes."""
+        v = DLView(tensor)
+        h = self._handle()
+        cap = ctypes.c_size_t()
+        self._check(lib.epipe_codec_max_encoded_size(h, v.ptr, ctypes.byref(cap)),
+                    "epipe_codec_max_encoded_size")
+        buf = ctypes.create_string_buffer(max(cap.value, 1))
+        written = ctypes.c_size_t()
+        self._check(lib.epipe_codec_encode(h, v.ptr, buf, cap.value, ctypes.byref(written)),
+                    "epipe_codec_encode")
+        return buf.raw[: written.value]
+
+    def decode(self, payload, out=None, *, shape=None, dtype=None):
+        """Decodes payload into `out` (a writable CPU tensor, written in place
+        through DLPack, returned), or into a new torch tensor of `shape` and
+        `dtype` (default torch.float32)."""
+        if out is None:
+            import torch
+
+            if shape is None:
+                raise TypeError("decode needs out= or shape=")
+            out = torch.empty(shape, dtype=dtype or torch.float32)
+        if not isinstance(payload, bytes):
+            payload = bytes(payload)
+        v = DLView(out)
+        self._check(lib.epipe_codec_decode(self._handle(), payload, len(payload), v.ptr),
+                    "epipe_codec_decode")
+        return out
+
+    def __repr__(self):
+        return f"epipe.Codec({self.spec!r})" if self._h else "epipe.Codec(<closed>)"
+
+
+# ---- communicators ----------------------------------------------------------
+
+
+class Comm(_Handle):
+    """This rank's end of a group. Create with Comm.from_env(), Comm.tcp() or
+    Comm.inproc(n) (a list of n joined in this process, one per thread)."""
+
+    def __init__(self, handle):
+        super().__init__()
+        self._h = handle
+        self._stages = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def inproc(cls, size):
+        arr = (ctypes.c_void_p * int(size))()
+        check(lib.epipe_comm_create_inproc(arr, int(size)), "epipe_comm_create_inproc")
+        return [cls(arr[i]) for i in range(int(size))]
+
+    @classmethod
+    def from_env(cls, options=None):
+        """Rank, size and master from the environment (EPIPE_*, torchrun,
+        Open MPI, PMI, Slurm; docs/transport.md), over TCP."""
+        h = ctypes.c_void_p()
+        check(lib.epipe_comm_create_from_env(ctypes.byref(h), _enc(options) if options else None),
+              "epipe_comm_create_from_env")
+        return cls(h.value)
+
+    @classmethod
+    def tcp(cls, rank, size, master_addr, master_port, options=None):
+        h = ctypes.c_void_p()
+        check(lib.epipe_comm_create_tcp(ctypes.byref(h), int(rank), int(size), _enc(master_addr),
+                                        int(master_port), _enc(options) if options else None),
+              "epipe_comm_create_tcp")
+        return cls(h.value)
+
+    def close(self):
+        """Closes this rank's stages, then leaves the group."""
+        with self._lock:
+            if not self._h:
+                return
+            for st in list(self._stages):
+                st.close()
+            h, self._h = self._h, None
+        lib.epipe_comm_destroy(h)
+
+    def abort(self):
+        """Marks this rank failed; wakes blocked receives. Any thread."""
+        h = self._h
+        if h:
+            lib.epipe_comm_abort(h)
+
+    @property
+    def rank(self):
+        return int(lib.epipe_comm_rank(self._handle()))
+
+    @property
+    def size(self):
+        return int(lib.epipe_comm_size(self._handle()))
+
+    @property
+    def transport(self):
+        return _s(lib.epipe_comm_transport(self._handle()))
+
+    def set_param(self, param, value):
+        check(lib.epipe_comm_set_param(self._handle(), int(param), int(value)),
+              "epipe_comm_set_param", lib.epipe_comm_last_error, self._h)
+
+    def __repr__(self):
+        if not self._h:
+            return "epipe.Comm(<closed>)"
+        return f"epipe.Comm(rank={self.rank}, size={self.size}, transport={self.transport!r})"
+
+
+# ---- stages -----------------------------------------------------------------
+
+Op = namedtuple("Op", "kind microbatch")
+Op.__doc__ = "One compute op: kind is OP_FORWARD, OP_BACKWARD or OP_NONE."
+
+_STAT_FIELDS = [f for f, _ in _lib.StageStats._fields_ if f != "struct_size"]
+
+
+class Stage(_Handle):
+    """One pipeline stage on `comm` (its rank is the stage index).
+
+    Received tensors are zero-copy views of memory the stage lends, valid for
+    as long as stage.h says: an activation until the end of its
+    micro-batch's backward on this stage (the next next_op() after that
+    backward; in evaluation mode, the next op), a gradient until the next
+    next_op(). Reading one later reads freed or reused memory; pass
+    copy=True for a tensor that owns its data.
+    """
+
+    def __init__(self, comm, schedule="1f1b", microbatches=4, *, act_codec=None,
+                 grad_codec=None, batch_size=None, timeout_ms=None, codec_threads=None):
+        super().__init__()
+        self.comm = comm  # the stage borrows the comm: keep it alive
+        h = ctypes.c_void_p()
+        check(lib.epipe_stage_create(ctypes.byref(h), comm._handle(), _enc(schedule),
+                                     int(microbatches)), "epipe_stage_create")
+        self._h = h.value
+        self.microbatches = int(microbatches)
+        self.schedule = schedule
+        comm._stages.add(self)
+        try:
+            if act_codec is not None:
+                self.set_codec(ACTIVATION, act_codec)
+            if grad_codec is not None:
+                self.set_codec(GRADIENT, grad_codec)
+            if batch_size is not None:
+                self.set_param(STAGE_BATCH_SIZE, batch_size)
+            if timeout_ms is not None:
+                self.set_param(STAGE_TIMEOUT_MS, timeout_ms)
+            if codec_threads is not None:
+                self.set_param(STAGE_CODEC_THREADS, codec_threads)
+        except Exception:
+            self.close()
+            raise
+
+    def close(self):
+        if self._h:
+            h, self._h = self._h, None
+            lib.epipe_stage_destroy(h)
+
+    def _check(self, rc, fn):
+        return check(rc, fn, lib.epipe_stage_last_error, self._h)
+
+    @property
+    def index(self):
+        return int(lib.epipe_stage_index(self._handle()))
+
+    @property
+    def count(self):
+        return int(lib.epipe_stage_count(self._handle()))
+
+    @property
+    def is_first(self):
+        return self.index == 0
+
+    @property
+    def is_last(self):
+        return self.index + 1 == self.count
+
+    def set_codec(self, direction, spec, boundary=ALL_BOUNDARIES):
+        """direction: ACTIVATION or GRADIENT (or "activation"/"gradient")."""
+        if isinstance(direction, str):
+            direction = {"activation": ACTIVATION, "gradient": GRADIENT}[direction]
+        self._check(lib.epipe_stage_set_codec(self._handle(), int(direction), int(boundary),
+                                              _enc(spec)), "epipe_stage_set_codec")
+
+    def set_param(self, param, value):
+        self._check(lib.epipe_stage_set_param(self._handle(), int(param), int(value)),
+                    "epipe_stage_set_param")
+
+    @property
+    def training(self):
+        return getattr(self, "_training", True)
+
+    @training.setter
+    def training(self, on):
+        self.set_param(STAGE_TRAINING, 1 if on else 0)
+        self._training = bool(on)
+
+    # -- the op stream
+    def next_op(self):
+        op = _lib.Op()
+        self._check(lib.epipe_stage_next_op(self._handle(), ctypes.byref(op)),
+                    "epipe_stage_next_op")
+        return Op(int(op.kind), int(op.microbatch))
+
+    def ops(self):
+        """Iterates one step's compute ops; ends after OP_NONE."""
+        while True:
+            op = self.next_op()
+            if op.kind == OP_NONE:
+                return
+            yield op
+
+    def recv_activation(self, microbatch, copy=False):
+        p = ctypes.POINTER(_lib.DLTensor)()
+        self._check(lib.epipe_stage_recv_activation(self._handle(), int(microbatch),
+                                                    ctypes.byref(p)),
+                    "epipe_stage_recv_activation")
+        return wrap_lent(p, copy)
+
+    def recv_gradient(self, microbatch, copy=False):
+        p = ctypes.POINTER(_lib.DLTensor)()
+        self._check(lib.epipe_stage_recv_gradient(self._handle(), int(microbatch),
+                                                  ctypes.byref(p)),
+                    "epipe_stage_recv_gradient")
+        return wrap_lent(p, copy)
+
+    def send_activation(self, microbatch, tensor):
+        """Encodes and sends; the tensor may be reused as soon as this returns."""
+        v = DLView(tensor)
+        self._check(lib.epipe_stage_send_activation(self._handle(), int(microbatch), v.ptr),
+                    "epipe_stage_send_activation")
+
+    def send_gradient(self, microbatch, tensor):
+        v = DLView(tensor)
+        self._check(lib.epipe_stage_send_gradient(self._handle(), int(microbatch), v.ptr),
+                    "epipe_stage_send_gradient")
+
+    # -- statistics
+    def stats(self):
+        """Totals since creation or reset_stats(), as a dict (stage.h names)."""
+        s = _lib.StageStats()
+        s.struct_size = ctypes.sizeof(s)
+        self._check(lib.epipe_stage_get_stats(self._handle(), ctypes.byref(s)),
+                    "epipe_stage_get_stats")
+        return {f: getattr(s, f) for f in _STAT_FIELDS}
+
+    def reset_stats(self):
+        lib.epipe_stage_reset_stats(self._handle())
+
+    def __repr__(self):
+        if not self._h:
+            return "epipe.Stage(<closed>)"
+        return (f"epipe.Stage(index={self.index}, count={self.count}, "
+                f"schedule={self.schedule!r}, microbatches={self.microbatches})")

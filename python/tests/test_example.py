@@ -1,0 +1,40 @@
+"""examples/torch/fmnist_split.py: three processes over TCP, started by epipe-run,
+train a little and report accuracy and wire ratio."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCHER = os.environ.get("EPIPE_RUN") or os.path.join(ROOT, "build", "tools", "epipe-run")
+DATA = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
+
+
+@pytest.mark.skipif(not os.path.exists(LAUNCHER), reason=f"no launcher at {LAUNCHER}")
+@pytest.mark.skipif(not os.path.exists(DATA), reason="dataset-fashion-mnist is not installed")
+def test_fmnist_split_trains_over_tcp():
+    cmd = [LAUNCHER, "-n", "3", "--", sys.executable,
+           os.path.join(ROOT, "examples", "torch", "fmnist_split.py"),
+           "--act-codec", "sortquant:bits=8", "--grad-codec", "quant:bits=8",
+           "--train-limit", "1920", "--test-limit", "1000", "--schedule", "gpipe",
+           "--microbatches", "2"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:]
+    res = {}
+    for line in p.stdout.splitlines():
+        if "RESULT " in line:
+            r = json.loads(line.split("RESULT ", 1)[1])
+            res[r["rank"]] = r
+    assert sorted(res) == [0, 1, 2], p.stdout[-3000:]
+    assert res[2]["test_images"] == 1000
+    assert res[2]["accuracy"] > 0.4, p.stdout[-3000:]  # chance is 0.1
+    # each boundary's two ends count the same bytes
+    assert res[0]["raw_down"] == res[1]["raw_up"] and res[0]["wire_down"] == res[1]["wire_up"]
+    assert res[1]["raw_down"] == res[2]["raw_up"] and res[1]["wire_down"] == res[2]["wire_up"]
+    assert res[0]["wire_down"] < 0.35 * res[0]["raw_down"]  # 8-bit codes on fp32
+    assert "test accuracy" in p.stdout and "wire ratio" in p.stdout

@@ -1,0 +1,229 @@
+"""An in-process pipeline driven from Python threads through the op stream
+matches unpipelined torch; op-order and shape errors raise epipe.Error."""
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import epipe  # noqa: E402
+
+BATCH, MB, IN, HID, OUT = 16, 4, 8, 12, 3
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return [
+        torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Tanh()),
+        torch.nn.Sequential(torch.nn.Linear(HID, HID), torch.nn.ReLU()),
+        torch.nn.Linear(HID, OUT),
+    ]
+
+
+def data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def loss_fn(y, t):
+    return ((y - t) ** 2).sum()
+
+
+def drive(stage, module, xs, ts, losses):
+    """One training step of `stage` through the op stream, with autograd."""
+    saved = {}
+    for op in stage.ops():
+        mb = op.microbatch
+        if op.kind == epipe.OP_FORWARD:
+            if stage.is_first:
+                x = xs[mb]
+            else:
+                x = stage.recv_activation(mb).requires_grad_()
+            y = module(x)
+            if stage.is_last:
+                y = loss_fn(y, ts[mb])
+                losses[mb] = y.item()
+            else:
+                stage.send_activation(mb, y)
+            saved[mb] = (x, y)
+        else:
+            assert op.kind == epipe.OP_BACKWARD
+            x, y = saved.pop(mb)
+            if stage.is_last:
+                torch.autograd.backward(y)
+            else:
+                torch.autograd.backward(y, stage.recv_gradient(mb))
+            if not stage.is_first:
+                stage.send_gradient(mb, x.grad)
+    assert not saved
+
+
+def run_pipeline(parts, schedule, act="none", grad="none", steps=1):
+    p = len(parts)
+    comms = epipe.Comm.inproc(p)
+    x, t = data()
+    xs, ts = x.chunk(MB), t.chunk(MB)
+    errors, losses, stats = [None] * p, {}, [None] * p
+
+    def worker(s):
+        try:
+            with epipe.Stage(comms[s], schedule, MB, act_codec=act, grad_codec=grad,
+                             batch_size=BATCH, timeout_ms=20000) as st:
+                assert (st.index, st.count) == (s, p)
+                for _ in range(steps):
+                    drive(st, parts[s], xs, ts, losses)
+                stats[s] = st.stats()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors[s] = e
+            comms[s].abort()
+        finally:
+            comms[s].close()
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(p)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    for e in errors:
+        if e is not None:
+            raise e
+    return losses, stats
+
+
+def reference_grads(parts):
+    x, t = data()
+    y = x
+    for m in parts:
+        y = m(y)
+    loss = loss_fn(y, t)
+    loss.backward()
+    return loss.item(), [[q.grad.clone() for q in m.parameters()] for m in parts]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("nstages", [2, 3])
+def test_pipeline_matches_torch(schedule, nstages):
+    ref_parts = make_model()
+    if nstages == 2:
+        ref_parts = [torch.nn.Sequential(ref_parts[0], ref_parts[1]), ref_parts[2]]
+    ref_loss, ref = reference_grads(ref_parts)
+
+    parts = make_model()
+    if nstages == 2:
+        parts = [torch.nn.Sequential(parts[0], parts[1]), parts[2]]
+    losses, stats = run_pipeline(parts, schedule)
+    assert sorted(losses) == list(range(MB))
+    assert sum(losses.values()) == pytest.approx(ref_loss, rel=1e-5)
+    for s, m in enumerate(parts):
+        for q, r in zip(m.parameters(), ref[s]):
+            torch.testing.assert_close(q.grad, r, rtol=1e-5, atol=1e-6)
+    # codec none: the wire carries the raw bytes plus headers
+    st0 = stats[0]
+    assert st0["steps"] == 1
+    assert st0["act_sent_raw"] == BATCH * HID * 4
+    assert st0["act_sent_wire"] > st0["act_sent_raw"]
+    assert st0["grad_recv_raw"] == BATCH * HID * 4
+    assert stats[1]["act_recv_raw"] == BATCH * HID * 4
+
+
+def test_pipeline_with_compression_stays_close():
+    ref_parts = make_model()
+    ref_parts = [torch.nn.Sequential(ref_parts[0], ref_parts[1]), ref_parts[2]]
+    _, ref = reference_grads(ref_parts)
+    parts = make_model()
+    parts = [torch.nn.Sequential(parts[0], parts[1]), parts[2]]
+    _, stats = run_pipeline(parts, "1f1b", act="quant:bits=16", grad="quant:bits=16")
+    for s, m in enumerate(parts):
+        for q, r in zip(m.parameters(), ref[s]):
+            torch.testing.assert_close(q.grad, r, rtol=1e-2, atol=1e-3)
+    parts = make_model()
+    _, plain = run_pipeline([torch.nn.Sequential(parts[0], parts[1]), parts[2]], "1f1b")
+    # 16-bit codes: half the payload of fp32 (the headers are the same)
+    assert plain[0]["act_sent_wire"] - stats[0]["act_sent_wire"] >= BATCH * HID * 2 - 64
+    assert plain[0]["grad_recv_wire"] - stats[0]["grad_recv_wire"] >= BATCH * HID * 2 - 64
+
+
+def test_several_steps_and_codec_mismatch_is_refused():
+    parts = make_model()
+    run_pipeline([torch.nn.Sequential(parts[0], parts[1]), parts[2]], "1f1b", steps=3)
+
+    comms = epipe.Comm.inproc(2)
+    errors = [None, None]
+
+    def worker(s):
+        try:
+            with epipe.Stage(comms[s], "gpipe", 1, timeout_ms=5000) as st:
+                st.set_codec(epipe.ACTIVATION, "quant:bits=8" if s == 0 else "sortquant:bits=8")
+                op = st.next_op()
+                if s == 0:
+                    st.send_activation(op.microbatch, torch.randn(4, 4))
+                else:
+                    st.recv_activation(op.microbatch)
+        except epipe.Error as e:
+            errors[s] = e
+            comms[s].abort()
+        finally:
+            comms[s].close()
+
+    ths = [threading.Thread(target=worker, args=(s,)) for s in range(2)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(30)
+    assert errors[1] is not None and errors[1].name == "EPIPE_EPROTO"
+    assert "quant" in errors[1].message
+
+
+def test_op_stream_order_errors():
+    comms = epipe.Comm.inproc(2)
+    try:
+        st = epipe.Stage(comms[0], "gpipe", 2)
+        with pytest.raises(epipe.Error) as ei:
+            st.set_codec(epipe.ACTIVATION, "sortquant:bits=99")
+        assert ei.value.name == "EPIPE_EINVAL" and "bits" in ei.value.message
+        op = st.next_op()
+        assert op == (epipe.OP_FORWARD, 0)
+        with pytest.raises(epipe.Error) as ei:
+            st.send_activation(1, torch.ones(2, 2))  # wrong micro-batch
+        assert ei.value.name == "EPIPE_ESTATE" and ei.value.message
+        with pytest.raises(epipe.Error) as ei:
+            st.recv_gradient(0)  # not in a backward
+        assert ei.value.name == "EPIPE_ESTATE"
+        with pytest.raises(epipe.Error) as ei:
+            st.send_activation(0, torch.ones(2, 2, dtype=torch.float64))
+        assert ei.value.name == "EPIPE_EINVAL"
+        with pytest.raises(epipe.Error) as ei:
+            st.set_codec(epipe.ACTIVATION, "none")  # only before the first step
+        assert ei.value.name == "EPIPE_ESTATE"
+        st.close()
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_batch_size_checks_rows():
+    comms = epipe.Comm.inproc(2)
+    try:
+        with pytest.raises(epipe.Error) as ei:
+            epipe.Stage(comms[0], "gpipe", 3, batch_size=16)
+        assert ei.value.name == "EPIPE_EINVAL"
+        st = epipe.Stage(comms[0], "gpipe", 4, batch_size=16)
+        st.next_op()
+        with pytest.raises(epipe.Error) as ei:
+            st.send_activation(0, torch.ones(5, 3))
+        assert ei.value.name == "EPIPE_EINVAL" and "4" in ei.value.message
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_bad_schedule_and_comm_info():
+    comms = epipe.Comm.inproc(3)
+    try:
+        assert [c.rank for c in comms] == [0, 1, 2]
+        assert comms[1].size == 3 and comms[1].transport == "inproc"
+        with pytest.raises(epipe.Error) as ei:
+            epipe.Stage(comms[0], "zigzag", 4)
+        assert "zigzag" in ei.value.message
+    finally:
+        for c in comms:
+            c.close()
