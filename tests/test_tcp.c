@@ -260,6 +260,77 @@ static void test_env_precedence(void **state)
     clear_env();
 }
 
+/* Each launcher's variables on their own (no other source set), and the
+ * half-set mistakes, each named. */
+static void test_env_sources_alone(void **state)
+{
+    (void)state;
+    epipe_rdv_env e;
+    clear_env();
+    /* torchrun alone: MASTER_ADDR, MASTER_PORT + 1; no MASTER_ADDR is an error. */
+    setenv("RANK", "2", 1);
+    setenv("WORLD_SIZE", "4", 1);
+    setenv("MASTER_PORT", "29500", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "MASTER_ADDR"));
+    setenv("MASTER_ADDR", "10.0.0.7", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_int_equal(e.rank, 2);
+    assert_int_equal(e.size, 4);
+    assert_string_equal(e.master_addr, "10.0.0.7");
+    assert_int_equal(e.master_port, 29501);
+    assert_non_null(strstr(e.port_source, "MASTER_PORT+1"));
+    setenv("MASTER_PORT", "65535", 1); /* no room for the offset */
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "MASTER_PORT"));
+    unsetenv("MASTER_PORT");
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_int_equal(e.master_port, EPIPE_TCP_DEFAULT_PORT);
+    unsetenv("WORLD_SIZE");
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "WORLD_SIZE"));
+    clear_env();
+
+    /* PMI alone: no node count, no node list: the local host, default port. */
+    setenv("PMI_RANK", "0", 1);
+    setenv("PMI_SIZE", "3", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_int_equal(e.size, 3);
+    assert_string_equal(e.master_addr, "127.0.0.1");
+    assert_int_equal(e.master_port, EPIPE_TCP_DEFAULT_PORT);
+    assert_non_null(strstr(e.source, "PMI"));
+    /* MPI_LOCALNRANKS says the ranks span nodes: an address is needed. */
+    setenv("MPI_LOCALNRANKS", "1", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "EPIPE_MASTER_ADDR"));
+    setenv("EPIPE_MASTER_ADDR", "h0", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_string_equal(e.master_addr, "h0");
+    clear_env();
+
+    /* Open MPI alone, no local size: assumed single node. */
+    setenv("OMPI_COMM_WORLD_RANK", "1", 1);
+    setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_string_equal(e.master_addr, "127.0.0.1");
+    unsetenv("OMPI_COMM_WORLD_SIZE");
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "OMPI_COMM_WORLD_SIZE"));
+    clear_env();
+
+    /* Slurm over several nodes without a node list: say what to set. */
+    setenv("SLURM_PROCID", "0", 1);
+    setenv("SLURM_NTASKS", "2", 1);
+    setenv("SLURM_NNODES", "2", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "EPIPE_MASTER_ADDR"));
+    setenv("SLURM_JOB_NODELIST", "a[1-2]", 1);
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
+    assert_string_equal(e.master_addr, "a1");
+    assert_int_equal(e.master_port, EPIPE_TCP_DEFAULT_PORT); /* no job id */
+    clear_env();
+}
+
 static void test_first_host(void **state)
 {
     (void)state;
@@ -767,6 +838,7 @@ int main(int argc, char **argv)
         cmocka_set_test_filter(argv[1]);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_env_precedence),
+        cmocka_unit_test(test_env_sources_alone),
         cmocka_unit_test(test_first_host),
         cmocka_unit_test(test_options),
         cmocka_unit_test(test_from_env),
