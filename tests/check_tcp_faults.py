@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Faults across processes: kill -9 of a stage mid-step (every other rank
 reports EPIPE_EPEER or EPIPE_ETIMEDOUT, epipe-run exits 137), a wrong key
-(EPIPE_EAUTH at init), and the launcher's own duties: prefixes, status,
-signal forwarding."""
+(EPIPE_EAUTH at init), the launcher's own duties: prefixes, status,
+SIGINT/SIGTERM forwarding, and real two-process rendezvous from torchrun,
+Open MPI, PMI and Slurm environments."""
 import os
 import signal
 import subprocess
@@ -53,6 +54,93 @@ out, err = p.communicate(timeout=10)
 print("SIGTERM to the launcher: exit %d in %.2f s" % (p.returncode, time.time() - t0))
 if p.returncode != 128 + signal.SIGTERM or time.time() - t0 > 5:
     fail("SIGTERM not forwarded: exit %d, %s" % (p.returncode, err))
+
+# SIGINT too, and the ranks themselves see the signal: each traps it, says
+# so and exits 3, which becomes the launcher's status.
+p = subprocess.Popen([run, "-n", "2", "--", "sh", "-c",
+                      'trap "echo caught INT; exit 3" INT; trap "echo caught TERM; exit 3" TERM; '
+                      'echo ready; while :; do sleep 0.05; done'],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+time.sleep(0.5)
+t0 = time.time()
+p.send_signal(signal.SIGINT)
+out, err = p.communicate(timeout=10)
+print("SIGINT to the launcher: exit %d in %.2f s" % (p.returncode, time.time() - t0))
+for k in range(2):
+    if "[rank %d] caught INT" % k not in out:
+        fail("SIGINT not forwarded to rank %d:\n%s%s" % (k, out, err))
+if p.returncode != 3 or time.time() - t0 > 5:
+    fail("SIGINT: launcher exit %d (want the ranks' 3): %s" % (p.returncode, err))
+p = subprocess.Popen([run, "-n", "2", "--", "sh", "-c",
+                      'trap "echo caught TERM; exit 3" TERM; echo ready; '
+                      'while :; do sleep 0.05; done'],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+time.sleep(0.5)
+p.send_signal(signal.SIGTERM)
+out, err = p.communicate(timeout=10)
+for k in range(2):
+    if "[rank %d] caught TERM" % k not in out:
+        fail("SIGTERM not forwarded to rank %d:\n%s%s" % (k, out, err))
+
+# 1b. The rendezvous from the environments other launchers set, as two real
+# processes started without epipe-run; the log says which source was used.
+def free_port():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def clean_env():
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("EPIPE_", "OMPI_", "PMI_", "SLURM_", "MPI_LOCALNRANKS"))
+         and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    e["EPIPE_LOG"] = "info"
+    e["EPIPE_TIMEOUT_MS"] = "10000"
+    return e
+
+
+def env_run(name, per_rank, want_source, want_port):
+    procs = []
+    for k in range(2):
+        e = clean_env()
+        e.update(per_rank(k))
+        procs.append(subprocess.Popen([trainer, "--steps", "2"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=e))
+    outs = []
+    for k, q in enumerate(procs):
+        try:
+            o, er = q.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            q.kill()
+            o, er = q.communicate()
+        outs.append((q.returncode, o, er))
+    for k, (rc, o, er) in enumerate(outs):
+        if rc != 0 or "rank %d: ok" % k not in o:
+            fail("%s: rank %d exit %s:\n%s%s" % (name, k, rc, o, er))
+        elif want_source not in er or (":%d " % want_port) not in er:
+            fail("%s: rank %d's log does not name %s and port %d:\n%s" % (name, k, want_source,
+                                                                        want_port, er))
+    line = [l for l in outs[0][2].splitlines() if "from " + want_source in l]
+    print("%s: %s" % (name, line[0].strip()[:200] if line else "no rendezvous line"))
+
+
+port = free_port()
+env_run("torchrun", lambda k: {"RANK": str(k), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": str(port - 1)}, "torchrun", port)
+port = free_port()
+env_run("Open MPI", lambda k: {"OMPI_COMM_WORLD_RANK": str(k), "OMPI_COMM_WORLD_SIZE": "2",
+                               "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "EPIPE_MASTER_PORT": str(port)},
+        "Open MPI", port)
+port = free_port()
+env_run("PMI", lambda k: {"PMI_RANK": str(k), "PMI_SIZE": "2", "EPIPE_MASTER_PORT": str(port)},
+        "PMI", port)
+port = free_port()
+env_run("Slurm", lambda k: {"SLURM_PROCID": str(k), "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
+                            "SLURM_JOB_NODELIST": "localhost", "EPIPE_MASTER_PORT": str(port)},
+        "Slurm", port)
 
 # 2. kill -9 of rank 1 of 3 (of 4) mid-step: the others report the peer.
 for n, victim in ((3, 1), (4, 3)):

@@ -15,7 +15,9 @@
 
 #include <cmocka.h>
 
+#include "comm/comm_impl.h"
 #include "pipeline_host.h"
+#include "wire/wire.h"
 
 #define STEPS 6
 #define MAX_P 4
@@ -166,6 +168,13 @@ static void statistics_add_up(void **state)
         assert_true(res[s].stats.step_seconds > 0);
         assert_true(res[s].stats.compute_seconds > 0);
         assert_true(res[s].stats.compute_seconds <= res[s].stats.step_seconds);
+        /* codec time where there is a boundary, waits never negative, and
+         * compute + codec + wait inside the step (sends complete async) */
+        const epipe_stage_stats *t = &res[s].stats;
+        assert_true(t->encode_seconds > 0 && t->decode_seconds > 0);
+        assert_true(t->wait_seconds >= 0);
+        assert_true(t->compute_seconds + t->encode_seconds + t->decode_seconds + t->wait_seconds <=
+                    t->step_seconds * 1.01 + 1e-3);
     }
     assert_int_equal(res[2].stats.loss_count, 12);
     assert_true(res[2].stats.loss_sum > 0);
@@ -173,6 +182,29 @@ static void statistics_add_up(void **state)
         host_result_free(&res[s]);
 }
 
+/* 1 when some line of the trace holds an event with this name on stage pid. */
+static int trace_has(const char *text, const char *name, unsigned pid)
+{
+    char want_name[64], want_pid[32];
+    snprintf(want_name, sizeof want_name, "\"name\": \"%s\"", name);
+    snprintf(want_pid, sizeof want_pid, "\"pid\": %u,", pid);
+    for (const char *line = text; line && *line;) {
+        const char *end = strchr(line, '\n');
+        size_t len = end ? (size_t)(end - line) : strlen(line);
+        char buf[512];
+        if (len < sizeof buf) {
+            memcpy(buf, line, len);
+            buf[len] = '\0';
+            if (strstr(buf, want_name) && strstr(buf, want_pid) && strstr(buf, "\"ph\": \"X\""))
+                return 1;
+        }
+        line = end ? end + 1 : NULL;
+    }
+    return 0;
+}
+
+/* Every op of every stage is in the trace, on that stage's own track, with
+ * the codec and wait spans around them. */
 static void trace_file_is_written(void **state)
 {
     (void)state;
@@ -181,23 +213,39 @@ static void trace_file_is_written(void **state)
     assert_true(fd >= 0);
     close(fd);
     setenv("EPIPE_TRACE", path, 1);
-    struct host_config cfg = {.schedule = "gpipe", .microbatches = 2, .steps = 1};
-    struct host_result res[2];
-    run_pipeline(2, &cfg, res);
+    enum { P = 3, M = 4 };
+    struct host_config cfg = {.schedule = "1f1b", .microbatches = M, .steps = 1};
+    struct host_result res[P];
+    run_pipeline(P, &cfg, res);
     unsetenv("EPIPE_TRACE");
-    check_ok(res, 2, "trace");
+    check_ok(res, P, "trace");
     FILE *f = fopen(path, "r");
     assert_non_null(f);
-    static char text[1 << 16];
+    static char text[1 << 18];
     size_t n = fread(text, 1, sizeof text - 1, f);
     fclose(f);
     unlink(path);
     text[n] = '\0';
     assert_non_null(strstr(text, "\"traceEvents\""));
-    assert_non_null(strstr(text, "\"name\": \"F0\""));
-    assert_non_null(strstr(text, "\"name\": \"B1\""));
-    assert_non_null(strstr(text, "\"stage 1\""));
-    for (int s = 0; s < 2; s++)
+    for (unsigned s = 0; s < P; s++) {
+        char track[32];
+        snprintf(track, sizeof track, "\"stage %u\"", s);
+        assert_non_null(strstr(text, track));
+        for (unsigned mb = 0; mb < M; mb++) {
+            char op[16];
+            snprintf(op, sizeof op, "F%u", mb);
+            if (!trace_has(text, op, s))
+                fail_msg("trace: no %s on stage %u", op, s);
+            snprintf(op, sizeof op, "B%u", mb);
+            if (!trace_has(text, op, s))
+                fail_msg("trace: no %s on stage %u", op, s);
+        }
+        if (s + 1 < P && (!trace_has(text, "encode", s) || !trace_has(text, "wait-grad", s)))
+            fail_msg("trace: stage %u lacks its encode or wait-grad spans", s);
+        if (s > 0 && (!trace_has(text, "decode", s) || !trace_has(text, "wait-act", s)))
+            fail_msg("trace: stage %u lacks its decode or wait-act spans", s);
+    }
+    for (int s = 0; s < P; s++)
         host_result_free(&res[s]);
 }
 
@@ -252,6 +300,89 @@ static void wrong_op_order_is_refused(void **state)
     expect_error(st, epipe_stage_send_activation(st, 1, &bad), EPIPE_EINVAL, "dtype");
     expect_error(st, epipe_stage_step(st), EPIPE_ESTATE, "callbacks");
     epipe_stage_destroy(st);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+}
+
+/* A gradient handed back must have the shape and dtype of the activation it
+ * is the gradient of: the stage that sends it says so, before the wire. */
+static void gradient_shape_must_match_activation(void **state)
+{
+    (void)state;
+    epipe_comm *c[2];
+    epipe_stage *s0, *s1;
+    epipe_op op;
+    int64_t shape[2], shape_bad[2];
+    DLTensor t = tensor2d(shape, 2, 4);
+    const DLTensor *in;
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&s0, c[0], "gpipe", 1), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&s1, c[1], "gpipe", 1), EPIPE_OK);
+    assert_int_equal(epipe_stage_next_op(s0, &op), EPIPE_OK);
+    assert_int_equal(op.kind, EPIPE_OP_FORWARD);
+    assert_int_equal(epipe_stage_send_activation(s0, 0, &t), EPIPE_OK);
+    assert_int_equal(epipe_stage_next_op(s1, &op), EPIPE_OK);
+    assert_int_equal(op.kind, EPIPE_OP_FORWARD);
+    assert_int_equal(epipe_stage_recv_activation(s1, 0, &in), EPIPE_OK);
+    assert_int_equal(in->shape[0], 2);
+    assert_int_equal(in->shape[1], 4);
+    assert_int_equal(epipe_stage_next_op(s1, &op), EPIPE_OK);
+    assert_int_equal(op.kind, EPIPE_OP_BACKWARD);
+    DLTensor bad = tensor2d(shape_bad, 2, 5);
+    expect_error(s1, epipe_stage_send_gradient(s1, 0, &bad), EPIPE_EINVAL, "shape");
+    DLTensor badt = tensor2d(shape_bad, 2, 4);
+    badt.dtype.bits = 16;
+    expect_error(s1, epipe_stage_send_gradient(s1, 0, &badt), EPIPE_EINVAL, "dtype");
+    epipe_stage_destroy(s0);
+    epipe_stage_destroy(s1);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+}
+
+/* A gradient from the next stage whose shape is not that of the activation
+ * sent (a peer with a bug, or another build): EPIPE_EPROTO naming it. */
+static void received_gradient_shape_is_checked(void **state)
+{
+    (void)state;
+    epipe_comm *c[2];
+    epipe_stage *s0;
+    epipe_op op;
+    int64_t shape[2];
+    DLTensor t = tensor2d(shape, 2, 4);
+    const DLTensor *g;
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&s0, c[0], "gpipe", 1), EPIPE_OK);
+    assert_int_equal(epipe_stage_next_op(s0, &op), EPIPE_OK);
+    assert_int_equal(epipe_stage_send_activation(s0, 0, &t), EPIPE_OK);
+    /* 8 floats as one dimension instead of 2 x 4, codec none, step 0 */
+    epipe_codec *codec;
+    assert_int_equal(epipe_codec_create(&codec, "none"), EPIPE_OK);
+    float x[8] = {0};
+    int64_t shape1[1] = {8};
+    DLTensor v = {.data = x, .device = {kDLCPU, 0}, .ndim = 1, .dtype = {kDLFloat, 32, 1},
+                  .shape = shape1};
+    size_t cap, len;
+    assert_int_equal(epipe_codec_max_encoded_size(codec, &v, &cap), EPIPE_OK);
+    epipe_msg *m = epipe_msg_new(cap);
+    assert_non_null(m);
+    assert_int_equal(epipe_codec_encode(codec, &v, epipe_msg_payload(m), cap, &len), EPIPE_OK);
+    const uint8_t *pl = epipe_msg_payload(m);
+    memset(&m->hdr, 0, sizeof m->hdr);
+    m->hdr.kind = EPIPE_WIRE_GRADIENT;
+    m->hdr.dtype = pl[2];
+    m->hdr.ndim = 1;
+    m->hdr.shape[0] = 8;
+    m->hdr.codec_id = pl[0];
+    m->hdr.codec_param = epipe_get_u32(pl + 4);
+    m->hdr.src_stage = 1;
+    m->hdr.dst_stage = 0;
+    assert_int_equal(epipe_msg_seal(m, len), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[1], 0, m), EPIPE_OK);
+    epipe_codec_destroy(codec);
+    assert_int_equal(epipe_stage_next_op(s0, &op), EPIPE_OK);
+    assert_int_equal(op.kind, EPIPE_OP_BACKWARD);
+    expect_error(s0, epipe_stage_recv_gradient(s0, 0, &g), EPIPE_EPROTO, "from stage 1");
+    epipe_stage_destroy(s0);
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
 }
@@ -471,6 +602,8 @@ int main(void)
         cmocka_unit_test(statistics_add_up),
         cmocka_unit_test(trace_file_is_written),
         cmocka_unit_test(wrong_op_order_is_refused),
+        cmocka_unit_test(gradient_shape_must_match_activation),
+        cmocka_unit_test(received_gradient_shape_is_checked),
         cmocka_unit_test(bad_configuration_is_refused),
         cmocka_unit_test(dead_or_silent_peers),
         cmocka_unit_test(failing_callback_stops_the_pipeline),

@@ -95,6 +95,43 @@ static void crc_paths_agree(void **state)
     free(buf);
 }
 
+/* The three-way fast path (blocks of 8192 and 256 bytes per chain) against
+ * the slicing-by-8 reference and the single-chain loop: random lengths
+ * around and across the block edges, random alignments, random starting
+ * CRCs, and chaining across a split. */
+static void crc_three_way_matches_reference(void **state)
+{
+    (void)state;
+    enum { N = (1 << 20) + 64 };
+    uint8_t *buf = malloc(N);
+    assert_non_null(buf);
+    test_rng r;
+    test_rng_seed(&r, 7);
+    for (size_t i = 0; i < N; i++)
+        buf[i] = (uint8_t)test_rng_next(&r);
+    const size_t edges[] = {767, 768, 769, 775, 776, 1535, 1536, 24575, 24576, 24577,
+                            24576 + 768, 24576 + 767, 49152, 49152 + 7, 1 << 20};
+    for (size_t i = 0; i < sizeof edges / sizeof *edges + 400; i++) {
+        size_t n = i < sizeof edges / sizeof *edges ? edges[i]
+                                                    : (size_t)(test_rng_next(&r) % 200000);
+        size_t off = (size_t)(test_rng_next(&r) % 64);
+        uint32_t init = (i & 1) ? (uint32_t)test_rng_next(&r) : 0;
+        uint32_t want = epipe_crc32c_ref(init, buf + off, n);
+        assert_int_equal(epipe_crc32c_hw(init, buf + off, n), want);
+        assert_int_equal(epipe_crc32c_hw_1way(init, buf + off, n), want);
+        assert_int_equal(epipe_crc32c(init, buf + off, n), want);
+        size_t cut = n ? (size_t)(test_rng_next(&r) % n) : 0;
+        assert_int_equal(epipe_crc32c(epipe_crc32c(init, buf + off, cut), buf + off + cut, n - cut),
+                         want);
+    }
+    /* All zeros and all ones over the long path. */
+    memset(buf, 0, 100000);
+    assert_int_equal(epipe_crc32c_hw(0, buf, 100000), epipe_crc32c_ref(0, buf, 100000));
+    memset(buf, 0xFF, 100000);
+    assert_int_equal(epipe_crc32c_hw(0, buf, 100000), epipe_crc32c_ref(0, buf, 100000));
+    free(buf);
+}
+
 /* ---- helpers ------------------------------------------------------------ */
 
 /* A 2x3x4 fp32 activation with a "none"-codec payload written by hand. */
@@ -545,6 +582,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(crc_check_value),
         cmocka_unit_test(crc_paths_agree),
+        cmocka_unit_test(crc_three_way_matches_reference),
         cmocka_unit_test(header_round_trip_every_field),
         cmocka_unit_test(message_round_trip_with_codec),
         cmocka_unit_test(streaming_steps),

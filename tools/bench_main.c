@@ -25,6 +25,7 @@ static const struct {
     {"schedule", bench_schedule_main, "a pipeline schedule's simulated timeline and bubble"},
     {"pipeline", bench_pipeline_main, "stage runtime overhead and step time against the simulator"},
     {"transport", bench_transport_main, "TCP transport throughput and latency against a raw socket"},
+    {"crc", bench_crc_main, "CRC32C throughput of the wire checksum paths against memcpy"},
 };
 
 static void usage(FILE *f)

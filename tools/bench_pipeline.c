@@ -14,9 +14,10 @@
 struct bench_opts {
     const char *kind, *codec;
     unsigned p, m;
-    int steps, json;
+    int steps, json, spin;
     double fwd_ms, bwd_ms; /* 0: empty callbacks (overhead mode) */
     int elems;
+    long spin_us; /* EPIPE_COMM_SPIN_US on every stage's communicator */
 };
 
 struct stage_arg {
@@ -30,9 +31,20 @@ struct stage_arg {
     DLTensor t;
 };
 
-/* Stands for device compute: sleeps to an absolute deadline, so two cores
- * can host four stages without the stages' "compute" competing for them. */
-static void busy_for(double ms)
+/* Stands for compute until an absolute deadline. By default it sleeps (like
+ * a host waiting on a device), so two cores can host four stages without
+ * the stages' "compute" competing for them, and spins only the last 100 us
+ * so that the op takes its time and no more; with --spin it busy-waits on
+ * the clock all the way, as CPU compute would, and the stages share the
+ * cores. */
+static long long ns_until(const struct timespec *ts)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (long long)(ts->tv_sec - now.tv_sec) * 1000000000LL + (ts->tv_nsec - now.tv_nsec);
+}
+
+static void busy_for(double ms, int spin)
 {
     if (ms <= 0)
         return;
@@ -41,7 +53,20 @@ static void busy_for(double ms)
     long long ns = (long long)ts.tv_nsec + (long long)(ms * 1e6);
     ts.tv_sec += (time_t)(ns / 1000000000);
     ts.tv_nsec = (long)(ns % 1000000000);
-    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0)
+    /* Sleep to 100 us before the deadline (timer wake-ups are late by tens
+     * of microseconds), then spin on the clock to the deadline itself. */
+    long long left = ns_until(&ts);
+    if (!spin && left > 100000) {
+        struct timespec early = ts;
+        early.tv_nsec -= 100000;
+        if (early.tv_nsec < 0) {
+            early.tv_nsec += 1000000000;
+            early.tv_sec--;
+        }
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &early, NULL) != 0)
+            ;
+    }
+    while (ns_until(&ts) > 0)
         ;
 }
 
@@ -49,7 +74,7 @@ static int fwd(void *user, unsigned mb, const DLTensor *in, const DLTensor **out
 {
     struct stage_arg *a = user;
     (void)mb, (void)in;
-    busy_for(a->o->fwd_ms);
+    busy_for(a->o->fwd_ms, a->o->spin);
     *out = &a->t;
     return 0;
 }
@@ -58,7 +83,7 @@ static int bwd(void *user, unsigned mb, const DLTensor *g, const DLTensor **gin)
 {
     struct stage_arg *a = user;
     (void)mb, (void)g;
-    busy_for(a->o->bwd_ms);
+    busy_for(a->o->bwd_ms, a->o->spin);
     *gin = &a->t;
     return 0;
 }
@@ -126,12 +151,15 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: epipe-bench pipeline [--kind gpipe|1f1b] [-p STAGES] [-m MICROBATCHES]\n"
-            "       [--steps N] [--fwd-ms F --bwd-ms B] [--elems N] [--codec SPEC] [--json]\n\n"
+            "       [--steps N] [--fwd-ms F --bwd-ms B [--spin]] [--elems N] [--codec SPEC]\n"
+            "       [--spin-us US] [--json]\n\n"
             "Runs a pipeline of in-process stages (threads). Without --fwd-ms/--bwd-ms the\n"
             "callbacks do nothing and the result is the runtime's overhead per op\n"
             "(one op = a forward or backward with its receive and send). With them, each\n"
-            "callback sleeps that long (standing for device compute) and the measured\n"
-            "step time is compared with the simulator's makespan for the same costs.\n");
+            "callback sleeps that long (standing for device compute; --spin busy-waits\n"
+            "instead, standing for CPU compute) and the measured step time is compared\n"
+            "with the simulator's makespan for the same costs. --spin-us sets\n"
+            "EPIPE_COMM_SPIN_US (receives busy-wait, yielding, before they sleep).\n");
 }
 
 int bench_pipeline_main(int argc, char **argv)
@@ -146,6 +174,10 @@ int bench_pipeline_main(int argc, char **argv)
             return 0;
         } else if (!strcmp(a, "--json")) {
             o.json = 1;
+        } else if (!strcmp(a, "--spin-us") && more) {
+            o.spin_us = atol(argv[++i]);
+        } else if (!strcmp(a, "--spin")) {
+            o.spin = 1;
         } else if (!strcmp(a, "--kind") && more) {
             o.kind = argv[++i];
         } else if (!strcmp(a, "--codec") && more) {
@@ -185,6 +217,10 @@ int bench_pipeline_main(int argc, char **argv)
     memset(args, 0, sizeof args);
     for (unsigned s = 0; s < o.p; s++) {
         args[s].comm = comms[s];
+        if (o.spin_us > 0 && epipe_comm_set_param(comms[s], EPIPE_COMM_SPIN_US, o.spin_us)) {
+            fprintf(stderr, "epipe-bench pipeline: %s\n", epipe_comm_last_error(comms[s]));
+            return 2;
+        }
         args[s].o = &o;
         pthread_create(&tid[s], NULL, stage_main, &args[s]);
     }
@@ -203,8 +239,9 @@ int bench_pipeline_main(int argc, char **argv)
         if (o.json)
             printf("{\"bench\": \"pipeline-overhead\", \"kind\": \"%s\", \"stages\": %u, "
                    "\"microbatches\": %u, \"steps\": %d, \"elems\": %d, \"codec\": \"%s\", "
-                   "\"step_us\": %.2f, \"us_per_op\": %.3f}\n",
-                   o.kind, o.p, o.m, o.steps, o.elems, o.codec, step_ms * 1e3, us_per_op);
+                   "\"spin_us\": %ld, \"step_us\": %.2f, \"us_per_op\": %.3f}\n",
+                   o.kind, o.p, o.m, o.steps, o.elems, o.codec, o.spin_us, step_ms * 1e3,
+                   us_per_op);
         else
             printf("%s, %u stages, %u micro-batches, %d-value tensors, codec %s, empty callbacks:\n"
                    "  %.1f us a step, %.2f us an op (forward or backward with its receive and send)\n",
@@ -220,9 +257,11 @@ int bench_pipeline_main(int argc, char **argv)
     if (o.json)
         printf("{\"bench\": \"pipeline-step\", \"kind\": \"%s\", \"stages\": %u, "
                "\"microbatches\": %u, \"steps\": %d, \"fwd_ms\": %g, \"bwd_ms\": %g, "
-               "\"codec\": \"%s\", \"measured_step_ms\": %.3f, \"simulated_step_ms\": %.3f, "
-               "\"ratio\": %.4f, \"compute_only_ideal_ms\": %.3f}\n",
-               o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.codec, step_ms, sim_ms,
+               "\"compute\": \"%s\", \"spin_us\": %ld, \"codec\": \"%s\", \"measured_step_ms\": %.3f, "
+               "\"simulated_step_ms\": %.3f, \"ratio\": %.4f, \"compute_only_ideal_ms\": %.3f}\n",
+               o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.spin ? "spin" : "sleep", o.spin_us,
+               o.codec,
+               step_ms, sim_ms,
                step_ms / sim_ms, ideal);
     else
         printf("%s, %u stages, %u micro-batches, forward %g ms, backward %g ms, codec %s:\n"

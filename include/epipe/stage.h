@@ -120,7 +120,10 @@ EPIPE_API const char *epipe_stage_last_error(const epipe_stage *stage);
  * epipe_stage_next_op(). A tensor the host sends is encoded before the send
  * returns; the host may reuse it at once. Sent tensors: fp32, fp16 or bf16,
  * on the CPU, any strides; every micro-batch of a step must send the same
- * shape and dtype on the same boundary and direction (EPIPE_EINVAL else).
+ * shape and dtype on the same boundary and direction (EPIPE_EINVAL else),
+ * and a gradient sent back has the shape and dtype of the activation
+ * received for that micro-batch (EPIPE_EINVAL else; a received gradient
+ * whose shape is not that of the activation sent is EPIPE_EPROTO).
  * Received tensors are dense, in the dtype and shape that was sent. */
 EPIPE_API int epipe_stage_next_op(epipe_stage *stage, epipe_op *op);
 EPIPE_API int epipe_stage_recv_activation(epipe_stage *stage, unsigned microbatch,
