@@ -295,12 +295,13 @@ static int finish_current_op(epipe_stage *st)
     char what[64];
     if (!st->cur_valid)
         return EPIPE_OK;
-    op_text(&st->cur, what, sizeof what);
     if (st->need_recv && !st->did_recv)
-        return fail(st, EPIPE_ESTATE, "the %s ended without receiving its %s", what,
+        return fail(st, EPIPE_ESTATE, "the %s ended without receiving its %s",
+                    op_text(&st->cur, what, sizeof what),
                     st->cur.kind == EPIPE_OP_FORWARD ? "activation" : "gradient");
     if (st->need_send && !st->did_send)
-        return fail(st, EPIPE_ESTATE, "the %s ended without sending its %s", what,
+        return fail(st, EPIPE_ESTATE, "the %s ended without sending its %s",
+                    op_text(&st->cur, what, sizeof what),
                     st->cur.kind == EPIPE_OP_FORWARD ? "activation" : "gradient");
     if (st->tracing) {
         char name[12];
@@ -374,16 +375,18 @@ static int expect(epipe_stage *st, unsigned mb, int is_recv, int dir)
     if (!st->cur_valid)
         return fail(st, EPIPE_ESTATE, "%s(%u) called with no op in progress: call next_op first",
                     call, mb);
-    op_text(&st->cur, what, sizeof what);
+    /* the op's text is formatted only for an error: this runs for every send and receive */
+#define WHAT op_text(&st->cur, what, sizeof what)
     if (st->cur.kind != want || st->cur.microbatch != mb)
-        return fail(st, EPIPE_ESTATE, "%s(%u) called during the %s", call, mb, what);
+        return fail(st, EPIPE_ESTATE, "%s(%u) called during the %s", call, mb, WHAT);
     if (is_recv ? !st->need_recv : !st->need_send)
         return fail(st, EPIPE_ESTATE, "%s(%u): the %s of stage %u of %u has nothing to %s", call,
-                    mb, what, st->s, st->p, is_recv ? "receive" : "send");
+                    mb, WHAT, st->s, st->p, is_recv ? "receive" : "send");
     if (is_recv ? st->did_recv : st->did_send)
-        return fail(st, EPIPE_ESTATE, "%s(%u) called twice in the %s", call, mb, what);
+        return fail(st, EPIPE_ESTATE, "%s(%u) called twice in the %s", call, mb, WHAT);
     if (is_recv && st->need_send && st->did_send)
-        return fail(st, EPIPE_ESTATE, "%s(%u) called after the %s already sent", call, mb, what);
+        return fail(st, EPIPE_ESTATE, "%s(%u) called after the %s already sent", call, mb, WHAT);
+#undef WHAT
     return EPIPE_OK;
 }
 
