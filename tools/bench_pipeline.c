@@ -24,6 +24,7 @@ struct stage_arg {
     epipe_comm *comm;
     const struct bench_opts *o;
     double seconds; /* wall time of the timed steps */
+    double cpu_seconds; /* this stage thread's CPU time (user + system) in them */
     int rc;
     char err[256];
     float *buf;
@@ -70,6 +71,13 @@ static void busy_for(double ms, int spin)
         ;
 }
 
+static double thread_cpu(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 static int fwd(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
 {
     struct stage_arg *a = user;
@@ -109,13 +117,14 @@ static void *stage_main(void *p)
     if (a->rc == EPIPE_OK)
         a->rc = epipe_stage_set_callbacks(st, &cb);
     int warmup = o->steps / 10 + 1;
-    double t0 = 0;
+    double t0 = 0, c0 = 0;
     for (int s = 0; a->rc == EPIPE_OK && s < warmup + o->steps; s++) {
         if (s == warmup)
-            t0 = bench_now();
+            t0 = bench_now(), c0 = thread_cpu();
         a->rc = epipe_stage_step(st);
     }
     a->seconds = bench_now() - t0;
+    a->cpu_seconds = thread_cpu() - c0;
     if (a->rc) {
         snprintf(a->err, sizeof a->err, "%s", epipe_stage_last_error(st));
         epipe_comm_abort(a->comm);
@@ -224,9 +233,10 @@ int bench_pipeline_main(int argc, char **argv)
         args[s].o = &o;
         pthread_create(&tid[s], NULL, stage_main, &args[s]);
     }
-    double worst = 0;
+    double worst = 0, cpu = 0;
     for (unsigned s = 0; s < o.p; s++) {
         pthread_join(tid[s], NULL);
+        cpu += args[s].cpu_seconds;
         if (args[s].rc) {
             fprintf(stderr, "epipe-bench pipeline: stage %u: %s\n", s, args[s].err);
             return 1;
@@ -236,16 +246,20 @@ int bench_pipeline_main(int argc, char **argv)
     double step_ms = worst * 1e3 / o.steps;
     if (!timed) {
         double us_per_op = step_ms * 1e3 / (2.0 * o.m); /* per stage: m forwards, m backwards */
+        /* CPU the stage threads spent per op, whatever the scheduler did with the waits */
+        double cpu_us_per_op = cpu * 1e6 / (2.0 * o.m * o.p * o.steps);
         if (o.json)
             printf("{\"bench\": \"pipeline-overhead\", \"kind\": \"%s\", \"stages\": %u, "
                    "\"microbatches\": %u, \"steps\": %d, \"elems\": %d, \"codec\": \"%s\", "
-                   "\"spin_us\": %ld, \"step_us\": %.2f, \"us_per_op\": %.3f}\n",
+                   "\"spin_us\": %ld, \"step_us\": %.2f, \"us_per_op\": %.3f, "
+                   "\"cpu_us_per_op\": %.3f}\n",
                    o.kind, o.p, o.m, o.steps, o.elems, o.codec, o.spin_us, step_ms * 1e3,
-                   us_per_op);
+                   us_per_op, cpu_us_per_op);
         else
             printf("%s, %u stages, %u micro-batches, %d-value tensors, codec %s, empty callbacks:\n"
-                   "  %.1f us a step, %.2f us an op (forward or backward with its receive and send)\n",
-                   o.kind, o.p, o.m, o.elems, o.codec, step_ms * 1e3, us_per_op);
+                   "  %.1f us a step, %.2f us an op (forward or backward with its receive and send),\n"
+                   "  %.2f us of CPU an op (stage threads, user + system)\n",
+                   o.kind, o.p, o.m, o.elems, o.codec, step_ms * 1e3, us_per_op, cpu_us_per_op);
         return 0;
     }
     double sim_ms;
