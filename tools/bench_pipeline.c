@@ -17,7 +17,7 @@ struct bench_opts {
     int steps, json, spin;
     double fwd_ms, bwd_ms; /* 0: empty callbacks (overhead mode) */
     int elems;
-    long spin_us; /* EPIPE_COMM_SPIN_US on every stage's communicator */
+    long spin_us; /* EPIPE_COMM_SPIN_US on every stage's communicator; -1: the default */
 };
 
 struct stage_arg {
@@ -168,13 +168,14 @@ static void usage(FILE *f)
             "callback sleeps that long (standing for device compute; --spin busy-waits\n"
             "instead, standing for CPU compute) and the measured step time is compared\n"
             "with the simulator's makespan for the same costs. --spin-us sets\n"
-            "EPIPE_COMM_SPIN_US (receives busy-wait, yielding, before they sleep).\n");
+            "EPIPE_COMM_SPIN_US (receives busy-wait, yielding, before they sleep;\n"
+            "inproc default 50).\n");
 }
 
 int bench_pipeline_main(int argc, char **argv)
 {
     struct bench_opts o = {.kind = "1f1b", .codec = "none", .p = 4, .m = 8, .steps = 0,
-                           .elems = 4};
+                           .elems = 4, .spin_us = -1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
@@ -210,6 +211,9 @@ int bench_pipeline_main(int argc, char **argv)
         }
     }
     int timed = o.fwd_ms > 0 || o.bwd_ms > 0;
+    char spin_text[24] = "null"; /* JSON: null when the communicator's default was kept */
+    if (o.spin_us >= 0)
+        snprintf(spin_text, sizeof spin_text, "%ld", o.spin_us);
     if (o.p < 1 || o.p > 64 || o.m < 1 || o.elems < 1 || o.fwd_ms < 0 || o.bwd_ms < 0) {
         fprintf(stderr, "epipe-bench pipeline: need 1 <= p <= 64, m >= 1, elems >= 1, costs >= 0\n");
         return 2;
@@ -226,7 +230,7 @@ int bench_pipeline_main(int argc, char **argv)
     memset(args, 0, sizeof args);
     for (unsigned s = 0; s < o.p; s++) {
         args[s].comm = comms[s];
-        if (o.spin_us > 0 && epipe_comm_set_param(comms[s], EPIPE_COMM_SPIN_US, o.spin_us)) {
+        if (o.spin_us >= 0 && epipe_comm_set_param(comms[s], EPIPE_COMM_SPIN_US, o.spin_us)) {
             fprintf(stderr, "epipe-bench pipeline: %s\n", epipe_comm_last_error(comms[s]));
             return 2;
         }
@@ -251,9 +255,9 @@ int bench_pipeline_main(int argc, char **argv)
         if (o.json)
             printf("{\"bench\": \"pipeline-overhead\", \"kind\": \"%s\", \"stages\": %u, "
                    "\"microbatches\": %u, \"steps\": %d, \"elems\": %d, \"codec\": \"%s\", "
-                   "\"spin_us\": %ld, \"step_us\": %.2f, \"us_per_op\": %.3f, "
+                   "\"spin_us\": %s, \"step_us\": %.2f, \"us_per_op\": %.3f, "
                    "\"cpu_us_per_op\": %.3f}\n",
-                   o.kind, o.p, o.m, o.steps, o.elems, o.codec, o.spin_us, step_ms * 1e3,
+                   o.kind, o.p, o.m, o.steps, o.elems, o.codec, spin_text, step_ms * 1e3,
                    us_per_op, cpu_us_per_op);
         else
             printf("%s, %u stages, %u micro-batches, %d-value tensors, codec %s, empty callbacks:\n"
@@ -271,9 +275,9 @@ int bench_pipeline_main(int argc, char **argv)
     if (o.json)
         printf("{\"bench\": \"pipeline-step\", \"kind\": \"%s\", \"stages\": %u, "
                "\"microbatches\": %u, \"steps\": %d, \"fwd_ms\": %g, \"bwd_ms\": %g, "
-               "\"compute\": \"%s\", \"spin_us\": %ld, \"codec\": \"%s\", \"measured_step_ms\": %.3f, "
+               "\"compute\": \"%s\", \"spin_us\": %s, \"codec\": \"%s\", \"measured_step_ms\": %.3f, "
                "\"simulated_step_ms\": %.3f, \"ratio\": %.4f, \"compute_only_ideal_ms\": %.3f}\n",
-               o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.spin ? "spin" : "sleep", o.spin_us,
+               o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.spin ? "spin" : "sleep", spin_text,
                o.codec,
                step_ms, sim_ms,
                step_ms / sim_ms, ideal);
