@@ -15,9 +15,7 @@
 
 #include <cmocka.h>
 
-#include "comm/comm_impl.h"
 #include "pipeline_host.h"
-#include "wire/wire.h"
 
 #define STEPS 6
 #define MAX_P 4
@@ -339,52 +337,68 @@ static void gradient_shape_must_match_activation(void **state)
     epipe_comm_destroy(c[1]);
 }
 
-/* A gradient from the next stage whose shape is not that of the activation
- * sent (a peer with a bug, or another build): EPIPE_EPROTO naming it. */
-static void received_gradient_shape_is_checked(void **state)
+/* Codecs are independent per boundary and per direction: over three stages,
+ * bf16 activations on boundary 0, fp16 gradients on boundary 1, none on
+ * the other two; the wire bytes of each say which codec carried them. */
+static void codecs_per_boundary_and_direction(void **state)
 {
     (void)state;
-    epipe_comm *c[2];
-    epipe_stage *s0;
+    enum { P = 3 };
+    epipe_comm *c[P];
+    epipe_stage *st[P];
     epipe_op op;
     int64_t shape[2];
-    DLTensor t = tensor2d(shape, 2, 4);
-    const DLTensor *g;
-    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
-    assert_int_equal(epipe_stage_create(&s0, c[0], "gpipe", 1), EPIPE_OK);
-    assert_int_equal(epipe_stage_next_op(s0, &op), EPIPE_OK);
-    assert_int_equal(epipe_stage_send_activation(s0, 0, &t), EPIPE_OK);
-    /* 8 floats as one dimension instead of 2 x 4, codec none, step 0 */
-    epipe_codec *codec;
-    assert_int_equal(epipe_codec_create(&codec, "none"), EPIPE_OK);
-    float x[8] = {0};
-    int64_t shape1[1] = {8};
-    DLTensor v = {.data = x, .device = {kDLCPU, 0}, .ndim = 1, .dtype = {kDLFloat, 32, 1},
-                  .shape = shape1};
-    size_t cap, len;
-    assert_int_equal(epipe_codec_max_encoded_size(codec, &v, &cap), EPIPE_OK);
-    epipe_msg *m = epipe_msg_new(cap);
-    assert_non_null(m);
-    assert_int_equal(epipe_codec_encode(codec, &v, epipe_msg_payload(m), cap, &len), EPIPE_OK);
-    const uint8_t *pl = epipe_msg_payload(m);
-    memset(&m->hdr, 0, sizeof m->hdr);
-    m->hdr.kind = EPIPE_WIRE_GRADIENT;
-    m->hdr.dtype = pl[2];
-    m->hdr.ndim = 1;
-    m->hdr.shape[0] = 8;
-    m->hdr.codec_id = pl[0];
-    m->hdr.codec_param = epipe_get_u32(pl + 4);
-    m->hdr.src_stage = 1;
-    m->hdr.dst_stage = 0;
-    assert_int_equal(epipe_msg_seal(m, len), EPIPE_OK);
-    assert_int_equal(epipe_comm_send(c[1], 0, m), EPIPE_OK);
-    epipe_codec_destroy(codec);
-    assert_int_equal(epipe_stage_next_op(s0, &op), EPIPE_OK);
-    assert_int_equal(op.kind, EPIPE_OP_BACKWARD);
-    expect_error(s0, epipe_stage_recv_gradient(s0, 0, &g), EPIPE_EPROTO, "from stage 1");
-    epipe_stage_destroy(s0);
-    epipe_comm_destroy(c[0]);
-    epipe_comm_destroy(c[1]);
+    DLTensor t = tensor2d(shape, 2, 4); /* 8 floats */
+    const DLTensor *in;
+    assert_int_equal(epipe_comm_create_inproc(c, P), EPIPE_OK);
+    for (int s = 0; s < P; s++) {
+        assert_int_equal(epipe_stage_create(&st[s], c[s], "gpipe", 1), EPIPE_OK);
+        assert_int_equal(epipe_stage_set_codec(st[s], EPIPE_DIR_ACTIVATION, 0, "cast:dtype=bf16"),
+                         EPIPE_OK);
+        assert_int_equal(epipe_stage_set_codec(st[s], EPIPE_DIR_GRADIENT, 1, "cast:dtype=fp16"),
+                         EPIPE_OK);
+    }
+    /* forwards, in pipeline order (sends do not block) */
+    for (int s = 0; s < P; s++) {
+        assert_int_equal(epipe_stage_next_op(st[s], &op), EPIPE_OK);
+        assert_int_equal(op.kind, EPIPE_OP_FORWARD);
+        if (s > 0) {
+            assert_int_equal(epipe_stage_recv_activation(st[s], 0, &in), EPIPE_OK);
+            assert_int_equal(in->shape[1], 4);
+        }
+        if (s < P - 1)
+            assert_int_equal(epipe_stage_send_activation(st[s], 0, &t), EPIPE_OK);
+    }
+    /* backwards, in reverse order */
+    for (int s = P - 1; s >= 0; s--) {
+        assert_int_equal(epipe_stage_next_op(st[s], &op), EPIPE_OK);
+        assert_int_equal(op.kind, EPIPE_OP_BACKWARD);
+        if (s < P - 1)
+            assert_int_equal(epipe_stage_recv_gradient(st[s], 0, &in), EPIPE_OK);
+        if (s > 0)
+            assert_int_equal(epipe_stage_send_gradient(st[s], 0, &t), EPIPE_OK);
+    }
+    for (int s = 0; s < P; s++) {
+        assert_int_equal(epipe_stage_next_op(st[s], &op), EPIPE_OK);
+        assert_int_equal(op.kind, EPIPE_OP_NONE);
+    }
+    epipe_stage_stats a[P];
+    for (int s = 0; s < P; s++) {
+        memset(&a[s], 0, sizeof a[s]);
+        a[s].struct_size = sizeof a[s];
+        assert_int_equal(epipe_stage_get_stats(st[s], &a[s]), EPIPE_OK);
+    }
+    /* header 192 + codec header 16 + body: 2 bytes a value for bf16/fp16 */
+    assert_int_equal(a[0].act_sent_wire, 192 + 16 + 8 * 2); /* boundary 0 down: bf16 */
+    assert_int_equal(a[1].act_sent_wire, 192 + 16 + 8 * 4); /* boundary 1 down: none */
+    assert_int_equal(a[1].grad_sent_wire, 192 + 16 + 8 * 4); /* boundary 0 up: none */
+    assert_int_equal(a[2].grad_sent_wire, 192 + 16 + 8 * 2); /* boundary 1 up: fp16 */
+    assert_int_equal(a[1].act_recv_wire, a[0].act_sent_wire);
+    assert_int_equal(a[0].grad_recv_wire, a[1].grad_sent_wire);
+    for (int s = 0; s < P; s++) {
+        epipe_stage_destroy(st[s]);
+        epipe_comm_destroy(c[s]);
+    }
 }
 
 static void bad_configuration_is_refused(void **state)
@@ -603,7 +617,7 @@ int main(void)
         cmocka_unit_test(trace_file_is_written),
         cmocka_unit_test(wrong_op_order_is_refused),
         cmocka_unit_test(gradient_shape_must_match_activation),
-        cmocka_unit_test(received_gradient_shape_is_checked),
+        cmocka_unit_test(codecs_per_boundary_and_direction),
         cmocka_unit_test(bad_configuration_is_refused),
         cmocka_unit_test(dead_or_silent_peers),
         cmocka_unit_test(failing_callback_stops_the_pipeline),

@@ -515,6 +515,36 @@ static void test_pipeline_topology(void **state)
 
 /* ---- init failures ------------------------------------------------------ */
 
+/* The address to listen on can be chosen by interface or by address; a
+ * missing interface is named at init. */
+static void test_listen_choice(void **state)
+{
+    (void)state;
+    clear_env();
+    epipe_comm *c[2];
+    make_group(c, 2, "ifname=lo,init_timeout_ms=5000");
+    assert_int_equal(epipe_comm_send(c[1], 0, make_act(1, 0, 1, 0, 64, 3)), EPIPE_OK);
+    recv_act(c[0], 1, 1, 0, 64, 3);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    make_group(c, 2, "listen_addr=127.0.0.1,init_timeout_ms=5000");
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 64, 4)), EPIPE_OK);
+    recv_act(c[1], 0, 1, 0, 64, 4);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    epipe_comm *x = NULL;
+    int rc = epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", free_port(),
+                                   "ifname=nosuch9,init_timeout_ms=500");
+    assert_int_equal(rc, EPIPE_EINVAL);
+    assert_null(x);
+    assert_non_null(strstr(epipe_last_error(), "nosuch9"));
+    setenv("EPIPE_IFNAME", "nosuch8", 1);
+    rc = epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", free_port(), "init_timeout_ms=500");
+    assert_int_equal(rc, EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "nosuch8"));
+    clear_env();
+}
+
 static void test_port_in_use(void **state)
 {
     (void)state;
@@ -878,6 +908,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_transfers_overlap_compute),
         cmocka_unit_test(test_streams_mesh),
         cmocka_unit_test(test_pipeline_topology),
+        cmocka_unit_test(test_listen_choice),
         cmocka_unit_test(test_port_in_use),
         cmocka_unit_test(test_unreachable_master),
         cmocka_unit_test(test_world_size_mismatch),

@@ -17,13 +17,14 @@ struct bench_opts {
     int steps, json, spin;
     double fwd_ms, bwd_ms; /* 0: empty callbacks (overhead mode) */
     int elems;
-    long spin_us; /* EPIPE_COMM_SPIN_US on every stage's communicator */
+    long spin_us; /* EPIPE_COMM_SPIN_US on every stage's communicator; -1: the default */
 };
 
 struct stage_arg {
     epipe_comm *comm;
     const struct bench_opts *o;
     double seconds; /* wall time of the timed steps */
+    double cpu_seconds; /* this stage thread's CPU time (user + system) in them */
     int rc;
     char err[256];
     float *buf;
@@ -70,6 +71,13 @@ static void busy_for(double ms, int spin)
         ;
 }
 
+static double thread_cpu(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 static int fwd(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
 {
     struct stage_arg *a = user;
@@ -109,13 +117,14 @@ static void *stage_main(void *p)
     if (a->rc == EPIPE_OK)
         a->rc = epipe_stage_set_callbacks(st, &cb);
     int warmup = o->steps / 10 + 1;
-    double t0 = 0;
+    double t0 = 0, c0 = 0;
     for (int s = 0; a->rc == EPIPE_OK && s < warmup + o->steps; s++) {
         if (s == warmup)
-            t0 = bench_now();
+            t0 = bench_now(), c0 = thread_cpu();
         a->rc = epipe_stage_step(st);
     }
     a->seconds = bench_now() - t0;
+    a->cpu_seconds = thread_cpu() - c0;
     if (a->rc) {
         snprintf(a->err, sizeof a->err, "%s", epipe_stage_last_error(st));
         epipe_comm_abort(a->comm);
@@ -159,13 +168,14 @@ static void usage(FILE *f)
             "callback sleeps that long (standing for device compute; --spin busy-waits\n"
             "instead, standing for CPU compute) and the measured step time is compared\n"
             "with the simulator's makespan for the same costs. --spin-us sets\n"
-            "EPIPE_COMM_SPIN_US (receives busy-wait, yielding, before they sleep).\n");
+            "EPIPE_COMM_SPIN_US (receives busy-wait, yielding, before they sleep;\n"
+            "inproc default 50).\n");
 }
 
 int bench_pipeline_main(int argc, char **argv)
 {
     struct bench_opts o = {.kind = "1f1b", .codec = "none", .p = 4, .m = 8, .steps = 0,
-                           .elems = 4};
+                           .elems = 4, .spin_us = -1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
@@ -201,6 +211,9 @@ int bench_pipeline_main(int argc, char **argv)
         }
     }
     int timed = o.fwd_ms > 0 || o.bwd_ms > 0;
+    char spin_text[24] = "null"; /* JSON: null when the communicator's default was kept */
+    if (o.spin_us >= 0)
+        snprintf(spin_text, sizeof spin_text, "%ld", o.spin_us);
     if (o.p < 1 || o.p > 64 || o.m < 1 || o.elems < 1 || o.fwd_ms < 0 || o.bwd_ms < 0) {
         fprintf(stderr, "epipe-bench pipeline: need 1 <= p <= 64, m >= 1, elems >= 1, costs >= 0\n");
         return 2;
@@ -217,16 +230,17 @@ int bench_pipeline_main(int argc, char **argv)
     memset(args, 0, sizeof args);
     for (unsigned s = 0; s < o.p; s++) {
         args[s].comm = comms[s];
-        if (o.spin_us > 0 && epipe_comm_set_param(comms[s], EPIPE_COMM_SPIN_US, o.spin_us)) {
+        if (o.spin_us >= 0 && epipe_comm_set_param(comms[s], EPIPE_COMM_SPIN_US, o.spin_us)) {
             fprintf(stderr, "epipe-bench pipeline: %s\n", epipe_comm_last_error(comms[s]));
             return 2;
         }
         args[s].o = &o;
         pthread_create(&tid[s], NULL, stage_main, &args[s]);
     }
-    double worst = 0;
+    double worst = 0, cpu = 0;
     for (unsigned s = 0; s < o.p; s++) {
         pthread_join(tid[s], NULL);
+        cpu += args[s].cpu_seconds;
         if (args[s].rc) {
             fprintf(stderr, "epipe-bench pipeline: stage %u: %s\n", s, args[s].err);
             return 1;
@@ -236,16 +250,20 @@ int bench_pipeline_main(int argc, char **argv)
     double step_ms = worst * 1e3 / o.steps;
     if (!timed) {
         double us_per_op = step_ms * 1e3 / (2.0 * o.m); /* per stage: m forwards, m backwards */
+        /* CPU the stage threads spent per op, whatever the scheduler did with the waits */
+        double cpu_us_per_op = cpu * 1e6 / (2.0 * o.m * o.p * o.steps);
         if (o.json)
             printf("{\"bench\": \"pipeline-overhead\", \"kind\": \"%s\", \"stages\": %u, "
                    "\"microbatches\": %u, \"steps\": %d, \"elems\": %d, \"codec\": \"%s\", "
-                   "\"spin_us\": %ld, \"step_us\": %.2f, \"us_per_op\": %.3f}\n",
-                   o.kind, o.p, o.m, o.steps, o.elems, o.codec, o.spin_us, step_ms * 1e3,
-                   us_per_op);
+                   "\"spin_us\": %s, \"step_us\": %.2f, \"us_per_op\": %.3f, "
+                   "\"cpu_us_per_op\": %.3f}\n",
+                   o.kind, o.p, o.m, o.steps, o.elems, o.codec, spin_text, step_ms * 1e3,
+                   us_per_op, cpu_us_per_op);
         else
             printf("%s, %u stages, %u micro-batches, %d-value tensors, codec %s, empty callbacks:\n"
-                   "  %.1f us a step, %.2f us an op (forward or backward with its receive and send)\n",
-                   o.kind, o.p, o.m, o.elems, o.codec, step_ms * 1e3, us_per_op);
+                   "  %.1f us a step, %.2f us an op (forward or backward with its receive and send),\n"
+                   "  %.2f us of CPU an op (stage threads, user + system)\n",
+                   o.kind, o.p, o.m, o.elems, o.codec, step_ms * 1e3, us_per_op, cpu_us_per_op);
         return 0;
     }
     double sim_ms;
@@ -257,9 +275,9 @@ int bench_pipeline_main(int argc, char **argv)
     if (o.json)
         printf("{\"bench\": \"pipeline-step\", \"kind\": \"%s\", \"stages\": %u, "
                "\"microbatches\": %u, \"steps\": %d, \"fwd_ms\": %g, \"bwd_ms\": %g, "
-               "\"compute\": \"%s\", \"spin_us\": %ld, \"codec\": \"%s\", \"measured_step_ms\": %.3f, "
+               "\"compute\": \"%s\", \"spin_us\": %s, \"codec\": \"%s\", \"measured_step_ms\": %.3f, "
                "\"simulated_step_ms\": %.3f, \"ratio\": %.4f, \"compute_only_ideal_ms\": %.3f}\n",
-               o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.spin ? "spin" : "sleep", o.spin_us,
+               o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.spin ? "spin" : "sleep", spin_text,
                o.codec,
                step_ms, sim_ms,
                step_ms / sim_ms, ideal);

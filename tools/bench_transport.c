@@ -22,7 +22,7 @@
 struct cfg {
     size_t sizes[32];
     int nsizes;
-    int json, quick, reps;
+    int json, quick, reps, raw_hot;
     unsigned streams;
     int spin_us;
 };
@@ -35,6 +35,7 @@ struct peer {
     float *src;       /* the tensor sent, largest size */
     uint8_t *rawbuf;  /* raw socket buffer, largest size */
     uint32_t phase;   /* tags every phase's messages (micro-batch field) */
+    int raw_hot;      /* raw sends from one buffer (stays in cache) */
 };
 
 static int parse_size(const char *s, size_t *out)
@@ -56,13 +57,15 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: epipe-bench transport [--json] [--sizes 4,4K,64K,1M,4M,64M] [--streams N]\n"
-            "                             [--spin-us US] [--reps R] [--quick]\n"
+            "                             [--spin-us US] [--reps R] [--quick] [--raw-hot]\n"
             "Two processes on loopback: for each message size (tensor bytes), streaming\n"
             "throughput and one-way latency (ping-pong / 2) of the TCP transport and of a raw\n"
             "TCP socket moving the same bytes. Transport messages are built (codec none, sealed)\n"
             "before the clock starts; timed is epipe_comm_send to the checked message returned\n"
             "by epipe_comm_recv in the other process. Best of R repetitions (default 3) of\n"
-            "each. --quick moves less data (for tests).\n");
+            "each. --quick moves less data (for tests). The raw sender sends from the\n"
+            "payloads of as many distinct messages as the transport's, built the same way\n"
+            "(not from one buffer that stays in cache); --raw-hot sends from one buffer.\n");
 }
 
 static int free_port(void)
@@ -224,16 +227,37 @@ out:
     return dt;
 }
 
+/* The memory a raw send reads: by default the payload of one of `n` distinct
+ * messages built before the clock, as the transport's sends read, so that
+ * neither side sends from a buffer that stays in cache while the other
+ * streams from memory (at 1-4 MiB a single buffer fits in the L3 cache, and
+ * 64 messages of 4 MiB do not). --raw-hot sends from one buffer instead. */
+static epipe_msg **raw_sources(struct peer *p, size_t n, size_t bytes)
+{
+    return p->raw_hot ? NULL : prebuild(p, EPIPE_WIRE_ACTIVATION, n, bytes);
+}
+
+static uint8_t *raw_src(struct peer *p, epipe_msg **ms, size_t i)
+{
+    return ms ? (uint8_t *)epipe_msg_payload(ms[i]) : p->rawbuf;
+}
+
 static double raw_stream(struct peer *p, size_t bytes, size_t count)
 {
-    double t0 = bench_now();
+    epipe_msg **ms = p->rank == 0 ? raw_sources(p, count, bytes) : NULL;
+    if (p->rank == 0 && !p->raw_hot && !ms)
+        return -1;
+    double t0 = bench_now(), dt = -1;
     uint8_t ack = 1;
     for (size_t i = 0; i < count; i++)
-        if (raw_io(p->raw, p->rawbuf, bytes, p->rank == 0))
-            return -1;
+        if (raw_io(p->raw, p->rank == 0 ? raw_src(p, ms, i) : p->rawbuf, bytes, p->rank == 0))
+            goto out;
     if (raw_io(p->raw, &ack, 1, p->rank == 1))
-        return -1;
-    return bench_now() - t0;
+        goto out;
+    dt = bench_now() - t0;
+out:
+    free_msgs(ms, 0, ms ? count : 0);
+    return dt;
 }
 
 static double tcp_pingpong(struct peer *p, size_t bytes, size_t iters)
@@ -264,13 +288,21 @@ out:
 
 static double raw_pingpong(struct peer *p, size_t bytes, size_t iters)
 {
-    double t0 = bench_now();
+    epipe_msg **ms = raw_sources(p, iters, bytes);
+    if (!p->raw_hot && !ms)
+        return -1;
+    double t0 = bench_now(), dt = -1;
     for (size_t i = 0; i < iters; i++) {
         int first = p->rank == 0;
-        if (raw_io(p->raw, p->rawbuf, bytes, first) || raw_io(p->raw, p->rawbuf, bytes, !first))
-            return -1;
+        uint8_t *src = raw_src(p, ms, i);
+        if (raw_io(p->raw, first ? src : p->rawbuf, bytes, first) ||
+            raw_io(p->raw, first ? p->rawbuf : src, bytes, !first))
+            goto out;
     }
-    return bench_now() - t0;
+    dt = bench_now() - t0;
+out:
+    free_msgs(ms, 0, ms ? iters : 0);
+    return dt;
 }
 
 static double best(double a, double b)
@@ -339,6 +371,8 @@ int bench_transport_main(int argc, char **argv)
             c.json = 1;
         else if (!strcmp(argv[i], "--quick"))
             c.quick = 1;
+        else if (!strcmp(argv[i], "--raw-hot"))
+            c.raw_hot = 1;
         else if (!strcmp(argv[i], "--sizes") && i + 1 < argc)
             sizes = argv[++i];
         else if (!strcmp(argv[i], "--spin-us") && i + 1 < argc)
@@ -395,7 +429,7 @@ int bench_transport_main(int argc, char **argv)
         perror("fork");
         return 1;
     }
-    struct peer p = {.rank = pid == 0 ? 1 : 0, .raw = -1};
+    struct peer p = {.rank = pid == 0 ? 1 : 0, .raw = -1, .raw_hot = c.raw_hot};
     p.src = calloc(maxs / 4 + 1, sizeof(float));
     p.rawbuf = calloc(maxs + 1, 1);
     for (size_t i = 0; p.src && i < maxs / 4; i++)

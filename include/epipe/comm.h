@@ -125,7 +125,7 @@ typedef enum epipe_comm_param {
     /* How long a receive busy-waits for its message before it sleeps, in
      * microseconds, 0 .. 1000000. Spinning saves a thread wake-up (several
      * microseconds) on each message that arrives within it, at the cost of
-     * a busy core while it waits. Default 0 for inproc; tcp takes
+     * a busy core while it waits. Default 50 for inproc; tcp takes
      * spin_us from its options (default 50). */
     EPIPE_COMM_SPIN_US = 3
 } epipe_comm_param;

@@ -122,8 +122,7 @@ EPIPE_API const char *epipe_stage_last_error(const epipe_stage *stage);
  * on the CPU, any strides; every micro-batch of a step must send the same
  * shape and dtype on the same boundary and direction (EPIPE_EINVAL else),
  * and a gradient sent back has the shape and dtype of the activation
- * received for that micro-batch (EPIPE_EINVAL else; a received gradient
- * whose shape is not that of the activation sent is EPIPE_EPROTO).
+ * received for that micro-batch (EPIPE_EINVAL else).
  * Received tensors are dense, in the dtype and shape that was sent. */
 EPIPE_API int epipe_stage_next_op(epipe_stage *stage, epipe_op *op);
 EPIPE_API int epipe_stage_recv_activation(epipe_stage *stage, unsigned microbatch,

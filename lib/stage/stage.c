@@ -295,12 +295,13 @@ static int finish_current_op(epipe_stage *st)
     char what[64];
     if (!st->cur_valid)
         return EPIPE_OK;
-    op_text(&st->cur, what, sizeof what);
     if (st->need_recv && !st->did_recv)
-        return fail(st, EPIPE_ESTATE, "the %s ended without receiving its %s", what,
+        return fail(st, EPIPE_ESTATE, "the %s ended without receiving its %s",
+                    op_text(&st->cur, what, sizeof what),
                     st->cur.kind == EPIPE_OP_FORWARD ? "activation" : "gradient");
     if (st->need_send && !st->did_send)
-        return fail(st, EPIPE_ESTATE, "the %s ended without sending its %s", what,
+        return fail(st, EPIPE_ESTATE, "the %s ended without sending its %s",
+                    op_text(&st->cur, what, sizeof what),
                     st->cur.kind == EPIPE_OP_FORWARD ? "activation" : "gradient");
     if (st->tracing) {
         char name[12];
@@ -374,25 +375,19 @@ static int expect(epipe_stage *st, unsigned mb, int is_recv, int dir)
     if (!st->cur_valid)
         return fail(st, EPIPE_ESTATE, "%s(%u) called with no op in progress: call next_op first",
                     call, mb);
-    op_text(&st->cur, what, sizeof what);
+    /* the op's text is formatted only for an error: this runs for every send and receive */
+#define WHAT op_text(&st->cur, what, sizeof what)
     if (st->cur.kind != want || st->cur.microbatch != mb)
-        return fail(st, EPIPE_ESTATE, "%s(%u) called during the %s", call, mb, what);
+        return fail(st, EPIPE_ESTATE, "%s(%u) called during the %s", call, mb, WHAT);
     if (is_recv ? !st->need_recv : !st->need_send)
         return fail(st, EPIPE_ESTATE, "%s(%u): the %s of stage %u of %u has nothing to %s", call,
-                    mb, what, st->s, st->p, is_recv ? "receive" : "send");
+                    mb, WHAT, st->s, st->p, is_recv ? "receive" : "send");
     if (is_recv ? st->did_recv : st->did_send)
-        return fail(st, EPIPE_ESTATE, "%s(%u) called twice in the %s", call, mb, what);
+        return fail(st, EPIPE_ESTATE, "%s(%u) called twice in the %s", call, mb, WHAT);
     if (is_recv && st->need_send && st->did_send)
-        return fail(st, EPIPE_ESTATE, "%s(%u) called after the %s already sent", call, mb, what);
+        return fail(st, EPIPE_ESTATE, "%s(%u) called after the %s already sent", call, mb, WHAT);
+#undef WHAT
     return EPIPE_OK;
-}
-
-static int memcmp_shape(const epipe_wire_header *h, const int64_t *shape, int ndim)
-{
-    for (int d = 0; d < ndim; d++)
-        if ((int64_t)h->shape[d] != shape[d])
-            return 1;
-    return 0;
 }
 
 static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t)
@@ -413,15 +408,6 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
         return fail(st, rc, "%s", epipe_comm_last_error(st->comm));
     struct lent_tensor *lt = dir == DIR_ACT ? &st->act_in[mb] : &st->grad_in;
     const epipe_wire_header *h = &msg->hdr;
-    const struct sent_shape *sa = &st->sent[DIR_ACT];
-    if (dir == DIR_GRAD && sa->set &&
-        (h->ndim != sa->ndim || memcmp_shape(h, sa->shape, sa->ndim) != 0)) {
-        epipe_msg_free(msg);
-        return fail(st, EPIPE_EPROTO,
-                    "the gradient of micro-batch %u from stage %u has another shape than the "
-                    "activation sent for it",
-                    mb, peer);
-    }
     uint64_t n;
     size_t esz = epipe_dtype_size((enum epipe_dtype)h->dtype);
     if (epipe_wire_numel(h, &n) || n > SIZE_MAX / esz) {
@@ -471,10 +457,33 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
     return EPIPE_OK;
 }
 
+/* A gradient sent back has the shape and dtype of the activation received
+ * for that micro-batch (still lent to the host during its backward). */
+static int check_grad_like_input(epipe_stage *st, const DLTensor *t, unsigned mb)
+{
+    const DLTensor *in = &st->act_in[mb].t;
+    if (!in->data)
+        return EPIPE_OK;
+    int same = in->ndim == t->ndim && in->dtype.code == t->dtype.code &&
+               in->dtype.bits == t->dtype.bits &&
+               memcmp(in->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim) == 0;
+    if (!same)
+        return fail(st, EPIPE_EINVAL,
+                    "the gradient of micro-batch %u differs in shape or dtype from the activation "
+                    "received for it (ndim %d vs %d, last dim %lld vs %lld, %u vs %u bits)",
+                    mb, t->ndim, in->ndim, t->ndim ? (long long)t->shape[t->ndim - 1] : 0LL,
+                    in->ndim ? (long long)in->shape[in->ndim - 1] : 0LL, t->dtype.bits,
+                    in->dtype.bits);
+    return EPIPE_OK;
+}
+
 static int check_sent_shape(epipe_stage *st, int dir, const DLTensor *t, unsigned mb)
 {
     struct sent_shape *s = &st->sent[dir];
     const char *what = dir == DIR_ACT ? "activation" : "gradient";
+    int rc;
+    if (dir == DIR_GRAD && (rc = check_grad_like_input(st, t, mb)))
+        return rc;
     if (st->batch && (t->ndim < 1 || t->shape[0] != st->batch / st->m))
         return fail(st, EPIPE_EINVAL,
                     "the %s of micro-batch %u has %lld rows; batch %lld over %u micro-batches "
@@ -500,26 +509,6 @@ static int check_sent_shape(epipe_stage *st, int dir, const DLTensor *t, unsigne
     return EPIPE_OK;
 }
 
-/* A gradient sent back has the shape and dtype of the activation received
- * for that micro-batch (still lent to the host during its backward). */
-static int check_grad_like_input(epipe_stage *st, const DLTensor *t, unsigned mb)
-{
-    const DLTensor *in = &st->act_in[mb].t;
-    if (!in->data)
-        return EPIPE_OK;
-    int same = in->ndim == t->ndim && in->dtype.code == t->dtype.code &&
-               in->dtype.bits == t->dtype.bits &&
-               memcmp(in->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim) == 0;
-    if (!same)
-        return fail(st, EPIPE_EINVAL,
-                    "the gradient of micro-batch %u differs in shape or dtype from the activation "
-                    "received for it (ndim %d vs %d, last dim %lld vs %lld, %u vs %u bits)",
-                    mb, t->ndim, in->ndim, t->ndim ? (long long)t->shape[t->ndim - 1] : 0LL,
-                    in->ndim ? (long long)in->shape[in->ndim - 1] : 0LL, t->dtype.bits,
-                    in->dtype.bits);
-    return EPIPE_OK;
-}
-
 static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
 {
     int rc = expect(st, mb, 0, dir);
@@ -530,8 +519,6 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
     if ((rc = epipe_tensor_inspect(t, dir == DIR_ACT ? "activation" : "gradient", NULL, &n, &dt)))
         return fail(st, rc, "%s", epipe_last_error());
     if ((rc = check_sent_shape(st, dir, t, mb)))
-        return rc;
-    if (dir == DIR_GRAD && (rc = check_grad_like_input(st, t, mb)))
         return rc;
     epipe_codec *codec = dir == DIR_ACT ? st->enc_act : st->enc_grad;
     unsigned peer = dir == DIR_ACT ? st->s + 1 : st->s - 1;
