@@ -221,14 +221,12 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
     for (int e = 0; !rc && e < o->epochs; e++) {
         shuffle(order, d->ntrain, o->seed + (uint64_t)e);
         double t0 = now(), run_loss = 0;
-        long seen = 0;
         for (long b = 0; !rc && b < steps; b++) {
             load_batch(&r, d->train_x, d->train_y, order, b * o->batch);
             r.loss = 0;
             if ((rc = epipe_stage_step(r.stage)))
                 break;
             model_sgd(&r.model, o->lr, o->momentum);
-            seen += o->batch;
             run_loss = b ? 0.98 * run_loss + 0.02 * (r.loss / o->batch) : r.loss / o->batch;
             if (last)
                 progress(&r, e, b + 1, steps, t0, run_loss, b + 1 == steps);
