@@ -25,6 +25,7 @@ enum epipe_codec_id {
     EPIPE_CODEC_ID_SORTQUANT = 4,
     EPIPE_CODEC_ID_KMEANS = 5,
     EPIPE_CODEC_ID_TOPK = 6,
+    EPIPE_CODEC_ID_POWERITER = 7,
 };
 
 typedef enum epipe_param_kind {
@@ -64,6 +65,11 @@ typedef struct epipe_codec_ops {
      * within a stated tolerance), and epipe-bench times both. */
     int (*encode_ref)(epipe_codec *c, const float *x, size_t n, uint8_t *body);
     int (*decode_ref)(epipe_codec *c, const uint8_t *body, size_t n, float *y);
+    /* 1 when the references agree with the fast paths only within a stated
+     * tolerance, not byte for byte (poweriter: BLAS and LAPACK round
+     * differently from plain loops); epipe-bench then compares decoded
+     * values instead of payload bytes. */
+    int ref_approximate;
     /* Optional: frees codec->state. */
     void (*release)(epipe_codec *c);
 } epipe_codec_ops;
@@ -78,6 +84,11 @@ struct epipe_codec {
     int64_t shape[16];
     unsigned threads;                 /* EPIPE_CODEC_THREADS */
     int use_reference;                /* run encode_ref/decode_ref (tests, bench) */
+    /* Which micro-batch the next encode is for, set by lib/stage/stage.c
+     * before each encode (0 for direct API users). Codecs that carry state
+     * from one tensor to the next (poweriter's warm start) keep it per slot,
+     * since consecutive encodes on one handle are different micro-batches. */
+    uint32_t slot;
     void *state;                      /* the codec's own */
     float *scratch;                   /* fp32 staging for converted tensors */
     size_t scratch_cap;
@@ -106,5 +117,6 @@ extern const epipe_codec_ops epipe_codec_quant;
 extern const epipe_codec_ops epipe_codec_sortquant;
 extern const epipe_codec_ops epipe_codec_kmeans;
 extern const epipe_codec_ops epipe_codec_topk;
+extern const epipe_codec_ops epipe_codec_poweriter;
 
 #endif

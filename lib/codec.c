@@ -20,6 +20,7 @@ static const epipe_codec_ops *const registry[] = {
     &epipe_codec_sortquant,
     &epipe_codec_kmeans,
     &epipe_codec_topk,
+    &epipe_codec_poweriter,
 };
 #define NREGISTRY (sizeof registry / sizeof registry[0])
 

@@ -528,6 +528,9 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
     epipe_msg *msg = epipe_msg_new(cap);
     if (!msg)
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);
+    /* Codecs with state between tensors (poweriter's warm start) keep it
+     * per micro-batch: one handle encodes every micro-batch in turn. */
+    codec->slot = mb;
     double t0 = now();
     rc = epipe_codec_encode(codec, t, epipe_msg_payload(msg), cap, &len);
     double t1 = now();
