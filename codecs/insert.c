@@ -17,6 +17,9 @@
  * random orthonormal rows (seed), Rt = E, so restore is E's pseudo-inverse
  * and restore(compress(x)) is the orthogonal projection of each patch.
  *
+ * Training keeps, per micro-batch (EPIPE_CODEC_MICROBATCH), a copy of the
+ * encoder's input and the decoder's code for the backward.
+ *
  * The parameters are created when the channel count (C, or D) is first
  * known: from `in=` at create time, or from the first tensor. A later tensor
  * with another C is refused. The body is the code, fp32 or fp16, in the
@@ -55,8 +58,8 @@ struct slot {
     int64_t key;  /* micro-batch; -1 = free */
     int ndim;     /* shape of the tensor encoded (encode) or decoded into (decode) */
     int64_t shape[EPIPE_MAX_NDIM];
-    float *buf;   /* encode: patches [B][P][S] (conv) or input [N][P] (linear);
-                     decode: code [B][K][S] (conv) or [N][K] (linear) */
+    float *buf;   /* encode: a copy of the input; decode: the code [B][K][S]
+                     (conv) or [N][K] (linear) */
     size_t cap;
 };
 
@@ -374,45 +377,85 @@ static void cache_free(struct cache *ca)
 }
 
 /* ---- patch layout -------------------------------------------------------
- * Row b's patches as a [P][S] matrix: p = (c*k + u)*k + v, s = i*Wo + j,
- * value x[b][c][i*k+u][j*k+v]. */
+ * Sample b's patches as a [P][S] matrix: p = (c*k + u)*k + v, s = i*Wo + j,
+ * value x[b][c][i*k+u][j*k+v]. The conv paths work on blocks of output
+ * rows i in [i0, i1): a [P][(i1-i0)*Wo] slice that stays in the L2 cache
+ * between the copy and the GEMM. */
 
-static void im2col(const float *xb, const struct geom *g, int64_t k, float *cols)
+/* Output rows a block: about 256 KiB of patches. */
+static int64_t block_rows(const struct geom *g)
 {
-    for (int64_t ch = 0; ch < g->cin; ch++)
-        for (int64_t u = 0; u < k; u++)
-            for (int64_t i = 0; i < g->Ho; i++) {
-                const float *src = xb + (ch * g->H + i * k + u) * g->W;
-                float *dst = cols + ((ch * k + u) * k) * g->S + i * g->Wo;
-                if (k == 1) {
-                    memcpy(dst, src, sizeof(float) * (size_t)g->Wo);
-                    continue;
-                }
-                for (int64_t v = 0; v < k; v++) {
-                    float *d = dst + v * g->S;
-                    for (int64_t j = 0; j < g->Wo; j++)
-                        d[j] = src[j * k + v];
-                }
-            }
+    int64_t r = ((int64_t)1 << 16) / (g->P * g->Wo);
+    return r < 1 ? 1 : r > g->Ho ? g->Ho : r;
 }
 
-static void col2im(const float *cols, const struct geom *g, int64_t k, float *yb)
+/* d[v][j] = src[j*k + v]: one input row split into its k phases. A
+ * constant k lets the compiler turn this into vector shuffles. */
+static inline void split_row(const float *restrict src, float *restrict dst, int64_t stride,
+                             int64_t Wo, int64_t k)
 {
+    switch (k) {
+#define SPLIT(K)                                                                                 \
+    case K:                                                                                      \
+        for (int64_t j = 0; j < Wo; j++)                                                         \
+            for (int64_t v = 0; v < K; v++)                                                      \
+                dst[v * stride + j] = src[j * K + v];                                            \
+        return;
+        SPLIT(1)
+        SPLIT(2)
+        SPLIT(4)
+        SPLIT(8)
+#undef SPLIT
+    default:
+        for (int64_t v = 0; v < k; v++)
+            for (int64_t j = 0; j < Wo; j++)
+                dst[v * stride + j] = src[j * k + v];
+    }
+}
+
+static inline void join_row(const float *restrict src, float *restrict dst, int64_t stride,
+                            int64_t Wo, int64_t k)
+{
+    switch (k) {
+#define JOIN(K)                                                                                  \
+    case K:                                                                                      \
+        for (int64_t j = 0; j < Wo; j++)                                                         \
+            for (int64_t v = 0; v < K; v++)                                                      \
+                dst[j * K + v] = src[v * stride + j];                                            \
+        return;
+        JOIN(1)
+        JOIN(2)
+        JOIN(4)
+        JOIN(8)
+#undef JOIN
+    default:
+        for (int64_t v = 0; v < k; v++)
+            for (int64_t j = 0; j < Wo; j++)
+                dst[j * k + v] = src[v * stride + j];
+    }
+}
+
+/* cols [P][ns], ns = (i1-i0)*Wo, from sample xb's rows i0..i1. */
+static void im2col(const float *xb, const struct geom *g, int64_t k, int64_t i0, int64_t i1,
+                   float *cols)
+{
+    int64_t ns = (i1 - i0) * g->Wo;
     for (int64_t ch = 0; ch < g->cin; ch++)
         for (int64_t u = 0; u < k; u++)
-            for (int64_t i = 0; i < g->Ho; i++) {
-                float *dst = yb + (ch * g->H + i * k + u) * g->W;
-                const float *src = cols + ((ch * k + u) * k) * g->S + i * g->Wo;
-                if (k == 1) {
-                    memcpy(dst, src, sizeof(float) * (size_t)g->Wo);
-                    continue;
-                }
-                for (int64_t v = 0; v < k; v++) {
-                    const float *s = src + v * g->S;
-                    for (int64_t j = 0; j < g->Wo; j++)
-                        dst[j * k + v] = s[j];
-                }
-            }
+            for (int64_t i = i0; i < i1; i++)
+                split_row(xb + (ch * g->H + i * k + u) * g->W,
+                          cols + ((ch * k + u) * k) * ns + (i - i0) * g->Wo, ns, g->Wo, k);
+}
+
+static void col2im(const float *cols, const struct geom *g, int64_t k, int64_t i0, int64_t i1,
+                   float *yb)
+{
+    int64_t ns = (i1 - i0) * g->Wo;
+    for (int64_t ch = 0; ch < g->cin; ch++)
+        for (int64_t u = 0; u < k; u++)
+            for (int64_t i = i0; i < i1; i++)
+                join_row(cols + ((ch * k + u) * k) * ns + (i - i0) * g->Wo,
+                         yb + (ch * g->H + i * k + u) * g->W, ns, g->Wo, k);
 }
 
 /* ---- code bytes ---------------------------------------------------------- */
@@ -467,6 +510,18 @@ static int check_code_range(epipe_codec *c, const float *z, size_t n)
 
 /* ---- encode and decode ------------------------------------------------- */
 
+/* A NaN or infinity in the input always makes one in the code (x*w is
+ * inf or NaN for any w), so checking the code, 1/ratio times smaller,
+ * finds bad input; the input is scanned only then, to name the index. */
+static int refuse_nonfinite(epipe_codec *c, const float *x, size_t n)
+{
+    size_t bad = epipe_find_nonfinite(x, n);
+    if (bad < n)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "insert: value at index %zu is not finite", bad);
+    return epipe_codec_fail(c, EPIPE_EINVAL,
+                            "insert: the code overflows fp32 (the input is too large)");
+}
+
 static int insert_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     struct insert_state *st = S(c);
@@ -474,43 +529,46 @@ static int insert_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body
     int rc = geometry(c, c->shape, c->ndim, &g);
     if (rc || (rc = ensure_params(c, g.cin)))
         return rc;
-    size_t bad = epipe_find_nonfinite(x, n);
-    if (bad < n)
-        return epipe_codec_fail(c, EPIPE_EINVAL, "insert: value at index %zu is not finite", bad);
     int64_t k = kern(c), K = g.K, P = g.P, Sn = g.S, B = g.B;
-    struct slot *keep = NULL;
-    if (c->microbatch >= 0) {
-        if (!(keep = cache_take(&st->enc, c->microbatch, n)))
+    if (c->microbatch >= 0) { /* keep the input for the backward */
+        struct slot *keep = cache_take(&st->enc, c->microbatch, n);
+        if (!keep)
             return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no memory to keep the input");
         keep->ndim = c->ndim;
         memcpy(keep->shape, c->shape, sizeof(int64_t) * (size_t)c->ndim);
+        memcpy(keep->buf, x, n * sizeof(float));
     }
     size_t zn = (size_t)(K * Sn) * (kind(c) == KIND_LINEAR ? (size_t)B : 1);
-    float *z = grow(&st->tmp2, &st->tmp2_cap, zn);
+    float *z = grow(&st->tmp2, &st->tmp2_cap, zn ? zn : 1);
     if (!z)
         return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
     if (kind(c) == KIND_LINEAR) {
         /* Z [N][d] = X [N][D] E^T */
-        if (keep)
-            memcpy(keep->buf, x, n * sizeof(float));
         if (B)
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)B, (int)K, (int)P, 1.0f, x,
                         (int)P, st->w[0], (int)P, 0.0f, z, (int)K);
+        if (epipe_find_nonfinite(z, zn) < zn)
+            return refuse_nonfinite(c, x, n);
         if ((rc = check_code_range(c, z, zn)))
             return rc;
         put_code(c, z, zn, body);
         return EPIPE_OK;
     }
-    float *cols = keep ? NULL : grow(&st->tmp, &st->tmp_cap, (size_t)(P * Sn));
-    if (!keep && !cols)
+    int64_t rb = block_rows(&g);
+    float *cols = grow(&st->tmp, &st->tmp_cap, (size_t)(P * rb * g.Wo));
+    if (!cols)
         return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
-    size_t per_in = (size_t)(g.cin * g.H * g.W), per_cols = (size_t)(P * Sn);
+    size_t per_in = (size_t)(g.cin * g.H * g.W);
     for (int64_t b = 0; b < B; b++) {
-        float *cb = keep ? keep->buf + (size_t)b * per_cols : cols;
-        im2col(x + (size_t)b * per_in, &g, k, cb);
-        /* Zb [K][S] = E [K][P] . cols [P][S] */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)K, (int)Sn, (int)P, 1.0f,
-                    st->w[0], (int)P, cb, (int)Sn, 0.0f, z, (int)Sn);
+        for (int64_t i0 = 0; i0 < g.Ho; i0 += rb) {
+            int64_t i1 = i0 + rb < g.Ho ? i0 + rb : g.Ho, ns = (i1 - i0) * g.Wo;
+            im2col(x + (size_t)b * per_in, &g, k, i0, i1, cols);
+            /* Zb[:, block] [K][ns] = E [K][P] . cols [P][ns] */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)K, (int)ns, (int)P, 1.0f,
+                        st->w[0], (int)P, cols, (int)ns, 0.0f, z + i0 * g.Wo, (int)Sn);
+        }
+        if (epipe_find_nonfinite(z, zn) < zn)
+            return refuse_nonfinite(c, x, n);
         if ((rc = check_code_range(c, z, zn)))
             return rc;
         put_code(c, z, zn, body + (size_t)b * zn * code_bytes(c));
@@ -522,13 +580,14 @@ static int insert_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y
 {
     struct insert_state *st = S(c);
     struct geom g;
+    (void)n;
     int rc = geometry(c, c->shape, c->ndim, &g);
     if (rc || (rc = ensure_params(c, g.cin)))
         return rc;
     int64_t k = kern(c), K = g.K, P = g.P, Sn = g.S, B = g.B;
     size_t zn_all = (size_t)(B * K * Sn);
     struct slot *keep = NULL;
-    if (c->microbatch >= 0) {
+    if (c->microbatch >= 0) { /* keep the code for the backward */
         if (!(keep = cache_take(&st->dec, c->microbatch, zn_all)))
             return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no memory to keep the code");
         keep->ndim = c->ndim;
@@ -549,9 +608,9 @@ static int insert_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y
                         z, (int)K, st->w[1], (int)P, 0.0f, y, (int)P);
         return EPIPE_OK;
     }
-    (void)n;
+    int64_t rb = block_rows(&g);
     size_t zn = (size_t)(K * Sn), per_out = (size_t)(g.cin * g.H * g.W);
-    float *cols = grow(&st->tmp, &st->tmp_cap, (size_t)(P * Sn));
+    float *cols = grow(&st->tmp, &st->tmp_cap, (size_t)(P * rb * g.Wo));
     float *zs = keep ? NULL : grow(&st->tmp2, &st->tmp2_cap, zn);
     if (!cols || (!keep && !zs))
         return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
@@ -562,10 +621,13 @@ static int insert_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y
                 keep->key = -1;
             return rc;
         }
-        /* cols [P][S] = Rt^T [P][K] . Zb [K][S] */
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)P, (int)Sn, (int)K, 1.0f,
-                    st->w[1], (int)P, z, (int)Sn, 0.0f, cols, (int)Sn);
-        col2im(cols, &g, k, y + (size_t)b * per_out);
+        for (int64_t i0 = 0; i0 < g.Ho; i0 += rb) {
+            int64_t i1 = i0 + rb < g.Ho ? i0 + rb : g.Ho, ns = (i1 - i0) * g.Wo;
+            /* cols [P][ns] = Rt^T [P][K] . Zb[:, block] [K][ns] */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)P, (int)ns, (int)K, 1.0f,
+                        st->w[1], (int)P, z + i0 * g.Wo, (int)Sn, 0.0f, cols, (int)ns);
+            col2im(cols, &g, k, i0, i1, y + (size_t)b * per_out);
+        }
     }
     return EPIPE_OK;
 }
@@ -647,19 +709,23 @@ static int insert_encode_backward(epipe_codec *c, int64_t mb, const float *gz,
         s->key = -1;
         return EPIPE_OK;
     }
-    float *cols = grow(&st->tmp, &st->tmp_cap, (size_t)(P * Sn));
+    int64_t rb = block_rows(&g);
+    float *cols = grow(&st->tmp, &st->tmp_cap, (size_t)(P * rb * g.Wo));
     if (!cols)
         return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
     size_t zn = (size_t)(K * Sn), per = (size_t)(P * Sn);
-    for (int64_t b = 0; b < B; b++) {
-        const float *gzb = gz + (size_t)b * zn, *xb = s->buf + (size_t)b * per;
-        /* dE [K][P] += gZb [K][S] cols^T [S][P];  gcols [P][S] = E^T gZb */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)K, (int)P, (int)Sn, 1.0f, gzb,
-                    (int)Sn, xb, (int)Sn, 1.0f, st->g[0], (int)P);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)P, (int)Sn, (int)K, 1.0f,
-                    st->w[0], (int)P, gzb, (int)Sn, 0.0f, cols, (int)Sn);
-        col2im(cols, &g, k, gx + (size_t)b * per);
-    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i0 = 0; i0 < g.Ho; i0 += rb) {
+            int64_t i1 = i0 + rb < g.Ho ? i0 + rb : g.Ho, ns = (i1 - i0) * g.Wo;
+            const float *gzb = gz + (size_t)b * zn + i0 * g.Wo;
+            im2col(s->buf + (size_t)b * per, &g, k, i0, i1, cols);
+            /* dE [K][P] += gZb [K][ns] cols^T [ns][P];  gcols [P][ns] = E^T gZb */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)K, (int)P, (int)ns, 1.0f,
+                        gzb, (int)Sn, cols, (int)ns, 1.0f, st->g[0], (int)P);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)P, (int)ns, (int)K, 1.0f,
+                        st->w[0], (int)P, gzb, (int)Sn, 0.0f, cols, (int)ns);
+            col2im(cols, &g, k, i0, i1, gx + (size_t)b * per);
+        }
     s->key = -1;
     return EPIPE_OK;
 }
@@ -688,19 +754,23 @@ static int insert_decode_backward(epipe_codec *c, int64_t mb, const float *gy,
         s->key = -1;
         return EPIPE_OK;
     }
-    float *cols = grow(&st->tmp, &st->tmp_cap, (size_t)(P * Sn));
+    int64_t rb = block_rows(&g);
+    float *cols = grow(&st->tmp, &st->tmp_cap, (size_t)(P * rb * g.Wo));
     if (!cols)
         return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
     size_t zn = (size_t)(K * Sn), per = (size_t)(P * Sn);
-    for (int64_t b = 0; b < B; b++) {
-        const float *zb = s->buf + (size_t)b * zn;
-        im2col(gy + (size_t)b * per, &g, k, cols);
-        /* dRt [K][P] += Zb [K][S] gcols^T [S][P];  gZb [K][S] = Rt [K][P] gcols [P][S] */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)K, (int)P, (int)Sn, 1.0f, zb,
-                    (int)Sn, cols, (int)Sn, 1.0f, st->g[1], (int)P);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)K, (int)Sn, (int)P, 1.0f,
-                    st->w[1], (int)P, cols, (int)Sn, 0.0f, gz + (size_t)b * zn, (int)Sn);
-    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i0 = 0; i0 < g.Ho; i0 += rb) {
+            int64_t i1 = i0 + rb < g.Ho ? i0 + rb : g.Ho, ns = (i1 - i0) * g.Wo;
+            const float *zb = s->buf + (size_t)b * zn + i0 * g.Wo;
+            im2col(gy + (size_t)b * per, &g, k, i0, i1, cols);
+            /* dRt [K][P] += Zb [K][ns] gcols^T [ns][P];  gZb [K][ns] = Rt [K][P] gcols [P][ns] */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)K, (int)P, (int)ns, 1.0f, zb,
+                        (int)Sn, cols, (int)ns, 1.0f, st->g[1], (int)P);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)K, (int)ns, (int)P, 1.0f,
+                        st->w[1], (int)P, cols, (int)ns, 0.0f, gz + (size_t)b * zn + i0 * g.Wo,
+                        (int)Sn);
+        }
     s->key = -1;
     return EPIPE_OK;
 }

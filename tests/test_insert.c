@@ -7,6 +7,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -78,18 +79,20 @@ static float *param(epipe_codec *c, unsigned i, float **grad)
 
 /* ---- forward against direct loops --------------------------------------- */
 
-static void conv_matches_direct_loops(void **state)
+/* The conv paths work in blocks of output rows (about 256 KiB of patches
+ * each): the large case has two, the last one short. */
+static void conv_direct(int64_t B, int64_t C, int64_t H, int64_t W, int64_t k, int64_t K)
 {
-    (void)state;
-    int64_t B = 2, C = 3, H = 4, W = 6, k = 2, K = 5, Ho = H / k, Wo = W / k;
+    int64_t Ho = H / k, Wo = W / k;
     int64_t shape[4] = {B, C, H, W};
     size_t n = numel(shape, 4);
     float *x = malloc(n * 4), *y = malloc(n * 4), *want = calloc(n, 4);
     test_fill(x, n, DIST_NORMAL, 1);
-    epipe_codec *c = make("insert:kind=conv,out=5,kernel=2,seed=7");
+    char spec[96];
+    snprintf(spec, sizeof spec, "insert:kind=conv,out=%lld,kernel=%lld,seed=7", (long long)K,
+             (long long)k);
+    epipe_codec *c = make(spec);
     assert_true(epipe_codec_trainable(c));
-    assert_string_equal(epipe_codec_spec(c),
-                        "insert:kind=conv,out=5,ratio=0,kernel=2,in=0,seed=7,code=fp32");
     assert_int_equal(epipe_codec_id(c), 8);
     size_t len;
     uint8_t *buf = encode(c, x, shape, 4, &len);
@@ -112,7 +115,7 @@ static void conv_matches_direct_loops(void **state)
                 }
     /* The receiver: a fresh handle, same seed, builds the same weights; its
      * restore is the transposed convolution with Rt = E. */
-    epipe_codec *r = make("insert:kind=conv,out=5,kernel=2,seed=7");
+    epipe_codec *r = make(spec);
     decode(r, buf, len, y, shape, 4);
     const float *Rt = param(r, 1, NULL);
     assert_memory_equal(Rt, E, (size_t)(K * C * k * k) * 4);
@@ -141,6 +144,18 @@ static void conv_matches_direct_loops(void **state)
     free(buf2), free(y2);
     free(buf), free(x), free(y), free(want);
     epipe_codec_destroy(c), epipe_codec_destroy(r);
+}
+
+static void conv_matches_direct_loops(void **state)
+{
+    (void)state;
+    epipe_codec *c = make("insert:kind=conv,out=5,kernel=2,seed=7");
+    assert_string_equal(epipe_codec_spec(c),
+                        "insert:kind=conv,out=5,ratio=0,kernel=2,in=0,seed=7,code=fp32");
+    epipe_codec_destroy(c);
+    conv_direct(2, 3, 4, 6, 2, 5);
+    conv_direct(1, 8, 64, 160, 2, 6); /* two row blocks */
+    conv_direct(2, 2, 9, 6, 3, 4);    /* k = 3: the generic split */
 }
 
 static void linear_matches_direct_loops(void **state)
@@ -512,6 +527,7 @@ static const struct fd fd_cases[] = {
     {"insert:kind=conv,out=5,kernel=2", 4, {2, 3, 4, 6}},
     {"insert:kind=conv,out=3,kernel=1", 4, {2, 4, 3, 3}},
     {"insert:kind=conv,ratio=0.25,kernel=3", 4, {1, 2, 6, 3}},
+    {"insert:kind=conv,out=6,kernel=2", 4, {1, 8, 64, 160}}, /* two row blocks */
     {"insert:kind=linear,out=4", 3, {3, 2, 7}},
     {"insert:kind=linear,out=1", 1, {5}},
 };
