@@ -26,6 +26,7 @@ enum epipe_codec_id {
     EPIPE_CODEC_ID_KMEANS = 5,
     EPIPE_CODEC_ID_TOPK = 6,
     EPIPE_CODEC_ID_POWERITER = 7,
+    EPIPE_CODEC_ID_INSERT = 8,
 };
 
 typedef enum epipe_param_kind {
@@ -42,6 +43,31 @@ typedef struct epipe_param_desc {
     const char *const *choices;  /* NULL-terminated, for EPIPE_PARAM_CHOICE */
 } epipe_param_desc;
 
+/* Trainable codecs (insert): the backward and the parameters. lib/codec.c
+ * checks handles and stages dtypes; these see dense fp32 only. */
+typedef struct epipe_codec_train_ops {
+    unsigned ntensors; /* parameter tensors */
+    /* The code's shape for an input of `shape` (errors as encode's). */
+    int (*code_shape)(epipe_codec *c, const int64_t *shape, int ndim, int64_t *out,
+                      int *out_ndim);
+    /* Parameter tensor i < ntensors and its gradient, owned by the codec;
+     * EPIPE_ESTATE while they do not exist yet. */
+    int (*tensor)(epipe_codec *c, unsigned i, const char **name, DLTensor **param,
+                  DLTensor **grad);
+    /* Given the gradient w.r.t. the code of micro-batch mb's encode, writes
+     * the gradient w.r.t. its input and accumulates the compress gradients. */
+    int (*encode_backward)(epipe_codec *c, int64_t mb, const float *grad_code,
+                           const int64_t *code_shape, int code_ndim, float *grad_input,
+                           const int64_t *input_shape, int input_ndim);
+    /* Given the gradient w.r.t. micro-batch mb's decoded output, writes the
+     * gradient w.r.t. the code and accumulates the restore gradients. */
+    int (*decode_backward)(epipe_codec *c, int64_t mb, const float *grad_output,
+                           const int64_t *output_shape, int output_ndim, float *grad_code,
+                           const int64_t *code_shape, int code_ndim);
+    void (*zero_grad)(epipe_codec *c);
+    int (*sgd_step)(epipe_codec *c, float lr, float momentum);
+} epipe_codec_train_ops;
+
 typedef struct epipe_codec_ops {
     const char *name;
     enum epipe_codec_id id;
@@ -53,7 +79,9 @@ typedef struct epipe_codec_ops {
     /* The 32-bit parameter word written into every payload header: the
      * parameters a decoder must share with the encoder. */
     uint32_t (*param_word)(const epipe_codec *c);
-    /* Exact body size for n values; EPIPE_EOVERFLOW if it does not fit. */
+    /* Exact body size for n values; EPIPE_EOVERFLOW if it does not fit.
+     * A codec that needs a shape (insert) may refuse c->shape with another
+     * status, after setting the message with epipe_codec_fail(). */
     int (*body_size)(const epipe_codec *c, uint64_t n, size_t *bytes);
     /* Writes exactly body_size(n) bytes for the dense fp32 values x. */
     int (*encode)(epipe_codec *c, const float *x, size_t n, uint8_t *body);
@@ -72,6 +100,8 @@ typedef struct epipe_codec_ops {
     int ref_approximate;
     /* Optional: frees codec->state. */
     void (*release)(epipe_codec *c);
+    /* Trainable codecs only; NULL for the others. */
+    const epipe_codec_train_ops *train;
 } epipe_codec_ops;
 
 struct epipe_codec {
@@ -83,6 +113,7 @@ struct epipe_codec {
     int ndim;
     int64_t shape[16];
     unsigned threads;                 /* EPIPE_CODEC_THREADS */
+    int64_t microbatch;               /* EPIPE_CODEC_MICROBATCH: -1 = keep nothing */
     int use_reference;                /* run encode_ref/decode_ref (tests, bench) */
     /* Which micro-batch the next encode is for, set by lib/stage/stage.c
      * before each encode (0 for direct API users). Codecs that carry state
@@ -118,5 +149,6 @@ extern const epipe_codec_ops epipe_codec_sortquant;
 extern const epipe_codec_ops epipe_codec_kmeans;
 extern const epipe_codec_ops epipe_codec_topk;
 extern const epipe_codec_ops epipe_codec_poweriter;
+extern const epipe_codec_ops epipe_codec_insert;
 
 #endif

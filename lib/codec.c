@@ -21,6 +21,7 @@ static const epipe_codec_ops *const registry[] = {
     &epipe_codec_kmeans,
     &epipe_codec_topk,
     &epipe_codec_poweriter,
+    &epipe_codec_insert,
 };
 #define NREGISTRY (sizeof registry / sizeof registry[0])
 
@@ -168,6 +169,12 @@ static int parse_spec(epipe_codec *c, const char *spec)
     if (total >= EPIPE_SPEC_MAX)
         return epipe_fail(EPIPE_EINVAL, "codec spec is %zu characters; the limit is %d", total,
                           EPIPE_SPEC_MAX - 1);
+    const char *bar = strchr(spec, '|');
+    if (bar)
+        return epipe_fail(EPIPE_ENOTSUP,
+                          "codec chains ('%.*s' | '%s') are not supported yet: use one codec "
+                          "per boundary and direction (docs/codecs.md, Chains)",
+                          (int)(bar - spec), spec, bar + 1);
     const char *colon = strchr(spec, ':');
     size_t nlen = colon ? (size_t)(colon - spec) : total;
     const epipe_codec_ops *ops = find_ops(spec, nlen);
@@ -231,6 +238,7 @@ EPIPE_API int epipe_codec_create(epipe_codec **out, const char *spec)
     epipe_codec *c = calloc(1, sizeof *c);
     if (!c)
         return epipe_fail(EPIPE_ENOMEM, "epipe_codec_create: out of memory");
+    c->microbatch = -1;
     int rc = parse_spec(c, spec);
     if (rc) {
         epipe_codec_destroy(c);
@@ -284,6 +292,13 @@ EPIPE_API int epipe_codec_set_param(epipe_codec *c, epipe_codec_param param, int
                                     (long long)value);
         c->threads = (unsigned)value;
         return EPIPE_OK;
+    case EPIPE_CODEC_MICROBATCH:
+        if (value < -1 || value > INT32_MAX)
+            return epipe_codec_fail(c, EPIPE_EINVAL,
+                                    "EPIPE_CODEC_MICROBATCH = %lld is out of range -1..2^31-1",
+                                    (long long)value);
+        c->microbatch = value;
+        return EPIPE_OK;
     }
     return epipe_codec_fail(c, EPIPE_EINVAL, "unknown codec parameter %d", (int)param);
 }
@@ -301,9 +316,11 @@ static int payload_size(epipe_codec *c, uint64_t n, size_t *bytes)
 {
     size_t body;
     int rc = c->ops->body_size(c, n, &body);
-    if (rc)
+    if (rc == EPIPE_EOVERFLOW)
         return epipe_codec_fail(c, rc, "%s: payload for %llu values overflows size_t",
                                 c->ops->name, (unsigned long long)n);
+    if (rc)
+        return rc; /* the codec said why (a shape it cannot take) */
     if (body > SIZE_MAX - EPIPE_PAYLOAD_HEADER)
         return epipe_codec_fail(c, EPIPE_EOVERFLOW, "%s: payload overflows size_t", c->ops->name);
     *bytes = body + EPIPE_PAYLOAD_HEADER;
@@ -416,6 +433,9 @@ EPIPE_API int epipe_codec_decode(epipe_codec *c, const void *src, size_t len, DL
     if (h[2] > EPIPE_DTYPE_BF16 || h[3] != 0)
         return epipe_codec_fail(c, EPIPE_EPROTO, "%s: payload header has bad dtype %u or reserved byte %u",
                                 c->ops->name, h[2], h[3]);
+    size_t need = 0;
+    if ((rc = payload_size(c, n, &need))) /* first: a shape the codec cannot take */
+        return rc;
     uint32_t word = epipe_get_u32(h + 4), mine = c->ops->param_word(c);
     if (word != mine)
         return epipe_codec_fail(c, EPIPE_EPROTO,
@@ -425,9 +445,6 @@ EPIPE_API int epipe_codec_decode(epipe_codec *c, const void *src, size_t len, DL
     if (count != n)
         return epipe_codec_fail(c, EPIPE_EINVAL, "%s: payload holds %llu values but dst has %llu",
                                 c->ops->name, (unsigned long long)count, (unsigned long long)n);
-    size_t need = 0;
-    if ((rc = payload_size(c, n, &need)))
-        return rc;
     if (len < need)
         return epipe_codec_fail(c, EPIPE_ETRUNC, "%s: payload is %zu bytes; %llu values need %zu",
                                 c->ops->name, len, (unsigned long long)n, need);
@@ -447,4 +464,154 @@ EPIPE_API int epipe_codec_decode(epipe_codec *c, const void *src, size_t len, DL
         return rc;
     epipe_tensor_write_f32(dst, s, n);
     return EPIPE_OK;
+}
+
+/* ---- trainable codecs --------------------------------------------------- */
+
+static int not_trainable(epipe_codec *c, const char *call)
+{
+    return epipe_codec_fail(c, EPIPE_ENOTSUP,
+                            "%s: codec '%s' has no parameters to train (only insert has)", call,
+                            c->ops->name);
+}
+
+EPIPE_API int epipe_codec_trainable(const epipe_codec *c)
+{
+    return c && c->ops->train ? 1 : 0;
+}
+
+EPIPE_API int epipe_codec_code_shape(epipe_codec *c, const DLTensor *src, int *ndim,
+                                     int64_t shape[EPIPE_CODEC_MAX_NDIM])
+{
+    epipe_clear_error();
+    if (!c || !src || !ndim || !shape)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_code_shape: an argument is NULL");
+    uint64_t n;
+    enum epipe_dtype dt;
+    int rc = epipe_tensor_inspect(src, "src", c->msg, &n, &dt);
+    if (rc)
+        return rc;
+    if (!c->ops->train) {
+        *ndim = src->ndim;
+        memcpy(shape, src->shape, sizeof(int64_t) * (size_t)src->ndim);
+        return EPIPE_OK;
+    }
+    return c->ops->train->code_shape(c, src->shape, src->ndim, shape, ndim);
+}
+
+EPIPE_API int epipe_codec_num_tensors(epipe_codec *c, unsigned *count)
+{
+    epipe_clear_error();
+    if (!c || !count)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_num_tensors: codec or count is NULL");
+    *count = 0;
+    if (!c->ops->train)
+        return not_trainable(c, "epipe_codec_num_tensors");
+    *count = c->ops->train->ntensors;
+    return EPIPE_OK;
+}
+
+EPIPE_API int epipe_codec_tensor(epipe_codec *c, unsigned index, const char **name,
+                                 DLTensor **param, DLTensor **grad)
+{
+    epipe_clear_error();
+    if (!c)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_tensor: codec is NULL");
+    if (!c->ops->train)
+        return not_trainable(c, "epipe_codec_tensor");
+    if (index >= c->ops->train->ntensors)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "%s: tensor index %u; it has %u", c->ops->name,
+                                index, c->ops->train->ntensors);
+    return c->ops->train->tensor(c, index, name, param, grad);
+}
+
+/* A dense fp32 view of t: t's own memory when it is dense fp32, else a
+ * fresh buffer (*owned) filled from t when `fill`. */
+static int f32_view(epipe_codec *c, const DLTensor *t, const char *what, float **out,
+                    float **owned, int fill)
+{
+    uint64_t n;
+    enum epipe_dtype dt;
+    int rc = epipe_tensor_inspect(t, what, c->msg, &n, &dt);
+    if (rc)
+        return rc;
+    *owned = NULL;
+    if (dt == EPIPE_DTYPE_F32 && epipe_tensor_is_dense(t)) {
+        *out = (float *)((char *)t->data + t->byte_offset);
+        return EPIPE_OK;
+    }
+    if (n > SIZE_MAX / sizeof(float) || !(*owned = malloc(n ? (size_t)n * sizeof(float) : 1)))
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: no memory to stage %s", c->ops->name, what);
+    if (fill)
+        epipe_tensor_read_f32(t, *owned, (size_t)n);
+    *out = *owned;
+    return EPIPE_OK;
+}
+
+static int backward(epipe_codec *c, unsigned mb, const DLTensor *gin, const char *in_name,
+                    DLTensor *gout, const char *out_name, int enc)
+{
+    float *a = NULL, *b = NULL, *own_a = NULL, *own_b = NULL;
+    int rc = f32_view(c, gin, in_name, &a, &own_a, 1);
+    if (rc == EPIPE_OK && (rc = f32_view(c, gout, out_name, &b, &own_b, 0)) == EPIPE_OK) {
+        const epipe_codec_train_ops *t = c->ops->train;
+        rc = enc ? t->encode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim)
+                 : t->decode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim);
+        if (rc == EPIPE_OK && own_b) {
+            uint64_t n = 1;
+            for (int d = 0; d < gout->ndim; d++)
+                n *= (uint64_t)gout->shape[d];
+            epipe_tensor_write_f32(gout, own_b, (size_t)n);
+        }
+    }
+    free(own_a);
+    free(own_b);
+    return rc;
+}
+
+EPIPE_API int epipe_codec_encode_backward(epipe_codec *c, unsigned microbatch,
+                                          const DLTensor *grad_code, DLTensor *grad_input)
+{
+    epipe_clear_error();
+    if (!c || !grad_code || !grad_input)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_encode_backward: an argument is NULL");
+    if (!c->ops->train)
+        return not_trainable(c, "epipe_codec_encode_backward");
+    return backward(c, microbatch, grad_code, "grad_code", grad_input, "grad_input", 1);
+}
+
+EPIPE_API int epipe_codec_decode_backward(epipe_codec *c, unsigned microbatch,
+                                          const DLTensor *grad_output, DLTensor *grad_code)
+{
+    epipe_clear_error();
+    if (!c || !grad_output || !grad_code)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_decode_backward: an argument is NULL");
+    if (!c->ops->train)
+        return not_trainable(c, "epipe_codec_decode_backward");
+    return backward(c, microbatch, grad_output, "grad_output", grad_code, "grad_code", 0);
+}
+
+EPIPE_API int epipe_codec_zero_grad(epipe_codec *c)
+{
+    epipe_clear_error();
+    if (!c)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_zero_grad: codec is NULL");
+    if (!c->ops->train)
+        return not_trainable(c, "epipe_codec_zero_grad");
+    c->ops->train->zero_grad(c);
+    return EPIPE_OK;
+}
+
+EPIPE_API int epipe_codec_sgd_step(epipe_codec *c, double lr, double momentum)
+{
+    epipe_clear_error();
+    if (!c)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_sgd_step: codec is NULL");
+    if (!c->ops->train)
+        return not_trainable(c, "epipe_codec_sgd_step");
+    if (!(lr >= 0 && lr <= 1e6) || !(momentum >= 0 && momentum < 1))
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "%s: sgd lr = %g must be in [0, 1e6] and momentum = %g in [0, 1)",
+                                c->ops->name, lr, momentum);
+    return c->ops->train->sgd_step(c, (float)lr, (float)momentum);
 }

@@ -24,6 +24,8 @@ static void init_layers(mlp_layer *layers, int l0, int l1)
 
 struct host {
     epipe_stage *stage;
+    struct host_result *res;
+    int nsteps;
     unsigned s, p, m;
     int l0, l1, rows, step;
     mlp_layer *layers;
@@ -60,6 +62,10 @@ static int forward(void *user, unsigned mb, const DLTensor *in, const DLTensor *
         if (!in || in->ndim != 2 || in->shape[0] != h->rows || in->shape[1] != in_dim)
             return 1;
         memcpy(x, in->data, sizeof(float) * (size_t)(h->rows * in_dim));
+        for (int k = 0; k < 2; k++)
+            if (h->step == (k ? h->nsteps - 1 : 0))
+                memcpy(h->res->act_recv[k] + (size_t)mb * (size_t)(h->rows * in_dim), x,
+                       sizeof(float) * (size_t)(h->rows * in_dim));
     }
     for (int l = h->l0; l < h->l1; l++)
         mlp_layer_forward(&h->layers[l], h->acts[mb][l - h->l0], h->rows,
@@ -72,6 +78,10 @@ static int forward(void *user, unsigned mb, const DLTensor *in, const DLTensor *
             mlp_data(h->step, (int)mb * h->rows + r, host_dims[0], out_dim, x0, t + r * out_dim);
         h->loss[mb] = mlp_mse_loss(y, t, h->rows, out_dim, HOST_BATCH, h->dy[mb]);
     } else {
+        for (int k = 0; k < 2; k++)
+            if (h->step == (k ? h->nsteps - 1 : 0))
+                memcpy(h->res->act_sent[k] + (size_t)mb * (size_t)(h->rows * out_dim), y,
+                       sizeof(float) * (size_t)(h->rows * out_dim));
         h->out = view2d(y, h->out_shape, h->rows, out_dim);
         *out = &h->out;
     }
@@ -152,6 +162,8 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
     h.s = epipe_comm_rank(comm);
     h.p = epipe_comm_size(comm);
     h.m = cfg->microbatches;
+    h.res = res;
+    h.nsteps = cfg->steps;
     h.rows = HOST_BATCH / (int)h.m;
     host_partition(h.s, h.p, &h.l0, &h.l1);
     res->l0 = h.l0, res->l1 = h.l1;
@@ -186,6 +198,8 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
         h.step = step;
         h.step_loss = 0;
         rc = cfg->use_op_stream ? step_op_stream(&h) : epipe_stage_step(h.stage);
+        if (rc == EPIPE_OK && cfg->codec_lr > 0)
+            rc = epipe_stage_codec_sgd_step(h.stage, cfg->codec_lr, cfg->codec_momentum);
         if (rc == EPIPE_OK) {
             for (int l = h.l0; l < h.l1; l++)
                 mlp_layer_sgd(&h.layers[l], HOST_LR);

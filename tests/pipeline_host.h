@@ -22,6 +22,9 @@ struct host_config {
     int steps;
     const char *act_codec, *grad_codec; /* NULL = none */
     int use_op_stream;
+    /* > 0: after each step, the built-in SGD for trainable codecs
+     * (epipe_stage_codec_sgd_step) with this lr and momentum. */
+    double codec_lr, codec_momentum;
 };
 
 struct host_result {
@@ -29,6 +32,10 @@ struct host_result {
     char error[256];
     double first_loss, last_loss; /* last stage: mean loss of the first and last step */
     epipe_stage_stats stats;
+    /* The activations of the boundary below this stage as sent (index 0:
+     * first step, 1: last step, all micro-batches), and of the boundary
+     * above it as received (restored by the codec). */
+    float act_sent[2][HOST_BATCH * 16], act_recv[2][HOST_BATCH * 16];
     /* This stage's layers after training, for comparison. */
     int l0, l1;
     mlp_layer layers[HOST_MAX_LAYERS];

@@ -1,5 +1,6 @@
 /* epipe-bench codec: encode and decode throughput of codecs against a
  * plain memcpy of the same tensor, their scalar references, and the error. */
+#include <cblas.h>
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -16,7 +17,7 @@ struct opts {
     int64_t shape[8];
     int ndim;
     const char *dist;
-    int threads, reps, json, ref;
+    int threads, reps, json, ref, gemm;
 };
 
 static void usage(FILE *f)
@@ -24,10 +25,12 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: epipe-bench codec SPEC [SPEC...] [--shape 32,32,112,112]\n"
             "       [--dist normal|relu|lognormal|uniform] [--threads N] [--reps R]\n"
-            "       [--no-ref] [--json]\n\n"
+            "       [--no-ref] [--gemm] [--json]\n\n"
             "Times encode and decode of one tensor (best of R runs, default 5) beside a\n"
             "single-threaded memcpy of the same bytes, and the codec's scalar reference\n"
-            "(once; --no-ref skips it). --threads sets EPIPE_CODEC_THREADS (0 = auto).\n");
+            "(once; --no-ref skips it). --threads sets EPIPE_CODEC_THREADS (0 = auto).\n"
+            "--gemm, for trainable codecs (insert): also time plain cblas_sgemm calls of\n"
+            "the same matrix shapes on operands of the same size, and give GFLOP/s.\n");
 }
 
 static int parse_shape(const char *s, struct opts *o)
@@ -115,6 +118,75 @@ static int do_decode(void *p)
     return epipe_codec_decode(r->codec, r->buf, r->len, r->dst);
 }
 
+/* The GEMMs an insert encode or decode performs, as plain BLAS calls on
+ * operands of the same sizes: batch calls of (M x Kd) . (Kd x N). */
+struct gemm_ref {
+    int batch, linear;
+    int K, P, S;      /* code channels, values a patch, positions a sample */
+    const float *x;   /* batch x [P][S] (conv) or [rows][P] (linear) */
+    float *w;         /* [K][P] */
+    float *z;         /* code: batch x [K][S] or [rows][K] */
+    float *y;         /* like x */
+};
+
+static int do_gemm_encode(void *p)
+{
+    struct gemm_ref *g = p;
+    if (g->linear) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->batch, g->K, g->P, 1.0f, g->x,
+                    g->P, g->w, g->P, 0.0f, g->z, g->K);
+        return 0;
+    }
+    size_t per = (size_t)g->P * (size_t)g->S, zper = (size_t)g->K * (size_t)g->S;
+    for (int b = 0; b < g->batch; b++)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->K, g->S, g->P, 1.0f, g->w,
+                    g->P, g->x + (size_t)b * per, g->S, 0.0f, g->z + (size_t)b * zper, g->S);
+    return 0;
+}
+
+static int do_gemm_decode(void *p)
+{
+    struct gemm_ref *g = p;
+    if (g->linear) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->batch, g->P, g->K, 1.0f, g->z,
+                    g->K, g->w, g->P, 0.0f, g->y, g->P);
+        return 0;
+    }
+    size_t per = (size_t)g->P * (size_t)g->S, zper = (size_t)g->K * (size_t)g->S;
+    for (int b = 0; b < g->batch; b++)
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, g->P, g->S, g->K, 1.0f, g->w, g->P,
+                    g->z + (size_t)b * zper, g->S, 0.0f, g->y + (size_t)b * per, g->S);
+    return 0;
+}
+
+/* Fills *g for codec c on the tensor src; 0 if c is not a GEMM codec. */
+static int gemm_shapes(epipe_codec *c, const DLTensor *src, struct gemm_ref *g)
+{
+    int zn;
+    int64_t zs[EPIPE_CODEC_MAX_NDIM];
+    if (!epipe_codec_trainable(c) || epipe_codec_code_shape(c, src, &zn, zs))
+        return 0;
+    memset(g, 0, sizeof *g);
+    if (src->ndim == 4 && zn == 4 && zs[2] < src->shape[2] + 1 &&
+        strstr(epipe_codec_spec(c), "kind=conv")) {
+        int64_t k = src->shape[2] / zs[2];
+        g->batch = (int)src->shape[0];
+        g->K = (int)zs[1];
+        g->P = (int)(src->shape[1] * k * k);
+        g->S = (int)(zs[2] * zs[3]);
+    } else {
+        int64_t rows = 1;
+        for (int d = 0; d + 1 < src->ndim; d++)
+            rows *= src->shape[d];
+        g->linear = 1;
+        g->batch = (int)rows;
+        g->K = (int)zs[zn - 1];
+        g->P = (int)src->shape[src->ndim - 1];
+        g->S = 1;
+    }
+    return 1;
+}
+
 static int bench_one(const char *spec, const struct opts *o, float *x, float *y, size_t n)
 {
     epipe_codec *c;
@@ -186,6 +258,24 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
         r.buf = fast;
         epipe_codec_use_reference(c, 0);
     }
+    /* --gemm: the BLAS's own rate on the same shapes. */
+    struct gemm_ref g;
+    double gflop = NAN, t_genc = NAN, t_gdec = NAN;
+    if (o->gemm && gemm_shapes(c, &src, &g)) {
+        size_t zn = (size_t)g.batch * (size_t)g.K * (size_t)g.S;
+        g.w = malloc((size_t)g.K * (size_t)g.P * sizeof(float));
+        g.z = malloc(zn * sizeof(float));
+        g.x = x, g.y = y;
+        if (g.w && g.z) {
+            for (size_t i = 0; i < (size_t)g.K * (size_t)g.P; i++)
+                g.w[i] = (float)((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
+            gflop = 2.0 * (double)g.batch * g.K * (double)g.P * g.S * 1e-9;
+            int grc;
+            t_genc = best_of(o->reps, do_gemm_encode, &g, &grc);
+            t_gdec = best_of(o->reps, do_gemm_decode, &g, &grc);
+        }
+        free(g.w), free(g.z);
+    }
     double mv = (double)n * 1e-6;
     double copy = mv / t_copy, enc = mv / t_enc, dec = mv / t_dec;
     if (o->json) {
@@ -203,6 +293,12 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
             printf(", \"ref_encode_mvals\": %.2f, \"ref_decode_mvals\": %.2f, "
                    "\"ref_max_rel_diff\": %.3g",
                    mv / t_ref_enc, mv / t_ref_dec, ref_diff);
+        if (!isnan(gflop))
+            printf(", \"encode_gflops\": %.2f, \"decode_gflops\": %.2f, "
+                   "\"gemm_encode_gflops\": %.2f, \"gemm_decode_gflops\": %.2f, "
+                   "\"encode_vs_gemm\": %.4f, \"decode_vs_gemm\": %.4f",
+                   gflop / t_enc, gflop / t_dec, gflop / t_genc, gflop / t_gdec,
+                   t_genc / t_enc, t_gdec / t_dec);
         printf("}\n");
     } else {
         printf("%s  (%zu values, %s, threads=%d)\n", epipe_codec_spec(c), n, o->dist, o->threads);
@@ -216,6 +312,12 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
             printf("  reference encode %.1f, decode %.1f Mvals/s; approximate: decoded values "
                    "within %.3g of max|x| of the fast path's\n",
                    mv / t_ref_enc, mv / t_ref_dec, ref_diff);
+        if (!isnan(gflop)) {
+            printf("  encode   %9.2f GFLOP/s  %.3fx cblas_sgemm of the same shapes (%.2f)\n",
+                   gflop / t_enc, t_genc / t_enc, gflop / t_genc);
+            printf("  decode   %9.2f GFLOP/s  %.3fx cblas_sgemm of the same shapes (%.2f)\n",
+                   gflop / t_dec, t_gdec / t_dec, gflop / t_gdec);
+        }
         printf("  wire     %zu bytes, ratio %.4f\n", len, (double)len / (double)(n * 4));
         printf("  error    mse %.4g, max abs %.4g\n", se / (double)n, maxe);
     }
@@ -238,6 +340,8 @@ int bench_codec_main(int argc, char **argv)
             return 0;
         } else if (!strcmp(a, "--json")) {
             o.json = 1;
+        } else if (!strcmp(a, "--gemm")) {
+            o.gemm = 1;
         } else if (!strcmp(a, "--no-ref")) {
             o.ref = 0;
         } else if (!strcmp(a, "--shape") && more) {

@@ -29,6 +29,9 @@ typedef struct epipe_codec epipe_codec;
  *                                      at least 1); mode defaults to sample
  *   kmeans:bits=B[,iters=K]            1-D Lloyd-Max codebook, B in 1..12
  *   topk:ratio=r                       keep the ceil(r*n) largest |x|
+ *   insert:kind=conv|linear[,out=K|ratio=r][,kernel=k][,in=C][,seed=S]
+ *          [,code=fp32|fp16]          learned compress/restore (trainable)
+ * Chains ("a|b") are not supported yet: EPIPE_ENOTSUP.
  * The full list, with every default and range, is in docs/codecs.md.
  *
  * Creates a codec in *out. Returns EPIPE_OK, EPIPE_EINVAL for a malformed
@@ -62,7 +65,14 @@ typedef enum epipe_codec_param {
     /* Worker threads a call may use: 0 = automatic (all online CPUs, for
      * tensors large enough to profit), 1 = the calling thread alone, up to
      * 256. Default 0. The payload is byte-identical for every value. */
-    EPIPE_CODEC_THREADS = 1
+    EPIPE_CODEC_THREADS = 1,
+    /* Trainable codecs (insert): the micro-batch the next encode or decode
+     * belongs to, -1 .. 2^31-1. With a value >= 0 the codec keeps what its
+     * backward needs (encode: the input; decode: the code) under that key
+     * until epipe_codec_encode_backward() / _decode_backward() of the same
+     * micro-batch consumes it, or a later call with the same key replaces
+     * it. -1 (the default) keeps nothing: inference. Other codecs ignore it. */
+    EPIPE_CODEC_MICROBATCH = 2
 } epipe_codec_param;
 
 /* Sets a knob. EPIPE_EINVAL for an unknown knob or a value out of range. */
@@ -102,6 +112,75 @@ EPIPE_API int epipe_codec_encode(epipe_codec *codec, const DLTensor *src, void *
  * error dst may have been partly written. */
 EPIPE_API int epipe_codec_decode(epipe_codec *codec, const void *src, size_t len,
                                  DLTensor *dst);
+
+/* ---- Trainable codecs ---------------------------------------------------
+ *
+ * A trainable codec (today: insert) has parameters that learn with the
+ * model. Its encoder computes a code from the input with the compress
+ * parameters; its decoder restores the tensor from the code with the
+ * restore parameters. The two are separate parameter sets: the sender's
+ * handle trains the compress set, the receiver's the restore set (each
+ * handle holds both; the one it does not use keeps zero gradients).
+ *
+ * Backward is keyed by micro-batch: set EPIPE_CODEC_MICROBATCH before an
+ * encode or decode so the codec keeps what the backward needs. Gradients
+ * accumulate (+=) across backward calls until epipe_codec_zero_grad().
+ * The other codecs return EPIPE_ENOTSUP from every call below except
+ * epipe_codec_trainable() and epipe_codec_code_shape(). */
+
+#define EPIPE_CODEC_MAX_NDIM 16
+
+/* 1 if the codec has parameters to train, else 0 (and 0 for NULL). */
+EPIPE_API int epipe_codec_trainable(const epipe_codec *codec);
+
+/* The shape of the code the codec computes for a tensor of src's shape
+ * (src->data is not read): the shape of the gradient the decoder's
+ * backward produces and the encoder's backward consumes. For codecs that
+ * are not trainable the code's shape is src's. EPIPE_EINVAL for a shape
+ * the codec cannot take. shape must have room for EPIPE_CODEC_MAX_NDIM. */
+EPIPE_API int epipe_codec_code_shape(epipe_codec *codec, const DLTensor *src, int *ndim,
+                                     int64_t shape[EPIPE_CODEC_MAX_NDIM]);
+
+/* How many parameter tensors the codec has (insert: 2). */
+EPIPE_API int epipe_codec_num_tensors(epipe_codec *codec, unsigned *count);
+
+/* Parameter tensor `index`: its name ("compress.weight"), the parameter
+ * and its gradient, as dense fp32 CPU DLTensor views. All three are owned
+ * by the codec and stay valid, at the same addresses, until
+ * epipe_codec_destroy(); the host may read them, and may write the
+ * parameter (its own optimizer) between codec calls, never during one.
+ * Any output pointer may be NULL. EPIPE_ESTATE if the parameters do not
+ * exist yet (insert creates them when it learns the channel count: give
+ * `in=` in the spec, or encode or decode once first); EPIPE_EINVAL for an
+ * index out of range. */
+EPIPE_API int epipe_codec_tensor(epipe_codec *codec, unsigned index, const char **name,
+                                 DLTensor **param, DLTensor **grad);
+
+/* Encoder backward for `microbatch` (kept by its encode, see
+ * EPIPE_CODEC_MICROBATCH): given grad_code, the gradient of the loss with
+ * respect to the code (epipe_codec_code_shape() of the input), writes
+ * grad_input (the input's shape) and adds the compress parameters'
+ * gradient. Both tensors are the caller's: fp32/fp16/bf16, CPU, any
+ * strides. The kept input is released. EPIPE_ESTATE if nothing is kept
+ * for that micro-batch; EPIPE_EINVAL for a shape that does not match. */
+EPIPE_API int epipe_codec_encode_backward(epipe_codec *codec, unsigned microbatch,
+                                          const DLTensor *grad_code, DLTensor *grad_input);
+
+/* Decoder backward for `microbatch` (kept by its decode): given
+ * grad_output, the gradient with respect to the restored tensor, writes
+ * grad_code (the code's shape) and adds the restore parameters' gradient.
+ * Ownership and errors as epipe_codec_encode_backward(). */
+EPIPE_API int epipe_codec_decode_backward(epipe_codec *codec, unsigned microbatch,
+                                          const DLTensor *grad_output, DLTensor *grad_code);
+
+/* Sets every parameter gradient to zero. */
+EPIPE_API int epipe_codec_zero_grad(epipe_codec *codec);
+
+/* The built-in optimizer, SGD with momentum (PyTorch's form, no dampening):
+ * v = momentum*v + grad; param -= lr*v, for every parameter tensor. The
+ * gradients are left as they are (call epipe_codec_zero_grad()).
+ * lr in [0, 1e6], momentum in [0, 1); EPIPE_EINVAL otherwise. */
+EPIPE_API int epipe_codec_sgd_step(epipe_codec *codec, double lr, double momentum);
 
 #ifdef __cplusplus
 }

@@ -4,6 +4,7 @@
 #define EPIPE_STAGE_H
 
 #include <dlpack/dlpack.h>
+#include <epipe/codec.h>
 #include <epipe/comm.h>
 #include <epipe/common.h>
 #include <epipe/schedule.h>
@@ -96,6 +97,41 @@ EPIPE_API unsigned epipe_stage_count(const epipe_stage *stage);
 EPIPE_API const epipe_schedule *epipe_stage_schedule(const epipe_stage *stage);
 /* The message of the last failing call on this handle, or "". */
 EPIPE_API const char *epipe_stage_last_error(const epipe_stage *stage);
+
+/* ---- Trainable codecs ---------------------------------------------------
+ *
+ * When a boundary's activation codec is trainable (insert), the stage runs
+ * its backward: the receiving stage back-propagates the host's gradient
+ * through the restore and sends the gradient of the *code* (the code's
+ * shape, encoded by the boundary's gradient codec); the sending stage
+ * back-propagates that through the compress and hands the host the
+ * gradient of the activation it sent. The host sees the same shapes as
+ * with any other codec. Gradient codecs cannot be trainable (set_codec
+ * answers EPIPE_ENOTSUP). docs/runtime.md shows the flow. */
+
+/* Which of a stage's two boundaries. */
+typedef enum epipe_boundary_side {
+    EPIPE_SIDE_DOWN = 0, /* to stage s+1: encodes activations, decodes gradients */
+    EPIPE_SIDE_UP = 1    /* to stage s-1: decodes activations, encodes gradients */
+} epipe_boundary_side;
+
+/* The codec this stage uses for direction `dir` on boundary `side`, so
+ * the host can reach a trainable codec's parameters and gradients
+ * (epipe_codec_tensor()) for its own optimizer. Owned by the stage: valid
+ * until epipe_stage_set_codec() replaces it or the stage is destroyed. Use
+ * it only between the stage's calls, on the stage's thread; do not encode
+ * or decode with it or change its knobs. NULL if the stage has no such
+ * boundary (stage 0 has no UP side, the last stage no DOWN side). */
+EPIPE_API epipe_codec *epipe_stage_codec(epipe_stage *stage, epipe_direction dir,
+                                         epipe_boundary_side side);
+
+/* The built-in optimizer for this stage's trainable codecs: one
+ * epipe_codec_sgd_step(lr, momentum) and then epipe_codec_zero_grad() on
+ * each (the compress of its DOWN activation codec, the restore of its UP
+ * one). Call it between steps, like the host's own optimizer step; a stage
+ * with no trainable codec does nothing. EPIPE_ESTATE mid-step, EPIPE_EINVAL
+ * for lr outside [0, 1e6] or momentum outside [0, 1). */
+EPIPE_API int epipe_stage_codec_sgd_step(epipe_stage *stage, double lr, double momentum);
 
 /* ---- The op stream ------------------------------------------------------
  *

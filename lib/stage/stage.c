@@ -71,6 +71,9 @@ struct epipe_stage {
 
     struct lent_tensor *act_in; /* [m]: kept until the micro-batch's backward */
     struct lent_tensor grad_in;
+    /* Trainable activation codecs: the code gradient received (sender
+     * side) or computed and sent (receiver side). */
+    struct lent_tensor code_in, code_out;
     struct sent_shape sent[2];
 
     epipe_stage_stats st;
@@ -184,6 +187,8 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
         epipe_trace_leave(); /* joined only once act_in existed */
     }
     free(st->grad_in.buf);
+    free(st->code_in.buf);
+    free(st->code_out.buf);
     free(st->eval_ops);
     epipe_codec_destroy(st->enc_act);
     epipe_codec_destroy(st->dec_act);
@@ -213,7 +218,14 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
     int rc = epipe_codec_create(&probe, spec); /* check the spec even if unused here */
     if (rc)
         return fail(st, rc, "%s", epipe_last_error());
+    int trainable = epipe_codec_trainable(probe);
     epipe_codec_destroy(probe);
+    if (trainable && dir == EPIPE_DIR_GRADIENT)
+        return fail(st, EPIPE_ENOTSUP,
+                    "'%s' is trainable: it goes on the activation direction, and then the "
+                    "gradient of its code crosses back (docs/runtime.md); nothing trains a "
+                    "gradient codec",
+                    spec);
     int all = boundary == EPIPE_ALL_BOUNDARIES;
     int down = st->s + 1 < st->p && (all || boundary == st->s);
     int up = st->s > 0 && (all || boundary + 1 == st->s);
@@ -286,6 +298,39 @@ EPIPE_API const epipe_schedule *epipe_stage_schedule(const epipe_stage *st)
 EPIPE_API const char *epipe_stage_last_error(const epipe_stage *st)
 {
     return st ? st->msg : "";
+}
+
+EPIPE_API epipe_codec *epipe_stage_codec(epipe_stage *st, epipe_direction dir,
+                                         epipe_boundary_side side)
+{
+    if (!st || (dir != EPIPE_DIR_ACTIVATION && dir != EPIPE_DIR_GRADIENT))
+        return NULL;
+    if (side == EPIPE_SIDE_DOWN && st->s + 1 < st->p)
+        return dir == EPIPE_DIR_ACTIVATION ? st->enc_act : st->dec_grad;
+    if (side == EPIPE_SIDE_UP && st->s > 0)
+        return dir == EPIPE_DIR_ACTIVATION ? st->dec_act : st->enc_grad;
+    return NULL;
+}
+
+EPIPE_API int epipe_stage_codec_sgd_step(epipe_stage *st, double lr, double momentum)
+{
+    epipe_clear_error();
+    if (!st)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_codec_sgd_step: stage is NULL");
+    if (st->in_step)
+        return fail(st, EPIPE_ESTATE, "epipe_stage_codec_sgd_step can only run between steps");
+    epipe_codec *mine[2] = {st->s + 1 < st->p ? st->enc_act : NULL,
+                            st->s > 0 ? st->dec_act : NULL};
+    for (int i = 0; i < 2; i++) {
+        if (!epipe_codec_trainable(mine[i]))
+            continue;
+        int rc = epipe_codec_sgd_step(mine[i], lr, momentum);
+        if (rc == EPIPE_OK)
+            rc = epipe_codec_zero_grad(mine[i]);
+        if (rc)
+            return fail(st, rc, "%s", epipe_codec_last_error(mine[i]));
+    }
+    return EPIPE_OK;
 }
 
 /* ---- the op stream ------------------------------------------------------ */
@@ -390,6 +435,40 @@ static int expect(epipe_stage *st, unsigned mb, int is_recv, int dir)
     return EPIPE_OK;
 }
 
+/* Points lt at a dense CPU tensor of the given shape and dtype, growing its
+ * buffer as needed. */
+static int lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim, const int64_t *shape,
+                      DLDataType dtype)
+{
+    size_t esz = (size_t)(dtype.bits / 8), n = 1;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] < 0 || (shape[d] && n > SIZE_MAX / esz / (size_t)shape[d]))
+            return fail(st, EPIPE_EOVERFLOW, "a %d-dimensional tensor is too large to hold", ndim);
+        n *= (size_t)shape[d];
+    }
+    if (lt->cap < n * esz) {
+        void *p = realloc(lt->buf, n * esz > 0 ? n * esz : 1);
+        if (!p)
+            return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte tensor", n * esz);
+        lt->buf = p, lt->cap = n * esz;
+    }
+    memset(&lt->t, 0, sizeof lt->t);
+    lt->t.data = lt->buf;
+    lt->t.device.device_type = kDLCPU;
+    lt->t.ndim = ndim;
+    lt->t.shape = lt->shape;
+    memcpy(lt->shape, shape, sizeof(int64_t) * (size_t)ndim);
+    lt->t.dtype = dtype;
+    return EPIPE_OK;
+}
+
+/* The activation codec of this stage's boundary `dir`-side is trainable and
+ * the stage trains: its backward runs in the stage. */
+static int trains(const epipe_stage *st, const epipe_codec *c)
+{
+    return st->training && epipe_codec_trainable(c);
+}
+
 static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t)
 {
     int rc = expect(st, mb, 1, dir);
@@ -406,7 +485,11 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
         epipe_trace_span(st->s, dir == DIR_ACT ? "wait-act" : "wait-grad", "wait", t0, t1);
     if (rc)
         return fail(st, rc, "%s", epipe_comm_last_error(st->comm));
-    struct lent_tensor *lt = dir == DIR_ACT ? &st->act_in[mb] : &st->grad_in;
+    /* A gradient for a trainable activation codec is the code's: decode it
+     * aside, then back-propagate it through the compress into grad_in. */
+    int code_grad = dir == DIR_GRAD && trains(st, st->enc_act);
+    struct lent_tensor *lt = dir == DIR_ACT ? &st->act_in[mb] : code_grad ? &st->code_in
+                                                                          : &st->grad_in;
     const epipe_wire_header *h = &msg->hdr;
     uint64_t n;
     size_t esz = epipe_dtype_size((enum epipe_dtype)h->dtype);
@@ -435,6 +518,8 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
     lt->t.dtype.bits = (uint8_t)(esz * 8);
     lt->t.dtype.lanes = 1;
     epipe_codec *codec = dir == DIR_ACT ? st->dec_act : st->dec_grad;
+    if (dir == DIR_ACT && epipe_codec_trainable(codec))
+        epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
     rc = epipe_codec_decode(codec, msg->data + h->header_len, (size_t)h->payload_len, &lt->t);
     double t2 = now();
     st->st.decode_seconds += t2 - t1;
@@ -452,6 +537,26 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
         st->st.act_recv_raw += n * esz, st->st.act_recv_wire += wire;
     else
         st->st.grad_recv_raw += n * esz, st->st.grad_recv_wire += wire;
+    if (code_grad) {
+        /* The gradient of the activation this stage sent for mb: the shape
+         * and dtype of the step's activations. */
+        const struct sent_shape *ss = &st->sent[DIR_ACT];
+        if (!ss->set)
+            return fail(st, EPIPE_EINTERNAL, "a code gradient arrived before any activation "
+                        "was sent this step");
+        if ((rc = lend_shape(st, &st->grad_in, ss->ndim, ss->shape, ss->dtype)))
+            return rc;
+        rc = epipe_codec_encode_backward(st->enc_act, mb, &lt->t, &st->grad_in.t);
+        double t3 = now();
+        st->st.decode_seconds += t3 - t2;
+        if (st->tracing)
+            epipe_trace_span(st->s, "compress-backward", "decode", t2, t3);
+        if (rc)
+            return fail(st, rc, "back-propagating the code gradient of micro-batch %u through "
+                        "the compress: %s",
+                        mb, epipe_codec_last_error(st->enc_act));
+        lt = &st->grad_in;
+    }
     st->did_recv = 1;
     *t = &lt->t;
     return EPIPE_OK;
@@ -520,7 +625,35 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
         return fail(st, rc, "%s", epipe_last_error());
     if ((rc = check_sent_shape(st, dir, t, mb)))
         return rc;
+    double tb = now();
+    if (dir == DIR_GRAD && trains(st, st->dec_act)) {
+        /* The host's gradient is the restored activation's: back-propagate
+         * it through the restore and send the (smaller) code gradient. */
+        int zn;
+        int64_t zs[EPIPE_CODEC_MAX_NDIM];
+        DLDataType f32 = {kDLFloat, 32, 1};
+        if ((rc = epipe_codec_code_shape(st->dec_act, &st->act_in[mb].t, &zn, zs)))
+            return fail(st, rc, "the code of micro-batch %u: %s", mb,
+                        epipe_codec_last_error(st->dec_act));
+        if ((rc = lend_shape(st, &st->code_out, zn, zs, f32)))
+            return rc;
+        if ((rc = epipe_codec_decode_backward(st->dec_act, mb, t, &st->code_out.t)))
+            return fail(st, rc, "back-propagating the gradient of micro-batch %u through the "
+                        "restore: %s",
+                        mb, epipe_codec_last_error(st->dec_act));
+        double tb1 = now();
+        st->st.encode_seconds += tb1 - tb; /* the restore's backward counts as encoding */
+        if (st->tracing)
+            epipe_trace_span(st->s, "restore-backward", "encode", tb, tb1);
+        t = &st->code_out.t;
+        dt = EPIPE_DTYPE_F32;
+        n = 1;
+        for (int d = 0; d < zn; d++)
+            n *= (uint64_t)zs[d];
+    }
     epipe_codec *codec = dir == DIR_ACT ? st->enc_act : st->enc_grad;
+    if (dir == DIR_ACT && epipe_codec_trainable(codec))
+        epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
     unsigned peer = dir == DIR_ACT ? st->s + 1 : st->s - 1;
     size_t cap, len;
     if ((rc = epipe_codec_max_encoded_size(codec, t, &cap)))

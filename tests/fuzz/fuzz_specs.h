@@ -18,6 +18,8 @@ static const char *const fuzz_specs[] = {
     "sortquant:bits=5,split=2,mode=exact",
     "sortquant:bits=16",
     "sortquant:bits=11,split=5",
+    "insert:kind=linear,out=2",
+    "insert:kind=linear,ratio=0.5,code=fp16",
 };
 #define FUZZ_NSPECS (sizeof fuzz_specs / sizeof fuzz_specs[0])
 
