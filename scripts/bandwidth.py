@@ -84,7 +84,7 @@ def timed_run(train, codec, micro, args):
         env = dict(os.environ, EPIPE_RANK=str(r), EPIPE_WORLD_SIZE="2",
                    EPIPE_MASTER_ADDR=ADDR[0], EPIPE_MASTER_PORT=str(PORT),
                    EPIPE_LISTEN_ADDR=ADDR[r], EPIPE_TIMEOUT_MS="60000")
-        cmd = ["ip", "netns", "exec", NS[r], train, "--act-codec", codec, "--grad-codec", codec,
+        cmd = ["ip", "netns", "exec", NS[r], train, *codec_args(codec),
                "--microbatches", str(micro), "--quiet"] + args
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -126,8 +126,16 @@ def timed_run(train, codec, micro, args):
     return sps, avg, peak, efficiency
 
 
+def codec_args(codec):
+    """'A' uses codec A both ways; 'A/G' uses A for activations and G for
+    gradients (a trainable activation codec such as insert needs a plain
+    gradient codec: the gradient crossing back is its code's)."""
+    act, _, grad = codec.partition("/")
+    return ["--act-codec", act, "--grad-codec", grad or act]
+
+
 def accuracy(train, codec, args):
-    r = subprocess.run([train, "--act-codec", codec, "--grad-codec", codec, "--quiet",
+    r = subprocess.run([train, *codec_args(codec), "--quiet",
                         "--stages", "2"] + args, capture_output=True, text=True, timeout=3600)
     m = re.search(r"test accuracy ([0-9.]+)%", r.stdout)
     if r.returncode or not m:
@@ -140,7 +148,9 @@ def main():
     ap.add_argument("--build", default="build-main", help="meson build directory")
     ap.add_argument("--rates", default="100mbit,1gbit")
     ap.add_argument("--codecs", default="none,quant:bits=8,sortquant:bits=8,sortquant:bits=4,"
-                    "insert:kind=linear,out=32")
+                    "insert:kind=linear,out=64/sortquant:bits=8",
+                    help="comma-separated codec specs; A/G sets activation and gradient "
+                    "codecs apart")
     ap.add_argument("--micro", default="1,4,8")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--hidden", default="1024,256",
@@ -165,7 +175,7 @@ def main():
     common = ["--batch", str(a.batch), "--hidden", a.hidden]
     usable = []
     for c in codecs:  # a codec this build lacks is skipped, and said so
-        r = subprocess.run([train, "--act-codec", c, "--grad-codec", c, "--quiet", "--stages",
+        r = subprocess.run([train, *codec_args(c), "--quiet", "--stages",
                             "2", "--epochs", "1", "--train-limit", str(a.batch)] + common,
                            capture_output=True, text=True)
         if r.returncode:

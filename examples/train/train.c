@@ -227,6 +227,10 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
             if ((rc = epipe_stage_step(r.stage)))
                 break;
             model_sgd(&r.model, o->lr, o->momentum);
+            /* Trainable codecs (insert) learn with the model: the built-in
+             * SGD steps this stage's compress and restore parameters. */
+            if ((rc = epipe_stage_codec_sgd_step(r.stage, o->lr, o->momentum)))
+                break;
             run_loss = b ? 0.98 * run_loss + 0.02 * (r.loss / o->batch) : r.loss / o->batch;
             if (last)
                 progress(&r, e, b + 1, steps, t0, run_loss, b + 1 == steps);
