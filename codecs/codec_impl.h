@@ -27,6 +27,9 @@ enum epipe_codec_id {
     EPIPE_CODEC_ID_TOPK = 6,
     EPIPE_CODEC_ID_POWERITER = 7,
     EPIPE_CODEC_ID_INSERT = 8,
+    /* A two-link chain "a|b" (lib/codec.c): far from the single codecs'
+     * ids so that new codecs never collide with it. */
+    EPIPE_CODEC_ID_CHAIN = 64,
 };
 
 typedef enum epipe_param_kind {
@@ -66,6 +69,12 @@ typedef struct epipe_codec_train_ops {
                            const int64_t *code_shape, int code_ndim);
     void (*zero_grad)(epipe_codec *c);
     int (*sgd_step)(epipe_codec *c, float lr, float momentum);
+    /* The code as fp32 (code_shape of c->shape), and the tensor restored
+     * from it: encode and decode without the body bytes, for the first
+     * link of a chain. They keep what the backward needs as encode and
+     * decode do. */
+    int (*forward_code)(epipe_codec *c, const float *x, size_t n, float *code);
+    int (*restore_code)(epipe_codec *c, const float *code, float *y);
 } epipe_codec_train_ops;
 
 typedef struct epipe_codec_ops {
@@ -125,6 +134,11 @@ struct epipe_codec {
     size_t scratch_cap;
     char spec[EPIPE_SPEC_MAX];
     char msg[EPIPE_ERRMSG_MAX];
+    /* A chain "a|b": this handle is link a (trainable), next is link b,
+     * which encodes a's code. NULL for a single codec. */
+    struct epipe_codec *next;
+    float *chain_code;                /* a's code, fp32 */
+    size_t chain_cap;
 };
 
 /* Records an error on the codec (and the thread) and returns status. */

@@ -522,7 +522,10 @@ static int refuse_nonfinite(epipe_codec *c, const float *x, size_t n)
                             "insert: the code overflows fp32 (the input is too large)");
 }
 
-static int insert_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+/* The code of x (c->shape) into z, all of it: the encoder, and the first
+ * link of a chain. Keeps x for the backward when EPIPE_CODEC_MICROBATCH is
+ * set. Refuses non-finite input (and, with code=fp16, codes beyond fp16). */
+static int insert_forward_code(epipe_codec *c, const float *x, size_t n, float *z)
 {
     struct insert_state *st = S(c);
     struct geom g;
@@ -538,70 +541,56 @@ static int insert_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body
         memcpy(keep->shape, c->shape, sizeof(int64_t) * (size_t)c->ndim);
         memcpy(keep->buf, x, n * sizeof(float));
     }
-    size_t zn = (size_t)(K * Sn) * (kind(c) == KIND_LINEAR ? (size_t)B : 1);
-    float *z = grow(&st->tmp2, &st->tmp2_cap, zn ? zn : 1);
-    if (!z)
-        return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
+    size_t zn = (size_t)(B * K * Sn);
     if (kind(c) == KIND_LINEAR) {
         /* Z [N][d] = X [N][D] E^T */
         if (B)
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)B, (int)K, (int)P, 1.0f, x,
                         (int)P, st->w[0], (int)P, 0.0f, z, (int)K);
-        if (epipe_find_nonfinite(z, zn) < zn)
-            return refuse_nonfinite(c, x, n);
-        if ((rc = check_code_range(c, z, zn)))
-            return rc;
-        put_code(c, z, zn, body);
-        return EPIPE_OK;
+    } else {
+        int64_t rb = block_rows(&g);
+        float *cols = grow(&st->tmp, &st->tmp_cap, (size_t)(P * rb * g.Wo));
+        if (!cols)
+            return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
+        size_t per_in = (size_t)(g.cin * g.H * g.W), per_z = (size_t)(K * Sn);
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i0 = 0; i0 < g.Ho; i0 += rb) {
+                int64_t i1 = i0 + rb < g.Ho ? i0 + rb : g.Ho, ns = (i1 - i0) * g.Wo;
+                im2col(x + (size_t)b * per_in, &g, k, i0, i1, cols);
+                /* Zb[:, block] [K][ns] = E [K][P] . cols [P][ns] */
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)K, (int)ns, (int)P,
+                            1.0f, st->w[0], (int)P, cols, (int)ns, 0.0f,
+                            z + (size_t)b * per_z + i0 * g.Wo, (int)Sn);
+            }
     }
-    int64_t rb = block_rows(&g);
-    float *cols = grow(&st->tmp, &st->tmp_cap, (size_t)(P * rb * g.Wo));
-    if (!cols)
-        return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
-    size_t per_in = (size_t)(g.cin * g.H * g.W);
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t i0 = 0; i0 < g.Ho; i0 += rb) {
-            int64_t i1 = i0 + rb < g.Ho ? i0 + rb : g.Ho, ns = (i1 - i0) * g.Wo;
-            im2col(x + (size_t)b * per_in, &g, k, i0, i1, cols);
-            /* Zb[:, block] [K][ns] = E [K][P] . cols [P][ns] */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)K, (int)ns, (int)P, 1.0f,
-                        st->w[0], (int)P, cols, (int)ns, 0.0f, z + i0 * g.Wo, (int)Sn);
-        }
-        if (epipe_find_nonfinite(z, zn) < zn)
-            return refuse_nonfinite(c, x, n);
-        if ((rc = check_code_range(c, z, zn)))
-            return rc;
-        put_code(c, z, zn, body + (size_t)b * zn * code_bytes(c));
-    }
-    return EPIPE_OK;
+    if (epipe_find_nonfinite(z, zn) < zn)
+        return refuse_nonfinite(c, x, n);
+    return check_code_range(c, z, zn);
 }
 
-static int insert_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+/* y (c->shape) restored from the code z: the decoder, and the first link
+ * of a chain. Keeps z for the backward when EPIPE_CODEC_MICROBATCH is set
+ * (z may already be the kept copy). */
+static int insert_restore_code(epipe_codec *c, const float *z, float *y)
 {
     struct insert_state *st = S(c);
     struct geom g;
-    (void)n;
     int rc = geometry(c, c->shape, c->ndim, &g);
     if (rc || (rc = ensure_params(c, g.cin)))
         return rc;
     int64_t k = kern(c), K = g.K, P = g.P, Sn = g.S, B = g.B;
     size_t zn_all = (size_t)(B * K * Sn);
-    struct slot *keep = NULL;
-    if (c->microbatch >= 0) { /* keep the code for the backward */
-        if (!(keep = cache_take(&st->dec, c->microbatch, zn_all)))
-            return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no memory to keep the code");
+    if (c->microbatch >= 0) {
+        struct slot *keep = cache_find(&st->dec, c->microbatch);
+        if (!keep || keep->buf != z) {
+            if (!(keep = cache_take(&st->dec, c->microbatch, zn_all)))
+                return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no memory to keep the code");
+            memcpy(keep->buf, z, zn_all * sizeof(float));
+        }
         keep->ndim = c->ndim;
         memcpy(keep->shape, c->shape, sizeof(int64_t) * (size_t)c->ndim);
     }
     if (kind(c) == KIND_LINEAR) {
-        float *z = keep ? keep->buf : grow(&st->tmp2, &st->tmp2_cap, zn_all ? zn_all : 1);
-        if (!z)
-            return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
-        if ((rc = get_code(c, body, zn_all, z, 0))) {
-            if (keep)
-                keep->key = -1;
-            return rc;
-        }
         /* Y [N][D] = Z [N][d] Rt [d][D] */
         if (B)
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)B, (int)P, (int)K, 1.0f,
@@ -611,23 +600,57 @@ static int insert_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y
     int64_t rb = block_rows(&g);
     size_t zn = (size_t)(K * Sn), per_out = (size_t)(g.cin * g.H * g.W);
     float *cols = grow(&st->tmp, &st->tmp_cap, (size_t)(P * rb * g.Wo));
-    float *zs = keep ? NULL : grow(&st->tmp2, &st->tmp2_cap, zn);
-    if (!cols || (!keep && !zs))
+    if (!cols)
         return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
-    for (int64_t b = 0; b < B; b++) {
-        float *z = keep ? keep->buf + (size_t)b * zn : zs;
-        if ((rc = get_code(c, body + (size_t)b * zn * code_bytes(c), zn, z, (size_t)b * zn))) {
-            if (keep)
-                keep->key = -1;
-            return rc;
-        }
+    for (int64_t b = 0; b < B; b++)
         for (int64_t i0 = 0; i0 < g.Ho; i0 += rb) {
             int64_t i1 = i0 + rb < g.Ho ? i0 + rb : g.Ho, ns = (i1 - i0) * g.Wo;
             /* cols [P][ns] = Rt^T [P][K] . Zb[:, block] [K][ns] */
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)P, (int)ns, (int)K, 1.0f,
-                        st->w[1], (int)P, z + i0 * g.Wo, (int)Sn, 0.0f, cols, (int)ns);
+                        st->w[1], (int)P, z + (size_t)b * zn + i0 * g.Wo, (int)Sn, 0.0f, cols,
+                        (int)ns);
             col2im(cols, &g, k, i0, i1, y + (size_t)b * per_out);
         }
+    return EPIPE_OK;
+}
+
+static int insert_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    struct insert_state *st = S(c);
+    struct geom g;
+    int rc = geometry(c, c->shape, c->ndim, &g);
+    if (rc)
+        return rc;
+    size_t zn = (size_t)(g.B * g.K * g.S);
+    float *z = grow(&st->tmp2, &st->tmp2_cap, zn ? zn : 1);
+    if (!z)
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
+    if ((rc = insert_forward_code(c, x, n, z)))
+        return rc;
+    put_code(c, z, zn, body);
+    return EPIPE_OK;
+}
+
+static int insert_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    struct insert_state *st = S(c);
+    struct geom g;
+    (void)n;
+    int rc = geometry(c, c->shape, c->ndim, &g);
+    if (rc)
+        return rc;
+    size_t zn = (size_t)(g.B * g.K * g.S);
+    /* Read the code straight into the slot the backward will use. */
+    struct slot *keep = NULL;
+    if (c->microbatch >= 0 && !(keep = cache_take(&st->dec, c->microbatch, zn)))
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no memory to keep the code");
+    float *z = keep ? keep->buf : grow(&st->tmp2, &st->tmp2_cap, zn ? zn : 1);
+    if (!z)
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no scratch memory");
+    if ((rc = get_code(c, body, zn, z, 0)) || (rc = insert_restore_code(c, z, y))) {
+        if (keep)
+            keep->key = -1;
+        return rc;
     }
     return EPIPE_OK;
 }
@@ -854,6 +877,8 @@ static void insert_release(epipe_codec *c)
 
 static const epipe_codec_train_ops insert_train = {
     .ntensors = 2,
+    .forward_code = insert_forward_code,
+    .restore_code = insert_restore_code,
     .code_shape = insert_code_shape,
     .tensor = insert_tensor,
     .encode_backward = insert_encode_backward,

@@ -10,6 +10,7 @@
 
 #include "../codecs/codec_impl.h"
 #include "error.h"
+#include "wire/crc32c.h"
 #include "parallel.h"
 #include "tensor.h"
 
@@ -169,12 +170,6 @@ static int parse_spec(epipe_codec *c, const char *spec)
     if (total >= EPIPE_SPEC_MAX)
         return epipe_fail(EPIPE_EINVAL, "codec spec is %zu characters; the limit is %d", total,
                           EPIPE_SPEC_MAX - 1);
-    const char *bar = strchr(spec, '|');
-    if (bar)
-        return epipe_fail(EPIPE_ENOTSUP,
-                          "codec chains ('%.*s' | '%s') are not supported yet: use one codec "
-                          "per boundary and direction (docs/codecs.md, Chains)",
-                          (int)(bar - spec), spec, bar + 1);
     const char *colon = strchr(spec, ':');
     size_t nlen = colon ? (size_t)(colon - spec) : total;
     const epipe_codec_ops *ops = find_ops(spec, nlen);
@@ -227,6 +222,52 @@ static int parse_spec(epipe_codec *c, const char *spec)
 
 /* ---- handles ----------------------------------------------------------- */
 
+/* "a|b": a must be trainable (its code is a tensor), b must not be. */
+static int create_chain(epipe_codec **out, const char *spec, const char *bar)
+{
+    char first[EPIPE_SPEC_MAX];
+    size_t len = (size_t)(bar - spec);
+    if (strlen(spec) >= EPIPE_SPEC_MAX)
+        return epipe_fail(EPIPE_EINVAL, "codec spec is %zu characters; the limit is %d",
+                          strlen(spec), EPIPE_SPEC_MAX - 1);
+    if (strchr(bar + 1, '|'))
+        return epipe_fail(EPIPE_ENOTSUP, "chains of more than two codecs are not supported ('%s')",
+                          spec);
+    memcpy(first, spec, len);
+    first[len] = '\0';
+    epipe_codec *a = NULL, *b = NULL;
+    int rc = epipe_codec_create(&a, first);
+    if (rc)
+        return rc;
+    if (!epipe_codec_trainable(a)) {
+        epipe_codec_destroy(a);
+        return epipe_fail(EPIPE_ENOTSUP,
+                          "chain '%s': only a trainable codec (insert) can start a chain, since "
+                          "its code is a tensor the next codec encodes; '%s' is not",
+                          spec, first);
+    }
+    if ((rc = epipe_codec_create(&b, bar + 1))) {
+        epipe_codec_destroy(a);
+        return rc;
+    }
+    if (epipe_codec_trainable(b)) {
+        epipe_codec_destroy(a), epipe_codec_destroy(b);
+        return epipe_fail(EPIPE_ENOTSUP, "chain '%s': the second codec must not be trainable",
+                          spec);
+    }
+    char canon[2 * EPIPE_SPEC_MAX];
+    snprintf(canon, sizeof canon, "%s|%s", a->spec, b->spec);
+    if (strlen(canon) >= EPIPE_SPEC_MAX) {
+        epipe_codec_destroy(a), epipe_codec_destroy(b);
+        return epipe_fail(EPIPE_EINVAL, "chain '%s': its canonical spec is %zu characters; the "
+                          "limit is %d", spec, strlen(canon), EPIPE_SPEC_MAX - 1);
+    }
+    memcpy(a->spec, canon, strlen(canon) + 1);
+    a->next = b;
+    *out = a;
+    return EPIPE_OK;
+}
+
 EPIPE_API int epipe_codec_create(epipe_codec **out, const char *spec)
 {
     epipe_clear_error();
@@ -235,6 +276,9 @@ EPIPE_API int epipe_codec_create(epipe_codec **out, const char *spec)
     *out = NULL;
     if (!spec)
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_create: spec is NULL");
+    const char *bar = strchr(spec, '|');
+    if (bar)
+        return create_chain(out, spec, bar);
     epipe_codec *c = calloc(1, sizeof *c);
     if (!c)
         return epipe_fail(EPIPE_ENOMEM, "epipe_codec_create: out of memory");
@@ -255,6 +299,8 @@ EPIPE_API void epipe_codec_destroy(epipe_codec *c)
         return;
     if (c->ops && c->ops->release)
         c->ops->release(c);
+    epipe_codec_destroy(c->next);
+    free(c->chain_code);
     free(c->scratch);
     free(c);
 }
@@ -266,12 +312,12 @@ EPIPE_API const char *epipe_codec_spec(const epipe_codec *c)
 
 EPIPE_API const char *epipe_codec_name(const epipe_codec *c)
 {
-    return c ? c->ops->name : "";
+    return c ? c->next ? "chain" : c->ops->name : "";
 }
 
 EPIPE_API unsigned epipe_codec_id(const epipe_codec *c)
 {
-    return c ? (unsigned)c->ops->id : 0;
+    return c ? c->next ? (unsigned)EPIPE_CODEC_ID_CHAIN : (unsigned)c->ops->id : 0;
 }
 
 EPIPE_API const char *epipe_codec_last_error(const epipe_codec *c)
@@ -291,6 +337,8 @@ EPIPE_API int epipe_codec_set_param(epipe_codec *c, epipe_codec_param param, int
                                     "EPIPE_CODEC_THREADS = %lld is out of range 0..256",
                                     (long long)value);
         c->threads = (unsigned)value;
+        if (c->next)
+            c->next->threads = (unsigned)value;
         return EPIPE_OK;
     case EPIPE_CODEC_MICROBATCH:
         if (value < -1 || value > INT32_MAX)
@@ -339,6 +387,200 @@ static float *scratch(epipe_codec *c, size_t n)
     return c->scratch;
 }
 
+
+/* ---- chains ------------------------------------------------------------
+ * "a|b": a (trainable) computes the code of the tensor, b encodes the code.
+ * Payload: the chain's 16-byte header (id 64; parameter word: CRC32C of
+ * a's id and word and b's id and word), a's 16-byte header (its id, the
+ * code's dtype f32, a's word, the tensor's count; no body), then b's whole
+ * payload for the code. docs/codecs.md, Chains. */
+
+#define CHAIN_HEADERS (2 * EPIPE_PAYLOAD_HEADER)
+
+static const char *codec_name_of_id(unsigned id);
+
+static void fail_from_link(epipe_codec *c, int rc, const char *what)
+{
+    char why[EPIPE_ERRMSG_MAX];
+    snprintf(why, sizeof why, "%s", c->next->msg[0] ? c->next->msg : epipe_last_error());
+    epipe_codec_fail(c, rc, "chain: %s (%s): %s", what, c->next->ops->name, why);
+}
+
+/* A dense fp32 view of the code of a tensor of c->shape, over c->chain_code
+ * (grown to fit). */
+static int chain_code_view(epipe_codec *c, DLTensor *view, int64_t *shape, size_t *count)
+{
+    int zn;
+    int rc = c->ops->train->code_shape(c, c->shape, c->ndim, shape, &zn);
+    if (rc)
+        return rc;
+    size_t nz = 1;
+    for (int d = 0; d < zn; d++)
+        nz *= (size_t)shape[d];
+    if (c->chain_cap < nz) {
+        float *p = realloc(c->chain_code, (nz ? nz : 1) * sizeof *p);
+        if (!p)
+            return epipe_codec_fail(c, EPIPE_ENOMEM, "chain: no memory for %zu code values", nz);
+        c->chain_code = p, c->chain_cap = nz;
+    }
+    memset(view, 0, sizeof *view);
+    view->data = c->chain_code;
+    view->device.device_type = kDLCPU;
+    view->ndim = zn;
+    view->dtype.code = kDLFloat;
+    view->dtype.bits = 32;
+    view->dtype.lanes = 1;
+    view->shape = shape;
+    note_shape(c->next, view);
+    *count = nz;
+    return EPIPE_OK;
+}
+
+static uint32_t chain_word(const epipe_codec *c)
+{
+    uint8_t b[10];
+    b[0] = (uint8_t)c->ops->id;
+    epipe_put_u32(b + 1, c->ops->param_word(c));
+    b[5] = (uint8_t)c->next->ops->id;
+    epipe_put_u32(b + 6, c->next->ops->param_word(c->next));
+    return epipe_crc32c(0, b, sizeof b);
+}
+
+static int chain_size(epipe_codec *c, const DLTensor *src, size_t *bytes)
+{
+    (void)src;
+    DLTensor view;
+    int64_t shape[EPIPE_MAX_NDIM];
+    size_t nz, inner;
+    int rc = chain_code_view(c, &view, shape, &nz);
+    if (rc)
+        return rc;
+    if ((rc = epipe_codec_max_encoded_size(c->next, &view, &inner))) {
+        fail_from_link(c, rc, "sizing the code's payload");
+        return rc;
+    }
+    if (inner > SIZE_MAX - CHAIN_HEADERS)
+        return epipe_codec_fail(c, EPIPE_EOVERFLOW, "chain: payload overflows size_t");
+    *bytes = inner + CHAIN_HEADERS;
+    return EPIPE_OK;
+}
+
+static void put_header(uint8_t *h, unsigned id, unsigned dtype, uint32_t word, uint64_t n)
+{
+    h[0] = (uint8_t)id;
+    h[1] = EPIPE_PAYLOAD_VERSION;
+    h[2] = (uint8_t)dtype;
+    h[3] = 0;
+    epipe_put_u32(h + 4, word);
+    epipe_put_u64(h + 8, n);
+}
+
+static int chain_encode(epipe_codec *c, const DLTensor *src, uint64_t n, enum epipe_dtype dt,
+                        void *dst, size_t capacity, size_t *written)
+{
+    size_t need;
+    int rc = chain_size(c, src, &need);
+    if (rc)
+        return rc;
+    if (!dst || capacity < need)
+        return epipe_codec_fail(c, EPIPE_ENOSPC,
+                                "chain: encoding %llu values needs %zu bytes; capacity is %zu",
+                                (unsigned long long)n, need, dst ? capacity : 0);
+    DLTensor view;
+    int64_t shape[EPIPE_MAX_NDIM];
+    size_t nz, inner;
+    if ((rc = chain_code_view(c, &view, shape, &nz)))
+        return rc;
+    const float *x;
+    if (dt == EPIPE_DTYPE_F32 && epipe_tensor_is_dense(src)) {
+        x = (const float *)((const char *)src->data + src->byte_offset);
+    } else {
+        float *s = scratch(c, n);
+        if (!s && n)
+            return epipe_codec_fail(c, EPIPE_ENOMEM, "chain: no memory to stage %llu values",
+                                    (unsigned long long)n);
+        epipe_tensor_read_f32(src, s, n);
+        x = s;
+    }
+    if ((rc = c->ops->train->forward_code(c, x, n, c->chain_code)))
+        return rc;
+    uint8_t *h = dst;
+    put_header(h, EPIPE_CODEC_ID_CHAIN, dt, chain_word(c), n);
+    put_header(h + EPIPE_PAYLOAD_HEADER, c->ops->id, EPIPE_DTYPE_F32, c->ops->param_word(c), n);
+    if ((rc = epipe_codec_encode(c->next, &view, h + CHAIN_HEADERS, capacity - CHAIN_HEADERS,
+                                 &inner))) {
+        fail_from_link(c, rc, "encoding the code");
+        return rc;
+    }
+    *written = CHAIN_HEADERS + inner;
+    return EPIPE_OK;
+}
+
+static int chain_decode(epipe_codec *c, const uint8_t *h, size_t len, DLTensor *dst, uint64_t n)
+{
+    if (len < CHAIN_HEADERS)
+        return epipe_codec_fail(c, EPIPE_ETRUNC,
+                                "chain: payload is %zu bytes; its two headers alone are %d", len,
+                                CHAIN_HEADERS);
+    if (h[0] != EPIPE_CODEC_ID_CHAIN)
+        return epipe_codec_fail(c, EPIPE_EPROTO,
+                                "chain: payload was made by codec id %u (%s), not a chain (id %d)",
+                                h[0], codec_name_of_id(h[0]), EPIPE_CODEC_ID_CHAIN);
+    if (h[1] != EPIPE_PAYLOAD_VERSION)
+        return epipe_codec_fail(c, EPIPE_EVERSION,
+                                "chain: payload format version %u; this library reads %d", h[1],
+                                EPIPE_PAYLOAD_VERSION);
+    if (h[2] > EPIPE_DTYPE_BF16 || h[3] != 0)
+        return epipe_codec_fail(c, EPIPE_EPROTO,
+                                "chain: payload header has bad dtype %u or reserved byte %u", h[2],
+                                h[3]);
+    DLTensor view;
+    int64_t shape[EPIPE_MAX_NDIM];
+    size_t nz;
+    int rc = chain_code_view(c, &view, shape, &nz);
+    if (rc)
+        return rc;
+    uint32_t word = epipe_get_u32(h + 4), mine = chain_word(c);
+    if (word != mine)
+        return epipe_codec_fail(c, EPIPE_EPROTO,
+                                "chain: payload parameter word 0x%08x differs from this chain's "
+                                "0x%08x (%s)",
+                                word, mine, c->spec);
+    if (epipe_get_u64(h + 8) != n)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "chain: payload holds %llu values but dst has %llu",
+                                (unsigned long long)epipe_get_u64(h + 8), (unsigned long long)n);
+    const uint8_t *l = h + EPIPE_PAYLOAD_HEADER;
+    if (l[0] != (uint8_t)c->ops->id || l[1] != EPIPE_PAYLOAD_VERSION || l[2] != EPIPE_DTYPE_F32 ||
+        l[3] != 0 || epipe_get_u32(l + 4) != c->ops->param_word(c) || epipe_get_u64(l + 8) != n)
+        return epipe_codec_fail(c, EPIPE_EPROTO,
+                                "chain: the header of link 0 (%s) does not match this chain (id "
+                                "%u, version %u, dtype %u, reserved %u, word 0x%08x, count %llu)",
+                                c->ops->name, l[0], l[1], l[2], l[3], epipe_get_u32(l + 4),
+                                (unsigned long long)epipe_get_u64(l + 8));
+    if ((rc = epipe_codec_decode(c->next, h + CHAIN_HEADERS, len - CHAIN_HEADERS, &view))) {
+        fail_from_link(c, rc, "decoding the code");
+        return rc;
+    }
+    size_t bad = epipe_find_nonfinite(c->chain_code, nz);
+    if (bad < nz)
+        return epipe_codec_fail(c, EPIPE_EPROTO, "chain: code value %zu decodes to %g", bad,
+                                (double)c->chain_code[bad]);
+    enum epipe_dtype dt;
+    uint64_t count;
+    epipe_tensor_inspect(dst, "dst", NULL, &count, &dt);
+    if (dt == EPIPE_DTYPE_F32 && epipe_tensor_is_dense(dst))
+        return c->ops->train->restore_code(c, c->chain_code,
+                                           (float *)((char *)dst->data + dst->byte_offset));
+    float *s = scratch(c, n);
+    if (!s && n)
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "chain: no memory to stage %llu values",
+                                (unsigned long long)n);
+    if ((rc = c->ops->train->restore_code(c, c->chain_code, s)))
+        return rc;
+    epipe_tensor_write_f32(dst, s, n);
+    return EPIPE_OK;
+}
+
 EPIPE_API int epipe_codec_max_encoded_size(epipe_codec *c, const DLTensor *src, size_t *bytes)
 {
     epipe_clear_error();
@@ -350,6 +592,8 @@ EPIPE_API int epipe_codec_max_encoded_size(epipe_codec *c, const DLTensor *src, 
     if (rc)
         return rc;
     note_shape(c, src);
+    if (c->next)
+        return chain_size(c, src, bytes);
     return payload_size(c, n, bytes);
 }
 
@@ -366,6 +610,8 @@ EPIPE_API int epipe_codec_encode(epipe_codec *c, const DLTensor *src, void *dst,
     if (rc)
         return rc;
     note_shape(c, src);
+    if (c->next)
+        return chain_encode(c, src, n, dt, dst, capacity, written);
     size_t need = 0;
     if ((rc = payload_size(c, n, &need)))
         return rc;
@@ -400,6 +646,8 @@ EPIPE_API int epipe_codec_encode(epipe_codec *c, const DLTensor *src, void *dst,
 
 static const char *codec_name_of_id(unsigned id)
 {
+    if (id == EPIPE_CODEC_ID_CHAIN)
+        return "chain";
     for (size_t i = 0; i < NREGISTRY; i++)
         if ((unsigned)registry[i]->id == id)
             return registry[i]->name;
@@ -419,6 +667,8 @@ EPIPE_API int epipe_codec_decode(epipe_codec *c, const void *src, size_t len, DL
     note_shape(c, dst);
     if (!src && len)
         return epipe_codec_fail(c, EPIPE_EINVAL, "%s: src is NULL", c->ops->name);
+    if (c->next)
+        return chain_decode(c, src, len, dst, n);
     const uint8_t *h = src;
     if (len < EPIPE_PAYLOAD_HEADER)
         return epipe_codec_fail(c, EPIPE_ETRUNC, "%s: payload is %zu bytes; its header alone is %d",

@@ -248,7 +248,10 @@ static void bad_specs_shapes_and_payloads(void **state)
     expect_create("insert:out=4,ratio=0.5", EPIPE_EINVAL, "not both");
     expect_create("insert:kind=linear,kernel=2", EPIPE_EINVAL, "kind=conv only");
     expect_create("insert:kind=mlp", EPIPE_EINVAL, "conv|linear");
-    expect_create("insert:kind=linear,out=8|sortquant:bits=8", EPIPE_ENOTSUP, "chains");
+    expect_create("sortquant:bits=8|none", EPIPE_ENOTSUP, "only a trainable codec");
+    expect_create("insert:out=2|insert:out=1", EPIPE_ENOTSUP, "must not be trainable");
+    expect_create("insert:out=2|quant|none", EPIPE_ENOTSUP, "more than two");
+    expect_create("insert:out=2|quant:bits=99", EPIPE_EINVAL, "out of range");
 
     epipe_codec *c = make("insert:kind=conv,out=4,kernel=4");
     float x[2 * 2 * 6 * 8] = {0}, y[2 * 2 * 6 * 8];
@@ -582,6 +585,58 @@ static void backward_takes_half_tensors(void **state)
     epipe_codec_destroy(c);
 }
 
+/* "insert|quant": the code is quantized; each link's header is in the
+ * payload and checked; training goes through the first link. */
+static void chains_quantize_the_code(void **state)
+{
+    (void)state;
+    epipe_codec *ch = make("insert:kind=linear,out=4|sortquant:bits=8");
+    epipe_codec *plain = make("insert:kind=linear,out=4");
+    assert_string_equal(epipe_codec_name(ch), "chain");
+    assert_int_equal(epipe_codec_id(ch), 64);
+    assert_true(epipe_codec_trainable(ch));
+    assert_non_null(strstr(epipe_codec_spec(ch), "|sortquant:bits=8,split=2"));
+    epipe_codec *again = make(epipe_codec_spec(ch));
+    assert_string_equal(epipe_codec_spec(again), epipe_codec_spec(ch));
+    epipe_codec_destroy(again);
+    int64_t shape[2] = {64, 16};
+    float x[1024], y[1024], yp[1024];
+    test_fill(x, 1024, DIST_NORMAL, 41);
+    size_t len, plen;
+    epipe_codec_set_param(ch, EPIPE_CODEC_MICROBATCH, 0);
+    uint8_t *buf = encode(ch, x, shape, 2, &len), *pbuf = encode(plain, x, shape, 2, &plen);
+    assert_int_equal(buf[0], 64);
+    assert_int_equal(buf[16], 8);
+    assert_int_equal(buf[32], 4); /* sortquant */
+    assert_true(len < plen / 3);
+    epipe_codec *rx = make("insert:kind=linear,out=4|sortquant:bits=8");
+    epipe_codec_set_param(rx, EPIPE_CODEC_MICROBATCH, 0);
+    decode(rx, buf, len, y, shape, 2);
+    decode(plain, pbuf, plen, yp, shape, 2);
+    assert_true(test_mse(y, yp, 1024) < 1e-3 * test_mse(yp, (float[1024]){0}, 1024));
+    /* Headers of both links are checked, and the inner payload. */
+    DLTensor t = view(y, shape, 2);
+    for (size_t off = 0; off < 48; off++) {
+        buf[off] ^= 0x40;
+        int rc = epipe_codec_decode(rx, buf, len, &t);
+        int count = (off >= 8 && off < 16) || (off >= 40 && off < 48); /* EINVAL: dst's count */
+        if (count ? rc != EPIPE_EINVAL : rc != EPIPE_EPROTO && rc != EPIPE_EVERSION)
+            fail_msg("byte %zu flipped: %s", off, epipe_status_name(rc));
+        buf[off] ^= 0x40;
+    }
+    assert_int_equal(epipe_codec_decode(rx, buf, len - 1, &t), EPIPE_ETRUNC);
+    assert_int_equal(epipe_codec_decode(plain, buf, len, &t), EPIPE_EPROTO);
+    /* Backward through the chain: the quantizer is the identity. */
+    float gz[256], gx[1024];
+    int64_t zs[2] = {64, 4};
+    test_fill(gz, 256, DIST_NORMAL, 42);
+    DLTensor gzt = view(gz, zs, 2), gxt = view(gx, shape, 2);
+    assert_int_equal(epipe_codec_encode_backward(ch, 0, &gzt, &gxt), EPIPE_OK);
+    assert_int_equal(epipe_codec_decode_backward(rx, 0, &gxt, &gzt), EPIPE_OK);
+    free(buf), free(pbuf);
+    epipe_codec_destroy(ch), epipe_codec_destroy(plain), epipe_codec_destroy(rx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -593,6 +648,7 @@ int main(void)
         cmocka_unit_test(encoder_gradients_match_finite_differences),
         cmocka_unit_test(decoder_gradients_match_finite_differences),
         cmocka_unit_test(backward_takes_half_tensors),
+        cmocka_unit_test(chains_quantize_the_code),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

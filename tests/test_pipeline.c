@@ -222,6 +222,27 @@ static void insert_trains_with_the_model(void **state)
     }
 }
 
+/* A chain on the activations (the code quantized to 8 bits) and sortquant
+ * on the code's gradient: the model still trains. */
+static void insert_chain_trains(void **state)
+{
+    (void)state;
+    struct host_config cfg = {.schedule = "1f1b", .microbatches = 4, .steps = 60,
+                              .act_codec = "insert:kind=linear,out=8|sortquant:bits=8",
+                              .grad_codec = "sortquant:bits=8", .codec_lr = 0.1,
+                              .codec_momentum = 0.9};
+    struct host_result res[3];
+    run_pipeline(3, &cfg, res);
+    check_ok(res, 3, "insert|sortquant");
+    print_message("insert|sortquant: loss %.5f -> %.5f, activation wire %llu of %llu raw bytes\n",
+                  res[2].first_loss, res[2].last_loss,
+                  (unsigned long long)res[0].stats.act_sent_wire,
+                  (unsigned long long)res[0].stats.act_sent_raw);
+    assert_true(res[2].last_loss < 0.75 * res[2].first_loss);
+    for (int s = 0; s < 3; s++)
+        host_result_free(&res[s]);
+}
+
 /* The stage API around trainable codecs: each side's codec, parameters for
  * the host's optimizer, and what is refused. */
 static void stage_exposes_its_codecs(void **state)
@@ -750,6 +771,7 @@ int main(void)
         cmocka_unit_test(square_insert_trains_like_the_reference),
         cmocka_unit_test(insert_trains_with_the_model),
         cmocka_unit_test(stage_exposes_its_codecs),
+        cmocka_unit_test(insert_chain_trains),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

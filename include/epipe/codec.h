@@ -31,7 +31,10 @@ typedef struct epipe_codec epipe_codec;
  *   topk:ratio=r                       keep the ceil(r*n) largest |x|
  *   insert:kind=conv|linear[,out=K|ratio=r][,kernel=k][,in=C][,seed=S]
  *          [,code=fp32|fp16]          learned compress/restore (trainable)
- * Chains ("a|b") are not supported yet: EPIPE_ENOTSUP.
+ *   a|b                                a chain: trainable a (insert) makes
+ *                                      a code, b encodes it ("insert:kind=
+ *                                      linear,out=8|sortquant:bits=8");
+ *                                      other chains: EPIPE_ENOTSUP
  * The full list, with every default and range, is in docs/codecs.md.
  *
  * Creates a codec in *out. Returns EPIPE_OK, EPIPE_EINVAL for a malformed

@@ -20,6 +20,7 @@ static const char *const fuzz_specs[] = {
     "sortquant:bits=11,split=5",
     "insert:kind=linear,out=2",
     "insert:kind=linear,ratio=0.5,code=fp16",
+    "insert:kind=linear,out=2|quant:bits=5",
 };
 #define FUZZ_NSPECS (sizeof fuzz_specs / sizeof fuzz_specs[0])
 
