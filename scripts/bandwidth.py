@@ -148,7 +148,8 @@ def main():
     ap.add_argument("--build", default="build-main", help="meson build directory")
     ap.add_argument("--rates", default="100mbit,1gbit")
     ap.add_argument("--codecs", default="none,quant:bits=8,sortquant:bits=8,sortquant:bits=4,"
-                    "insert:kind=linear,out=64/sortquant:bits=8",
+                    "insert:kind=linear,out=64/sortquant:bits=8,"
+                    "insert:kind=linear,out=64|sortquant:bits=8/sortquant:bits=8",
                     help="comma-separated codec specs; A/G sets activation and gradient "
                     "codecs apart")
     ap.add_argument("--micro", default="1,4,8")

@@ -128,8 +128,10 @@ def eval_step(stage, model, xs, ys):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--act-codec", default="none", help="codec spec for activations")
-    ap.add_argument("--grad-codec", default="none", help="codec spec for gradients")
+    ap.add_argument("--act-codec", default="none",
+                    help="codec spec for activations; A+B: A on boundary 0->1, B on 1->2")
+    ap.add_argument("--grad-codec", default="none",
+                    help="codec spec for gradients; A+B as for --act-codec")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
     ap.add_argument("--epochs", type=int, default=1)
@@ -155,8 +157,16 @@ def main():
     s = comm.rank
     model = build_parts(a.seed)[s]
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
-    stage = epipe.Stage(comm, a.schedule, a.microbatches, act_codec=a.act_codec,
-                        grad_codec=a.grad_codec, batch_size=a.batch)
+    stage = epipe.Stage(comm, a.schedule, a.microbatches, batch_size=a.batch)
+    # "A" sets codec A on both boundaries; "A+B" sets A on boundary 0->1 and
+    # B on 1->2 (their tensors differ: [n,16,14,14] and [n,128]).
+    for direction, specs in ((epipe.ACTIVATION, a.act_codec), (epipe.GRADIENT, a.grad_codec)):
+        per_boundary = specs.split("+")
+        if len(per_boundary) == 1:
+            stage.set_codec(direction, per_boundary[0])
+        else:
+            for b, spec in enumerate(per_boundary):
+                stage.set_codec(direction, spec, boundary=b)
 
     train_x, train_y = load(a.data, "train")
     test_x, test_y = load(a.data, "test")
@@ -178,6 +188,7 @@ def main():
             opt.zero_grad(set_to_none=True)
             loss = train_step(stage, model, xs, ys, m)
             opt.step()
+            stage.codec_sgd_step(a.lr, a.momentum)  # trainable codecs (insert) learn too
             if stage.is_last:
                 run_loss = loss if run_loss is None else 0.98 * run_loss + 0.02 * loss
                 if (b + 1) % max(1, steps // 5) == 0 or b + 1 == steps:

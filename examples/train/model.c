@@ -173,3 +173,12 @@ double softmax_xent(const float *logits, const uint8_t *labels, int rows, int cl
     }
     return loss;
 }
+
+void model_set_blas_threads(int n)
+{
+#ifdef OPENBLAS_VERSION
+    openblas_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}

@@ -42,6 +42,10 @@ const float *model_forward(stage_model *m, int mb, const float *x, int rows);
 const float *model_backward(stage_model *m, int mb, const float *dy, int rows, int want_dx);
 /* SGD with momentum over the summed gradients, which are then zeroed. */
 void model_sgd(stage_model *m, float lr, float momentum);
+/* Threads the BLAS may use for each call (OpenBLAS; a no-op elsewhere).
+ * Stages already run side by side, one thread or process each: BLAS
+ * threads on top of them oversubscribe the cores. */
+void model_set_blas_threads(int n);
 
 /* Softmax cross-entropy of logits [rows][classes] against labels: returns
  * the summed loss, writes dlogits scaled by 1/batch, counts correct. */

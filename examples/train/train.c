@@ -24,7 +24,7 @@ struct options {
     float lr, momentum;
     uint64_t seed;
     long train_limit;
-    int quiet;
+    int quiet, blas_threads;
 };
 
 struct dataset {
@@ -315,6 +315,8 @@ static void usage(FILE *f)
             "  --seed S            (default 1)\n"
             "  --train-limit N     use only the first N training images\n"
             "  --data DIR          Fashion-MNIST IDX files (default %s)\n"
+            "  --blas-threads N    threads a BLAS call may use (default 1: the stages\n"
+            "                      already keep the cores busy; libepipe's codecs share it)\n"
             "  --quiet             no progress bar\n",
             IDX_FASHION_DIR);
 }
@@ -347,6 +349,7 @@ static int parse_args(int argc, char **argv, struct options *o)
         else if (!strcmp(a, "--seed")) o->seed = strtoull(v, NULL, 10);
         else if (!strcmp(a, "--train-limit")) o->train_limit = atol(v);
         else if (!strcmp(a, "--data")) o->data_dir = v;
+        else if (!strcmp(a, "--blas-threads")) o->blas_threads = atoi(v);
         else if (!strcmp(a, "--hidden")) {
             o->nhidden = 0;
             for (const char *p = v; *p && o->nhidden < MODEL_MAX_LAYERS - 1;) {
@@ -375,6 +378,10 @@ static int parse_args(int argc, char **argv, struct options *o)
         fprintf(stderr, "epipe-train: need --epochs >= 1 and 1 <= --stages <= %d (one layer a "
                         "stage at least)\n",
                 o->nhidden + 1);
+        return -1;
+    }
+    if (o->blas_threads < 1 || o->blas_threads > 256) {
+        fprintf(stderr, "epipe-train: --blas-threads %d is not in 1..256\n", o->blas_threads);
         return -1;
     }
     return 0;
@@ -491,9 +498,10 @@ int main(int argc, char **argv)
                         .act_codec = "sortquant:bits=8", .grad_codec = "sortquant:bits=8",
                         .data_dir = IDX_FASHION_DIR, .epochs = 3, .batch = 64,
                         .hidden = {512, 256}, .nhidden = 2, .lr = 0.05f, .momentum = 0.9f,
-                        .seed = 1};
+                        .seed = 1, .blas_threads = 1};
     if (parse_args(argc, argv, &o))
         return 2;
+    model_set_blas_threads(o.blas_threads);
     struct dataset d = {0};
     if (load_data(&o, &d))
         return 1;

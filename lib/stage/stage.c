@@ -533,10 +533,17 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
                     dir == DIR_ACT ? "activation" : "gradient", mb, peer,
                     epipe_codec_last_error(codec));
     }
+    uint64_t raw = n * esz;
+    if (code_grad) { /* raw: the gradient of the activation sent, as the host sees it */
+        const struct sent_shape *as = &st->sent[DIR_ACT];
+        raw = as->dtype.bits / 8u;
+        for (int d = 0; d < as->ndim; d++)
+            raw *= (uint64_t)as->shape[d];
+    }
     if (dir == DIR_ACT)
-        st->st.act_recv_raw += n * esz, st->st.act_recv_wire += wire;
+        st->st.act_recv_raw += raw, st->st.act_recv_wire += wire;
     else
-        st->st.grad_recv_raw += n * esz, st->st.grad_recv_wire += wire;
+        st->st.grad_recv_raw += raw, st->st.grad_recv_wire += wire;
     if (code_grad) {
         /* The gradient of the activation this stage sent for mb: the shape
          * and dtype of the step's activations. */
@@ -625,6 +632,9 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
         return fail(st, rc, "%s", epipe_last_error());
     if ((rc = check_sent_shape(st, dir, t, mb)))
         return rc;
+    /* Raw bytes count the host's tensor: with a trainable codec the code
+     * gradient that crosses is smaller, and that saving is the codec's. */
+    size_t raw = (size_t)n * epipe_dtype_size(dt);
     double tb = now();
     if (dir == DIR_GRAD && trains(st, st->dec_act)) {
         /* The host's gradient is the restored activation's: back-propagate
@@ -696,7 +706,6 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
     uint64_t wire = msg->len;
     if ((rc = epipe_comm_send(st->comm, peer, msg)))
         return fail(st, rc, "%s", epipe_comm_last_error(st->comm));
-    size_t raw = (size_t)n * epipe_dtype_size(dt);
     if (dir == DIR_ACT)
         st->st.act_sent_raw += raw, st->st.act_sent_wire += wire;
     else

@@ -363,6 +363,14 @@ class Stage(_Handle):
     def reset_stats(self):
         lib.epipe_stage_reset_stats(self._handle())
 
+    def codec_sgd_step(self, lr, momentum=0.0):
+        """One step of the built-in SGD (with momentum) on this stage's
+        trainable codecs (insert), then zeroes their gradients. Call it
+        between steps, beside the host's own optimizer step; a stage with
+        no trainable codec does nothing."""
+        self._check(lib.epipe_stage_codec_sgd_step(self._handle(), float(lr), float(momentum)),
+                    "epipe_stage_codec_sgd_step")
+
     def __repr__(self):
         if not self._h:
             return "epipe.Stage(<closed>)"

@@ -184,6 +184,7 @@ _PROTOS = {
     "epipe_stage_send_gradient": (_int, [_vp, _uint, _dlp]),
     "epipe_stage_get_stats": (_int, [_vp, ctypes.POINTER(StageStats)]),
     "epipe_stage_reset_stats": (None, [_vp]),
+    "epipe_stage_codec_sgd_step": (_int, [_vp, ctypes.c_double, ctypes.c_double]),
     "epipe_op_kind_name": (_cs, [ctypes.c_uint32]),
 }
 
