@@ -165,7 +165,13 @@ def main():
                     "bandwidth count both directions of the link")
     ap.add_argument("--json", help="one JSON object a run here")
     ap.add_argument("--plot", help="PNG plot here (needs matplotlib)")
+    ap.add_argument("--from-json", help="no runs: rebuild the table and plot from these "
+                    "JSON lines (written by an earlier --json)")
     a = ap.parse_args()
+    if a.from_json:
+        rows = [json.loads(line) for line in open(a.from_json) if line.strip()]
+        report(a, rows, list(dict.fromkeys(r["codec"] for r in rows)))
+        return
     if os.geteuid() != 0:
         sys.exit("bandwidth.py needs root for ip netns and tc (run it with sudo)")
     train = os.path.abspath(os.path.join(a.build, "examples", "epipe-train"))
@@ -205,6 +211,10 @@ def main():
         with open(a.json, "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
+    report(a, rows, usable)
+
+
+def report(a, rows, usable):
     ref = "none" if "none" in usable else usable[0]
     table = ["| link | codec | micro-batches | s / batch | speed-up vs %s | avg Mbit/s " % ref +
              "| peak Mbit/s | of ideal | test accuracy |",
@@ -213,7 +223,7 @@ def main():
         base = next(x for x in rows if x["rate"] == r["rate"] and x["codec"] == ref
                     and x["microbatches"] == r["microbatches"])
         table.append("| %s | `%s` | %d | %.4f | %.2fx | %.0f | %.0f | %.0f%% | %.2f%% |" % (
-            r["rate"], r["codec"], r["microbatches"], r["s_per_batch"],
+            r["rate"], r["codec"].replace("|", "\\|"), r["microbatches"], r["s_per_batch"],
             base["s_per_batch"] / r["s_per_batch"], r["avg_mbit"], r["peak_mbit"],
             100 * r["ideal_fraction"], r["accuracy"]))
     text = "\n".join(table) + "\n"
