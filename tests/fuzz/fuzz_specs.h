@@ -18,6 +18,8 @@ static const char *const fuzz_specs[] = {
     "sortquant:bits=5,split=2,mode=exact",
     "sortquant:bits=16",
     "sortquant:bits=11,split=5",
+    "poweriter:rank=1",
+    "poweriter:rank=3,factors=fp16",
 };
 #define FUZZ_NSPECS (sizeof fuzz_specs / sizeof fuzz_specs[0])
 
