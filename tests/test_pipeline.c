@@ -214,7 +214,10 @@ static void insert_trains_with_the_model(void **state)
         uint64_t msgs = (uint64_t)steps * 4, rows = HOST_BATCH / 4;
         assert_int_equal(res[0].stats.act_sent_raw, msgs * rows * 12 * 4);
         assert_int_equal(res[0].stats.act_sent_wire, msgs * (192 + 16 + rows * 8 * 4));
-        assert_int_equal(res[1].stats.grad_sent_raw, msgs * rows * 8 * 4); /* the code's */
+        /* Raw bytes are the host's gradient (12 wide); the wire carries the
+         * code's (8 wide). */
+        assert_int_equal(res[1].stats.grad_sent_raw, msgs * rows * 12 * 4);
+        assert_int_equal(res[0].stats.grad_recv_raw, msgs * rows * 12 * 4);
         assert_int_equal(res[1].stats.grad_sent_wire, msgs * (192 + 16 + rows * 8 * 4));
         assert_int_equal(res[0].stats.grad_recv_wire, res[1].stats.grad_sent_wire);
         for (int s = 0; s < 3; s++)

@@ -35,6 +35,9 @@ typedef struct epipe_codec epipe_codec;
  *                                      a code, b encodes it ("insert:kind=
  *                                      linear,out=8|sortquant:bits=8");
  *                                      other chains: EPIPE_ENOTSUP
+ *   poweriter:rank=R[,iters=K][,warm=0|1][,factors=fp32|fp16]
+ *                                      rank-R factors per matrix by power
+ *                                      iteration, warm-started
  * The full list, with every default and range, is in docs/codecs.md.
  *
  * Creates a codec in *out. Returns EPIPE_OK, EPIPE_EINVAL for a malformed
@@ -84,7 +87,8 @@ EPIPE_API int epipe_codec_set_param(epipe_codec *codec, epipe_codec_param param,
 
 /* The largest payload epipe_codec_encode() can write for a tensor of src's
  * dtype and shape (src->data is not read). Plan buffers with it once; the
- * bound depends only on the element count, the dtype and the spec.
+ * bound depends only on the element count, the dtype and the spec (for
+ * poweriter also on the shape, which fixes its matrix view).
  * EPIPE_EINVAL if src is not a tensor the codec accepts (the message says
  * why), EPIPE_EOVERFLOW if the size would overflow size_t. */
 EPIPE_API int epipe_codec_max_encoded_size(epipe_codec *codec, const DLTensor *src,

@@ -21,6 +21,8 @@ static const char *const fuzz_specs[] = {
     "insert:kind=linear,out=2",
     "insert:kind=linear,ratio=0.5,code=fp16",
     "insert:kind=linear,out=2|quant:bits=5",
+    "poweriter:rank=1",
+    "poweriter:rank=3,factors=fp16",
 };
 #define FUZZ_NSPECS (sizeof fuzz_specs / sizeof fuzz_specs[0])
 

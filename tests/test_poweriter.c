@@ -1,0 +1,454 @@
+/* The poweriter codec: near-optimal rank-r error (against a truncated SVD
+ * from LAPACKE_sgesvd), exact on rank-r data, warm starts per slot, the
+ * fast path against its scalar reference, spec errors, hostile payloads,
+ * and the matrix views of [B,C,H,W], [B,T,D], [B,D] and 1-D tensors. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <lapacke.h>
+
+#include <epipe/epipe.h>
+
+#include "../codecs/codec_impl.h"
+#include "tensor.h"
+#include "testutil.h"
+
+static DLTensor view(float *x, int64_t *shape, int ndim)
+{
+    DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = ndim, .dtype = {kDLFloat, 32, 1},
+                  .shape = shape};
+    return t;
+}
+
+static size_t numel(const int64_t *shape, int ndim)
+{
+    size_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        n *= (size_t)shape[d];
+    return n;
+}
+
+/* Encodes x on c and decodes into y; returns the payload (caller frees). */
+static uint8_t *roundtrip(epipe_codec *c, float *x, float *y, int64_t *shape, int ndim,
+                          size_t *len)
+{
+    DLTensor tx = view(x, shape, ndim), ty = view(y, shape, ndim);
+    size_t cap;
+    assert_int_equal(epipe_codec_max_encoded_size(c, &tx, &cap), EPIPE_OK);
+    uint8_t *buf = malloc(cap);
+    assert_non_null(buf);
+    if (epipe_codec_encode(c, &tx, buf, cap, len) != EPIPE_OK)
+        fail_msg("encode: %s", epipe_codec_last_error(c));
+    assert_int_equal(*len, cap);
+    if (y && epipe_codec_decode(c, buf, *len, &ty) != EPIPE_OK)
+        fail_msg("decode: %s", epipe_codec_last_error(c));
+    return buf;
+}
+
+/* B matrices rows x cols: sum of `rank` outer products with strengths
+ * 10, 5, 3, ... plus N(0, noise^2). */
+static void low_rank(float *x, int nb, int rows, int cols, int rank, double noise, uint64_t seed)
+{
+    test_rng g;
+    test_rng_seed(&g, seed);
+    for (int b = 0; b < nb; b++) {
+        float *m = x + (size_t)b * rows * cols;
+        for (int i = 0; i < rows * cols; i++)
+            m[i] = (float)(noise * test_rng_normal(&g));
+        for (int k = 0; k < rank; k++) {
+            double u[512], v[4096], s = 10.0 / (1 + k);
+            for (int i = 0; i < rows; i++)
+                u[i] = test_rng_normal(&g) / sqrt(rows);
+            for (int j = 0; j < cols; j++)
+                v[j] = test_rng_normal(&g) / sqrt(cols) * sqrt(rows * (double)cols);
+            for (int i = 0; i < rows; i++)
+                for (int j = 0; j < cols; j++)
+                    m[i * cols + j] += (float)(s * u[i] * v[j] / sqrt(rows));
+        }
+    }
+}
+
+static double frob_err(const float *a, const float *b, size_t n)
+{
+    double s = 0;
+    for (size_t i = 0; i < n; i++)
+        s += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+    return sqrt(s);
+}
+
+static double frob(const float *a, size_t n)
+{
+    double s = 0;
+    for (size_t i = 0; i < n; i++)
+        s += (double)a[i] * a[i];
+    return sqrt(s);
+}
+
+/* The best rank-r error over all matrices: the singular values beyond r. */
+static double best_error(const float *x, int nb, int rows, int cols, int r)
+{
+    double e = 0;
+    int mn = rows < cols ? rows : cols;
+    float *a = malloc(sizeof(float) * rows * cols), *s = malloc(sizeof(float) * mn),
+          *sup = malloc(sizeof(float) * mn);
+    for (int b = 0; b < nb; b++) {
+        memcpy(a, x + (size_t)b * rows * cols, sizeof(float) * rows * cols);
+        assert_int_equal(LAPACKE_sgesvd(LAPACK_ROW_MAJOR, 'N', 'N', rows, cols, a, cols, s, NULL,
+                                        1, NULL, 1, sup),
+                         0);
+        for (int k = r; k < mn; k++)
+            e += (double)s[k] * s[k];
+    }
+    free(a);
+    free(s);
+    free(sup);
+    return sqrt(e);
+}
+
+static void near_best_rank_r_error(void **state)
+{
+    (void)state;
+    enum { B = 3, T = 24, D = 200, N = B * T * D };
+    static float x[N], y[N];
+    int64_t shape[3] = {B, T, D};
+    low_rank(x, B, T, D, 3, 0.05, 1);
+    double best = best_error(x, B, T, D, 3);
+    for (int ref = 0; ref < 2; ref++)
+        for (int f = 0; f < 2; f++) {
+            epipe_codec *c;
+            assert_int_equal(epipe_codec_create(&c, f ? "poweriter:rank=3,iters=3,factors=fp16"
+                                                      : "poweriter:rank=3,iters=3"),
+                             EPIPE_OK);
+            assert_true(epipe_codec_use_reference(c, ref));
+            size_t len;
+            free(roundtrip(c, x, y, shape, 3, &len));
+            double e = frob_err(x, y, N);
+            if (!(e <= 1.5 * best))
+                fail_msg("ref %d fp16 %d: error %g, best rank-3 error %g", ref, f, e, best);
+            epipe_codec_destroy(c);
+        }
+}
+
+static void exact_on_rank_r_data(void **state)
+{
+    (void)state;
+    enum { B = 2, C = 16, H = 8, W = 8, N = B * C * H * W };
+    static float x[N], y[N];
+    int64_t shape[4] = {B, C, H, W};
+    low_rank(x, B, C, H * W, 2, 0.0, 2);
+    const char *specs[] = {"poweriter:rank=2", "poweriter:rank=2,iters=2", "poweriter:rank=5"};
+    for (size_t s = 0; s < 3; s++)
+        for (int ref = 0; ref < 2; ref++) {
+            epipe_codec *c;
+            assert_int_equal(epipe_codec_create(&c, specs[s]), EPIPE_OK);
+            assert_true(epipe_codec_use_reference(c, ref));
+            size_t len;
+            free(roundtrip(c, x, y, shape, 4, &len));
+            double rel = frob_err(x, y, N) / frob(x, N);
+            if (!(rel < 1e-5))
+                fail_msg("%s ref %d: relative error %g on rank-2 data", specs[s], ref, rel);
+            epipe_codec_destroy(c);
+        }
+}
+
+/* Slowly changing inputs: the warm start converges over the calls; a cold
+ * start every time does not. */
+static void warm_start_lowers_error(void **state)
+{
+    (void)state;
+    enum { B = 2, T = 32, D = 256, N = B * T * D };
+    static float x0[N], dx[N], x[N], y[N];
+    int64_t shape[3] = {B, T, D};
+    low_rank(x0, B, T, D, 6, 0.1, 3);
+    low_rank(dx, B, T, D, 6, 0.0, 4);
+    epipe_codec *w, *cold;
+    assert_int_equal(epipe_codec_create(&w, "poweriter:rank=4"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&cold, "poweriter:rank=4,warm=0"), EPIPE_OK);
+    double first = 0, last = 0, last_cold = 0, best = 0;
+    for (int t = 0; t < 8; t++) {
+        for (int i = 0; i < N; i++)
+            x[i] = x0[i] + 0.01f * (float)t * dx[i];
+        size_t len;
+        free(roundtrip(w, x, y, shape, 3, &len));
+        double e = frob_err(x, y, N);
+        free(roundtrip(cold, x, y, shape, 3, &len));
+        double ec = frob_err(x, y, N);
+        if (t == 0) {
+            first = e;
+            assert_true(e == ec); /* the first call is a cold start too */
+        }
+        last = e;
+        last_cold = ec;
+        best = best_error(x, B, T, D, 4);
+    }
+    if (!(last < 0.8 * first && last < 0.8 * last_cold && last <= 1.5 * best))
+        fail_msg("warm: first %g last %g; cold last %g; best %g", first, last, last_cold, best);
+    epipe_codec_destroy(w);
+    epipe_codec_destroy(cold);
+}
+
+/* Warm starts are per slot, and a new shape starts cold. */
+static void warm_start_per_slot_and_shape(void **state)
+{
+    (void)state;
+    enum { N = 2 * 16 * 40 };
+    static float x[N], z[N];
+    int64_t shape[3] = {2, 16, 40}, other[3] = {4, 8, 40};
+    low_rank(x, 2, 16, 40, 4, 0.1, 5);
+    low_rank(z, 2, 16, 40, 4, 0.1, 6);
+    epipe_codec *fresh, *c;
+    size_t l0, l1;
+    assert_int_equal(epipe_codec_create(&fresh, "poweriter:rank=2"), EPIPE_OK);
+    uint8_t *b0 = roundtrip(fresh, x, NULL, shape, 3, &l0);
+    assert_int_equal(epipe_codec_create(&c, "poweriter:rank=2"), EPIPE_OK);
+    free(roundtrip(c, z, NULL, shape, 3, &l1)); /* slot 0 is now warm from z */
+    c->slot = 1;
+    uint8_t *b1 = roundtrip(c, x, NULL, shape, 3, &l1); /* slot 1: cold */
+    assert_int_equal(l0, l1);
+    assert_memory_equal(b0, b1, l0);
+    free(b1);
+    c->slot = 0;
+    b1 = roundtrip(c, x, NULL, shape, 3, &l1); /* slot 0: warm from z */
+    assert_true(memcmp(b0, b1, l0) != 0);
+    free(b1);
+    free(roundtrip(c, z, NULL, other, 3, &l1)); /* another shape */
+    b1 = roundtrip(c, x, NULL, shape, 3, &l1);  /* back: cold again */
+    assert_memory_equal(b0, b1, l0);
+    free(b1);
+    free(b0);
+    epipe_codec_destroy(fresh);
+    epipe_codec_destroy(c);
+}
+
+/* The fast path (OpenBLAS, Householder QR) and the reference (loops,
+ * Gram-Schmidt) agree within 1e-4 of max|x| over a warm sequence. */
+static void fast_path_agrees_with_reference(void **state)
+{
+    (void)state;
+    enum { B = 3, C = 12, HW = 150, N = B * C * HW };
+    static float x[N], yf[N], yr[N];
+    int64_t shape[4] = {B, C, 10, 15};
+    const char *specs[] = {"poweriter:rank=3", "poweriter:rank=6,iters=2",
+                           "poweriter:rank=2,factors=fp16"};
+    for (size_t s = 0; s < 3; s++) {
+        epipe_codec *f, *r;
+        assert_int_equal(epipe_codec_create(&f, specs[s]), EPIPE_OK);
+        assert_int_equal(epipe_codec_create(&r, specs[s]), EPIPE_OK);
+        assert_true(epipe_codec_use_reference(r, 1));
+        for (int t = 0; t < 3; t++) {
+            low_rank(x, B, C, HW, 8, 0.05, 10 + (uint64_t)t);
+            size_t lf, lr;
+            free(roundtrip(f, x, yf, shape, 4, &lf));
+            free(roundtrip(r, x, yr, shape, 4, &lr));
+            assert_int_equal(lf, lr);
+            double d = 0, xm = 0;
+            for (int i = 0; i < N; i++) {
+                d = fmax(d, fabs((double)yf[i] - yr[i]));
+                xm = fmax(xm, fabs((double)x[i]));
+            }
+            if (!(d <= 1e-4 * xm))
+                fail_msg("%s call %d: fast and reference differ by %g (max|x| %g)", specs[s], t,
+                         d, xm);
+        }
+        epipe_codec_destroy(f);
+        epipe_codec_destroy(r);
+    }
+}
+
+static void expect_spec_error(const char *spec, const char *needle)
+{
+    epipe_codec *c = (epipe_codec *)1;
+    int rc = epipe_codec_create(&c, spec);
+    if (rc != EPIPE_EINVAL || c != NULL || !strstr(epipe_last_error(), needle))
+        fail_msg("spec '%s': rc %d, message '%s', expected EINVAL mentioning '%s'", spec, rc,
+                 epipe_last_error(), needle);
+}
+
+static void spec_errors_name_the_key(void **state)
+{
+    (void)state;
+    expect_spec_error("poweriter", "'rank'");
+    expect_spec_error("poweriter:iters=2", "'rank'");
+    expect_spec_error("poweriter:rank=0", "'rank'");
+    expect_spec_error("poweriter:rank=257", "'rank'");
+    expect_spec_error("poweriter:rank=2.5", "'rank'");
+    expect_spec_error("poweriter:rank=3,iters=0", "'iters'");
+    expect_spec_error("poweriter:rank=3,warm=2", "'warm'");
+    expect_spec_error("poweriter:rank=3,factors=bf16", "'factors'");
+    expect_spec_error("poweriter:rank=3,size=4", "'size'");
+    epipe_codec *c;
+    assert_int_equal(epipe_codec_create(&c, "poweriter:rank=3"), EPIPE_OK);
+    assert_string_equal(epipe_codec_spec(c), "poweriter:rank=3,iters=1,warm=1,factors=fp32");
+    assert_int_equal(epipe_codec_id(c), 7);
+    /* Non-finite input is named by its index; huge values are refused. */
+    float x[64];
+    int64_t shape[2] = {8, 8};
+    for (int i = 0; i < 64; i++)
+        x[i] = (float)i;
+    x[37] = NAN;
+    DLTensor t = view(x, shape, 2);
+    uint8_t buf[1024];
+    size_t n;
+    for (int ref = 0; ref < 2; ref++) {
+        assert_true(epipe_codec_use_reference(c, ref));
+        assert_int_equal(epipe_codec_encode(c, &t, buf, sizeof buf, &n), EPIPE_EINVAL);
+        assert_non_null(strstr(epipe_codec_last_error(c), "index 37 is NaN"));
+    }
+    for (int i = 0; i < 64; i++)
+        x[i] = 3e38f;
+    assert_int_equal(epipe_codec_encode(c, &t, buf, sizeof buf, &n), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_codec_last_error(c), "overflow"));
+    epipe_codec_destroy(c);
+}
+
+static void expect_rejected(epipe_codec *c, const uint8_t *p, size_t len, DLTensor *t,
+                            const char *needle)
+{
+    for (int ref = 0; ref < 2; ref++) {
+        assert_true(epipe_codec_use_reference(c, ref));
+        int rc = epipe_codec_decode(c, p, len, t);
+        if (rc != EPIPE_EPROTO || !strstr(epipe_codec_last_error(c), needle))
+            fail_msg("rc %d, message '%s', expected EPROTO mentioning '%s'", rc,
+                     epipe_codec_last_error(c), needle);
+    }
+}
+
+static void put_f32(uint8_t *p, float f)
+{
+    union { float f; uint32_t u; } b = {.f = f};
+    epipe_put_u32(p, b.u);
+}
+
+static void corrupt_payloads_are_rejected(void **state)
+{
+    (void)state;
+    enum { B = 2, T = 6, D = 10, N = B * T * D };
+    float x[N], y[N];
+    int64_t shape[3] = {B, T, D};
+    low_rank(x, B, T, D, 3, 0.1, 7);
+    for (int f = 0; f < 2; f++) {
+        epipe_codec *c;
+        assert_int_equal(epipe_codec_create(&c, f ? "poweriter:rank=2,factors=fp16"
+                                                  : "poweriter:rank=2"),
+                         EPIPE_OK);
+        size_t len, es = f ? 2 : 4;
+        uint8_t *good = roundtrip(c, x, y, shape, 3, &len);
+        /* 16-byte header, 32-byte body header, then B records. */
+        assert_int_equal(len, 16 + 32 + B * (4 + (T + D) * 2 * es));
+        uint8_t *p = malloc(len);
+        DLTensor t = view(y, shape, 3);
+        const size_t body = 16, rec0 = body + 32, q0 = rec0 + 4, p0 = q0 + T * 2 * es;
+#define RESET() memcpy(p, good, len)
+        RESET();
+        p[body + 4] = 1;
+        expect_rejected(c, p, len, &t, "reserved");
+        RESET();
+        p[body] = 1; /* rank */
+        expect_rejected(c, p, len, &t, "rank");
+        RESET();
+        p[body + 16] ^= 3; /* rows */
+        expect_rejected(c, p, len, &t, "dst views as");
+        RESET();
+        put_f32(p + rec0, NAN);
+        expect_rejected(c, p, len, &t, "scale");
+        RESET();
+        put_f32(p + rec0, -1.0f);
+        expect_rejected(c, p, len, &t, "scale");
+        RESET();
+        put_f32(p + rec0, 3e38f);
+        expect_rejected(c, p, len, &t, "scale");
+        RESET();
+        if (f) {
+            p[q0] = 0x00, p[q0 + 1] = 0x7c; /* fp16 +inf */
+            expect_rejected(c, p, len, &t, "Q[0][0]");
+            RESET();
+            p[p0 + 2] = 0x00, p[p0 + 3] = 0x3e; /* 1.5 */
+            expect_rejected(c, p, len, &t, "P[0][1]");
+        } else {
+            put_f32(p + q0, 1.5f);
+            expect_rejected(c, p, len, &t, "Q[0][0]");
+            RESET();
+            put_f32(p + p0 + 4, NAN);
+            expect_rejected(c, p, len, &t, "P[0][1]");
+        }
+        RESET();
+        assert_int_equal(epipe_codec_decode(c, p, len - 1, &t), EPIPE_ETRUNC);
+        /* dst viewed differently: [B*T, D] is one matrix of another size. */
+        int64_t flat[2] = {B * T, D};
+        DLTensor tf = view(y, flat, 2);
+        assert_int_not_equal(epipe_codec_decode(c, p, len, &tf), EPIPE_OK);
+        assert_int_equal(epipe_codec_decode(c, p, len, &t), EPIPE_OK);
+#undef RESET
+        free(p);
+        free(good);
+        epipe_codec_destroy(c);
+    }
+}
+
+/* Body sizes follow the documented views, and every view round-trips. */
+static void shapes_and_views(void **state)
+{
+    (void)state;
+    static float x[4096], y[4096];
+    static const struct {
+        int ndim;
+        int64_t shape[4];
+        uint64_t nb, rows, cols;
+    } cases[] = {
+        {4, {2, 3, 4, 5}, 2, 3, 20},  /* [B,C,H,W] -> B x [C, HW] */
+        {3, {2, 7, 9}, 2, 7, 9},      /* [B,T,D] -> B x [T, D] */
+        {2, {6, 11}, 1, 6, 11},       /* [B,D] -> one [B, D] */
+        {1, {13}, 1, 1, 13},          /* 1-D -> one row */
+        {0, {0}, 1, 1, 1},            /* scalar */
+        {3, {0, 4, 4}, 0, 4, 4},      /* empty */
+        {2, {5, 0}, 1, 5, 0},         /* empty */
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        size_t n = numel(cases[k].shape, cases[k].ndim);
+        test_fill(x, n, DIST_NORMAL, 20 + k);
+        epipe_codec *c;
+        assert_int_equal(epipe_codec_create(&c, "poweriter:rank=4"), EPIPE_OK);
+        int64_t shape[4];
+        memcpy(shape, cases[k].shape, sizeof shape);
+        size_t len;
+        uint8_t *p = roundtrip(c, x, y, shape, cases[k].ndim, &len);
+        uint64_t r = 4;
+        r = r < cases[k].rows ? r : cases[k].rows;
+        r = r < cases[k].cols ? r : cases[k].cols;
+        if (cases[k].nb == 0)
+            r = 0;
+        size_t want = 16 + 32 + (r ? cases[k].nb * (4 + (cases[k].rows + cases[k].cols) * r * 4) : 0);
+        assert_int_equal(len, want);
+        assert_int_equal(epipe_get_u32(p + 16), r);
+        assert_int_equal(epipe_get_u64(p + 24), cases[k].nb);
+        assert_int_equal(epipe_get_u64(p + 32), cases[k].rows);
+        assert_int_equal(epipe_get_u64(p + 40), cases[k].cols);
+        /* rank >= min(rows, cols) is clamped and then lossless (up to rounding) */
+        if (r && r == (cases[k].rows < cases[k].cols ? cases[k].rows : cases[k].cols))
+            assert_true(frob_err(x, y, n) <= 1e-5 * frob(x, n) + 1e-30);
+        free(p);
+        epipe_codec_destroy(c);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(near_best_rank_r_error),
+        cmocka_unit_test(exact_on_rank_r_data),
+        cmocka_unit_test(warm_start_lowers_error),
+        cmocka_unit_test(warm_start_per_slot_and_shape),
+        cmocka_unit_test(fast_path_agrees_with_reference),
+        cmocka_unit_test(spec_errors_name_the_key),
+        cmocka_unit_test(corrupt_payloads_are_rejected),
+        cmocka_unit_test(shapes_and_views),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
