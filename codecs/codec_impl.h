@@ -124,11 +124,6 @@ struct epipe_codec {
     unsigned threads;                 /* EPIPE_CODEC_THREADS */
     int64_t microbatch;               /* EPIPE_CODEC_MICROBATCH: -1 = keep nothing */
     int use_reference;                /* run encode_ref/decode_ref (tests, bench) */
-    /* Which micro-batch the next encode is for, set by lib/stage/stage.c
-     * before each encode (0 for direct API users). Codecs that carry state
-     * from one tensor to the next (poweriter's warm start) keep it per slot,
-     * since consecutive encodes on one handle are different micro-batches. */
-    uint32_t slot;
     void *state;                      /* the codec's own */
     float *scratch;                   /* fp32 staging for converted tensors */
     size_t scratch_cap;

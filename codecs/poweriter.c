@@ -193,7 +193,7 @@ static int pi_prepare(epipe_codec *c, const pi_view *v, pi_slot **slot_out)
         return epipe_codec_fail(c, EPIPE_ENOMEM, "poweriter: out of memory");
     if ((int)c->p[PI_WARM] == 0)
         return 1;
-    pi_slot *s = &st->slots[c->slot % PI_MAX_SLOTS];
+    pi_slot *s = &st->slots[(c->microbatch > 0 ? (uint64_t)c->microbatch : 0) % PI_MAX_SLOTS];
     *slot_out = s;
     if (s->p && s->v.nb == v->nb && s->v.rows == v->rows && s->v.cols == v->cols &&
         s->v.r == v->r)

@@ -209,12 +209,12 @@ static void warm_start_per_slot_and_shape(void **state)
     uint8_t *b0 = roundtrip(fresh, x, NULL, shape, 3, &l0);
     assert_int_equal(epipe_codec_create(&c, "poweriter:rank=2"), EPIPE_OK);
     free(roundtrip(c, z, NULL, shape, 3, &l1)); /* slot 0 is now warm from z */
-    c->slot = 1;
+    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_MICROBATCH, 1), EPIPE_OK);
     uint8_t *b1 = roundtrip(c, x, NULL, shape, 3, &l1); /* slot 1: cold */
     assert_int_equal(l0, l1);
     assert_memory_equal(b0, b1, l0);
     free(b1);
-    c->slot = 0;
+    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_MICROBATCH, 0), EPIPE_OK);
     b1 = roundtrip(c, x, NULL, shape, 3, &l1); /* slot 0: warm from z */
     assert_true(memcmp(b0, b1, l0) != 0);
     free(b1);

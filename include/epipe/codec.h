@@ -72,12 +72,15 @@ typedef enum epipe_codec_param {
      * tensors large enough to profit), 1 = the calling thread alone, up to
      * 256. Default 0. The payload is byte-identical for every value. */
     EPIPE_CODEC_THREADS = 1,
-    /* Trainable codecs (insert): the micro-batch the next encode or decode
-     * belongs to, -1 .. 2^31-1. With a value >= 0 the codec keeps what its
+    /* The micro-batch the next encode or decode belongs to, -1 .. 2^31-1.
+     * Trainable codecs (insert): with a value >= 0 the codec keeps what its
      * backward needs (encode: the input; decode: the code) under that key
      * until epipe_codec_encode_backward() / _decode_backward() of the same
      * micro-batch consumes it, or a later call with the same key replaces
-     * it. -1 (the default) keeps nothing: inference. Other codecs ignore it. */
+     * it; -1 (the default) keeps nothing: inference. poweriter keys its
+     * warm start by it (-1 shares the state of micro-batch 0), since one
+     * handle encodes every micro-batch of a boundary in turn. The other
+     * codecs ignore it. The stage runtime sets it before every call. */
     EPIPE_CODEC_MICROBATCH = 2
 } epipe_codec_param;
 

@@ -662,8 +662,9 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
             n *= (uint64_t)zs[d];
     }
     epipe_codec *codec = dir == DIR_ACT ? st->enc_act : st->enc_grad;
-    if (dir == DIR_ACT && epipe_codec_trainable(codec))
-        epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
+    /* Trainable codecs keep their input for the backward, and poweriter
+     * its warm start, per micro-batch: one handle encodes them all in turn. */
+    epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
     unsigned peer = dir == DIR_ACT ? st->s + 1 : st->s - 1;
     size_t cap, len;
     if ((rc = epipe_codec_max_encoded_size(codec, t, &cap)))
@@ -671,9 +672,6 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
     epipe_msg *msg = epipe_msg_new(cap);
     if (!msg)
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);
-    /* Codecs with state between tensors (poweriter's warm start) keep it
-     * per micro-batch: one handle encodes every micro-batch in turn. */
-    codec->slot = mb;
     double t0 = now();
     rc = epipe_codec_encode(codec, t, epipe_msg_payload(msg), cap, &len);
     double t1 = now();
