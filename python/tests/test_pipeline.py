@@ -227,3 +227,50 @@ def test_bad_schedule_and_comm_info():
     finally:
         for c in comms:
             c.close()
+
+
+def test_insert_trains_through_the_binding():
+    """A trainable codec on the activations: the stage runs its backward, the
+    host steps the model with torch and the codec with codec_sgd_step, and
+    the loss falls; a codec_sgd_step mid-step raises."""
+    parts = make_model(3)
+    p, steps = len(parts), 40
+    comms = epipe.Comm.inproc(p)
+    x, t = data(4)
+    xs, ts = x.chunk(MB), t.chunk(MB)
+    errors, history = [None] * p, []
+
+    def worker(s):
+        try:
+            opt = torch.optim.SGD(parts[s].parameters(), lr=0.002, momentum=0.9)
+            with epipe.Stage(comms[s], "1f1b", MB, act_codec="insert:kind=linear,out=6",
+                             grad_codec="none", timeout_ms=20000) as st:
+                for _ in range(steps):
+                    losses = {}
+                    opt.zero_grad()
+                    drive(st, parts[s], xs, ts, losses)
+                    opt.step()
+                    st.codec_sgd_step(0.002, 0.9)
+                    if st.is_last:
+                        history.append(sum(losses.values()))
+                if s == 0:
+                    st.next_op()  # mid-step now
+                    with pytest.raises(epipe.Error) as e:
+                        st.codec_sgd_step(0.002, 0.9)
+                    assert e.value.name == "EPIPE_ESTATE"
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors[s] = e
+            comms[s].abort()
+        finally:
+            comms[s].close()
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(p)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    for e in errors:
+        if e is not None:
+            raise e
+    assert len(history) == steps
+    assert history[-1] < 0.5 * history[0], history
