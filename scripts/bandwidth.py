@@ -161,6 +161,8 @@ def main():
     ap.add_argument("--epochs", type=int, default=3, help="epochs of each accuracy run")
     ap.add_argument("--accuracy-samples", type=int, default=0,
                     help="training images of each accuracy run (default all 60000)")
+    ap.add_argument("--train-args", default="",
+                    help="more epipe-train options for every run, e.g. '--codec-lr 0.005'")
     ap.add_argument("--out", help="markdown table here (default stdout); avg and peak "
                     "bandwidth count both directions of the link")
     ap.add_argument("--json", help="one JSON object a run here")
@@ -179,7 +181,7 @@ def main():
         sys.exit("%s not found: build first (meson setup %s && ninja -C %s)" % (train, a.build,
                                                                                 a.build))
     codecs = a.codecs.split(";") if ";" in a.codecs else split_specs(a.codecs)
-    common = ["--batch", str(a.batch), "--hidden", a.hidden]
+    common = ["--batch", str(a.batch), "--hidden", a.hidden] + a.train_args.split()
     usable = []
     for c in codecs:  # a codec this build lacks is skipped, and said so
         r = subprocess.run([train, *codec_args(c), "--quiet", "--stages",

@@ -21,7 +21,7 @@ struct options {
     unsigned stages, microbatches;
     const char *schedule, *act_codec, *grad_codec, *data_dir;
     int epochs, batch, hidden[MODEL_MAX_LAYERS], nhidden;
-    float lr, momentum;
+    float lr, momentum, codec_lr;
     uint64_t seed;
     long train_limit;
     int quiet, blas_threads;
@@ -229,7 +229,7 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
             model_sgd(&r.model, o->lr, o->momentum);
             /* Trainable codecs (insert) learn with the model: the built-in
              * SGD steps this stage's compress and restore parameters. */
-            if ((rc = epipe_stage_codec_sgd_step(r.stage, o->lr, o->momentum)))
+            if ((rc = epipe_stage_codec_sgd_step(r.stage, o->codec_lr, o->momentum)))
                 break;
             run_loss = b ? 0.98 * run_loss + 0.02 * (r.loss / o->batch) : r.loss / o->batch;
             if (last)
@@ -311,6 +311,7 @@ static void usage(FILE *f)
             "  --grad-codec SPEC   codec for gradients (default sortquant:bits=8)\n"
             "  --epochs E          (default 3)   --batch B (default 64)\n"
             "  --lr LR             (default 0.05) --momentum MU (default 0.9)\n"
+            "  --codec-lr LR       learning rate of trainable codecs (insert; default --lr)\n"
             "  --hidden W,W,...    hidden layer widths (default 512,256)\n"
             "  --seed S            (default 1)\n"
             "  --train-limit N     use only the first N training images\n"
@@ -346,6 +347,7 @@ static int parse_args(int argc, char **argv, struct options *o)
         else if (!strcmp(a, "--batch")) o->batch = atoi(v);
         else if (!strcmp(a, "--lr")) o->lr = (float)atof(v);
         else if (!strcmp(a, "--momentum")) o->momentum = (float)atof(v);
+        else if (!strcmp(a, "--codec-lr")) o->codec_lr = (float)atof(v);
         else if (!strcmp(a, "--seed")) o->seed = strtoull(v, NULL, 10);
         else if (!strcmp(a, "--train-limit")) o->train_limit = atol(v);
         else if (!strcmp(a, "--data")) o->data_dir = v;
@@ -498,10 +500,12 @@ int main(int argc, char **argv)
                         .act_codec = "sortquant:bits=8", .grad_codec = "sortquant:bits=8",
                         .data_dir = IDX_FASHION_DIR, .epochs = 3, .batch = 64,
                         .hidden = {512, 256}, .nhidden = 2, .lr = 0.05f, .momentum = 0.9f,
-                        .seed = 1, .blas_threads = 1};
+                        .seed = 1, .blas_threads = 1, .codec_lr = -1};
     if (parse_args(argc, argv, &o))
         return 2;
     model_set_blas_threads(o.blas_threads);
+    if (o.codec_lr < 0)
+        o.codec_lr = o.lr;
     struct dataset d = {0};
     if (load_data(&o, &d))
         return 1;
