@@ -312,6 +312,10 @@ static int pi_write_record(epipe_codec *c, const pi_view *v, uint64_t b, const f
                                 "poweriter: matrix %llu: its factors overflow (scale %g); values "
                                 "this large (about 1e37 and up) cannot be sent as low-rank factors",
                                 (unsigned long long)b, (double)s);
+    /* A matrix whose P is all below FLT_MIN (a vanishing gradient) is sent
+     * as zero: 1/s would overflow to inf and make 0*inf = NaN factors. */
+    if (s < FLT_MIN)
+        s = 0;
     pi_put_f32(rec, s);
     size_t off = 4 + pi_write_factor(rec + 4, q, v->rows, r, 1.0f, fp16);
     pi_write_factor(rec + off, p, v->cols, r, s > 0 ? 1.0f / s : 0.0f, fp16);

@@ -438,10 +438,35 @@ static void shapes_and_views(void **state)
     }
 }
 
+/* A matrix of zeros or of values below FLT_MIN (a vanishing gradient)
+ * encodes to finite factors and decodes to (near) zero, not NaN. */
+static void tiny_and_zero_matrices(void **state)
+{
+    (void)state;
+    enum { B = 3, R = 8, C = 16 };
+    float x[B * R * C], y[B * R * C];
+    int64_t shape[3] = {B, R, C};
+    for (int i = 0; i < B * R * C; i++)
+        x[i] = i < R * C ? 0.0f : i < 2 * R * C ? (i % C == 3 ? 3e-40f : 0.0f) : (float)(i % 7) - 3;
+    for (int ref = 0; ref < 2; ref++) {
+        epipe_codec *c;
+        assert_int_equal(epipe_codec_create(&c, "poweriter:rank=2"), EPIPE_OK);
+        assert_true(epipe_codec_use_reference(c, ref));
+        size_t len;
+        free(roundtrip(c, x, y, shape, 3, &len));
+        for (int i = 0; i < 2 * R * C; i++)
+            assert_true(fabsf(y[i]) < 1e-30f);
+        for (int i = 2 * R * C; i < B * R * C; i++)
+            assert_true(isfinite(y[i]));
+        epipe_codec_destroy(c);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(near_best_rank_r_error),
+        cmocka_unit_test(tiny_and_zero_matrices),
         cmocka_unit_test(exact_on_rank_r_data),
         cmocka_unit_test(warm_start_lowers_error),
         cmocka_unit_test(warm_start_per_slot_and_shape),
