@@ -679,12 +679,17 @@ static void *progress(void *arg)
                 epipe_comm_peer_down(t->c, p, EPIPE_PEER_FAILED, "this rank ran out of memory");
         return NULL;
     }
+    /* Closing flushes what was sent: it gives up only when no byte has
+     * moved for `patience` ms (a dead or stuck peer), however long a slow
+     * link takes to carry the queue (a forward-only pass can queue many
+     * messages ahead of a 100 Mbit/s link). */
+    const int64_t patience = timeout_of(t) < 10000 ? timeout_of(t) : 10000;
     int64_t stop_at = 0, next = 0;
     for (;;) {
         int64_t now = now_ms();
         int stopping = __atomic_load_n(&t->stop, __ATOMIC_ACQUIRE);
         if (stopping && !stop_at)
-            stop_at = now + (timeout_of(t) < 10000 ? timeout_of(t) : 10000);
+            stop_at = now + patience;
         if (now >= next)
             next = now + housekeeping(t, now);
         unsigned n = 1, busy = 0;
@@ -703,8 +708,8 @@ static void *progress(void *arg)
         if (stopping && (!busy || now >= stop_at)) {
             if (busy)
                 epipe_log_warn((int)t->c->rank, "tcp", "closing with unsent messages to %u "
-                               "connection(s) after waiting %lld ms", busy,
-                               (long long)(now - stop_at + (timeout_of(t) < 10000 ? timeout_of(t) : 10000)));
+                               "connection(s): no progress for %lld ms", busy,
+                               (long long)patience);
             break;
         }
         int64_t wait = next - now;
@@ -724,8 +729,11 @@ static void *progress(void *arg)
             struct conn *k = &t->conns[idx[j]];
             if (pf[j].revents & (POLLIN | POLLHUP | POLLERR))
                 do_read(t, k);
-            if (k->fd >= 0 && (pf[j].revents & (POLLOUT | POLLERR)))
+            if (k->fd >= 0 && (pf[j].revents & (POLLOUT | POLLERR))) {
                 do_write(t, k);
+                if (stopping && k->last_tx + patience > stop_at)
+                    stop_at = k->last_tx + patience; /* it moved: keep flushing */
+            }
         }
     }
     free(pf);

@@ -98,8 +98,10 @@ EPIPE_API int epipe_comm_create_from_env(epipe_comm **out, const char *options);
 
 /* Leaves the group and frees the handle. A peer still waiting for a message
  * from this rank gets EPIPE_EPEER. Over TCP, messages already sent are
- * flushed first (for up to the timeout, at most 10 s) and the peers are
- * told this rank left. NULL is a no-op. */
+ * flushed first, however long a slow link takes, as long as bytes keep
+ * moving: it gives up (and logs it) only after the timeout, at most 10 s,
+ * without progress. Then the peers are told this rank left. NULL is a
+ * no-op. */
 EPIPE_API void epipe_comm_destroy(epipe_comm *comm);
 
 /* Marks this rank as failed: its blocked and later receives, and its peers'
