@@ -235,14 +235,16 @@ static void pi_keep_warm(float *dst, const float *p, uint64_t cols, unsigned r)
         double ss = 0;
         for (uint64_t j = 0; j < cols; j++)
             ss += (double)col[j] * col[j];
-        if (!(ss > 0) || !isfinite(ss)) {
+        /* A column too small to normalise in float (1/norm would overflow
+         * to inf and turn its zeros into NaN) restarts like a cold one. */
+        if (!(ss > (double)FLT_MIN * FLT_MIN) || !isfinite(ss)) {
             for (uint64_t j = 0; j < cols; j++)
                 out[j] = pi_start_value(j, k);
             continue;
         }
-        float inv = (float)(1.0 / sqrt(ss));
+        double inv = 1.0 / sqrt(ss);
         for (uint64_t j = 0; j < cols; j++)
-            out[j] = col[j] * inv;
+            out[j] = (float)(col[j] * inv);
     }
 }
 
@@ -307,7 +309,13 @@ static int pi_write_record(epipe_codec *c, const pi_view *v, uint64_t b, const f
     }
     for (size_t i = 0; i < nq; i++)
         finite &= fabsf(q[i]) <= FLT_MAX;
-    if (!finite || !(s <= pi_max_scale(r)))
+    if (!finite)
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "poweriter: matrix %llu: the power iteration gave non-finite "
+                                "factors (the input's values are too large or too small to "
+                                "factor in fp32)",
+                                (unsigned long long)b);
+    if (!(s <= pi_max_scale(r)))
         return epipe_codec_fail(c, EPIPE_EINVAL,
                                 "poweriter: matrix %llu: its factors overflow (scale %g); values "
                                 "this large (about 1e37 and up) cannot be sent as low-rank factors",

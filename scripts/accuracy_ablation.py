@@ -46,6 +46,11 @@ FIELDS = ["codec", "seed", "accuracy", "wire_ratio", "ratio_b01", "ratio_b12", "
           "wire_bytes", "train_seconds", "test_images"]
 
 
+class RunFailed(Exception):
+    """A training run that stopped with an error (a diverged model makes a
+    quantizer refuse non-finite values): reported, not fatal."""
+
+
 def codec_args(codec):
     """An entry is ACT[/GRAD]: ACT on activations, GRAD (default ACT) on
     gradients; either may be A+B, A on boundary 0->1 and B on 1->2."""
@@ -69,7 +74,9 @@ def run_one(a, codec, seed):
             res[r["rank"]] = r
     if p.returncode != 0 or sorted(res) != [0, 1, 2]:
         sys.stderr.write(p.stdout[-3000:])
-        raise SystemExit(f"run failed ({p.returncode}): {shlex.join(cmd)}")
+        first = next((ln for ln in p.stdout.splitlines() if "fmnist_split: " in ln),
+                     f"exit status {p.returncode}")
+        raise RunFailed(first.split("fmnist_split: ", 1)[-1])
     raw = res[0]["raw_down"] + res[1]["raw_down"]
     wire = res[0]["wire_down"] + res[1]["wire_down"]
     return {
@@ -103,7 +110,7 @@ def summarize(rows, codecs):
     return out
 
 
-def write_md(path, a, summary, skipped, command):
+def write_md(path, a, summary, skipped, command, failed):
     lines = [
         "# Accuracy against wire ratio (Fashion-MNIST, split CNN)",
         "",
@@ -135,12 +142,16 @@ def write_md(path, a, summary, skipped, command):
         "|---|---|---|---|---|---|---|",
     ]
     for s in summary:
-        lines.append(f"| `{s['codec']}` | {s['n']} | {s['acc_mean']:.2f} ± {s['acc_sd']:.2f} | "
+        name = s["codec"].replace("|", "\\|")  # a chain's bar is not a cell border
+        lines.append(f"| `{name}` | {s['n']} | {s['acc_mean']:.2f} ± {s['acc_sd']:.2f} | "
                      f"{s['ratio']:.4f} | {s['ratio_b01']:.4f} | {s['ratio_b12']:.4f} | "
                      f"{s['seconds']:.1f} |")
     if skipped:
         lines += ["", "Skipped (the spec does not parse with this library):", ""]
         lines += [f"- `{c}`: {msg}" for c, msg in skipped]
+    if failed:
+        lines += ["", "Runs that stopped with an error (not in the table):", ""]
+        lines += [f"- `{c}`, seed {seed}: {msg}" for c, seed, msg in failed]
     lines += ["", "Raw runs: [accuracy.csv](accuracy.csv). Plot: ![accuracy](accuracy.png)", ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -214,12 +225,18 @@ def main():
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
     done = {(r["codec"], int(r["seed"])) for r in rows}
+    failed = []
     for c in codecs:
         for seed in a.seeds:
             if (c, seed) in done:
                 continue
             t = time.time()
-            r = run_one(a, c, seed)
+            try:
+                r = run_one(a, c, seed)
+            except RunFailed as e:
+                failed.append((c, seed, str(e)))
+                print(f"{c:22s} seed {seed}: FAILED: {e}", flush=True)
+                continue
             rows.append(r)
             print(f"{c:22s} seed {seed}: accuracy {100 * r['accuracy']:.2f}%  "
                   f"wire ratio {r['wire_ratio']:.4f}  ({time.time() - t:.0f}s)", flush=True)
@@ -228,7 +245,7 @@ def main():
                 w.writeheader()
                 w.writerows(rows)
     summary = summarize(rows, codecs)
-    write_md(os.path.join(a.out, "accuracy.md"), a, summary, skipped, command)
+    write_md(os.path.join(a.out, "accuracy.md"), a, summary, skipped, command, failed)
     print(f"wrote {csv_path} and {os.path.join(a.out, 'accuracy.md')}")
     plot(os.path.join(a.out, "accuracy.png"), summary)
 
