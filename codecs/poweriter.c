@@ -312,8 +312,8 @@ static int pi_write_record(epipe_codec *c, const pi_view *v, uint64_t b, const f
     if (!finite)
         return epipe_codec_fail(c, EPIPE_EINVAL,
                                 "poweriter: matrix %llu: the power iteration gave non-finite "
-                                "factors (the input's values are too large or too small to "
-                                "factor in fp32)",
+                                "factors: its values overflow fp32 products (about 1e37 and "
+                                "up cannot be sent as low-rank factors)",
                                 (unsigned long long)b);
     if (!(s <= pi_max_scale(r)))
         return epipe_codec_fail(c, EPIPE_EINVAL,
