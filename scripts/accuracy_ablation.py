@@ -35,6 +35,11 @@ DEFAULT_CODECS = [
     "sortquant:bits=4", "sortquant:bits=8", "sortquant:bits=12", "sortquant:bits=16",
     "kmeans:bits=4", "kmeans:bits=8",
     "poweriter:rank=2", "poweriter:rank=4",
+    # low rank on activations only: the gradients cross uncompressed
+    "poweriter:rank=2/none", "poweriter:rank=4/none",
+    # ... and only on the conv boundary: a [n,128] activation is one matrix
+    # whose low rank is shared by the micro-batch's samples
+    "poweriter:rank=4+none/none",
     # insert: a learned conv on boundary 0->1 ([n,16,14,14] -> [n,4,7,7], 1/16 of the
     # values) and a learned projection on 1->2 (128 -> 16); the code's gradient
     # crosses back in fp32, or quantized by sortquant.
