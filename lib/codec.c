@@ -55,15 +55,20 @@ unsigned epipe_codec_workers(const epipe_codec *c, size_t n)
 
 size_t epipe_find_nonfinite(const float *x, size_t n)
 {
-    /* Summing x*0 is NaN exactly when some x is NaN or infinite; checking
-     * blocks this way vectorises, and only a bad block is scanned again. */
+    /* A float is NaN or infinite exactly when its exponent bits are all
+     * ones. Testing the bit patterns with integer operations vectorises
+     * without reassociating float arithmetic; only a bad block is scanned
+     * again for the index. */
     const size_t block = 4096;
     for (size_t b = 0; b < n; b += block) {
         size_t e = b + block < n ? b + block : n;
-        float acc = 0.0f;
-        for (size_t i = b; i < e; i++)
-            acc += x[i] * 0.0f;
-        if (acc != acc)
+        uint32_t bad = 0;
+        for (size_t i = b; i < e; i++) {
+            uint32_t u;
+            memcpy(&u, &x[i], sizeof u);
+            bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+        }
+        if (bad)
             for (size_t i = b; i < e; i++)
                 if (!isfinite(x[i]))
                     return i;

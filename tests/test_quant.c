@@ -149,6 +149,27 @@ static void generic_kernels_match_reference(void **state)
     epipe_q_set_simd(was);
 }
 
+/* The shared finiteness scan: the largest finite values and denormals pass,
+ * and the first NaN or infinity is found in any block. */
+static void find_nonfinite_scan(void **state)
+{
+    (void)state;
+    enum { N = 10000 };
+    static float x[N];
+    for (int i = 0; i < N; i++)
+        x[i] = i % 3 == 0 ? FLT_MAX : i % 3 == 1 ? -FLT_MAX : 1e-42f;
+    assert_int_equal(epipe_find_nonfinite(x, N), N);
+    assert_int_equal(epipe_find_nonfinite(x, 0), 0);
+    x[9000] = -INFINITY;
+    x[8191] = NAN;
+    assert_int_equal(epipe_find_nonfinite(x, N), 8191);
+    assert_int_equal(epipe_find_nonfinite(x, 8191), 8191);
+    x[8191] = 0;
+    assert_int_equal(epipe_find_nonfinite(x, N), 9000);
+    x[4095] = INFINITY;
+    assert_int_equal(epipe_find_nonfinite(x, N), 4095);
+}
+
 static void nonfinite_rejected(void **state)
 {
     (void)state;
@@ -233,6 +254,7 @@ int main(void)
         cmocka_unit_test(fast_matches_reference),
         cmocka_unit_test(generic_kernels_match_reference),
         cmocka_unit_test(nonfinite_rejected),
+        cmocka_unit_test(find_nonfinite_scan),
         cmocka_unit_test(hostile_payloads),
         cmocka_unit_test(specs),
     };
