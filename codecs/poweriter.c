@@ -464,6 +464,25 @@ static void pi_mul_mtq(const float *m, int rows, int cols, const float *q, int r
                 0.0f, p, cols);
 }
 
+/* The end of one matrix's encode, shared by the fast path and the
+ * reference: writes its record from the state's Q and P and keeps P as the
+ * slot's next start; a record that cannot be written sends the slot back
+ * to a cold start rather than leaving it half updated. */
+static int pi_finish_matrix(epipe_codec *c, const pi_view *v, uint64_t b, pi_slot *slot,
+                            float *start, uint8_t *rec)
+{
+    pi_state *st = c->state;
+    int rc = pi_write_record(c, v, b, st->q, st->p, rec);
+    if (rc) {
+        if (slot)
+            memset(&slot->v, 0, sizeof slot->v);
+        return rc;
+    }
+    if (slot)
+        pi_keep_warm(start, st->p, v->cols, v->r);
+    return EPIPE_OK;
+}
+
 static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     pi_view v;
@@ -510,14 +529,9 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
             pi_mul_mtq(m, rows, cols, st->q, r, st->p); /* P = Mᵀ Q */
             pin = st->p;
         }
-        int rc = pi_write_record(c, &v, b, st->q, st->p, body + PI_BODY_HEADER + b * rec);
-        if (rc) {
-            if (slot) /* start over next time rather than from half-updated state */
-                memset(&slot->v, 0, sizeof slot->v);
+        int rc = pi_finish_matrix(c, &v, b, slot, start, body + PI_BODY_HEADER + b * rec);
+        if (rc)
             return rc;
-        }
-        if (slot)
-            pi_keep_warm(start, st->p, v.cols, v.r);
     }
     if (slot)
         slot->v = v; /* warm from now on */
@@ -658,14 +672,9 @@ static int pi_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body
                 }
             pin = st->p;
         }
-        int rc = pi_write_record(c, &v, b, st->q, st->p, body + PI_BODY_HEADER + b * rec);
-        if (rc) {
-            if (slot)
-                memset(&slot->v, 0, sizeof slot->v);
+        int rc = pi_finish_matrix(c, &v, b, slot, start, body + PI_BODY_HEADER + b * rec);
+        if (rc)
             return rc;
-        }
-        if (slot)
-            pi_keep_warm(start, st->p, v.cols, v.r);
     }
     if (slot)
         slot->v = v; /* warm from now on */
