@@ -57,35 +57,51 @@ def drive(stage, module, xs, ts, losses):
     assert not saved
 
 
-def run_pipeline(parts, schedule, act="none", grad="none", steps=1):
-    p = len(parts)
-    comms = epipe.Comm.inproc(p)
-    x, t = data()
-    xs, ts = x.chunk(MB), t.chunk(MB)
-    errors, losses, stats = [None] * p, {}, [None] * p
+def run_threads(comms, body, join_s=60):
+    """Runs body(s) for each stage s in a thread of its own; a stage that
+    raises aborts its communicator (waking the others) and always closes it.
+    Returns each stage's exception, or None."""
+    errors = [None] * len(comms)
 
     def worker(s):
         try:
-            with epipe.Stage(comms[s], schedule, MB, act_codec=act, grad_codec=grad,
-                             batch_size=BATCH, timeout_ms=20000) as st:
-                assert (st.index, st.count) == (s, p)
-                for _ in range(steps):
-                    drive(st, parts[s], xs, ts, losses)
-                stats[s] = st.stats()
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            body(s)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
             errors[s] = e
             comms[s].abort()
         finally:
             comms[s].close()
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(p)]
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(len(comms))]
     for th in threads:
         th.start()
     for th in threads:
-        th.join(60)
+        th.join(join_s)
+    return errors
+
+
+def raise_first(errors):
     for e in errors:
         if e is not None:
             raise e
+
+
+def run_pipeline(parts, schedule, act="none", grad="none", steps=1):
+    p = len(parts)
+    comms = epipe.Comm.inproc(p)
+    x, t = data()
+    xs, ts = x.chunk(MB), t.chunk(MB)
+    losses, stats = {}, [None] * p
+
+    def body(s):
+        with epipe.Stage(comms[s], schedule, MB, act_codec=act, grad_codec=grad,
+                         batch_size=BATCH, timeout_ms=20000) as st:
+            assert (st.index, st.count) == (s, p)
+            for _ in range(steps):
+                drive(st, parts[s], xs, ts, losses)
+            stats[s] = st.stats()
+
+    raise_first(run_threads(comms, body))
     return losses, stats
 
 
@@ -147,28 +163,18 @@ def test_several_steps_and_codec_mismatch_is_refused():
     run_pipeline([torch.nn.Sequential(parts[0], parts[1]), parts[2]], "1f1b", steps=3)
 
     comms = epipe.Comm.inproc(2)
-    errors = [None, None]
 
-    def worker(s):
-        try:
-            with epipe.Stage(comms[s], "gpipe", 1, timeout_ms=5000) as st:
-                st.set_codec(epipe.ACTIVATION, "quant:bits=8" if s == 0 else "sortquant:bits=8")
-                op = st.next_op()
-                if s == 0:
-                    st.send_activation(op.microbatch, torch.randn(4, 4))
-                else:
-                    st.recv_activation(op.microbatch)
-        except epipe.Error as e:
-            errors[s] = e
-            comms[s].abort()
-        finally:
-            comms[s].close()
+    def body(s):
+        with epipe.Stage(comms[s], "gpipe", 1, timeout_ms=5000) as st:
+            st.set_codec(epipe.ACTIVATION, "quant:bits=8" if s == 0 else "sortquant:bits=8")
+            op = st.next_op()
+            if s == 0:
+                st.send_activation(op.microbatch, torch.randn(4, 4))
+            else:
+                st.recv_activation(op.microbatch)
 
-    ths = [threading.Thread(target=worker, args=(s,)) for s in range(2)]
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join(30)
+    errors = run_threads(comms, body, join_s=30)
+    assert errors[0] is None or isinstance(errors[0], epipe.Error)
     assert errors[1] is not None and errors[1].name == "EPIPE_EPROTO"
     assert "quant" in errors[1].message
 
@@ -238,39 +244,26 @@ def test_insert_trains_through_the_binding():
     comms = epipe.Comm.inproc(p)
     x, t = data(4)
     xs, ts = x.chunk(MB), t.chunk(MB)
-    errors, history = [None] * p, []
+    history = []
 
-    def worker(s):
-        try:
-            opt = torch.optim.SGD(parts[s].parameters(), lr=0.002, momentum=0.9)
-            with epipe.Stage(comms[s], "1f1b", MB, act_codec="insert:kind=linear,out=6",
-                             grad_codec="none", timeout_ms=20000) as st:
-                for _ in range(steps):
-                    losses = {}
-                    opt.zero_grad()
-                    drive(st, parts[s], xs, ts, losses)
-                    opt.step()
+    def body(s):
+        opt = torch.optim.SGD(parts[s].parameters(), lr=0.002, momentum=0.9)
+        with epipe.Stage(comms[s], "1f1b", MB, act_codec="insert:kind=linear,out=6",
+                         grad_codec="none", timeout_ms=20000) as st:
+            for _ in range(steps):
+                losses = {}
+                opt.zero_grad()
+                drive(st, parts[s], xs, ts, losses)
+                opt.step()
+                st.codec_sgd_step(0.002, 0.9)
+                if st.is_last:
+                    history.append(sum(losses.values()))
+            if s == 0:
+                st.next_op()  # mid-step now
+                with pytest.raises(epipe.Error) as e:
                     st.codec_sgd_step(0.002, 0.9)
-                    if st.is_last:
-                        history.append(sum(losses.values()))
-                if s == 0:
-                    st.next_op()  # mid-step now
-                    with pytest.raises(epipe.Error) as e:
-                        st.codec_sgd_step(0.002, 0.9)
-                    assert e.value.name == "EPIPE_ESTATE"
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors[s] = e
-            comms[s].abort()
-        finally:
-            comms[s].close()
+                assert e.value.name == "EPIPE_ESTATE"
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(p)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    for e in errors:
-        if e is not None:
-            raise e
+    raise_first(run_threads(comms, body))
     assert len(history) == steps
     assert history[-1] < 0.5 * history[0], history
