@@ -13,9 +13,6 @@
 
 #define EPIPE_CODEC_MAX_PARAMS 8
 #define EPIPE_SPEC_MAX 256
-/* Bytes of the header every payload starts with (docs/codecs.md). */
-#define EPIPE_PAYLOAD_HEADER 16
-#define EPIPE_PAYLOAD_VERSION 1
 
 /* Stable codec ids: written on the wire, never reused. */
 enum epipe_codec_id {

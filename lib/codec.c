@@ -9,6 +9,7 @@
 #include <epipe/codec.h>
 
 #include "../codecs/codec_impl.h"
+#include "codec/payload.h"
 #include "error.h"
 #include "wire/crc32c.h"
 #include "parallel.h"
@@ -470,20 +471,10 @@ static int chain_size(epipe_codec *c, const DLTensor *src, size_t *bytes)
     return EPIPE_OK;
 }
 
-static void put_header(uint8_t *h, unsigned id, unsigned dtype, uint32_t word, uint64_t n)
-{
-    h[0] = (uint8_t)id;
-    h[1] = EPIPE_PAYLOAD_VERSION;
-    h[2] = (uint8_t)dtype;
-    h[3] = 0;
-    epipe_put_u32(h + 4, word);
-    epipe_put_u64(h + 8, n);
-}
-
 static int chain_encode(epipe_codec *c, const DLTensor *src, uint64_t n, enum epipe_dtype dt,
                         void *dst, size_t capacity, size_t *written)
 {
-    size_t need;
+    size_t need = 0;
     int rc = chain_size(c, src, &need);
     if (rc)
         return rc;
@@ -510,8 +501,8 @@ static int chain_encode(epipe_codec *c, const DLTensor *src, uint64_t n, enum ep
     if ((rc = c->ops->train->forward_code(c, x, n, c->chain_code)))
         return rc;
     uint8_t *h = dst;
-    put_header(h, EPIPE_CODEC_ID_CHAIN, dt, chain_word(c), n);
-    put_header(h + EPIPE_PAYLOAD_HEADER, c->ops->id, EPIPE_DTYPE_F32, c->ops->param_word(c), n);
+    epipe_payload_put(h, EPIPE_CODEC_ID_CHAIN, dt, chain_word(c), n);
+    epipe_payload_put(h + EPIPE_PAYLOAD_HEADER, c->ops->id, EPIPE_DTYPE_F32, c->ops->param_word(c), n);
     if ((rc = epipe_codec_encode(c->next, &view, h + CHAIN_HEADERS, capacity - CHAIN_HEADERS,
                                  &inner))) {
         fail_from_link(c, rc, "encoding the code");
@@ -636,12 +627,7 @@ EPIPE_API int epipe_codec_encode(epipe_codec *c, const DLTensor *src, void *dst,
         x = s;
     }
     uint8_t *h = dst;
-    h[0] = (uint8_t)c->ops->id;
-    h[1] = EPIPE_PAYLOAD_VERSION;
-    h[2] = (uint8_t)dt;
-    h[3] = 0;
-    epipe_put_u32(h + 4, c->ops->param_word(c));
-    epipe_put_u64(h + 8, n);
+    epipe_payload_put(h, c->ops->id, dt, c->ops->param_word(c), n);
     if ((rc = (c->use_reference ? c->ops->encode_ref : c->ops->encode)(c, x, n,
                                                                       h + EPIPE_PAYLOAD_HEADER)))
         return rc;

@@ -11,7 +11,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../../codecs/codec_impl.h"
+#include "../codec/payload.h"
 #include "../comm/comm_impl.h"
 #include "../error.h"
 #include "../tensor.h"
@@ -683,7 +683,8 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
         return fail(st, rc, "encoding the %s of micro-batch %u: %s",
                     dir == DIR_ACT ? "activation" : "gradient", mb, epipe_codec_last_error(codec));
     }
-    const uint8_t *ph = epipe_msg_payload(msg);
+    epipe_payload_header ph;
+    epipe_payload_get(epipe_msg_payload(msg), len, &ph); /* the codec just wrote it */
     epipe_wire_header *h = &msg->hdr;
     memset(h, 0, sizeof *h);
     h->kind = dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT;
@@ -691,8 +692,8 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
     h->ndim = (uint8_t)t->ndim;
     for (int d = 0; d < t->ndim; d++)
         h->shape[d] = (uint64_t)t->shape[d];
-    h->codec_id = ph[0];
-    h->codec_param = epipe_get_u32(ph + 4);
+    h->codec_id = ph.codec_id;
+    h->codec_param = ph.param_word;
     h->micro_batch = mb;
     h->step = st->step;
     h->src_stage = st->s;

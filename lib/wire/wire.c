@@ -8,6 +8,7 @@
 
 #include <epipe/common.h>
 
+#include "../codec/payload.h"
 #include "../error.h"
 #include "crc32c.h"
 
@@ -37,9 +38,6 @@ _Static_assert(OFF_EXT + 8 == EPIPE_WIRE_HEADER_SIZE, "v1 header: 4 extension + 
 _Static_assert(sizeof(epipe_wire_header) == 48 + 8 * EPIPE_MAX_NDIM, "no padding");
 _Static_assert(EPIPE_WIRE_HEADER_SIZE % 64 == 0, "payloads start cache-line aligned");
 
-/* Codec payload header (codecs/codec_impl.h): id, version, dtype,
- * reserved, u32 parameter word, u64 element count. */
-#define PAYLOAD_HEADER 16
 
 static uint16_t get_u16(const uint8_t *p)
 {
@@ -149,10 +147,10 @@ static int check_fields(const epipe_wire_header *h, uint64_t max_payload, int en
     int rc = numel_of(h, encoding, &n);
     if (rc)
         return rc;
-    if (h->payload_len < PAYLOAD_HEADER)
+    if (h->payload_len < EPIPE_PAYLOAD_HEADER)
         return bad(encoding, EPIPE_EPROTO,
                    "%s payload length %llu is shorter than the %d-byte codec payload header", kn,
-                   (unsigned long long)h->payload_len, PAYLOAD_HEADER);
+                   (unsigned long long)h->payload_len, EPIPE_PAYLOAD_HEADER);
     return EPIPE_OK;
 }
 
@@ -289,20 +287,21 @@ int epipe_wire_check_payload_crc(const epipe_wire_header *h, const uint8_t *payl
                           "payload (%zu bytes) is corrupted", kn, got, h->payload_crc, len);
     if (!is_tensor_kind(h->kind))
         return EPIPE_OK;
-    if (len < PAYLOAD_HEADER) /* the parser already refused this header */
+    epipe_payload_header ph;
+    if (epipe_payload_get(payload, len, &ph)) /* the parser already refused this header */
         return epipe_fail(EPIPE_EPROTO, "wire: %s payload of %zu bytes has no codec header", kn, len);
     uint64_t n;
     int rc = epipe_wire_numel(h, &n);
     if (rc)
         return rc;
-    uint32_t param = epipe_get_u32(payload + 4);
-    uint64_t count = epipe_get_u64(payload + 8);
-    if (payload[0] != h->codec_id)
+    uint32_t param = ph.param_word;
+    uint64_t count = ph.count;
+    if (ph.codec_id != h->codec_id)
         return epipe_fail(EPIPE_EPROTO, "wire: %s payload has codec id %u; the header says %u", kn,
-                          payload[0], h->codec_id);
-    if (payload[2] != h->dtype)
+                          ph.codec_id, h->codec_id);
+    if (ph.dtype != h->dtype)
         return epipe_fail(EPIPE_EPROTO, "wire: %s payload has dtype %u; the header says %u", kn,
-                          payload[2], h->dtype);
+                          ph.dtype, h->dtype);
     if (param != h->codec_param)
         return epipe_fail(EPIPE_EPROTO,
                           "wire: %s payload has codec parameter word 0x%08x; the header says 0x%08x",
