@@ -3,7 +3,7 @@
 #include <math.h>
 
 #include "../lib/tensor.h"
-#include "codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 
 enum { CAST_DTYPE };
 enum { CAST_FP16, CAST_BF16 };
@@ -49,6 +49,11 @@ static int cast_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     return EPIPE_OK;
 }
 
+static const epipe_codec_backend cast_cpu = {
+    .encode = cast_encode,
+    .decode = cast_decode,
+};
+
 const epipe_codec_ops epipe_codec_cast = {
     .name = "cast",
     .id = EPIPE_CODEC_ID_CAST,
@@ -56,6 +61,5 @@ const epipe_codec_ops epipe_codec_cast = {
     .nparams = 1,
     .param_word = cast_param_word,
     .body_size = cast_body_size,
-    .encode = cast_encode,
-    .decode = cast_decode,
+    .cpu = &cast_cpu,
 };

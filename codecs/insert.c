@@ -30,7 +30,7 @@
 #include <string.h>
 
 #include "../lib/tensor.h"
-#include "codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 
 enum { I_KIND, I_OUT, I_RATIO, I_KERNEL, I_IN, I_SEED, I_CODE };
 enum { KIND_CONV = 0, KIND_LINEAR = 1 };
@@ -875,16 +875,26 @@ static void insert_release(epipe_codec *c)
     c->state = NULL;
 }
 
+static unsigned insert_ntensors(const epipe_codec *c)
+{
+    (void)c;
+    return 2;
+}
+
 static const epipe_codec_train_ops insert_train = {
-    .ntensors = 2,
     .forward_code = insert_forward_code,
     .restore_code = insert_restore_code,
-    .code_shape = insert_code_shape,
     .tensor = insert_tensor,
     .encode_backward = insert_encode_backward,
     .decode_backward = insert_decode_backward,
     .zero_grad = insert_zero_grad,
     .sgd_step = insert_sgd,
+};
+
+static const epipe_codec_backend insert_cpu = {
+    .encode = insert_encode,
+    .decode = insert_decode,
+    .train = &insert_train,
 };
 
 const epipe_codec_ops epipe_codec_insert = {
@@ -895,8 +905,8 @@ const epipe_codec_ops epipe_codec_insert = {
     .configure = insert_configure,
     .param_word = insert_param_word,
     .body_size = insert_body_size,
-    .encode = insert_encode,
-    .decode = insert_decode,
+    .code_shape = insert_code_shape,
+    .ntensors = insert_ntensors,
     .release = insert_release,
-    .train = &insert_train,
+    .cpu = &insert_cpu,
 };

@@ -7,7 +7,7 @@
 #include "../lib/bitpack.h"
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
-#include "codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 
 enum { KM_BITS, KM_ITERS };
 
@@ -505,6 +505,13 @@ static int kmeans_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, floa
     return km_decode_impl(c, body, n, y, 1);
 }
 
+static const epipe_codec_backend kmeans_cpu = {
+    .encode = kmeans_encode,
+    .decode = kmeans_decode,
+    .encode_ref = kmeans_encode_ref,
+    .decode_ref = kmeans_decode_ref,
+};
+
 const epipe_codec_ops epipe_codec_kmeans = {
     .name = "kmeans",
     .id = EPIPE_CODEC_ID_KMEANS,
@@ -512,8 +519,5 @@ const epipe_codec_ops epipe_codec_kmeans = {
     .nparams = 2,
     .param_word = kmeans_param_word,
     .body_size = kmeans_body_size,
-    .encode = kmeans_encode,
-    .decode = kmeans_decode,
-    .encode_ref = kmeans_encode_ref,
-    .decode_ref = kmeans_decode_ref,
+    .cpu = &kmeans_cpu,
 };

@@ -3,7 +3,7 @@
 #include <string.h>
 
 #include "../lib/tensor.h"
-#include "codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 
 static uint32_t none_param_word(const epipe_codec *c)
 {
@@ -36,11 +36,15 @@ static int none_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     return EPIPE_OK;
 }
 
+static const epipe_codec_backend none_cpu = {
+    .encode = none_encode,
+    .decode = none_decode,
+};
+
 const epipe_codec_ops epipe_codec_none = {
     .name = "none",
     .id = EPIPE_CODEC_ID_NONE,
     .param_word = none_param_word,
     .body_size = none_body_size,
-    .encode = none_encode,
-    .decode = none_decode,
+    .cpu = &none_cpu,
 };

@@ -15,7 +15,7 @@
 #include <lapacke.h>
 
 #include "../lib/tensor.h"
-#include "codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 
 enum { PI_RANK, PI_ITERS, PI_WARM, PI_FACTORS };
 enum { PI_F32 = 0, PI_F16 = 1 };
@@ -724,6 +724,14 @@ static int pi_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y
     return EPIPE_OK;
 }
 
+static const epipe_codec_backend poweriter_cpu = {
+    .encode = pi_encode,
+    .decode = pi_decode,
+    .encode_ref = pi_encode_ref,
+    .decode_ref = pi_decode_ref,
+    .ref_approximate = 1,
+};
+
 const epipe_codec_ops epipe_codec_poweriter = {
     .name = "poweriter",
     .id = EPIPE_CODEC_ID_POWERITER,
@@ -732,10 +740,6 @@ const epipe_codec_ops epipe_codec_poweriter = {
     .configure = pi_configure,
     .param_word = pi_param_word,
     .body_size = pi_body_size,
-    .encode = pi_encode,
-    .decode = pi_decode,
-    .encode_ref = pi_encode_ref,
-    .decode_ref = pi_decode_ref,
-    .ref_approximate = 1,
     .release = pi_release,
+    .cpu = &poweriter_cpu,
 };

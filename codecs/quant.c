@@ -4,7 +4,7 @@
 #include <stdlib.h>
 
 #include "../lib/bitpack.h"
-#include "codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 #include "quantize_common.h"
 
 enum { QUANT_BITS };
@@ -125,6 +125,13 @@ static int quant_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float
     return EPIPE_OK;
 }
 
+static const epipe_codec_backend quant_cpu = {
+    .encode = quant_encode,
+    .decode = quant_decode,
+    .encode_ref = quant_encode_ref,
+    .decode_ref = quant_decode_ref,
+};
+
 const epipe_codec_ops epipe_codec_quant = {
     .name = "quant",
     .id = EPIPE_CODEC_ID_QUANT,
@@ -133,9 +140,6 @@ const epipe_codec_ops epipe_codec_quant = {
     .configure = quant_configure,
     .param_word = quant_param_word,
     .body_size = quant_body_size,
-    .encode = quant_encode,
-    .decode = quant_decode,
-    .encode_ref = quant_encode_ref,
-    .decode_ref = quant_decode_ref,
     .release = quant_release,
+    .cpu = &quant_cpu,
 };

@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 
 /* The largest number of chunks a table holds (sortquant split <= 12). */
 #define EPIPE_Q_MAX_CHUNKS 4096

@@ -6,7 +6,7 @@
 
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
-#include "codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 
 enum { TOPK_RATIO };
 
@@ -319,6 +319,13 @@ static int topk_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float 
     return topk_decode_impl(c, body, n, y, 1);
 }
 
+static const epipe_codec_backend topk_cpu = {
+    .encode = topk_encode,
+    .decode = topk_decode,
+    .encode_ref = topk_encode_ref,
+    .decode_ref = topk_decode_ref,
+};
+
 const epipe_codec_ops epipe_codec_topk = {
     .name = "topk",
     .id = EPIPE_CODEC_ID_TOPK,
@@ -326,8 +333,5 @@ const epipe_codec_ops epipe_codec_topk = {
     .nparams = 1,
     .param_word = topk_param_word,
     .body_size = topk_body_size,
-    .encode = topk_encode,
-    .decode = topk_decode,
-    .encode_ref = topk_encode_ref,
-    .decode_ref = topk_decode_ref,
+    .cpu = &topk_cpu,
 };

@@ -14,7 +14,7 @@
 
 #include <epipe/epipe.h>
 
-#include "../codecs/codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 #include "tensor.h"
 #include "testutil.h"
 

@@ -15,7 +15,7 @@
 
 #include <epipe/epipe.h>
 
-#include "../codecs/codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 #include "../codecs/quantize_common.h"
 #include "bitpack.h"
 #include "tensor.h"

@@ -10,7 +10,7 @@
 #include <cmocka.h>
 #include <epipe/epipe.h>
 
-#include "../codecs/codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 
 void test_rng_seed(test_rng *r, uint64_t seed)
 {

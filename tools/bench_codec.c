@@ -10,7 +10,7 @@
 
 #include <epipe/epipe.h>
 
-#include "../codecs/codec_impl.h"
+#include "../lib/codec/codec_impl.h"
 #include "bench.h"
 
 struct opts {
@@ -228,7 +228,7 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
     size_t len = r.len;
     /* The scalar reference, once: its bytes must equal the fast path's. */
     double t_ref_enc = NAN, t_ref_dec = NAN, ref_diff = NAN;
-    int identical = -1, approx = c->ops->ref_approximate;
+    int identical = -1, approx = c->be->ref_approximate;
     if (o->ref && epipe_codec_use_reference(c, 1) && c->use_reference) {
         uint8_t *fast = r.buf;
         /* An approximate reference is judged by its decoded values: the

@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "../../lib/parallel.h"
-#include "../codec_impl.h"
+#include "../../lib/codec/codec_impl.h"
 #include "../quantize_common.h"
 
 #define NB 65536                     /* buckets of the top 16 key bits */

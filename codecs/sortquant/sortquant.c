@@ -353,6 +353,13 @@ static int sq_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     return EPIPE_OK;
 }
 
+static const epipe_codec_backend sortquant_cpu = {
+    .encode = sq_encode,
+    .decode = sq_decode,
+    .encode_ref = sq_encode_ref,
+    .decode_ref = sq_decode_ref,
+};
+
 const epipe_codec_ops epipe_codec_sortquant = {
     .name = "sortquant",
     .id = EPIPE_CODEC_ID_SORTQUANT,
@@ -361,9 +368,6 @@ const epipe_codec_ops epipe_codec_sortquant = {
     .configure = sq_configure,
     .param_word = sq_param_word,
     .body_size = sq_body_size,
-    .encode = sq_encode,
-    .decode = sq_decode,
-    .encode_ref = sq_encode_ref,
-    .decode_ref = sq_decode_ref,
     .release = sq_release,
+    .cpu = &sortquant_cpu,
 };

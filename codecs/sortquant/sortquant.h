@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../codec_impl.h"
+#include "../../lib/codec/codec_impl.h"
 #include "../quantize_common.h"
 #include "select.h"
 

@@ -88,18 +88,45 @@ typedef enum epipe_codec_param {
 EPIPE_API int epipe_codec_set_param(epipe_codec *codec, epipe_codec_param param,
                                     int64_t value);
 
+/* The knob's current value in *value. EPIPE_EINVAL for an unknown knob. */
+EPIPE_API int epipe_codec_get_param(const epipe_codec *codec, epipe_codec_param param,
+                                    int64_t *value);
+
+/* The value of the spec parameter `key` ("bits") as configured, defaults
+ * and derived values filled in (what epipe_codec_spec() prints). A choice
+ * ("mode=exact|sample") gives the index of the choice in the order
+ * docs/codecs.md lists them (sortquant mode: 0 exact, 1 sample). EPIPE_EINVAL
+ * for a key the codec does not have (the message lists its keys); a chain
+ * has no parameters of its own (read its links' in its spec). */
+EPIPE_API int epipe_codec_spec_param(const epipe_codec *codec, const char *key,
+                                     double *value);
+
+/* The range a spec parameter accepts, without creating a codec: for codec
+ * name `codec` ("sortquant") and `key` ("bits"), the smallest and largest
+ * value in *min and *max (inclusive; a choice gives 0 and the count of
+ * choices less one). A value in range may still be refused by the codec's
+ * rules across parameters (sortquant: split < bits). EPIPE_EINVAL for an
+ * unknown codec or key. Thread-safe. */
+EPIPE_API int epipe_codec_param_bounds(const char *codec, const char *key, double *min,
+                                       double *max);
+
 /* The largest payload epipe_codec_encode() can write for a tensor of src's
  * dtype and shape (src->data is not read). Plan buffers with it once; the
  * bound depends only on the element count, the dtype and the spec (for
  * poweriter also on the shape, which fixes its matrix view).
  * EPIPE_EINVAL if src is not a tensor the codec accepts (the message says
- * why), EPIPE_EOVERFLOW if the size would overflow size_t. */
-EPIPE_API int epipe_codec_max_encoded_size(epipe_codec *codec, const DLTensor *src,
+ * why), EPIPE_EOVERFLOW if the size would overflow size_t, EPIPE_ENOTSUP for
+ * a CUDA tensor when the CUDA backend is not built. It changes neither the
+ * codec's configuration nor its state; like every call it records its
+ * error on the handle, so it must not run while another thread uses the
+ * same handle. */
+EPIPE_API int epipe_codec_max_encoded_size(const epipe_codec *codec, const DLTensor *src,
                                            size_t *bytes);
 
 /* Encodes src into dst[0..capacity). src: fp32 (any codec), fp16 or bf16;
  * on the CPU (kDLCPU or kDLCUDAHost); any shape and any strides, contiguous
- * or not. The payload begins with a 16-byte header naming the codec, its
+ * or not. The codec core picks the codec's backend from src's DLPack
+ * device (docs/codec-backends.md); only the CPU backend is built today. The payload begins with a 16-byte header naming the codec, its
  * parameters, the source dtype and the element count (docs/codecs.md), so
  * a decoder can check that it was made for it.
  *

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../codec/codec_internal.h"
 #include "../codec/payload.h"
 #include "../comm/comm_impl.h"
 #include "../error.h"
@@ -647,7 +648,7 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
                         epipe_codec_last_error(st->dec_act));
         if ((rc = lend_shape(st, &st->code_out, zn, zs, f32)))
             return rc;
-        if ((rc = epipe_codec_decode_backward(st->dec_act, mb, t, &st->code_out.t)))
+        if ((rc = epipe_codec_decode_backward_checked(st->dec_act, mb, t, n, dt, &st->code_out.t)))
             return fail(st, rc, "back-propagating the gradient of micro-batch %u through the "
                         "restore: %s",
                         mb, epipe_codec_last_error(st->dec_act));
@@ -667,13 +668,14 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
     epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
     unsigned peer = dir == DIR_ACT ? st->s + 1 : st->s - 1;
     size_t cap, len;
-    if ((rc = epipe_codec_max_encoded_size(codec, t, &cap)))
+    /* t was checked above: the codec checks it no more (codec_internal.h). */
+    if ((rc = epipe_codec_size_checked(codec, t, n, &cap)))
         return fail(st, rc, "%s", epipe_codec_last_error(codec));
     epipe_msg *msg = epipe_msg_new(cap);
     if (!msg)
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);
     double t0 = now();
-    rc = epipe_codec_encode(codec, t, epipe_msg_payload(msg), cap, &len);
+    rc = epipe_codec_encode_checked(codec, t, n, dt, epipe_msg_payload(msg), cap, &len);
     double t1 = now();
     st->st.encode_seconds += t1 - t0;
     if (st->tracing)

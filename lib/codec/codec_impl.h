@@ -1,15 +1,19 @@
-/* The internal interface every codec implements. lib/codec.c parses specs,
- * validates tensors, writes and checks the 16-byte payload header and
- * converts dtypes; a codec only maps dense fp32 values to its body bytes. */
-#ifndef EPIPE_CODECS_CODEC_IMPL_H
-#define EPIPE_CODECS_CODEC_IMPL_H
+/* The internal interface every codec implements: a backend-independent
+ * ops table (name, parameters, sizes) and one table per device backend. */
+#ifndef EPIPE_LIB_CODEC_CODEC_IMPL_H
+#define EPIPE_LIB_CODEC_CODEC_IMPL_H
+
+/* The codec core (lib/codec/) parses specs, validates tensors, picks the
+ * backend from the tensor's DLPack device, writes and checks the payload
+ * header and stages dtypes; a backend only maps dense fp32 values to the
+ * codec's body bytes. docs/codec-backends.md describes the contract. */
 
 #include <stddef.h>
 #include <stdint.h>
 
 #include <epipe/codec.h>
 
-#include "../lib/error.h"
+#include "../error.h"
 
 #define EPIPE_CODEC_MAX_PARAMS 8
 #define EPIPE_SPEC_MAX 256
@@ -24,8 +28,8 @@ enum epipe_codec_id {
     EPIPE_CODEC_ID_TOPK = 6,
     EPIPE_CODEC_ID_POWERITER = 7,
     EPIPE_CODEC_ID_INSERT = 8,
-    /* A two-link chain "a|b" (lib/codec.c): far from the single codecs'
-     * ids so that new codecs never collide with it. */
+    /* A two-link chain "a|b" (lib/codec/chain.c): far from the single
+     * codecs' ids so that new codecs never collide with it. */
     EPIPE_CODEC_ID_CHAIN = 64,
 };
 
@@ -43,15 +47,12 @@ typedef struct epipe_param_desc {
     const char *const *choices;  /* NULL-terminated, for EPIPE_PARAM_CHOICE */
 } epipe_param_desc;
 
-/* Trainable codecs (insert): the backward and the parameters. lib/codec.c
- * checks handles and stages dtypes; these see dense fp32 only. */
+/* Trainable codecs (insert), per backend: the backward and the parameters.
+ * The core checks handles and stages dtypes; these see dense fp32 in the
+ * backend's memory only. */
 typedef struct epipe_codec_train_ops {
-    unsigned ntensors; /* parameter tensors */
-    /* The code's shape for an input of `shape` (errors as encode's). */
-    int (*code_shape)(epipe_codec *c, const int64_t *shape, int ndim, int64_t *out,
-                      int *out_ndim);
-    /* Parameter tensor i < ntensors and its gradient, owned by the codec;
-     * EPIPE_ESTATE while they do not exist yet. */
+    /* Parameter tensor i < ntensors() and its gradient, owned by the codec
+     * and in the backend's memory; EPIPE_ESTATE while they do not exist. */
     int (*tensor)(epipe_codec *c, unsigned i, const char **name, DLTensor **param,
                   DLTensor **grad);
     /* Given the gradient w.r.t. the code of micro-batch mb's encode, writes
@@ -74,21 +75,10 @@ typedef struct epipe_codec_train_ops {
     int (*restore_code)(epipe_codec *c, const float *code, float *y);
 } epipe_codec_train_ops;
 
-typedef struct epipe_codec_ops {
-    const char *name;
-    enum epipe_codec_id id;
-    const epipe_param_desc *params;
-    unsigned nparams;
-    /* Optional: derive defaults given as NAN and check parameters against
-     * each other. May allocate codec->state. */
-    int (*configure)(epipe_codec *c);
-    /* The 32-bit parameter word written into every payload header: the
-     * parameters a decoder must share with the encoder. */
-    uint32_t (*param_word)(const epipe_codec *c);
-    /* Exact body size for n values; EPIPE_EOVERFLOW if it does not fit.
-     * A codec that needs a shape (insert) may refuse c->shape with another
-     * status, after setting the message with epipe_codec_fail(). */
-    int (*body_size)(const epipe_codec *c, uint64_t n, size_t *bytes);
+/* What one device backend of a codec provides. The CPU backend gets host
+ * memory; a CUDA backend (docs/codec-backends.md) gets device memory and
+ * enqueues its work on the handle's stream. */
+typedef struct epipe_codec_backend {
     /* Writes exactly body_size(n) bytes for the dense fp32 values x. */
     int (*encode)(epipe_codec *c, const float *x, size_t n, uint8_t *body);
     /* Reads a body whose length was already checked to be body_size(n).
@@ -104,16 +94,57 @@ typedef struct epipe_codec_ops {
      * differently from plain loops); epipe-bench then compares decoded
      * values instead of payload bytes. */
     int ref_approximate;
-    /* Optional: frees codec->state. */
-    void (*release)(epipe_codec *c);
     /* Trainable codecs only; NULL for the others. */
     const epipe_codec_train_ops *train;
+} epipe_codec_backend;
+
+/* What a codec is, whatever the device: every field here is plain data or
+ * a host function of the parameters and the shape, so a codec that cannot
+ * run in a build fills them and leaves its backends NULL (or ENOTSUP). */
+typedef struct epipe_codec_ops {
+    const char *name;
+    enum epipe_codec_id id;
+    const epipe_param_desc *params;
+    unsigned nparams;
+    /* Optional: a codec written with its own syntax (the chain, "a|b")
+     * parses the whole spec, sets c->state and c->spec itself. Such a codec
+     * is never looked up by name. */
+    int (*parse)(epipe_codec *c, const char *spec);
+    /* Optional: derive defaults given as NAN and check parameters against
+     * each other. May allocate codec->state. */
+    int (*configure)(epipe_codec *c);
+    /* The 32-bit parameter word written into every payload header: the
+     * parameters a decoder must share with the encoder. */
+    uint32_t (*param_word)(const epipe_codec *c);
+    /* Exact body size for n values; EPIPE_EOVERFLOW if it does not fit.
+     * A codec that needs a shape (insert) may refuse c->shape with another
+     * status, after setting the message with epipe_codec_fail(). The size
+     * is known on the host before any backend runs: the core writes the
+     * payload header from it (docs/codec-backends.md). */
+    int (*body_size)(const epipe_codec *c, uint64_t n, size_t *bytes);
+    /* Trainable codecs only (NULL for the others): the code's shape for an
+     * input of `shape` (errors as body_size's), and the parameter tensors'
+     * count. A trainable codec's backends have train ops. */
+    int (*code_shape)(epipe_codec *c, const int64_t *shape, int ndim, int64_t *out,
+                      int *out_ndim);
+    unsigned (*ntensors)(const epipe_codec *c);
+    /* Optional: frees codec->state (and whatever a backend allocated). */
+    void (*release)(epipe_codec *c);
+    /* The backends: CPU tensors (kDLCPU, kDLCUDAHost) run on `cpu`, CUDA
+     * tensors (kDLCUDA, kDLCUDAManaged) on `cuda`. NULL: none in this
+     * build; the core answers EPIPE_ENOTSUP naming the device. */
+    const epipe_codec_backend *cpu;
+    const epipe_codec_backend *cuda;
 } epipe_codec_ops;
 
 struct epipe_codec {
     const epipe_codec_ops *ops;
+    /* The backend that calls without a tensor (zero_grad, sgd_step, the
+     * parameter tensors) and use_reference go to: the CPU one until a
+     * CUDA backend exists (docs/codec-backends.md, "Binding"). */
+    const epipe_codec_backend *be;
     double p[EPIPE_CODEC_MAX_PARAMS]; /* parameter values, in ops->params order */
-    /* The shape of the tensor of the current call, set by lib/codec.c before
+    /* The shape of the tensor of the current call, set by the core before
      * body_size, encode or decode: codecs that work on matrices (poweriter)
      * or patches (insert) read it; the others need only the count. */
     int ndim;
@@ -126,11 +157,6 @@ struct epipe_codec {
     size_t scratch_cap;
     char spec[EPIPE_SPEC_MAX];
     char msg[EPIPE_ERRMSG_MAX];
-    /* A chain "a|b": this handle is link a (trainable), next is link b,
-     * which encodes a's code. NULL for a single codec. */
-    struct epipe_codec *next;
-    float *chain_code;                /* a's code, fp32 */
-    size_t chain_cap;
 };
 
 /* Records an error on the codec (and the thread) and returns status. */
@@ -156,5 +182,6 @@ extern const epipe_codec_ops epipe_codec_kmeans;
 extern const epipe_codec_ops epipe_codec_topk;
 extern const epipe_codec_ops epipe_codec_poweriter;
 extern const epipe_codec_ops epipe_codec_insert;
+extern const epipe_codec_ops epipe_codec_chain;
 
 #endif

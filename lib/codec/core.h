@@ -1,0 +1,44 @@
+/* What the files of the codec core (lib/codec/) share: the registry, the
+ * spec parser, backend dispatch and dtype staging. Codecs never see it. */
+#ifndef EPIPE_LIB_CODEC_CORE_H
+#define EPIPE_LIB_CODEC_CORE_H
+
+#include "../tensor.h"
+#include "codec_impl.h"
+
+/* registry.c: the codecs a spec may name (by name), and every codec
+ * including those with their own syntax (by id). */
+const epipe_codec_ops *epipe_codec_find(const char *name, size_t len);
+const char *epipe_codec_name_of_id(unsigned id);
+/* Fails with EPIPE_EINVAL naming `name` and listing the known codecs. */
+int epipe_codec_unknown(const char *name, size_t len);
+
+/* spec.c: fills c->ops, c->p and the canonical c->spec from spec, and runs
+ * the codec's configure. Errors go to the thread (the handle is new). */
+int epipe_codec_parse_spec(epipe_codec *c, const char *spec);
+/* The index of key in ops->params, or -1. */
+int epipe_codec_param_index(const epipe_codec_ops *ops, const char *key);
+
+/* codec.c: the backend for a tensor on t's device; EPIPE_ENOTSUP (naming
+ * the device and the codec) when this build has none for it. */
+int epipe_codec_backend_for(epipe_codec *c, const DLTensor *t, const char *what,
+                            const epipe_codec_backend **be);
+/* Records t's shape as the shape of the current call (c->ndim, c->shape). */
+void epipe_codec_note_shape(epipe_codec *c, const DLTensor *t);
+
+/* staging.c: dense fp32 views of CPU tensors for the CPU backend.
+ * A view of src: src's own memory when it is dense fp32, else the handle's
+ * scratch filled from src. EPIPE_ENOMEM (message on c) if it cannot grow. */
+int epipe_codec_stage_in(epipe_codec *c, const DLTensor *src, uint64_t n, enum epipe_dtype dt,
+                         const float **x);
+/* Where a backend writes dst's values: dst's memory when dense fp32, else
+ * the scratch; epipe_codec_stage_out_done() then converts into dst. */
+int epipe_codec_stage_out(epipe_codec *c, DLTensor *dst, uint64_t n, enum epipe_dtype dt,
+                          float **y);
+void epipe_codec_stage_out_done(DLTensor *dst, const float *y, uint64_t n);
+/* A dense fp32 copy or view of a checked tensor for the backward calls:
+ * t's memory, or a fresh buffer in *owned (filled from t when `fill`). */
+int epipe_codec_f32_view(epipe_codec *c, const DLTensor *t, const char *what, uint64_t n,
+                         enum epipe_dtype dt, float **out, float **owned, int fill);
+
+#endif

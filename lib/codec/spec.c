@@ -1,0 +1,159 @@
+/* Codec spec strings: "name[:key=value[,key=value]...]" parsed against the
+ * codec's parameter table, and the canonical spec written back. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+int epipe_codec_param_index(const epipe_codec_ops *ops, const char *key)
+{
+    for (unsigned k = 0; k < ops->nparams; k++)
+        if (strcmp(ops->params[k].key, key) == 0)
+            return (int)k;
+    return -1;
+}
+
+static int parse_value(const epipe_codec_ops *ops, const epipe_param_desc *d, const char *v,
+                       size_t vlen, double *out)
+{
+    char buf[64];
+    if (vlen == 0)
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' has an empty value", ops->name, d->key);
+    if (vlen >= sizeof buf)
+        return epipe_fail(EPIPE_EINVAL, "%s: value of key '%s' is too long", ops->name, d->key);
+    memcpy(buf, v, vlen);
+    buf[vlen] = '\0';
+    if (d->kind == EPIPE_PARAM_CHOICE) {
+        char options[96] = "";
+        for (unsigned i = 0; d->choices[i]; i++) {
+            if (strcmp(buf, d->choices[i]) == 0) {
+                *out = i;
+                return EPIPE_OK;
+            }
+            strncat(options, i ? "|" : "", sizeof options - strlen(options) - 1);
+            strncat(options, d->choices[i], sizeof options - strlen(options) - 1);
+        }
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not one of %s", ops->name,
+                          d->key, buf, options);
+    }
+    char *end;
+    double x = strtod(buf, &end);
+    if (*end != '\0' || !isfinite(x) || buf[0] == ' ')
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not a number", ops->name, d->key,
+                          buf);
+    if (d->kind == EPIPE_PARAM_INT && x != floor(x))
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not an integer", ops->name,
+                          d->key, buf);
+    if (x < d->min || x > d->max) {
+        if (d->kind == EPIPE_PARAM_INT)
+            return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = %s is out of range %.0f..%.0f",
+                              ops->name, d->key, buf, d->min, d->max);
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = %s is out of range [%g, %g]", ops->name,
+                          d->key, buf, d->min, d->max);
+    }
+    *out = x;
+    return EPIPE_OK;
+}
+
+/* Writes a real so that strtod gives back exactly the same double. */
+static void format_real(char *buf, size_t cap, double x)
+{
+    for (int prec = 6; prec <= 17; prec++) {
+        snprintf(buf, cap, "%.*g", prec, x);
+        if (strtod(buf, NULL) == x)
+            return;
+    }
+}
+
+static void build_canonical_spec(epipe_codec *c)
+{
+    const epipe_codec_ops *ops = c->ops;
+    size_t len = (size_t)snprintf(c->spec, sizeof c->spec, "%s", ops->name);
+    for (unsigned i = 0; i < ops->nparams && len < sizeof c->spec; i++) {
+        const epipe_param_desc *d = &ops->params[i];
+        char val[40];
+        if (d->kind == EPIPE_PARAM_CHOICE)
+            snprintf(val, sizeof val, "%s", d->choices[(int)c->p[i]]);
+        else if (d->kind == EPIPE_PARAM_INT)
+            snprintf(val, sizeof val, "%.0f", c->p[i]);
+        else
+            format_real(val, sizeof val, c->p[i]);
+        len += (size_t)snprintf(c->spec + len, sizeof c->spec - len, "%c%s=%s", i ? ',' : ':',
+                                d->key, val);
+    }
+}
+
+static int parse_params(epipe_codec *c, const char *spec)
+{
+    size_t total = strlen(spec);
+    if (total == 0)
+        return epipe_fail(EPIPE_EINVAL, "codec spec is empty");
+    if (total >= EPIPE_SPEC_MAX)
+        return epipe_fail(EPIPE_EINVAL, "codec spec is %zu characters; the limit is %d", total,
+                          EPIPE_SPEC_MAX - 1);
+    const char *colon = strchr(spec, ':');
+    size_t nlen = colon ? (size_t)(colon - spec) : total;
+    const epipe_codec_ops *ops = epipe_codec_find(spec, nlen);
+    if (!ops)
+        return epipe_codec_unknown(spec, nlen);
+    c->ops = ops;
+    int set[EPIPE_CODEC_MAX_PARAMS] = {0};
+    if (colon) {
+        const char *p = colon + 1;
+        if (*p == '\0')
+            return epipe_fail(EPIPE_EINVAL, "%s: nothing after ':'", ops->name);
+        for (;;) {
+            const char *comma = strchr(p, ',');
+            size_t ilen = comma ? (size_t)(comma - p) : strlen(p);
+            const char *eq = memchr(p, '=', ilen);
+            if (ilen == 0)
+                return epipe_fail(EPIPE_EINVAL, "%s: empty parameter in '%s'", ops->name, spec);
+            if (!eq)
+                return epipe_fail(EPIPE_EINVAL, "%s: parameter '%.*s' has no '=value'",
+                                  ops->name, (int)ilen, p);
+            size_t klen = (size_t)(eq - p);
+            unsigned k = 0;
+            while (k < ops->nparams &&
+                   !(strlen(ops->params[k].key) == klen && memcmp(ops->params[k].key, p, klen) == 0))
+                k++;
+            if (k == ops->nparams)
+                return epipe_fail(EPIPE_EINVAL, "%s: unknown key '%.*s'", ops->name, (int)klen, p);
+            if (set[k])
+                return epipe_fail(EPIPE_EINVAL, "%s: key '%s' is given twice", ops->name,
+                                  ops->params[k].key);
+            int rc = parse_value(ops, &ops->params[k], eq + 1, ilen - klen - 1, &c->p[k]);
+            if (rc)
+                return rc;
+            set[k] = 1;
+            if (!comma)
+                break;
+            p = comma + 1;
+        }
+    }
+    for (unsigned k = 0; k < ops->nparams; k++)
+        if (!set[k])
+            c->p[k] = ops->params[k].def;
+    if (ops->configure) {
+        int rc = ops->configure(c);
+        if (rc)
+            return rc;
+    }
+    return EPIPE_OK;
+}
+
+int epipe_codec_parse_spec(epipe_codec *c, const char *spec)
+{
+    /* The chain's "|" is the one operator of the grammar; the chain codec
+     * parses its links itself (chain.c). */
+    if (strchr(spec, '|')) {
+        c->ops = &epipe_codec_chain;
+        return c->ops->parse(c, spec);
+    }
+    int rc = parse_params(c, spec);
+    if (rc)
+        return rc;
+    build_canonical_spec(c);
+    return EPIPE_OK;
+}
