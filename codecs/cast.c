@@ -1,5 +1,8 @@
 /* `cast:dtype=fp16|bf16`: each value rounded to nearest even in a 16-bit
- * float type, halving the bytes with no other change. */
+ * float type, halving the bytes with no other change. A finite value
+ * beyond the type's range saturates to its largest finite value (fp16
+ * 65504, bf16 about 3.39e38) instead of becoming infinity; infinities and
+ * NaN stay what they are. */
 #include <math.h>
 
 #include "../lib/tensor.h"
@@ -28,11 +31,20 @@ static int cast_body_size(const epipe_codec *c, uint64_t n, size_t *bytes)
     return EPIPE_OK;
 }
 
+/* Bit patterns of the 16-bit types: infinity and the largest finite. */
+#define F16_INF 0x7c00u
+#define F16_MAX 0x7bffu
+#define BF16_INF 0x7f80u
+#define BF16_MAX 0x7f7fu
+
 static int cast_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     int bf16 = (int)c->p[CAST_DTYPE] == CAST_BF16;
+    uint16_t inf = bf16 ? BF16_INF : F16_INF, max = bf16 ? BF16_MAX : F16_MAX;
     for (size_t i = 0; i < n; i++) {
         uint16_t h = bf16 ? epipe_f32_to_bf16(x[i]) : epipe_f32_to_f16(x[i]);
+        if ((h & 0x7fffu) == inf && isfinite(x[i])) /* rounded past the range */
+            h = (uint16_t)((h & 0x8000u) | max);
         body[2 * i] = (uint8_t)h;
         body[2 * i + 1] = (uint8_t)(h >> 8);
     }

@@ -1,11 +1,13 @@
 /* The codec API contract, codec by codec where it is generic: spec parsing
  * and its errors, the canonical spec, the payload header checks, dtypes,
  * strides, degenerate tensors and buffer planning. */
+#include <float.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -304,6 +306,172 @@ static void payload_header_is_checked(void **state)
     epipe_codec_destroy(b16);
 }
 
+/* cast saturates a finite value beyond its type's range to the largest
+ * finite value instead of infinity; infinities and NaN stay as they are. */
+static void cast_saturates_out_of_range(void **state)
+{
+    (void)state;
+    float x[7] = {FLT_MAX, -FLT_MAX, 65520.0f, INFINITY, -INFINITY, 65504.0f, NAN}, y[7];
+    int64_t sx, sy;
+    DLTensor tx = test_view_f32(x, &sx, 7), ty = test_view_f32(y, &sy, 7);
+    uint8_t buf[64];
+    size_t n;
+    epipe_codec *c;
+    assert_int_equal(epipe_codec_create(&c, "cast:dtype=fp16"), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(c, &tx, buf, sizeof buf, &n), EPIPE_OK);
+    assert_int_equal(buf[16] | buf[17] << 8, 0x7bff); /* FLT_MAX: the largest fp16 */
+    assert_int_equal(epipe_codec_decode(c, buf, n, &ty), EPIPE_OK);
+    assert_true(y[0] == 65504.0f && y[1] == -65504.0f && y[2] == 65504.0f);
+    assert_true(isinf(y[3]) && y[3] > 0 && isinf(y[4]) && y[4] < 0);
+    assert_true(y[5] == 65504.0f && isnan(y[6]));
+    epipe_codec_destroy(c);
+
+    union { uint32_t u; float f; } bmax = {.u = 0x7f7f0000u}; /* the largest bf16 */
+    assert_int_equal(epipe_codec_create(&c, "cast:dtype=bf16"), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(c, &tx, buf, sizeof buf, &n), EPIPE_OK);
+    assert_int_equal(buf[16] | buf[17] << 8, 0x7f7f);
+    assert_int_equal(epipe_codec_decode(c, buf, n, &ty), EPIPE_OK);
+    assert_true(y[0] == bmax.f && y[1] == -bmax.f && y[2] == 65536.0f);
+    assert_true(isinf(y[3]) && y[3] > 0 && isinf(y[4]) && y[4] < 0 && isnan(y[6]));
+    epipe_codec_destroy(c);
+}
+
+/* What can be set can be read back; a parameter's range can be asked
+ * without a codec. */
+static void getters_and_bounds(void **state)
+{
+    (void)state;
+    epipe_codec *c;
+    double v, lo, hi;
+    int64_t k;
+    assert_int_equal(epipe_codec_create(&c, "sortquant:bits=6"), EPIPE_OK);
+    assert_int_equal(epipe_codec_spec_param(c, "bits", &v), EPIPE_OK);
+    assert_true(v == 6);
+    assert_int_equal(epipe_codec_spec_param(c, "split", &v), EPIPE_OK); /* derived: 6/4 */
+    assert_true(v == 1);
+    assert_non_null(strstr(epipe_codec_spec(c), "split=1"));
+    assert_int_equal(epipe_codec_spec_param(c, "mode", &v), EPIPE_OK);
+    assert_true(v == 1); /* sample, the second choice */
+    assert_int_equal(epipe_codec_spec_param(c, "width", &v), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_codec_last_error(c), "bits, split, mode, sample"));
+    assert_int_equal(epipe_codec_spec_param(c, NULL, &v), EPIPE_EINVAL);
+
+    assert_int_equal(epipe_codec_get_param(c, EPIPE_CODEC_THREADS, &k), EPIPE_OK);
+    assert_int_equal(k, 0);
+    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_THREADS, 3), EPIPE_OK);
+    assert_int_equal(epipe_codec_get_param(c, EPIPE_CODEC_THREADS, &k), EPIPE_OK);
+    assert_int_equal(k, 3);
+    assert_int_equal(epipe_codec_get_param(c, EPIPE_CODEC_MICROBATCH, &k), EPIPE_OK);
+    assert_int_equal(k, -1);
+    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_MICROBATCH, 5), EPIPE_OK);
+    assert_int_equal(epipe_codec_get_param(c, EPIPE_CODEC_MICROBATCH, &k), EPIPE_OK);
+    assert_int_equal(k, 5);
+    assert_int_equal(epipe_codec_get_param(c, (epipe_codec_param)99, &k), EPIPE_EINVAL);
+
+    /* Sizing needs no mutable handle. */
+    float x[4] = {0};
+    int64_t sx;
+    DLTensor t = test_view_f32(x, &sx, 4);
+    const epipe_codec *cc = c;
+    size_t bytes;
+    assert_int_equal(epipe_codec_max_encoded_size(cc, &t, &bytes), EPIPE_OK);
+    epipe_codec_destroy(c);
+
+    assert_int_equal(epipe_codec_param_bounds("sortquant", "bits", &lo, &hi), EPIPE_OK);
+    assert_true(lo == 2 && hi == 16);
+    assert_int_equal(epipe_codec_param_bounds("quant", "bits", &lo, &hi), EPIPE_OK);
+    assert_true(lo == 1 && hi == 16);
+    assert_int_equal(epipe_codec_param_bounds("sortquant", "mode", &lo, &hi), EPIPE_OK);
+    assert_true(lo == 0 && hi == 1);
+    assert_int_equal(epipe_codec_param_bounds("topk", "ratio", &lo, &hi), EPIPE_OK);
+    assert_true(lo > 0 && hi == 1);
+    assert_int_equal(epipe_codec_param_bounds("zstd", "level", &lo, &hi), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "unknown codec 'zstd'"));
+    assert_int_equal(epipe_codec_param_bounds("quant", "split", &lo, &hi), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "no parameter 'split' (its keys: bits)"));
+    assert_int_equal(epipe_codec_param_bounds("none", "bits", &lo, &hi), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "its keys: none"));
+    assert_int_equal(epipe_codec_param_bounds("chain", "bits", &lo, &hi), EPIPE_EINVAL);
+
+    /* Every bound accepts its ends: the spec parser and the query agree. */
+    const char *checks[][2] = {{"quant", "bits"}, {"kmeans", "bits"}, {"sortquant", "bits"}};
+    for (size_t i = 0; i < sizeof checks / sizeof checks[0]; i++) {
+        char spec[64];
+        assert_int_equal(epipe_codec_param_bounds(checks[i][0], checks[i][1], &lo, &hi), EPIPE_OK);
+        snprintf(spec, sizeof spec, "%s:%s=%.0f", checks[i][0], checks[i][1], hi);
+        assert_int_equal(epipe_codec_create(&c, spec), EPIPE_OK);
+        epipe_codec_destroy(c);
+        snprintf(spec, sizeof spec, "%s:%s=%.0f", checks[i][0], checks[i][1], hi + 1);
+        assert_int_equal(epipe_codec_create(&c, spec), EPIPE_EINVAL);
+    }
+}
+
+/* The backend comes from the tensor's device: pinned host memory is the
+ * CPU's; a CUDA tensor names the codec that has no CUDA backend. */
+static void backend_follows_the_device(void **state)
+{
+    (void)state;
+    float x[4] = {1, 2, 3, 4}, y[4];
+    int64_t sx, sy;
+    DLTensor tx = test_view_f32(x, &sx, 4), ty = test_view_f32(y, &sy, 4);
+    uint8_t buf[64];
+    size_t n;
+    epipe_codec *c;
+    assert_int_equal(epipe_codec_create(&c, "quant:bits=8"), EPIPE_OK);
+    tx.device.device_type = kDLCUDAHost;
+    assert_int_equal(epipe_codec_encode(c, &tx, buf, sizeof buf, &n), EPIPE_OK);
+    tx.device.device_type = kDLCUDA;
+    assert_int_equal(epipe_codec_max_encoded_size(c, &tx, &n), EPIPE_ENOTSUP);
+    assert_non_null(strstr(epipe_codec_last_error(c), "no CUDA backend for codec 'quant'"));
+    ty.device.device_type = kDLCUDAManaged;
+    assert_int_equal(epipe_codec_decode(c, buf, sizeof buf, &ty), EPIPE_ENOTSUP);
+    assert_non_null(strstr(epipe_last_error(), "dst is a CUDA tensor"));
+    epipe_codec_destroy(c);
+}
+
+/* The chain is a codec in the registry: its id names it in messages, but
+ * a spec names it only by its syntax, "a|b". */
+static void chain_is_a_registered_codec(void **state)
+{
+    (void)state;
+    expect_spec_error("chain", "unknown codec 'chain'");
+    assert_non_null(strstr(epipe_last_error(), ", insert)")); /* not listed */
+    float x[32], y[32];
+    test_fill(x, 32, DIST_NORMAL, 7);
+    int64_t shape[2] = {4, 8};
+    DLTensor tx = {.data = x, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1},
+                   .shape = shape};
+    DLTensor ty = tx;
+    ty.data = y;
+    uint8_t buf[256];
+    size_t n;
+    epipe_codec *ch, *plain;
+    unsigned count;
+    int64_t k;
+    assert_int_equal(epipe_codec_create(&ch, "insert:kind=linear,out=2|none"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&plain, "insert:kind=linear,out=2"), EPIPE_OK);
+    assert_int_equal(epipe_codec_set_param(ch, EPIPE_CODEC_THREADS, 2), EPIPE_OK);
+    assert_int_equal(epipe_codec_get_param(ch, EPIPE_CODEC_THREADS, &k), EPIPE_OK);
+    assert_int_equal(k, 2);
+    assert_int_equal(epipe_codec_encode(ch, &tx, buf, sizeof buf, &n), EPIPE_OK);
+    assert_int_equal(n, 16 + 16 + 16 + 4 * 2 * 4);
+    assert_int_equal(epipe_codec_decode(plain, buf, n, &ty), EPIPE_EPROTO);
+    assert_non_null(strstr(epipe_codec_last_error(plain), "codec id 64 (chain)"));
+    assert_int_equal(epipe_codec_decode(ch, buf, n, &ty), EPIPE_OK);
+    assert_true(epipe_codec_trainable(ch));
+    assert_int_equal(epipe_codec_num_tensors(ch, &count), EPIPE_OK);
+    assert_int_equal(count, 2);
+    const char *name;
+    assert_int_equal(epipe_codec_tensor(ch, 1, &name, NULL, NULL), EPIPE_OK);
+    assert_string_equal(name, "restore.weight");
+    assert_int_equal(epipe_codec_tensor(ch, 2, &name, NULL, NULL), EPIPE_EINVAL);
+    double v;
+    assert_int_equal(epipe_codec_spec_param(ch, "out", &v), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_codec_last_error(ch), "a chain has no parameters"));
+    epipe_codec_destroy(ch);
+    epipe_codec_destroy(plain);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -317,6 +485,10 @@ int main(void)
         cmocka_unit_test(degenerate_tensors),
         cmocka_unit_test(bad_tensors_and_buffers),
         cmocka_unit_test(payload_header_is_checked),
+        cmocka_unit_test(cast_saturates_out_of_range),
+        cmocka_unit_test(getters_and_bounds),
+        cmocka_unit_test(backend_follows_the_device),
+        cmocka_unit_test(chain_is_a_registered_codec),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

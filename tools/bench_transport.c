@@ -16,6 +16,7 @@
 #include <epipe/epipe.h>
 
 #include "bench.h"
+#include "codec/payload.h"
 #include "comm/comm_impl.h"
 #include "tensor.h"
 
@@ -110,14 +111,15 @@ static epipe_msg *make_msg(struct peer *p, unsigned kind, uint64_t step, size_t 
         epipe_msg_free(m);
         return NULL;
     }
-    const uint8_t *ph = epipe_msg_payload(m);
+    epipe_payload_header ph;
+    epipe_payload_get(epipe_msg_payload(m), len, &ph);
     memset(&m->hdr, 0, sizeof m->hdr);
     m->hdr.kind = (uint8_t)kind;
-    m->hdr.dtype = ph[2];
+    m->hdr.dtype = ph.dtype;
     m->hdr.ndim = 1;
     m->hdr.shape[0] = (uint64_t)shape;
-    m->hdr.codec_id = ph[0];
-    m->hdr.codec_param = epipe_get_u32(ph + 4);
+    m->hdr.codec_id = ph.codec_id;
+    m->hdr.codec_param = ph.param_word;
     m->hdr.micro_batch = p->phase;
     m->hdr.step = step;
     m->hdr.src_stage = (uint32_t)p->rank;

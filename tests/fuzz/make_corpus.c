@@ -9,6 +9,7 @@
 
 #include <epipe/epipe.h>
 
+#include "codec/payload.h"
 #include "fuzz_specs.h"
 #include "wire/crc32c.h"
 #include "wire/wire.h"
@@ -49,9 +50,11 @@ static void write_wire_corpus(const char *root)
             exit(1);
         }
         epipe_codec_destroy(c);
+        epipe_payload_header ph;
+        epipe_payload_get(payload, plen, &ph);
         epipe_wire_header h = {.kind = s % 2 ? EPIPE_WIRE_GRADIENT : EPIPE_WIRE_ACTIVATION,
-                               .dtype = payload[2], .ndim = 2, .codec_id = payload[0],
-                               .codec_param = epipe_get_u32(payload + 4), .micro_batch = (uint32_t)s,
+                               .dtype = ph.dtype, .ndim = 2, .codec_id = ph.codec_id,
+                               .codec_param = ph.param_word, .micro_batch = (uint32_t)s,
                                .step = 1000 + s, .src_stage = 0, .dst_stage = 1, .shape = {2, 3}};
         if (epipe_wire_frame(&h, payload, plen, msg, sizeof msg, &w) != EPIPE_OK)
             exit(1);
