@@ -21,7 +21,9 @@ typedef struct epipe_codec epipe_codec;
 
 /* Spec grammar: name[:key=value[,key=value]...], no spaces. Codecs:
  *   none                               fp32/fp16/bf16 sent as they are
- *   cast:dtype=fp16|bf16               round to a 16-bit float type
+ *   cast:dtype=fp16|bf16               round to a 16-bit float type;
+ *                                      finite values beyond its range
+ *                                      saturate to its largest finite
  *   quant:bits=B                       global min/max uniform, B in 1..16
  *   sortquant:bits=B[,split=S][,mode=exact|sample][,sample=N]
  *                                      sort quantization, B in 2..16; S

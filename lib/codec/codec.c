@@ -1,7 +1,6 @@
 /* The public codec API: handles and their knobs, and encode and decode
  * with the tensor checks, backend dispatch and payload header around each
  * codec's backend. */
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
