@@ -128,7 +128,10 @@ EPIPE_API int epipe_codec_max_encoded_size(const epipe_codec *codec, const DLTen
 /* Encodes src into dst[0..capacity). src: fp32 (any codec), fp16 or bf16;
  * on the CPU (kDLCPU or kDLCUDAHost); any shape and any strides, contiguous
  * or not. The codec core picks the codec's backend from src's DLPack
- * device (docs/codec-backends.md); only the CPU backend is built today. The payload begins with a 16-byte header naming the codec, its
+ * device (docs/codec-backends.md); only the CPU backend is built today,
+ * and it is synchronous: when the call returns, dst holds the payload and
+ * src may be reused. (A CUDA backend will enqueue on a stream instead; that
+ * contract is in docs/codec-backends.md.) The payload begins with a 16-byte header naming the codec, its
  * parameters, the source dtype and the element count (docs/codecs.md), so
  * a decoder can check that it was made for it.
  *

@@ -46,19 +46,19 @@ int epipe_codec_backend_for(epipe_codec *c, const DLTensor *t, const char *what,
     /* Pinned host memory (kDLCUDAHost) is host memory: the CPU backend
      * reads it. Other devices fall to the CPU backend too, whose tensor
      * check refuses them by name. */
-    *be = c->ops->cpu;
-    if (t && (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged)) {
-        *be = c->ops->cuda;
-        if (!*be)
-            return epipe_codec_fail(c, EPIPE_ENOTSUP,
-                                    "%s is a CUDA tensor, and this build has no CUDA backend "
-                                    "for codec '%s'",
-                                    what, c->ops->name);
-    }
-    if (!*be)
-        return epipe_codec_fail(c, EPIPE_ENOTSUP, "codec '%s' has no CPU backend in this build",
-                                c->ops->name);
-    return EPIPE_OK;
+    epipe_codec_device dev = EPIPE_CODEC_DEV_CPU;
+    if (t && (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged))
+        dev = EPIPE_CODEC_DEV_CUDA;
+    *be = epipe_codec_backend_of(c->ops, dev);
+    if (*be)
+        return EPIPE_OK;
+    if (dev == EPIPE_CODEC_DEV_CUDA)
+        return epipe_codec_fail(c, EPIPE_ENOTSUP,
+                                "%s is a CUDA tensor, and this build has no CUDA backend for "
+                                "codec '%s'",
+                                what, c->ops->name);
+    return epipe_codec_fail(c, EPIPE_ENOTSUP, "codec '%s' has no CPU backend in this build",
+                            c->ops->name);
 }
 
 void epipe_codec_note_shape(epipe_codec *c, const DLTensor *t)
@@ -87,7 +87,7 @@ EPIPE_API int epipe_codec_create(epipe_codec **out, const char *spec)
         epipe_codec_destroy(c);
         return rc;
     }
-    c->be = c->ops->cpu;
+    c->be = epipe_codec_backend_of(c->ops, EPIPE_CODEC_DEV_CPU);
     *out = c;
     return EPIPE_OK;
 }

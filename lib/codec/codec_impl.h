@@ -75,6 +75,12 @@ typedef struct epipe_codec_train_ops {
     int (*restore_code)(epipe_codec *c, const float *code, float *y);
 } epipe_codec_train_ops;
 
+/* The devices a codec may run on (docs/codec-backends.md). */
+typedef enum epipe_codec_device {
+    EPIPE_CODEC_DEV_CPU,  /* host memory: kDLCPU, kDLCUDAHost */
+    EPIPE_CODEC_DEV_CUDA, /* device memory: kDLCUDA, kDLCUDAManaged */
+} epipe_codec_device;
+
 /* What one device backend of a codec provides. The CPU backend gets host
  * memory; a CUDA backend (docs/codec-backends.md) gets device memory and
  * enqueues its work on the handle's stream. */
@@ -130,11 +136,12 @@ typedef struct epipe_codec_ops {
     unsigned (*ntensors)(const epipe_codec *c);
     /* Optional: frees codec->state (and whatever a backend allocated). */
     void (*release)(epipe_codec *c);
-    /* The backends: CPU tensors (kDLCPU, kDLCUDAHost) run on `cpu`, CUDA
-     * tensors (kDLCUDA, kDLCUDAManaged) on `cuda`. NULL: none in this
-     * build; the core answers EPIPE_ENOTSUP naming the device. */
+    /* The CPU backend, for CPU tensors (kDLCPU, kDLCUDAHost); NULL when
+     * this build cannot run the codec. Backends for other devices are not
+     * fields here: the CUDA backend will live in a module loaded at run
+     * time, whose tables the registry finds by codec id
+     * (epipe_codec_backend_of(), docs/codec-backends.md). */
     const epipe_codec_backend *cpu;
-    const epipe_codec_backend *cuda;
 } epipe_codec_ops;
 
 struct epipe_codec {

@@ -10,6 +10,10 @@
  * including those with their own syntax (by id). */
 const epipe_codec_ops *epipe_codec_find(const char *name, size_t len);
 const char *epipe_codec_name_of_id(unsigned id);
+/* The backend of codec ops for a device, or NULL when this build has none:
+ * the one place that maps (codec, device) to code. */
+const epipe_codec_backend *epipe_codec_backend_of(const epipe_codec_ops *ops,
+                                                  epipe_codec_device dev);
 /* Fails with EPIPE_EINVAL naming `name` and listing the known codecs. */
 int epipe_codec_unknown(const char *name, size_t len);
 

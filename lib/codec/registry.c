@@ -40,6 +40,20 @@ const char *epipe_codec_name_of_id(unsigned id)
     return "unknown";
 }
 
+const epipe_codec_backend *epipe_codec_backend_of(const epipe_codec_ops *ops,
+                                                  epipe_codec_device dev)
+{
+    switch (dev) {
+    case EPIPE_CODEC_DEV_CPU:
+        return ops->cpu;
+    case EPIPE_CODEC_DEV_CUDA:
+        /* The CUDA module (next issue) registers its tables here, by
+         * ops->id; this build has none. */
+        return NULL;
+    }
+    return NULL;
+}
+
 int epipe_codec_unknown(const char *name, size_t len)
 {
     char known[160] = "";
