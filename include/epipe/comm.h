@@ -96,15 +96,18 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
  * messages while the host computes; it ends in epipe_comm_destroy().
  * size 1 makes a group of one with no sockets.
  *
- * The same as epipe_comm_create(out, "tcp", ...). `options` is NULL, ""
- * or a spec of comma-separated key=value pairs; each key may also come from
- * an environment variable (in brackets), which the spec overrides. The keys
- * of every transport (timeout_ms, init_timeout_ms, spin_us, max_message,
- * buffer_cache, trace) are listed at epipe_comm_create(), with the one
- * precedence of all settings (default < environment < options string <
- * epipe_comm_set_param); tcp adds:
+ * The same as epipe_comm_create(out, "tcp", ...): settings follow its one
+ * precedence (default < environment < options < epipe_comm_set_param).
+ * `options` is NULL, "" or a spec of comma-separated key=value pairs; each
+ * key may also come from an environment variable (in brackets), which the
+ * spec overrides:
+ *   timeout_ms=N       receives and peer liveness, ms (EPIPE_TIMEOUT_MS;
+ *                      default 30000; later EPIPE_COMM_TIMEOUT_MS changes it)
+ *   init_timeout_ms=N  the whole rendezvous (EPIPE_INIT_TIMEOUT_MS; 120000)
  *   heartbeat_ms=N     idle heartbeat period (EPIPE_HEARTBEAT_MS; default
  *                      timeout/4, at most 5000)
+ *   spin_us=N          receives busy-wait this long before they sleep
+ *                      (EPIPE_SPIN_US; default 50; see EPIPE_COMM_SPIN_US)
  *   streams=N          connections per neighbour, 1..8 (EPIPE_TCP_STREAMS; 1)
  *   topology=pipeline|mesh   mesh joins every pair (EPIPE_TCP_TOPOLOGY)
  *   listen_addr=A      the address this rank listens on and advertises
