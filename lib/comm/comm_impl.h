@@ -54,7 +54,7 @@ typedef struct epipe_transport_ops {
 enum epipe_peer_state { EPIPE_PEER_UP = 0, EPIPE_PEER_LEFT = 1, EPIPE_PEER_FAILED = 2 };
 
 /* The settings every transport shares, resolved once by
- * epipe_comm_settings_resolve() (lib/comm/settings.c) in the documented
+ * epipe_comm_settings_resolve() (lib/comm/create.c) in the documented
  * order: defaults < environment < options string; epipe_comm_set_param()
  * changes them later. */
 typedef struct epipe_comm_settings {

@@ -199,8 +199,8 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
     const char *why;
     const char *name = pick_transport(transport, size, from_env, &why);
     epipe_comm_settings s;
-    char rest[1024];
-    int rc = epipe_comm_settings_resolve(&s, options, rest, sizeof rest);
+    char rest[1024 + 96];
+    int rc = epipe_comm_settings_resolve(&s, options, rest, 1024);
     if (rc)
         return rc;
     if (!strcmp(name, "inproc")) {
@@ -215,9 +215,12 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
     } else if (!strcmp(name, "tcp")) {
         if (s.group[0])
             return epipe_fail(EPIPE_EINVAL, "tcp: option group is for inproc only");
-        /* tcp reads init_timeout_ms itself, during the rendezvous. */
+        /* tcp needs the resolved values while it is being created: the
+         * rendezvous its init timeout, the progress thread (started before
+         * it returns) the liveness timeout its heartbeats are paced by. */
         size_t n = strlen(rest);
-        snprintf(rest + n, sizeof rest - n, "%sinit_timeout_ms=%lld", n ? "," : "",
+        snprintf(rest + n, sizeof rest - n, "%stimeout_ms=%lld,spin_us=%lld,init_timeout_ms=%lld",
+                 n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
                  (long long)s.init_timeout_ms);
         rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
     } else if (!strcmp(name, "rdma")) {
