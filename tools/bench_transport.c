@@ -104,7 +104,7 @@ static epipe_msg *make_msg(struct peer *p, unsigned kind, uint64_t step, size_t 
     size_t cap, len;
     if (epipe_codec_max_encoded_size(p->none, &t, &cap))
         return NULL;
-    epipe_msg *m = epipe_msg_new(cap);
+    epipe_msg *m = epipe_comm_msg_new(p->comm, cap);
     if (!m)
         return NULL;
     if (epipe_codec_encode(p->none, &t, epipe_msg_payload(m), cap, &len)) {

@@ -483,7 +483,7 @@ static int header_done(struct tcp *t, struct conn *k)
         corrupt(t, k, EPIPE_EPROTO, detail);
         return EPIPE_EPROTO;
     }
-    k->rx = epipe_msg_new(k->hlen - EPIPE_WIRE_HEADER_SIZE + (size_t)h.payload_len);
+    k->rx = epipe_comm_msg_new(k->t->c, k->hlen - EPIPE_WIRE_HEADER_SIZE + (size_t)h.payload_len);
     if (!k->rx) {
         snprintf(detail, sizeof detail, "no memory for a %llu-byte message",
                  (unsigned long long)h.payload_len);
@@ -904,9 +904,9 @@ static int create(epipe_comm **out, unsigned rank, unsigned size, const char *ma
     return EPIPE_OK;
 }
 
-EPIPE_API int epipe_comm_create_tcp(epipe_comm **out, unsigned rank, unsigned size,
-                                    const char *master_addr, unsigned master_port,
-                                    const char *options)
+/* epipe_comm_create_tcp() and "tcp" in epipe_comm_create() (lib/comm/create.c). */
+int epipe_tcp_comm_create(epipe_comm **out, unsigned rank, unsigned size,
+                          const char *master_addr, unsigned master_port, const char *options)
 {
     epipe_clear_error();
     if (!out)
@@ -926,20 +926,4 @@ EPIPE_API int epipe_comm_create_tcp(epipe_comm **out, unsigned rank, unsigned si
     if (rc)
         epipe_log_info((int)rank, "tcp", "init failed: %s", epipe_last_error());
     return rc;
-}
-
-EPIPE_API int epipe_comm_create_from_env(epipe_comm **out, const char *options)
-{
-    epipe_clear_error();
-    if (!out)
-        return epipe_fail(EPIPE_EINVAL, "epipe_comm_create_from_env: out is NULL");
-    *out = NULL;
-    epipe_rdv_env e;
-    int rc = epipe_rdv_env_parse(&e);
-    if (rc)
-        return rc;
-    epipe_log_info((int)e.rank, "rendezvous", "rank %u of %u from %s; master %s:%u (address from "
-                   "%s, port from %s)", e.rank, e.size, e.source, e.master_addr, e.master_port,
-                   e.addr_source, e.port_source);
-    return epipe_comm_create_tcp(out, e.rank, e.size, e.master_addr, e.master_port, options);
 }

@@ -60,6 +60,7 @@ struct epipe_stage {
     epipe_stage_callbacks cb;
     int has_cb;
     int tracing;
+    epipe_trace *trace; /* this stage's spans (NULL: tracing off) */
 
     /* Position in the step. */
     int started, in_step;
@@ -150,7 +151,7 @@ EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char
     st->s = epipe_comm_rank(comm);
     st->p = epipe_comm_size(comm);
     st->m = microbatches;
-    st->timeout_ms = comm->timeout_ms;
+    st->timeout_ms = 0; /* until EPIPE_STAGE_TIMEOUT_MS: the communicator's, at each receive */
     st->codec_threads = 1;
     int rc = epipe_schedule_create(&st->sched, schedule, st->p, microbatches);
     if (rc == EPIPE_OK)
@@ -171,7 +172,8 @@ EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char
         epipe_stage_destroy(st);
         return epipe_fail(EPIPE_ENOMEM, "epipe_stage_create: out of memory");
     }
-    st->tracing = epipe_trace_join(st->s, !strcmp(epipe_comm_transport(comm), "tcp"));
+    st->trace = epipe_trace_open(comm->trace, st->s, !strcmp(epipe_comm_transport(comm), "tcp"));
+    st->tracing = st->trace != NULL;
     st->st.struct_size = sizeof st->st;
     *out = st;
     return EPIPE_OK;
@@ -185,8 +187,8 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
         for (unsigned i = 0; i < st->m; i++)
             free(st->act_in[i].buf);
         free(st->act_in);
-        epipe_trace_leave(); /* joined only once act_in existed */
     }
+    epipe_trace_close(st->trace);
     free(st->grad_in.buf);
     free(st->code_in.buf);
     free(st->code_out.buf);
@@ -353,7 +355,7 @@ static int finish_current_op(epipe_stage *st)
         char name[12];
         snprintf(name, sizeof name, "%c%u", st->cur.kind == EPIPE_OP_FORWARD ? 'F' : 'B',
                  st->cur.microbatch);
-        epipe_trace_span(st->s, name, "compute", st->op_t0, now());
+        epipe_trace_span(st->trace, name, "compute", st->op_t0, now());
     }
     st->cur_valid = 0;
     return EPIPE_OK;
@@ -479,11 +481,13 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
     epipe_msg *msg;
     double t0 = now();
     rc = epipe_comm_recv(st->comm, peer, dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT,
-                         st->step, mb, st->timeout_ms, &msg);
+                         st->step, mb, st->timeout_ms ? st->timeout_ms
+                                                      : __atomic_load_n(&st->comm->timeout_ms, __ATOMIC_RELAXED),
+                         &msg);
     double t1 = now();
     st->st.wait_seconds += t1 - t0;
     if (st->tracing)
-        epipe_trace_span(st->s, dir == DIR_ACT ? "wait-act" : "wait-grad", "wait", t0, t1);
+        epipe_trace_span(st->trace, dir == DIR_ACT ? "wait-act" : "wait-grad", "wait", t0, t1);
     if (rc)
         return fail(st, rc, "%s", epipe_comm_last_error(st->comm));
     /* A gradient for a trainable activation codec is the code's: decode it
@@ -525,7 +529,7 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
     double t2 = now();
     st->st.decode_seconds += t2 - t1;
     if (st->tracing)
-        epipe_trace_span(st->s, "decode", "decode", t1, t2);
+        epipe_trace_span(st->trace, "decode", "decode", t1, t2);
     uint64_t wire = msg->len;
     epipe_msg_free(msg);
     if (rc) {
@@ -558,7 +562,7 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
         double t3 = now();
         st->st.decode_seconds += t3 - t2;
         if (st->tracing)
-            epipe_trace_span(st->s, "compress-backward", "decode", t2, t3);
+            epipe_trace_span(st->trace, "compress-backward", "decode", t2, t3);
         if (rc)
             return fail(st, rc, "back-propagating the code gradient of micro-batch %u through "
                         "the compress: %s",
@@ -655,7 +659,7 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
         double tb1 = now();
         st->st.encode_seconds += tb1 - tb; /* the restore's backward counts as encoding */
         if (st->tracing)
-            epipe_trace_span(st->s, "restore-backward", "encode", tb, tb1);
+            epipe_trace_span(st->trace, "restore-backward", "encode", tb, tb1);
         t = &st->code_out.t;
         dt = EPIPE_DTYPE_F32;
         n = 1;
@@ -671,7 +675,7 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
     /* t was checked above: the codec checks it no more (codec_internal.h). */
     if ((rc = epipe_codec_size_checked(codec, t, n, &cap)))
         return fail(st, rc, "%s", epipe_codec_last_error(codec));
-    epipe_msg *msg = epipe_msg_new(cap);
+    epipe_msg *msg = epipe_comm_msg_new(st->comm, cap);
     if (!msg)
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);
     double t0 = now();
@@ -679,7 +683,7 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
     double t1 = now();
     st->st.encode_seconds += t1 - t0;
     if (st->tracing)
-        epipe_trace_span(st->s, "encode", "encode", t0, t1);
+        epipe_trace_span(st->trace, "encode", "encode", t0, t1);
     if (rc) {
         epipe_msg_free(msg);
         return fail(st, rc, "encoding the %s of micro-batch %u: %s",
