@@ -20,6 +20,7 @@ static int use_simd = 1;
 
 int epipe_q_set_simd(int on)
 {
+    epipe_bitpack_set_simd(on);
     return __atomic_exchange_n(&use_simd, on ? 1 : 0, __ATOMIC_RELAXED);
 }
 
@@ -431,23 +432,9 @@ void epipe_q_decode_ref(const epipe_qtab *t, const uint8_t *codes, size_t n, flo
     }
 }
 
-Q_CLONES static void lut_block(const uint8_t *in, size_t n, unsigned w, const float *lut,
-                               float *y)
+static void lut_block(const uint8_t *in, size_t n, unsigned w, const float *lut, float *y)
 {
-    if (w == 8) {
-        for (size_t i = 0; i < n; i++)
-            y[i] = lut[in[i]];
-        return;
-    }
-    if (w == 16) {
-        for (size_t i = 0; i < n; i++)
-            y[i] = lut[in[2 * i] | in[2 * i + 1] << 8];
-        return;
-    }
-    uint16_t codes[EPIPE_Q_BLOCK];
-    epipe_bitunpack(in, n, w, codes);
-    for (size_t i = 0; i < n; i++)
-        y[i] = lut[codes[i]];
+    epipe_bitunpack_lut(in, n, w, lut, y);
 }
 
 struct decode_ctx {

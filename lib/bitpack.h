@@ -20,6 +20,17 @@ void epipe_bitpack(const uint16_t *codes, size_t n, unsigned w, uint8_t *out);
 /* The inverse: reads epipe_bitpack_bytes(n, w) bytes. */
 void epipe_bitunpack(const uint8_t *in, size_t n, unsigned w, uint16_t *codes);
 
+/* Unpacks n codes and writes y[i] = lut[code i] (lut has 2^w entries),
+ * without storing the codes; widths 1..4 use AVX2 when the CPU has it. */
+void epipe_bitunpack_lut(const uint8_t *in, size_t n, unsigned w, const float *lut, float *y);
+void epipe_bitunpack_lut_ref(const uint8_t *in, size_t n, unsigned w, const float *lut, float *y);
+
+/* Tests and epipe-bench: 0 makes epipe_bitunpack_lut use its portable
+ * loop, so both can be checked against the reference on one machine;
+ * returns the previous setting. Atomic; both give the same floats.
+ * epipe_q_set_simd() sets it too. */
+int epipe_bitpack_set_simd(int on);
+
 /* Bit-at-a-time references the fast versions are tested against. */
 void epipe_bitpack_ref(const uint16_t *codes, size_t n, unsigned w, uint8_t *out);
 void epipe_bitunpack_ref(const uint8_t *in, size_t n, unsigned w, uint16_t *codes);
