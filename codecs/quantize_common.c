@@ -24,6 +24,11 @@ int epipe_q_set_simd(int on)
     return __atomic_exchange_n(&use_simd, on ? 1 : 0, __ATOMIC_RELAXED);
 }
 
+int epipe_q_simd_enabled(void)
+{
+    return __atomic_load_n(&use_simd, __ATOMIC_RELAXED);
+}
+
 static int avx2(void)
 {
 #if EPIPE_Q_X86
