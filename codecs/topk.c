@@ -7,6 +7,7 @@
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
 #include "../lib/codec/codec_impl.h"
+#include "quantize_common.h"
 
 enum { TOPK_RATIO };
 
@@ -73,85 +74,216 @@ static int check_finite(epipe_codec *c, const float *x, size_t n)
 }
 
 /* ---- fast path: a two-level radix select, then one ordered scan --------
- * Pass 1 histograms the top 16 bits of mag(), pass 2 the low 16 bits
- * inside the bin holding the k-th largest; that gives the threshold T and
- * how many entries equal to T are kept (the first ones by index). Pass 3
- * counts per thread range, pass 4 writes each range at its offset, so the
- * indices come out ascending with no sort. All counts are integers: the
- * bytes are the same for every thread count. */
+ * Pass 1 histograms the top 16 bits of mag() per thread range (a bin at or
+ * above 0x7f80 is a NaN or infinity: the input is refused). The merged
+ * histogram names the bin B holding the k-th largest; entries above B are
+ * counted from the histograms. Pass 2 copies the low 16 bits of the
+ * entries in bin B, per range in index order, to a candidate list (its
+ * size per range is known from the histograms), and a histogram of the
+ * candidates gives the threshold T and, per range, the entries above T
+ * and equal to T. Pass 3 writes each range at its offset, keeping the
+ * first entries equal to T by index, so the indices come out ascending
+ * with no sort. All counts are integers: the bytes are the same for every
+ * thread count. Three reads of x in all. */
 
 #define TOPK_BINS 65536
+#define TOPK_BAD_BIN 0x7f80u /* mag() >> 16 of infinity; NaN is above */
 
 typedef struct topk_job {
     const float *x;
     size_t n;
     unsigned nt;
-    uint64_t *hist;        /* [nt][TOPK_BINS] */
-    uint32_t hi;           /* pass 2: the top-16-bit bin being refined */
-    uint32_t thr;          /* passes 3-4: the threshold T */
-    uint64_t *gt, *eq;     /* pass 3: per range counts of > T and == T */
-    uint64_t *off, *quota; /* pass 4: per range output offset and == T to keep */
+    uint32_t *hist;        /* [nt][TOPK_BINS], per range (< 2^32 entries) */
+    uint32_t bin;          /* pass 2: the top-16-bit bin B */
+    uint16_t *cand;        /* pass 2: low 16 bits of bin B's entries */
+    uint64_t *coff;        /* pass 2: per range offset into cand */
+    uint32_t thr;          /* pass 3: the threshold T */
+    uint64_t *off, *quota; /* pass 3: per range output offset and == T to keep */
     uint8_t *idx, *val;
     unsigned w;
+    int x86;               /* pass 3 may use AVX2 */
 } topk_job;
 
-static void topk_hist_task(void *ctx, unsigned t, unsigned nt, int level)
+static void topk_hist_task(void *ctx, unsigned t, unsigned nt)
 {
     topk_job *j = ctx;
     size_t b, e;
     epipe_split_range(j->n, nt, t, 1, &b, &e);
-    uint64_t *h = j->hist + (size_t)t * TOPK_BINS;
+    uint32_t *restrict h = j->hist + (size_t)t * TOPK_BINS;
+    const float *restrict x = j->x;
     memset(h, 0, TOPK_BINS * sizeof *h);
-    if (level == 1) {
-        for (size_t i = b; i < e; i++)
-            h[mag(j->x[i]) >> 16]++;
-    } else {
-        for (size_t i = b; i < e; i++) {
-            uint32_t m = mag(j->x[i]);
-            if (m >> 16 == j->hi)
-                h[m & 0xffffu]++;
+    for (size_t i = b; i < e; i++)
+        h[mag(x[i]) >> 16]++;
+}
+
+static void topk_collect_task(void *ctx, unsigned t, unsigned nt)
+{
+    topk_job *j = ctx;
+    size_t b, e;
+    epipe_split_range(j->n, nt, t, 1, &b, &e);
+    const float *restrict x = j->x;
+    uint16_t *restrict c = j->cand + j->coff[t];
+    const uint32_t bin = j->bin;
+    size_t i = b;
+    for (; i + 16 <= e; i += 16) { /* most blocks hold no candidate: test 16 at once */
+        unsigned any = 0;
+        for (unsigned l = 0; l < 16; l++)
+            any |= mag(x[i + l]) >> 16 == bin;
+        if (!any)
+            continue;
+        for (unsigned l = 0; l < 16; l++) {
+            uint32_t m = mag(x[i + l]);
+            if (m >> 16 == bin)
+                *c++ = (uint16_t)m;
+        }
+    }
+    for (; i < e; i++) {
+        uint32_t m = mag(x[i]);
+        if (m >> 16 == bin)
+            *c++ = (uint16_t)m;
+    }
+}
+
+/* Writes the kept entries of a range from its output offset on, without a
+ * branch per entry: each entry goes to a local buffer with room to spare
+ * and the fill advances by whether it is kept. */
+#define TOPK_RUN 256
+
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__BYTE_ORDER__) && \
+    __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#include <immintrin.h>
+#define TOPK_X86 1
+
+/* Lane order of the kept lanes of an 8-lane mask, 3 bits per lane. */
+static const uint32_t topk_pack_lanes[256] = {
+    0x000000, 0x000000, 0x000001, 0x000008, 0x000002, 0x000010, 0x000011, 0x000088,
+    0x000003, 0x000018, 0x000019, 0x0000c8, 0x00001a, 0x0000d0, 0x0000d1, 0x000688,
+    0x000004, 0x000020, 0x000021, 0x000108, 0x000022, 0x000110, 0x000111, 0x000888,
+    0x000023, 0x000118, 0x000119, 0x0008c8, 0x00011a, 0x0008d0, 0x0008d1, 0x004688,
+    0x000005, 0x000028, 0x000029, 0x000148, 0x00002a, 0x000150, 0x000151, 0x000a88,
+    0x00002b, 0x000158, 0x000159, 0x000ac8, 0x00015a, 0x000ad0, 0x000ad1, 0x005688,
+    0x00002c, 0x000160, 0x000161, 0x000b08, 0x000162, 0x000b10, 0x000b11, 0x005888,
+    0x000163, 0x000b18, 0x000b19, 0x0058c8, 0x000b1a, 0x0058d0, 0x0058d1, 0x02c688,
+    0x000006, 0x000030, 0x000031, 0x000188, 0x000032, 0x000190, 0x000191, 0x000c88,
+    0x000033, 0x000198, 0x000199, 0x000cc8, 0x00019a, 0x000cd0, 0x000cd1, 0x006688,
+    0x000034, 0x0001a0, 0x0001a1, 0x000d08, 0x0001a2, 0x000d10, 0x000d11, 0x006888,
+    0x0001a3, 0x000d18, 0x000d19, 0x0068c8, 0x000d1a, 0x0068d0, 0x0068d1, 0x034688,
+    0x000035, 0x0001a8, 0x0001a9, 0x000d48, 0x0001aa, 0x000d50, 0x000d51, 0x006a88,
+    0x0001ab, 0x000d58, 0x000d59, 0x006ac8, 0x000d5a, 0x006ad0, 0x006ad1, 0x035688,
+    0x0001ac, 0x000d60, 0x000d61, 0x006b08, 0x000d62, 0x006b10, 0x006b11, 0x035888,
+    0x000d63, 0x006b18, 0x006b19, 0x0358c8, 0x006b1a, 0x0358d0, 0x0358d1, 0x1ac688,
+    0x000007, 0x000038, 0x000039, 0x0001c8, 0x00003a, 0x0001d0, 0x0001d1, 0x000e88,
+    0x00003b, 0x0001d8, 0x0001d9, 0x000ec8, 0x0001da, 0x000ed0, 0x000ed1, 0x007688,
+    0x00003c, 0x0001e0, 0x0001e1, 0x000f08, 0x0001e2, 0x000f10, 0x000f11, 0x007888,
+    0x0001e3, 0x000f18, 0x000f19, 0x0078c8, 0x000f1a, 0x0078d0, 0x0078d1, 0x03c688,
+    0x00003d, 0x0001e8, 0x0001e9, 0x000f48, 0x0001ea, 0x000f50, 0x000f51, 0x007a88,
+    0x0001eb, 0x000f58, 0x000f59, 0x007ac8, 0x000f5a, 0x007ad0, 0x007ad1, 0x03d688,
+    0x0001ec, 0x000f60, 0x000f61, 0x007b08, 0x000f62, 0x007b10, 0x007b11, 0x03d888,
+    0x000f63, 0x007b18, 0x007b19, 0x03d8c8, 0x007b1a, 0x03d8d0, 0x03d8d1, 0x1ec688,
+    0x00003e, 0x0001f0, 0x0001f1, 0x000f88, 0x0001f2, 0x000f90, 0x000f91, 0x007c88,
+    0x0001f3, 0x000f98, 0x000f99, 0x007cc8, 0x000f9a, 0x007cd0, 0x007cd1, 0x03e688,
+    0x0001f4, 0x000fa0, 0x000fa1, 0x007d08, 0x000fa2, 0x007d10, 0x007d11, 0x03e888,
+    0x000fa3, 0x007d18, 0x007d19, 0x03e8c8, 0x007d1a, 0x03e8d0, 0x03e8d1, 0x1f4688,
+    0x0001f5, 0x000fa8, 0x000fa9, 0x007d48, 0x000faa, 0x007d50, 0x007d51, 0x03ea88,
+    0x000fab, 0x007d58, 0x007d59, 0x03eac8, 0x007d5a, 0x03ead0, 0x03ead1, 0x1f5688,
+    0x000fac, 0x007d60, 0x007d61, 0x03eb08, 0x007d62, 0x03eb10, 0x03eb11, 0x1f5888,
+    0x007d63, 0x03eb18, 0x03eb19, 0x1f58c8, 0x03eb1a, 0x1f58d0, 0x1f58d1, 0xfac688,
+};
+
+/* The emit pass for 32-bit indices with AVX2: 8 entries at a time, the
+ * kept ones packed to the front of the buffers by a lane permute; a group
+ * holding an entry equal to T takes the scalar steps (its quota). */
+static __attribute__((target("avx2,popcnt"))) void topk_emit_avx2(topk_job *j, size_t b,
+                                                                  size_t e, uint64_t o,
+                                                                  uint64_t quota)
+{
+    const float *restrict x = j->x;
+    const uint32_t thr = j->thr;
+    const __m256i thrv = _mm256_set1_epi32((int)thr), absm = _mm256_set1_epi32(0x7fffffff);
+    const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), seven = _mm256_set1_epi32(7);
+    uint32_t ib[2 * TOPK_RUN + 8];
+    float vb[2 * TOPK_RUN + 8];
+    unsigned cnt = 0;
+    for (size_t i0 = b; i0 < e; i0 += TOPK_RUN) {
+        size_t i1 = e - i0 < TOPK_RUN ? e : i0 + TOPK_RUN, i = i0;
+        __m256i iv = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)i0),
+                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (; i + 8 <= i1; i += 8, iv = _mm256_add_epi32(iv, _mm256_set1_epi32(8))) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            __m256i m = _mm256_and_si256(_mm256_castps_si256(v), absm);
+            if (!_mm256_testz_si256(_mm256_cmpeq_epi32(m, thrv), _mm256_cmpeq_epi32(m, thrv))) {
+                for (size_t l = i; l < i + 8; l++) {
+                    uint32_t ml = mag(x[l]);
+                    unsigned eq = ml == thr && quota != 0;
+                    ib[cnt] = (uint32_t)l;
+                    vb[cnt] = x[l];
+                    quota -= eq;
+                    cnt += (ml > thr) | eq;
+                }
+                continue;
+            }
+            unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(m, thrv)));
+            __m256i perm = _mm256_and_si256(
+                _mm256_srlv_epi32(_mm256_set1_epi32((int)topk_pack_lanes[mask]), sh), seven);
+            _mm256_storeu_si256((__m256i *)(ib + cnt), _mm256_permutevar8x32_epi32(iv, perm));
+            _mm256_storeu_ps(vb + cnt, _mm256_permutevar8x32_ps(v, perm));
+            cnt += (unsigned)__builtin_popcount(mask);
+        }
+        for (; i < i1; i++) {
+            uint32_t ml = mag(x[i]);
+            unsigned eq = ml == thr && quota != 0;
+            ib[cnt] = (uint32_t)i;
+            vb[cnt] = x[i];
+            quota -= eq;
+            cnt += (ml > thr) | eq;
+        }
+        if (cnt >= TOPK_RUN || i1 == e) {
+            memcpy(j->idx + o * 4, ib, (size_t)cnt * 4);
+            memcpy(j->val + o * 4, vb, (size_t)cnt * 4);
+            o += cnt;
+            cnt = 0;
         }
     }
 }
-
-static void topk_hist1_task(void *ctx, unsigned t, unsigned nt)
-{
-    topk_hist_task(ctx, t, nt, 1);
-}
-
-static void topk_hist2_task(void *ctx, unsigned t, unsigned nt)
-{
-    topk_hist_task(ctx, t, nt, 2);
-}
-
-static void topk_count_task(void *ctx, unsigned t, unsigned nt)
-{
-    topk_job *j = ctx;
-    size_t b, e;
-    epipe_split_range(j->n, nt, t, 1, &b, &e);
-    uint64_t gt = 0, eq = 0;
-    for (size_t i = b; i < e; i++) {
-        uint32_t m = mag(j->x[i]);
-        gt += m > j->thr;
-        eq += m == j->thr;
-    }
-    j->gt[t] = gt;
-    j->eq[t] = eq;
-}
+#else
+#define TOPK_X86 0
+#endif
 
 static void topk_emit_task(void *ctx, unsigned t, unsigned nt)
 {
     topk_job *j = ctx;
     size_t b, e;
     epipe_split_range(j->n, nt, t, 1, &b, &e);
+    const float *restrict x = j->x;
+    const uint32_t thr = j->thr;
+    const unsigned w = j->w;
     uint64_t o = j->off[t], quota = j->quota[t];
-    for (size_t i = b; i < e; i++) {
-        uint32_t m = mag(j->x[i]);
-        if (m > j->thr || (m == j->thr && quota)) {
-            quota -= m == j->thr;
-            put_index(j->idx + o * j->w, j->w, i);
-            epipe_put_f32(j->val + o * 4, j->x[i]);
-            o++;
+#if TOPK_X86
+    if (j->x86 && w == 4) {
+        topk_emit_avx2(j, b, e, o, quota);
+        return;
+    }
+#endif
+    uint64_t ib[2 * TOPK_RUN];
+    float vb[2 * TOPK_RUN];
+    unsigned cnt = 0;
+    for (size_t i0 = b; i0 < e; i0 += TOPK_RUN) {
+        size_t i1 = e - i0 < TOPK_RUN ? e : i0 + TOPK_RUN;
+        for (size_t i = i0; i < i1; i++) {
+            uint32_t m = mag(x[i]);
+            unsigned eq = m == thr && quota != 0;
+            ib[cnt] = i;
+            vb[cnt] = x[i];
+            quota -= eq;
+            cnt += (m > thr) | eq;
+        }
+        if (cnt >= TOPK_RUN || i1 == e) {
+            for (unsigned r = 0; r < cnt; r++) {
+                put_index(j->idx + (o + r) * w, w, ib[r]);
+                epipe_put_f32(j->val + (o + r) * 4, vb[r]);
+            }
+            o += cnt;
+            cnt = 0;
         }
     }
 }
@@ -164,68 +296,118 @@ static void run(unsigned nt, epipe_task_fn fn, topk_job *j)
         fn(j, 0, 1);
 }
 
-/* Merges the per-thread histograms and finds the bin holding the need-th
- * largest; *need becomes its rank inside that bin. */
-static uint32_t topk_pick_bin(const topk_job *j, uint64_t *need)
+/* The bin of h[0..TOPK_BINS) holding the need-th largest entry, counting
+ * from the top; *need becomes its rank inside that bin. */
+static uint32_t topk_pick_bin(const uint64_t *h, uint64_t *need)
 {
     uint64_t above = 0;
     for (uint32_t bin = TOPK_BINS; bin-- > 0;) {
-        uint64_t cnt = 0;
-        for (unsigned t = 0; t < j->nt; t++)
-            cnt += j->hist[(size_t)t * TOPK_BINS + bin];
-        if (above + cnt >= *need) {
+        if (above + h[bin] >= *need) {
             *need -= above;
             return bin;
         }
-        above += cnt;
+        above += h[bin];
     }
     return 0; /* unreachable: need <= n */
 }
 
 static int topk_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
-    int rc = check_finite(c, x, n);
-    if (rc || n == 0)
-        return rc;
+    if (n == 0)
+        return EPIPE_OK;
     uint64_t k = topk_count(c, n);
     unsigned w = topk_index_bytes(n), nt = epipe_codec_workers(c, n);
+    while ((n + nt - 1) / nt > UINT32_MAX) /* histogram counts are 32-bit */
+        nt++;
     topk_job j = {.x = x, .n = n, .nt = nt, .idx = body, .val = body + k * w, .w = w};
-    uint64_t small[4][4];
-    if (k == n) {
-        j.thr = 0; /* everything is >= 0: keep all */
-    } else {
-        j.hist = malloc((size_t)nt * TOPK_BINS * sizeof *j.hist);
-        if (!j.hist)
-            return epipe_codec_fail(c, EPIPE_ENOMEM, "topk: out of memory for histograms");
-        uint64_t need = k;
-        run(nt, topk_hist1_task, &j);
-        j.hi = topk_pick_bin(&j, &need);
-        run(nt, topk_hist2_task, &j);
-        j.thr = j.hi << 16 | topk_pick_bin(&j, &need);
+    uint64_t *merged = malloc((TOPK_BINS + 4 * (size_t)nt) * sizeof *merged);
+    j.hist = malloc((size_t)nt * TOPK_BINS * sizeof *j.hist);
+    if (!merged || !j.hist) {
+        free(merged);
         free(j.hist);
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "topk: out of memory for histograms");
     }
-    uint64_t *cnt = nt <= 4 ? &small[0][0] : malloc((size_t)nt * 4 * sizeof *cnt);
-    if (!cnt)
-        return epipe_codec_fail(c, EPIPE_ENOMEM, "topk: out of memory");
-    j.gt = cnt;
-    j.eq = cnt + nt;
-    j.off = cnt + 2 * (size_t)nt;
-    j.quota = cnt + 3 * (size_t)nt;
-    run(nt, topk_count_task, &j);
-    uint64_t gt_all = 0, o = 0;
+    uint64_t *gt = merged + TOPK_BINS, *eq = gt + nt;
+    j.off = eq + nt;
+    j.quota = j.off + nt;
+    run(nt, topk_hist_task, &j);
+    memset(merged, 0, TOPK_BINS * sizeof *merged);
     for (unsigned t = 0; t < nt; t++)
-        gt_all += j.gt[t];
-    uint64_t eq_left = k - gt_all; /* entries equal to T still to keep, by index */
-    for (unsigned t = 0; t < nt; t++) {
-        j.off[t] = o;
-        j.quota[t] = j.eq[t] < eq_left ? j.eq[t] : eq_left;
-        eq_left -= j.quota[t];
-        o += j.gt[t] + j.quota[t];
+        for (uint32_t bin = 0; bin < TOPK_BINS; bin++)
+            merged[bin] += j.hist[(size_t)t * TOPK_BINS + bin];
+    for (uint32_t bin = TOPK_BAD_BIN; bin < TOPK_BINS; bin++)
+        if (merged[bin]) {
+            free(merged);
+            free(j.hist);
+            return check_finite(c, x, n);
+        }
+    int rc = EPIPE_OK;
+    if (k == n) { /* everything is kept: T = 0 and no quota */
+        j.thr = 0;
+        for (unsigned t = 0; t < nt; t++) {
+            size_t b, e;
+            epipe_split_range(n, nt, t, 1, &b, &e);
+            j.off[t] = b;
+            j.quota[t] = UINT64_MAX;
+        }
+    } else {
+        uint64_t need = k;
+        j.bin = topk_pick_bin(merged, &need);
+        /* Above bin B, per range: from the histograms. */
+        uint64_t ncand = merged[j.bin];
+        for (unsigned t = 0; t < nt; t++) {
+            const uint32_t *h = j.hist + (size_t)t * TOPK_BINS;
+            gt[t] = 0;
+            for (uint32_t bin = j.bin + 1; bin < TOPK_BINS; bin++)
+                gt[t] += h[bin];
+        }
+        j.coff = j.off; /* reused: pass 2 runs before the offsets are set */
+        uint64_t co = 0;
+        for (unsigned t = 0; t < nt; t++) {
+            j.coff[t] = co;
+            co += j.hist[(size_t)t * TOPK_BINS + j.bin];
+        }
+        j.cand = malloc((size_t)ncand * sizeof *j.cand);
+        if (!j.cand) {
+            rc = epipe_codec_fail(c, EPIPE_ENOMEM, "topk: out of memory for %llu candidates",
+                                  (unsigned long long)ncand);
+            goto out;
+        }
+        run(nt, topk_collect_task, &j);
+        memset(merged, 0, TOPK_BINS * sizeof *merged);
+        for (uint64_t i = 0; i < ncand; i++)
+            merged[j.cand[i]]++;
+        uint32_t low = topk_pick_bin(merged, &need);
+        j.thr = j.bin << 16 | low;
+        for (unsigned t = 0; t < nt; t++) {
+            uint64_t cb = j.coff[t], ce = t + 1 < nt ? j.coff[t + 1] : ncand;
+            eq[t] = 0;
+            for (uint64_t i = cb; i < ce; i++) {
+                gt[t] += j.cand[i] > low;
+                eq[t] += j.cand[i] == low;
+            }
+        }
+        free(j.cand);
+        uint64_t gt_all = 0, o = 0;
+        for (unsigned t = 0; t < nt; t++)
+            gt_all += gt[t];
+        uint64_t eq_left = k - gt_all; /* entries equal to T still to keep, by index */
+        for (unsigned t = 0; t < nt; t++) {
+            j.off[t] = o;
+            j.quota[t] = eq[t] < eq_left ? eq[t] : eq_left;
+            eq_left -= j.quota[t];
+            o += gt[t] + j.quota[t];
+        }
     }
+#if TOPK_X86
+    j.x86 = epipe_q_simd_enabled() && __builtin_cpu_supports("avx2") &&
+            __builtin_cpu_supports("popcnt");
+#endif
     run(nt, topk_emit_task, &j);
-    if (cnt != &small[0][0])
-        free(cnt);
-    return EPIPE_OK;
+out:
+    free(merged);
+    free(j.hist);
+    return rc;
 }
 
 /* ---- reference: a full sort -------------------------------------------- */

@@ -15,6 +15,7 @@
 #include <epipe/epipe.h>
 
 #include "../lib/codec/codec_impl.h"
+#include "../codecs/quantize_common.h"
 #include "tensor.h"
 #include "testutil.h"
 
@@ -170,6 +171,56 @@ static void fast_equals_reference_for_any_thread_count(void **state)
     free(z);
 }
 
+/* The fast path (AVX2 emit and the portable loop) equals the reference on
+ * data that stresses the selection: all values equal (every entry is a
+ * candidate), zeros of both signs, a threshold tie spread over the thread
+ * ranges, and ratios up to 1 (everything kept). */
+static void fast_equals_reference_on_hard_data(void **state)
+{
+    (void)state;
+    const size_t N = 300000;
+    float *x = malloc(N * sizeof *x);
+    const char *specs[] = {"topk:ratio=0.1", "topk:ratio=0.5", "topk:ratio=1", "topk:ratio=1e-6"};
+    for (int data = 0; data < 4; data++) {
+        test_fill(x, N, DIST_NORMAL, 77 + (unsigned)data);
+        for (size_t i = 0; i < N; i++) {
+            if (data == 0)
+                x[i] = (i & 1) ? -2.5f : 2.5f;
+            else if (data == 1)
+                x[i] = (i % 3 == 0) ? 0.0f : (i % 3 == 1) ? -0.0f : x[i];
+            else if (data == 2)
+                x[i] = (i % 7 == 0) ? 1.0f : x[i] * 0.1f; /* a big tie at the cut */
+        }
+        for (size_t s = 0; s < sizeof specs / sizeof specs[0]; s++) {
+            size_t lref, len;
+            uint8_t *ref = tk_encode(specs[s], 1, 1, x, N, NULL, &lref);
+            for (int simd = 0; simd < 2; simd++)
+                for (int t = 1; t <= 2; t++) {
+                    int was = epipe_q_set_simd(simd);
+                    uint8_t *p = tk_encode(specs[s], t, 0, x, N, NULL, &len);
+                    epipe_q_set_simd(was);
+                    assert_int_equal(len, lref);
+                    assert_memory_equal(p, ref, len);
+                    free(p);
+                }
+            free(ref);
+        }
+    }
+    /* A NaN deep in a threaded tensor is named by its index. */
+    x[N - 5] = NAN;
+    epipe_codec *c = test_codec("topk:ratio=0.1", 2, 0);
+    int64_t sx;
+    DLTensor tx = test_view_f32(x, &sx, N);
+    size_t cap, len;
+    assert_int_equal(epipe_codec_max_encoded_size(c, &tx, &cap), EPIPE_OK);
+    uint8_t *buf = malloc(cap);
+    assert_int_equal(epipe_codec_encode(c, &tx, buf, cap, &len), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_codec_last_error(c), "index 299995"));
+    epipe_codec_destroy(c);
+    free(buf);
+    free(x);
+}
+
 static void spec_errors_and_bad_input_are_named(void **state)
 {
     (void)state;
@@ -241,6 +292,7 @@ int main(void)
         cmocka_unit_test(keeps_exactly_the_k_largest_magnitudes),
         cmocka_unit_test(ties_go_to_the_lower_index),
         cmocka_unit_test(fast_equals_reference_for_any_thread_count),
+        cmocka_unit_test(fast_equals_reference_on_hard_data),
         cmocka_unit_test(spec_errors_and_bad_input_are_named),
         cmocka_unit_test(hostile_indices_rejected),
     };
