@@ -200,13 +200,24 @@ static unsigned km_code_ref(const double *mid, size_t k, float v)
 /* One block's member sums and counts per centroid and its squared error,
  * accumulated in value order. */
 static double km_block_sums(const float *x, size_t b, size_t e, const float *cent,
-                            const double *mid, size_t k, int ref, double *sum, uint32_t *cnt)
+                            const double *mid, size_t k, int ref, int sorted, double *sum,
+                            uint32_t *cnt)
 {
     double sq = 0;
     memset(sum, 0, k * sizeof *sum);
     memset(cnt, 0, k * sizeof *cnt);
+    unsigned walk = b < e ? km_code(mid, k, x[b]) : 0;
     for (size_t i = b; i < e; i++) {
-        unsigned j = ref ? km_code_ref(mid, k, x[i]) : km_code(mid, k, x[i]);
+        unsigned j;
+        if (ref) {
+            j = km_code_ref(mid, k, x[i]);
+        } else if (sorted) { /* ascending values: the code only moves up */
+            while (mid[walk] < (double)x[i])
+                walk++;
+            j = walk;
+        } else {
+            j = km_code(mid, k, x[i]);
+        }
         double d = (double)x[i] - (double)cent[j];
         sum[j] += x[i];
         cnt[j]++;
@@ -235,6 +246,8 @@ typedef struct km_job {
     unsigned bits;
     const float *cent;
     const double *mid;
+    const uint32_t *lut;    /* final pass: code bounds per key bucket, or NULL */
+    int sorted;             /* x is ascending */
     size_t block0, nblocks; /* this round's blocks */
     double *psum;           /* [KM_GROUP][k] */
     uint32_t *pcnt;         /* [KM_GROUP][k] */
@@ -251,19 +264,89 @@ static void km_sums_task(void *ctx, unsigned t, unsigned nt)
     epipe_split_range(j->nblocks, nt, t, 1, &lo, &hi);
     for (size_t bl = lo; bl < hi; bl++) {
         size_t b = (j->block0 + bl) * KM_BLOCK, e = b + KM_BLOCK < j->n ? b + KM_BLOCK : j->n;
-        j->psq[bl] = km_block_sums(j->x, b, e, j->cent, j->mid, j->k, 0, j->psum + bl * j->k,
-                                   j->pcnt + bl * j->k);
+        j->psq[bl] = km_block_sums(j->x, b, e, j->cent, j->mid, j->k, 0, j->sorted,
+                                   j->psum + bl * j->k, j->pcnt + bl * j->k);
     }
 }
 
+/* The final assignment's table: for each of the 2^16 buckets of the
+ * order-preserving key's top 16 bits, the codes of the bucket's smallest
+ * and largest float (lo | hi << 16). Codes grow with the value, so every
+ * value of a bucket has a code in [lo, hi]; most buckets lie inside one
+ * cell (lo == hi). Built by walking buckets and midpoints together. */
+#define KM_LUT_BINS 65536
+
+static inline uint32_t km_key(float v)
+{
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return u >> 31 ? ~u : u | 0x80000000u;
+}
+
+static inline float km_unkey(uint32_t key)
+{
+    uint32_t u = key >> 31 ? key & 0x7fffffffu : ~key;
+    float v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static void km_build_lut(const double *mid, size_t k, uint32_t *lut)
+{
+    /* Keys below 0x00800000 are -inf and negative NaNs, above 0xff7fffff
+     * +inf and NaNs: no finite value falls there. */
+    unsigned lo = 0, hi = 0;
+    for (uint32_t b = 0; b < KM_LUT_BINS; b++) {
+        if (b < 0x0080u || b > 0xff7fu) {
+            lut[b] = (uint32_t)(k - 1) << 16;
+            continue;
+        }
+        double first = km_unkey(b << 16), last = km_unkey(b << 16 | 0xffffu);
+        while (mid[lo] < first)
+            lo++;
+        if (hi < lo)
+            hi = lo;
+        while (mid[hi] < last)
+            hi++;
+        lut[b] = lo | (uint32_t)hi << 16;
+    }
+}
+
+/* v's code from the table: the count of midpoints below v, exactly. A
+ * bucket holding at most one midpoint (nearly all) needs one comparison
+ * and no branch on the value; the others search [lo, hi]. */
+static inline unsigned km_code_lut(const uint32_t *lut, const double *mid, float v)
+{
+    uint32_t e = lut[km_key(v) >> 16];
+    unsigned lo = e & 0xffffu, hi = e >> 16;
+    double x = v;
+    if (hi - lo < 2)
+        return lo + (mid[lo] < x);
+    while (lo < hi) { /* the first of mid[lo..hi] that is >= x */
+        unsigned m = lo + (hi - lo) / 2;
+        if (mid[m] < x)
+            lo = m + 1;
+        else
+            hi = m;
+    }
+    return lo;
+}
+
 static void km_pack_range(const float *x, size_t b, size_t e, const double *mid, size_t k,
-                          unsigned bits, int ref, uint8_t *out)
+                          const uint32_t *lut, unsigned bits, int ref, uint8_t *out)
 {
     uint16_t codes[KM_CHUNK];
     for (size_t s = b; s < e; s += KM_CHUNK) {
         size_t m = e - s < KM_CHUNK ? e - s : KM_CHUNK;
-        for (size_t i = 0; i < m; i++)
-            codes[i] = (uint16_t)(ref ? km_code_ref(mid, k, x[s + i]) : km_code(mid, k, x[s + i]));
+        if (ref)
+            for (size_t i = 0; i < m; i++)
+                codes[i] = (uint16_t)km_code_ref(mid, k, x[s + i]);
+        else if (lut)
+            for (size_t i = 0; i < m; i++)
+                codes[i] = (uint16_t)km_code_lut(lut, mid, x[s + i]);
+        else
+            for (size_t i = 0; i < m; i++)
+                codes[i] = (uint16_t)km_code(mid, k, x[s + i]);
         if (ref)
             epipe_bitpack_ref(codes, m, bits, out + s / 8 * bits);
         else
@@ -276,14 +359,14 @@ static void km_pack_task(void *ctx, unsigned t, unsigned nt)
     km_job *j = ctx;
     size_t b, e;
     epipe_split_range(j->n, nt, t, KM_CHUNK, &b, &e);
-    km_pack_range(j->x, b, e, j->mid, j->k, j->bits, 0, j->codes_out);
+    km_pack_range(j->x, b, e, j->mid, j->k, j->lut, j->bits, 0, j->codes_out);
 }
 
 /* Everything one fit needs, allocated once per encode. */
 typedef struct km_fit {
-    const float *x;
+    const float *x; /* the values the fit runs on: all, or the sorted sample */
     size_t n, k;
-    int ref;
+    int ref, sorted;
     unsigned workers;
     size_t group;
     double *mid, *tsum, *psum, *psq;
@@ -306,10 +389,11 @@ static double km_pass(km_fit *f, const float *cent)
         size_t nb = nblocks - g < f->group ? nblocks - g : f->group;
         if (f->ref) {
             size_t b = g * KM_BLOCK, e = b + KM_BLOCK < n ? b + KM_BLOCK : n;
-            f->psq[0] = km_block_sums(f->x, b, e, cent, f->mid, k, 1, f->psum, f->pcnt);
+            f->psq[0] = km_block_sums(f->x, b, e, cent, f->mid, k, 1, 0, f->psum, f->pcnt);
         } else {
             km_job job = {.x = f->x, .n = n, .k = k, .cent = cent, .mid = f->mid, .block0 = g,
-                          .nblocks = nb, .psum = f->psum, .pcnt = f->pcnt, .psq = f->psq};
+                          .nblocks = nb, .psum = f->psum, .pcnt = f->pcnt, .psq = f->psq,
+                          .sorted = f->sorted};
             unsigned nt = f->workers < nb ? f->workers : (unsigned)nb;
             if (nt > 1)
                 epipe_parallel_run(nt, km_sums_task, &job);
@@ -328,16 +412,13 @@ static double km_pass(km_fit *f, const float *cent)
 }
 
 /* Fits the codebook into cent[0..k): the best of the candidate starts (by
- * squared error on all values; the first wins a tie), then Lloyd
- * iterations, stopping early at a fixed point. */
-static int km_fit_codebook(km_fit *f, unsigned iters, float *cent)
+ * squared error; the first wins a tie), then Lloyd iterations, stopping
+ * early at a fixed point. Up to M values the fit runs on all of them;
+ * above, on the sorted sample (scored and iterated there), which makes the
+ * fit's cost independent of n. lo and hi are the extremes of all values. */
+static int km_fit_codebook(km_fit *f, unsigned iters, float lo, float hi, float *cent)
 {
     size_t k = f->k, m = 0;
-    float lo = f->x[0], hi = f->x[0];
-    for (size_t i = 1; i < f->n; i++) {
-        lo = f->x[i] < lo ? f->x[i] : lo;
-        hi = f->x[i] > hi ? f->x[i] : hi;
-    }
     float *s = km_sample(f->x, f->n, k, lo, hi, &m);
     double *w = malloc((m ? m : 1) * sizeof *w);
     float *cand = malloc(k * sizeof *cand);
@@ -350,6 +431,11 @@ static int km_fit_codebook(km_fit *f, unsigned iters, float *cent)
         free(bsum);
         free(bcnt);
         return EPIPE_ENOMEM;
+    }
+    if (m < f->n) {
+        f->x = s;
+        f->n = m;
+        f->sorted = 1;
     }
     double best = INFINITY;
     for (int which = 0; which < 3; which++) {
@@ -383,17 +469,72 @@ static int km_fit_codebook(km_fit *f, unsigned iters, float *cent)
     return EPIPE_OK;
 }
 
+/* Extremes of x[0..n) (n > 0) in one vector pass; *bad becomes NaN when a
+ * value is NaN or infinite. The result is the sequential scan's (the first
+ * of equal extremes), so a zero extreme takes the sign of the first zero. */
+typedef float km_v4 __attribute__((vector_size(16)));
+typedef int32_t km_v4i __attribute__((vector_size(16)));
+#define KM_SEL(m, a, b) ((km_v4)((((km_v4i)(a)) & (m)) | (((km_v4i)(b)) & ~(m))))
+
+static void km_extent(const float *restrict x, size_t n, float *lo_out, float *hi_out, float *bad)
+{
+    float lo = x[0], hi = x[0], acc = 0.0f;
+    size_t i = 0;
+    if (n >= 8) {
+        km_v4 l0, l1, h0, h1, a0 = {0}, a1 = {0};
+        memcpy(&l0, x, sizeof l0);
+        l1 = h0 = h1 = l0;
+        for (; i + 8 <= n; i += 8) {
+            km_v4 u, v;
+            memcpy(&u, x + i, sizeof u);
+            memcpy(&v, x + i + 4, sizeof v);
+            a0 += u * 0.0f;
+            a1 += v * 0.0f;
+            l0 = KM_SEL(u < l0, u, l0);
+            l1 = KM_SEL(v < l1, v, l1);
+            h0 = KM_SEL(u > h0, u, h0);
+            h1 = KM_SEL(v > h1, v, h1);
+        }
+        for (unsigned e = 0; e < 4; e++) {
+            lo = l0[e] < lo ? l0[e] : lo;
+            lo = l1[e] < lo ? l1[e] : lo;
+            hi = h0[e] > hi ? h0[e] : hi;
+            hi = h1[e] > hi ? h1[e] : hi;
+            acc += a0[e] + a1[e];
+        }
+    }
+    for (; i < n; i++) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+        acc += x[i] * 0.0f;
+    }
+    if ((lo == 0.0f || hi == 0.0f) && !isnan(acc)) {
+        for (i = 0; x[i] != 0.0f; i++)
+            ;
+        lo = lo == 0.0f ? x[i] : lo;
+        hi = hi == 0.0f ? x[i] : hi;
+    }
+    *lo_out = lo;
+    *hi_out = hi;
+    *bad = acc;
+}
+
 static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *body, int ref)
 {
     unsigned bits = km_bits(c), iters = (unsigned)c->p[KM_ITERS];
     size_t k = (size_t)1 << bits;
-    size_t bad = epipe_find_nonfinite(x, n);
-    if (bad < n)
+    float lo = 0.0f, hi = 0.0f, bad = 0.0f;
+    if (n)
+        km_extent(x, n, &lo, &hi, &bad);
+    if (isnan(bad)) {
+        size_t at = epipe_find_nonfinite(x, n);
         return epipe_codec_fail(c, EPIPE_EINVAL, "kmeans: value at index %zu is not finite (%g)",
-                                bad, (double)x[bad]);
+                                at, (double)x[at]);
+    }
     km_fit f = {.x = x, .n = n, .k = k, .ref = ref, .workers = ref ? 1 : epipe_codec_workers(c, n),
                 .group = ref ? 1 : KM_GROUP};
     float *cent = calloc(k, sizeof *cent);
+    uint32_t *lut = NULL;
     f.mid = malloc(k * sizeof *f.mid);
     f.tsum = malloc(k * sizeof *f.tsum);
     f.tcnt = malloc(k * sizeof *f.tcnt);
@@ -403,7 +544,7 @@ static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *bod
     int rc = EPIPE_ENOMEM;
     if (!cent || !f.mid || !f.tsum || !f.tcnt || !f.psum || !f.pcnt || !f.psq)
         goto out;
-    if (n && (rc = km_fit_codebook(&f, iters, cent)))
+    if (n && (rc = km_fit_codebook(&f, iters, lo, hi, cent)))
         goto out;
     rc = EPIPE_OK;
     for (size_t j = 0; j < k; j++)
@@ -411,9 +552,14 @@ static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *bod
     km_midpoints(cent, k, f.mid);
     uint8_t *codes = body + 4 * k;
     if (ref) {
-        km_pack_range(x, 0, n, f.mid, k, bits, 1, codes);
+        km_pack_range(x, 0, n, f.mid, k, NULL, bits, 1, codes);
     } else {
-        km_job job = {.x = x, .n = n, .k = k, .bits = bits, .mid = f.mid, .codes_out = codes};
+        /* The table pays for itself from about 2^16 values; without memory
+         * for it the binary search gives the same codes. */
+        if (n >= KM_LUT_BINS && (lut = malloc(KM_LUT_BINS * sizeof *lut)))
+            km_build_lut(f.mid, k, lut);
+        km_job job = {.x = x, .n = n, .k = k, .bits = bits, .mid = f.mid, .lut = lut,
+                      .codes_out = codes};
         if (f.workers > 1)
             epipe_parallel_run(f.workers, km_pack_task, &job);
         else
@@ -421,6 +567,7 @@ static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *bod
     }
 out:
     free(cent);
+    free(lut);
     free(f.mid);
     free(f.tsum);
     free(f.tcnt);
@@ -450,10 +597,11 @@ static void km_unpack_range(const uint8_t *in, size_t b, size_t e, const float *
     uint16_t codes[KM_CHUNK];
     for (size_t s = b; s < e; s += KM_CHUNK) {
         size_t m = e - s < KM_CHUNK ? e - s : KM_CHUNK;
-        if (ref)
-            epipe_bitunpack_ref(in + s / 8 * bits, m, bits, codes);
-        else
-            epipe_bitunpack(in + s / 8 * bits, m, bits, codes);
+        if (!ref) {
+            epipe_bitunpack_lut(in + s / 8 * bits, m, bits, cent, y + s);
+            continue;
+        }
+        epipe_bitunpack_ref(in + s / 8 * bits, m, bits, codes);
         for (size_t i = 0; i < m; i++)
             y[s + i] = cent[codes[i]]; /* codes < 2^bits by construction */
     }

@@ -164,6 +164,51 @@ static void fast_equals_reference_for_any_thread_count(void **state)
     free(z);
 }
 
+/* Above M values the fit runs on the sample and the final assignment uses
+ * the bucket table: still the reference's bytes for every thread count
+ * (zeros of both signs at the extremes, heavy tails where buckets hold
+ * several midpoints, one and many bits). The fit is no worse than the
+ * uniform grid on the sample; on all values it may lose by sampling noise
+ * (measured: 0.06% on ReLU data at 8 bits), allowed here up to 1%. */
+static void sampled_fit_equals_reference(void **state)
+{
+    (void)state;
+    const size_t N = 300000;
+    float *x = malloc(N * sizeof *x), *y = malloc(N * sizeof *y), *z = malloc(N * sizeof *z);
+    const char *specs[] = {"kmeans:bits=1,iters=3", "kmeans:bits=5", "kmeans:bits=8,iters=3",
+                           "kmeans:bits=10,iters=1"};
+    const enum test_dist dists[] = {DIST_NORMAL, DIST_RELU, DIST_LOGNORMAL};
+    for (size_t d = 0; d < 3; d++) {
+        test_fill(x, N, dists[d], 90 + d);
+        if (dists[d] == DIST_RELU)
+            for (size_t i = 0; i < N; i += 3)
+                x[i] = (i / 3) % 2 ? 0.0f : -0.0f; /* the minimum is a zero of either sign */
+        for (size_t s = 0; s < sizeof specs / sizeof specs[0]; s++) {
+            size_t lref, len;
+            uint8_t *ref = km_round_trip(specs[s], 1, 1, x, N, y, &lref);
+            for (int t = 1; t <= 2; t++) {
+                uint8_t *p = km_round_trip(specs[s], t, 0, x, N, z, &len);
+                assert_int_equal(len, lref);
+                assert_memory_equal(p, ref, len);
+                assert_memory_equal(y, z, N * sizeof *y);
+                free(p);
+            }
+            free(ref);
+        }
+        for (unsigned bits = 2; bits <= 8; bits += 6) {
+            char spec[64];
+            snprintf(spec, sizeof spec, "kmeans:bits=%u", bits);
+            double km = km_mse(spec, x, N), uq = uniform_mse(x, N, bits);
+            if (!(km <= 1.01 * uq))
+                fail_msg("dist %zu bits %u: sampled kmeans MSE %g > 1.01 x uniform %g", d, bits,
+                         km, uq);
+        }
+    }
+    free(x);
+    free(y);
+    free(z);
+}
+
 /* Centroids are sorted; all-equal data gives a table of equal centroids and
  * an exact round trip; the codebook stays within the data's range. */
 static void codebook_is_sorted_and_degenerate_data_exact(void **state)
@@ -259,6 +304,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(mse_at_most_uniform_quantization),
         cmocka_unit_test(mse_does_not_increase_with_iterations),
+        cmocka_unit_test(sampled_fit_equals_reference),
         cmocka_unit_test(fast_equals_reference_for_any_thread_count),
         cmocka_unit_test(codebook_is_sorted_and_degenerate_data_exact),
         cmocka_unit_test(bad_input_and_specs_are_named),
