@@ -8,6 +8,7 @@
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
 #include "../lib/codec/codec_impl.h"
+#include "kmeans_table.h"
 
 enum { KM_BITS, KM_ITERS };
 
@@ -199,22 +200,27 @@ static unsigned km_code_ref(const double *mid, size_t k, float v)
 
 /* One block's member sums and counts per centroid and its squared error,
  * accumulated in value order. */
+/* How a pass finds codes: all give the reference's count of midpoints. */
+enum { KM_SEARCH, KM_REF, KM_WALK, KM_TABLE };
+
 static double km_block_sums(const float *x, size_t b, size_t e, const float *cent,
-                            const double *mid, size_t k, int ref, int sorted, double *sum,
-                            uint32_t *cnt)
+                            const double *mid, const uint32_t *lut, size_t k, int how,
+                            double *sum, uint32_t *cnt)
 {
     double sq = 0;
     memset(sum, 0, k * sizeof *sum);
     memset(cnt, 0, k * sizeof *cnt);
-    unsigned walk = b < e ? km_code(mid, k, x[b]) : 0;
+    unsigned walk = b < e && how == KM_WALK ? km_code(mid, k, x[b]) : 0;
     for (size_t i = b; i < e; i++) {
         unsigned j;
-        if (ref) {
+        if (how == KM_REF) {
             j = km_code_ref(mid, k, x[i]);
-        } else if (sorted) { /* ascending values: the code only moves up */
+        } else if (how == KM_WALK) { /* ascending values: the code only moves up */
             while (mid[walk] < (double)x[i])
                 walk++;
             j = walk;
+        } else if (how == KM_TABLE) {
+            j = epipe_km_table_code(lut, mid, x[i]);
         } else {
             j = km_code(mid, k, x[i]);
         }
@@ -246,8 +252,8 @@ typedef struct km_job {
     unsigned bits;
     const float *cent;
     const double *mid;
-    const uint32_t *lut;    /* final pass: code bounds per key bucket, or NULL */
-    int sorted;             /* x is ascending */
+    const uint32_t *lut;    /* code bounds per key bucket, or NULL */
+    int how;                /* KM_SEARCH, KM_WALK or KM_TABLE */
     size_t block0, nblocks; /* this round's blocks */
     double *psum;           /* [KM_GROUP][k] */
     uint32_t *pcnt;         /* [KM_GROUP][k] */
@@ -264,72 +270,9 @@ static void km_sums_task(void *ctx, unsigned t, unsigned nt)
     epipe_split_range(j->nblocks, nt, t, 1, &lo, &hi);
     for (size_t bl = lo; bl < hi; bl++) {
         size_t b = (j->block0 + bl) * KM_BLOCK, e = b + KM_BLOCK < j->n ? b + KM_BLOCK : j->n;
-        j->psq[bl] = km_block_sums(j->x, b, e, j->cent, j->mid, j->k, 0, j->sorted,
+        j->psq[bl] = km_block_sums(j->x, b, e, j->cent, j->mid, j->lut, j->k, j->how,
                                    j->psum + bl * j->k, j->pcnt + bl * j->k);
     }
-}
-
-/* The final assignment's table: for each of the 2^16 buckets of the
- * order-preserving key's top 16 bits, the codes of the bucket's smallest
- * and largest float (lo | hi << 16). Codes grow with the value, so every
- * value of a bucket has a code in [lo, hi]; most buckets lie inside one
- * cell (lo == hi). Built by walking buckets and midpoints together. */
-#define KM_LUT_BINS 65536
-
-static inline uint32_t km_key(float v)
-{
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    return u >> 31 ? ~u : u | 0x80000000u;
-}
-
-static inline float km_unkey(uint32_t key)
-{
-    uint32_t u = key >> 31 ? key & 0x7fffffffu : ~key;
-    float v;
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
-
-static void km_build_lut(const double *mid, size_t k, uint32_t *lut)
-{
-    /* Keys below 0x00800000 are -inf and negative NaNs, above 0xff7fffff
-     * +inf and NaNs: no finite value falls there. */
-    unsigned lo = 0, hi = 0;
-    for (uint32_t b = 0; b < KM_LUT_BINS; b++) {
-        if (b < 0x0080u || b > 0xff7fu) {
-            lut[b] = (uint32_t)(k - 1) << 16;
-            continue;
-        }
-        double first = km_unkey(b << 16), last = km_unkey(b << 16 | 0xffffu);
-        while (mid[lo] < first)
-            lo++;
-        if (hi < lo)
-            hi = lo;
-        while (mid[hi] < last)
-            hi++;
-        lut[b] = lo | (uint32_t)hi << 16;
-    }
-}
-
-/* v's code from the table: the count of midpoints below v, exactly. A
- * bucket holding at most one midpoint (nearly all) needs one comparison
- * and no branch on the value; the others search [lo, hi]. */
-static inline unsigned km_code_lut(const uint32_t *lut, const double *mid, float v)
-{
-    uint32_t e = lut[km_key(v) >> 16];
-    unsigned lo = e & 0xffffu, hi = e >> 16;
-    double x = v;
-    if (hi - lo < 2)
-        return lo + (mid[lo] < x);
-    while (lo < hi) { /* the first of mid[lo..hi] that is >= x */
-        unsigned m = lo + (hi - lo) / 2;
-        if (mid[m] < x)
-            lo = m + 1;
-        else
-            hi = m;
-    }
-    return lo;
 }
 
 static void km_pack_range(const float *x, size_t b, size_t e, const double *mid, size_t k,
@@ -342,8 +285,7 @@ static void km_pack_range(const float *x, size_t b, size_t e, const double *mid,
             for (size_t i = 0; i < m; i++)
                 codes[i] = (uint16_t)km_code_ref(mid, k, x[s + i]);
         else if (lut)
-            for (size_t i = 0; i < m; i++)
-                codes[i] = (uint16_t)km_code_lut(lut, mid, x[s + i]);
+            epipe_km_table_codes(lut, mid, x + s, m, codes);
         else
             for (size_t i = 0; i < m; i++)
                 codes[i] = (uint16_t)km_code(mid, k, x[s + i]);
@@ -366,7 +308,8 @@ static void km_pack_task(void *ctx, unsigned t, unsigned nt)
 typedef struct km_fit {
     const float *x; /* the values the fit runs on: all, or the sorted sample */
     size_t n, k;
-    int ref, sorted;
+    int ref, how;   /* how the fast path finds codes (KM_SEARCH, KM_WALK, KM_TABLE) */
+    uint32_t *lut;  /* KM_TABLE: the table, rebuilt for each codebook */
     unsigned workers;
     size_t group;
     double *mid, *tsum, *psum, *psq;
@@ -383,17 +326,19 @@ static double km_pass(km_fit *f, const float *cent)
     size_t n = f->n, k = f->k, nblocks = (n + KM_BLOCK - 1) / KM_BLOCK;
     double sq = 0;
     km_midpoints(cent, k, f->mid);
+    if (!f->ref && f->how == KM_TABLE)
+        epipe_km_build_table(f->mid, k, f->lut);
     memset(f->tsum, 0, k * sizeof *f->tsum);
     memset(f->tcnt, 0, k * sizeof *f->tcnt);
     for (size_t g = 0; g < nblocks; g += f->group) {
         size_t nb = nblocks - g < f->group ? nblocks - g : f->group;
         if (f->ref) {
             size_t b = g * KM_BLOCK, e = b + KM_BLOCK < n ? b + KM_BLOCK : n;
-            f->psq[0] = km_block_sums(f->x, b, e, cent, f->mid, k, 1, 0, f->psum, f->pcnt);
+            f->psq[0] = km_block_sums(f->x, b, e, cent, f->mid, NULL, k, KM_REF, f->psum, f->pcnt);
         } else {
             km_job job = {.x = f->x, .n = n, .k = k, .cent = cent, .mid = f->mid, .block0 = g,
                           .nblocks = nb, .psum = f->psum, .pcnt = f->pcnt, .psq = f->psq,
-                          .sorted = f->sorted};
+                          .how = f->how, .lut = f->lut};
             unsigned nt = f->workers < nb ? f->workers : (unsigned)nb;
             if (nt > 1)
                 epipe_parallel_run(nt, km_sums_task, &job);
@@ -432,10 +377,12 @@ static int km_fit_codebook(km_fit *f, unsigned iters, float lo, float hi, float 
         free(bcnt);
         return EPIPE_ENOMEM;
     }
-    if (m < f->n) {
+    const float *all = f->x;
+    size_t n_all = f->n;
+    if (m < n_all) {
         f->x = s;
         f->n = m;
-        f->sorted = 1;
+        f->how = KM_WALK;
     }
     double best = INFINITY;
     for (int which = 0; which < 3; which++) {
@@ -461,6 +408,16 @@ static int km_fit_codebook(km_fit *f, unsigned iters, float lo, float hi, float 
         if (it + 1 < iters)
             km_pass(f, cent);
     }
+    if (m < n_all) {
+        /* One Lloyd update on all values: the sample sees few of a heavy
+         * tail's values, and a tail cell's mean over all of them is what
+         * the squared error on the tensor wants. */
+        f->x = all;
+        f->n = n_all;
+        f->how = f->lut ? KM_TABLE : KM_SEARCH;
+        km_pass(f, cent);
+        km_update(cent, k, f->tsum, f->tcnt);
+    }
     free(s);
     free(w);
     free(cand);
@@ -469,63 +426,13 @@ static int km_fit_codebook(km_fit *f, unsigned iters, float lo, float hi, float 
     return EPIPE_OK;
 }
 
-/* Extremes of x[0..n) (n > 0) in one vector pass; *bad becomes NaN when a
- * value is NaN or infinite. The result is the sequential scan's (the first
- * of equal extremes), so a zero extreme takes the sign of the first zero. */
-typedef float km_v4 __attribute__((vector_size(16)));
-typedef int32_t km_v4i __attribute__((vector_size(16)));
-#define KM_SEL(m, a, b) ((km_v4)((((km_v4i)(a)) & (m)) | (((km_v4i)(b)) & ~(m))))
-
-static void km_extent(const float *restrict x, size_t n, float *lo_out, float *hi_out, float *bad)
-{
-    float lo = x[0], hi = x[0], acc = 0.0f;
-    size_t i = 0;
-    if (n >= 8) {
-        km_v4 l0, l1, h0, h1, a0 = {0}, a1 = {0};
-        memcpy(&l0, x, sizeof l0);
-        l1 = h0 = h1 = l0;
-        for (; i + 8 <= n; i += 8) {
-            km_v4 u, v;
-            memcpy(&u, x + i, sizeof u);
-            memcpy(&v, x + i + 4, sizeof v);
-            a0 += u * 0.0f;
-            a1 += v * 0.0f;
-            l0 = KM_SEL(u < l0, u, l0);
-            l1 = KM_SEL(v < l1, v, l1);
-            h0 = KM_SEL(u > h0, u, h0);
-            h1 = KM_SEL(v > h1, v, h1);
-        }
-        for (unsigned e = 0; e < 4; e++) {
-            lo = l0[e] < lo ? l0[e] : lo;
-            lo = l1[e] < lo ? l1[e] : lo;
-            hi = h0[e] > hi ? h0[e] : hi;
-            hi = h1[e] > hi ? h1[e] : hi;
-            acc += a0[e] + a1[e];
-        }
-    }
-    for (; i < n; i++) {
-        lo = x[i] < lo ? x[i] : lo;
-        hi = x[i] > hi ? x[i] : hi;
-        acc += x[i] * 0.0f;
-    }
-    if ((lo == 0.0f || hi == 0.0f) && !isnan(acc)) {
-        for (i = 0; x[i] != 0.0f; i++)
-            ;
-        lo = lo == 0.0f ? x[i] : lo;
-        hi = hi == 0.0f ? x[i] : hi;
-    }
-    *lo_out = lo;
-    *hi_out = hi;
-    *bad = acc;
-}
-
 static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *body, int ref)
 {
     unsigned bits = km_bits(c), iters = (unsigned)c->p[KM_ITERS];
     size_t k = (size_t)1 << bits;
     float lo = 0.0f, hi = 0.0f, bad = 0.0f;
     if (n)
-        km_extent(x, n, &lo, &hi, &bad);
+        epipe_km_extent(x, n, &lo, &hi, &bad);
     if (isnan(bad)) {
         size_t at = epipe_find_nonfinite(x, n);
         return epipe_codec_fail(c, EPIPE_EINVAL, "kmeans: value at index %zu is not finite (%g)",
@@ -534,7 +441,10 @@ static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *bod
     km_fit f = {.x = x, .n = n, .k = k, .ref = ref, .workers = ref ? 1 : epipe_codec_workers(c, n),
                 .group = ref ? 1 : KM_GROUP};
     float *cent = calloc(k, sizeof *cent);
-    uint32_t *lut = NULL;
+    /* The table pays for itself from about 2^16 values; without memory for
+     * it the binary search gives the same codes. */
+    uint32_t *lut = !ref && n >= EPIPE_KM_TABLE ? malloc(EPIPE_KM_TABLE * sizeof *lut) : NULL;
+    f.lut = lut;
     f.mid = malloc(k * sizeof *f.mid);
     f.tsum = malloc(k * sizeof *f.tsum);
     f.tcnt = malloc(k * sizeof *f.tcnt);
@@ -554,10 +464,8 @@ static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *bod
     if (ref) {
         km_pack_range(x, 0, n, f.mid, k, NULL, bits, 1, codes);
     } else {
-        /* The table pays for itself from about 2^16 values; without memory
-         * for it the binary search gives the same codes. */
-        if (n >= KM_LUT_BINS && (lut = malloc(KM_LUT_BINS * sizeof *lut)))
-            km_build_lut(f.mid, k, lut);
+        if (lut)
+            epipe_km_build_table(f.mid, k, lut);
         km_job job = {.x = x, .n = n, .k = k, .bits = bits, .mid = f.mid, .lut = lut,
                       .codes_out = codes};
         if (f.workers > 1)
