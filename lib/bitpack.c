@@ -20,6 +20,29 @@
 #endif
 #define BP_INLINE static inline __attribute__((always_inline))
 
+#if defined(__x86_64__) && defined(__GNUC__) && BP_LE
+#include <immintrin.h>
+#define BP_X86 1
+#else
+#define BP_X86 0
+#endif
+
+static int use_simd = 1;
+
+int epipe_bitpack_set_simd(int on)
+{
+    return __atomic_exchange_n(&use_simd, on ? 1 : 0, __ATOMIC_RELAXED);
+}
+
+static int simd_avx2(void)
+{
+#if BP_X86
+    return __atomic_load_n(&use_simd, __ATOMIC_RELAXED) && __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
 void epipe_bitpack_ref(const uint16_t *codes, size_t n, unsigned w, uint8_t *out)
 {
     memset(out, 0, epipe_bitpack_bytes(n, w));
@@ -140,6 +163,54 @@ BP_INLINE void unpack_groups(const uint8_t *restrict in, size_t g, unsigned W,
     }
 }
 
+#if BP_X86
+/* Widths 2..6 with AVX2, 32 codes (4W bytes) a step: codes to bytes, then
+ * neighbours merged by multiply-adds (pairs: c0 + c1 * 2^W, quads: p0 + p1
+ * * 2^2W, then two quads per 64-bit lane), then each lane's W low bytes
+ * moved together by a byte shuffle. A step stores 16 bytes at 2W past its
+ * start, so steps run while that stays inside the g*W bytes of the range;
+ * the rest is left to the caller. Returns the groups of 8 done. */
+static inline __attribute__((always_inline, target("avx2"))) size_t
+pack_avx2_w(const uint16_t *restrict c, size_t g, unsigned W, uint8_t *restrict out)
+{
+    const __m256i m1 = _mm256_set1_epi16((short)(1 | 1 << (W + 8)));
+    const __m256i m2 = _mm256_set1_epi32(1 | 1 << (2 * W + 16));
+    const __m256i lo32 = _mm256_set1_epi64x(0xffffffffll);
+    const __m128i up = _mm_cvtsi32_si128(32 - 4 * (int)W);
+    const __m256i keep = _mm256_set1_epi64x(~((1ll << (4 * W)) - 1));
+    uint8_t ctl[16];
+    for (unsigned i = 0; i < 16; i++)
+        ctl[i] = i < W ? (uint8_t)i : i < 2 * W ? (uint8_t)(8 + i - W) : 0x80;
+    const __m256i shuf = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)ctl));
+    size_t bytes = g * W, t = 0;
+    for (; t * 4 * W + 2 * W + 16 <= bytes; t++) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(c + 32 * t));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(c + 32 * t + 16));
+        __m256i v = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xd8);
+        v = _mm256_madd_epi16(_mm256_maddubs_epi16(v, m1), m2);
+        v = _mm256_or_si256(_mm256_and_si256(v, lo32),
+                            _mm256_and_si256(_mm256_srl_epi64(v, up), keep));
+        v = _mm256_shuffle_epi8(v, shuf);
+        _mm_storeu_si128((__m128i *)(out + 4 * W * t), _mm256_castsi256_si128(v));
+        _mm_storeu_si128((__m128i *)(out + 4 * W * t + 2 * W), _mm256_extracti128_si256(v, 1));
+    }
+    return 4 * t;
+}
+
+static __attribute__((target("avx2"))) size_t pack_avx2(const uint16_t *c, size_t g, unsigned w,
+                                                        uint8_t *out)
+{
+    switch (w) {
+    case 2: return pack_avx2_w(c, g, 2, out);
+    case 3: return pack_avx2_w(c, g, 3, out);
+    case 4: return pack_avx2_w(c, g, 4, out);
+    case 5: return pack_avx2_w(c, g, 5, out);
+    case 6: return pack_avx2_w(c, g, 6, out);
+    }
+    return 0;
+}
+#endif
+
 BP_CLONES void epipe_bitpack(const uint16_t *codes, size_t n, unsigned w, uint8_t *out)
 {
     if (w == 8) {
@@ -154,7 +225,16 @@ BP_CLONES void epipe_bitpack(const uint16_t *codes, size_t n, unsigned w, uint8_
         }
         return;
     }
-    size_t g = w < 8 ? n / 8 : 0;
+    size_t g = w < 8 ? n / 8 : 0, done = 0;
+#if BP_X86
+    if (g >= 8 && simd_avx2()) {
+        done = pack_avx2(codes, g, w, out);
+        codes += 8 * done;
+        out += w * done;
+        n -= 8 * done;
+        g -= done;
+    }
+#endif
     switch (g ? w : 0) {
     case 1: pack_groups(codes, g, 1, out); break;
     case 2: pack_groups(codes, g, 2, out); break;
@@ -194,13 +274,6 @@ BP_CLONES void epipe_bitunpack(const uint8_t *in, size_t n, unsigned w, uint16_t
 
 /* ---- unpack through a table of floats ---------------------------------- */
 
-static int use_simd = 1;
-
-int epipe_bitpack_set_simd(int on)
-{
-    return __atomic_exchange_n(&use_simd, on ? 1 : 0, __ATOMIC_RELAXED);
-}
-
 void epipe_bitunpack_lut_ref(const uint8_t *in, size_t n, unsigned w, const float *lut, float *y)
 {
     for (size_t i = 0; i < n; i++) {
@@ -226,9 +299,7 @@ BP_INLINE void lut_groups(const uint8_t *restrict in, size_t g, unsigned W,
     }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define BP_X86 1
+#if BP_X86
 
 /* Widths 1..4: the table (at most 16 floats) lives in two registers; the
  * 8 codes of a group (at most 4 bytes) are shifted into 8 lanes and looked
@@ -270,8 +341,6 @@ static __attribute__((target("avx2"))) int lut_avx2(const uint8_t *in, size_t g,
     }
     return 0;
 }
-#else
-#define BP_X86 0
 #endif
 
 void epipe_bitunpack_lut(const uint8_t *in, size_t n, unsigned w, const float *lut, float *y)
@@ -288,8 +357,7 @@ void epipe_bitunpack_lut(const uint8_t *in, size_t n, unsigned w, const float *l
     }
     size_t g = w < 8 ? n / 8 : 0, done = 0;
 #if BP_X86
-    if (g && BP_LE && __atomic_load_n(&use_simd, __ATOMIC_RELAXED) &&
-        __builtin_cpu_supports("avx2") && lut_avx2(in, g, w, lut, y))
+    if (g && simd_avx2() && lut_avx2(in, g, w, lut, y))
         done = g;
 #endif
     if (!done) {

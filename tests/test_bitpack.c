@@ -24,9 +24,11 @@ static void fill_codes(uint16_t *c, size_t n, unsigned w, uint64_t seed)
 static void every_width_matches_reference(void **state)
 {
     (void)state;
-    const size_t sizes[] = {0, 1, 7, 8, 9, 63, 1000, 4099};
+    const size_t sizes[] = {0, 1, 7, 8, 9, 63, 64, 65, 95, 96, 97, 127, 128, 129, 1000, 4099};
+    for (int simd = 0; simd < 2; simd++)
     for (unsigned w = 1; w <= 16; w++)
         for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+            int was = epipe_bitpack_set_simd(simd);
             size_t n = sizes[s], nb = epipe_bitpack_bytes(n, w);
             uint16_t *codes = calloc(n + 1, 2), *back = calloc(n + 1, 2), *back_ref = calloc(n + 1, 2);
             uint8_t *fast = calloc(nb + 1, 1), *ref = calloc(nb + 1, 1);
@@ -41,6 +43,7 @@ static void every_width_matches_reference(void **state)
             assert_memory_equal(back, codes, n * 2);
             assert_memory_equal(back_ref, codes, n * 2);
             free(codes), free(back), free(back_ref), free(fast), free(ref);
+            epipe_bitpack_set_simd(was);
         }
 }
 
@@ -77,7 +80,9 @@ static void aligned_ranges_pack_independently(void **state)
 static void ranges_pack_in_any_order_without_spilling(void **state)
 {
     (void)state;
-    for (unsigned w = 1; w <= 16; w++) {
+    for (unsigned sw = 0; sw < 32; sw++) {
+        unsigned w = sw % 16 + 1;
+        int was = epipe_bitpack_set_simd(sw < 16);
         size_t n = 1003, nb = epipe_bitpack_bytes(n, w);
         uint16_t codes[1003];
         uint8_t whole[2100], parts[2100];
@@ -92,6 +97,11 @@ static void ranges_pack_in_any_order_without_spilling(void **state)
         epipe_bitpack(codes, 64, w, parts); /* whole groups only */
         assert_memory_equal(whole, parts, 8 * w);
         assert_int_equal(parts[8 * w], 0xaa);
+        memset(parts, 0xaa, sizeof parts);
+        epipe_bitpack(codes, 512, w, parts); /* many vector steps, then the edge */
+        assert_memory_equal(whole, parts, 64 * w);
+        assert_int_equal(parts[64 * w], 0xaa);
+        epipe_bitpack_set_simd(was);
     }
 }
 
