@@ -8,7 +8,7 @@
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
 #include "../lib/codec/codec_impl.h"
-#include "kmeans_table.h"
+#include "kmeans_impl.h"
 
 enum { KM_BITS, KM_ITERS };
 
@@ -169,16 +169,6 @@ static void km_init_uniform(float lo, float hi, float *cent, size_t k)
     km_make_sorted(cent, k);
 }
 
-/* Decision boundaries: mid[j] is halfway between centroids j and j+1 (exact
- * in double); mid[k-1] = +inf. A value's code is the number of mid[] below
- * it: its nearest centroid, ties going to the lower one. */
-static void km_midpoints(const float *cent, size_t k, double *mid)
-{
-    for (size_t j = 0; j + 1 < k; j++)
-        mid[j] = ((double)cent[j] + (double)cent[j + 1]) * 0.5;
-    mid[k - 1] = INFINITY;
-}
-
 /* Branchless binary search over the k (a power of two) sorted mid[]. */
 static inline unsigned km_code(const double *mid, size_t k, float v)
 {
@@ -189,41 +179,16 @@ static inline unsigned km_code(const double *mid, size_t k, float v)
     return (unsigned)base;
 }
 
-/* The reference: count the boundaries below v one by one. */
-static unsigned km_code_ref(const double *mid, size_t k, float v)
-{
-    unsigned code = 0;
-    for (size_t j = 0; j < k; j++)
-        code += mid[j] < (double)v;
-    return code;
-}
-
 /* One block's member sums and counts per centroid and its squared error,
  * accumulated in value order. */
-/* How a pass finds codes: all give the reference's count of midpoints. */
-enum { KM_SEARCH, KM_REF, KM_WALK, KM_TABLE };
-
 static double km_block_sums(const float *x, size_t b, size_t e, const float *cent,
-                            const double *mid, const uint32_t *lut, size_t k, int how,
-                            double *sum, uint32_t *cnt)
+                            const double *mid, size_t k, int ref, double *sum, uint32_t *cnt)
 {
     double sq = 0;
     memset(sum, 0, k * sizeof *sum);
     memset(cnt, 0, k * sizeof *cnt);
-    unsigned walk = b < e && how == KM_WALK ? km_code(mid, k, x[b]) : 0;
     for (size_t i = b; i < e; i++) {
-        unsigned j;
-        if (how == KM_REF) {
-            j = km_code_ref(mid, k, x[i]);
-        } else if (how == KM_WALK) { /* ascending values: the code only moves up */
-            while (mid[walk] < (double)x[i])
-                walk++;
-            j = walk;
-        } else if (how == KM_TABLE) {
-            j = epipe_km_table_code(lut, mid, x[i]);
-        } else {
-            j = km_code(mid, k, x[i]);
-        }
+        unsigned j = ref ? epipe_km_code_ref(mid, k, x[i]) : km_code(mid, k, x[i]);
         double d = (double)x[i] - (double)cent[j];
         sum[j] += x[i];
         cnt[j]++;
@@ -252,8 +217,7 @@ typedef struct km_job {
     unsigned bits;
     const float *cent;
     const double *mid;
-    const uint32_t *lut;    /* code bounds per key bucket, or NULL */
-    int how;                /* KM_SEARCH, KM_WALK or KM_TABLE */
+    const uint32_t *lut;    /* final pass: code bounds per key bucket, or NULL */
     size_t block0, nblocks; /* this round's blocks */
     double *psum;           /* [KM_GROUP][k] */
     uint32_t *pcnt;         /* [KM_GROUP][k] */
@@ -270,8 +234,8 @@ static void km_sums_task(void *ctx, unsigned t, unsigned nt)
     epipe_split_range(j->nblocks, nt, t, 1, &lo, &hi);
     for (size_t bl = lo; bl < hi; bl++) {
         size_t b = (j->block0 + bl) * KM_BLOCK, e = b + KM_BLOCK < j->n ? b + KM_BLOCK : j->n;
-        j->psq[bl] = km_block_sums(j->x, b, e, j->cent, j->mid, j->lut, j->k, j->how,
-                                   j->psum + bl * j->k, j->pcnt + bl * j->k);
+        j->psq[bl] = km_block_sums(j->x, b, e, j->cent, j->mid, j->k, 0, j->psum + bl * j->k,
+                                   j->pcnt + bl * j->k);
     }
 }
 
@@ -283,7 +247,7 @@ static void km_pack_range(const float *x, size_t b, size_t e, const double *mid,
         size_t m = e - s < KM_CHUNK ? e - s : KM_CHUNK;
         if (ref)
             for (size_t i = 0; i < m; i++)
-                codes[i] = (uint16_t)km_code_ref(mid, k, x[s + i]);
+                codes[i] = (uint16_t)epipe_km_code_ref(mid, k, x[s + i]);
         else if (lut)
             epipe_km_table_codes(lut, mid, x + s, m, codes);
         else
@@ -306,10 +270,9 @@ static void km_pack_task(void *ctx, unsigned t, unsigned nt)
 
 /* Everything one fit needs, allocated once per encode. */
 typedef struct km_fit {
-    const float *x; /* the values the fit runs on: all, or the sorted sample */
+    const float *x;
     size_t n, k;
-    int ref, how;   /* how the fast path finds codes (KM_SEARCH, KM_WALK, KM_TABLE) */
-    uint32_t *lut;  /* KM_TABLE: the table, rebuilt for each codebook */
+    int ref;
     unsigned workers;
     size_t group;
     double *mid, *tsum, *psum, *psq;
@@ -325,20 +288,17 @@ static double km_pass(km_fit *f, const float *cent)
 {
     size_t n = f->n, k = f->k, nblocks = (n + KM_BLOCK - 1) / KM_BLOCK;
     double sq = 0;
-    km_midpoints(cent, k, f->mid);
-    if (!f->ref && f->how == KM_TABLE)
-        epipe_km_build_table(f->mid, k, f->lut);
+    epipe_km_midpoints(cent, k, f->mid);
     memset(f->tsum, 0, k * sizeof *f->tsum);
     memset(f->tcnt, 0, k * sizeof *f->tcnt);
     for (size_t g = 0; g < nblocks; g += f->group) {
         size_t nb = nblocks - g < f->group ? nblocks - g : f->group;
         if (f->ref) {
             size_t b = g * KM_BLOCK, e = b + KM_BLOCK < n ? b + KM_BLOCK : n;
-            f->psq[0] = km_block_sums(f->x, b, e, cent, f->mid, NULL, k, KM_REF, f->psum, f->pcnt);
+            f->psq[0] = km_block_sums(f->x, b, e, cent, f->mid, k, 1, f->psum, f->pcnt);
         } else {
             km_job job = {.x = f->x, .n = n, .k = k, .cent = cent, .mid = f->mid, .block0 = g,
-                          .nblocks = nb, .psum = f->psum, .pcnt = f->pcnt, .psq = f->psq,
-                          .how = f->how, .lut = f->lut};
+                          .nblocks = nb, .psum = f->psum, .pcnt = f->pcnt, .psq = f->psq};
             unsigned nt = f->workers < nb ? f->workers : (unsigned)nb;
             if (nt > 1)
                 epipe_parallel_run(nt, km_sums_task, &job);
@@ -354,6 +314,54 @@ static double km_pass(km_fit *f, const float *cent)
         }
     }
     return sq;
+}
+
+/* The sampled fit (n > M, so m >= 65536): the starts scored and Lloyd
+ * iterated on the weighted fit set. */
+static int km_fit_weighted(km_fit *f, unsigned iters, const float *s, size_t m, double *w,
+                           float lo, float hi, float *cand, float *cent)
+{
+    size_t k = f->k;
+    float *fx = NULL;
+    double *fw = NULL;
+    size_t nf = epipe_km_fit_set(f->x, f->n, s, m, &fx, &fw);
+    if (nf == SIZE_MAX)
+        return EPIPE_ENOMEM;
+    double *tw = malloc(k * sizeof *tw), *bsum = malloc(k * sizeof *bsum);
+    double *bw = malloc(k * sizeof *bw);
+    int rc = EPIPE_OK;
+    if (!tw || !bsum || !bw) {
+        rc = EPIPE_ENOMEM;
+    } else {
+        double best = INFINITY;
+        for (int which = 0; which < 3; which++) {
+            if (which == 0)
+                km_init_quantiles(s, m, cand, k);
+            else if (which == 1 && !km_init_panter_dite(s, m, cand, k, w))
+                continue;
+            else if (which == 2)
+                km_init_uniform(lo, hi, cand, k);
+            double sq = epipe_km_wpass(fx, fw, nf, cand, f->mid, k, f->ref, f->tsum, tw);
+            if (sq < best) {
+                best = sq;
+                memcpy(cent, cand, k * sizeof *cent);
+                memcpy(bsum, f->tsum, k * sizeof *bsum);
+                memcpy(bw, tw, k * sizeof *bw);
+            }
+        }
+        for (unsigned it = 0; it < iters; it++) {
+            if (!epipe_km_wupdate(cent, k, bsum, bw))
+                break;
+            if (it + 1 < iters)
+                epipe_km_wpass(fx, fw, nf, cent, f->mid, k, f->ref, bsum, bw);
+        }
+    }
+    free(fx);
+    free(fw);
+    free(tw);
+    free(bsum);
+    free(bw);
+    return rc;
 }
 
 /* Fits the codebook into cent[0..k): the best of the candidate starts (by
@@ -377,12 +385,14 @@ static int km_fit_codebook(km_fit *f, unsigned iters, float lo, float hi, float 
         free(bcnt);
         return EPIPE_ENOMEM;
     }
-    const float *all = f->x;
-    size_t n_all = f->n;
-    if (m < n_all) {
-        f->x = s;
-        f->n = m;
-        f->how = KM_WALK;
+    if (m < f->n) {
+        int rc = km_fit_weighted(f, iters, s, m, w, lo, hi, cand, cent);
+        free(s);
+        free(w);
+        free(cand);
+        free(bsum);
+        free(bcnt);
+        return rc;
     }
     double best = INFINITY;
     for (int which = 0; which < 3; which++) {
@@ -407,16 +417,6 @@ static int km_fit_codebook(km_fit *f, unsigned iters, float lo, float hi, float 
             break; /* a fixed point: further iterations change nothing */
         if (it + 1 < iters)
             km_pass(f, cent);
-    }
-    if (m < n_all) {
-        /* One Lloyd update on all values: the sample sees few of a heavy
-         * tail's values, and a tail cell's mean over all of them is what
-         * the squared error on the tensor wants. */
-        f->x = all;
-        f->n = n_all;
-        f->how = f->lut ? KM_TABLE : KM_SEARCH;
-        km_pass(f, cent);
-        km_update(cent, k, f->tsum, f->tcnt);
     }
     free(s);
     free(w);
@@ -444,7 +444,6 @@ static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *bod
     /* The table pays for itself from about 2^16 values; without memory for
      * it the binary search gives the same codes. */
     uint32_t *lut = !ref && n >= EPIPE_KM_TABLE ? malloc(EPIPE_KM_TABLE * sizeof *lut) : NULL;
-    f.lut = lut;
     f.mid = malloc(k * sizeof *f.mid);
     f.tsum = malloc(k * sizeof *f.tsum);
     f.tcnt = malloc(k * sizeof *f.tcnt);
@@ -459,7 +458,7 @@ static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *bod
     rc = EPIPE_OK;
     for (size_t j = 0; j < k; j++)
         epipe_put_f32(body + 4 * j, cent[j]);
-    km_midpoints(cent, k, f.mid);
+    epipe_km_midpoints(cent, k, f.mid);
     uint8_t *codes = body + 4 * k;
     if (ref) {
         km_pack_range(x, 0, n, f.mid, k, NULL, bits, 1, codes);

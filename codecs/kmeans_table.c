@@ -1,6 +1,6 @@
 /* kmeans's fast assignment and extent: the 2^16-bucket table of code
  * bounds for the final pass, and the one-pass extremes of a tensor. */
-#include "kmeans_table.h"
+#include "kmeans_impl.h"
 
 #include <math.h>
 #include <string.h>
