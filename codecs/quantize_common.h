@@ -141,7 +141,8 @@ int epipe_q_code_avx2(const float *x, size_t n, const epipe_qtab *t, uint16_t *c
  * output. Not exported; codec handles have their own per-handle switch to
  * the scalar reference (epipe_codec_use_reference, codec_impl.h). */
 int epipe_q_set_simd(int on);
-/* The current setting; cast's F16C kernels follow it too. */
+/* The current setting; cast's and topk's x86 kernels follow it too, and
+ * it sets lib/bitpack's switch (epipe_bitpack_set_simd). */
 int epipe_q_simd_enabled(void);
 
 /* Rejects NaN and infinity by index (EPIPE_EINVAL on the codec). */

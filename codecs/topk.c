@@ -102,6 +102,10 @@ typedef struct topk_job {
     uint8_t *idx, *val;
     unsigned w;
     int x86;               /* pass 3 may use AVX2 */
+    uint32_t wlo, whi;     /* window pass: the magnitudes collected */
+    uint32_t *wcand;       /* window pass: [nt][wcap] magnitudes in the window */
+    size_t wcap;
+    uint64_t *wabove, *wcount, *wbad; /* per range: > whi, in window, non-finite */
 } topk_job;
 
 static void topk_hist_task(void *ctx, unsigned t, unsigned nt)
@@ -311,6 +315,273 @@ static uint32_t topk_pick_bin(const uint64_t *h, uint64_t *need)
     return 0; /* unreachable: need <= n */
 }
 
+/* ---- the window pass: one read instead of histogram + collect ----------
+ * From n >= TOPK_WINDOW_MIN a strided sample of TOPK_SAMPLE magnitudes,
+ * sorted, gives a window [wlo, whi] that holds the k-th largest with
+ * overwhelming probability (its sample rank +- 4 standard deviations + 64).
+ * One pass per range counts the entries above the window and copies the
+ * window's magnitudes in index order. When the k-th largest is not in the
+ * window, or a range's copy would overflow, the histogram passes run
+ * instead; both find the same T exactly, so the bytes never depend on it. */
+
+#define TOPK_WINDOW_MIN ((size_t)1 << 18)
+#define TOPK_SAMPLE 65536
+
+#if TOPK_X86
+/* The window pass with AVX2: 8 entries a step, counted by compares and the
+ * window's lanes packed to the front of the candidate buffer by one permute
+ * (the buffer has 8 slots of slack). Counts as the portable loop. */
+static __attribute__((target("avx2,popcnt"))) void topk_window_avx2(topk_job *j, size_t b,
+                                                                    size_t e, unsigned t)
+{
+    const float *restrict x = j->x;
+    uint32_t *restrict c = j->wcand + (size_t)t * (j->wcap + 8);
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff);
+    const __m256i lo1 = _mm256_set1_epi32((int)(j->wlo - 1)), hi = _mm256_set1_epi32((int)j->whi);
+    const __m256i inf1 = _mm256_set1_epi32(0x7f7fffff);
+    const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), seven = _mm256_set1_epi32(7);
+    __m256i above = _mm256_setzero_si256(), bad = _mm256_setzero_si256();
+    size_t cnt = 0, cap = j->wcap, i = b;
+    uint64_t ab = 0, nf = 0;
+    for (; i + 8 <= e; i += 8) {
+        __m256i m = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), absm);
+        __m256i gt = _mm256_cmpgt_epi32(m, hi); /* magnitudes are < 2^31: signed works */
+        above = _mm256_sub_epi32(above, gt);
+        bad = _mm256_sub_epi32(bad, _mm256_cmpgt_epi32(m, inf1));
+        __m256i in = _mm256_andnot_si256(gt, _mm256_cmpgt_epi32(m, lo1));
+        unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(in));
+        if (mask) {
+            __m256i perm = _mm256_and_si256(
+                _mm256_srlv_epi32(_mm256_set1_epi32((int)topk_pack_lanes[mask]), sh), seven);
+            _mm256_storeu_si256((__m256i *)(c + cnt), _mm256_permutevar8x32_epi32(m, perm));
+            cnt += (unsigned)__builtin_popcount(mask);
+            if (cnt > cap)
+                break;
+        }
+        if ((i - b) % ((size_t)1 << 24) == 0) { /* 32-bit lane counts: drain now and then */
+            uint32_t tmp[8];
+            _mm256_storeu_si256((__m256i *)tmp, above);
+            for (unsigned l = 0; l < 8; l++)
+                ab += tmp[l];
+            _mm256_storeu_si256((__m256i *)tmp, bad);
+            for (unsigned l = 0; l < 8; l++)
+                nf += tmp[l];
+            above = bad = _mm256_setzero_si256();
+        }
+    }
+    uint32_t tmp[8];
+    _mm256_storeu_si256((__m256i *)tmp, above);
+    for (unsigned l = 0; l < 8; l++)
+        ab += tmp[l];
+    _mm256_storeu_si256((__m256i *)tmp, bad);
+    for (unsigned l = 0; l < 8; l++)
+        nf += tmp[l];
+    for (; i < e && cnt <= cap; i++) {
+        uint32_t m = mag(x[i]);
+        ab += m > j->whi;
+        nf += m >= 0x7f800000u;
+        if (m >= j->wlo && m <= j->whi)
+            c[cnt++] = m;
+    }
+    j->wcount[t] = cnt > cap ? SIZE_MAX : cnt;
+    j->wabove[t] = ab;
+    j->wbad[t] = nf;
+}
+#endif
+
+static void topk_window_task(void *ctx, unsigned t, unsigned nt)
+{
+    topk_job *j = ctx;
+    size_t b, e;
+    epipe_split_range(j->n, nt, t, 1, &b, &e);
+#if TOPK_X86
+    if (j->x86) {
+        topk_window_avx2(j, b, e, t);
+        return;
+    }
+#endif
+    const float *restrict x = j->x;
+    const uint32_t lo = j->wlo, hi = j->whi;
+    uint32_t *restrict c = j->wcand + (size_t)t * (j->wcap + 8);
+    size_t cnt = 0, cap = j->wcap;
+    uint64_t above = 0, bad = 0;
+    size_t i = b;
+    for (; i < e; i += 16) {
+        size_t end = e - i < 16 ? e : i + 16;
+        unsigned any = 0, ab = 0, nf = 0;
+        for (size_t l = i; l < end; l++) {
+            uint32_t m = mag(x[l]);
+            ab += m > hi;
+            nf += m >= 0x7f800000u;
+            any |= (m >= lo) & (m <= hi);
+        }
+        above += ab;
+        bad += nf;
+        if (!any)
+            continue;
+        for (size_t l = i; l < end; l++) {
+            uint32_t m = mag(x[l]);
+            if (m >= lo && m <= hi) {
+                if (cnt == cap) { /* overflow: the caller falls back */
+                    j->wcount[t] = SIZE_MAX;
+                    j->wabove[t] = above;
+                    j->wbad[t] = bad;
+                    return;
+                }
+                c[cnt++] = m;
+            }
+        }
+    }
+    j->wcount[t] = cnt;
+    j->wabove[t] = above;
+    j->wbad[t] = bad;
+}
+
+/* Sorts a[0..n) ascending (two 16-bit LSD passes; cnt has 65536 slots). */
+static void topk_sort_u32(uint32_t *a, uint32_t *tmp, size_t n, uint32_t *cnt)
+{
+    for (unsigned sh = 0; sh < 32; sh += 16) {
+        memset(cnt, 0, TOPK_BINS * sizeof *cnt);
+        for (size_t i = 0; i < n; i++)
+            cnt[a[i] >> sh & 0xffffu]++;
+        uint32_t sum = 0;
+        for (size_t b = 0; b < TOPK_BINS; b++) {
+            uint32_t v = cnt[b];
+            cnt[b] = sum;
+            sum += v;
+        }
+        for (size_t i = 0; i < n; i++)
+            tmp[cnt[a[i] >> sh & 0xffffu]++] = a[i];
+        memcpy(a, tmp, n * sizeof *a);
+    }
+}
+
+/* Finds T and the per-range counts through the window; 1 when it did,
+ * 0 when the caller must use the histograms, -1 on a non-finite value
+ * (reported), -2 without memory. gt, eq: per range > T and == T. */
+static int topk_by_window(topk_job *j, uint64_t k, uint64_t *gt, uint64_t *eq,
+                          uint64_t *scratch)
+{
+    size_t n = j->n, S = TOPK_SAMPLE;
+    unsigned nt = j->nt;
+    uint32_t *smp = malloc(2 * S * sizeof *smp);
+    if (!smp)
+        return -2;
+    for (size_t i = 0; i < S; i++)
+        smp[i] = mag(j->x[(size_t)((uint64_t)i * n / S)]);
+    topk_sort_u32(smp, smp + S, S, (uint32_t *)scratch);
+    double p = (double)k / (double)n, sd = sqrt((double)S * p * (1 - p));
+    double r = p * (double)S, margin = 4 * sd + 64; /* descending rank of T in the sample */
+    size_t top = r - margin < 1 ? 1 : (size_t)(r - margin);            /* rank of whi */
+    size_t bot = r + margin > (double)S ? S : (size_t)(r + margin) + 1; /* rank of wlo */
+    j->whi = top <= 1 ? 0x7fffffffu : smp[S - top]; /* no bound: every magnitude */
+    j->wlo = smp[S - bot];
+    free(smp);
+    double frac = (double)(bot - top + 1) / (double)S;
+    j->wcap = (size_t)(2 * frac * (double)n / nt) + 4096;
+    if (j->wcap > n / nt + 1)
+        j->wcap = n / nt + 1;
+    j->wcand = malloc((size_t)nt * (j->wcap + 8) * sizeof *j->wcand);
+    uint64_t *cnts = malloc(3 * (size_t)nt * sizeof *cnts);
+    if (!j->wcand || !cnts) {
+        free(j->wcand);
+        free(cnts);
+        return -2;
+    }
+    j->wabove = cnts;
+    j->wcount = cnts + nt;
+    j->wbad = cnts + 2 * (size_t)nt;
+    run(nt, topk_window_task, j);
+    uint64_t above = 0, ncand = 0, bad = 0;
+    int fits = 1;
+    for (unsigned t = 0; t < nt; t++) {
+        bad += j->wbad[t];
+        above += j->wabove[t];
+        if (j->wcount[t] == SIZE_MAX)
+            fits = 0;
+        else
+            ncand += j->wcount[t];
+    }
+    int rc = 1;
+    if (bad) {
+        rc = -1;
+    } else if (!fits || !(above < k && k <= above + ncand)) {
+        rc = 0;
+    } else {
+        /* The (k - above)-th largest of the candidates, by 16-bit halves. */
+        uint64_t need = k - above;
+        memset(scratch, 0, TOPK_BINS * sizeof *scratch);
+        for (unsigned t = 0; t < nt; t++)
+            for (size_t i = 0; i < j->wcount[t]; i++)
+                scratch[j->wcand[(size_t)t * (j->wcap + 8) + i] >> 16]++;
+        uint32_t hi16 = topk_pick_bin(scratch, &need);
+        memset(scratch, 0, TOPK_BINS * sizeof *scratch);
+        for (unsigned t = 0; t < nt; t++)
+            for (size_t i = 0; i < j->wcount[t]; i++) {
+                uint32_t m = j->wcand[(size_t)t * (j->wcap + 8) + i];
+                if (m >> 16 == hi16)
+                    scratch[m & 0xffffu]++;
+            }
+        j->thr = hi16 << 16 | topk_pick_bin(scratch, &need);
+        for (unsigned t = 0; t < nt; t++) {
+            gt[t] = j->wabove[t];
+            eq[t] = 0;
+            for (size_t i = 0; i < j->wcount[t]; i++) {
+                uint32_t m = j->wcand[(size_t)t * (j->wcap + 8) + i];
+                gt[t] += m > j->thr;
+                eq[t] += m == j->thr;
+            }
+        }
+    }
+    free(j->wcand);
+    free(cnts);
+    return rc;
+}
+
+/* The histogram path's second half: from the merged histogram of all
+ * magnitudes, T and the per-range counts gt (> T) and eq (== T). */
+static int topk_by_histograms(epipe_codec *c, topk_job *j, uint64_t k, uint64_t *merged,
+                              uint64_t *gt, uint64_t *eq)
+{
+    unsigned nt = j->nt;
+    uint64_t need = k;
+    j->bin = topk_pick_bin(merged, &need);
+    /* Above bin B, per range: from the histograms. */
+    uint64_t ncand = merged[j->bin];
+    for (unsigned t = 0; t < nt; t++) {
+        const uint32_t *h = j->hist + (size_t)t * TOPK_BINS;
+        gt[t] = 0;
+        for (uint32_t bin = j->bin + 1; bin < TOPK_BINS; bin++)
+            gt[t] += h[bin];
+    }
+    j->coff = j->off; /* reused: pass 2 runs before the offsets are set */
+    uint64_t co = 0;
+    for (unsigned t = 0; t < nt; t++) {
+        j->coff[t] = co;
+        co += j->hist[(size_t)t * TOPK_BINS + j->bin];
+    }
+    j->cand = malloc((size_t)ncand * sizeof *j->cand);
+    if (!j->cand)
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "topk: out of memory for %llu candidates",
+                                (unsigned long long)ncand);
+    run(nt, topk_collect_task, j);
+    memset(merged, 0, TOPK_BINS * sizeof *merged);
+    for (uint64_t i = 0; i < ncand; i++)
+        merged[j->cand[i]]++;
+    uint32_t low = topk_pick_bin(merged, &need);
+    j->thr = j->bin << 16 | low;
+    for (unsigned t = 0; t < nt; t++) {
+        uint64_t cb = j->coff[t], ce = t + 1 < nt ? j->coff[t + 1] : ncand;
+        eq[t] = 0;
+        for (uint64_t i = cb; i < ce; i++) {
+            gt[t] += j->cand[i] > low;
+            eq[t] += j->cand[i] == low;
+        }
+    }
+    free(j->cand);
+    return EPIPE_OK;
+}
+
 static int topk_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     if (n == 0)
@@ -321,88 +592,66 @@ static int topk_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         nt++;
     topk_job j = {.x = x, .n = n, .nt = nt, .idx = body, .val = body + k * w, .w = w};
     uint64_t *merged = malloc((TOPK_BINS + 4 * (size_t)nt) * sizeof *merged);
-    j.hist = malloc((size_t)nt * TOPK_BINS * sizeof *j.hist);
-    if (!merged || !j.hist) {
-        free(merged);
-        free(j.hist);
+    if (!merged)
         return epipe_codec_fail(c, EPIPE_ENOMEM, "topk: out of memory for histograms");
-    }
     uint64_t *gt = merged + TOPK_BINS, *eq = gt + nt;
     j.off = eq + nt;
     j.quota = j.off + nt;
-    run(nt, topk_hist_task, &j);
-    memset(merged, 0, TOPK_BINS * sizeof *merged);
-    for (unsigned t = 0; t < nt; t++)
-        for (uint32_t bin = 0; bin < TOPK_BINS; bin++)
-            merged[bin] += j.hist[(size_t)t * TOPK_BINS + bin];
-    for (uint32_t bin = TOPK_BAD_BIN; bin < TOPK_BINS; bin++)
-        if (merged[bin]) {
-            free(merged);
-            free(j.hist);
-            return check_finite(c, x, n);
-        }
-    int rc = EPIPE_OK;
-    if (k == n) { /* everything is kept: T = 0 and no quota */
-        j.thr = 0;
-        for (unsigned t = 0; t < nt; t++) {
-            size_t b, e;
-            epipe_split_range(n, nt, t, 1, &b, &e);
-            j.off[t] = b;
-            j.quota[t] = UINT64_MAX;
-        }
-    } else {
-        uint64_t need = k;
-        j.bin = topk_pick_bin(merged, &need);
-        /* Above bin B, per range: from the histograms. */
-        uint64_t ncand = merged[j.bin];
-        for (unsigned t = 0; t < nt; t++) {
-            const uint32_t *h = j.hist + (size_t)t * TOPK_BINS;
-            gt[t] = 0;
-            for (uint32_t bin = j.bin + 1; bin < TOPK_BINS; bin++)
-                gt[t] += h[bin];
-        }
-        j.coff = j.off; /* reused: pass 2 runs before the offsets are set */
-        uint64_t co = 0;
-        for (unsigned t = 0; t < nt; t++) {
-            j.coff[t] = co;
-            co += j.hist[(size_t)t * TOPK_BINS + j.bin];
-        }
-        j.cand = malloc((size_t)ncand * sizeof *j.cand);
-        if (!j.cand) {
-            rc = epipe_codec_fail(c, EPIPE_ENOMEM, "topk: out of memory for %llu candidates",
-                                  (unsigned long long)ncand);
-            goto out;
-        }
-        run(nt, topk_collect_task, &j);
-        memset(merged, 0, TOPK_BINS * sizeof *merged);
-        for (uint64_t i = 0; i < ncand; i++)
-            merged[j.cand[i]]++;
-        uint32_t low = topk_pick_bin(merged, &need);
-        j.thr = j.bin << 16 | low;
-        for (unsigned t = 0; t < nt; t++) {
-            uint64_t cb = j.coff[t], ce = t + 1 < nt ? j.coff[t + 1] : ncand;
-            eq[t] = 0;
-            for (uint64_t i = cb; i < ce; i++) {
-                gt[t] += j.cand[i] > low;
-                eq[t] += j.cand[i] == low;
-            }
-        }
-        free(j.cand);
-        uint64_t gt_all = 0, o = 0;
-        for (unsigned t = 0; t < nt; t++)
-            gt_all += gt[t];
-        uint64_t eq_left = k - gt_all; /* entries equal to T still to keep, by index */
-        for (unsigned t = 0; t < nt; t++) {
-            j.off[t] = o;
-            j.quota[t] = eq[t] < eq_left ? eq[t] : eq_left;
-            eq_left -= j.quota[t];
-            o += gt[t] + j.quota[t];
-        }
-    }
+    int rc = EPIPE_OK, via = 0;
 #if TOPK_X86
     j.x86 = epipe_q_simd_enabled() && __builtin_cpu_supports("avx2") &&
             __builtin_cpu_supports("popcnt");
 #endif
+    if (k < n && n >= TOPK_WINDOW_MIN)
+        via = topk_by_window(&j, k, gt, eq, merged);
+    if (via == -1) {
+        rc = check_finite(c, x, n);
+        goto out;
+    }
+    if (via == -2) {
+        rc = epipe_codec_fail(c, EPIPE_ENOMEM, "topk: out of memory for the selection");
+        goto out;
+    }
+    if (!via) {
+        j.hist = malloc((size_t)nt * TOPK_BINS * sizeof *j.hist);
+        if (!j.hist) {
+            rc = epipe_codec_fail(c, EPIPE_ENOMEM, "topk: out of memory for histograms");
+            goto out;
+        }
+        run(nt, topk_hist_task, &j);
+        memset(merged, 0, TOPK_BINS * sizeof *merged);
+        for (unsigned t = 0; t < nt; t++)
+            for (uint32_t bin = 0; bin < TOPK_BINS; bin++)
+                merged[bin] += j.hist[(size_t)t * TOPK_BINS + bin];
+        for (uint32_t bin = TOPK_BAD_BIN; bin < TOPK_BINS; bin++)
+            if (merged[bin]) {
+                rc = check_finite(c, x, n);
+                goto out;
+            }
+        if (k == n) { /* everything is kept: T = 0 and no quota */
+            j.thr = 0;
+            for (unsigned t = 0; t < nt; t++) {
+                size_t b, e;
+                epipe_split_range(n, nt, t, 1, &b, &e);
+                j.off[t] = b;
+                j.quota[t] = UINT64_MAX;
+            }
+            goto emit;
+        }
+        if ((rc = topk_by_histograms(c, &j, k, merged, gt, eq)))
+            goto out;
+    }
+    uint64_t gt_all = 0, o = 0;
+    for (unsigned t = 0; t < nt; t++)
+        gt_all += gt[t];
+    uint64_t eq_left = k - gt_all; /* entries equal to T still to keep, by index */
+    for (unsigned t = 0; t < nt; t++) {
+        j.off[t] = o;
+        j.quota[t] = eq[t] < eq_left ? eq[t] : eq_left;
+        eq_left -= j.quota[t];
+        o += gt[t] + j.quota[t];
+    }
+emit:
     run(nt, topk_emit_task, &j);
 out:
     free(merged);

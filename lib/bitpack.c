@@ -1,6 +1,7 @@
 /* Dense bit packing. Widths below 8 move whole 8-code groups (exactly w
  * bytes each) through one 64-bit word with the width a compile-time
- * constant; other widths use a 64-bit accumulator; 8 and 16 are copies. */
+ * constant (packing at widths 2..6 and table decoding at 1..4 have AVX2
+ * paths); other widths use a 64-bit accumulator; 8 and 16 are copies. */
 #include "bitpack.h"
 
 #include <string.h>

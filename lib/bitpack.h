@@ -14,8 +14,8 @@ static inline size_t epipe_bitpack_bytes(uint64_t n, unsigned w)
 
 /* Packs n codes (each < 2^w) into out[0..epipe_bitpack_bytes(n, w)).
  * Trailing bits of the last byte are zero. Packing a range that starts at
- * a multiple of 8 codes writes from byte start*w/8, so threads can pack
- * disjoint 8-aligned ranges into one buffer. */
+ * a multiple of 8 codes writes from byte start*w/8 and never past its last
+ * byte, so threads can pack disjoint 8-aligned ranges into one buffer. */
 void epipe_bitpack(const uint16_t *codes, size_t n, unsigned w, uint8_t *out);
 /* The inverse: reads epipe_bitpack_bytes(n, w) bytes. */
 void epipe_bitunpack(const uint8_t *in, size_t n, unsigned w, uint16_t *codes);
@@ -25,10 +25,11 @@ void epipe_bitunpack(const uint8_t *in, size_t n, unsigned w, uint16_t *codes);
 void epipe_bitunpack_lut(const uint8_t *in, size_t n, unsigned w, const float *lut, float *y);
 void epipe_bitunpack_lut_ref(const uint8_t *in, size_t n, unsigned w, const float *lut, float *y);
 
-/* Tests and epipe-bench: 0 makes epipe_bitunpack_lut use its portable
- * loop, so both can be checked against the reference on one machine;
- * returns the previous setting. Atomic; both give the same floats.
- * epipe_q_set_simd() sets it too. */
+/* Tests and epipe-bench: 0 makes epipe_bitpack (widths 2..6) and
+ * epipe_bitunpack_lut (widths 1..4) use their portable loops instead of
+ * AVX2, so both can be checked against the references on one machine;
+ * returns the previous setting. Process-wide and atomic; both give the
+ * same bytes and floats. epipe_q_set_simd() sets it too. */
 int epipe_bitpack_set_simd(int on);
 
 /* Bit-at-a-time references the fast versions are tested against. */

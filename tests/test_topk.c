@@ -171,10 +171,11 @@ static void fast_equals_reference_for_any_thread_count(void **state)
     free(z);
 }
 
-/* The fast path (AVX2 emit and the portable loop) equals the reference on
- * data that stresses the selection: all values equal (every entry is a
- * candidate), zeros of both signs, a threshold tie spread over the thread
- * ranges, and ratios up to 1 (everything kept). */
+/* The fast path (AVX2 and portable loops) equals the reference on data
+ * that stresses the selection: all values equal (every entry is in the
+ * sampled window: it overflows), zeros of both signs, a threshold tie
+ * spread over the thread ranges, ratios up to 1 (everything kept), and a
+ * sample that misjudges the threshold. */
 static void fast_equals_reference_on_hard_data(void **state)
 {
     (void)state;
@@ -205,6 +206,23 @@ static void fast_equals_reference_on_hard_data(void **state)
                 }
             free(ref);
         }
+    }
+    /* Data that fools the selection's sample (every sampled position holds
+     * the smallest value), so the exact histogram passes must take over. */
+    for (size_t i = 0; i < N; i++)
+        x[i] = 2.0f + (float)(i % 1000) * 1e-3f;
+    for (size_t i = 0; i < 65536; i++)
+        x[(size_t)((uint64_t)i * N / 65536)] = 1.0f;
+    for (size_t s = 0; s < 2; s++) {
+        size_t lref, len;
+        uint8_t *ref = tk_encode(specs[s], 1, 1, x, N, NULL, &lref);
+        for (int t = 1; t <= 2; t++) {
+            uint8_t *p = tk_encode(specs[s], t, 0, x, N, NULL, &len);
+            assert_int_equal(len, lref);
+            assert_memory_equal(p, ref, len);
+            free(p);
+        }
+        free(ref);
     }
     /* A NaN deep in a threaded tensor is named by its index. */
     x[N - 5] = NAN;
