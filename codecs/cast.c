@@ -80,14 +80,28 @@ static int cast_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float 
  * the rest. The payload is little-endian, as x86 is. */
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define CAST_X86 1
 #define X86_FN static __attribute__((target("avx2,f16c")))
 
+/* F16C from CPUID leaf 1 (not every compiler's __builtin_cpu_supports
+ * knows it), asked once: 1 yes, 2 no, 0 not asked yet. */
+static int f16c(void)
+{
+    static int known;
+    int k = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (!k) {
+        unsigned a, b, c, d;
+        k = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) ? 1 : 2;
+        __atomic_store_n(&known, k, __ATOMIC_RELAXED);
+    }
+    return k == 1;
+}
+
 static int x86_usable(void)
 {
-    return epipe_q_simd_enabled() && __builtin_cpu_supports("avx2") &&
-           __builtin_cpu_supports("f16c");
+    return epipe_q_simd_enabled() && __builtin_cpu_supports("avx2") && f16c();
 }
 
 /* vcvtps2ph rounds to nearest even, keeps NaN payloads as the reference
