@@ -5,11 +5,7 @@
 #include <math.h>
 #include <string.h>
 
-/* The final assignment's table: for each of the 2^16 buckets of the
- * order-preserving key's top 16 bits, the codes of the bucket's smallest
- * and largest float (lo | hi << 16). Codes grow with the value, so every
- * value of a bucket has a code in [lo, hi]; most buckets lie inside one
- * cell (lo == hi). Built by walking buckets and midpoints together. */
+/* The float whose order-preserving key is `key`. */
 static inline float km_unkey(uint32_t key)
 {
     uint32_t u = key >> 31 ? key & 0x7fffffffu : ~key;
@@ -18,6 +14,11 @@ static inline float km_unkey(uint32_t key)
     return v;
 }
 
+/* The final assignment's table: for each of the 2^16 buckets of the
+ * order-preserving key's top 16 bits, the codes of the bucket's smallest
+ * and largest float (lo | hi << 16). Codes grow with the value, so every
+ * value of a bucket has a code in [lo, hi]; most buckets lie inside one
+ * cell (lo == hi). Built by walking buckets and midpoints together. */
 void epipe_km_build_table(const double *mid, size_t k, uint32_t *lut)
 {
     /* Keys below 0x00800000 are -inf and negative NaNs, above 0xff7fffff
