@@ -27,8 +27,10 @@ int main(void)
     return 0;
 }
 C
-# -L carries the sysroot prefix: the libdir inside the scratch DESTDIR.
-libdir_root=$(pkg-config --libs-only-L epipe | sed 's/^ *-L//; s/ *$//')
+# The first -L is epipe's own libdir, with the sysroot prefix: the libdir
+# inside the scratch DESTDIR (a static-only .pc lists its dependencies' too).
+set -- $(pkg-config --libs-only-L epipe)
+libdir_root=${1#-L}
 ran=0
 if [ -e "$libdir_root/libepipe.so" ]; then
     libs=$(pkg-config --libs epipe)
