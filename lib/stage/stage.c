@@ -280,6 +280,32 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
     return fail(st, EPIPE_EINVAL, "unknown stage parameter %d", (int)param);
 }
 
+EPIPE_API int epipe_stage_get_param(const epipe_stage *st, epipe_stage_param param,
+                                    int64_t *value)
+{
+    epipe_clear_error();
+    if (!st || !value)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_param: %s is NULL",
+                          st ? "value" : "stage");
+    switch (param) {
+    case EPIPE_STAGE_TIMEOUT_MS:
+        *value = st->timeout_ms;
+        return EPIPE_OK;
+    case EPIPE_STAGE_CODEC_THREADS:
+        *value = (int64_t)st->codec_threads;
+        return EPIPE_OK;
+    case EPIPE_STAGE_BATCH_SIZE:
+        *value = st->batch;
+        return EPIPE_OK;
+    case EPIPE_STAGE_TRAINING:
+        *value = st->training;
+        return EPIPE_OK;
+    }
+    /* fail() writes the handle's message, which a const handle cannot take. */
+    return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_param: unknown stage parameter %d",
+                      (int)param);
+}
+
 EPIPE_API unsigned epipe_stage_index(const epipe_stage *st)
 {
     return st ? st->s : 0;
