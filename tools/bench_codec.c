@@ -11,6 +11,7 @@
 
 #include "../codecs/codec_impl.h"
 #include "bench.h"
+#include "cli.h"
 
 #ifdef EPIPE_HAVE_BLAS
 #include <cblas.h>
@@ -348,43 +349,66 @@ int bench_codec_main(int argc, char **argv)
                      .reps = 5, .ref = 1};
     const char *specs[32];
     int nspecs = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int more = i + 1 < argc;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+    enum { O_JSON = 256, O_GEMM, O_NO_REF, O_SHAPE, O_DIST, O_THREADS, O_REPS };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, O_JSON},
+        {"gemm", no_argument, NULL, O_GEMM},
+        {"no-ref", no_argument, NULL, O_NO_REF},
+        {"shape", required_argument, NULL, O_SHAPE},
+        {"dist", required_argument, NULL, O_DIST},
+        {"threads", required_argument, NULL, O_THREADS},
+        {"reps", required_argument, NULL, O_REPS},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    /* "-" keeps the specs in place: each is returned as option 1. */
+    while ((opt = getopt_long(argc, argv, "-:h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
             usage(stdout);
             return 0;
-        } else if (!strcmp(a, "--json")) {
+        case O_JSON:
             o.json = 1;
-        } else if (!strcmp(a, "--gemm")) {
+            break;
+        case O_GEMM:
             o.gemm = 1;
-        } else if (!strcmp(a, "--no-ref")) {
+            break;
+        case O_NO_REF:
             o.ref = 0;
-        } else if (!strcmp(a, "--shape") && more) {
-            if (parse_shape(argv[++i], &o)) {
+            break;
+        case O_SHAPE:
+            if (parse_shape(optarg, &o)) {
                 fprintf(stderr, "epipe-bench codec: bad --shape '%s' (want e.g. 32,32,112,112)\n",
-                        argv[i]);
+                        optarg);
                 return 2;
             }
-        } else if (!strcmp(a, "--dist") && more) {
-            o.dist = argv[++i];
+            break;
+        case O_DIST:
+            o.dist = optarg;
             if (strcmp(o.dist, "normal") && strcmp(o.dist, "relu") &&
                 strcmp(o.dist, "lognormal") && strcmp(o.dist, "uniform")) {
                 fprintf(stderr, "epipe-bench codec: unknown --dist '%s'\n", o.dist);
                 return 2;
             }
-        } else if (!strcmp(a, "--threads") && more) {
-            o.threads = atoi(argv[++i]);
-        } else if (!strcmp(a, "--reps") && more) {
-            o.reps = atoi(argv[++i]);
+            break;
+        case O_THREADS:
+            o.threads = atoi(optarg);
+            break;
+        case O_REPS:
+            o.reps = atoi(optarg);
             if (o.reps < 1)
                 o.reps = 1;
-        } else if (a[0] == '-') {
-            fprintf(stderr, "epipe-bench codec: unknown or incomplete option '%s'\n", a);
+            break;
+        case 1:
+            if (nspecs < 32)
+                specs[nspecs++] = optarg;
+            break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-bench codec", argv, opt);
             usage(stderr);
             return 2;
-        } else if (nspecs < 32) {
-            specs[nspecs++] = a;
         }
     }
     if (!nspecs) {
