@@ -5,7 +5,7 @@
 # targets for a few seconds each when clang is present. Safe to run twice.
 set -eu
 cd "$(dirname "$0")/.."
-sh scripts/setup-debian.sh
+sh scripts/ci/setup-debian.sh
 
 configure() { # dir, options...
     dir=$1; shift
