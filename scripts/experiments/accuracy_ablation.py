@@ -3,12 +3,14 @@
 
 Runs examples/torch/fmnist_split.py (3 processes over TCP, started by
 epipe-run) once per codec and seed (an entry ACT[/GRAD] sets the activation
-and gradient codecs; A+B sets A on boundary 0->1 and B on 1->2), and writes into --out (default docs/):
+and gradient codecs; A+B sets A on boundary 0->1 and B on 1->2), and writes
 
-    accuracy.csv   one row per run
-    accuracy.md    mean +- sd test accuracy and wire ratio per codec, and
-                   the exact settings and command used
-    accuracy.png   accuracy against wire ratio (needs python3-matplotlib)
+    accuracy.csv   one row per run                          into --results (default results/)
+    accuracy.png   accuracy against wire ratio              into --results
+                   (needs python3-matplotlib)
+    accuracy.md    mean +- sd test accuracy and wire ratio  into --out (default docs/)
+                   per codec, the exact settings and command
+                   used, and links to the two files above
 
 Codecs whose spec this libepipe does not parse are skipped with a message. Run it with the Python that has torch:
 
@@ -157,7 +159,9 @@ def write_md(path, a, summary, skipped, command, failed):
     if failed:
         lines += ["", "Runs that stopped with an error (not in the table):", ""]
         lines += [f"- `{c}`, seed {seed}: {msg}" for c, seed, msg in failed]
-    lines += ["", "Raw runs: [accuracy.csv](accuracy.csv). Plot: ![accuracy](accuracy.png)", ""]
+    rel = os.path.relpath(a.results, os.path.dirname(os.path.abspath(path)))
+    lines += ["", f"Raw runs: [accuracy.csv]({rel}/accuracy.csv). "
+              f"Plot: ![accuracy]({rel}/accuracy.png)", ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
@@ -206,7 +210,9 @@ def main():
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--launcher", default=os.path.join(ROOT, "build", "tools", "epipe-run"))
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs"), help="accuracy.md here")
+    ap.add_argument("--results", default=os.path.join(ROOT, "results"),
+                    help="accuracy.csv and accuracy.png here")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs already in accuracy.csv and do only the missing ones")
     a = ap.parse_args()
@@ -224,7 +230,8 @@ def main():
             skipped.append((c, e.message))
 
     os.makedirs(a.out, exist_ok=True)
-    csv_path = os.path.join(a.out, "accuracy.csv")
+    os.makedirs(a.results, exist_ok=True)
+    csv_path = os.path.join(a.results, "accuracy.csv")
     rows = []
     if a.resume and os.path.exists(csv_path):
         with open(csv_path) as f:
@@ -252,7 +259,7 @@ def main():
     summary = summarize(rows, codecs)
     write_md(os.path.join(a.out, "accuracy.md"), a, summary, skipped, command, failed)
     print(f"wrote {csv_path} and {os.path.join(a.out, 'accuracy.md')}")
-    plot(os.path.join(a.out, "accuracy.png"), summary)
+    plot(os.path.join(a.results, "accuracy.png"), summary)
 
 
 if __name__ == "__main__":
