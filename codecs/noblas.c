@@ -20,8 +20,7 @@ static const epipe_param_desc nb_poweriter_params[] = {
 };
 
 static const epipe_param_desc nb_insert_params[] = {
-    {.key = "kind", .kind = EPIPE_PARAM_CHOICE, .min = 0, .max = 1, .def = 0,
-     .choices = nb_kind},
+    {.key = "kind", .kind = EPIPE_PARAM_CHOICE, .min = 0, .max = 1, .def = 0, .choices = nb_kind},
     {.key = "out", .kind = EPIPE_PARAM_INT, .min = 0, .max = 16777215.0, .def = 0},
     {.key = "ratio", .kind = EPIPE_PARAM_REAL, .min = 0, .max = 1, .def = 0},
     {.key = "kernel", .kind = EPIPE_PARAM_INT, .min = 1, .max = 64, .def = NAN},

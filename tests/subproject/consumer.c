@@ -8,8 +8,8 @@ int main(void)
 {
     float x[4] = {1, -2, 3, -4}, y[4] = {0};
     int64_t n = 4;
-    DLTensor tx = {.data = x, .device = {kDLCPU, 0}, .ndim = 1, .dtype = {kDLFloat, 32, 1},
-                   .shape = &n};
+    DLTensor tx = {
+        .data = x, .device = {kDLCPU, 0}, .ndim = 1, .dtype = {kDLFloat, 32, 1}, .shape = &n};
     DLTensor ty = tx;
     ty.data = y;
     unsigned char buf[256];
