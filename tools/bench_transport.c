@@ -17,6 +17,7 @@
 
 #include "bench.h"
 #include "codec/payload.h"
+#include "cli.h"
 #include "comm/comm_impl.h"
 #include "tensor.h"
 
@@ -368,28 +369,56 @@ int bench_transport_main(int argc, char **argv)
 {
     struct cfg c = {.reps = 3, .streams = 1, .spin_us = 50};
     const char *sizes = "4,4K,16K,64K,256K,1M,4M,16M,64M";
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json"))
-            c.json = 1;
-        else if (!strcmp(argv[i], "--quick"))
-            c.quick = 1;
-        else if (!strcmp(argv[i], "--raw-hot"))
-            c.raw_hot = 1;
-        else if (!strcmp(argv[i], "--sizes") && i + 1 < argc)
-            sizes = argv[++i];
-        else if (!strcmp(argv[i], "--spin-us") && i + 1 < argc)
-            c.spin_us = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--streams") && i + 1 < argc)
-            c.streams = (unsigned)atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
-            c.reps = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+    enum { O_JSON = 256, O_QUICK, O_RAW_HOT, O_SIZES, O_SPIN_US, O_STREAMS, O_REPS };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, O_JSON},
+        {"quick", no_argument, NULL, O_QUICK},
+        {"raw-hot", no_argument, NULL, O_RAW_HOT},
+        {"sizes", required_argument, NULL, O_SIZES},
+        {"spin-us", required_argument, NULL, O_SPIN_US},
+        {"streams", required_argument, NULL, O_STREAMS},
+        {"reps", required_argument, NULL, O_REPS},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
             usage(stdout);
             return 0;
-        } else {
+        case O_JSON:
+            c.json = 1;
+            break;
+        case O_QUICK:
+            c.quick = 1;
+            break;
+        case O_RAW_HOT:
+            c.raw_hot = 1;
+            break;
+        case O_SIZES:
+            sizes = optarg;
+            break;
+        case O_SPIN_US:
+            c.spin_us = atoi(optarg);
+            break;
+        case O_STREAMS:
+            c.streams = (unsigned)atoi(optarg);
+            break;
+        case O_REPS:
+            c.reps = atoi(optarg);
+            break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-bench transport", argv, opt);
             usage(stderr);
             return 2;
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "epipe-bench transport: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return 2;
     }
     char buf[512];
     snprintf(buf, sizeof buf, "%s", sizes);

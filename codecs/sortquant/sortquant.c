@@ -24,7 +24,7 @@ static void sq_release(epipe_codec *c)
     if (!st)
         return;
     epipe_qtab_free(&st->tab);
-    sq_select_free(&st->sel);
+    epipe_sq_select_free(&st->sel);
     free(st->lut);
     free(st->work);
     free(st);
@@ -239,7 +239,7 @@ static int encode_exact(epipe_codec *c, sq_state *st, const float *x, size_t n, 
         }
     }
     int nonfinite;
-    if (sq_select_ranks(&st->sel, x, n, req, R, val, lt, threads, &nonfinite))
+    if (epipe_sq_select_ranks(&st->sel, x, n, req, R, val, lt, threads, &nonfinite))
         return no_memory(c);
     if (nonfinite)
         return epipe_q_reject_nonfinite(c, x, n, epipe_find_nonfinite(x, n));
@@ -312,7 +312,7 @@ static int encode_sample(epipe_codec *c, sq_state *st, const float *x, size_t n,
         req[j - 1] = sq_rank(j, m, k);
     /* A NaN in the sample gives garbage boundaries; the extent pass below
      * rejects the input before they are used. */
-    if (sq_select_ranks(&st->sel, s, m, req, k - 1, val, lt, epipe_codec_workers(c, m), NULL))
+    if (epipe_sq_select_ranks(&st->sel, s, m, req, k - 1, val, lt, epipe_codec_workers(c, m), NULL))
         return no_memory(c);
     for (unsigned j = 1; j < k; j++)
         t->bnd[j] = val[j - 1];
@@ -356,8 +356,8 @@ static int sq_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 static const epipe_codec_backend sortquant_cpu = {
     .encode = sq_encode,
     .decode = sq_decode,
-    .encode_ref = sq_encode_ref,
-    .decode_ref = sq_decode_ref,
+    .encode_ref = epipe_sq_encode_ref,
+    .decode_ref = epipe_sq_decode_ref,
 };
 
 const epipe_codec_ops epipe_codec_sortquant = {

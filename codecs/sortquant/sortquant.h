@@ -71,7 +71,7 @@ static inline uint64_t sq_sample_count(uint64_t n, double sample)
     return n < (uint64_t)sample ? n : (uint64_t)sample;
 }
 
-int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body);
-int sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y);
+int epipe_sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body);
+int epipe_sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y);
 
 #endif

@@ -98,7 +98,7 @@ static int ref_sample(epipe_qtab *t, const float *x, size_t n, double sample, ui
     return EPIPE_OK;
 }
 
-int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+int epipe_sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     sq_state *st = c->state;
     epipe_qtab *t = &st->tab;
@@ -124,7 +124,7 @@ int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     return EPIPE_OK;
 }
 
-int sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+int epipe_sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
     sq_state *st = c->state;
     int rc = epipe_q_read_table(c, &st->tab, body, n);

@@ -283,6 +283,40 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
     return fail(st, EPIPE_EINVAL, "unknown stage parameter %d", (int)param);
 }
 
+/* The receive timeout in force: the stage's own once EPIPE_STAGE_TIMEOUT_MS
+ * was set, else the communicator's as it is now. */
+static int64_t stage_timeout_ms(const epipe_stage *st)
+{
+    return st->timeout_ms ? st->timeout_ms
+                          : __atomic_load_n(&st->comm->timeout_ms, __ATOMIC_RELAXED);
+}
+
+EPIPE_API int epipe_stage_get_param(const epipe_stage *st, epipe_stage_param param,
+                                    int64_t *value)
+{
+    epipe_clear_error();
+    if (!st || !value)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_param: %s is NULL",
+                          st ? "value" : "stage");
+    switch (param) {
+    case EPIPE_STAGE_TIMEOUT_MS:
+        *value = stage_timeout_ms(st);
+        return EPIPE_OK;
+    case EPIPE_STAGE_CODEC_THREADS:
+        *value = (int64_t)st->codec_threads;
+        return EPIPE_OK;
+    case EPIPE_STAGE_BATCH_SIZE:
+        *value = st->batch;
+        return EPIPE_OK;
+    case EPIPE_STAGE_TRAINING:
+        *value = st->training;
+        return EPIPE_OK;
+    }
+    /* fail() writes the handle's message, which a const handle cannot take. */
+    return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_param: unknown stage parameter %d",
+                      (int)param);
+}
+
 EPIPE_API unsigned epipe_stage_index(const epipe_stage *st)
 {
     return st ? st->s : 0;
@@ -481,8 +515,7 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
     epipe_msg *msg;
     double t0 = now();
     rc = epipe_comm_recv(st->comm, peer, dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT,
-                         st->step, mb, st->timeout_ms ? st->timeout_ms
-                                                      : __atomic_load_n(&st->comm->timeout_ms, __ATOMIC_RELAXED),
+                         st->step, mb, stage_timeout_ms(st),
                          &msg);
     double t1 = now();
     st->st.wait_seconds += t1 - t0;
