@@ -45,6 +45,18 @@ struct conn {
     int offload;     /* the CRC helper checksums this payload */
     int64_t last_rx;
     int bye, clean;
+
+    /* encrypt=1: records (tcp_crypt.c). tx side under txlock: sealed bytes
+     * waiting in sb; rx side in the progress thread. NULL: in clear. */
+    epipe_tcp_aead *tx_aead, *rx_aead;
+    uint8_t *sb;
+    size_t sb_len, sb_off, sb_cap;
+    uint8_t rhdr[EPIPE_TCP_REC_HDR], rtag[EPIPE_TCP_REC_TAG];
+    size_t rh_got, rlen, rgot; /* header bytes; body length; body and tag bytes got */
+    uint8_t *rdst;             /* where the body goes: into rx, or rbuf */
+    int rdirect;
+    uint8_t *rbuf;
+    size_t rbuf_cap;
 };
 
 /* A helper thread checksums large incoming payloads while the progress
@@ -76,6 +88,7 @@ struct tcp {
     int started;
     int stop; /* atomic */
     uint8_t *staging;
+    size_t record; /* body bytes per sealed record (encrypt=1) */
 };
 
 static int64_t now_ms(void)
@@ -83,6 +96,12 @@ static int64_t now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Whether k has bytes to write (under txlock). */
+static int tx_waiting(const struct conn *k)
+{
+    return k->txq != NULL || k->sb_off < k->sb_len;
 }
 
 static void wake(struct tcp *t)
@@ -229,6 +248,7 @@ static void free_queue(struct conn *k)
     }
     k->txq = k->txq_tail = NULL;
     k->tx_off = 0;
+    k->sb_len = k->sb_off = 0;
     __atomic_store_n(&k->tx_queued, 0, __ATOMIC_RELAXED);
 }
 
@@ -252,6 +272,7 @@ static void conn_close(struct conn *k, int abrupt)
     epipe_msg_free(k->rx);
     k->rx = NULL;
     k->hgot = k->hlen = 0;
+    k->rh_got = k->rgot = 0;
 }
 
 /* Queues m on k; takes ownership. The caller's thread writes small messages
@@ -265,8 +286,24 @@ static int conn_enqueue(struct tcp *t, struct conn *k, epipe_msg *m, int direct)
         return EPIPE_EPEER;
     }
     size_t off = 0;
-    int was_empty = k->txq == NULL;
-    if (was_empty && direct && m->len <= DIRECT_MAX) {
+    int was_empty = !tx_waiting(k);
+    if (was_empty && direct && k->tx_aead && m->len && m->len <= t->record) {
+        /* Sealed as one record and written now; what the socket does not
+         * take waits in sb for the progress thread. */
+        epipe_tcp_seal(k->tx_aead, k->sb, m->data, m->len);
+        k->sb_len = m->len + EPIPE_TCP_REC_OVERHEAD;
+        ssize_t n = send(k->fd, k->sb, k->sb_len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        k->sb_off = n > 0 ? (size_t)n : 0;
+        if (n > 0)
+            k->last_tx = now_ms();
+        int rest = k->sb_off < k->sb_len;
+        pthread_mutex_unlock(&k->txlock);
+        epipe_msg_free(m);
+        if (rest)
+            wake(t);
+        return EPIPE_OK;
+    }
+    if (was_empty && direct && !k->tx_aead && m->len <= DIRECT_MAX) {
         ssize_t n = send(k->fd, m->data, m->len, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n > 0) {
             off = (size_t)n;
@@ -382,7 +419,7 @@ static void conn_ended(struct tcp *t, struct conn *k, const char *how)
         conn_close(k, 0);
         return;
     }
-    if (k->hgot || k->rx) {
+    if (k->hgot || k->rx || k->rh_got) {
         snprintf(why, sizeof why, "stream %u was cut in the middle of a message (%zu of %zu "
                                   "payload bytes)", k->stream, k->rx_got, k->rx ? k->rx_need : 0);
         conn_close(k, 0);
@@ -423,6 +460,8 @@ static void finish(struct tcp *t, struct conn *k)
     k->offload = 0;
     k->rx = NULL;
     k->hgot = k->hlen = 0;
+    if (k->rx_aead) /* every byte passed its record's tag: the CRC adds nothing */
+        k->rx_crc = m->hdr.payload_crc;
     int rc = epipe_wire_check_payload_crc(&m->hdr, m->data + m->hdr.header_len, k->rx_need,
                                           &k->rx_crc);
     if (rc) {
@@ -495,10 +534,22 @@ static int header_done(struct tcp *t, struct conn *k)
     k->rx_got = 0;
     k->rx_crc = 0;
     k->rx_need = (size_t)h.payload_len;
-    k->offload = k->rx_need >= OFFLOAD_MIN && offload_begin(t, k);
+    k->offload = !k->rx_aead && k->rx_need >= OFFLOAD_MIN && offload_begin(t, k);
     if (k->rx_need == 0)
         finish(t, k);
     return EPIPE_OK;
+}
+
+/* n payload bytes of k's message are in place at p. */
+static void payload_got(struct tcp *t, struct conn *k, const uint8_t *p, size_t n)
+{
+    if (k->offload)
+        offload_add(t, n);
+    else if (!k->rx_aead)
+        k->rx_crc = epipe_crc32c(k->rx_crc, p, n); /* while it is in cache */
+    k->rx_got += n;
+    if (k->rx_got == k->rx_need)
+        finish(t, k);
 }
 
 /* Feeds bytes read into the staging buffer through k's parser. */
@@ -524,20 +575,117 @@ static void feed(struct tcp *t, struct conn *k, const uint8_t *p, size_t n)
         } else {
             size_t need = k->rx_need - k->rx_got;
             size_t take = n < need ? n : need;
-            memcpy(k->rx->data + k->hlen + k->rx_got, p, take);
-            if (k->offload)
-                offload_add(t, take);
-            else
-                k->rx_crc = epipe_crc32c(k->rx_crc, p, take); /* while it is in cache */
-            k->rx_got += take, p += take, n -= take;
-            if (k->rx_got == k->rx_need)
-                finish(t, k);
+            uint8_t *dst = k->rx->data + k->hlen + k->rx_got;
+            memcpy(dst, p, take);
+            p += take, n -= take;
+            payload_got(t, k, dst, take);
         }
+    }
+}
+
+#define OPEN_IN_PLACE_MIN 4096 /* smaller records are opened in rbuf and copied */
+
+/* The next record's header is in: choose where its body goes. */
+static int record_begin(struct tcp *t, struct conn *k)
+{
+    int rc = epipe_tcp_rec_len(k->rhdr, &k->rlen);
+    if (rc) {
+        char detail[EPIPE_ERRMSG_MAX];
+        snprintf(detail, sizeof detail, "stream %u: %s", k->stream, epipe_last_error());
+        corrupt(t, k, rc, detail);
+        return rc;
+    }
+    k->rgot = 0;
+    k->rdirect = k->rx && k->rlen >= OPEN_IN_PLACE_MIN && k->rx_need - k->rx_got >= k->rlen;
+    if (k->rdirect) {
+        k->rdst = k->rx->data + k->hlen + k->rx_got;
+        return EPIPE_OK;
+    }
+    if (k->rbuf_cap < k->rlen + EPIPE_TCP_REC_TAG) {
+        uint8_t *b = realloc(k->rbuf, k->rlen + EPIPE_TCP_REC_TAG);
+        if (!b) {
+            corrupt(t, k, EPIPE_ENOMEM, "no memory for a record");
+            return EPIPE_ENOMEM;
+        }
+        k->rbuf = b, k->rbuf_cap = k->rlen + EPIPE_TCP_REC_TAG;
+    }
+    k->rdst = k->rbuf;
+    return EPIPE_OK;
+}
+
+/* A whole record is in: open it, and hand its bytes on. */
+static void record_end(struct tcp *t, struct conn *k)
+{
+    const uint8_t *tag = k->rdirect ? k->rtag : k->rbuf + k->rlen;
+    k->rh_got = 0;
+    if (epipe_tcp_open(k->rx_aead, k->rhdr, k->rdst, k->rlen, tag)) {
+        char detail[EPIPE_ERRMSG_MAX];
+        snprintf(detail, sizeof detail, "stream %u: %s", k->stream, epipe_last_error());
+        corrupt(t, k, EPIPE_EAUTH, detail);
+        return;
+    }
+    if (k->rdirect)
+        payload_got(t, k, k->rdst, k->rlen);
+    else
+        feed(t, k, k->rbuf, k->rlen);
+}
+
+/* do_read for an encrypted connection: record headers, then each body and
+ * tag straight where it goes (a message's payload, opened in place, or
+ * rbuf for headers and small messages). */
+static void do_read_sealed(struct tcp *t, struct conn *k)
+{
+    for (int round = 0; round < 64 && k->fd >= 0; round++) {
+        ssize_t n;
+        if (k->rh_got < EPIPE_TCP_REC_HDR) {
+            n = recv(k->fd, k->rhdr + k->rh_got, EPIPE_TCP_REC_HDR - k->rh_got, MSG_DONTWAIT);
+            if (n > 0) {
+                k->last_rx = now_ms();
+                k->rh_got += (size_t)n;
+                if (k->rh_got == EPIPE_TCP_REC_HDR && record_begin(t, k))
+                    return;
+                continue;
+            }
+        } else {
+            struct iovec iov[2];
+            int niov = 0;
+            size_t want = k->rlen + EPIPE_TCP_REC_TAG - k->rgot;
+            if (!k->rdirect) {
+                iov[niov++] = (struct iovec){k->rbuf + k->rgot, want};
+            } else {
+                if (k->rgot < k->rlen)
+                    iov[niov++] = (struct iovec){k->rdst + k->rgot, k->rlen - k->rgot};
+                size_t tg = k->rgot > k->rlen ? k->rgot - k->rlen : 0;
+                iov[niov++] = (struct iovec){k->rtag + tg, EPIPE_TCP_REC_TAG - tg};
+            }
+            struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
+            n = recvmsg(k->fd, &mh, MSG_DONTWAIT);
+            if (n > 0) {
+                k->last_rx = now_ms();
+                k->rgot += (size_t)n;
+                if ((size_t)n == want)
+                    record_end(t, k);
+                continue;
+            }
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        char how[64];
+        snprintf(how, sizeof how, "the connection %s%s", n == 0 ? "closed" : "failed: ",
+                 n == 0 ? "" : strerror(errno));
+        conn_ended(t, k, how);
+        return;
     }
 }
 
 static void do_read(struct tcp *t, struct conn *k)
 {
+    if (k->rx_aead) {
+        do_read_sealed(t, k);
+        return;
+    }
     for (int round = 0; round < 64 && k->fd >= 0; round++) {
         ssize_t n;
         if (k->rx && k->rx_need - k->rx_got >= STAGING) { /* straight into the message */
@@ -546,13 +694,7 @@ static void do_read(struct tcp *t, struct conn *k)
             n = recv(k->fd, dst, want < RECV_CHUNK ? want : RECV_CHUNK, MSG_DONTWAIT);
             if (n > 0) {
                 k->last_rx = now_ms();
-                if (k->offload)
-                    offload_add(t, (size_t)n);
-                else
-                    k->rx_crc = epipe_crc32c(k->rx_crc, dst, (size_t)n);
-                k->rx_got += (size_t)n;
-                if (k->rx_got == k->rx_need)
-                    finish(t, k);
+                payload_got(t, k, dst, (size_t)n);
                 continue;
             }
         } else {
@@ -577,11 +719,9 @@ static void do_read(struct tcp *t, struct conn *k)
     }
 }
 
-static void do_write(struct tcp *t, struct conn *k)
+/* Writes k's queue in clear; an errno if the connection failed. Under txlock. */
+static int write_clear(struct conn *k, epipe_msg **done)
 {
-    epipe_msg *done = NULL;
-    int failed = 0;
-    pthread_mutex_lock(&k->txlock);
     while (k->txq && k->fd >= 0) {
         struct iovec iov[MAX_IOV];
         int n = 0;
@@ -590,11 +730,8 @@ static void do_write(struct tcp *t, struct conn *k)
             iov[n++] = (struct iovec){m->data + off, m->len - off};
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)n};
         ssize_t w = sendmsg(k->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (w < 0) {
-            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-                failed = errno;
-            break;
-        }
+        if (w < 0)
+            return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR ? errno : 0;
         k->last_tx = now_ms();
         __atomic_sub_fetch(&k->tx_queued, (uint64_t)w, __ATOMIC_RELAXED);
         size_t left = (size_t)w;
@@ -605,11 +742,71 @@ static void do_write(struct tcp *t, struct conn *k)
             if (!k->txq)
                 k->txq_tail = NULL;
             k->tx_off = 0;
-            m->next = done, done = m;
+            m->next = *done, *done = m;
         }
         k->tx_off += left;
     }
-    if (!k->txq && k->fd >= 0) {
+    return 0;
+}
+
+/* Seals the queue's next bytes into k->sb (written out): records of up to
+ * t->record body bytes, each inside one message, small messages packed
+ * together; a large message's header goes alone in its first record, so
+ * the receiver opens the payload's records in place. Under txlock. */
+static void seal_more(struct tcp *t, struct conn *k, epipe_msg **done)
+{
+    k->sb_len = k->sb_off = 0;
+    const size_t hl = EPIPE_WIRE_HEADER_SIZE; /* where every sealed message's payload starts */
+    while (k->txq && k->sb_cap - k->sb_len > EPIPE_TCP_REC_OVERHEAD) {
+        epipe_msg *m = k->txq;
+        size_t left = m->len - k->tx_off;
+        size_t room = k->sb_cap - k->sb_len - EPIPE_TCP_REC_OVERHEAD;
+        size_t n = left < t->record ? left : t->record;
+        if (k->tx_off == 0 && left > t->record)
+            n = hl;
+        if (n > room && k->sb_len)
+            break; /* a full record next time */
+        if (n) {
+            epipe_tcp_seal(k->tx_aead, k->sb + k->sb_len, m->data + k->tx_off, n);
+            k->sb_len += n + EPIPE_TCP_REC_OVERHEAD;
+            k->tx_off += n;
+            __atomic_sub_fetch(&k->tx_queued, (uint64_t)n, __ATOMIC_RELAXED);
+        }
+        if (k->tx_off < m->len)
+            continue;
+        k->txq = m->next;
+        if (!k->txq)
+            k->txq_tail = NULL;
+        k->tx_off = 0;
+        m->next = *done, *done = m;
+    }
+}
+
+/* Writes k's queue as sealed records; an errno if the connection failed. */
+static int write_sealed(struct tcp *t, struct conn *k, epipe_msg **done)
+{
+    while (k->fd >= 0) {
+        if (k->sb_off == k->sb_len) {
+            if (!k->txq)
+                break;
+            seal_more(t, k, done);
+        }
+        ssize_t w = send(k->fd, k->sb + k->sb_off, k->sb_len - k->sb_off,
+                         MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w < 0)
+            return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR ? errno : 0;
+        k->last_tx = now_ms();
+        k->sb_off += (size_t)w;
+    }
+    return 0;
+}
+
+static void do_write(struct tcp *t, struct conn *k)
+{
+    epipe_msg *done = NULL;
+    pthread_mutex_lock(&k->txlock);
+    int failed = k->tx_aead ? write_sealed(t, k, &done) : write_clear(k, &done);
+    if (!failed && !tx_waiting(k) && k->fd >= 0) {
         if ((k->bye_queued || k->close_after) && !k->shut) {
             shutdown(k->fd, SHUT_WR); /* the peer reads all we wrote, then EOF */
             k->shut = k->bye_queued = 1;
@@ -647,7 +844,7 @@ static int64_t housekeeping(struct tcp *t, int64_t now)
         }
         int64_t until_dead = k->bye ? hb : to - (now - k->last_rx) + 1;
         pthread_mutex_lock(&k->txlock);
-        int idle = !k->txq && !k->bye_queued;
+        int idle = !tx_waiting(k) && !k->bye_queued;
         int64_t since = now - k->last_tx;
         pthread_mutex_unlock(&k->txlock);
         if (idle && since >= hb) {
@@ -699,7 +896,7 @@ static void *progress(void *arg)
             if (k->fd < 0)
                 continue;
             pthread_mutex_lock(&k->txlock);
-            int want_out = k->txq != NULL;
+            int want_out = tx_waiting(k);
             busy += want_out || (k->bye_queued && !k->shut);
             pthread_mutex_unlock(&k->txlock);
             pf[n] = (struct pollfd){.fd = k->fd, .events = (short)(POLLIN | (want_out ? POLLOUT : 0))};
@@ -763,8 +960,13 @@ static void tcp_free(struct tcp *t)
         pthread_join(t->h.thread, NULL);
     }
     for (unsigned i = 0; i < t->nconns; i++) {
-        conn_close(&t->conns[i], 0);
-        pthread_mutex_destroy(&t->conns[i].txlock);
+        struct conn *k = &t->conns[i];
+        conn_close(k, 0);
+        pthread_mutex_destroy(&k->txlock);
+        epipe_tcp_aead_free(k->tx_aead);
+        epipe_tcp_aead_free(k->rx_aead);
+        free(k->sb);
+        free(k->rbuf);
     }
     if (t->h.started > 0) {
         pthread_cond_destroy(&t->h.work);
@@ -838,15 +1040,19 @@ static int create(epipe_comm **out, unsigned rank, unsigned size, const char *ma
 {
     epipe_tcp_key key = {0};
     int rc;
+    if ((rc = epipe_tcp_crypt_check(o)))
+        return rc;
     if (o->key_file[0] && (rc = epipe_tcp_key_load(&key, o->key_file)))
         return rc;
     epipe_tcp_link *links;
     unsigned nlinks;
     rc = epipe_tcp_setup(rank, size, master_addr, master_port, o, &key, &links, &nlinks);
-    epipe_tcp_key_wipe(&key);
-    if (rc)
+    if (rc) {
+        epipe_tcp_key_wipe(&key);
         return rc;
-    qsort(links, nlinks, sizeof *links, cmp_link);
+    }
+    if (nlinks)
+        qsort(links, nlinks, sizeof *links, cmp_link);
     epipe_comm *c = epipe_comm_alloc(&tcp_ops, rank, size);
     struct tcp *t = c ? calloc(1, sizeof *t) : NULL;
     if (t) {
@@ -858,11 +1064,13 @@ static int create(epipe_comm **out, unsigned rank, unsigned size, const char *ma
         t->count = calloc(size, sizeof *t->count);
         t->rr = calloc(size, sizeof *t->rr);
         t->staging = malloc(STAGING);
+        t->record = epipe_tcp_record_size();
     }
     if (!t || t->evfd < 0 || !t->conns || !t->first || !t->count || !t->rr || !t->staging) {
         for (unsigned i = 0; i < nlinks; i++)
             close(links[i].fd);
         free(links);
+        epipe_tcp_key_wipe(&key);
         if (t) {
             t->nconns = 0;
             tcp_free(t);
@@ -875,6 +1083,7 @@ static int create(epipe_comm **out, unsigned rank, unsigned size, const char *ma
     c->timeout_ms = o->timeout_ms;
     c->spin_us = o->spin_us;
     int64_t now = now_ms();
+    int aes_links = 0;
     for (unsigned i = 0; i < nlinks; i++) {
         struct conn *k = &t->conns[i];
         k->t = t;
@@ -886,8 +1095,31 @@ static int create(epipe_comm **out, unsigned rank, unsigned size, const char *ma
         if (!t->count[k->peer]++)
             t->first[k->peer] = i;
         t->nconns++;
+        if (o->encrypt && rc == EPIPE_OK) { /* this link's keys, from its handshake */
+            uint8_t tx[32], rx[32];
+            int aes = epipe_tcp_link_aes(&links[i]);
+            aes_links += aes;
+            rc = epipe_tcp_link_keys(&key, &links[i], rank, tx, rx);
+            if (rc == EPIPE_OK) {
+                k->tx_aead = epipe_tcp_aead_new(tx, aes);
+                k->rx_aead = epipe_tcp_aead_new(rx, aes);
+                k->sb_cap = t->record + EPIPE_TCP_REC_OVERHEAD;
+                k->sb = malloc(k->sb_cap);
+                if (!k->tx_aead || !k->rx_aead || !k->sb)
+                    rc = epipe_fail(EPIPE_ENOMEM, "tcp: out of memory");
+            }
+            memset(tx, 0, sizeof tx), memset(rx, 0, sizeof rx);
+            epipe_log_debug((int)rank, "tcp", "rank %u stream %u: %s", k->peer, k->stream,
+                            epipe_tcp_cipher_name(aes));
+        }
     }
     free(links);
+    epipe_tcp_key_wipe(&key);
+    if (rc) {
+        tcp_free(t);
+        epipe_comm_free(c);
+        return rc;
+    }
     if (nlinks) {
         if (pthread_create(&t->thread, NULL, progress, t) != 0) {
             tcp_free(t);
@@ -897,9 +1129,12 @@ static int create(epipe_comm **out, unsigned rank, unsigned size, const char *ma
         t->started = 1;
     }
     epipe_log_info((int)rank, "tcp", "rank %u of %u connected: %u connection(s), topology %s, "
-                   "%u stream(s) per neighbour, timeout %lld ms%s", rank, size, nlinks,
+                   "%u stream(s) per neighbour, timeout %lld ms%s%s%s", rank, size, nlinks,
                    o->mesh ? "mesh" : "pipeline", o->streams, (long long)o->timeout_ms,
-                   o->key_file[0] ? ", authenticated" : "");
+                   o->key_file[0] ? ", authenticated" : "", o->encrypt ? ", encrypted: " : "",
+                   !o->encrypt ? "" : aes_links == (int)nlinks ? "AES-256-GCM"
+                                    : aes_links ? "AES-256-GCM and ChaCha20-Poly1305"
+                                                : "ChaCha20-Poly1305");
     *out = c;
     return EPIPE_OK;
 }

@@ -1,0 +1,213 @@
+/* Encrypted TCP links (encrypt=1): the option's checks, the cipher both ends
+ * agree on, and the record layer (libsodium AEAD; no crypto of our own). */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../lib/log.h"
+#include "tcp_impl.h"
+
+#define RECORD_DEFAULT ((size_t)256 << 10)
+
+size_t epipe_tcp_record_size(void)
+{
+    const char *v = getenv("EPIPE_TCP_RECORD_BYTES");
+    if (v && *v) {
+        char *end;
+        unsigned long long n = strtoull(v, &end, 10);
+        if (!*end && n >= 1024 && n <= EPIPE_TCP_REC_MAX)
+            return (size_t)n;
+        epipe_log_warn(-1, "tcp", "EPIPE_TCP_RECORD_BYTES = '%s' is not in 1024..%zu; using %zu",
+                       v, EPIPE_TCP_REC_MAX, RECORD_DEFAULT);
+    }
+    return RECORD_DEFAULT;
+}
+
+const char *epipe_tcp_cipher_name(int aes)
+{
+    return aes ? "AES-256-GCM" : "ChaCha20-Poly1305";
+}
+
+int epipe_tcp_link_aes(const epipe_tcp_link *l)
+{
+    return (l->flags_c & l->flags_s & EPIPE_TCP_HF_AES) != 0;
+}
+
+int epipe_tcp_crypt_mismatch(const epipe_tcp_opts *o, unsigned theirs, unsigned their_rank,
+                             char *why, size_t cap)
+{
+    int them = (theirs & EPIPE_TCP_HF_ENCRYPT) != 0;
+    if (them == !!o->encrypt)
+        return 0;
+    snprintf(why, cap, "rank %u runs %s encryption, this rank %s (set encrypt=1 or "
+                       "EPIPE_ENCRYPT=1 on every rank, or on none)",
+             their_rank, them ? "with" : "without", o->encrypt ? "with" : "without");
+    return 1;
+}
+
+/* Record header: the body length in bits 0..23 (little-endian), then a
+ * check byte, so that a flipped bit in a length fails at once instead of
+ * making the receiver wait for bytes that never come. The tag covers the
+ * header too (it is the associated data). */
+static void rec_header(uint8_t h[EPIPE_TCP_REC_HDR], size_t len)
+{
+    h[0] = (uint8_t)len, h[1] = (uint8_t)(len >> 8), h[2] = (uint8_t)(len >> 16);
+    h[3] = (uint8_t)(0xA5 ^ h[0] ^ h[1] ^ h[2]);
+}
+
+int epipe_tcp_rec_len(const uint8_t h[EPIPE_TCP_REC_HDR], size_t *len)
+{
+    size_t n = h[0] | (size_t)h[1] << 8 | (size_t)h[2] << 16;
+    if (h[3] != (uint8_t)(0xA5 ^ h[0] ^ h[1] ^ h[2]) || n == 0 || n > EPIPE_TCP_REC_MAX)
+        return epipe_fail(EPIPE_EAUTH, "a record header that fails its check (%02x %02x %02x %02x): "
+                                       "tampered with, or the peer does not encrypt",
+                          h[0], h[1], h[2], h[3]);
+    *len = n;
+    return EPIPE_OK;
+}
+
+#ifdef EPIPE_HAVE_SODIUM
+#include <sodium.h>
+
+struct epipe_tcp_aead {
+    crypto_aead_aes256gcm_state aes_state; /* first: 16-byte aligned */
+    int aes;
+    uint64_t seq;
+    uint8_t key[32];
+};
+
+int epipe_tcp_crypt_check(const epipe_tcp_opts *o)
+{
+    if (o->encrypt && !o->key_file[0])
+        return epipe_fail(EPIPE_EINVAL, "tcp: encrypt=1 (or EPIPE_ENCRYPT) needs a pre-shared key: "
+                                        "set key_file= or EPIPE_AUTH_KEY_FILE");
+    if (o->encrypt && sodium_init() < 0)
+        return epipe_fail(EPIPE_EINTERNAL, "tcp: libsodium failed to initialise");
+    return EPIPE_OK;
+}
+
+unsigned epipe_tcp_crypt_flags(const epipe_tcp_opts *o)
+{
+    if (!o->encrypt || sodium_init() < 0)
+        return 0;
+    const char *force = getenv("EPIPE_TCP_CIPHER");
+    int chacha = force && !strcmp(force, "chacha20-poly1305");
+    return EPIPE_TCP_HF_ENCRYPT |
+           (!chacha && crypto_aead_aes256gcm_is_available() ? EPIPE_TCP_HF_AES : 0);
+}
+
+epipe_tcp_aead *epipe_tcp_aead_new(const uint8_t key[32], int aes)
+{
+    void *p = NULL;
+    if (posix_memalign(&p, 64, sizeof(epipe_tcp_aead)))
+        return NULL;
+    epipe_tcp_aead *a = p;
+    memset(a, 0, sizeof *a);
+    a->aes = aes;
+    memcpy(a->key, key, sizeof a->key);
+    if (aes)
+        crypto_aead_aes256gcm_beforenm(&a->aes_state, key);
+    return a;
+}
+
+void epipe_tcp_aead_free(epipe_tcp_aead *a)
+{
+    if (!a)
+        return;
+    sodium_memzero(a, sizeof *a);
+    free(a);
+}
+
+uint64_t epipe_tcp_aead_count(const epipe_tcp_aead *a)
+{
+    return a->seq;
+}
+
+/* The nonce: the record counter, little-endian, in 12 bytes. Each direction
+ * has its own key, so a counter never repeats under a key. */
+static void nonce_of(uint64_t seq, uint8_t n[12])
+{
+    memset(n, 0, 12);
+    for (int i = 0; i < 8; i++)
+        n[i] = (uint8_t)(seq >> (8 * i));
+}
+
+void epipe_tcp_seal(epipe_tcp_aead *a, uint8_t *out, const uint8_t *in, size_t len)
+{
+    uint8_t n[12];
+    nonce_of(a->seq++, n);
+    rec_header(out, len);
+    uint8_t *c = out + EPIPE_TCP_REC_HDR, *tag = c + len;
+    if (a->aes)
+        crypto_aead_aes256gcm_encrypt_detached_afternm(c, tag, NULL, in, len, out,
+                                                       EPIPE_TCP_REC_HDR, NULL, n, &a->aes_state);
+    else
+        crypto_aead_chacha20poly1305_ietf_encrypt_detached(c, tag, NULL, in, len, out,
+                                                           EPIPE_TCP_REC_HDR, NULL, n, a->key);
+}
+
+int epipe_tcp_open(epipe_tcp_aead *a, const uint8_t hdr[EPIPE_TCP_REC_HDR], uint8_t *body,
+                   size_t len, const uint8_t tag[EPIPE_TCP_REC_TAG])
+{
+    uint8_t n[12];
+    uint64_t seq = a->seq++;
+    nonce_of(seq, n);
+    int rc = a->aes ? crypto_aead_aes256gcm_decrypt_detached_afternm(
+                          body, NULL, body, len, tag, hdr, EPIPE_TCP_REC_HDR, n, &a->aes_state)
+                    : crypto_aead_chacha20poly1305_ietf_decrypt_detached(
+                          body, NULL, body, len, tag, hdr, EPIPE_TCP_REC_HDR, n, a->key);
+    if (rc)
+        return epipe_fail(EPIPE_EAUTH, "record %llu failed its %s tag: tampered with or keys "
+                                       "differ", (unsigned long long)seq,
+                          epipe_tcp_cipher_name(a->aes));
+    return EPIPE_OK;
+}
+
+#else /* without libsodium: encrypt=1 is refused, never silently ignored */
+
+struct epipe_tcp_aead {
+    int unused;
+};
+
+int epipe_tcp_crypt_check(const epipe_tcp_opts *o)
+{
+    if (o->encrypt)
+        return epipe_fail(EPIPE_ENOTSUP, "tcp: encrypt=1 (or EPIPE_ENCRYPT) given, but this "
+                                         "libepipe was built without libsodium, so it cannot "
+                                         "encrypt (install libsodium-dev and rebuild)");
+    return EPIPE_OK;
+}
+
+unsigned epipe_tcp_crypt_flags(const epipe_tcp_opts *o)
+{
+    return 0;
+}
+
+epipe_tcp_aead *epipe_tcp_aead_new(const uint8_t key[32], int aes)
+{
+    return NULL;
+}
+
+void epipe_tcp_aead_free(epipe_tcp_aead *a)
+{
+    free(a);
+}
+
+uint64_t epipe_tcp_aead_count(const epipe_tcp_aead *a)
+{
+    return 0;
+}
+
+void epipe_tcp_seal(epipe_tcp_aead *a, uint8_t *out, const uint8_t *in, size_t len)
+{
+    abort(); /* unreachable: no link encrypts without libsodium */
+}
+
+int epipe_tcp_open(epipe_tcp_aead *a, const uint8_t hdr[EPIPE_TCP_REC_HDR], uint8_t *body,
+                   size_t len, const uint8_t tag[EPIPE_TCP_REC_TAG])
+{
+    return epipe_fail(EPIPE_ENOTSUP, "tcp: built without libsodium");
+}
+
+#endif
