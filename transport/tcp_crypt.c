@@ -1,12 +1,15 @@
 /* Encrypted TCP links (encrypt=1): the option's checks, the cipher both ends
- * agree on, and the record layer (libsodium AEAD; no crypto of our own). */
+ * agree on, records (libsodium AEAD) and their reading and writing. */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 
 #include "../lib/log.h"
-#include "tcp_impl.h"
+#include "tcp_conn.h"
 
 #define RECORD_DEFAULT ((size_t)256 << 10)
 
@@ -211,3 +214,152 @@ int epipe_tcp_open(epipe_tcp_aead *a, const uint8_t hdr[EPIPE_TCP_REC_HDR], uint
 }
 
 #endif
+
+/* ---- records on a connection -------------------------------------------- */
+
+/* The next record's header is in: choose where its body goes. */
+static int record_begin(struct tcp *t, struct conn *k)
+{
+    int rc = epipe_tcp_rec_len(k->rhdr, &k->rlen);
+    if (rc) {
+        char detail[EPIPE_ERRMSG_MAX];
+        snprintf(detail, sizeof detail, "stream %u: %s", k->stream, epipe_last_error());
+        epipe_tcp_corrupt(t, k, rc, detail);
+        return rc;
+    }
+    k->rgot = 0;
+    k->rdirect = k->rx && k->rlen >= OPEN_IN_PLACE_MIN && k->rx_need - k->rx_got >= k->rlen;
+    if (k->rdirect) {
+        k->rdst = k->rx->data + k->hlen + k->rx_got;
+        return EPIPE_OK;
+    }
+    if (k->rbuf_cap < k->rlen + EPIPE_TCP_REC_TAG) {
+        uint8_t *b = realloc(k->rbuf, k->rlen + EPIPE_TCP_REC_TAG);
+        if (!b) {
+            epipe_tcp_corrupt(t, k, EPIPE_ENOMEM, "no memory for a record");
+            return EPIPE_ENOMEM;
+        }
+        k->rbuf = b, k->rbuf_cap = k->rlen + EPIPE_TCP_REC_TAG;
+    }
+    k->rdst = k->rbuf;
+    return EPIPE_OK;
+}
+
+/* A whole record is in: open it, and hand its bytes on. */
+static void record_end(struct tcp *t, struct conn *k)
+{
+    const uint8_t *tag = k->rdirect ? k->rtag : k->rbuf + k->rlen;
+    k->rh_got = 0;
+    if (epipe_tcp_open(k->rx_aead, k->rhdr, k->rdst, k->rlen, tag)) {
+        char detail[EPIPE_ERRMSG_MAX];
+        snprintf(detail, sizeof detail, "stream %u: %s", k->stream, epipe_last_error());
+        epipe_tcp_corrupt(t, k, EPIPE_EAUTH, detail);
+        return;
+    }
+    if (k->rdirect)
+        epipe_tcp_payload_got(t, k, k->rdst, k->rlen);
+    else
+        epipe_tcp_feed(t, k, k->rbuf, k->rlen);
+}
+
+/* do_read for an encrypted connection: record headers, then each body and
+ * tag straight where it goes (a message's payload, opened in place, or
+ * rbuf for headers and small messages). */
+void epipe_tcp_read_sealed(struct tcp *t, struct conn *k)
+{
+    for (int round = 0; round < 64 && k->fd >= 0; round++) {
+        ssize_t n;
+        if (k->rh_got < EPIPE_TCP_REC_HDR) {
+            n = recv(k->fd, k->rhdr + k->rh_got, EPIPE_TCP_REC_HDR - k->rh_got, MSG_DONTWAIT);
+            if (n > 0) {
+                k->last_rx = epipe_tcp_now_ms();
+                k->rh_got += (size_t)n;
+                if (k->rh_got == EPIPE_TCP_REC_HDR && record_begin(t, k))
+                    return;
+                continue;
+            }
+        } else {
+            struct iovec iov[2];
+            int niov = 0;
+            size_t want = k->rlen + EPIPE_TCP_REC_TAG - k->rgot;
+            if (!k->rdirect) {
+                iov[niov++] = (struct iovec){k->rbuf + k->rgot, want};
+            } else {
+                if (k->rgot < k->rlen)
+                    iov[niov++] = (struct iovec){k->rdst + k->rgot, k->rlen - k->rgot};
+                size_t tg = k->rgot > k->rlen ? k->rgot - k->rlen : 0;
+                iov[niov++] = (struct iovec){k->rtag + tg, EPIPE_TCP_REC_TAG - tg};
+            }
+            struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
+            n = recvmsg(k->fd, &mh, MSG_DONTWAIT);
+            if (n > 0) {
+                k->last_rx = epipe_tcp_now_ms();
+                k->rgot += (size_t)n;
+                if ((size_t)n == want)
+                    record_end(t, k);
+                continue;
+            }
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        char how[64];
+        snprintf(how, sizeof how, "the connection %s%s", n == 0 ? "closed" : "failed: ",
+                 n == 0 ? "" : strerror(errno));
+        epipe_tcp_conn_ended(t, k, how);
+        return;
+    }
+}
+
+/* Seals the queue's next bytes into k->sb (written out): records of up to
+ * t->record body bytes, each inside one message, small messages packed
+ * together; a large message's header goes alone in its first record, so
+ * the receiver opens the payload's records in place. Under txlock. */
+static void seal_more(struct tcp *t, struct conn *k, epipe_msg **done)
+{
+    k->sb_len = k->sb_off = 0;
+    const size_t hl = EPIPE_WIRE_HEADER_SIZE; /* where every sealed message's payload starts */
+    while (k->txq && k->sb_cap - k->sb_len > EPIPE_TCP_REC_OVERHEAD) {
+        epipe_msg *m = k->txq;
+        size_t left = m->len - k->tx_off;
+        size_t room = k->sb_cap - k->sb_len - EPIPE_TCP_REC_OVERHEAD;
+        size_t n = left < t->record ? left : t->record;
+        if (k->tx_off == 0 && left > t->record)
+            n = hl;
+        if (n > room && k->sb_len)
+            break; /* a full record next time */
+        if (n) {
+            epipe_tcp_seal(k->tx_aead, k->sb + k->sb_len, m->data + k->tx_off, n);
+            k->sb_len += n + EPIPE_TCP_REC_OVERHEAD;
+            k->tx_off += n;
+            __atomic_sub_fetch(&k->tx_queued, (uint64_t)n, __ATOMIC_RELAXED);
+        }
+        if (k->tx_off < m->len)
+            continue;
+        k->txq = m->next;
+        if (!k->txq)
+            k->txq_tail = NULL;
+        k->tx_off = 0;
+        m->next = *done, *done = m;
+    }
+}
+
+/* Writes k's queue as sealed records; an errno if the connection failed. */
+int epipe_tcp_write_sealed(struct tcp *t, struct conn *k, epipe_msg **done)
+{
+    while (k->fd >= 0) {
+        if (k->sb_off == k->sb_len) {
+            if (!k->txq)
+                break;
+            seal_more(t, k, done);
+        }
+        ssize_t w = send(k->fd, k->sb + k->sb_off, k->sb_len - k->sb_off,
+                         MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w < 0)
+            return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR ? errno : 0;
+        k->last_tx = epipe_tcp_now_ms();
+        k->sb_off += (size_t)w;
+    }
+    return 0;
+}
