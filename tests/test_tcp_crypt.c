@@ -347,6 +347,25 @@ static void test_records(void **state)
         epipe_tcp_aead_free(tx);
         epipe_tcp_aead_free(rx);
     }
+    /* Keys move on every `n` records, on both ends alike: an end that does
+     * not step with the other fails at the first record after the step. */
+    for (int aes = 0; aes < 2; aes++) {
+        epipe_tcp_aead *tx = epipe_tcp_aead_new(key, aes), *rx = epipe_tcp_aead_new(key, aes),
+                       *stale = epipe_tcp_aead_new(key, aes);
+        epipe_tcp_aead_rekey_every(tx, 3);
+        epipe_tcp_aead_rekey_every(rx, 3);
+        for (int rec = 0; rec < 8; rec++) {
+            epipe_tcp_seal(tx, out, in, 100);
+            memcpy(copy, out, 100 + EPIPE_TCP_REC_OVERHEAD);
+            assert_int_equal(epipe_tcp_open(rx, out, out + 4, 100, out + 104), EPIPE_OK);
+            assert_memory_equal(out + 4, in, 100);
+            assert_int_equal(epipe_tcp_open(stale, copy, copy + 4, 100, copy + 104),
+                             rec < 3 ? EPIPE_OK : EPIPE_EAUTH);
+        }
+        epipe_tcp_aead_free(tx);
+        epipe_tcp_aead_free(rx);
+        epipe_tcp_aead_free(stale);
+    }
     /* A flipped bit in a record header fails its check at once. */
     uint8_t h[4] = {0x00, 0x00, 0x04, 0xA5 ^ 0x04}; /* 256 KiB */
     size_t len;

@@ -77,8 +77,40 @@ struct epipe_tcp_aead {
     crypto_aead_aes256gcm_state aes_state; /* first: 16-byte aligned */
     int aes;
     uint64_t seq;
+    uint64_t rekey_every; /* records under one key */
     uint8_t key[32];
 };
+
+/* Every 2^16 records (16 GiB at 256 KiB a record) a direction moves to a new
+ * key, hashed from the old one, so no key comes near AES-GCM's usage limits
+ * however long a connection lives. Both ends step at the same record. */
+#define REKEY_EVERY ((uint64_t)1 << 16)
+
+static void set_key(epipe_tcp_aead *a, const uint8_t key[32])
+{
+    memcpy(a->key, key, sizeof a->key);
+    if (a->aes)
+        crypto_aead_aes256gcm_beforenm(&a->aes_state, key);
+}
+
+/* Before record seq: the next key when seq starts a new period. */
+static void maybe_rekey(epipe_tcp_aead *a, uint64_t seq)
+{
+    if (seq == 0 || seq % a->rekey_every)
+        return;
+    uint8_t in[18 + 8], next[32];
+    memcpy(in, "epipe-tcp-rekey-v1", 18);
+    for (int i = 0; i < 8; i++)
+        in[18 + i] = (uint8_t)(seq >> (8 * i));
+    crypto_generichash(next, sizeof next, in, sizeof in, a->key, sizeof a->key);
+    set_key(a, next);
+    sodium_memzero(next, sizeof next);
+}
+
+void epipe_tcp_aead_rekey_every(epipe_tcp_aead *a, uint64_t records)
+{
+    a->rekey_every = records ? records : REKEY_EVERY;
+}
 
 int epipe_tcp_crypt_check(const epipe_tcp_opts *o)
 {
@@ -108,9 +140,8 @@ epipe_tcp_aead *epipe_tcp_aead_new(const uint8_t key[32], int aes)
     epipe_tcp_aead *a = p;
     memset(a, 0, sizeof *a);
     a->aes = aes;
-    memcpy(a->key, key, sizeof a->key);
-    if (aes)
-        crypto_aead_aes256gcm_beforenm(&a->aes_state, key);
+    a->rekey_every = REKEY_EVERY;
+    set_key(a, key);
     return a;
 }
 
@@ -139,6 +170,7 @@ static void nonce_of(uint64_t seq, uint8_t n[12])
 void epipe_tcp_seal(epipe_tcp_aead *a, uint8_t *out, const uint8_t *in, size_t len)
 {
     uint8_t n[12];
+    maybe_rekey(a, a->seq);
     nonce_of(a->seq++, n);
     rec_header(out, len);
     uint8_t *c = out + EPIPE_TCP_REC_HDR, *tag = c + len;
@@ -155,6 +187,7 @@ int epipe_tcp_open(epipe_tcp_aead *a, const uint8_t hdr[EPIPE_TCP_REC_HDR], uint
 {
     uint8_t n[12];
     uint64_t seq = a->seq++;
+    maybe_rekey(a, seq);
     nonce_of(seq, n);
     int rc = a->aes ? crypto_aead_aes256gcm_decrypt_detached_afternm(
                           body, NULL, body, len, tag, hdr, EPIPE_TCP_REC_HDR, n, &a->aes_state)
@@ -200,6 +233,10 @@ void epipe_tcp_aead_free(epipe_tcp_aead *a)
 uint64_t epipe_tcp_aead_count(const epipe_tcp_aead *a)
 {
     return 0;
+}
+
+void epipe_tcp_aead_rekey_every(epipe_tcp_aead *a, uint64_t records)
+{
 }
 
 void epipe_tcp_seal(epipe_tcp_aead *a, uint8_t *out, const uint8_t *in, size_t len)

@@ -152,6 +152,9 @@ int epipe_tcp_open(epipe_tcp_aead *a, const uint8_t hdr[EPIPE_TCP_REC_HDR], uint
                    size_t len, const uint8_t tag[EPIPE_TCP_REC_TAG]);
 /* Records sealed or opened so far by a. */
 uint64_t epipe_tcp_aead_count(const epipe_tcp_aead *a);
+/* Moves a to a new key every `records` records (0: the default, 2^16);
+ * both ends of a direction must use the same. For tests. */
+void epipe_tcp_aead_rekey_every(epipe_tcp_aead *a, uint64_t records);
 /* The body size a sender cuts messages into: 256 KiB, or
  * EPIPE_TCP_RECORD_BYTES (1024 .. 1 MiB, for measurement). */
 size_t epipe_tcp_record_size(void);
