@@ -49,16 +49,7 @@ int epipe_tcp_crypt_mismatch(const epipe_tcp_opts *o, unsigned theirs, unsigned 
     return 1;
 }
 
-/* Record header: the body length in bits 0..23 (little-endian), then a
- * check byte, so that a flipped bit in a length fails at once instead of
- * making the receiver wait for bytes that never come. The tag covers the
- * header too (it is the associated data). */
-static void rec_header(uint8_t h[EPIPE_TCP_REC_HDR], size_t len)
-{
-    h[0] = (uint8_t)len, h[1] = (uint8_t)(len >> 8), h[2] = (uint8_t)(len >> 16);
-    h[3] = (uint8_t)(0xA5 ^ h[0] ^ h[1] ^ h[2]);
-}
-
+/* Record headers are made by rec_header (below). */
 int epipe_tcp_rec_len(const uint8_t h[EPIPE_TCP_REC_HDR], size_t *len)
 {
     size_t n = h[0] | (size_t)h[1] << 8 | (size_t)h[2] << 16;
@@ -72,6 +63,16 @@ int epipe_tcp_rec_len(const uint8_t h[EPIPE_TCP_REC_HDR], size_t *len)
 
 #ifdef EPIPE_HAVE_SODIUM
 #include <sodium.h>
+
+/* Record header: the body length in bits 0..23 (little-endian), then a
+ * check byte, so that a flipped bit in a length fails at once instead of
+ * making the receiver wait for bytes that never come. The tag covers the
+ * header too (it is the associated data). */
+static void rec_header(uint8_t h[EPIPE_TCP_REC_HDR], size_t len)
+{
+    h[0] = (uint8_t)len, h[1] = (uint8_t)(len >> 8), h[2] = (uint8_t)(len >> 16);
+    h[3] = (uint8_t)(0xA5 ^ h[0] ^ h[1] ^ h[2]);
+}
 
 struct epipe_tcp_aead {
     crypto_aead_aes256gcm_state aes_state; /* first: 16-byte aligned */
