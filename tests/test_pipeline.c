@@ -711,6 +711,7 @@ struct count_arg {
     struct count_host host;
     epipe_stage_stats stats;
     int rc, mid_step_rc;
+    pthread_barrier_t *done; /* neither rank leaves before both are done */
 };
 
 static void *count_thread(void *p)
@@ -741,6 +742,9 @@ static void *count_thread(void *p)
     }
     a->stats.struct_size = sizeof a->stats;
     epipe_stage_get_stats(st, &a->stats);
+    /* Rank 0's mid-step send must find rank 1 still there: a send to a
+     * rank that has left is EPIPE_EPEER, as it should be. */
+    pthread_barrier_wait(a->done);
     epipe_stage_destroy(st);
     epipe_comm_destroy(a->comm);
     return NULL;
@@ -752,14 +756,18 @@ static void forward_only_steps(void **state)
     epipe_comm *c[2];
     struct count_arg a[2];
     pthread_t tid[2];
+    pthread_barrier_t done;
     memset(a, 0, sizeof a);
+    pthread_barrier_init(&done, NULL, 2);
     assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
     for (int s = 0; s < 2; s++) {
         a[s].comm = c[s];
+        a[s].done = &done;
         pthread_create(&tid[s], NULL, count_thread, &a[s]);
     }
     for (int s = 0; s < 2; s++)
         pthread_join(tid[s], NULL);
+    pthread_barrier_destroy(&done);
     for (int s = 0; s < 2; s++) {
         assert_int_equal(a[s].rc, EPIPE_OK);
         assert_int_equal(a[s].host.fwd, 4 + 2 * 4);
