@@ -60,8 +60,12 @@ typedef struct epipe_tcp_key {
     uint8_t key[32];
 } epipe_tcp_key;
 
+#define EPIPE_TCP_KEY_FILE_MAX 65536 /* longest key file read */
+
 /* Loads and hashes the key file; EPIPE_ENOTSUP without libsodium, EPIPE_EIO
- * if it cannot be read, EPIPE_EINVAL if it holds fewer than 16 bytes. */
+ * if it cannot be read, EPIPE_EINVAL if it is not a regular file, holds
+ * fewer than 16 bytes or more than EPIPE_TCP_KEY_FILE_MAX. Never waits on
+ * the file (a FIFO or device is refused at once). */
 int epipe_tcp_key_load(epipe_tcp_key *k, const char *path);
 void epipe_tcp_key_wipe(epipe_tcp_key *k);
 void epipe_tcp_random(uint8_t *buf, size_t len);

@@ -26,7 +26,10 @@
 #define HELLO_VERSION 1
 #define HELLO_SIZE 152
 #define TABLE_ENTRY 72
-#define HS_MAX_PAYLOAD (HELLO_SIZE + TABLE_ENTRY * (size_t)1048576)
+/* The most an unauthenticated peer can make this rank allocate for one
+ * message: a hello or a refusal's text. Only the rank table, read from rank 0
+ * on the connection this rank opened and authenticated, may be larger. */
+#define HS_MAX_UNAUTH 1024
 #define MAX_PENDING 64
 
 enum { HT_REGISTER = 1, HT_CONNECT, HT_CHALLENGE, HT_PROOF, HT_WELCOME, HT_TABLE };
@@ -340,6 +343,7 @@ struct reader {
     uint8_t *payload;
     size_t pgot;
     int have_header;
+    uint64_t limit; /* largest payload accepted (kept by reader_reset) */
 };
 
 static void reader_reset(struct reader *r)
@@ -384,7 +388,7 @@ static int reader_step(int fd, struct reader *r)
                 (rc = epipe_wire_header_length(r->hdr, r->got, &r->hlen)))
                 return rc;
             if (r->hlen && r->got == r->hlen) {
-                epipe_wire_limits lim = {.max_payload = HS_MAX_PAYLOAD};
+                epipe_wire_limits lim = {.max_payload = r->limit ? r->limit : HS_MAX_UNAUTH};
                 if ((rc = epipe_wire_parse_header(r->hdr, r->got, &lim, &r->h)))
                     return rc;
                 if (r->h.kind != EPIPE_WIRE_HELLO && r->h.kind != EPIPE_WIRE_ERROR)
@@ -510,9 +514,10 @@ static int add_link(struct setup *s, int fd, unsigned peer, unsigned stream)
     return EPIPE_OK;
 }
 
-/* Connector: HELLO, then CHALLENGE, PROOF, WELCOME. `who` names the peer. */
+/* Connector: HELLO, then CHALLENGE, PROOF, WELCOME. `who` names the peer.
+ * *dropped is set when the acceptor closed the connection unanswered. */
 static int client_handshake(struct setup *s, int fd, unsigned type, unsigned peer,
-                            unsigned stream, const char *who)
+                            unsigned stream, const char *who, int *dropped)
 {
     struct hello me = {.type = (uint8_t)type, .flags = s->key->on ? HF_AUTH : 0,
                        .rank = s->rank, .size = s->size, .stream = stream,
@@ -524,8 +529,10 @@ static int client_handshake(struct setup *s, int fd, unsigned type, unsigned pee
     int rc = send_hello(fd, &me, s->rank, peer, s->deadline);
     if (rc == EPIPE_OK)
         rc = reader_wait(fd, &r, s->deadline);
-    if (rc < 0)
+    if (rc < 0) {
+        *dropped = rc == EPIPE_EPEER;
         goto out;
+    }
     if (r.h.kind == EPIPE_WIRE_ERROR) {
         rc = error_from(&r, who);
         goto out;
@@ -536,10 +543,9 @@ static int client_handshake(struct setup *s, int fd, unsigned type, unsigned pee
         rc = epipe_fail(EPIPE_EPROTO, "expected a challenge, got hello type %u", ch.type);
         goto out;
     }
-    if (ch.size != s->size || ch.rank != peer) {
+    if (ch.rank != peer) {
         rc = epipe_fail(EPIPE_EINVAL, "%s answers as rank %u of %u, but this rank expects rank %u "
-                                      "of %u (mismatched world size?)",
-                        who, ch.rank, ch.size, peer, s->size);
+                                      "of %u", who, ch.rank, ch.size, peer, s->size);
         goto out;
     }
     struct hello proof = {.type = HT_PROOF, .flags = me.flags, .rank = s->rank, .size = s->size,
@@ -560,9 +566,16 @@ static int client_handshake(struct setup *s, int fd, unsigned type, unsigned pee
         epipe_tcp_mac(s->key, 'C', me.nonce, ch.nonce, s->rank, peer, stream, proof.mac);
     }
     reader_reset(&r);
-    if ((rc = send_hello(fd, &proof, s->rank, peer, s->deadline)) ||
-        (rc = reader_wait(fd, &r, s->deadline)) < 0)
+    if ((rc = send_hello(fd, &proof, s->rank, peer, s->deadline)) == EPIPE_OK &&
+        ch.size != s->size) { /* after the proof, so the acceptor trusts our word and fails too */
+        rc = epipe_fail(EPIPE_EINVAL, "mismatched world size: %s has %u ranks, this rank (rank %u) "
+                                      "has %u", who, ch.size, s->rank, s->size);
         goto out;
+    }
+    if (rc || (rc = reader_wait(fd, &r, s->deadline)) < 0) {
+        *dropped = rc == EPIPE_EPEER;
+        goto out;
+    }
     if (r.h.kind == EPIPE_WIRE_ERROR) {
         rc = error_from(&r, who);
         goto out;
@@ -582,11 +595,37 @@ out:
     return rc;
 }
 
+/* Connects (unless *fd already is) and handshakes; again, after a pause,
+ * while the acceptor drops the connection unanswered (it sheds connections
+ * under a flood), until the init timeout. On failure *fd is closed, -1. */
+static int dial(struct setup *s, const char *host, unsigned port, unsigned type, unsigned peer,
+                unsigned stream, const char *who, int *fd)
+{
+    int backoff = 10;
+    for (;;) {
+        int rc, dropped = 0;
+        if (*fd < 0 && (rc = connect_retry(host, port, s->deadline, fd, who)))
+            return rc;
+        if ((rc = client_handshake(s, *fd, type, peer, stream, who, &dropped)) == EPIPE_OK)
+            return EPIPE_OK;
+        close(*fd);
+        *fd = -1;
+        if (!dropped || now_ms() + backoff >= s->deadline)
+            return rc;
+        epipe_log_info((int)s->rank, "rendezvous", "%s; trying again", epipe_last_error());
+        epipe_clear_error();
+        struct timespec ts = {0, backoff * 1000000L};
+        nanosleep(&ts, NULL);
+        backoff = backoff < 250 ? backoff * 2 : 500;
+    }
+}
+
 /* ---- the accepting side ------------------------------------------------- */
 
 struct pending {
     int fd;
     int phase; /* 0: wants HELLO; 1: wants PROOF */
+    uint64_t seq; /* arrival order */
     struct reader r;
     struct hello hi;
     uint8_t nonce_s[EPIPE_TCP_NONCE];
@@ -646,37 +685,12 @@ static int serve(struct setup *s, struct registry *g, struct pending *p)
     }
     reader_reset(&p->r);
     if (p->phase == 0) {
+        /* Nothing this hello says counts before the peer has proven the key:
+         * only what shapes the challenge is looked at here. */
         p->hi = h;
-        int is_reg = h.type == HT_REGISTER;
         if (h.type != HT_REGISTER && h.type != HT_CONNECT) {
             refuse(s, p, EPIPE_EPROTO, "the first hello is neither register nor connect");
             return 1;
-        }
-        if (h.size != s->size) {
-            snprintf(why, sizeof why, "mismatched world size: rank %u at %s says %u ranks, rank %u "
-                                      "has %u", h.rank, p->from, h.size, s->rank, s->size);
-            refuse(s, p, EPIPE_EINVAL, why);
-            fail_all(s, g, EPIPE_EINVAL, why);
-            return epipe_fail(EPIPE_EINVAL, "rendezvous: %s", why);
-        }
-        if (h.rank >= s->size || h.rank <= s->rank) {
-            snprintf(why, sizeof why, "rank %u may not connect to rank %u", h.rank, s->rank);
-            refuse(s, p, EPIPE_EINVAL, why);
-            return 1;
-        }
-        if (is_reg ? (!g || g->table_sent) : h.stream >= epipe_tcp_streams_between(s->o, s->rank, h.rank) ||
-                                             (s->rank == 0 && h.stream == 0)) {
-            snprintf(why, sizeof why, "unexpected %s from rank %u, stream %u",
-                     is_reg ? "registration" : "connection", h.rank, h.stream);
-            refuse(s, p, EPIPE_EPROTO, why);
-            return 1;
-        }
-        if (s->have[h.rank] & (1u << (is_reg ? 0 : h.stream))) {
-            snprintf(why, sizeof why, "two processes claim rank %u (the second from %s)", h.rank,
-                     p->from);
-            refuse(s, p, EPIPE_EINVAL, why);
-            fail_all(s, g, EPIPE_EINVAL, why);
-            return epipe_fail(EPIPE_EINVAL, "rendezvous: %s", why);
         }
         if (!!(h.flags & HF_AUTH) != s->key->on) {
             snprintf(why, sizeof why, "rank %u %s", h.rank,
@@ -699,7 +713,7 @@ static int serve(struct setup *s, struct registry *g, struct pending *p)
         p->phase = 1;
         return 0;
     }
-    /* phase 1: the proof */
+    /* phase 1: the proof; from here on the peer holds the key (or none is used) */
     if (h.type != HT_PROOF) {
         refuse(s, p, EPIPE_EPROTO, "expected a proof");
         return 1;
@@ -710,6 +724,34 @@ static int serve(struct setup *s, struct registry *g, struct pending *p)
                  p->hi.rank);
         refuse(s, p, EPIPE_EAUTH, why);
         return 1;
+    }
+    h = p->hi;
+    int is_reg = h.type == HT_REGISTER;
+    if (h.size != s->size) {
+        snprintf(why, sizeof why, "mismatched world size: rank %u at %s says %u ranks, rank %u "
+                                  "has %u", h.rank, p->from, h.size, s->rank, s->size);
+        refuse(s, p, EPIPE_EINVAL, why);
+        fail_all(s, g, EPIPE_EINVAL, why);
+        return epipe_fail(EPIPE_EINVAL, "rendezvous: %s", why);
+    }
+    if (h.rank >= s->size || h.rank <= s->rank) {
+        snprintf(why, sizeof why, "rank %u may not connect to rank %u", h.rank, s->rank);
+        refuse(s, p, EPIPE_EINVAL, why);
+        return 1;
+    }
+    if (is_reg ? (!g || g->table_sent) : h.stream >= epipe_tcp_streams_between(s->o, s->rank, h.rank) ||
+                                         (s->rank == 0 && h.stream == 0)) {
+        snprintf(why, sizeof why, "unexpected %s from rank %u, stream %u",
+                 is_reg ? "registration" : "connection", h.rank, h.stream);
+        refuse(s, p, EPIPE_EPROTO, why);
+        return 1;
+    }
+    if (s->have[h.rank] & (1u << (is_reg ? 0 : h.stream))) {
+        snprintf(why, sizeof why, "two processes claim rank %u (the second from %s)", h.rank,
+                 p->from);
+        refuse(s, p, EPIPE_EINVAL, why);
+        fail_all(s, g, EPIPE_EINVAL, why);
+        return epipe_fail(EPIPE_EINVAL, "rendezvous: %s", why);
     }
     struct hello w = {.type = HT_WELCOME, .rank = s->rank, .size = s->size, .stream = p->hi.stream};
     if ((rc = send_hello(p->fd, &w, s->rank, p->hi.rank, now_ms() + 1000))) {
@@ -773,6 +815,24 @@ static int send_table(struct setup *s, struct registry *g)
     return rc;
 }
 
+/* Which pending connection to drop when a new one arrives and all slots
+ * are taken: the oldest that has sent nothing, else the oldest still in the
+ * middle of its first hello, else the oldest waiting to prove the key. A
+ * rank that handshakes at once thus outlives a flood of idle connections;
+ * a dropped rank retries (client_handshake's caller). */
+static unsigned evictee(const struct pending *pend, unsigned n)
+{
+    unsigned best = 0;
+    int best_class = 3;
+    for (unsigned i = 0; i < n; i++) {
+        const struct pending *p = &pend[i];
+        int cls = p->phase ? 2 : p->r.got || p->r.have_header ? 1 : 0;
+        if (cls < best_class || (cls == best_class && p->seq < pend[best].seq))
+            best = i, best_class = cls;
+    }
+    return best;
+}
+
 /* Accepts connections until every expected one has arrived. */
 static int accept_loop(struct setup *s, struct registry *g, int lfd)
 {
@@ -782,6 +842,7 @@ static int accept_loop(struct setup *s, struct registry *g, int lfd)
         return epipe_fail(EPIPE_ENOMEM, "out of memory");
     unsigned want = expected_in(s) - (g ? s->size - 1 : 0);
     unsigned got = 0;
+    uint64_t seq = 0;
     int rc = EPIPE_OK;
     for (;;) {
         if (g && !g->table_sent && g->registered == s->size - 1 && (rc = send_table(s, g)))
@@ -833,16 +894,19 @@ static int accept_loop(struct setup *s, struct registry *g, int lfd)
             socklen_t len = sizeof ss;
             int fd = accept4(lfd, (struct sockaddr *)&ss, &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
             if (fd >= 0) {
-                if (npend == MAX_PENDING) { /* drop the oldest silent one */
+                if (npend == MAX_PENDING) {
+                    unsigned v = evictee(pend, npend);
                     epipe_log_warn((int)s->rank, "rendezvous", "too many pending connections; "
-                                   "dropping the one from %s", pend[0].from);
-                    close(pend[0].fd);
-                    reader_reset(&pend[0].r);
-                    memmove(pend, pend + 1, sizeof *pend * --npend);
+                                   "dropping the %s one from %s",
+                                   pend[v].phase ? "oldest unproven" : "oldest idle", pend[v].from);
+                    close(pend[v].fd);
+                    reader_reset(&pend[v].r);
+                    pend[v] = pend[--npend];
                 }
                 struct pending *p = &pend[npend++];
                 memset(p, 0, sizeof *p);
                 p->fd = fd;
+                p->seq = seq++;
                 sock_text((struct sockaddr *)&ss, p->from, sizeof p->from);
                 tune(fd);
             }
@@ -958,9 +1022,9 @@ static int setup_rank(struct setup *s, const char *master_addr, unsigned master_
         goto out;
     }
     epipe_log_debug((int)s->rank, "rendezvous", "listening on %s", where);
-    if ((rc = client_handshake(s, fd0, HT_REGISTER, 0, 0, who)))
+    if ((rc = dial(s, master_addr, master_port, HT_REGISTER, 0, 0, who, &fd0)))
         goto out;
-    struct reader r = {0};
+    struct reader r = {.limit = HELLO_SIZE + TABLE_ENTRY * (uint64_t)s->size};
     rc = reader_wait(fd0, &r, s->deadline);
     if (rc > 0 && r.h.kind == EPIPE_WIRE_ERROR)
         rc = error_from(&r, who);
@@ -991,11 +1055,10 @@ static int setup_rank(struct setup *s, const char *master_addr, unsigned master_
             unsigned qport = q == 0 ? master_port : get_u16(e + 64);
             char qwho[160];
             snprintf(qwho, sizeof qwho, "rank %u at %s:%u", q, q == 0 ? master_addr : qaddr, qport);
-            int fd;
-            if ((rc = connect_retry(q == 0 ? master_addr : qaddr, qport, s->deadline, &fd, qwho)))
+            int fd = -1;
+            if ((rc = dial(s, q == 0 ? master_addr : qaddr, qport, HT_CONNECT, q, st, qwho, &fd)))
                 goto out;
-            if ((rc = client_handshake(s, fd, HT_CONNECT, q, st, qwho)) ||
-                (rc = add_link(s, fd, q, st))) {
+            if ((rc = add_link(s, fd, q, st))) {
                 close(fd);
                 goto out;
             }
