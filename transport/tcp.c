@@ -358,7 +358,7 @@ static void peer_failed(struct tcp *t, unsigned peer, int status, const char *wh
         epipe_comm_peer_failed(c, peer, status, why);
     for (unsigned i = 0; i < t->count[peer]; i++)
         conn_close(&t->conns[t->first[peer] + i], 0);
-    char text[160];
+    char text[EPIPE_ERRMSG_MAX];
     snprintf(text, sizeof text, "rank %u failed: %s", peer, why);
     if (c->rank == 0) {
         for (unsigned q = 1; q < c->size; q++)
@@ -445,11 +445,11 @@ static void finish(struct tcp *t, struct conn *k)
         break;
     case EPIPE_WIRE_ERROR: {
         unsigned about = m->hdr.micro_batch;
-        char why[96];
+        char why[EPIPE_ERRMSG_MAX];
         char by[32] = "";
         if (k->peer != about)
             snprintf(by, sizeof by, "reported by rank %u: ", k->peer);
-        snprintf(why, sizeof why, "%s%.*s", by, (int)(k->rx_need < 80 ? k->rx_need : 80),
+        snprintf(why, sizeof why, "%s%.*s", by, (int)(k->rx_need < sizeof why ? k->rx_need : sizeof why),
                  (const char *)m->data + m->hdr.header_len);
         if (about < c->size && about != c->rank)
             peer_failed(t, about, EPIPE_EPEER, why);
@@ -746,8 +746,16 @@ static void *progress(void *arg)
 static void tcp_abort(epipe_comm *c)
 {
     struct tcp *t = c->tp;
-    char why[64];
+    char why[EPIPE_ERRMSG_MAX];
     snprintf(why, sizeof why, "rank %u was aborted", c->rank);
+    pthread_mutex_lock(&c->lock); /* name the failure that made it abort, if any */
+    for (unsigned p = 0; p < c->size; p++)
+        if (c->peer_state[p] == EPIPE_PEER_FAILED) {
+            snprintf(why, sizeof why, "rank %u was aborted after rank %u failed: %s", c->rank, p,
+                     c->peer_why[p]);
+            break;
+        }
+    pthread_mutex_unlock(&c->lock);
     for (unsigned p = 0; p < c->size; p++)
         if (t->count[p])
             send_error_to(t, p, c->rank, EPIPE_EPEER, why);

@@ -23,7 +23,7 @@
 
 /* The HELLO payload (docs/transport.md): 152 bytes, little-endian. */
 #define HELLO_MAGIC "EPTH"
-#define HELLO_VERSION 1
+#define HELLO_VERSION 2
 #define HELLO_SIZE 152
 #define TABLE_ENTRY 72
 /* The most an unauthenticated peer can make this rank allocate for one
@@ -32,7 +32,7 @@
 #define HS_MAX_UNAUTH 1024
 #define MAX_PENDING 64
 
-enum { HT_REGISTER = 1, HT_CONNECT, HT_CHALLENGE, HT_PROOF, HT_WELCOME, HT_TABLE };
+enum { HT_REGISTER = 1, HT_CONNECT, HT_CHALLENGE, HT_PROOF, HT_WELCOME, HT_TABLE, HT_READY, HT_GO };
 #define HF_AUTH 1u
 
 struct hello {
@@ -96,7 +96,7 @@ static int hello_decode(const uint8_t *p, size_t len, struct hello *h)
     memcpy(h->addr, p + 24, EPIPE_TCP_ADDR_MAX - 1);
     memcpy(h->nonce, p + 88, EPIPE_TCP_NONCE);
     memcpy(h->mac, p + 120, EPIPE_TCP_MAC);
-    if (h->type < HT_REGISTER || h->type > HT_TABLE)
+    if (h->type < HT_REGISTER || h->type > HT_GO)
         return epipe_fail(EPIPE_EPROTO, "hello type %u is unknown", h->type);
     return EPIPE_OK;
 }
@@ -282,9 +282,14 @@ static void tune(int fd)
     set_nonblock(fd);
 }
 
-/* Connects to host:port, retrying while nobody listens yet, until deadline. */
-static int connect_retry(const char *host, unsigned port, int64_t deadline, int *fd_out,
-                         const char *who)
+struct setup;
+static int pause_ms(struct setup *s, int ms);
+
+/* Connects to host:port, retrying while nobody listens yet, until deadline;
+ * between tries it listens to rank 0 (pause_ms), which may say the rank
+ * this one waits for has failed. */
+static int connect_retry(struct setup *s, const char *host, unsigned port, int64_t deadline,
+                         int *fd_out, const char *who)
 {
     struct sockaddr_storage ss;
     socklen_t len;
@@ -324,8 +329,8 @@ static int connect_retry(const char *host, unsigned port, int64_t deadline, int 
             return epipe_fail(EPIPE_EIO, "cannot connect to %s (%s): %s", who, where, strerror(err));
         if (now_ms() + backoff >= deadline)
             break;
-        struct timespec ts = {0, backoff * 1000000L};
-        nanosleep(&ts, NULL);
+        if ((rc = pause_ms(s, backoff)))
+            return rc;
         backoff = backoff < 500 ? backoff * 2 : 1000;
     }
     return epipe_fail(EPIPE_ETIMEDOUT, "cannot reach %s: %s, still after retrying until the "
@@ -468,10 +473,11 @@ static int send_hello(int fd, const struct hello *h, unsigned src, unsigned dst,
 
 /* ERROR messages carry the status (as a positive number) in `step` and the
  * rank the error is about in `micro_batch`; the payload is the text. */
-static void send_error(int fd, unsigned src, unsigned dst, int status, const char *text)
+static void send_error(int fd, unsigned src, unsigned dst, unsigned about, int status,
+                       const char *text)
 {
-    int save_len = (int)strlen(text);
-    send_msg(fd, EPIPE_WIRE_ERROR, src, dst, src, (uint64_t)(-status), text, (size_t)save_len,
+    size_t len = strnlen(text, EPIPE_ERRMSG_MAX);
+    send_msg(fd, EPIPE_WIRE_ERROR, src, dst, about, (uint64_t)(-status), text, len,
              now_ms() + 1000);
 }
 
@@ -498,7 +504,63 @@ struct setup {
     unsigned nlinks, links_cap;
     uint8_t *have;          /* [size] bit s: stream s of that peer is connected */
     char last_refusal[200]; /* the last connection the acceptor refused, for timeouts */
+    int ctl;                /* ranks > 0, after the table: the connection to rank 0 */
+    struct reader ctl_r;    /* what rank 0 says on it before GO: an ERROR, or GO */
+    int go;                 /* rank 0 said GO */
+    int ctl_heard;          /* rank 0 said the rendezvous failed, or closed */
 };
+
+/* Reads what rank 0 has sent on the control connection, if anything:
+ * before GO it sends only GO or an ERROR (a rank failed in the rendezvous).
+ * 0: nothing (yet) or GO; < 0: the rendezvous failed (error set). */
+static int ctl_step(struct setup *s)
+{
+    if (s->ctl < 0 || s->go)
+        return 0;
+    int rc = reader_step(s->ctl, &s->ctl_r);
+    if (rc == 0)
+        return 0;
+    if (rc < 0) {
+        s->ctl_heard = 1;
+        return refail(rc, "rendezvous: rank %u: the connection to rank 0", s->rank);
+    }
+    struct hello h;
+    if (s->ctl_r.h.kind == EPIPE_WIRE_ERROR) {
+        s->ctl_heard = 1;
+        rc = -(int)s->ctl_r.h.step;
+        rc = epipe_fail(rc > -1 || rc < -64 ? EPIPE_EPEER : rc, "rendezvous: rank 0 reports: %.*s",
+                        (int)s->ctl_r.h.payload_len, (const char *)s->ctl_r.payload);
+    } else if ((rc = hello_decode(s->ctl_r.payload, s->ctl_r.h.payload_len, &h)) == EPIPE_OK) {
+        if (h.type == HT_GO)
+            s->go = 1;
+        else
+            rc = epipe_fail(EPIPE_EPROTO, "rank 0 sent hello type %u during the rendezvous",
+                            h.type);
+    }
+    reader_reset(&s->ctl_r);
+    return rc;
+}
+
+/* Sleeps ms, or less if rank 0 says the rendezvous failed. */
+static int pause_ms(struct setup *s, int ms)
+{
+    if (!s || s->ctl < 0) {
+        struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+        return EPIPE_OK;
+    }
+    int64_t end = now_ms() + ms;
+    for (;;) {
+        int rc = ctl_step(s);
+        if (rc < 0)
+            return rc;
+        int64_t left = end - now_ms();
+        if (left <= 0)
+            return EPIPE_OK;
+        struct pollfd pf = {.fd = s->ctl, .events = POLLIN};
+        poll(&pf, 1, (int)left);
+    }
+}
 
 static int add_link(struct setup *s, int fd, unsigned peer, unsigned stream)
 {
@@ -559,7 +621,7 @@ static int client_handshake(struct setup *s, int fd, unsigned type, unsigned pee
                                                : "runs without a key, but this rank has one");
             char text[EPIPE_ERRMSG_MAX];
             snprintf(text, sizeof text, "%s", epipe_last_error());
-            send_error(fd, s->rank, peer, EPIPE_EAUTH, text);
+            send_error(fd, s->rank, peer, s->rank, EPIPE_EAUTH, text);
             epipe_fail(EPIPE_EAUTH, "%s", text);
             goto out;
         }
@@ -604,7 +666,7 @@ static int dial(struct setup *s, const char *host, unsigned port, unsigned type,
     int backoff = 10;
     for (;;) {
         int rc, dropped = 0;
-        if (*fd < 0 && (rc = connect_retry(host, port, s->deadline, fd, who)))
+        if (*fd < 0 && (rc = connect_retry(s, host, port, s->deadline, fd, who)))
             return rc;
         if ((rc = client_handshake(s, *fd, type, peer, stream, who, &dropped)) == EPIPE_OK)
             return EPIPE_OK;
@@ -614,8 +676,8 @@ static int dial(struct setup *s, const char *host, unsigned port, unsigned type,
             return rc;
         epipe_log_info((int)s->rank, "rendezvous", "%s; trying again", epipe_last_error());
         epipe_clear_error();
-        struct timespec ts = {0, backoff * 1000000L};
-        nanosleep(&ts, NULL);
+        if ((rc = pause_ms(s, backoff)))
+            return rc;
         backoff = backoff < 250 ? backoff * 2 : 500;
     }
 }
@@ -635,7 +697,9 @@ struct pending {
 struct registry { /* rank 0 only */
     int *fd;      /* [size] registration connection, -1 until registered */
     struct hello *hi;
-    unsigned registered;
+    struct reader **rd; /* [size] what a registered rank sends, allocated when it does */
+    uint8_t *ready;     /* [size] it said READY: its connections are all made */
+    unsigned registered, nready;
     int table_sent;
 };
 
@@ -644,17 +708,19 @@ static void refuse(struct setup *s, struct pending *p, int status, const char *w
     epipe_log_warn((int)s->rank, "rendezvous", "refused the connection from %s: %s", p->from, why);
     snprintf(s->last_refusal, sizeof s->last_refusal, "%.40s: %.150s", p->from, why);
     if (status)
-        send_error(p->fd, s->rank, p->hi.rank, status, why);
+        send_error(p->fd, s->rank, p->hi.rank, s->rank, status, why);
     close(p->fd);
     p->fd = -1;
 }
 
-/* Tells every registered rank that the rendezvous failed. */
-static void fail_all(struct setup *s, struct registry *g, int status, const char *why)
+/* Tells every registered rank but `about` that the rendezvous failed
+ * because of rank `about` (0: this one). */
+static void fail_all(struct setup *s, struct registry *g, unsigned about, int status,
+                     const char *why)
 {
     for (unsigned q = 1; g && q < s->size; q++)
-        if (g->fd[q] >= 0)
-            send_error(g->fd[q], s->rank, q, status, why);
+        if (g->fd[q] >= 0 && (q != about || about == 0))
+            send_error(g->fd[q], s->rank, q, about, status, why);
 }
 
 /* Advances one pending connection. Returns 0 to go on, 1 when it is done
@@ -731,7 +797,7 @@ static int serve(struct setup *s, struct registry *g, struct pending *p)
         snprintf(why, sizeof why, "mismatched world size: rank %u at %s says %u ranks, rank %u "
                                   "has %u", h.rank, p->from, h.size, s->rank, s->size);
         refuse(s, p, EPIPE_EINVAL, why);
-        fail_all(s, g, EPIPE_EINVAL, why);
+        fail_all(s, g, 0, EPIPE_EINVAL, why);
         return epipe_fail(EPIPE_EINVAL, "rendezvous: %s", why);
     }
     if (h.rank >= s->size || h.rank <= s->rank) {
@@ -750,7 +816,7 @@ static int serve(struct setup *s, struct registry *g, struct pending *p)
         snprintf(why, sizeof why, "two processes claim rank %u (the second from %s)", h.rank,
                  p->from);
         refuse(s, p, EPIPE_EINVAL, why);
-        fail_all(s, g, EPIPE_EINVAL, why);
+        fail_all(s, g, 0, EPIPE_EINVAL, why);
         return epipe_fail(EPIPE_EINVAL, "rendezvous: %s", why);
     }
     struct hello w = {.type = HT_WELCOME, .rank = s->rank, .size = s->size, .stream = p->hi.stream};
@@ -833,43 +899,119 @@ static unsigned evictee(const struct pending *pend, unsigned n)
     return best;
 }
 
-/* Accepts connections until every expected one has arrived. */
+/* Something arrived on rank q's registration connection: READY once the
+ * table is out, else it failed (closed, an ERROR, anything else). Before
+ * the table a failed rank is forgotten and may register again; after it,
+ * every other rank is told, and the rendezvous fails. */
+static int watch_rank(struct setup *s, struct registry *g, unsigned q)
+{
+    if (!g->rd[q] && !(g->rd[q] = calloc(1, sizeof *g->rd[q])))
+        return epipe_fail(EPIPE_ENOMEM, "out of memory");
+    struct reader *r = g->rd[q];
+    int rc = reader_step(g->fd[q], r);
+    if (rc == 0)
+        return 0;
+    char why[EPIPE_ERRMSG_MAX];
+    struct hello h;
+    if (rc < 0)
+        snprintf(why, sizeof why, "%s", epipe_last_error());
+    else if (r->h.kind == EPIPE_WIRE_ERROR)
+        snprintf(why, sizeof why, "%.*s", (int)r->h.payload_len, (const char *)r->payload);
+    else if (hello_decode(r->payload, r->h.payload_len, &h) == EPIPE_OK && h.type == HT_READY &&
+             g->table_sent && !g->ready[q]) {
+        reader_reset(r);
+        g->ready[q] = 1;
+        g->nready++;
+        return 0;
+    } else
+        snprintf(why, sizeof why, "an unexpected message on its registration connection");
+    reader_reset(r);
+    epipe_clear_error();
+    if (!g->table_sent) {
+        epipe_log_warn(0, "rendezvous", "rank %u left before all ranks registered (%s); it may "
+                       "register again", q, why);
+        close(g->fd[q]);
+        g->fd[q] = -1;
+        g->registered--;
+        s->have[q] &= (uint8_t)~1u;
+        return 0;
+    }
+    char text[EPIPE_ERRMSG_MAX + 64];
+    snprintf(text, sizeof text, "rank %u failed during the rendezvous: %s", q, why);
+    text[EPIPE_ERRMSG_MAX - 1] = '\0';
+    fail_all(s, g, q, EPIPE_EPEER, text);
+    return epipe_fail(EPIPE_EPEER, "rendezvous: %s", text);
+}
+
+/* The ranks among q0..size-1 still missing: streams (rank 0 also READY). */
+static void missing_ranks(const struct setup *s, const struct registry *g, char *out, size_t cap)
+{
+    size_t off = 0;
+    out[0] = '\0';
+    for (unsigned q = s->rank + 1; q < s->size && off + 16 < cap; q++) {
+        unsigned k = epipe_tcp_streams_between(s->o, s->rank, q);
+        int miss = k && s->have[q] != (uint8_t)((1u << k) - 1);
+        if (g && g->table_sent)
+            miss = miss || !g->ready[q];
+        if (miss)
+            off += (size_t)snprintf(out + off, cap - off, "%s%u", off ? ", " : "", q);
+    }
+}
+
+/* Accepts connections until every expected one has arrived; rank 0 also
+ * collects every rank's READY and then sends GO to all. Ranks > 0 listen
+ * to rank 0 meanwhile (s->ctl). */
 static int accept_loop(struct setup *s, struct registry *g, int lfd)
 {
+    unsigned nwatch = g ? s->size : 1;
     struct pending *pend = calloc(MAX_PENDING, sizeof *pend);
+    struct pollfd *pf = calloc(MAX_PENDING + 1 + nwatch, sizeof *pf);
+    unsigned *who = calloc(nwatch, sizeof *who);
     unsigned npend = 0;
-    if (!pend)
-        return epipe_fail(EPIPE_ENOMEM, "out of memory");
+    int rc = EPIPE_OK;
+    if (!pend || !pf || !who) {
+        rc = epipe_fail(EPIPE_ENOMEM, "out of memory");
+        goto out;
+    }
     unsigned want = expected_in(s) - (g ? s->size - 1 : 0);
     unsigned got = 0;
     uint64_t seq = 0;
-    int rc = EPIPE_OK;
     for (;;) {
         if (g && !g->table_sent && g->registered == s->size - 1 && (rc = send_table(s, g)))
             break;
-        if ((!g || g->table_sent) && got == want)
+        if ((!g || g->table_sent) && got == want && (!g || g->nready == s->size - 1))
             break;
-        struct pollfd pf[MAX_PENDING + 1];
         pf[0] = (struct pollfd){.fd = lfd, .events = POLLIN};
         for (unsigned i = 0; i < npend; i++)
             pf[i + 1] = (struct pollfd){.fd = pend[i].fd, .events = POLLIN};
-        int n = poll(pf, npend + 1, left_ms(s->deadline));
+        unsigned nw = 0; /* then the connections to listen to */
+        for (unsigned q = 1; g && q < s->size; q++)
+            if (g->fd[q] >= 0 && !g->ready[q])
+                who[nw] = q, pf[1 + npend + nw++] = (struct pollfd){.fd = g->fd[q], .events = POLLIN};
+        if (!g && s->ctl >= 0)
+            pf[1 + npend + nw++] = (struct pollfd){.fd = s->ctl, .events = POLLIN};
+        int n = poll(pf, 1 + npend + nw, left_ms(s->deadline));
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0) {
-            char missing[128] = "";
-            size_t off = 0;
-            for (unsigned q = s->rank + 1; q < s->size && off < sizeof missing - 16; q++) {
-                unsigned k = epipe_tcp_streams_between(s->o, s->rank, q);
-                if (k && s->have[q] != (uint8_t)((1u << k) - 1))
-                    off += (size_t)snprintf(missing + off, sizeof missing - off, "%s%u",
-                                            off ? ", " : "", q);
-            }
+            char missing[128];
+            missing_ranks(s, g, missing, sizeof missing);
             rc = epipe_fail(EPIPE_ETIMEDOUT, "rendezvous: rank %u: rank%s %s did not %s within the "
                                              "init timeout%s%s",
                             s->rank, strchr(missing, ',') ? "s" : "", missing,
-                            g && !g->table_sent ? "register" : "connect",
+                            g && !g->table_sent ? "register"
+                            : g && got == want  ? "finish connecting"
+                                                : "connect",
                             s->last_refusal[0] ? "; last refused: " : "", s->last_refusal);
+            break;
+        }
+        for (unsigned i = 0; i < nw && rc == EPIPE_OK; i++)
+            if (pf[1 + npend + i].revents)
+                rc = g ? watch_rank(s, g, who[i]) : ctl_step(s);
+        if (rc)
+            break;
+        if (s->go) {
+            rc = epipe_fail(EPIPE_EPROTO, "rendezvous: rank 0 said GO before this rank was ready");
             break;
         }
         /* Backwards, so a finished entry can take the last one's place. */
@@ -911,15 +1053,22 @@ static int accept_loop(struct setup *s, struct registry *g, int lfd)
                 tune(fd);
             }
         }
-        if (rc)
-            break;
     }
-    for (unsigned i = 0; i < npend; i++) {
+    if (rc == EPIPE_OK && g) { /* every rank is connected: go */
+        struct hello go = {.type = HT_GO, .rank = 0, .size = s->size};
+        for (unsigned q = 1; q < s->size && rc == EPIPE_OK; q++)
+            if ((rc = send_hello(g->fd[q], &go, 0, q, s->deadline)))
+                rc = refail(rc, "rendezvous: telling rank %u to go", q);
+    }
+out:
+    for (unsigned i = 0; pend && i < npend; i++) {
         if (pend[i].fd >= 0)
             close(pend[i].fd);
         reader_reset(&pend[i].r);
     }
     free(pend);
+    free(pf);
+    free(who);
     return rc;
 }
 
@@ -974,7 +1123,9 @@ static int setup_rank0(struct setup *s, const char *master_addr, unsigned master
     struct registry g = {0};
     g.fd = malloc(sizeof *g.fd * s->size);
     g.hi = calloc(s->size, sizeof *g.hi);
-    if (!g.fd || !g.hi) {
+    g.rd = calloc(s->size, sizeof *g.rd);
+    g.ready = calloc(s->size, 1);
+    if (!g.fd || !g.hi || !g.rd || !g.ready) {
         rc = epipe_fail(EPIPE_ENOMEM, "out of memory");
     } else {
         for (unsigned q = 0; q < s->size; q++)
@@ -990,12 +1141,19 @@ static int setup_rank0(struct setup *s, const char *master_addr, unsigned master
         if (rc) {
             char why[EPIPE_ERRMSG_MAX];
             snprintf(why, sizeof why, "rank 0: %s", epipe_last_error());
-            send_error(g.fd[q], 0, q, rc, why);
+            send_error(g.fd[q], 0, q, 0, rc, why);
             epipe_clear_error();
             epipe_fail(rc, "%s", why + 8);
             close(g.fd[q]);
         }
     }
+    for (unsigned q = 0; g.rd && q < s->size; q++)
+        if (g.rd[q]) {
+            reader_reset(g.rd[q]);
+            free(g.rd[q]);
+        }
+    free(g.rd);
+    free(g.ready);
     free(g.fd);
     free(g.hi);
     return rc;
@@ -1007,7 +1165,7 @@ static int setup_rank(struct setup *s, const char *master_addr, unsigned master_
     snprintf(who, sizeof who, "the master (rank 0) at %s:%u", master_addr, master_port);
     int fd0 = -1, lfd = -1, chosen, rc;
     uint8_t *table = NULL;
-    if ((rc = connect_retry(master_addr, master_port, s->deadline, &fd0, who)))
+    if ((rc = connect_retry(s, master_addr, master_port, s->deadline, &fd0, who)))
         return refail(rc, "rendezvous: rank %u", s->rank);
     if ((rc = choose_addr(s->o, s->my_addr, sizeof s->my_addr, &chosen)))
         goto out;
@@ -1043,6 +1201,7 @@ static int setup_rank(struct setup *s, const char *master_addr, unsigned master_
     }
     if ((rc = add_link(s, fd0, 0, 0)))
         goto out;
+    s->ctl = fd0;
     fd0 = -1;
     epipe_log_info((int)s->rank, "rendezvous", "registered with %s%s", who,
                    s->key->on ? " (authenticated)" : "");
@@ -1065,8 +1224,28 @@ static int setup_rank(struct setup *s, const char *master_addr, unsigned master_
             epipe_log_debug((int)s->rank, "tcp", "connected to %s, stream %u", qwho, st);
         }
     }
-    rc = accept_loop(s, NULL, lfd);
+    if ((rc = accept_loop(s, NULL, lfd)))
+        goto out;
+    /* Every connection of this rank is made: READY, then wait for GO. */
+    struct hello ready = {.type = HT_READY, .rank = s->rank, .size = s->size};
+    if ((rc = send_hello(s->ctl, &ready, s->rank, 0, s->deadline)))
+        goto out;
+    while (!s->go && rc == EPIPE_OK) {
+        struct pollfd pf = {.fd = s->ctl, .events = POLLIN};
+        if (poll(&pf, 1, left_ms(s->deadline)) == 0)
+            rc = epipe_fail(EPIPE_ETIMEDOUT, "rendezvous: rank %u: rank 0 did not say go within "
+                                             "the init timeout", s->rank);
+        else
+            rc = ctl_step(s);
+    }
 out:
+    if (rc && s->ctl >= 0 && !s->ctl_heard) { /* rank 0 tells the others why */
+        char text[EPIPE_ERRMSG_MAX];
+        snprintf(text, sizeof text, "%s", epipe_last_error());
+        send_error(s->ctl, s->rank, 0, s->rank, rc, text);
+        epipe_fail(rc, "%s", text);
+    }
+    reader_reset(&s->ctl_r);
     if (rc)
         epipe_log_debug((int)s->rank, "rendezvous", "failed: %s", epipe_last_error());
     free(table);
@@ -1085,7 +1264,7 @@ int epipe_tcp_setup(unsigned rank, unsigned size, const char *master_addr, unsig
     *nlinks = 0;
     if (size == 1)
         return EPIPE_OK;
-    struct setup s = {.rank = rank, .size = size, .o = o, .key = key,
+    struct setup s = {.rank = rank, .size = size, .o = o, .key = key, .ctl = -1,
                       .deadline = now_ms() + o->init_timeout_ms};
     s.have = calloc(size, 1);
     if (!s.have)
