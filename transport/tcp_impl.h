@@ -78,7 +78,7 @@ int epipe_tcp_mac_ok(const epipe_tcp_key *k, char role, const uint8_t *nonce_c,
                      const uint8_t *nonce_s, uint32_t rank_c, uint32_t rank_s, uint32_t stream,
                      const uint8_t mac[EPIPE_TCP_MAC]);
 
-/* ---- connection setup (tcp_setup.c) ----------------------------------- */
+/* ---- connection setup (tcp_sock.c, tcp_hello.c, tcp_rdv_*.c) ---------- */
 
 /* One established, authenticated connection to a peer, before the progress
  * thread takes it. */
