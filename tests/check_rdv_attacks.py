@@ -169,6 +169,63 @@ if joined != contended:
     fail("a flood of idle connections kept a rank out in %d of %d trials" %
          (contended - joined, contended))
 
+# 3b. The acceptor drops a rank's handshake unanswered (as it does to shed
+# a flood): a proxy in front of rank 0 cuts the first two connections once
+# their hello has arrived; rank 1 connects again and the group trains.
+def proxy(listener, target, cut):
+    import threading
+
+    def pump(a, b):
+        try:
+            while True:
+                x = a.recv(65536)
+                if not x:
+                    break
+                b.sendall(x)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    n = 0
+    while True:
+        try:
+            c, _ = listener.accept()
+        except OSError:
+            return
+        n += 1
+        if n <= cut:
+            c.settimeout(5)
+            try:
+                c.recv(64)  # the hello has started: drop it mid-handshake
+            except OSError:
+                pass
+            c.close()
+            continue
+        u = socket.create_connection(("127.0.0.1", target))
+        for a, b in ((c, u), (u, c)):
+            threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+
+import threading
+port = free_port()
+lst = socket.socket()
+lst.bind(("127.0.0.1", 0))
+lst.listen(8)
+threading.Thread(target=proxy, args=(lst, port, 2), daemon=True).start()
+r0 = Rank(0, 2, port, keyed)
+r1 = Rank(1, 2, lst.getsockname()[1], keyed)
+good = all([r.finish(timeout=40) for r in (r1, r0)])
+retried = sum("trying again" in l for l in r1.err)
+print("handshake dropped twice by the acceptor: rank 1 tried again %d times; %s" %
+      (retried, "the group trained" if good else "FAILED"))
+if not good or retried < 2:
+    fail("rank 1 did not get through dropped handshakes:\n%s\n%s" % (r0.text(), r1.text()))
+lst.close()
+
 # 4. Key files that are not regular files fail at once, with a message.
 fifo = os.path.join(tmp.name, "fifo")
 os.mkfifo(fifo)
