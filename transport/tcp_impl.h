@@ -92,7 +92,8 @@ typedef struct epipe_tcp_link {
  * TCP_NODELAY set; the caller owns and frees the array and closes the fds.
  * Errors name the peer, address and cause: EPIPE_EIO (port in use, cannot
  * listen), EPIPE_ETIMEDOUT (master unreachable, a rank missing), EPIPE_EINVAL
- * (mismatched world size, duplicate rank), EPIPE_EVERSION, EPIPE_EAUTH. */
+ * (mismatched world size, duplicate rank), EPIPE_EVERSION, EPIPE_EAUTH,
+ * EPIPE_EPEER (a rank failed during the rendezvous, as rank 0 reports). */
 int epipe_tcp_setup(unsigned rank, unsigned size, const char *master_addr, unsigned master_port,
                     const epipe_tcp_opts *o, const epipe_tcp_key *key, epipe_tcp_link **links,
                     unsigned *nlinks);
