@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import rdv_peer
@@ -117,70 +118,16 @@ else:
     else:
         print("unauthenticated REGISTER (taken rank, other world size): the keyed group finished")
 
-# 3. A flood of idle connections while real ranks join, several trials:
-# FLOODERS processes open connections to rank 0 as fast as they can, each
-# holding the last few hundred open, and never send a byte.
-FLOOD = """
-import socket, sys, time
-held, n = [], 0
-end = time.time() + float(sys.argv[2])
-while time.time() < end:
-    try:
-        held.append(socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1))
-        n += 1
-    except OSError:
-        time.sleep(0.001)
-    if len(held) > 300:
-        held.pop(0).close()
-print(n)
-"""
-# A trial counts when the flood filled rank 0's pending slots (it dropped
-# some); up to MAX_TRIALS run until TRIALS of them did.
-TRIALS, MAX_TRIALS, FLOODERS = 5, 12, 3
-joined = contended = opened = 0
-for trial in range(MAX_TRIALS):
-    if contended == TRIALS:
-        break
-    port = free_port()
-    r0 = Rank(0, 3, port, keyed)
-    wait_listening(port)
-    floods = [subprocess.Popen([sys.executable, "-c", FLOOD, str(port), "4"],
-                               stdout=subprocess.PIPE, text=True) for _ in range(FLOODERS)]
-    time.sleep(0.3)
-    rest = [Rank(k, 3, port, keyed) for k in (1, 2)]
-    good = all([r.finish(timeout=40) for r in rest + [r0]])
-    n = sum(int(f.communicate()[0] or 0) for f in floods)
-    opened += n
-    dropped = sum("too many pending connections" in l for l in r0.err)
-    retried = sum("trying again" in l for r in rest for l in r.err)
-    print("  flood trial %d: %d idle connections opened, rank 0 dropped %d, the ranks retried %d "
-          "times; %s" % (trial, n, dropped, retried, "joined" if good else "FAILED"))
-    if not good:
-        print("  trial %d failed:\n%s" % (trial, "\n".join(r.text() for r in [r0] + rest)))
-    if dropped:
-        contended += 1
-        joined += good
-print("connection flood: the ranks joined in %d of %d trials where rank 0 had to drop "
-      "connections (%d idle connections)" % (joined, contended, opened))
-if contended < TRIALS:
-    fail("the flood filled rank 0's pending connections in only %d of %d trials" %
-         (contended, MAX_TRIALS))
-if joined != contended:
-    fail("a flood of idle connections kept a rank out in %d of %d trials" %
-         (contended - joined, contended))
-
-# 3b. The acceptor drops a rank's handshake unanswered (as it does to shed
-# a flood): a proxy in front of rank 0 cuts the first two connections once
-# their hello has arrived; rank 1 connects again and the group trains.
-def proxy(listener, target, cut):
-    import threading
-
+def proxy(listener, target, cut, delay=0.0):
+    """Forwards connections to 127.0.0.1:target, each chunk after `delay`
+    seconds (a long link), except the first `cut`, dropped once they speak."""
     def pump(a, b):
         try:
             while True:
                 x = a.recv(65536)
                 if not x:
                     break
+                time.sleep(delay)
                 b.sendall(x)
         except OSError:
             pass
@@ -205,12 +152,91 @@ def proxy(listener, target, cut):
                 pass
             c.close()
             continue
-        u = socket.create_connection(("127.0.0.1", target))
+        try:
+            u = socket.create_connection(("127.0.0.1", target))
+        except OSError:
+            c.close()
+            continue
         for a, b in ((c, u), (u, c)):
             threading.Thread(target=pump, args=(a, b), daemon=True).start()
 
 
-import threading
+def stop_proxy(listener):
+    """Wakes the proxy's accept (close alone does not) and ends it."""
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    listener.close()
+
+
+# 3. A flood while a rank joins over a slow link, several trials. FLOODERS
+# processes open connections to rank 0 as fast as they can, each holding the
+# last few hundred open; two send nothing, one sends the first byte of a
+# message and stops. Rank 1 reaches rank 0 through a proxy that delays every
+# chunk by DELAY s, so its handshake spans many flood connections.
+FLOOD = """
+import socket, sys, time
+held, n = [], 0
+end = time.time() + float(sys.argv[2])
+while time.time() < end:
+    try:
+        s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1)
+        if sys.argv[3] == "byte":
+            s.send(b"E")
+        held.append(s)
+        n += 1
+    except OSError:
+        time.sleep(0.001)
+    if len(held) > 300:
+        held.pop(0).close()
+print(n)
+"""
+# A trial counts when the flood filled rank 0's pending slots (it dropped
+# some); up to MAX_TRIALS run until TRIALS of them did.
+TRIALS, MAX_TRIALS, DELAY = 5, 12, 0.02
+joined = contended = opened = 0
+for trial in range(MAX_TRIALS):
+    if contended == TRIALS:
+        break
+    port = free_port()
+    r0 = Rank(0, 2, port, keyed)
+    wait_listening(port)
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(8)
+    threading.Thread(target=proxy, args=(lst, port, 0, DELAY), daemon=True).start()
+    floods = [subprocess.Popen([sys.executable, "-c", FLOOD, str(port), "4", kind],
+                               stdout=subprocess.PIPE, text=True)
+              for kind in ("idle", "idle", "byte")]
+    time.sleep(0.5)
+    r1 = Rank(1, 2, lst.getsockname()[1], keyed)
+    good = all([r.finish(timeout=40) for r in (r1, r0)])
+    n = sum(int(f.communicate()[0] or 0) for f in floods)
+    stop_proxy(lst)
+    opened += n
+    dropped = sum(int(l.split("dropped ")[1].split()[0]) for l in r0.err
+                  if "pending connections in all" in l)
+    retried = sum("trying again" in l for l in r1.err)
+    print("  flood trial %d: %d connections opened, rank 0 dropped %d, rank 1 retried %d times; "
+          "%s" % (trial, n, dropped, retried, "joined" if good else "FAILED"))
+    if not good:
+        print("  trial %d failed:\n%s" % (trial, "\n".join(r.text()[-1500:] for r in (r0, r1))))
+    if dropped:
+        contended += 1
+        joined += good
+print("connection flood: the rank joined over a %d ms link in %d of %d trials where rank 0 had "
+      "to drop connections (%d flood connections)" % (DELAY * 1000, joined, contended, opened))
+if contended < TRIALS:
+    fail("the flood filled rank 0's pending connections in only %d of %d trials" %
+         (contended, MAX_TRIALS))
+if joined != contended:
+    fail("a flood of connections kept a rank out in %d of %d trials" %
+         (contended - joined, contended))
+
+# 3b. The acceptor drops a rank's handshake unanswered (as it does to shed
+# a flood): a proxy in front of rank 0 cuts the first two connections once
+# their hello has arrived; rank 1 connects again and the group trains.
 port = free_port()
 lst = socket.socket()
 lst.bind(("127.0.0.1", 0))
@@ -224,7 +250,7 @@ print("handshake dropped twice by the acceptor: rank 1 tried again %d times; %s"
       (retried, "the group trained" if good else "FAILED"))
 if not good or retried < 2:
     fail("rank 1 did not get through dropped handshakes:\n%s\n%s" % (r0.text(), r1.text()))
-lst.close()
+stop_proxy(lst)
 
 # 4. Key files that are not regular files fail at once, with a message.
 fifo = os.path.join(tmp.name, "fifo")

@@ -100,13 +100,16 @@ class Rank:
         self.p = subprocess.Popen([trainer, *args], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True,
                                   env=rank_env(k, n, port, extra))
-        self.err = []
-        self.t = threading.Thread(target=self._drain, daemon=True)
-        self.t.start()
+        self.err, self.outl = [], []
+        self.t = [threading.Thread(target=self._drain, args=(f, lines), daemon=True)
+                  for f, lines in ((self.p.stderr, self.err), (self.p.stdout, self.outl))]
+        for t in self.t:
+            t.start()
 
-    def _drain(self):
-        for line in self.p.stderr:
-            self.err.append(line)
+    @staticmethod
+    def _drain(f, lines):
+        for line in f:
+            lines.append(line)
 
     def wait_log(self, text, timeout=20):
         end = time.time() + timeout
@@ -118,13 +121,14 @@ class Rank:
 
     def finish(self, timeout=60):
         try:
-            out, _ = self.p.communicate(timeout=timeout)
+            self.p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.p.kill()
-            out, _ = self.p.communicate()
-        self.t.join(5)
-        self.out = out
-        return self.p.returncode == 0 and ("rank %d: ok" % self.k) in out
+            self.p.wait()
+        for t in self.t:
+            t.join(5)
+        self.out = "".join(self.outl)
+        return self.p.returncode == 0 and ("rank %d: ok" % self.k) in self.out
 
     def text(self):
         return "rank %d exit %s:\n%s%s" % (self.k, self.p.returncode, self.out,

@@ -129,20 +129,19 @@ static int send_table(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g)
 }
 
 /* Which pending connection to drop when a new one arrives and all slots
- * are taken: the oldest that has sent nothing, else the oldest still in the
- * middle of its first hello, else the oldest waiting to prove the key. A
- * rank that handshakes at once thus outlives a flood of idle connections;
- * a dropped rank retries (client_handshake's caller). */
+ * are taken: the oldest that has not finished its first hello (idle, or
+ * stuck part way), else the oldest waiting to prove the key. A connecting
+ * rank sends its hello at once, so it outlives a flood of connections that
+ * send nothing or little unless MAX_PENDING newer ones arrive within one
+ * round trip; a rank dropped anyway connects again (dial in
+ * tcp_rdv_client.c). */
 static unsigned evictee(const struct epipe_tcp_pending *pend, unsigned n)
 {
     unsigned best = 0;
-    int best_class = 3;
-    for (unsigned i = 0; i < n; i++) {
-        const struct epipe_tcp_pending *p = &pend[i];
-        int cls = p->phase ? 2 : p->r.got || p->r.have_header ? 1 : 0;
-        if (cls < best_class || (cls == best_class && p->seq < pend[best].seq))
-            best = i, best_class = cls;
-    }
+    for (unsigned i = 1; i < n; i++)
+        if (pend[i].phase < pend[best].phase ||
+            (pend[i].phase == pend[best].phase && pend[i].seq < pend[best].seq))
+            best = i;
     return best;
 }
 
@@ -222,7 +221,7 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
     }
     unsigned want = expected_in(s) - (g ? s->size - 1 : 0);
     unsigned got = 0;
-    uint64_t seq = 0;
+    uint64_t seq = 0, dropped = 0;
     for (;;) {
         if (g && !g->table_sent && g->registered == s->size - 1 && (rc = send_table(s, g)))
             break;
@@ -285,9 +284,11 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
             if (fd >= 0) {
                 if (npend == MAX_PENDING) {
                     unsigned v = evictee(pend, npend);
-                    epipe_log_warn((int)s->rank, "rendezvous", "too many pending connections; "
-                                   "dropping the %s one from %s",
-                                   pend[v].phase ? "oldest unproven" : "oldest idle", pend[v].from);
+                    /* Said once; a flood must not flood the log too. */
+                    epipe_log_msg(dropped++ ? EPIPE_LOG_DEBUG : EPIPE_LOG_WARN, (int)s->rank,
+                                  "rendezvous", "too many pending connections (%d); dropping the "
+                                  "oldest %s one, from %s", MAX_PENDING,
+                                  pend[v].phase ? "unproven" : "silent", pend[v].from);
                     close(pend[v].fd);
                     epipe_tcp_reader_reset(&pend[v].r);
                     pend[v] = pend[--npend];
@@ -307,6 +308,9 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
             if ((rc = epipe_tcp_send_hello(g->fd[q], &go, 0, q, s->deadline)))
                 rc = epipe_tcp_refail(rc, "rendezvous: telling rank %u to go", q);
     }
+    if (dropped)
+        epipe_log_info((int)s->rank, "rendezvous", "dropped %llu pending connections in all "
+                       "(more than %d at once)", (unsigned long long)dropped, MAX_PENDING);
 out:
     for (unsigned i = 0; pend && i < npend; i++) {
         if (pend[i].fd >= 0)

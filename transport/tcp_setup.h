@@ -22,7 +22,7 @@
  * message: a hello or a refusal's text. Only the rank table, read from rank 0
  * on the connection this rank opened and authenticated, may be larger. */
 #define HS_MAX_UNAUTH 1024
-#define MAX_PENDING 64
+#define MAX_PENDING 128 /* connections in the middle of a handshake, at most */
 
 enum { HT_REGISTER = 1, HT_CONNECT, HT_CHALLENGE, HT_PROOF, HT_WELCOME, HT_TABLE, HT_READY, HT_GO };
 #define HF_AUTH 1u
