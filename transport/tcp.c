@@ -101,7 +101,7 @@ int epipe_tcp_enqueue(struct tcp *t, struct conn *k, epipe_msg *m, int direct)
         ssize_t n = send(k->fd, k->sb, k->sb_len, MSG_NOSIGNAL | MSG_DONTWAIT);
         k->sb_off = n > 0 ? (size_t)n : 0;
         if (n > 0)
-            k->last_tx = epipe_tcp_now_ms();
+            k->last_tx = epipe_now_ms();
         int rest = k->sb_off < k->sb_len;
         pthread_mutex_unlock(&k->txlock);
         epipe_msg_free(m);
@@ -113,7 +113,7 @@ int epipe_tcp_enqueue(struct tcp *t, struct conn *k, epipe_msg *m, int direct)
         ssize_t n = send(k->fd, m->data, m->len, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n > 0) {
             off = (size_t)n;
-            k->last_tx = epipe_tcp_now_ms();
+            k->last_tx = epipe_now_ms();
         }
         if (off == m->len) {
             pthread_mutex_unlock(&k->txlock);
@@ -171,7 +171,7 @@ static int tcp_send(epipe_comm *c, unsigned peer, epipe_msg *m)
 }
 
 /* Sends an ERROR about rank `about` to peer (best effort). */
-void epipe_tcp_send_error(struct tcp *t, unsigned peer, unsigned about, int status, const char *why)
+void epipe_tcp_queue_error(struct tcp *t, unsigned peer, unsigned about, int status, const char *why)
 {
     if (!t->count[peer])
         return;
@@ -188,11 +188,19 @@ void epipe_tcp_send_error(struct tcp *t, unsigned peer, unsigned about, int stat
 static void tcp_abort(epipe_comm *c)
 {
     struct tcp *t = c->tp;
-    char why[64];
+    char why[EPIPE_ERRMSG_MAX];
     snprintf(why, sizeof why, "rank %u was aborted", c->rank);
+    pthread_mutex_lock(&c->lock); /* name the failure that made it abort, if any */
+    for (unsigned p = 0; p < c->size; p++)
+        if (c->peer_state[p] == EPIPE_PEER_FAILED) {
+            snprintf(why, sizeof why, "rank %u was aborted after rank %u failed: %s", c->rank, p,
+                     c->peer_why[p]);
+            break;
+        }
+    pthread_mutex_unlock(&c->lock);
     for (unsigned p = 0; p < c->size; p++)
         if (t->count[p])
-            epipe_tcp_send_error(t, p, c->rank, EPIPE_EPEER, why);
+            epipe_tcp_queue_error(t, p, c->rank, EPIPE_EPEER, why);
 }
 
 static void tcp_free(struct tcp *t)
@@ -316,7 +324,7 @@ static int create(epipe_comm **out, unsigned rank, unsigned size, const char *ma
     c->tp = t;
     c->timeout_ms = o->timeout_ms;
     c->spin_us = o->spin_us;
-    int64_t now = epipe_tcp_now_ms();
+    int64_t now = epipe_now_ms();
     int aes_links = 0;
     for (unsigned i = 0; i < nlinks; i++) {
         struct conn *k = &t->conns[i];

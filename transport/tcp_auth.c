@@ -64,12 +64,33 @@ int epipe_tcp_key_load(epipe_tcp_key *k, const char *path)
     memset(k, 0, sizeof *k);
     if (sodium_init() < 0)
         return epipe_fail(EPIPE_EINTERNAL, "auth: libsodium failed to initialise");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer. Only a regular
+     * file of bounded size is read, so loading a key never blocks for long. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd < 0)
         return epipe_fail(EPIPE_EIO, "auth: cannot open the key file '%s': %s", path,
                           strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) == 0 && (st.st_mode & 077))
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return epipe_fail(EPIPE_EIO, "auth: cannot stat the key file '%s': %s", path, strerror(e));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return epipe_fail(EPIPE_EINVAL, "auth: the key file '%s' is not a regular file (a %s); "
+                                        "give a file holding the key", path,
+                          S_ISCHR(st.st_mode) ? "character device" : S_ISFIFO(st.st_mode) ? "FIFO"
+                          : S_ISDIR(st.st_mode) ? "directory" : S_ISSOCK(st.st_mode) ? "socket"
+                                                                     : "special file");
+    }
+    if (st.st_size > EPIPE_TCP_KEY_FILE_MAX) {
+        close(fd);
+        return epipe_fail(EPIPE_EINVAL, "auth: the key file '%s' holds %lld bytes; a key file "
+                                        "holds at most %d", path, (long long)st.st_size,
+                          EPIPE_TCP_KEY_FILE_MAX);
+    }
+    if (st.st_mode & 077)
         epipe_log_warn(-1, "auth", "key file '%s' is readable by other users (mode %03o); "
                                    "chmod 600 it", path, (unsigned)(st.st_mode & 0777));
     uint8_t buf[4096];
@@ -91,6 +112,13 @@ int epipe_tcp_key_load(epipe_tcp_key *k, const char *path)
             break;
         crypto_generichash_update(&h, buf, (size_t)r);
         n += (size_t)r;
+        if (n > EPIPE_TCP_KEY_FILE_MAX) { /* it grew while read */
+            close(fd);
+            sodium_memzero(buf, sizeof buf);
+            sodium_memzero(&h, sizeof h);
+            return epipe_fail(EPIPE_EINVAL, "auth: the key file '%s' holds more than %d bytes",
+                              path, EPIPE_TCP_KEY_FILE_MAX);
+        }
     }
     close(fd);
     sodium_memzero(buf, sizeof buf);

@@ -5,8 +5,8 @@
 
 #include <pthread.h>
 #include <stdint.h>
-#include <time.h>
 
+#include "../lib/clock.h"
 #include "tcp_impl.h"
 
 #define STAGING (256 * 1024)   /* read buffer for headers and small messages */
@@ -84,13 +84,6 @@ struct tcp {
     size_t record; /* body bytes per sealed record (encrypt=1) */
 };
 
-static inline int64_t epipe_tcp_now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Whether k has bytes to write (under txlock). */
 static inline int epipe_tcp_tx_waiting(const struct conn *k)
 {
@@ -109,9 +102,9 @@ epipe_msg *epipe_tcp_control_msg(struct tcp *t, unsigned kind, unsigned dst, uns
 int epipe_tcp_enqueue(struct tcp *t, struct conn *k, epipe_msg *m, int direct);
 /* Closes k; with abrupt, unsent data is dropped and an RST sent. */
 void epipe_tcp_conn_close(struct conn *k, int abrupt);
-/* Sends an ERROR about rank `about` to peer (best effort). */
-void epipe_tcp_send_error(struct tcp *t, unsigned peer, unsigned about, int status,
-                          const char *why);
+/* Queues an ERROR about rank `about` to peer on its connection (best effort). */
+void epipe_tcp_queue_error(struct tcp *t, unsigned peer, unsigned about, int status,
+                           const char *why);
 
 /* ---- tcp_progress.c: the progress thread ---- */
 

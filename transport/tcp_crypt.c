@@ -310,7 +310,7 @@ void epipe_tcp_read_sealed(struct tcp *t, struct conn *k)
         if (k->rh_got < EPIPE_TCP_REC_HDR) {
             n = recv(k->fd, k->rhdr + k->rh_got, EPIPE_TCP_REC_HDR - k->rh_got, MSG_DONTWAIT);
             if (n > 0) {
-                k->last_rx = epipe_tcp_now_ms();
+                k->last_rx = epipe_now_ms();
                 k->rh_got += (size_t)n;
                 if (k->rh_got == EPIPE_TCP_REC_HDR && record_begin(t, k))
                     return;
@@ -331,7 +331,7 @@ void epipe_tcp_read_sealed(struct tcp *t, struct conn *k)
             struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
             n = recvmsg(k->fd, &mh, MSG_DONTWAIT);
             if (n > 0) {
-                k->last_rx = epipe_tcp_now_ms();
+                k->last_rx = epipe_now_ms();
                 k->rgot += (size_t)n;
                 if ((size_t)n == want)
                     record_end(t, k);
@@ -396,7 +396,7 @@ int epipe_tcp_write_sealed(struct tcp *t, struct conn *k, epipe_msg **done)
                          MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w < 0)
             return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR ? errno : 0;
-        k->last_tx = epipe_tcp_now_ms();
+        k->last_tx = epipe_now_ms();
         k->sb_off += (size_t)w;
     }
     return 0;

@@ -147,14 +147,21 @@ int epipe_rdv_first_host(const char *list, char *out, size_t cap)
     const char *p = list;
     if (!p || !*p)
         return epipe_fail(EPIPE_EINVAL, "rendezvous: empty Slurm node list");
+    if (cap == 0)
+        return epipe_fail(EPIPE_EINVAL, "rendezvous: no room for a host name");
     while (*p && *p != ',') {
+        if (*p == ']')
+            return epipe_fail(EPIPE_EINVAL, "rendezvous: unbalanced ']' in node list '%s'", list);
         if (*p == '[') {
             p++;
-            while (*p && *p != ',' && *p != '-' && *p != ']') { /* the first number */
+            while (*p >= '0' && *p <= '9') { /* the first number */
                 if (o + 1 >= cap)
                     return epipe_fail(EPIPE_EINVAL, "rendezvous: host name in '%s' too long", list);
                 out[o++] = *p++;
             }
+            if (*p != ',' && *p != '-' && *p != ']')
+                return epipe_fail(EPIPE_EINVAL, "rendezvous: a range in node list '%s' is not "
+                                                "numbers", list);
             while (*p && *p != ']')
                 p++;
             if (*p != ']')

@@ -61,8 +61,12 @@ typedef struct epipe_tcp_key {
     uint8_t key[32];
 } epipe_tcp_key;
 
+#define EPIPE_TCP_KEY_FILE_MAX 65536 /* longest key file read */
+
 /* Loads and hashes the key file; EPIPE_ENOTSUP without libsodium, EPIPE_EIO
- * if it cannot be read, EPIPE_EINVAL if it holds fewer than 16 bytes. */
+ * if it cannot be read, EPIPE_EINVAL if it is not a regular file, holds
+ * fewer than 16 bytes or more than EPIPE_TCP_KEY_FILE_MAX. Never waits on
+ * the file (a FIFO or device is refused at once). */
 int epipe_tcp_key_load(epipe_tcp_key *k, const char *path);
 void epipe_tcp_key_wipe(epipe_tcp_key *k);
 void epipe_tcp_random(uint8_t *buf, size_t len);
@@ -75,7 +79,7 @@ int epipe_tcp_mac_ok(const epipe_tcp_key *k, char role, const uint8_t *nonce_c,
                      const uint8_t *nonce_s, uint32_t rank_c, uint32_t rank_s, uint32_t stream,
                      const uint8_t mac[EPIPE_TCP_MAC]);
 
-/* ---- connection setup (tcp_setup.c) ----------------------------------- */
+/* ---- connection setup (tcp_sock.c, tcp_hello.c, tcp_rdv_*.c) ---------- */
 
 /* One established, authenticated connection to a peer, before the progress
  * thread takes it, with what its handshake agreed (for the link's keys). */
@@ -96,7 +100,8 @@ void epipe_tcp_link_note(epipe_tcp_link *l, int connector, const uint8_t *nonce_
  * TCP_NODELAY set; the caller owns and frees the array and closes the fds.
  * Errors name the peer, address and cause: EPIPE_EIO (port in use, cannot
  * listen), EPIPE_ETIMEDOUT (master unreachable, a rank missing), EPIPE_EINVAL
- * (mismatched world size, duplicate rank), EPIPE_EVERSION, EPIPE_EAUTH. */
+ * (mismatched world size, duplicate rank), EPIPE_EVERSION, EPIPE_EAUTH,
+ * EPIPE_EPEER (a rank failed during the rendezvous, as rank 0 reports). */
 int epipe_tcp_setup(unsigned rank, unsigned size, const char *master_addr, unsigned master_port,
                     const epipe_tcp_opts *o, const epipe_tcp_key *key, epipe_tcp_link **links,
                     unsigned *nlinks);
@@ -106,7 +111,7 @@ unsigned epipe_tcp_streams_between(const epipe_tcp_opts *o, unsigned a, unsigned
 
 /* ---- encrypted links (tcp_crypt.c, keys in tcp_auth.c) ---------------- */
 
-/* Hello flags beside tcp_setup.c's HF_AUTH (1): what a side announces. */
+/* Hello flags beside tcp_setup.h's HF_AUTH (1): what a side announces. */
 #define EPIPE_TCP_HF_ENCRYPT 2u /* it runs with encrypt=1 */
 #define EPIPE_TCP_HF_AES 4u     /* and can run AES-256-GCM (AES-NI and PCLMUL) */
 

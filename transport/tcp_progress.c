@@ -46,14 +46,14 @@ static void peer_failed(struct tcp *t, unsigned peer, int status, const char *wh
         epipe_comm_peer_failed(c, peer, status, why);
     for (unsigned i = 0; i < t->count[peer]; i++)
         epipe_tcp_conn_close(&t->conns[t->first[peer] + i], 0);
-    char text[160];
+    char text[EPIPE_ERRMSG_MAX];
     snprintf(text, sizeof text, "rank %u failed: %s", peer, why);
     if (c->rank == 0) {
         for (unsigned q = 1; q < c->size; q++)
             if (q != peer)
-                epipe_tcp_send_error(t, q, peer, EPIPE_EPEER, text);
+                epipe_tcp_queue_error(t, q, peer, EPIPE_EPEER, text);
     } else if (peer != 0) {
-        epipe_tcp_send_error(t, 0, peer, EPIPE_EPEER, text);
+        epipe_tcp_queue_error(t, 0, peer, EPIPE_EPEER, text);
     }
 }
 
@@ -94,8 +94,8 @@ void epipe_tcp_conn_ended(struct tcp *t, struct conn *k, const char *how)
 
 void epipe_tcp_corrupt(struct tcp *t, struct conn *k, int status, const char *detail)
 {
-    char why[96];
-    snprintf(why, sizeof why, "%s from it: %.80s", epipe_status_name(status), detail);
+    char why[EPIPE_ERRMSG_MAX];
+    snprintf(why, sizeof why, "%s from it: %.200s", epipe_status_name(status), detail);
     unsigned peer = k->peer;
     epipe_tcp_conn_close(k, 1);
     peer_failed(t, peer, status, why);
@@ -135,11 +135,11 @@ static void finish(struct tcp *t, struct conn *k)
         break;
     case EPIPE_WIRE_ERROR: {
         unsigned about = m->hdr.micro_batch;
-        char why[96];
+        char why[EPIPE_ERRMSG_MAX];
         char by[32] = "";
         if (k->peer != about)
             snprintf(by, sizeof by, "reported by rank %u: ", k->peer);
-        snprintf(why, sizeof why, "%s%.*s", by, (int)(k->rx_need < 80 ? k->rx_need : 80),
+        snprintf(why, sizeof why, "%s%.*s", by, (int)(k->rx_need < sizeof why ? k->rx_need : sizeof why),
                  (const char *)m->data + m->hdr.header_len);
         if (about < c->size && about != c->rank)
             peer_failed(t, about, EPIPE_EPEER, why);
@@ -247,14 +247,14 @@ static void do_read(struct tcp *t, struct conn *k)
             uint8_t *dst = k->rx->data + k->hlen + k->rx_got;
             n = recv(k->fd, dst, want < RECV_CHUNK ? want : RECV_CHUNK, MSG_DONTWAIT);
             if (n > 0) {
-                k->last_rx = epipe_tcp_now_ms();
+                k->last_rx = epipe_now_ms();
                 epipe_tcp_payload_got(t, k, dst, (size_t)n);
                 continue;
             }
         } else {
             n = recv(k->fd, t->staging, STAGING, MSG_DONTWAIT);
             if (n > 0) {
-                k->last_rx = epipe_tcp_now_ms();
+                k->last_rx = epipe_now_ms();
                 epipe_tcp_feed(t, k, t->staging, (size_t)n);
                 if (n < STAGING)
                     return;
@@ -286,7 +286,7 @@ static int write_clear(struct conn *k, epipe_msg **done)
         ssize_t w = sendmsg(k->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w < 0)
             return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR ? errno : 0;
-        k->last_tx = epipe_tcp_now_ms();
+        k->last_tx = epipe_now_ms();
         __atomic_sub_fetch(&k->tx_queued, (uint64_t)w, __ATOMIC_RELAXED);
         size_t left = (size_t)w;
         while (k->txq && left >= k->txq->len - k->tx_off) {
@@ -385,7 +385,7 @@ void *epipe_tcp_progress(void *arg)
     const int64_t patience = timeout_of(t) < 10000 ? timeout_of(t) : 10000;
     int64_t stop_at = 0, next = 0;
     for (;;) {
-        int64_t now = epipe_tcp_now_ms();
+        int64_t now = epipe_now_ms();
         int stopping = __atomic_load_n(&t->stop, __ATOMIC_ACQUIRE);
         if (stopping && !stop_at)
             stop_at = now + patience;

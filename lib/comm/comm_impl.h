@@ -104,7 +104,7 @@ struct epipe_comm {
     uint64_t arrivals;           /* counts deliveries and peer changes (spinners
                                     read it without the lock) */
     unsigned char *peer_state;   /* [size] enum epipe_peer_state */
-    char (*peer_why)[96];        /* [size] why a peer failed */
+    char (*peer_why)[EPIPE_ERRMSG_MAX]; /* [size] why a peer failed */
     int *peer_status;            /* [size] what receives from a failed peer
                                     return; 0 means EPIPE_EPEER */
 };

@@ -1,5 +1,6 @@
 /* Writes the seed corpus for the fuzz targets: valid payloads of every
- * codec in fuzz_specs.h and valid specs. Run it to refresh
+ * codec in fuzz_specs.h, valid specs, wire messages, TCP setup hellos,
+ * transport options and Slurm node lists. Run it to refresh
  * tests/fuzz/corpus after a format change:  make_corpus tests/fuzz/corpus */
 #include <math.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 #include <epipe/epipe.h>
 
 #include "codec/payload.h"
+#include "../../transport/tcp_setup.h"
 #include "fuzz_specs.h"
 #include "wire/crc32c.h"
 #include "wire/wire.h"
@@ -90,6 +92,101 @@ static void write_wire_corpus(const char *root)
     write_file(dir, "heartbeat-longer-header", msg, hl);
 }
 
+/* Writes one corpus file: a selector byte, then the bytes. */
+static void write_sel(const char *dir, const char *name, uint8_t sel, const void *p, size_t n)
+{
+    uint8_t buf[2048];
+    if (n + 1 > sizeof buf)
+        exit(1);
+    buf[0] = sel;
+    memcpy(buf + 1, p, n);
+    write_file(dir, name, buf, n + 1);
+}
+
+/* corpus/hello (fuzz_hello.c): hello payloads of every type (selector 0),
+ * and framed streams (1; 3 allows a 3-rank table): a register, two
+ * messages back to back, an error, a table, a header claiming 75 MB.
+ * corpus/tcp_opts and corpus/nodelist: option strings and Slurm lists. */
+static void write_tcp_corpus(const char *root)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/hello", root);
+    mkdir(dir, 0755);
+    uint8_t p[HELLO_SIZE + 3 * TABLE_ENTRY], msg[1024];
+    char name[32];
+    for (unsigned t = HT_REGISTER; t <= HT_GO; t++) {
+        struct epipe_tcp_hello h = {.type = (uint8_t)t, .flags = t & 1 ? HF_AUTH : 0, .rank = t,
+                                    .size = 4, .stream = t % 2, .port = 29600};
+        snprintf(h.addr, sizeof h.addr, "10.0.0.%u", t);
+        memset(h.nonce, (int)t, sizeof h.nonce);
+        memset(h.mac, (int)(t + 100), sizeof h.mac);
+        epipe_tcp_hello_encode(&h, p);
+        snprintf(name, sizeof name, "hello-%u", t);
+        write_sel(dir, name, 0, p, HELLO_SIZE);
+    }
+    struct epipe_tcp_hello reg = {.type = HT_REGISTER, .rank = 1, .size = 3, .port = 4000};
+    strcpy(reg.addr, "127.0.0.1");
+    epipe_tcp_hello_encode(&reg, p);
+    epipe_wire_header h = {.kind = EPIPE_WIRE_HELLO, .src_stage = 1};
+    size_t w, w2;
+    if (epipe_wire_frame(&h, p, HELLO_SIZE, msg, sizeof msg, &w) != EPIPE_OK)
+        exit(1);
+    write_sel(dir, "stream-register", 1, msg, w);
+    struct epipe_tcp_hello rdy = {.type = HT_READY, .rank = 1, .size = 3};
+    epipe_tcp_hello_encode(&rdy, p);
+    if (epipe_wire_frame(&h, p, HELLO_SIZE, msg + w, sizeof msg - w, &w2) != EPIPE_OK)
+        exit(1);
+    write_sel(dir, "stream-register-ready", 1, msg, w + w2);
+    static const char why[] = "rank 2 failed during the rendezvous: the other side closed";
+    epipe_wire_header e = {.kind = EPIPE_WIRE_ERROR, .micro_batch = 2, .step = 12};
+    if (epipe_wire_frame(&e, why, sizeof why - 1, msg, sizeof msg, &w) != EPIPE_OK)
+        exit(1);
+    write_sel(dir, "stream-error", 1, msg, w);
+    struct epipe_tcp_hello tab = {.type = HT_TABLE, .size = 3};
+    memset(p, 0, sizeof p);
+    epipe_tcp_hello_encode(&tab, p);
+    for (unsigned q = 1; q < 3; q++) {
+        uint8_t *en = p + HELLO_SIZE + TABLE_ENTRY * q;
+        snprintf((char *)en, 64, "10.0.0.%u", q);
+        epipe_tcp_put_u16(en + 64, 40000 + q);
+    }
+    if (epipe_wire_frame(&h, p, sizeof p, msg, sizeof msg, &w) != EPIPE_OK)
+        exit(1);
+    write_sel(dir, "stream-table", 3, msg, w);
+    write_sel(dir, "stream-table-unauthenticated", 1, msg, w);
+    if (epipe_wire_frame(&h, p, HELLO_SIZE, msg, sizeof msg, &w) != EPIPE_OK)
+        exit(1);
+    /* The memory bomb: a header claiming 152 + 72 * 2^20 bytes (its CRC redone). */
+    epipe_put_u64(msg + 40, HELLO_SIZE + TABLE_ENTRY * (uint64_t)1048576);
+    epipe_put_u32(msg + 188, epipe_crc32c(0, msg, 188));
+    write_sel(dir, "stream-claims-75MB", 1, msg, w);
+
+    static const char *opts[] = {
+        "", "timeout_ms=5000", "streams=2,topology=mesh",
+        "timeout_ms=1,init_timeout_ms=86400000,heartbeat_ms=0,spin_us=1000000,streams=8,"
+        "topology=pipeline,listen_addr=127.0.0.1,ifname=lo,key_file=/etc/epipe.key",
+        "streams=9", "topology=ring", "timeout_ms=", "key", "unknown=1", "spin_us=-1,,",
+        "listen_addr=0123456789012345678901234567890123456789012345678901234567890123456789"};
+    snprintf(dir, sizeof dir, "%s/tcp_opts", root);
+    mkdir(dir, 0755);
+    for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++) {
+        snprintf(name, sizeof name, "opts-%zu", i);
+        write_file(dir, name, opts[i], strlen(opts[i]));
+    }
+    static const struct {
+        uint8_t cap;
+        const char *list;
+    } lists[] = {{64, "node[03-05,9],gpu1"}, {64, "localhost"}, {5, "longname"},
+                 {64, "n[1"}, {64, "a]b"}, {0, "x"}, {64, "[]"}, {64, "pre[007]suf,x"},
+                 {64, ",node1"}, {8, "r[1-2]c[3-4]"}};
+    snprintf(dir, sizeof dir, "%s/nodelist", root);
+    mkdir(dir, 0755);
+    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
+        snprintf(name, sizeof name, "list-%zu", i);
+        write_sel(dir, name, lists[i].cap, lists[i].list, strlen(lists[i].list));
+    }
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -142,5 +239,6 @@ int main(int argc, char **argv)
         write_file(dir, name, fuzz_specs[s], strlen(fuzz_specs[s]));
     }
     write_wire_corpus(argv[1]);
+    write_tcp_corpus(argv[1]);
     return 0;
 }
