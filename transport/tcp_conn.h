@@ -5,6 +5,7 @@
 
 #include <pthread.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "../lib/clock.h"
 #include "tcp_impl.h"
@@ -102,6 +103,8 @@ epipe_msg *epipe_tcp_control_msg(struct tcp *t, unsigned kind, unsigned dst, uns
 int epipe_tcp_enqueue(struct tcp *t, struct conn *k, epipe_msg *m, int direct);
 /* Closes k; with abrupt, unsent data is dropped and an RST sent. */
 void epipe_tcp_conn_close(struct conn *k, int abrupt);
+/* A read on k returned n <= 0 for good: the connection closed or failed. */
+void epipe_tcp_read_ended(struct tcp *t, struct conn *k, ssize_t n);
 /* Queues an ERROR about rank `about` to peer on its connection (best effort). */
 void epipe_tcp_queue_error(struct tcp *t, unsigned peer, unsigned about, int status,
                            const char *why);

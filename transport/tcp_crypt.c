@@ -342,10 +342,7 @@ void epipe_tcp_read_sealed(struct tcp *t, struct conn *k)
             continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
             return;
-        char how[64];
-        snprintf(how, sizeof how, "the connection %s%s", n == 0 ? "closed" : "failed: ",
-                 n == 0 ? "" : strerror(errno));
-        epipe_tcp_conn_ended(t, k, how);
+        epipe_tcp_read_ended(t, k, n);
         return;
     }
 }

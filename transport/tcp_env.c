@@ -6,20 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../lib/parse.h"
 #include "tcp_impl.h"
-
-static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out)
-{
-    if (!s || !*s)
-        return -1;
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || *end || v < lo || v > hi)
-        return -1;
-    *out = v;
-    return 0;
-}
 
 /* Applies one setting; `what` names its origin for the error message. */
 static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const char *what)
@@ -28,7 +16,7 @@ static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const ch
     if (!strcmp(key, "timeout_ms") || !strcmp(key, "init_timeout_ms") ||
         !strcmp(key, "heartbeat_ms")) {
         int64_t lo = key[0] == 'h' ? 0 : 1;
-        if (parse_i64(val, lo, 86400000, &v))
+        if (epipe_parse_i64(val, lo, 86400000, &v))
             return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s' is not a number of ms in %lld..86400000",
                               what, val, (long long)lo);
         if (key[0] == 't')
@@ -38,12 +26,12 @@ static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const ch
         else
             o->heartbeat_ms = v;
     } else if (!strcmp(key, "spin_us")) {
-        if (parse_i64(val, 0, 1000000, &v))
+        if (epipe_parse_i64(val, 0, 1000000, &v))
             return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s' is not a number of us in 0..1000000",
                               what, val);
         o->spin_us = v;
     } else if (!strcmp(key, "streams")) {
-        if (parse_i64(val, 1, EPIPE_TCP_MAX_STREAMS, &v))
+        if (epipe_parse_i64(val, 1, EPIPE_TCP_MAX_STREAMS, &v))
             return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s' is not a stream count in 1..%d", what,
                               val, EPIPE_TCP_MAX_STREAMS);
         o->streams = (unsigned)v;
@@ -133,7 +121,7 @@ static int env_uint(const char *name, unsigned long max, unsigned long *out)
 {
     const char *v = env(name);
     int64_t x;
-    if (parse_i64(v, 0, (int64_t)max, &x))
+    if (epipe_parse_i64(v, 0, (int64_t)max, &x))
         return epipe_fail(EPIPE_EINVAL, "rendezvous: %s = '%s' is not a number in 0..%lu", name, v,
                           max);
     *out = (unsigned long)x;

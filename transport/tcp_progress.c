@@ -92,6 +92,16 @@ void epipe_tcp_conn_ended(struct tcp *t, struct conn *k, const char *how)
     epipe_comm_peer_down(c, peer, EPIPE_PEER_LEFT, "");
 }
 
+/* A read on k returned n <= 0 for good (not EINTR, not EAGAIN): the
+ * connection closed (0) or failed (errno). */
+void epipe_tcp_read_ended(struct tcp *t, struct conn *k, ssize_t n)
+{
+    char how[64];
+    snprintf(how, sizeof how, "the connection %s%s", n == 0 ? "closed" : "failed: ",
+             n == 0 ? "" : strerror(errno));
+    epipe_tcp_conn_ended(t, k, how);
+}
+
 void epipe_tcp_corrupt(struct tcp *t, struct conn *k, int status, const char *detail)
 {
     char why[EPIPE_ERRMSG_MAX];
@@ -265,10 +275,7 @@ static void do_read(struct tcp *t, struct conn *k)
             continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
             return;
-        char how[64];
-        snprintf(how, sizeof how, "the connection %s%s", n == 0 ? "closed" : "failed: ",
-                 n == 0 ? "" : strerror(errno));
-        epipe_tcp_conn_ended(t, k, how);
+        epipe_tcp_read_ended(t, k, n);
         return;
     }
 }

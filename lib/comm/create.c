@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../parse.h"
 #include "../../transport/tcp_impl.h"
 #include "../log.h"
 #include "comm_impl.h"
@@ -29,19 +30,6 @@ static const struct {
 };
 #define NSETTINGS (sizeof settings / sizeof settings[0])
 
-static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out)
-{
-    if (!s || !*s)
-        return -1;
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || *end || v < lo || v > hi)
-        return -1;
-    *out = v;
-    return 0;
-}
-
 /* Applies setting i = val; `what` says where it came from. */
 static int set_one(epipe_comm_settings *s, size_t i, const char *val, const char *what)
 {
@@ -49,20 +37,20 @@ static int set_one(epipe_comm_settings *s, size_t i, const char *val, const char
     switch (settings[i].kind) {
     case S_MS:
     case S_INIT_MS:
-        if (parse_i64(val, 1, 86400000, &v))
+        if (epipe_parse_i64(val, 1, 86400000, &v))
             return epipe_fail(EPIPE_EINVAL, "comm: %s = '%s' is not a number of ms in 1..86400000",
                               what, val);
         *(settings[i].kind == S_MS ? &s->timeout_ms : &s->init_timeout_ms) = v;
         return EPIPE_OK;
     case S_US:
-        if (parse_i64(val, 0, 1000000, &v))
+        if (epipe_parse_i64(val, 0, 1000000, &v))
             return epipe_fail(EPIPE_EINVAL, "comm: %s = '%s' is not a number of us in 0..1000000",
                               what, val);
         s->spin_us = v;
         return EPIPE_OK;
     case S_BYTES:
     case S_CACHE:
-        if (parse_i64(val, settings[i].kind == S_BYTES ? 4096 : 0, INT64_C(1) << 40, &v))
+        if (epipe_parse_i64(val, settings[i].kind == S_BYTES ? 4096 : 0, INT64_C(1) << 40, &v))
             return epipe_fail(EPIPE_EINVAL, "comm: %s = '%s' is not a byte count in %s..2^40", what,
                               val, settings[i].kind == S_BYTES ? "4096" : "0");
         *(settings[i].kind == S_BYTES ? &s->max_message : &s->buffer_cache) = (uint64_t)v;
