@@ -7,7 +7,7 @@
 # Usage: scripts/ci/setup-debian.sh [extra-package ...]
 set -eu
 pkgs="meson ninja-build pkg-config gcc g++ python3 libcmocka-dev libdlpack-dev zlib1g-dev libsodium-dev
-      libopenblas-dev liblapacke-dev dataset-fashion-mnist valgrind
+      libopenblas-dev liblapacke-dev dataset-fashion-mnist valgrind clang-format
       python3-torch python3-pytest python3-numpy python3-matplotlib $*"
 missing=""
 for p in $pkgs; do
