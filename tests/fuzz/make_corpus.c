@@ -106,7 +106,9 @@ static void write_sel(const char *dir, const char *name, uint8_t sel, const void
 /* corpus/hello (fuzz_hello.c): hello payloads of every type (selector 0),
  * and framed streams (1; 3 allows a 3-rank table): a register, two
  * messages back to back, an error, a table, a header claiming 75 MB.
- * corpus/tcp_opts and corpus/nodelist: option strings and Slurm lists. */
+ * corpus/tcp_opts, corpus/comm_opts and corpus/nodelist: option strings
+ * (the TCP transport's, the settings every transport shares) and Slurm
+ * lists. */
 static void write_tcp_corpus(const char *root)
 {
     char dir[4096];
@@ -166,7 +168,8 @@ static void write_tcp_corpus(const char *root)
         "timeout_ms=1,init_timeout_ms=86400000,heartbeat_ms=0,spin_us=1000000,streams=8,"
         "topology=pipeline,listen_addr=127.0.0.1,ifname=lo,key_file=/etc/epipe.key",
         "streams=9", "topology=ring", "timeout_ms=", "key", "unknown=1", "spin_us=-1,,",
-        "listen_addr=0123456789012345678901234567890123456789012345678901234567890123456789"};
+        "listen_addr=0123456789012345678901234567890123456789012345678901234567890123456789",
+        "encrypt=1,key_file=/etc/epipe.key", "encrypt=2"};
     snprintf(dir, sizeof dir, "%s/tcp_opts", root);
     mkdir(dir, 0755);
     for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++) {
@@ -184,6 +187,18 @@ static void write_tcp_corpus(const char *root)
     for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
         snprintf(name, sizeof name, "list-%zu", i);
         write_sel(dir, name, lists[i].cap, lists[i].list, strlen(lists[i].list));
+    }
+    static const char *comm_opts[] = {
+        "", "timeout_ms=5000", "group=g1,timeout_ms=100,spin_us=0",
+        "timeout_ms=86400000,spin_us=1000000,max_message=4096,buffer_cache=0,"
+        "init_timeout_ms=1,trace=/tmp/t.json,group=pipeline-a,streams=2,encrypt=1",
+        "max_message=4095", "buffer_cache=1099511627777", "timeout_ms=0", "group=",
+        "trace", "=1", "streams=2,,topology=mesh", "timeout_ms=99999999999999999999"};
+    snprintf(dir, sizeof dir, "%s/comm_opts", root);
+    mkdir(dir, 0755);
+    for (size_t i = 0; i < sizeof comm_opts / sizeof comm_opts[0]; i++) {
+        snprintf(name, sizeof name, "opts-%zu", i);
+        write_file(dir, name, comm_opts[i], strlen(comm_opts[i]));
     }
 }
 
