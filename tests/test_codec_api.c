@@ -382,7 +382,7 @@ static void getters_and_bounds(void **state)
     assert_int_equal(epipe_codec_param_bounds("quant", "bits", &lo, &hi), EPIPE_OK);
     assert_true(lo == 1 && hi == 16);
     assert_int_equal(epipe_codec_param_bounds("sortquant", "mode", &lo, &hi), EPIPE_OK);
-    assert_true(lo == 0 && hi == 1);
+    assert_true(lo == 0 && hi == 2); /* exact, sample, fit */
     assert_int_equal(epipe_codec_param_bounds("topk", "ratio", &lo, &hi), EPIPE_OK);
     assert_true(lo > 0 && hi == 1);
     assert_int_equal(epipe_codec_param_bounds("zstd", "level", &lo, &hi), EPIPE_EINVAL);

@@ -23,6 +23,9 @@ static const char *const fuzz_specs[] = {
     "insert:kind=linear,out=2|quant:bits=5",
     "poweriter:rank=1",
     "poweriter:rank=3,factors=fp16",
+    /* appended, so that the earlier seeds keep their indices */
+    "sortquant:bits=8,mode=fit",
+    "sortquant:bits=5,split=2,mode=fit",
 };
 #define FUZZ_NSPECS (sizeof fuzz_specs / sizeof fuzz_specs[0])
 
