@@ -345,13 +345,16 @@ static void hostile_payloads(void **state)
     RESET();
     /* padding bits after the last code, and the unused table bytes */
     free(p.buf);
-    p = test_encode(spec, x, 3, 1, 0); /* 3 values: S = 1 at most */
+    for (size_t i = 0; i < n; i++) /* two values: S = 1 at most, in a table for 4 */
+        x[i] = i % 2 ? 1.0f : -1.0f;
+    p = test_encode(spec, x, n, 1, 0);
     b = parse_body(&p, 8);
-    assert_true(b.S < 4);
+    assert_true(b.S <= 1);
     p.buf[p.len - 1] = 1;
-    test_expect_proto(spec, &p, 3, "non-zero bytes after its codes");
+    test_expect_proto(spec, &p, n, "non-zero bytes after its codes");
     p.buf[p.len - 1] = 0;
-    test_decode(spec, &p, y, 3, 1, 0);
+    test_decode(spec, &p, y, n, 1, 0);
+    assert_memory_equal(x, y, n * sizeof *y);
     free(p.buf);
     p = test_encode("sortquant:bits=5,mode=fit,split=2", x, 7, 1, 0); /* 35 bits of codes */
     p.buf[p.len - 1] |= 0x80;
@@ -401,15 +404,20 @@ static void specs_and_words(void **state)
     /* the parameter word: B | Smax << 8 | fit | chosen */
     float x[100], y[100];
     test_fill(x, 100, DIST_NORMAL, 1);
-    const struct { const char *spec; uint32_t word; size_t len; } words[] = {
-        {"sortquant:bits=8,mode=fit", 8u | 4u << 8 | 1u << 16 | 1u << 17, HDR + 4 + 128 + 100},
-        {"sortquant:bits=2,mode=fit", 2u | 1u << 8 | 1u << 16 | 1u << 17, HDR + 4 + 16 + 25},
-        {"sortquant:bits=6,mode=fit,split=3", 6u | 3u << 8 | 1u << 16, HDR + 4 + 64 + 75},
+    float big[1024];
+    test_fill(big, 1024, DIST_LOGNORMAL, 2);
+    /* a chosen split's table is at most an eighth of the codes */
+    const struct { const char *spec; size_t n; uint32_t word; size_t len; } words[] = {
+        {"sortquant:bits=8,mode=fit", 100, 8u | 4u << 8 | 1u << 16 | 1u << 17, 4 + 8 + 100},
+        {"sortquant:bits=8,mode=fit", 256, 8u | 4u << 8 | 1u << 16 | 1u << 17, 4 + 32 + 256},
+        {"sortquant:bits=8,mode=fit", 1024, 8u | 4u << 8 | 1u << 16 | 1u << 17, 4 + 128 + 1024},
+        {"sortquant:bits=2,mode=fit", 1024, 2u | 1u << 8 | 1u << 16 | 1u << 17, 4 + 16 + 256},
+        {"sortquant:bits=6,mode=fit,split=3", 100, 6u | 3u << 8 | 1u << 16, 4 + 64 + 75},
     };
-    for (size_t i = 0; i < 3; i++) {
-        test_payload p = test_encode(words[i].spec, x, 100, 1, 0);
+    for (size_t i = 0; i < sizeof words / sizeof *words; i++) {
+        test_payload p = test_encode(words[i].spec, big, words[i].n, 1, 0);
         assert_int_equal(epipe_get_u32(p.buf + 4), words[i].word);
-        assert_int_equal(p.len, words[i].len);
+        assert_int_equal(p.len, HDR + words[i].len);
         free(p.buf);
     }
     /* fit and sample payloads are not each other's */

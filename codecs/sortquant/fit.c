@@ -202,7 +202,7 @@ void sq_fit_finish(const sq_state *st, unsigned S, size_t n, uint8_t *body)
     body[0] = (uint8_t)S;
     body[1] = body[2] = body[3] = 0;
     epipe_q_write_table(t, body + 4);
-    size_t pad = (size_t)8 * ((1u << st->fit_smax) - t->k);
+    size_t pad = (size_t)8 * ((1u << sq_fit_smax_for(st, t->bits, n)) - t->k);
     memset(body + 4 + epipe_q_table_bytes(t) + epipe_bitpack_bytes(n, t->bits), 0, pad);
 }
 
@@ -229,8 +229,8 @@ int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
             s = smp;
         }
         size_t nb = hist_buckets(hist, s, m, bk);
-        if (sq_fit_plan(&st->fit, bk, nb, (unsigned)c->p[SQ_BITS], st->fit_fixed, st->fit_smax,
-                        &pl))
+        unsigned bits = (unsigned)c->p[SQ_BITS];
+        if (sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n), &pl))
             return epipe_codec_fail(c, EPIPE_ENOMEM, "sortquant: out of memory for scratch");
         /* The tensor's extent (and its finiteness): the outer chunks' ends. */
         unsigned threads = epipe_codec_workers(c, n);
@@ -257,10 +257,12 @@ int sq_fit_read(epipe_codec *c, const uint8_t *body, size_t n, epipe_qtab **tp)
         return epipe_codec_fail(c, EPIPE_EPROTO,
                                 "sortquant: fit word has reserved bytes %02x %02x %02x; they must be zero",
                                 body[1], body[2], body[3]);
-    if (st->fit_fixed >= 0 ? S != (unsigned)st->fit_fixed : S > st->fit_smax)
+    unsigned smax = sq_fit_smax_for(st, (unsigned)c->p[SQ_BITS], n);
+    if (st->fit_fixed >= 0 ? S != smax : S > smax)
         return epipe_codec_fail(c, EPIPE_EPROTO,
-                                "sortquant: fit payload has split S = %u; this codec takes %s%u", S,
-                                st->fit_fixed >= 0 ? "exactly " : "0..", st->fit_smax);
+                                "sortquant: fit payload has split S = %u; for %zu values this codec "
+                                "takes %s%u",
+                                S, n, st->fit_fixed >= 0 ? "exactly " : "0..", smax);
     epipe_qtab *t = &st->ftab[S];
     int rc = epipe_q_read_table(c, t, body + 4, n);
     if (rc)
@@ -277,7 +279,7 @@ int sq_fit_read(epipe_codec *c, const uint8_t *body, size_t n, epipe_qtab **tp)
                                     "chunk boundaries must increase",
                                     j, (double)t->min[j], j - 1, (double)t->min[j - 1]);
     const uint8_t *pad = body + 4 + epipe_q_table_bytes(t) + epipe_bitpack_bytes(n, t->bits);
-    for (size_t i = 0; i < (size_t)8 * ((1u << st->fit_smax) - t->k); i++)
+    for (size_t i = 0; i < (size_t)8 * ((1u << smax) - t->k); i++)
         if (pad[i])
             return epipe_codec_fail(c, EPIPE_EPROTO,
                                     "sortquant: fit payload has non-zero bytes after its codes");

@@ -14,7 +14,7 @@ static const char *const sq_modes[] = {"exact", "sample", "fit", NULL};
 static const epipe_param_desc sq_params[] = {
     {.key = "bits", .kind = EPIPE_PARAM_INT, .min = 2, .max = 16, .def = 8},
     {.key = "split", .kind = EPIPE_PARAM_INT, .min = 0, .max = 12, .def = NAN},
-    {.key = "mode", .kind = EPIPE_PARAM_CHOICE, .def = SQ_MODE_SAMPLE, .choices = sq_modes},
+    {.key = "mode", .kind = EPIPE_PARAM_CHOICE, .def = SQ_MODE_FIT, .choices = sq_modes},
     {.key = "sample", .kind = EPIPE_PARAM_INT, .min = 1024, .max = 16777216, .def = 65536},
 };
 
@@ -99,8 +99,9 @@ static int sq_body_size(const epipe_codec *c, uint64_t n, size_t *bytes)
 {
     const sq_state *st = c->state;
     /* mode=fit: the fit word, and a table as long as the largest S needs */
-    uint64_t table = (int)c->p[SQ_MODE] == SQ_MODE_FIT ? 4 + (8ull << st->fit_smax)
-                                                        : 8ull << (unsigned)c->p[SQ_SPLIT];
+    uint64_t table = (int)c->p[SQ_MODE] == SQ_MODE_FIT
+                         ? 4 + (8ull << sq_fit_smax_for(st, (unsigned)c->p[SQ_BITS], n))
+                         : 8ull << (unsigned)c->p[SQ_SPLIT];
     if (n >= 1ull << 59)
         return EPIPE_EOVERFLOW;
     uint64_t codes = epipe_bitpack_bytes(n, (unsigned)c->p[SQ_BITS]);

@@ -140,7 +140,8 @@ static int ref_fit(sq_state *st, const float *x, size_t n, double sample, unsign
                 bk[nb++] = (sq_bucket){key[i] >> 16, 1};
         }
         sq_plan pl;
-        rc = sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, st->fit_smax, &pl);
+        rc = sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n),
+                         &pl);
         if (rc == EPIPE_OK) {
             float min = x[0], max = x[0];
             for (size_t i = 1; i < n; i++) {
