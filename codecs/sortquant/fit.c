@@ -10,7 +10,7 @@
 #include "sortquant.h"
 
 /* Buckets are merged into bins of at most 1/BIN_DIV of the sample's count
- * and of its range, so the programme runs over at most about 4·BIN_DIV bins
+ * and of its range, so the programme runs over at most about 3·BIN_DIV bins
  * whatever the distribution (a bucket alone may exceed the count limit:
  * the zeros after a ReLU are one bin of width ~0). */
 #define BIN_DIV 256
