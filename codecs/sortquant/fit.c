@@ -160,14 +160,16 @@ static void *grow(void **p, size_t *cap, size_t need)
     return *p;
 }
 
-/* The non-empty top-16-bit key buckets of s[0..m), ascending. hist (65536
- * counts) is all zero on entry and again on return; only the 256-bucket
- * blocks that coarse[] marks are scanned and cleared. */
-static size_t hist_buckets(uint32_t *hist, const float *s, size_t m, sq_bucket *out)
+/* The non-empty top-16-bit key buckets of s[0..m) and the two values
+ * ends[], ascending. hist (65536 counts) is all zero on entry and again on
+ * return; only the 256-bucket blocks that coarse[] marks are scanned and
+ * cleared. */
+static size_t hist_buckets(uint32_t *hist, const float *s, size_t m, const float ends[2],
+                           sq_bucket *out)
 {
     uint32_t coarse[256] = {0};
-    for (size_t i = 0; i < m; i++) {
-        uint32_t k = sq_key(s[i]) >> 16;
+    for (size_t i = 0; i < m + 2; i++) {
+        uint32_t k = sq_key(i < m ? s[i] : ends[i - m]) >> 16;
         hist[k]++;
         coarse[k >> 8] = 1;
     }
@@ -212,7 +214,7 @@ int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     sq_plan pl = {.S = st->fit_fixed >= 0 ? (unsigned)st->fit_fixed : 0, .used = 1};
     if (n) {
         size_t m = (size_t)sq_sample_count(n, c->p[SQ_SAMPLE]);
-        size_t nbk = m < 65536 ? m : 65536;
+        size_t nbk = m + 2 < 65536 ? m + 2 : 65536;
         size_t need = sizeof(sq_bucket) * nbk + sizeof(float) * (2u << SQ_FIT_SMAX) +
                       (m < n ? sizeof(float) * m : 0);
         uint8_t *w = grow(&st->work, &st->work_cap, need);
@@ -223,22 +225,24 @@ int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         uint32_t *hist = st->fit.hist;
         sq_bucket *bk = (sq_bucket *)w;
         float *lo = (float *)(bk + nbk), *hi = lo + (1u << SQ_FIT_SMAX), *smp = hi + (1u << SQ_FIT_SMAX);
-        const float *s = x;
-        if (m < n) {
-            sq_sample_gather(x, n, m, smp);
-            s = smp;
-        }
-        size_t nb = hist_buckets(hist, s, m, bk);
-        unsigned bits = (unsigned)c->p[SQ_BITS];
-        if (sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n), &pl))
-            return epipe_codec_fail(c, EPIPE_ENOMEM, "sortquant: out of memory for scratch");
-        /* The tensor's extent (and its finiteness): the outer chunks' ends. */
+        /* The tensor's extent first (and its finiteness): the outer chunks'
+         * ends, and two more points for the histogram, so that the fit sees
+         * the tails the sample missed. */
         unsigned threads = epipe_codec_workers(c, n);
         size_t bad = epipe_q_extent(&st->ftab[0], x, n, lo, hi, threads);
         if (bad < n)
             return epipe_q_reject_nonfinite(c, x, n, bad);
+        const float *s = x, ends[2] = {lo[0], hi[0]};
+        if (m < n) {
+            sq_sample_gather(x, n, m, smp);
+            s = smp;
+        }
+        size_t nb = hist_buckets(hist, s, m, ends, bk);
+        unsigned bits = (unsigned)c->p[SQ_BITS];
+        if (sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n), &pl))
+            return epipe_codec_fail(c, EPIPE_ENOMEM, "sortquant: out of memory for scratch");
         epipe_qtab *t = &st->ftab[pl.S];
-        sq_fit_set_chunks(t, &pl, n, lo[0], hi[0]);
+        sq_fit_set_chunks(t, &pl, n, ends[0], ends[1]);
         epipe_q_encode(t, x, n, body + 4 + epipe_q_table_bytes(t), threads, NULL, NULL);
     } else {
         sq_fit_set_chunks(&st->ftab[pl.S], &pl, 0, 0.0f, 0.0f);

@@ -116,24 +116,31 @@ static int cmp_u32(const void *pa, const void *pb)
     return (a > b) - (a < b);
 }
 
-/* mode=fit: the sample's keys sorted and counted per top-16-bit bucket (the
- * fast path uses a histogram), the shared plan, the tensor's extent, then
- * each value classified against the boundaries and coded. */
+/* mode=fit: the tensor's extent, the sample's keys and its two ends sorted
+ * and counted per top-16-bit bucket (the fast path uses a histogram), the
+ * shared plan, then each value classified against the boundaries and coded. */
 static int ref_fit(sq_state *st, const float *x, size_t n, double sample, unsigned bits,
                    unsigned *S, uint16_t *codes)
 {
     size_t m = (size_t)sq_sample_count(n, sample);
     float *s = malloc(sizeof *s * m);
-    uint32_t *key = malloc(sizeof *key * m);
-    sq_bucket *bk = malloc(sizeof *bk * m);
+    uint32_t *key = malloc(sizeof *key * (m + 2));
+    sq_bucket *bk = malloc(sizeof *bk * (m + 2));
     int rc = EPIPE_ENOMEM;
     if (s && key && bk) {
+        float min = x[0], max = x[0];
+        for (size_t i = 1; i < n; i++) {
+            min = x[i] < min ? x[i] : min;
+            max = x[i] > max ? x[i] : max;
+        }
         sq_sample_gather(x, n, m, s);
         for (size_t i = 0; i < m; i++)
             key[i] = sq_key(s[i]);
-        qsort(key, m, sizeof *key, cmp_u32);
+        key[m] = sq_key(min); /* the tensor's ends count as two more points */
+        key[m + 1] = sq_key(max);
+        qsort(key, m + 2, sizeof *key, cmp_u32);
         size_t nb = 0;
-        for (size_t i = 0; i < m; i++) {
+        for (size_t i = 0; i < m + 2; i++) {
             if (nb && bk[nb - 1].key16 == key[i] >> 16)
                 bk[nb - 1].count++;
             else
@@ -143,11 +150,6 @@ static int ref_fit(sq_state *st, const float *x, size_t n, double sample, unsign
         rc = sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n),
                          &pl);
         if (rc == EPIPE_OK) {
-            float min = x[0], max = x[0];
-            for (size_t i = 1; i < n; i++) {
-                min = x[i] < min ? x[i] : min;
-                max = x[i] > max ? x[i] : max;
-            }
             epipe_qtab *t = &st->ftab[pl.S];
             sq_fit_set_chunks(t, &pl, n, min, max);
             for (size_t i = 0; i < n; i++) {
