@@ -14,19 +14,19 @@
 /* The small-k kernels keep one vector per chunk in registers. */
 #define SMALL_K 16
 
+/* The one process-wide switch of the codecs, for tests and epipe-bench
+ * only (quantize_common.h); atomic, so setting it races with nothing. */
 static int use_simd = 1;
 
 int epipe_q_set_simd(int on)
 {
-    int old = use_simd;
-    use_simd = on;
-    return old;
+    return __atomic_exchange_n(&use_simd, on ? 1 : 0, __ATOMIC_RELAXED);
 }
 
 static int avx2(void)
 {
 #if EPIPE_Q_X86
-    return use_simd && epipe_q_avx2_usable();
+    return __atomic_load_n(&use_simd, __ATOMIC_RELAXED) && epipe_q_avx2_usable();
 #else
     return 0;
 #endif

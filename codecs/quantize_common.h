@@ -133,8 +133,13 @@ int epipe_q_code_avx2(const float *x, size_t n, const epipe_qtab *t, uint16_t *c
 
 /* Tests and epipe-bench: 0 makes the kernels above use their generic
  * (baseline vector) versions, so both can be checked against the scalar
- * references on one machine. Returns the previous setting; default 1. Not
- * for use while a codec call runs. */
+ * references on one machine. Returns the previous setting; default 1.
+ * Process-wide by design (it selects an instruction set, not a result: both
+ * versions give the same bits, which is what the tests check) and atomic:
+ * any thread may flip it at any time; a kernel call reads it once per
+ * chunk, so a call running meanwhile may mix both versions, with identical
+ * output. Not exported; codec handles have their own per-handle switch to
+ * the scalar reference (epipe_codec_use_reference, codec_impl.h). */
 int epipe_q_set_simd(int on);
 
 /* Rejects NaN and infinity by index (EPIPE_EINVAL on the codec). */

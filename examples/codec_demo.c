@@ -9,6 +9,7 @@
 
 #include <epipe/epipe.h>
 
+#include "cli.h" /* tools/cli.h */
 #include "common/idx.h"
 
 static const char *const default_specs[] = {
@@ -35,16 +36,31 @@ int main(int argc, char **argv)
     const char *path = IDX_FASHION_DIR "/train-images-idx3-ubyte.gz";
     const char *specs[64];
     int nspecs = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"images", required_argument, NULL, 'i'},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    /* "-": specs stay in place, each returned as option 1. */
+    while ((opt = getopt_long(argc, argv, "-:h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
             printf("usage: epipe-codec-demo [--images FILE.idx3[.gz]] [SPEC...]\n"
                    "Encodes the Fashion-MNIST training images with each codec and prints\n"
                    "the wire ratio, the error and the speed. Default specs: a tour of all.\n");
             return 0;
-        } else if (!strcmp(argv[i], "--images") && i + 1 < argc) {
-            path = argv[++i];
-        } else if (nspecs < 64) {
-            specs[nspecs++] = argv[i];
+        case 'i':
+            path = optarg;
+            break;
+        case 1:
+            if (nspecs < 64)
+                specs[nspecs++] = optarg;
+            break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-codec-demo", argv, opt);
+            return 2;
         }
     }
     if (!nspecs)

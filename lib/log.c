@@ -1,5 +1,5 @@
-/* Internal logging to stderr, configured once from EPIPE_LOG (level) and
- * EPIPE_LOG_SUBSYS (comma-separated subsystems; unset means all). */
+/* Internal logging to stderr or the host's callback, configured once from
+ * EPIPE_LOG (level) and EPIPE_LOG_SUBSYS (comma-separated subsystems). */
 #define _POSIX_C_SOURCE 200809L
 #include "log.h"
 
@@ -14,6 +14,21 @@
 static pthread_once_t log_once = PTHREAD_ONCE_INIT;
 static int log_level = EPIPE_LOG_WARN;
 static char log_subsys[256]; /* ",tcp,rendezvous," or "" for all */
+
+/* The host's callback: process-wide by design (epipe/common.h). Callers of
+ * it hold the lock for reading, so a new setting waits for calls in flight
+ * and the old callback is never called after epipe_set_log_callback(). */
+static pthread_rwlock_t log_cb_lock = PTHREAD_RWLOCK_INITIALIZER;
+static epipe_log_fn log_cb;
+static void *log_cb_user;
+
+EPIPE_API void epipe_set_log_callback(epipe_log_fn fn, void *user)
+{
+    pthread_rwlock_wrlock(&log_cb_lock);
+    log_cb = fn;
+    log_cb_user = fn ? user : NULL;
+    pthread_rwlock_unlock(&log_cb_lock);
+}
 
 static void log_init(void)
 {
@@ -54,6 +69,17 @@ void epipe_log_msg(int level, int rank, const char *subsys, const char *fmt, ...
     if (!epipe_log_enabled(level, subsys))
         return;
     char line[1024];
+    pthread_rwlock_rdlock(&log_cb_lock);
+    if (log_cb) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(line, sizeof line, fmt, ap);
+        va_end(ap);
+        log_cb(log_cb_user, level, subsys ? subsys : "", rank, line);
+        pthread_rwlock_unlock(&log_cb_lock);
+        return;
+    }
+    pthread_rwlock_unlock(&log_cb_lock);
     int n = rank >= 0 ? snprintf(line, sizeof line, "epipe[rank %d] %s: ", rank, subsys)
                       : snprintf(line, sizeof line, "epipe %s: ", subsys);
     if (n < 0 || (size_t)n >= sizeof line)

@@ -1,6 +1,5 @@
 /* epipe-bench codec: encode and decode throughput of codecs against a
  * plain memcpy of the same tensor, their scalar references, and the error. */
-#include <cblas.h>
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -12,6 +11,11 @@
 
 #include "../lib/codec/codec_impl.h"
 #include "bench.h"
+#include "cli.h"
+
+#ifdef EPIPE_HAVE_BLAS
+#include <cblas.h>
+#endif
 
 struct opts {
     int64_t shape[8];
@@ -131,6 +135,7 @@ struct gemm_ref {
 
 static int do_gemm_encode(void *p)
 {
+#ifdef EPIPE_HAVE_BLAS
     struct gemm_ref *g = p;
     if (g->linear) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->batch, g->K, g->P, 1.0f, g->x,
@@ -142,10 +147,15 @@ static int do_gemm_encode(void *p)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->K, g->S, g->P, 1.0f, g->w,
                     g->P, g->x + (size_t)b * per, g->S, 0.0f, g->z + (size_t)b * zper, g->S);
     return 0;
+#else
+    (void)p;
+    return -1; /* no BLAS: gemm_shapes() never selects these */
+#endif
 }
 
 static int do_gemm_decode(void *p)
 {
+#ifdef EPIPE_HAVE_BLAS
     struct gemm_ref *g = p;
     if (g->linear) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->batch, g->P, g->K, 1.0f, g->z,
@@ -157,6 +167,10 @@ static int do_gemm_decode(void *p)
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, g->P, g->S, g->K, 1.0f, g->w, g->P,
                     g->z + (size_t)b * zper, g->S, 0.0f, g->y + (size_t)b * per, g->S);
     return 0;
+#else
+    (void)p;
+    return -1; /* no BLAS: gemm_shapes() never selects these */
+#endif
 }
 
 /* Fills *g for codec c on the tensor src; 0 if c is not a GEMM codec. */
@@ -164,6 +178,9 @@ static int gemm_shapes(epipe_codec *c, const DLTensor *src, struct gemm_ref *g)
 {
     int zn;
     int64_t zs[EPIPE_CODEC_MAX_NDIM];
+#ifndef EPIPE_HAVE_BLAS
+    return 0; /* built without a BLAS: nothing to compare with */
+#endif
     if (!epipe_codec_trainable(c) || epipe_codec_code_shape(c, src, &zn, zs))
         return 0;
     memset(g, 0, sizeof *g);
@@ -332,43 +349,66 @@ int bench_codec_main(int argc, char **argv)
                      .reps = 5, .ref = 1};
     const char *specs[32];
     int nspecs = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int more = i + 1 < argc;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+    enum { O_JSON = 256, O_GEMM, O_NO_REF, O_SHAPE, O_DIST, O_THREADS, O_REPS };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, O_JSON},
+        {"gemm", no_argument, NULL, O_GEMM},
+        {"no-ref", no_argument, NULL, O_NO_REF},
+        {"shape", required_argument, NULL, O_SHAPE},
+        {"dist", required_argument, NULL, O_DIST},
+        {"threads", required_argument, NULL, O_THREADS},
+        {"reps", required_argument, NULL, O_REPS},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    /* "-" keeps the specs in place: each is returned as option 1. */
+    while ((opt = getopt_long(argc, argv, "-:h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
             usage(stdout);
             return 0;
-        } else if (!strcmp(a, "--json")) {
+        case O_JSON:
             o.json = 1;
-        } else if (!strcmp(a, "--gemm")) {
+            break;
+        case O_GEMM:
             o.gemm = 1;
-        } else if (!strcmp(a, "--no-ref")) {
+            break;
+        case O_NO_REF:
             o.ref = 0;
-        } else if (!strcmp(a, "--shape") && more) {
-            if (parse_shape(argv[++i], &o)) {
+            break;
+        case O_SHAPE:
+            if (parse_shape(optarg, &o)) {
                 fprintf(stderr, "epipe-bench codec: bad --shape '%s' (want e.g. 32,32,112,112)\n",
-                        argv[i]);
+                        optarg);
                 return 2;
             }
-        } else if (!strcmp(a, "--dist") && more) {
-            o.dist = argv[++i];
+            break;
+        case O_DIST:
+            o.dist = optarg;
             if (strcmp(o.dist, "normal") && strcmp(o.dist, "relu") &&
                 strcmp(o.dist, "lognormal") && strcmp(o.dist, "uniform")) {
                 fprintf(stderr, "epipe-bench codec: unknown --dist '%s'\n", o.dist);
                 return 2;
             }
-        } else if (!strcmp(a, "--threads") && more) {
-            o.threads = atoi(argv[++i]);
-        } else if (!strcmp(a, "--reps") && more) {
-            o.reps = atoi(argv[++i]);
+            break;
+        case O_THREADS:
+            o.threads = atoi(optarg);
+            break;
+        case O_REPS:
+            o.reps = atoi(optarg);
             if (o.reps < 1)
                 o.reps = 1;
-        } else if (a[0] == '-') {
-            fprintf(stderr, "epipe-bench codec: unknown or incomplete option '%s'\n", a);
+            break;
+        case 1:
+            if (nspecs < 32)
+                specs[nspecs++] = optarg;
+            break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-bench codec", argv, opt);
             usage(stderr);
             return 2;
-        } else if (nspecs < 32) {
-            specs[nspecs++] = a;
         }
     }
     if (!nspecs) {

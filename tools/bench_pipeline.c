@@ -10,6 +10,7 @@
 #include <epipe/epipe.h>
 
 #include "bench.h"
+#include "cli.h"
 
 struct bench_opts {
     const char *kind, *codec;
@@ -176,39 +177,72 @@ int bench_pipeline_main(int argc, char **argv)
 {
     struct bench_opts o = {.kind = "1f1b", .codec = "none", .p = 4, .m = 8, .steps = 0,
                            .elems = 4, .spin_us = -1};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int more = i + 1 < argc;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+    enum { O_JSON = 256, O_SPIN_US, O_SPIN, O_KIND, O_CODEC, O_STEPS, O_FWD, O_BWD, O_ELEMS };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, O_JSON},
+        {"spin-us", required_argument, NULL, O_SPIN_US},
+        {"spin", no_argument, NULL, O_SPIN},
+        {"kind", required_argument, NULL, O_KIND},
+        {"codec", required_argument, NULL, O_CODEC},
+        {"stages", required_argument, NULL, 'p'},
+        {"microbatches", required_argument, NULL, 'm'},
+        {"steps", required_argument, NULL, O_STEPS},
+        {"fwd-ms", required_argument, NULL, O_FWD},
+        {"bwd-ms", required_argument, NULL, O_BWD},
+        {"elems", required_argument, NULL, O_ELEMS},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    while ((opt = getopt_long(argc, argv, ":hp:m:", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
             usage(stdout);
             return 0;
-        } else if (!strcmp(a, "--json")) {
+        case O_JSON:
             o.json = 1;
-        } else if (!strcmp(a, "--spin-us") && more) {
-            o.spin_us = atol(argv[++i]);
-        } else if (!strcmp(a, "--spin")) {
+            break;
+        case O_SPIN_US:
+            o.spin_us = atol(optarg);
+            break;
+        case O_SPIN:
             o.spin = 1;
-        } else if (!strcmp(a, "--kind") && more) {
-            o.kind = argv[++i];
-        } else if (!strcmp(a, "--codec") && more) {
-            o.codec = argv[++i];
-        } else if (!strcmp(a, "-p") && more) {
-            o.p = (unsigned)atoi(argv[++i]);
-        } else if (!strcmp(a, "-m") && more) {
-            o.m = (unsigned)atoi(argv[++i]);
-        } else if (!strcmp(a, "--steps") && more) {
-            o.steps = atoi(argv[++i]);
-        } else if (!strcmp(a, "--fwd-ms") && more) {
-            o.fwd_ms = atof(argv[++i]);
-        } else if (!strcmp(a, "--bwd-ms") && more) {
-            o.bwd_ms = atof(argv[++i]);
-        } else if (!strcmp(a, "--elems") && more) {
-            o.elems = atoi(argv[++i]);
-        } else {
-            fprintf(stderr, "epipe-bench pipeline: unknown or incomplete option '%s'\n", a);
+            break;
+        case O_KIND:
+            o.kind = optarg;
+            break;
+        case O_CODEC:
+            o.codec = optarg;
+            break;
+        case 'p':
+            o.p = (unsigned)atoi(optarg);
+            break;
+        case 'm':
+            o.m = (unsigned)atoi(optarg);
+            break;
+        case O_STEPS:
+            o.steps = atoi(optarg);
+            break;
+        case O_FWD:
+            o.fwd_ms = atof(optarg);
+            break;
+        case O_BWD:
+            o.bwd_ms = atof(optarg);
+            break;
+        case O_ELEMS:
+            o.elems = atoi(optarg);
+            break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-bench pipeline", argv, opt);
             usage(stderr);
             return 2;
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "epipe-bench pipeline: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return 2;
     }
     int timed = o.fwd_ms > 0 || o.bwd_ms > 0;
     char spin_text[24] = "null"; /* JSON: null when the communicator's default was kept */

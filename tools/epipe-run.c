@@ -15,6 +15,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cli.h"
+
 #define MAX_RANKS 1024
 #define LINE_MAX_BYTES 65536
 
@@ -141,33 +143,42 @@ int main(int argc, char **argv)
 {
     long n = 0;
     double grace = 2.0;
-    int i = 1;
-    for (; i < argc; i++) {
-        if (!strcmp(argv[i], "--")) {
-            i++;
-            break;
-        }
-        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+    enum { O_GRACE = 256 };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"np", required_argument, NULL, 'n'},
+        {"grace", required_argument, NULL, O_GRACE},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    /* "+": options end at the program's name (or "--"); its own options are
+     * its business. */
+    while ((opt = getopt_long(argc, argv, "+:hn:", longopts, NULL)) != -1) {
+        char name[64];
+        char *end;
+        switch (opt) {
+        case 'h':
             usage(stdout);
             return 0;
-        }
-        if ((!strcmp(argv[i], "-n") || !strcmp(argv[i], "--np")) && i + 1 < argc) {
-            char *end;
-            n = strtol(argv[++i], &end, 10);
+        case 'n':
+            n = strtol(optarg, &end, 10);
             if (*end || n < 1 || n > MAX_RANKS) {
-                fprintf(stderr, "epipe-run: -n %s: give a count in 1..%d\n", argv[i], MAX_RANKS);
+                fprintf(stderr, "epipe-run: %s %s: give a count in 1..%d\n",
+                        epipe_cli_optname(argv, name, sizeof name), optarg, MAX_RANKS);
                 return 2;
             }
-        } else if (!strcmp(argv[i], "--grace") && i + 1 < argc) {
-            grace = atof(argv[++i]);
-        } else if (argv[i][0] == '-') {
-            fprintf(stderr, "epipe-run: unknown option %s\n", argv[i]);
+            break;
+        case O_GRACE:
+            grace = atof(optarg);
+            break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-run", argv, opt);
             usage(stderr);
             return 2;
-        } else {
-            break;
         }
     }
+    int i = optind;
     if (n < 1 || i >= argc) {
         usage(stderr);
         return 2;

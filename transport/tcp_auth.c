@@ -1,5 +1,5 @@
-/* Pre-shared-key authentication for TCP connections: the key file, nonces
- * and HMAC-SHA512-256 (libsodium crypto_auth); no crypto of our own. */
+/* Pre-shared-key authentication for TCP connections: the key file, nonces,
+ * HMAC-SHA512-256 (libsodium crypto_auth) and the keys of encrypted links. */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <fcntl.h>
@@ -11,8 +11,53 @@
 #include "../lib/log.h"
 #include "tcp_impl.h"
 
+void epipe_tcp_link_note(epipe_tcp_link *l, int connector, const uint8_t *nonce_c,
+                         const uint8_t *nonce_s, unsigned flags_c, unsigned flags_s)
+{
+    l->connector = connector;
+    memcpy(l->nonce_c, nonce_c, EPIPE_TCP_NONCE);
+    memcpy(l->nonce_s, nonce_s, EPIPE_TCP_NONCE);
+    l->flags_c = flags_c;
+    l->flags_s = flags_s;
+}
+
 #ifdef EPIPE_HAVE_SODIUM
 #include <sodium.h>
+
+/* A link's key for one direction: BLAKE2b keyed with the pre-shared key
+ * over a label, the direction, both nonces, both ranks, the stream and the
+ * crypt flags each side announced (so a tampered flag gives keys that do
+ * not match, and the first record fails). Nonces are fresh per handshake,
+ * so every connection, and each of its directions, gets its own key. */
+static void direction_key(const epipe_tcp_key *k, const epipe_tcp_link *l, char dir,
+                          uint32_t rank_c, uint32_t rank_s, uint8_t out[32])
+{
+    const unsigned mask = EPIPE_TCP_HF_ENCRYPT | EPIPE_TCP_HF_AES;
+    uint8_t t[18 + 1 + 2 * EPIPE_TCP_NONCE + 5 * 4];
+    uint8_t *p = t;
+    memcpy(p, "epipe-tcp-crypt-v1", 18), p += 18;
+    *p++ = (uint8_t)dir;
+    memcpy(p, l->nonce_c, EPIPE_TCP_NONCE), p += EPIPE_TCP_NONCE;
+    memcpy(p, l->nonce_s, EPIPE_TCP_NONCE), p += EPIPE_TCP_NONCE;
+    uint32_t v[5] = {rank_c, rank_s, l->stream, l->flags_c & mask, l->flags_s & mask};
+    for (int i = 0; i < 5; i++)
+        for (int b = 0; b < 4; b++)
+            *p++ = (uint8_t)(v[i] >> (8 * b));
+    crypto_generichash(out, 32, t, sizeof t, k->key, sizeof k->key);
+    sodium_memzero(t, sizeof t);
+}
+
+int epipe_tcp_link_keys(const epipe_tcp_key *k, const epipe_tcp_link *l, unsigned my_rank,
+                        uint8_t tx[32], uint8_t rx[32])
+{
+    if (!k->on)
+        return epipe_fail(EPIPE_EINVAL, "tcp: an encrypted link needs a key");
+    uint32_t rank_c = l->connector ? my_rank : l->peer, rank_s = l->connector ? l->peer : my_rank;
+    /* 'C': what the connector sends; 'S': what the acceptor sends. */
+    direction_key(k, l, l->connector ? 'C' : 'S', rank_c, rank_s, tx);
+    direction_key(k, l, l->connector ? 'S' : 'C', rank_c, rank_s, rx);
+    return EPIPE_OK;
+}
 
 int epipe_tcp_key_load(epipe_tcp_key *k, const char *path)
 {
@@ -105,6 +150,12 @@ int epipe_tcp_mac_ok(const epipe_tcp_key *k, char role, const uint8_t *nc, const
 }
 
 #else /* built without libsodium: no authentication, and never silently so */
+
+int epipe_tcp_link_keys(const epipe_tcp_key *k, const epipe_tcp_link *l, unsigned my_rank,
+                        uint8_t tx[32], uint8_t rx[32])
+{
+    return epipe_fail(EPIPE_ENOTSUP, "tcp: built without libsodium, so links cannot be encrypted");
+}
 
 int epipe_tcp_key_load(epipe_tcp_key *k, const char *path)
 {

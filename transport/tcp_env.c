@@ -62,11 +62,15 @@ static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const ch
             return epipe_fail(EPIPE_EINVAL, "tcp: %s is longer than %zu characters", what,
                               sizeof o->key_file - 1);
         strcpy(o->key_file, val);
+    } else if (!strcmp(key, "encrypt")) { /* crypt: encrypted links */
+        if (strcmp(val, "0") && strcmp(val, "1"))
+            return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s': use 0 or 1", what, val);
+        o->encrypt = val[0] == '1';
     } else {
         return epipe_fail(EPIPE_EINVAL,
                           "tcp: unknown option '%s' (known: timeout_ms, init_timeout_ms, "
                           "heartbeat_ms, spin_us, streams, topology, listen_addr, ifname, "
-                          "key_file)",
+                          "key_file, encrypt)",
                           key);
     }
     return EPIPE_OK;
@@ -82,6 +86,7 @@ int epipe_tcp_opts_parse(epipe_tcp_opts *o, const char *spec)
         {"EPIPE_TCP_TOPOLOGY", "topology"},   {"EPIPE_LISTEN_ADDR", "listen_addr"},
         {"EPIPE_SPIN_US", "spin_us"},
         {"EPIPE_IFNAME", "ifname"},           {"EPIPE_AUTH_KEY_FILE", "key_file"},
+        {"EPIPE_ENCRYPT", "encrypt"},
     };
     memset(o, 0, sizeof *o);
     o->timeout_ms = 30000;

@@ -494,6 +494,7 @@ struct setup {
     unsigned nlinks, links_cap;
     uint8_t *have;          /* [size] bit s: stream s of that peer is connected */
     char last_refusal[200]; /* the last connection the acceptor refused, for timeouts */
+    epipe_tcp_link hs;      /* crypt: the handshake add_link records */
 };
 
 static int add_link(struct setup *s, int fd, unsigned peer, unsigned stream)
@@ -505,7 +506,9 @@ static int add_link(struct setup *s, int fd, unsigned peer, unsigned stream)
             return epipe_fail(EPIPE_ENOMEM, "out of memory");
         s->links = l, s->links_cap = cap;
     }
-    s->links[s->nlinks++] = (epipe_tcp_link){.fd = fd, .peer = peer, .stream = stream};
+    epipe_tcp_link l = s->hs; /* crypt: nonces and flags of its handshake */
+    l.fd = fd, l.peer = peer, l.stream = stream;
+    s->links[s->nlinks++] = l;
     s->have[peer] |= (uint8_t)(1u << stream);
     return EPIPE_OK;
 }
@@ -514,7 +517,8 @@ static int add_link(struct setup *s, int fd, unsigned peer, unsigned stream)
 static int client_handshake(struct setup *s, int fd, unsigned type, unsigned peer,
                             unsigned stream, const char *who)
 {
-    struct hello me = {.type = (uint8_t)type, .flags = s->key->on ? HF_AUTH : 0,
+    struct hello me = {.type = (uint8_t)type,
+                       .flags = (s->key->on ? HF_AUTH : 0) | epipe_tcp_crypt_flags(s->o),
                        .rank = s->rank, .size = s->size, .stream = stream,
                        .port = (uint16_t)s->my_port};
     snprintf(me.addr, sizeof me.addr, "%s", s->my_addr);
@@ -559,6 +563,12 @@ static int client_handshake(struct setup *s, int fd, unsigned type, unsigned pee
         }
         epipe_tcp_mac(s->key, 'C', me.nonce, ch.nonce, s->rank, peer, stream, proof.mac);
     }
+    char cw[160]; /* crypt: both sides encrypt, or neither; the keys come from this handshake */
+    if (epipe_tcp_crypt_mismatch(s->o, ch.flags, peer, cw, sizeof cw)) {
+        rc = epipe_fail(EPIPE_EINVAL, "%s: %s", who, cw);
+        goto out;
+    }
+    epipe_tcp_link_note(&s->hs, 1, me.nonce, ch.nonce, me.flags, ch.flags);
     reader_reset(&r);
     if ((rc = send_hello(fd, &proof, s->rank, peer, s->deadline)) ||
         (rc = reader_wait(fd, &r, s->deadline)) < 0)
@@ -685,7 +695,12 @@ static int serve(struct setup *s, struct registry *g, struct pending *p)
             refuse(s, p, EPIPE_EAUTH, why);
             return 1;
         }
-        struct hello ch = {.type = HT_CHALLENGE, .flags = s->key->on ? HF_AUTH : 0,
+        if (epipe_tcp_crypt_mismatch(s->o, h.flags, h.rank, why, sizeof why)) { /* crypt */
+            refuse(s, p, EPIPE_EINVAL, why);
+            return 1;
+        }
+        struct hello ch = {.type = HT_CHALLENGE,
+                           .flags = (s->key->on ? HF_AUTH : 0) | epipe_tcp_crypt_flags(s->o),
                            .rank = s->rank, .size = s->size, .stream = h.stream};
         epipe_tcp_random(p->nonce_s, sizeof p->nonce_s);
         memcpy(ch.nonce, p->nonce_s, sizeof ch.nonce);
@@ -727,11 +742,14 @@ static int serve(struct setup *s, struct registry *g, struct pending *p)
         }
         g->fd[q] = p->fd;
         g->hi[q] = p->hi;
+        memcpy(g->hi[q].mac, p->nonce_s, EPIPE_TCP_NONCE); /* crypt: kept for the link's keys */
         g->registered++;
         s->have[q] |= 1;
         epipe_log_info((int)s->rank, "rendezvous", "rank %u registered from %s (listens on %s:%u)%s",
                        q, p->from, p->hi.addr, p->hi.port, s->key->on ? ", authenticated" : "");
     } else {
+        epipe_tcp_link_note(&s->hs, 0, p->hi.nonce, p->nonce_s, p->hi.flags,
+                            epipe_tcp_crypt_flags(s->o)); /* crypt */
         if ((rc = add_link(s, p->fd, q, p->hi.stream)))
             return rc;
         epipe_log_debug((int)s->rank, "tcp", "accepted rank %u stream %u from %s", q,
@@ -921,6 +939,8 @@ static int setup_rank0(struct setup *s, const char *master_addr, unsigned master
     for (unsigned q = 1; g.fd && q < s->size; q++) {
         if (g.fd[q] < 0)
             continue;
+        epipe_tcp_link_note(&s->hs, 0, g.hi[q].nonce, g.hi[q].mac, g.hi[q].flags,
+                            epipe_tcp_crypt_flags(s->o)); /* crypt: mac holds rank 0's nonce */
         if (rc == EPIPE_OK)
             rc = add_link(s, g.fd[q], q, 0);
         if (rc) {

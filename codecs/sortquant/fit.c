@@ -23,7 +23,7 @@ struct dp {
     uint32_t *opt; /* start bin of the last chunk, per end bin */
 };
 
-void sq_fit_free(sq_fit *f)
+void epipe_sq_fit_free(sq_fit *f)
 {
     free(f->hist);
     f->hist = NULL;
@@ -66,7 +66,7 @@ static void dp_layer(const struct dp *d, size_t j, size_t l, size_t r, size_t ol
     }
 }
 
-int sq_fit_plan(sq_fit *f, const sq_bucket *b, size_t nb, unsigned bits, int fixed,
+int epipe_sq_fit_plan(sq_fit *f, const sq_bucket *b, size_t nb, unsigned bits, int fixed,
                 unsigned smax, sq_plan *out)
 {
     memset(out, 0, sizeof *out);
@@ -186,7 +186,7 @@ static size_t hist_buckets(uint32_t *hist, const float *s, size_t m, const float
     return nb;
 }
 
-void sq_fit_set_chunks(epipe_qtab *t, const sq_plan *pl, size_t n, float min, float max)
+void epipe_sq_fit_set_chunks(epipe_qtab *t, const sq_plan *pl, size_t n, float min, float max)
 {
     for (unsigned j = 0; j < t->k; j++) {
         t->bnd[j + 1] = j + 1 < pl->used ? pl->bnd[j + 1] : INFINITY;
@@ -198,7 +198,7 @@ void sq_fit_set_chunks(epipe_qtab *t, const sq_plan *pl, size_t n, float min, fl
     t->bnd[t->k] = INFINITY;
 }
 
-void sq_fit_finish(const sq_state *st, unsigned S, size_t n, uint8_t *body)
+void epipe_sq_fit_finish(const sq_state *st, unsigned S, size_t n, uint8_t *body)
 {
     const epipe_qtab *t = &st->ftab[S];
     body[0] = (uint8_t)S;
@@ -208,7 +208,7 @@ void sq_fit_finish(const sq_state *st, unsigned S, size_t n, uint8_t *body)
     memset(body + 4 + epipe_q_table_bytes(t) + epipe_bitpack_bytes(n, t->bits), 0, pad);
 }
 
-int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+int epipe_sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     sq_state *st = c->state;
     sq_plan pl = {.S = st->fit_fixed >= 0 ? (unsigned)st->fit_fixed : 0, .used = 1};
@@ -239,21 +239,21 @@ int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         }
         size_t nb = hist_buckets(hist, s, m, ends, bk);
         unsigned bits = (unsigned)c->p[SQ_BITS];
-        if (sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n), &pl))
+        if (epipe_sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n), &pl))
             return epipe_codec_fail(c, EPIPE_ENOMEM, "sortquant: out of memory for scratch");
         epipe_qtab *t = &st->ftab[pl.S];
-        sq_fit_set_chunks(t, &pl, n, ends[0], ends[1]);
+        epipe_sq_fit_set_chunks(t, &pl, n, ends[0], ends[1]);
         epipe_q_encode(t, x, n, body + 4 + epipe_q_table_bytes(t), threads, NULL, NULL);
     } else {
-        sq_fit_set_chunks(&st->ftab[pl.S], &pl, 0, 0.0f, 0.0f);
+        epipe_sq_fit_set_chunks(&st->ftab[pl.S], &pl, 0, 0.0f, 0.0f);
     }
-    sq_fit_finish(st, pl.S, n, body);
+    epipe_sq_fit_finish(st, pl.S, n, body);
     return EPIPE_OK;
 }
 
 /* ---- reading a fit body ---------------------------------------------------- */
 
-int sq_fit_read(epipe_codec *c, const uint8_t *body, size_t n, epipe_qtab **tp)
+int epipe_sq_fit_read(epipe_codec *c, const uint8_t *body, size_t n, epipe_qtab **tp)
 {
     sq_state *st = c->state;
     unsigned S = body[0];

@@ -29,13 +29,13 @@ typedef struct sq_plan {
     float top[1u << SQ_FIT_SMAX];
 } sq_plan;
 
-/* Scratch kept between calls; zero-initialise, free with sq_fit_free(). */
+/* Scratch kept between calls; zero-initialise, free with epipe_sq_fit_free(). */
 typedef struct sq_fit {
     void *mem;
     size_t cap;
     uint32_t *hist; /* the fast path's 65536 bucket counts, kept zero */
 } sq_fit;
-void sq_fit_free(sq_fit *f);
+void epipe_sq_fit_free(sq_fit *f);
 
 /* Plans chunks for the nb buckets b[] (ascending key16, non-empty) of a
  * sample, for `bits` code bits: with fixed >= 0, S = fixed; otherwise the
@@ -44,7 +44,7 @@ void sq_fit_free(sq_fit *f);
  * an infinity gives S = 0 (the encoder's extent pass then rejects the
  * input). Deterministic: the fast path and the reference share it. Returns
  * 0 or EPIPE_ENOMEM. */
-int sq_fit_plan(sq_fit *f, const sq_bucket *b, size_t nb, unsigned bits, int fixed,
+int epipe_sq_fit_plan(sq_fit *f, const sq_bucket *b, size_t nb, unsigned bits, int fixed,
                 unsigned smax, sq_plan *out);
 
 #endif

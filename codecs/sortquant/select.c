@@ -26,7 +26,7 @@ static void *grow(void *p, size_t *cap, size_t need)
     return p;
 }
 
-void sq_select_free(sq_select *s)
+void epipe_sq_select_free(sq_select *s)
 {
     free(s->hist);
     free(s->cand);
@@ -263,7 +263,7 @@ static uint16_t select_two_rounds(const uint16_t *cand, uint64_t c, const struct
     return (uint16_t)(hb << 8 | lb);
 }
 
-int sq_select_ranks(sq_select *s, const float *x, size_t n, const uint64_t *rank, size_t R,
+int epipe_sq_select_ranks(sq_select *s, const float *x, size_t n, const uint64_t *rank, size_t R,
                     float *val, uint64_t *lt, unsigned threads, int *nonfinite)
 {
     if (nonfinite)

@@ -26,8 +26,8 @@ static void sq_release(epipe_codec *c)
     epipe_qtab_free(&st->tab);
     for (unsigned S = 0; S <= SQ_FIT_SMAX; S++)
         epipe_qtab_free(&st->ftab[S]);
-    sq_fit_free(&st->fit);
-    sq_select_free(&st->sel);
+    epipe_sq_fit_free(&st->fit);
+    epipe_sq_select_free(&st->sel);
     free(st->lut);
     free(st->work);
     free(st);
@@ -283,7 +283,7 @@ static int encode_exact(epipe_codec *c, sq_state *st, const float *x, size_t n, 
         }
     }
     int nonfinite;
-    if (sq_select_ranks(&st->sel, x, n, req, R, val, lt, threads, &nonfinite))
+    if (epipe_sq_select_ranks(&st->sel, x, n, req, R, val, lt, threads, &nonfinite))
         return no_memory(c);
     if (nonfinite)
         return epipe_q_reject_nonfinite(c, x, n, epipe_find_nonfinite(x, n));
@@ -356,7 +356,7 @@ static int encode_sample(epipe_codec *c, sq_state *st, const float *x, size_t n,
         req[j - 1] = sq_rank(j, m, k);
     /* A NaN in the sample gives garbage boundaries; the extent pass below
      * rejects the input before they are used. */
-    if (sq_select_ranks(&st->sel, s, m, req, k - 1, val, lt, epipe_codec_workers(c, m), NULL))
+    if (epipe_sq_select_ranks(&st->sel, s, m, req, k - 1, val, lt, epipe_codec_workers(c, m), NULL))
         return no_memory(c);
     for (unsigned j = 1; j < k; j++)
         t->bnd[j] = val[j - 1];
@@ -371,7 +371,7 @@ static int encode_sample(epipe_codec *c, sq_state *st, const float *x, size_t n,
 static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     if ((int)c->p[SQ_MODE] == SQ_MODE_FIT)
-        return sq_encode_fit(c, x, n, body);
+        return epipe_sq_encode_fit(c, x, n, body);
     sq_state *st = c->state;
     epipe_qtab *t = &st->tab;
     for (unsigned j = 0; j < t->k; j++)
@@ -394,7 +394,7 @@ static int sq_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     epipe_qtab *t = &st->tab;
     int rc;
     if ((int)c->p[SQ_MODE] == SQ_MODE_FIT) {
-        rc = sq_fit_read(c, body, n, &t);
+        rc = epipe_sq_fit_read(c, body, n, &t);
         body += 4;
     } else {
         rc = epipe_q_read_table(c, t, body, n);
@@ -408,8 +408,8 @@ static int sq_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 static const epipe_codec_backend sortquant_cpu = {
     .encode = sq_encode,
     .decode = sq_decode,
-    .encode_ref = sq_encode_ref,
-    .decode_ref = sq_decode_ref,
+    .encode_ref = epipe_sq_encode_ref,
+    .decode_ref = epipe_sq_decode_ref,
 };
 
 const epipe_codec_ops epipe_codec_sortquant = {

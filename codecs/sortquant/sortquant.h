@@ -88,7 +88,7 @@ static inline uint64_t sq_sample_count(uint64_t n, double sample)
  * table and padding, giving the table of its split; a plan's boundaries
  * and chunk ranges put into table t, for n values spanning [min, max]; the
  * fit word, table and padding written. */
-int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body);
+int epipe_sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body);
 /* The largest split a fit body of n values may hold: the fixed split, or
  * the configured largest lowered until the 8·2^S table bytes are at most
  * an eighth of the code bytes (small tensors get small tables). */
@@ -102,11 +102,11 @@ static inline unsigned sq_fit_smax_for(const sq_state *st, unsigned bits, uint64
         S--;
     return S;
 }
-int sq_fit_read(epipe_codec *c, const uint8_t *body, size_t n, epipe_qtab **t);
-void sq_fit_set_chunks(epipe_qtab *t, const sq_plan *pl, size_t n, float min, float max);
-void sq_fit_finish(const sq_state *st, unsigned S, size_t n, uint8_t *body);
+int epipe_sq_fit_read(epipe_codec *c, const uint8_t *body, size_t n, epipe_qtab **t);
+void epipe_sq_fit_set_chunks(epipe_qtab *t, const sq_plan *pl, size_t n, float min, float max);
+void epipe_sq_fit_finish(const sq_state *st, unsigned S, size_t n, uint8_t *body);
 
-int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body);
-int sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y);
+int epipe_sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body);
+int epipe_sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y);
 
 #endif

@@ -147,11 +147,11 @@ static int ref_fit(sq_state *st, const float *x, size_t n, double sample, unsign
                 bk[nb++] = (sq_bucket){key[i] >> 16, 1};
         }
         sq_plan pl;
-        rc = sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n),
+        rc = epipe_sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n),
                          &pl);
         if (rc == EPIPE_OK) {
             epipe_qtab *t = &st->ftab[pl.S];
-            sq_fit_set_chunks(t, &pl, n, min, max);
+            epipe_sq_fit_set_chunks(t, &pl, n, min, max);
             for (size_t i = 0; i < n; i++) {
                 unsigned ch = 0;
                 for (unsigned j = 1; j < t->k; j++)
@@ -168,7 +168,7 @@ static int ref_fit(sq_state *st, const float *x, size_t n, double sample, unsign
     return rc;
 }
 
-int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+int epipe_sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     sq_state *st = c->state;
     epipe_qtab *t = &st->tab;
@@ -192,7 +192,7 @@ int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
                                                   : ref_sample(t, x, n, c->p[SQ_SAMPLE], codes);
     if (rc == EPIPE_OK && fit) {
         t = &st->ftab[S];
-        sq_fit_finish(st, S, n, body);
+        epipe_sq_fit_finish(st, S, n, body);
         epipe_bitpack_ref(codes, n, t->bits, body + 4 + epipe_q_table_bytes(t));
     } else if (rc == EPIPE_OK) {
         epipe_q_write_table(t, body);
@@ -204,13 +204,13 @@ int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     return EPIPE_OK;
 }
 
-int sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+int epipe_sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
     sq_state *st = c->state;
     epipe_qtab *t = &st->tab;
     int rc;
     if ((int)c->p[SQ_MODE] == SQ_MODE_FIT) {
-        rc = sq_fit_read(c, body, n, &t);
+        rc = epipe_sq_fit_read(c, body, n, &t);
         body += 4;
     } else {
         rc = epipe_q_read_table(c, t, body, n);

@@ -15,6 +15,7 @@
 #include <epipe/epipe.h>
 
 #include "../common/idx.h"
+#include "cli.h" /* tools/cli.h */
 #include "model.h"
 
 struct options {
@@ -324,35 +325,54 @@ static void usage(FILE *f)
 
 static int parse_args(int argc, char **argv, struct options *o)
 {
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+    enum {
+        O_QUIET = 256, O_STAGES, O_MB, O_SCHEDULE, O_ACT, O_GRAD, O_EPOCHS, O_BATCH, O_LR,
+        O_MOMENTUM, O_CODEC_LR, O_SEED, O_TRAIN_LIMIT, O_DATA, O_BLAS_THREADS, O_HIDDEN
+    };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"quiet", no_argument, NULL, O_QUIET},
+        {"stages", required_argument, NULL, O_STAGES},
+        {"microbatches", required_argument, NULL, O_MB},
+        {"schedule", required_argument, NULL, O_SCHEDULE},
+        {"act-codec", required_argument, NULL, O_ACT},
+        {"grad-codec", required_argument, NULL, O_GRAD},
+        {"epochs", required_argument, NULL, O_EPOCHS},
+        {"batch", required_argument, NULL, O_BATCH},
+        {"lr", required_argument, NULL, O_LR},
+        {"momentum", required_argument, NULL, O_MOMENTUM},
+        {"codec-lr", required_argument, NULL, O_CODEC_LR},
+        {"seed", required_argument, NULL, O_SEED},
+        {"train-limit", required_argument, NULL, O_TRAIN_LIMIT},
+        {"data", required_argument, NULL, O_DATA},
+        {"blas-threads", required_argument, NULL, O_BLAS_THREADS},
+        {"hidden", required_argument, NULL, O_HIDDEN},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
+        const char *v = optarg;
+        switch (opt) {
+        case 'h':
             usage(stdout);
             exit(0);
-        } else if (!strcmp(a, "--quiet")) {
-            o->quiet = 1;
-            continue;
-        }
-        if (!v) {
-            fprintf(stderr, "epipe-train: unknown option or missing value: %s\n", a);
-            return -1;
-        }
-        i++;
-        if (!strcmp(a, "--stages")) o->stages = (unsigned)atoi(v);
-        else if (!strcmp(a, "--microbatches")) o->microbatches = (unsigned)atoi(v);
-        else if (!strcmp(a, "--schedule")) o->schedule = v;
-        else if (!strcmp(a, "--act-codec")) o->act_codec = v;
-        else if (!strcmp(a, "--grad-codec")) o->grad_codec = v;
-        else if (!strcmp(a, "--epochs")) o->epochs = atoi(v);
-        else if (!strcmp(a, "--batch")) o->batch = atoi(v);
-        else if (!strcmp(a, "--lr")) o->lr = (float)atof(v);
-        else if (!strcmp(a, "--momentum")) o->momentum = (float)atof(v);
-        else if (!strcmp(a, "--codec-lr")) o->codec_lr = (float)atof(v);
-        else if (!strcmp(a, "--seed")) o->seed = strtoull(v, NULL, 10);
-        else if (!strcmp(a, "--train-limit")) o->train_limit = atol(v);
-        else if (!strcmp(a, "--data")) o->data_dir = v;
-        else if (!strcmp(a, "--blas-threads")) o->blas_threads = atoi(v);
-        else if (!strcmp(a, "--hidden")) {
+        case O_QUIET: o->quiet = 1; break;
+        case O_STAGES: o->stages = (unsigned)atoi(v); break;
+        case O_MB: o->microbatches = (unsigned)atoi(v); break;
+        case O_SCHEDULE: o->schedule = v; break;
+        case O_ACT: o->act_codec = v; break;
+        case O_GRAD: o->grad_codec = v; break;
+        case O_EPOCHS: o->epochs = atoi(v); break;
+        case O_BATCH: o->batch = atoi(v); break;
+        case O_LR: o->lr = (float)atof(v); break;
+        case O_MOMENTUM: o->momentum = (float)atof(v); break;
+        case O_CODEC_LR: o->codec_lr = (float)atof(v); break;
+        case O_SEED: o->seed = strtoull(v, NULL, 10); break;
+        case O_TRAIN_LIMIT: o->train_limit = atol(v); break;
+        case O_DATA: o->data_dir = v; break;
+        case O_BLAS_THREADS: o->blas_threads = atoi(v); break;
+        case O_HIDDEN:
             o->nhidden = 0;
             for (const char *p = v; *p && o->nhidden < MODEL_MAX_LAYERS - 1;) {
                 char *end;
@@ -364,10 +384,16 @@ static int parse_args(int argc, char **argv, struct options *o)
                 o->hidden[o->nhidden++] = (int)w;
                 p = *end == ',' ? end + 1 : end;
             }
-        } else {
-            fprintf(stderr, "epipe-train: unknown option %s\n", a);
+            break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-train", argv, opt);
             return -1;
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "epipe-train: unexpected argument '%s' (options start with --)\n",
+                argv[optind]);
+        return -1;
     }
     if (o->microbatches < 1 || o->microbatches > MODEL_MAX_MB || o->batch < 1 ||
         o->batch % (int)o->microbatches || o->batch / (int)o->microbatches > 1024) {

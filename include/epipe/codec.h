@@ -173,23 +173,26 @@ EPIPE_API int epipe_codec_decode(epipe_codec *codec, const void *src, size_t len
  * encode or decode so the codec keeps what the backward needs. Gradients
  * accumulate (+=) across backward calls until epipe_codec_zero_grad().
  * The other codecs return EPIPE_ENOTSUP from every call below except
- * epipe_codec_trainable() and epipe_codec_code_shape(). */
+ * epipe_codec_trainable() and epipe_codec_code_shape().
+ *
+ * Experimental (EPIPE_EXPERIMENTAL, docs/api.md): these calls may change
+ * in a minor release. */
 
 #define EPIPE_CODEC_MAX_NDIM 16
 
 /* 1 if the codec has parameters to train, else 0 (and 0 for NULL). */
-EPIPE_API int epipe_codec_trainable(const epipe_codec *codec);
+EPIPE_EXPERIMENTAL int epipe_codec_trainable(const epipe_codec *codec);
 
 /* The shape of the code the codec computes for a tensor of src's shape
  * (src->data is not read): the shape of the gradient the decoder's
  * backward produces and the encoder's backward consumes. For codecs that
  * are not trainable the code's shape is src's. EPIPE_EINVAL for a shape
  * the codec cannot take. shape must have room for EPIPE_CODEC_MAX_NDIM. */
-EPIPE_API int epipe_codec_code_shape(epipe_codec *codec, const DLTensor *src, int *ndim,
-                                     int64_t shape[EPIPE_CODEC_MAX_NDIM]);
+EPIPE_EXPERIMENTAL int epipe_codec_code_shape(epipe_codec *codec, const DLTensor *src, int *ndim,
+                                              int64_t shape[EPIPE_CODEC_MAX_NDIM]);
 
 /* How many parameter tensors the codec has (insert: 2). */
-EPIPE_API int epipe_codec_num_tensors(epipe_codec *codec, unsigned *count);
+EPIPE_EXPERIMENTAL int epipe_codec_num_tensors(epipe_codec *codec, unsigned *count);
 
 /* Parameter tensor `index`: its name ("compress.weight"), the parameter
  * and its gradient, as dense fp32 CPU DLTensor views. All three are owned
@@ -200,8 +203,8 @@ EPIPE_API int epipe_codec_num_tensors(epipe_codec *codec, unsigned *count);
  * exist yet (insert creates them when it learns the channel count: give
  * `in=` in the spec, or encode or decode once first); EPIPE_EINVAL for an
  * index out of range. */
-EPIPE_API int epipe_codec_tensor(epipe_codec *codec, unsigned index, const char **name,
-                                 DLTensor **param, DLTensor **grad);
+EPIPE_EXPERIMENTAL int epipe_codec_tensor(epipe_codec *codec, unsigned index, const char **name,
+                                          DLTensor **param, DLTensor **grad);
 
 /* Encoder backward for `microbatch` (kept by its encode, see
  * EPIPE_CODEC_MICROBATCH): given grad_code, the gradient of the loss with
@@ -210,24 +213,25 @@ EPIPE_API int epipe_codec_tensor(epipe_codec *codec, unsigned index, const char 
  * gradient. Both tensors are the caller's: fp32/fp16/bf16, CPU, any
  * strides. The kept input is released. EPIPE_ESTATE if nothing is kept
  * for that micro-batch; EPIPE_EINVAL for a shape that does not match. */
-EPIPE_API int epipe_codec_encode_backward(epipe_codec *codec, unsigned microbatch,
-                                          const DLTensor *grad_code, DLTensor *grad_input);
+EPIPE_EXPERIMENTAL int epipe_codec_encode_backward(epipe_codec *codec, unsigned microbatch,
+                                                   const DLTensor *grad_code, DLTensor *grad_input);
 
 /* Decoder backward for `microbatch` (kept by its decode): given
  * grad_output, the gradient with respect to the restored tensor, writes
  * grad_code (the code's shape) and adds the restore parameters' gradient.
  * Ownership and errors as epipe_codec_encode_backward(). */
-EPIPE_API int epipe_codec_decode_backward(epipe_codec *codec, unsigned microbatch,
-                                          const DLTensor *grad_output, DLTensor *grad_code);
+EPIPE_EXPERIMENTAL int epipe_codec_decode_backward(epipe_codec *codec, unsigned microbatch,
+                                                   const DLTensor *grad_output,
+                                                   DLTensor *grad_code);
 
 /* Sets every parameter gradient to zero. */
-EPIPE_API int epipe_codec_zero_grad(epipe_codec *codec);
+EPIPE_EXPERIMENTAL int epipe_codec_zero_grad(epipe_codec *codec);
 
 /* The built-in optimizer, SGD with momentum (PyTorch's form, no dampening):
  * v = momentum*v + grad; param -= lr*v, for every parameter tensor. The
  * gradients are left as they are (call epipe_codec_zero_grad()).
  * lr in [0, 1e6], momentum in [0, 1); EPIPE_EINVAL otherwise. */
-EPIPE_API int epipe_codec_sgd_step(epipe_codec *codec, double lr, double momentum);
+EPIPE_EXPERIMENTAL int epipe_codec_sgd_step(epipe_codec *codec, double lr, double momentum);
 
 #ifdef __cplusplus
 }

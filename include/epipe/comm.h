@@ -17,12 +17,73 @@ extern "C" {
  * own; they end when the handle is destroyed. */
 typedef struct epipe_comm epipe_comm;
 
+/* ---- Creating a communicator by transport name (docs/transport.md) ------
+ *
+ * The one way to make a communicator; the functions after it are thin
+ * wrappers kept for existing code. Joins a group of `size` ranks as rank
+ * `rank` over the transport named `transport`:
+ *   "tcp"     processes, over TCP: rank 0 listens on master_addr:master_port,
+ *             the others connect to it (see epipe_comm_create_tcp below).
+ *   "inproc"  ranks that are threads of this process, each calling
+ *             epipe_comm_create() from its own thread with the same
+ *             options "group=NAME": the call blocks until all `size` ranks
+ *             of group NAME have joined (or init_timeout_ms passes:
+ *             EPIPE_ETIMEDOUT naming the missing ranks). master_addr and
+ *             master_port are ignored. A group of one needs no name. Once a
+ *             group is complete its name may be used again by a new group.
+ *   "rdma"    answers EPIPE_ENOTSUP: the RDMA transport is not built yet.
+ *   "auto", NULL or ""   EPIPE_TRANSPORT from the environment if set, else
+ *             tcp when size > 1 or the ranks come from the environment,
+ *             else inproc.
+ * An explicit name other than "auto" wins over EPIPE_TRANSPORT.
+ *
+ * Rendezvous from the environment: rank = size = EPIPE_COMM_FROM_ENV reads
+ * rank, size and (when master_addr is NULL or "") the master's address and
+ * port as epipe_comm_create_from_env() does.
+ *
+ * `options` is NULL, "" or comma-separated key=value pairs. The keys every
+ * transport takes (environment variable in brackets):
+ *   timeout_ms=N       how long a receive waits, and (tcp) how long a silent
+ *                      peer is trusted, ms, 1..86400000 (EPIPE_TIMEOUT_MS;
+ *                      30000)
+ *   init_timeout_ms=N  the whole rendezvous (EPIPE_INIT_TIMEOUT_MS; 120000)
+ *   spin_us=N          a receive busy-waits this long before it sleeps,
+ *                      0..1000000 (EPIPE_SPIN_US; 50)
+ *   max_message=N      largest message accepted, bytes (EPIPE_MAX_MESSAGE;
+ *                      2^32)
+ *   buffer_cache=N     bytes of message buffers this handle keeps for reuse,
+ *                      0 (none) .. 2^40 (EPIPE_BUFFER_CACHE; 512 MiB)
+ *   trace=PATH         stages on this communicator write their Chrome trace
+ *                      to PATH (wins over EPIPE_TRACE; docs/trace.md)
+ *   group=NAME         inproc only: the group to join, 1..63 characters
+ * and tcp takes its own keys, listed at epipe_comm_create_tcp(); a key no
+ * transport knows is EPIPE_EINVAL naming it.
+ *
+ * Precedence of every setting, lowest first, resolved in one place:
+ *   built-in default < environment variable < options string
+ *   < epipe_comm_set_param() at run time (this handle, from then on)
+ *   < epipe_stage_set_param(EPIPE_STAGE_TIMEOUT_MS) (that stage's receives
+ *     only; a stage that has not set it follows the communicator's value).
+ *
+ * Returns EPIPE_OK and *out, owned by the caller (epipe_comm_destroy); on
+ * error *out is NULL and the message names the cause: EPIPE_EINVAL (bad
+ * argument, option, transport name, or an inproc group whose ranks disagree
+ * on its size or repeat a rank), EPIPE_ENOTSUP (rdma), EPIPE_ETIMEDOUT, and
+ * the transport's own errors (epipe_comm_create_tcp). Thread-safe; blocks
+ * until the group is formed. */
+#define EPIPE_COMM_FROM_ENV (~0u)
+EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigned rank,
+                                unsigned size, const char *master_addr, unsigned master_port,
+                                const char *options);
+
 /* Creates `size` communicators joined in this process, comms[0..size-1]
  * with ranks 0..size-1, for stages that run as threads of one process.
  * Messages are framed, checksummed and parsed exactly as over a network.
  * Each handle is destroyed on its own (by the thread that uses it, when it
- * is done). Returns EPIPE_OK, EPIPE_EINVAL for size 0 or above 1024, or
- * EPIPE_ENOMEM; on error every comms[i] is NULL. Thread-safe. */
+ * is done). Settings come from the defaults and the environment, as for
+ * epipe_comm_create() with no options. Returns EPIPE_OK, EPIPE_EINVAL for
+ * size 0 or above 1024 or a bad environment variable, or EPIPE_ENOMEM; on
+ * error every comms[i] is NULL. Thread-safe. */
 EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
 
 /* ---- TCP (docs/transport.md) --------------------------------------------
@@ -35,6 +96,8 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
  * messages while the host computes; it ends in epipe_comm_destroy().
  * size 1 makes a group of one with no sockets.
  *
+ * The same as epipe_comm_create(out, "tcp", ...): settings follow its one
+ * precedence (default < environment < options < epipe_comm_set_param).
  * `options` is NULL, "" or a spec of comma-separated key=value pairs; each
  * key may also come from an environment variable (in brackets), which the
  * spec overrides:
@@ -54,19 +117,25 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
  *                      is a loopback one, else every address)
  *   key_file=PATH      authenticate every connection with the pre-shared
  *                      key in PATH (EPIPE_AUTH_KEY_FILE); off by default
+ *   encrypt=0|1        encrypt and authenticate every message after the
+ *                      handshake (EPIPE_ENCRYPT; 0): AES-256-GCM, or
+ *                      ChaCha20-Poly1305 where a side lacks AES-NI, with
+ *                      per-connection keys from key_file, which it needs;
+ *                      every rank must agree (docs/transport.md)
  *
  * Blocks until every rank has joined or init_timeout_ms has passed. Returns
  * EPIPE_OK and *out, owned by the caller (epipe_comm_destroy), or an error
  * with *out NULL and a message (epipe_last_error) that says which rank,
  * address and cause:
- *   EPIPE_EINVAL    bad argument or option; a rank that says another world
- *                   size; two processes with the same rank
+ *   EPIPE_EINVAL    bad argument or option (encrypt=1 without key_file); a
+ *                   rank that says another world size; two processes with
+ *                   the same rank; a peer whose encrypt setting differs
  *   EPIPE_EIO       cannot listen (the port is in use, the address is not
  *                   this host's)
  *   EPIPE_ETIMEDOUT the master is unreachable, or a rank did not join, in time
  *   EPIPE_EVERSION  a peer speaks another wire version
  *   EPIPE_EAUTH     a peer lacks the key or holds another one
- *   EPIPE_ENOTSUP   key_file set in a build without libsodium
+ *   EPIPE_ENOTSUP   key_file or encrypt=1 in a build without libsodium
  *   EPIPE_ENOMEM
  * Thread-safe (each call makes its own handle).
  *
@@ -75,13 +144,15 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
  * receives from it return EPIPE_EPEER (EPIPE_ETIMEDOUT when it fell
  * silent); a peer whose message fails its checks (its CRC, its header)
  * is cut off and receives from it return that check's status:
- * EPIPE_ECHECKSUM, EPIPE_EPROTO or EPIPE_ETOOBIG; the message names it. */
+ * EPIPE_ECHECKSUM, EPIPE_EPROTO or EPIPE_ETOOBIG (EPIPE_EAUTH for an
+ * encrypted record whose tag fails); the message names it. */
 EPIPE_API int epipe_comm_create_tcp(epipe_comm **out, unsigned rank, unsigned size,
                                     const char *master_addr, unsigned master_port,
                                     const char *options);
 
-/* epipe_comm_create_tcp() with rank, size and master taken from the
- * environment, first found wins (docs/transport.md has the details):
+/* epipe_comm_create(out, "tcp", EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV,
+ * NULL, 0, options): rank, size and master taken from the environment,
+ * first found wins (docs/transport.md has the details):
  *   1. EPIPE_RANK, EPIPE_WORLD_SIZE (what epipe-run sets);
  *   2. torchrun: RANK, WORLD_SIZE;
  *   3. Open MPI: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE;
@@ -111,15 +182,19 @@ EPIPE_API void epipe_comm_abort(epipe_comm *comm);
 
 EPIPE_API unsigned epipe_comm_rank(const epipe_comm *comm);
 EPIPE_API unsigned epipe_comm_size(const epipe_comm *comm);
-/* The transport's name: "inproc" or "tcp". Static string. */
+/* The transport's name: "inproc" or "tcp" (never "auto"). Static string. */
 EPIPE_API const char *epipe_comm_transport(const epipe_comm *comm);
 /* The message of the last failing call on this handle, or "". */
 EPIPE_API const char *epipe_comm_last_error(const epipe_comm *comm);
 
-/* Knobs, set with epipe_comm_set_param(). */
+/* Knobs, set with epipe_comm_set_param(): the last and strongest of the
+ * precedence at epipe_comm_create() (default < environment < options). */
 typedef enum epipe_comm_param {
     /* How long a receive waits before EPIPE_ETIMEDOUT, in milliseconds,
-     * 1 .. 86400000. Default 30000. */
+     * 1 .. 86400000; over tcp also how long a silent peer is trusted.
+     * Default: timeout_ms / EPIPE_TIMEOUT_MS, else 30000. Stages follow the
+     * new value from their next receive unless they set
+     * EPIPE_STAGE_TIMEOUT_MS themselves. */
     EPIPE_COMM_TIMEOUT_MS = 1,
     /* The largest message accepted from a peer, in bytes, 4096 .. 2^40.
      * Larger ones are refused with EPIPE_ETOOBIG. Default 2^32. */
@@ -127,13 +202,25 @@ typedef enum epipe_comm_param {
     /* How long a receive busy-waits for its message before it sleeps, in
      * microseconds, 0 .. 1000000. Spinning saves a thread wake-up (several
      * microseconds) on each message that arrives within it, at the cost of
-     * a busy core while it waits. Default 50 for inproc; tcp takes
-     * spin_us from its options (default 50). */
-    EPIPE_COMM_SPIN_US = 3
+     * a busy core while it waits. Default: spin_us / EPIPE_SPIN_US, else
+     * 50. */
+    EPIPE_COMM_SPIN_US = 3,
+    /* The most bytes of message buffers this handle keeps for reuse
+     * (at most 8 buffers of 256 KiB or more), 0 .. 2^40; 0 keeps none.
+     * Every handle has a cache of its own, shared with no other handle;
+     * lowering the cap frees what it holds. Default: buffer_cache /
+     * EPIPE_BUFFER_CACHE, else 512 MiB. */
+    EPIPE_COMM_BUFFER_CACHE = 4
 } epipe_comm_param;
 
-/* EPIPE_EINVAL for an unknown knob or a value out of range. */
+/* EPIPE_EINVAL for an unknown knob or a value out of range. Any thread may
+ * set EPIPE_COMM_TIMEOUT_MS and EPIPE_COMM_SPIN_US while a receive runs
+ * (the next wait uses the new value). */
 EPIPE_API int epipe_comm_set_param(epipe_comm *comm, epipe_comm_param param, int64_t value);
+/* The knob's current value into *value; EPIPE_EINVAL for an unknown knob
+ * or a NULL argument. Thread-safe. */
+EPIPE_API int epipe_comm_get_param(const epipe_comm *comm, epipe_comm_param param,
+                                   int64_t *value);
 
 #ifdef __cplusplus
 }

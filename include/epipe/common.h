@@ -19,6 +19,14 @@ extern "C" {
 #define EPIPE_API
 #endif
 
+/* EPIPE_EXPERIMENTAL marks exported calls whose signature or behaviour may
+ * still change in a minor release (0.x to 0.y) without a new soname: the
+ * trainable-codec calls (epipe/codec.h, epipe_stage_codec_sgd_step) and
+ * the schedule simulator (epipe_sim_*, epipe/schedule.h). It exports them
+ * as EPIPE_API does, in the same version node of lib/libepipe.map, so a
+ * binary binds to them as to any other call; docs/api.md says more. */
+#define EPIPE_EXPERIMENTAL EPIPE_API
+
 #define EPIPE_VERSION_MAJOR 0
 #define EPIPE_VERSION_MINOR 1
 #define EPIPE_VERSION_PATCH 0
@@ -68,6 +76,43 @@ EPIPE_API const char *epipe_status_name(int status);
  * belongs to the thread and stays valid until that thread's next libepipe
  * call; copy it if you need it longer. */
 EPIPE_API const char *epipe_last_error(void);
+
+/* ---- Log messages ---------------------------------------------------------
+ *
+ * libepipe logs rarely: errors and warnings by default, more with
+ * EPIPE_LOG=info or debug, optionally only some subsystems with
+ * EPIPE_LOG_SUBSYS=tcp,rendezvous,... (warnings and errors always pass).
+ * Those variables are read once, at the first message, and decide which
+ * messages exist; the callback below decides where they go (by default one
+ * line "epipe[rank N] subsys: message" on stderr). */
+typedef enum epipe_log_level {
+    EPIPE_LOG_ERROR = 0,
+    EPIPE_LOG_WARN = 1,
+    EPIPE_LOG_INFO = 2,
+    EPIPE_LOG_DEBUG = 3
+} epipe_log_level;
+
+/* Receives one message: its level (epipe_log_level), its subsystem ("tcp",
+ * "rendezvous", "inproc", "comm", "trace", ...; a static string), the rank
+ * of the communicator it concerns or -1 when none does, and the text
+ * without prefix or newline. `message` is valid only during the call. */
+typedef void (*epipe_log_fn)(void *user, int level, const char *subsys, int rank,
+                             const char *message);
+
+/* Routes every message of this process to fn(user, ...) instead of stderr;
+ * fn NULL restores stderr. Process-wide by design, as NCCL's: messages
+ * also come from where no handle exists (the environment, a rendezvous
+ * before its communicator is made), and one host has one log. Messages name
+ * their rank and, where there is one, their group (inproc) or peer address
+ * (tcp), so a host running several pipelines can tell them apart.
+ *
+ * Thread safety: fn is called from whichever thread logs, library threads
+ * included (TCP progress threads, codec workers), possibly concurrently, so
+ * it must be thread-safe. It must not call epipe_set_log_callback(); it may
+ * call other libepipe functions. epipe_set_log_callback() may be called
+ * from any thread at any time: once it returns, the previous callback is
+ * not running and will not be called again, so its `user` may be freed. */
+EPIPE_API void epipe_set_log_callback(epipe_log_fn fn, void *user);
 
 #ifdef __cplusplus
 }

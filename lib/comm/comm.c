@@ -11,79 +11,141 @@
 /* Large message buffers are kept for reuse: a stage sends and receives
  * messages of the same few sizes every step, and a fresh large block costs
  * a page fault per 4 KiB on first touch (glibc maps and unmaps blocks over
- * 32 MiB every time). At most MSGBUF_SLOTS buffers of MSGBUF_MIN bytes or
- * more are kept, MSGBUF_TOTAL bytes in all; a buffer serves a message of
- * half its size or more. */
+ * 32 MiB every time). Each communicator has a cache of its own: at most
+ * MSGBUF_SLOTS buffers of MSGBUF_MIN bytes or more, `cap` bytes in all
+ * (EPIPE_COMM_BUFFER_CACHE, default 512 MiB); a buffer serves a message of
+ * half its size or more. A message holds a reference on the cache its
+ * buffer came from, so the cache lives until the handle is gone and the
+ * last of its messages (perhaps freed by a peer's thread) is freed. */
 #define MSGBUF_MIN ((size_t)256 << 10)
 #define MSGBUF_SLOTS 8
-#define MSGBUF_TOTAL ((size_t)512 << 20)
-static pthread_mutex_t msgbuf_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct {
-    void *p;
-    size_t cap;
-} msgbuf[MSGBUF_SLOTS];
-static size_t msgbuf_bytes;
-static unsigned msgbuf_next;
 
-static void *msgbuf_get(size_t *cap)
+struct epipe_msgpool {
+    pthread_mutex_t lock;
+    unsigned refs;   /* the handle's and one per message out; atomic */
+    int closed;      /* the handle is gone: keep nothing more */
+    uint64_t cap;    /* bytes the cache may hold */
+    struct {
+        void *p;
+        size_t cap;
+    } slot[MSGBUF_SLOTS];
+    uint64_t bytes, hits, misses;
+    unsigned next;
+};
+
+static epipe_msgpool *pool_new(void)
+{
+    epipe_msgpool *pool = calloc(1, sizeof *pool);
+    if (pool && pthread_mutex_init(&pool->lock, NULL) != 0) {
+        free(pool);
+        return NULL;
+    }
+    if (pool) {
+        pool->refs = 1;
+        pool->cap = (uint64_t)512 << 20;
+    }
+    return pool;
+}
+
+/* Frees what the cache holds. */
+static void pool_drain(epipe_msgpool *pool)
+{
+    for (int i = 0; i < MSGBUF_SLOTS; i++) {
+        free(pool->slot[i].p);
+        pool->slot[i].p = NULL;
+    }
+    pool->bytes = 0;
+}
+
+static void pool_unref(epipe_msgpool *pool)
+{
+    if (pool && __atomic_sub_fetch(&pool->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        pool_drain(pool);
+        pthread_mutex_destroy(&pool->lock);
+        free(pool);
+    }
+}
+
+/* The handle is gone: free what is cached, keep nothing more, and drop the
+ * handle's reference (messages still out hold theirs). */
+static void pool_close(epipe_msgpool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->closed = 1;
+    pool_drain(pool);
+    pthread_mutex_unlock(&pool->lock);
+    pool_unref(pool);
+}
+
+static void *pool_get(epipe_msgpool *pool, size_t *cap)
 {
     if (*cap >= MSGBUF_MIN) {
-        pthread_mutex_lock(&msgbuf_lock);
+        pthread_mutex_lock(&pool->lock);
         int best = -1;
         for (int i = 0; i < MSGBUF_SLOTS; i++)
-            if (msgbuf[i].p && msgbuf[i].cap >= *cap && msgbuf[i].cap / 2 <= *cap &&
-                (best < 0 || msgbuf[i].cap < msgbuf[best].cap))
+            if (pool->slot[i].p && pool->slot[i].cap >= *cap && pool->slot[i].cap / 2 <= *cap &&
+                (best < 0 || pool->slot[i].cap < pool->slot[best].cap))
                 best = i;
         if (best >= 0) {
-            void *p = msgbuf[best].p;
-            *cap = msgbuf[best].cap;
-            msgbuf_bytes -= *cap;
-            msgbuf[best].p = NULL;
-            pthread_mutex_unlock(&msgbuf_lock);
+            void *p = pool->slot[best].p;
+            *cap = pool->slot[best].cap;
+            pool->bytes -= *cap;
+            pool->slot[best].p = NULL;
+            pool->hits++;
+            pthread_mutex_unlock(&pool->lock);
             return p;
         }
-        pthread_mutex_unlock(&msgbuf_lock);
+        pool->misses++;
+        pthread_mutex_unlock(&pool->lock);
     }
     return malloc(*cap);
 }
 
-static void msgbuf_put(void *p, size_t cap)
+static void pool_put(epipe_msgpool *pool, void *p, size_t cap)
 {
-    if (p && cap >= MSGBUF_MIN && cap <= MSGBUF_TOTAL / 2) {
-        pthread_mutex_lock(&msgbuf_lock);
+    void *old = NULL;
+    pthread_mutex_lock(&pool->lock);
+    if (p && !pool->closed && cap >= MSGBUF_MIN && cap <= pool->cap / 2) {
         int slot = -1;
         for (int i = 0; i < MSGBUF_SLOTS && slot < 0; i++)
-            if (!msgbuf[i].p)
+            if (!pool->slot[i].p)
                 slot = i;
         if (slot < 0) /* full: the oldest-placed slot in turn makes room */
-            slot = (int)(msgbuf_next++ % MSGBUF_SLOTS);
-        void *old = msgbuf[slot].p;
+            slot = (int)(pool->next++ % MSGBUF_SLOTS);
+        old = pool->slot[slot].p;
         if (old)
-            msgbuf_bytes -= msgbuf[slot].cap;
-        for (int i = 0; i < MSGBUF_SLOTS && msgbuf_bytes + cap > MSGBUF_TOTAL; i++)
-            if (msgbuf[i].p && i != slot) {
-                msgbuf_bytes -= msgbuf[i].cap;
-                free(msgbuf[i].p);
-                msgbuf[i].p = NULL;
+            pool->bytes -= pool->slot[slot].cap;
+        for (int i = 0; i < MSGBUF_SLOTS && pool->bytes + cap > pool->cap; i++)
+            if (pool->slot[i].p && i != slot) {
+                pool->bytes -= pool->slot[i].cap;
+                free(pool->slot[i].p);
+                pool->slot[i].p = NULL;
             }
-        msgbuf[slot].p = p;
-        msgbuf[slot].cap = cap;
-        msgbuf_bytes += cap;
-        pthread_mutex_unlock(&msgbuf_lock);
-        free(old);
-        return;
+        pool->slot[slot].p = p;
+        pool->slot[slot].cap = cap;
+        pool->bytes += cap;
+        p = NULL;
     }
+    pthread_mutex_unlock(&pool->lock);
+    free(old);
     free(p);
 }
 
-__attribute__((destructor)) static void msgbuf_release(void)
+void epipe_comm_cache_stats(const epipe_comm *c, uint64_t *hits, uint64_t *misses,
+                            uint64_t *bytes)
 {
-    for (int i = 0; i < MSGBUF_SLOTS; i++)
-        free(msgbuf[i].p), msgbuf[i].p = NULL;
-    msgbuf_bytes = 0;
+    epipe_msgpool *pool = c->pool;
+    pthread_mutex_lock(&pool->lock);
+    if (hits)
+        *hits = pool->hits;
+    if (misses)
+        *misses = pool->misses;
+    if (bytes)
+        *bytes = pool->bytes;
+    pthread_mutex_unlock(&pool->lock);
 }
 
-epipe_msg *epipe_msg_new(size_t payload_cap)
+static epipe_msg *msg_new(epipe_msgpool *pool, size_t payload_cap)
 {
     if (payload_cap > SIZE_MAX - EPIPE_WIRE_HEADER_SIZE)
         return NULL;
@@ -91,18 +153,37 @@ epipe_msg *epipe_msg_new(size_t payload_cap)
     if (!m)
         return NULL;
     m->cap = EPIPE_WIRE_HEADER_SIZE + payload_cap;
-    m->data = msgbuf_get(&m->cap);
+    m->data = pool ? pool_get(pool, &m->cap) : malloc(m->cap);
     if (!m->data) {
         free(m);
         return NULL;
     }
+    if (pool) {
+        __atomic_add_fetch(&pool->refs, 1, __ATOMIC_RELAXED);
+        m->pool = pool;
+    }
     return m;
+}
+
+epipe_msg *epipe_msg_new(size_t payload_cap)
+{
+    return msg_new(NULL, payload_cap);
+}
+
+epipe_msg *epipe_comm_msg_new(epipe_comm *c, size_t payload_cap)
+{
+    return msg_new(c->pool, payload_cap);
 }
 
 void epipe_msg_free(epipe_msg *m)
 {
     if (m) {
-        msgbuf_put(m->data, m->cap);
+        if (m->pool) {
+            pool_put(m->pool, m->data, m->cap);
+            pool_unref(m->pool);
+        } else {
+            free(m->data);
+        }
         free(m);
     }
 }
@@ -127,13 +208,16 @@ epipe_comm *epipe_comm_alloc(const epipe_transport_ops *ops, unsigned rank, unsi
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    int ok = c->peer_state && c->peer_why && c->peer_status && pthread_mutex_init(&c->lock, NULL) == 0;
+    c->pool = pool_new();
+    int ok = c->pool && c->peer_state && c->peer_why && c->peer_status &&
+             pthread_mutex_init(&c->lock, NULL) == 0;
     if (ok && pthread_cond_init(&c->arrived, &ca) != 0) {
         pthread_mutex_destroy(&c->lock);
         ok = 0;
     }
     pthread_condattr_destroy(&ca);
     if (!ok) {
+        pool_unref(c->pool);
         free(c->peer_state);
         free(c->peer_why);
         free(c->peer_status);
@@ -145,6 +229,7 @@ epipe_comm *epipe_comm_alloc(const epipe_transport_ops *ops, unsigned rank, unsi
     c->size = size;
     c->timeout_ms = 30000;
     c->max_message = UINT64_C(1) << 32;
+    c->spin_us = 50;
     return c;
 }
 
@@ -156,6 +241,8 @@ void epipe_comm_free(epipe_comm *c)
     }
     pthread_cond_destroy(&c->arrived);
     pthread_mutex_destroy(&c->lock);
+    pool_close(c->pool);
+    free(c->trace);
     free(c->peer_state);
     free(c->peer_why);
     free(c->peer_status);
@@ -239,7 +326,7 @@ static int spin_for_arrival(epipe_comm *c, const struct timespec *deadline)
     uint64_t seen = c->arrivals;
     struct timespec t0, t;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    int64_t limit = c->spin_us * 1000;
+    int64_t limit = __atomic_load_n(&c->spin_us, __ATOMIC_RELAXED) * 1000;
     int64_t to_deadline = (int64_t)(deadline->tv_sec - t0.tv_sec) * 1000000000 +
                           (deadline->tv_nsec - t0.tv_nsec);
     if (to_deadline < limit)
@@ -299,7 +386,7 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
                                  c->peer_state[peer] == EPIPE_PEER_LEFT ? "left" : "failed",
                                  epipe_wire_kind_name(kind), (unsigned long long)step,
                                  micro_batch, c->peer_why[peer][0] ? ": " : "", c->peer_why[peer]);
-        else if (c->spin_us > 0 && spin_for_arrival(c, &deadline))
+        else if (__atomic_load_n(&c->spin_us, __ATOMIC_RELAXED) > 0 && spin_for_arrival(c, &deadline))
             continue; /* something arrived while spinning: look again */
         else if (pthread_cond_timedwait(&c->arrived, &c->lock, &deadline) == ETIMEDOUT)
             rc = epipe_fail_into(c->msg, EPIPE_ETIMEDOUT,
@@ -365,7 +452,7 @@ EPIPE_API int epipe_comm_set_param(epipe_comm *c, epipe_comm_param param, int64_
             return epipe_fail_into(c->msg, EPIPE_EINVAL,
                                    "EPIPE_COMM_TIMEOUT_MS = %lld is out of range 1..86400000",
                                    (long long)value);
-        c->timeout_ms = value;
+        __atomic_store_n(&c->timeout_ms, value, __ATOMIC_RELAXED);
         return EPIPE_OK;
     case EPIPE_COMM_SPIN_US:
         if (value < 0 || value > 1000000)
@@ -381,6 +468,41 @@ EPIPE_API int epipe_comm_set_param(epipe_comm *c, epipe_comm_param param, int64_
                                    (long long)value);
         c->max_message = (uint64_t)value;
         return EPIPE_OK;
+    case EPIPE_COMM_BUFFER_CACHE:
+        if (value < 0 || value > (INT64_C(1) << 40))
+            return epipe_fail_into(c->msg, EPIPE_EINVAL,
+                                   "EPIPE_COMM_BUFFER_CACHE = %lld is out of range 0..2^40",
+                                   (long long)value);
+        pthread_mutex_lock(&c->pool->lock);
+        c->pool->cap = (uint64_t)value;
+        if (c->pool->bytes > c->pool->cap)
+            pool_drain(c->pool);
+        pthread_mutex_unlock(&c->pool->lock);
+        return EPIPE_OK;
     }
     return epipe_fail_into(c->msg, EPIPE_EINVAL, "unknown communicator parameter %d", (int)param);
+}
+
+EPIPE_API int epipe_comm_get_param(const epipe_comm *c, epipe_comm_param param, int64_t *value)
+{
+    epipe_clear_error();
+    if (!c || !value)
+        return epipe_fail(EPIPE_EINVAL, "epipe_comm_get_param: comm or value is NULL");
+    switch (param) {
+    case EPIPE_COMM_TIMEOUT_MS:
+        *value = __atomic_load_n(&c->timeout_ms, __ATOMIC_RELAXED);
+        return EPIPE_OK;
+    case EPIPE_COMM_SPIN_US:
+        *value = __atomic_load_n(&c->spin_us, __ATOMIC_RELAXED);
+        return EPIPE_OK;
+    case EPIPE_COMM_MAX_MESSAGE:
+        *value = (int64_t)c->max_message;
+        return EPIPE_OK;
+    case EPIPE_COMM_BUFFER_CACHE:
+        pthread_mutex_lock(&c->pool->lock);
+        *value = (int64_t)c->pool->cap;
+        pthread_mutex_unlock(&c->pool->lock);
+        return EPIPE_OK;
+    }
+    return epipe_fail(EPIPE_EINVAL, "unknown communicator parameter %d", (int)param);
 }

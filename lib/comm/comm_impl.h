@@ -11,9 +11,12 @@
 #include "../error.h"
 #include "../wire/wire.h"
 
+typedef struct epipe_msgpool epipe_msgpool;
+
 /* One framed message: wire header and payload in one allocation. */
 typedef struct epipe_msg {
     struct epipe_msg *next;
+    epipe_msgpool *pool;     /* the cache its buffer returns to, or NULL */
     epipe_wire_header hdr;   /* parsed on receipt; filled by the sender */
     uint8_t *data;           /* header bytes, then payload */
     size_t len;              /* bytes used in data */
@@ -21,8 +24,13 @@ typedef struct epipe_msg {
 } epipe_msg;
 
 /* A message with room for a payload of `payload_cap` bytes after the
- * header; NULL when out of memory. epipe_msg_payload() is where it goes. */
+ * header; NULL when out of memory. epipe_msg_payload() is where it goes.
+ * epipe_msg_new() allocates afresh (small control messages);
+ * epipe_comm_msg_new() draws large buffers from c's buffer cache, and the
+ * buffer goes back to that cache when the message is freed, by whichever
+ * thread or handle frees it (the cache outlives c until then). */
 epipe_msg *epipe_msg_new(size_t payload_cap);
+epipe_msg *epipe_comm_msg_new(epipe_comm *c, size_t payload_cap);
 void epipe_msg_free(epipe_msg *m);
 static inline uint8_t *epipe_msg_payload(epipe_msg *m)
 {
@@ -45,13 +53,48 @@ typedef struct epipe_transport_ops {
 
 enum epipe_peer_state { EPIPE_PEER_UP = 0, EPIPE_PEER_LEFT = 1, EPIPE_PEER_FAILED = 2 };
 
+/* The settings every transport shares, resolved once by
+ * epipe_comm_settings_resolve() (lib/comm/create.c) in the documented
+ * order: defaults < environment < options string; epipe_comm_set_param()
+ * changes them later. */
+typedef struct epipe_comm_settings {
+    int64_t timeout_ms;       /* timeout_ms, EPIPE_TIMEOUT_MS: 30000 */
+    int64_t spin_us;          /* spin_us, EPIPE_SPIN_US: 50 */
+    uint64_t max_message;     /* max_message, EPIPE_MAX_MESSAGE: 2^32 */
+    uint64_t buffer_cache;    /* buffer_cache, EPIPE_BUFFER_CACHE: 512 MiB */
+    int64_t init_timeout_ms;  /* init_timeout_ms, EPIPE_INIT_TIMEOUT_MS: 120000 */
+    char trace[512];          /* trace=PATH, else EPIPE_TRACE at stage creation */
+    char group[64];           /* inproc: group=NAME */
+} epipe_comm_settings;
+
+/* Fills s from defaults and the environment, then `options`; keys it does
+ * not know are copied, comma-separated, into rest[restcap] for the
+ * transport (init_timeout_ms too, which tcp reads itself). EPIPE_EINVAL
+ * names a bad value and where it came from. */
+int epipe_comm_settings_resolve(epipe_comm_settings *s, const char *options, char *rest,
+                                size_t restcap);
+/* Applies s to a new handle (timeouts, spin, limits, cache cap, trace). */
+int epipe_comm_settings_apply(epipe_comm *c, const epipe_comm_settings *s);
+
+/* Transport entry points, called by epipe_comm_create() (lib/comm/create.c). */
+int epipe_inproc_join(epipe_comm **out, unsigned rank, unsigned size,
+                      const epipe_comm_settings *s);
+int epipe_inproc_create_all(epipe_comm **comms, unsigned size, const epipe_comm_settings *s);
+/* Ranks that have joined inproc group `name` while it is still forming;
+ * 0 when no such group is forming (tests). */
+unsigned epipe_inproc_pending(const char *name);
+int epipe_tcp_comm_create(epipe_comm **out, unsigned rank, unsigned size,
+                          const char *master_addr, unsigned master_port, const char *options);
+
 struct epipe_comm {
     const epipe_transport_ops *ops;
     void *tp; /* the transport's own state */
     unsigned rank, size;
-    int64_t timeout_ms;
+    int64_t timeout_ms;          /* read and written atomically */
     uint64_t max_message;
     int64_t spin_us;             /* a receive busy-waits this long before sleeping */
+    epipe_msgpool *pool;         /* this handle's buffer cache */
+    char *trace;                 /* trace=PATH, or NULL */
     char msg[EPIPE_ERRMSG_MAX];
 
     pthread_mutex_t lock; /* guards everything below */
@@ -88,5 +131,10 @@ int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m);
  * peer left or failed (or this rank was aborted) before sending it. */
 int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
                     uint32_t micro_batch, int64_t timeout_ms, epipe_msg **out);
+
+/* Buffer-cache counters of c's cache (tests, epipe-bench): buffers reused
+ * and freshly allocated for epipe_comm_msg_new(), and the bytes held now. */
+void epipe_comm_cache_stats(const epipe_comm *c, uint64_t *hits, uint64_t *misses,
+                            uint64_t *bytes);
 
 #endif

@@ -60,6 +60,7 @@ struct epipe_stage {
     epipe_stage_callbacks cb;
     int has_cb;
     int tracing;
+    epipe_trace *trace; /* this stage's spans (NULL: tracing off) */
 
     /* Position in the step. */
     int started, in_step;
@@ -150,7 +151,7 @@ EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char
     st->s = epipe_comm_rank(comm);
     st->p = epipe_comm_size(comm);
     st->m = microbatches;
-    st->timeout_ms = comm->timeout_ms;
+    st->timeout_ms = 0; /* until EPIPE_STAGE_TIMEOUT_MS: the communicator's, at each receive */
     st->codec_threads = 1;
     int rc = epipe_schedule_create(&st->sched, schedule, st->p, microbatches);
     if (rc == EPIPE_OK)
@@ -171,7 +172,8 @@ EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char
         epipe_stage_destroy(st);
         return epipe_fail(EPIPE_ENOMEM, "epipe_stage_create: out of memory");
     }
-    st->tracing = epipe_trace_join(st->s, !strcmp(epipe_comm_transport(comm), "tcp"));
+    st->trace = epipe_trace_open(comm->trace, st->s, !strcmp(epipe_comm_transport(comm), "tcp"));
+    st->tracing = st->trace != NULL;
     st->st.struct_size = sizeof st->st;
     *out = st;
     return EPIPE_OK;
@@ -185,8 +187,8 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
         for (unsigned i = 0; i < st->m; i++)
             free(st->act_in[i].buf);
         free(st->act_in);
-        epipe_trace_leave(); /* joined only once act_in existed */
     }
+    epipe_trace_close(st->trace);
     free(st->grad_in.buf);
     free(st->code_in.buf);
     free(st->code_out.buf);
@@ -281,6 +283,40 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
     return fail(st, EPIPE_EINVAL, "unknown stage parameter %d", (int)param);
 }
 
+/* The receive timeout in force: the stage's own once EPIPE_STAGE_TIMEOUT_MS
+ * was set, else the communicator's as it is now. */
+static int64_t stage_timeout_ms(const epipe_stage *st)
+{
+    return st->timeout_ms ? st->timeout_ms
+                          : __atomic_load_n(&st->comm->timeout_ms, __ATOMIC_RELAXED);
+}
+
+EPIPE_API int epipe_stage_get_param(const epipe_stage *st, epipe_stage_param param,
+                                    int64_t *value)
+{
+    epipe_clear_error();
+    if (!st || !value)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_param: %s is NULL",
+                          st ? "value" : "stage");
+    switch (param) {
+    case EPIPE_STAGE_TIMEOUT_MS:
+        *value = stage_timeout_ms(st);
+        return EPIPE_OK;
+    case EPIPE_STAGE_CODEC_THREADS:
+        *value = (int64_t)st->codec_threads;
+        return EPIPE_OK;
+    case EPIPE_STAGE_BATCH_SIZE:
+        *value = st->batch;
+        return EPIPE_OK;
+    case EPIPE_STAGE_TRAINING:
+        *value = st->training;
+        return EPIPE_OK;
+    }
+    /* fail() writes the handle's message, which a const handle cannot take. */
+    return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_param: unknown stage parameter %d",
+                      (int)param);
+}
+
 EPIPE_API unsigned epipe_stage_index(const epipe_stage *st)
 {
     return st ? st->s : 0;
@@ -353,7 +389,7 @@ static int finish_current_op(epipe_stage *st)
         char name[12];
         snprintf(name, sizeof name, "%c%u", st->cur.kind == EPIPE_OP_FORWARD ? 'F' : 'B',
                  st->cur.microbatch);
-        epipe_trace_span(st->s, name, "compute", st->op_t0, now());
+        epipe_trace_span(st->trace, name, "compute", st->op_t0, now());
     }
     st->cur_valid = 0;
     return EPIPE_OK;
@@ -479,11 +515,12 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
     epipe_msg *msg;
     double t0 = now();
     rc = epipe_comm_recv(st->comm, peer, dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT,
-                         st->step, mb, st->timeout_ms, &msg);
+                         st->step, mb, stage_timeout_ms(st),
+                         &msg);
     double t1 = now();
     st->st.wait_seconds += t1 - t0;
     if (st->tracing)
-        epipe_trace_span(st->s, dir == DIR_ACT ? "wait-act" : "wait-grad", "wait", t0, t1);
+        epipe_trace_span(st->trace, dir == DIR_ACT ? "wait-act" : "wait-grad", "wait", t0, t1);
     if (rc)
         return fail(st, rc, "%s", epipe_comm_last_error(st->comm));
     /* A gradient for a trainable activation codec is the code's: decode it
@@ -525,7 +562,7 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
     double t2 = now();
     st->st.decode_seconds += t2 - t1;
     if (st->tracing)
-        epipe_trace_span(st->s, "decode", "decode", t1, t2);
+        epipe_trace_span(st->trace, "decode", "decode", t1, t2);
     uint64_t wire = msg->len;
     epipe_msg_free(msg);
     if (rc) {
@@ -558,7 +595,7 @@ static int recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t
         double t3 = now();
         st->st.decode_seconds += t3 - t2;
         if (st->tracing)
-            epipe_trace_span(st->s, "compress-backward", "decode", t2, t3);
+            epipe_trace_span(st->trace, "compress-backward", "decode", t2, t3);
         if (rc)
             return fail(st, rc, "back-propagating the code gradient of micro-batch %u through "
                         "the compress: %s",
@@ -655,7 +692,7 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
         double tb1 = now();
         st->st.encode_seconds += tb1 - tb; /* the restore's backward counts as encoding */
         if (st->tracing)
-            epipe_trace_span(st->s, "restore-backward", "encode", tb, tb1);
+            epipe_trace_span(st->trace, "restore-backward", "encode", tb, tb1);
         t = &st->code_out.t;
         dt = EPIPE_DTYPE_F32;
         n = 1;
@@ -671,7 +708,7 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
     /* t was checked above: the codec checks it no more (codec_internal.h). */
     if ((rc = epipe_codec_size_checked(codec, t, n, &cap)))
         return fail(st, rc, "%s", epipe_codec_last_error(codec));
-    epipe_msg *msg = epipe_msg_new(cap);
+    epipe_msg *msg = epipe_comm_msg_new(st->comm, cap);
     if (!msg)
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);
     double t0 = now();
@@ -679,7 +716,7 @@ static int send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
     double t1 = now();
     st->st.encode_seconds += t1 - t0;
     if (st->tracing)
-        epipe_trace_span(st->s, "encode", "encode", t0, t1);
+        epipe_trace_span(st->trace, "encode", "encode", t0, t1);
     if (rc) {
         epipe_msg_free(msg);
         return fail(st, rc, "encoding the %s of micro-batch %u: %s",

@@ -1,6 +1,6 @@
-/* Chrome-trace recording. Spans are kept in memory and written as one JSON
- * file (chrome://tracing, Perfetto) when the last stage of the process is
- * destroyed; a trace that cannot be written is reported on stderr. */
+/* Chrome-trace recording. Each stage keeps its spans on its own handle;
+ * when it is destroyed they go into its file's shared list, and the file
+ * (chrome://tracing, Perfetto) is written when its last stage is gone. */
 #define _POSIX_C_SOURCE 200809L
 #include "trace.h"
 
@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../log.h"
+
 struct span {
     unsigned stage;
     char name[12];
@@ -16,13 +18,31 @@ struct span {
     double t0, t1;
 };
 
-static pthread_mutex_t trace_lock = PTHREAD_MUTEX_INITIALIZER;
-static unsigned trace_users;
-static char *trace_path;
-static struct span *spans;
-static size_t nspans, capspans;
+struct spans {
+    struct span *v;
+    size_t n, cap;
+};
 
-/* The file this process writes: EPIPE_TRACE as given when every rank is in
+/* A file that stages of this process write: found by path in `files`, the
+ * only process-wide state here (guarded by files_lock), and gone once its
+ * last stage has closed and it is written. */
+struct trace_file {
+    struct trace_file *next;
+    char *path;
+    unsigned users;
+    struct spans spans; /* of the stages that closed */
+};
+
+struct epipe_trace {
+    struct trace_file *file;
+    unsigned stage;
+    struct spans spans; /* this stage's, not yet handed over */
+};
+
+static pthread_mutex_t files_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct trace_file *files;
+
+/* The file this process writes: the path as given when every rank is in
  * this process, else made distinct per rank (see trace.h). */
 static char *rank_path(const char *p, unsigned rank, int per_rank)
 {
@@ -42,48 +62,76 @@ static char *rank_path(const char *p, unsigned rank, int per_rank)
     return out;
 }
 
-int epipe_trace_join(unsigned rank, int one_process_per_rank)
+static int spans_reserve(struct spans *s, size_t more)
 {
-    pthread_mutex_lock(&trace_lock);
-    if (trace_users++ == 0) {
-        const char *p = getenv("EPIPE_TRACE");
-        free(trace_path);
-        trace_path = p && *p ? rank_path(p, rank, one_process_per_rank) : NULL;
-    }
-    int on = trace_path != NULL;
-    pthread_mutex_unlock(&trace_lock);
-    return on;
+    if (s->n + more <= s->cap)
+        return 0;
+    size_t cap = s->cap ? s->cap : 4096;
+    while (cap < s->n + more)
+        cap *= 2;
+    struct span *p = realloc(s->v, cap * sizeof *p);
+    if (!p)
+        return -1;
+    s->v = p, s->cap = cap;
+    return 0;
 }
 
-void epipe_trace_span(unsigned stage, const char *name, const char *cat, double t0, double t1)
+epipe_trace *epipe_trace_open(const char *path, unsigned rank, int one_process_per_rank)
 {
-    pthread_mutex_lock(&trace_lock);
-    if (trace_path) {
-        if (nspans == capspans) {
-            size_t cap = capspans ? capspans * 2 : 4096;
-            struct span *p = realloc(spans, cap * sizeof *p);
-            if (!p) {
-                pthread_mutex_unlock(&trace_lock);
-                return; /* a trace is best effort: drop the span, never fail a step */
-            }
-            spans = p, capspans = cap;
-        }
-        struct span *s = &spans[nspans++];
-        s->stage = stage;
-        snprintf(s->name, sizeof s->name, "%s", name);
-        s->cat = cat;
-        s->t0 = t0, s->t1 = t1;
+    if (!path || !*path)
+        path = getenv("EPIPE_TRACE");
+    if (!path || !*path)
+        return NULL;
+    char *full = rank_path(path, rank, one_process_per_rank);
+    epipe_trace *t = calloc(1, sizeof *t);
+    if (!full || !t) {
+        free(full);
+        free(t);
+        return NULL;
     }
-    pthread_mutex_unlock(&trace_lock);
-}
-
-static void write_trace(void)
-{
-    FILE *f = fopen(trace_path, "w");
+    t->stage = rank;
+    pthread_mutex_lock(&files_lock);
+    struct trace_file *f = files;
+    while (f && strcmp(f->path, full))
+        f = f->next;
+    if (!f && (f = calloc(1, sizeof *f))) {
+        f->path = full;
+        full = NULL;
+        f->next = files;
+        files = f;
+    }
+    if (f)
+        f->users++;
+    pthread_mutex_unlock(&files_lock);
+    free(full);
     if (!f) {
-        fprintf(stderr, "libepipe: cannot write the trace to %s (EPIPE_TRACE)\n", trace_path);
+        free(t);
+        return NULL;
+    }
+    t->file = f;
+    return t;
+}
+
+void epipe_trace_span(epipe_trace *t, const char *name, const char *cat, double t0, double t1)
+{
+    if (!t || spans_reserve(&t->spans, 1))
+        return; /* a trace is best effort: drop the span, never fail a step */
+    struct span *s = &t->spans.v[t->spans.n++];
+    s->stage = t->stage;
+    snprintf(s->name, sizeof s->name, "%s", name);
+    s->cat = cat;
+    s->t0 = t0, s->t1 = t1;
+}
+
+static void write_trace(const char *path, const struct spans *sp)
+{
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        epipe_log_msg(EPIPE_LOG_ERROR, -1, "trace", "cannot write the trace to %s", path);
         return;
     }
+    const struct span *spans = sp->v;
+    size_t nspans = sp->n;
     unsigned max_stage = 0;
     for (size_t i = 0; i < nspans; i++)
         max_stage = spans[i].stage > max_stage ? spans[i].stage : max_stage;
@@ -103,20 +151,34 @@ static void write_trace(void)
                 (spans[i].t1 - spans[i].t0) * 1e6, i + 1 < nspans ? "," : "");
     fprintf(f, "]}\n");
     if (fclose(f) != 0)
-        fprintf(stderr, "libepipe: error writing the trace to %s\n", trace_path);
+        epipe_log_msg(EPIPE_LOG_ERROR, -1, "trace", "error writing the trace to %s", path);
 }
 
-void epipe_trace_leave(void)
+void epipe_trace_close(epipe_trace *t)
 {
-    pthread_mutex_lock(&trace_lock);
-    if (trace_users && --trace_users == 0) {
-        if (trace_path && nspans)
-            write_trace();
-        free(trace_path);
-        free(spans);
-        trace_path = NULL;
-        spans = NULL;
-        nspans = capspans = 0;
+    if (!t)
+        return;
+    struct trace_file *f = t->file;
+    pthread_mutex_lock(&files_lock);
+    if (t->spans.n && spans_reserve(&f->spans, t->spans.n) == 0) {
+        memcpy(f->spans.v + f->spans.n, t->spans.v, t->spans.n * sizeof *t->spans.v);
+        f->spans.n += t->spans.n;
     }
-    pthread_mutex_unlock(&trace_lock);
+    int last = --f->users == 0;
+    if (last)
+        for (struct trace_file **p = &files; *p; p = &(*p)->next)
+            if (*p == f) {
+                *p = f->next;
+                break;
+            }
+    pthread_mutex_unlock(&files_lock);
+    free(t->spans.v);
+    free(t);
+    if (last) {
+        if (f->spans.n)
+            write_trace(f->path, &f->spans);
+        free(f->spans.v);
+        free(f->path);
+        free(f);
+    }
 }

@@ -1,19 +1,29 @@
-/* Chrome-trace recording (EPIPE_TRACE=file.json): every op of every stage
- * in this process on a track of its own, written when the last stage goes. */
+/* Chrome-trace recording (EPIPE_TRACE=file.json, or trace=PATH in the
+ * communicator's options): every op of a stage on a track of its own. */
 #ifndef EPIPE_LIB_STAGE_TRACE_H
 #define EPIPE_LIB_STAGE_TRACE_H
 
-/* A stage joins the trace (reads EPIPE_TRACE on first use); returns 1 when
- * tracing is on. Every join is matched by one epipe_trace_leave().
+/* One stage's trace: its spans, kept on the stage (no lock: one thread at a
+ * time uses a stage). */
+typedef struct epipe_trace epipe_trace;
+
+/* Opens a stage's trace into `path` (NULL: EPIPE_TRACE, read now); NULL
+ * when tracing is off (or out of memory: a trace is best effort).
  * `rank` is the stage's rank; `one_process_per_rank` is set for transports
  * whose ranks are separate processes (tcp): each process then writes a file
- * of its own, EPIPE_TRACE with "%r" replaced by the rank, or with
- * ".rank<R>" put before its ".json" when it has no "%r". */
-int epipe_trace_join(unsigned rank, int one_process_per_rank);
-void epipe_trace_leave(void);
+ * of its own, the path with "%r" replaced by the rank, or with ".rank<R>"
+ * put before its ".json" when it has no "%r". Stages of one process that
+ * name the same file share it: their spans are merged into it when each
+ * closes, and the file is written when the last of them closes. Stages
+ * with different files share nothing. Thread-safe. */
+epipe_trace *epipe_trace_open(const char *path, unsigned rank, int one_process_per_rank);
+/* Hands the spans to the file and writes it if this was its last stage
+ * (a file that cannot be written is reported on the log). NULL: no-op. */
+void epipe_trace_close(epipe_trace *t);
 /* Records a span [t0, t1] (seconds, CLOCK_MONOTONIC: files written by
- * processes of one machine share the clock and merge without shifting) named e.g. "F3" on a stage's
- * track. `cat` groups spans: "compute", "encode", "decode", "wait". */
-void epipe_trace_span(unsigned stage, const char *name, const char *cat, double t0, double t1);
+ * processes of one machine share the clock and merge without shifting)
+ * named e.g. "F3" on the stage's track. `cat` groups spans: "compute",
+ * "encode", "decode", "wait". NULL t: no-op. */
+void epipe_trace_span(epipe_trace *t, const char *name, const char *cat, double t0, double t1);
 
 #endif

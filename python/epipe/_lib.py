@@ -141,12 +141,20 @@ _uint = ctypes.c_uint
 _sz = ctypes.c_size_t
 _dlp = ctypes.POINTER(DLTensor)
 
+# epipe_log_fn (epipe/common.h): user, level, subsystem, rank, message.
+LogFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                         ctypes.c_char_p)
+# epipe_comm_create()'s rank and size meaning "from the environment".
+COMM_FROM_ENV = 0xFFFFFFFF
+
 _PROTOS = {
     "epipe_version": (_uint, []),
     "epipe_version_string": (_cs, []),
     "epipe_strerror": (_cs, [_int]),
     "epipe_status_name": (_cs, [_int]),
     "epipe_last_error": (_cs, []),
+    # common.h: keep a LogFn object alive while it is set
+    "epipe_set_log_callback": (None, [LogFn, _vp]),
     # codec.h
     "epipe_codec_create": (_int, [_pp, _cs]),
     "epipe_codec_destroy": (None, [_vp]),
@@ -163,6 +171,7 @@ _PROTOS = {
     "epipe_codec_encode": (_int, [_vp, _dlp, _vp, _sz, ctypes.POINTER(_sz)]),
     "epipe_codec_decode": (_int, [_vp, _vp, _sz, _dlp]),
     # comm.h
+    "epipe_comm_create": (_int, [_pp, _cs, _uint, _uint, _cs, _uint, _cs]),
     "epipe_comm_create_inproc": (_int, [_pp, _uint]),
     "epipe_comm_create_tcp": (_int, [_pp, _uint, _uint, _cs, _uint, _cs]),
     "epipe_comm_create_from_env": (_int, [_pp, _cs]),
@@ -173,6 +182,7 @@ _PROTOS = {
     "epipe_comm_transport": (_cs, [_vp]),
     "epipe_comm_last_error": (_cs, [_vp]),
     "epipe_comm_set_param": (_int, [_vp, _int, ctypes.c_int64]),
+    "epipe_comm_get_param": (_int, [_vp, _int, ctypes.POINTER(ctypes.c_int64)]),
     # stage.h
     "epipe_stage_create": (_int, [_pp, _vp, _cs, _uint]),
     "epipe_stage_destroy": (None, [_vp]),

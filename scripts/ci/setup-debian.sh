@@ -2,9 +2,9 @@
 # Installs what libepipe needs to build, test and run its demo on Debian 12.
 # python3-torch, python3-pytest, python3-numpy: the Python binding's tests and
 # examples/torch (run them with /usr/bin/python3, which sees these packages);
-# python3-matplotlib: scripts/accuracy_ablation.py's plot.
+# python3-matplotlib: scripts/experiments/accuracy_ablation.py's plot.
 # Safe to run twice: it installs only the packages that are missing.
-# Usage: scripts/setup-debian.sh [extra-package ...]
+# Usage: scripts/ci/setup-debian.sh [extra-package ...]
 set -eu
 pkgs="meson ninja-build pkg-config gcc g++ python3 libcmocka-dev libdlpack-dev zlib1g-dev libsodium-dev
       libopenblas-dev liblapacke-dev dataset-fashion-mnist valgrind

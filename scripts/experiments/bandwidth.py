@@ -11,8 +11,10 @@ Needs root (ip netns, tc). Writes docs/bandwidth.md's table to stdout or
 --out, JSON lines to --json, and a PNG plot to --plot when matplotlib is
 importable. Example:
 
-    sudo python3 scripts/bandwidth.py --build build-main --out docs/bandwidth-table.md \\
-        --json docs/bandwidth.jsonl --plot docs/bandwidth.png
+    sudo python3 scripts/experiments/bandwidth.py --build build-main --out table.md \\
+        --json results/bandwidth.jsonl --plot results/bandwidth.png
+
+(results/ holds the raw runs and plots that docs/bandwidth.md links.)
 """
 import argparse
 import json

@@ -1,0 +1,365 @@
+/* Tests of epipe_comm_create(): transports by name, inproc groups joined
+ * from threads, the one precedence of settings, and per-handle caches. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <sched.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include <epipe/epipe.h>
+
+#include "comm/comm_impl.h"
+
+static const char *env_vars[] = {"EPIPE_TRANSPORT", "EPIPE_TIMEOUT_MS", "EPIPE_SPIN_US",
+                                 "EPIPE_BUFFER_CACHE", "EPIPE_MAX_MESSAGE",
+                                 "EPIPE_INIT_TIMEOUT_MS", "EPIPE_RANK", "EPIPE_WORLD_SIZE",
+                                 "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                                 "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
+                                 "SLURM_NTASKS"};
+
+static int clean_env(void **state)
+{
+    (void)state;
+    for (size_t i = 0; i < sizeof env_vars / sizeof env_vars[0]; i++)
+        unsetenv(env_vars[i]);
+    return 0;
+}
+
+static int64_t param(epipe_comm *c, epipe_comm_param p)
+{
+    int64_t v = -1;
+    assert_int_equal(epipe_comm_get_param(c, p, &v), EPIPE_OK);
+    return v;
+}
+
+/* A sealed message of `payload` bytes of text from c's rank to dst; the
+ * kind needs no tensor, so no codec is involved. */
+static epipe_msg *make_msg(epipe_comm *c, unsigned dst, size_t payload, uint32_t mb)
+{
+    epipe_msg *m = epipe_comm_msg_new(c, payload);
+    assert_non_null(m);
+    memset(epipe_msg_payload(m), 'x', payload);
+    memset(&m->hdr, 0, sizeof m->hdr);
+    m->hdr.kind = EPIPE_WIRE_ERROR;
+    m->hdr.src_stage = epipe_comm_rank(c);
+    m->hdr.dst_stage = dst;
+    m->hdr.micro_batch = mb;
+    assert_int_equal(epipe_msg_seal(m, payload), EPIPE_OK);
+    return m;
+}
+
+/* ---- transports by name ------------------------------------------------ */
+
+static void names_pick_the_transport(void **state)
+{
+    (void)state;
+    epipe_comm *c = (epipe_comm *)1;
+    /* auto, NULL and "" mean inproc for a group of one */
+    const char *autos[] = {"auto", NULL, ""};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(epipe_comm_create(&c, autos[i], 0, 1, NULL, 0, NULL), EPIPE_OK);
+        assert_string_equal(epipe_comm_transport(c), "inproc");
+        epipe_comm_destroy(c);
+    }
+    /* tcp of one rank needs no master and opens no socket */
+    assert_int_equal(epipe_comm_create(&c, "tcp", 0, 1, NULL, 0, "streams=2"), EPIPE_OK);
+    assert_string_equal(epipe_comm_transport(c), "tcp");
+    epipe_comm_destroy(c);
+    /* EPIPE_TRANSPORT decides when the argument does not */
+    setenv("EPIPE_TRANSPORT", "tcp", 1);
+    assert_int_equal(epipe_comm_create(&c, NULL, 0, 1, NULL, 0, NULL), EPIPE_OK);
+    assert_string_equal(epipe_comm_transport(c), "tcp");
+    epipe_comm_destroy(c);
+    /* but an explicit name wins over it */
+    assert_int_equal(epipe_comm_create(&c, "inproc", 0, 1, NULL, 0, NULL), EPIPE_OK);
+    assert_string_equal(epipe_comm_transport(c), "inproc");
+    epipe_comm_destroy(c);
+    setenv("EPIPE_TRANSPORT", "carrier-pigeon", 1);
+    assert_int_equal(epipe_comm_create(&c, "auto", 0, 1, NULL, 0, NULL), EPIPE_EINVAL);
+    assert_null(c);
+    assert_non_null(strstr(epipe_last_error(), "carrier-pigeon"));
+    assert_non_null(strstr(epipe_last_error(), "EPIPE_TRANSPORT"));
+    unsetenv("EPIPE_TRANSPORT");
+    assert_int_equal(epipe_comm_create(&c, "rdma", 0, 2, "127.0.0.1", 29600, NULL),
+                     EPIPE_ENOTSUP);
+    assert_non_null(strstr(epipe_last_error(), "rdma transport is not built"));
+    assert_int_equal(epipe_comm_create(&c, "udp", 0, 1, NULL, 0, NULL), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "'udp'"));
+    /* bad options name themselves */
+    assert_int_equal(epipe_comm_create(&c, "inproc", 0, 1, NULL, 0, "streams=2"), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "streams"));
+    assert_int_equal(epipe_comm_create(&c, "tcp", 0, 1, NULL, 0, "bogus=1"), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "bogus"));
+    assert_int_equal(epipe_comm_create(&c, "tcp", 0, 1, NULL, 0, "group=g"), EPIPE_EINVAL);
+    assert_int_equal(epipe_comm_create(&c, "inproc", 0, 1, NULL, 0, "timeout_ms=0"),
+                     EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "timeout_ms"));
+    assert_int_equal(epipe_comm_create(&c, "inproc", 2, 2, NULL, 0, "group=x"), EPIPE_EINVAL);
+    assert_int_equal(epipe_comm_create(&c, "inproc", 0, 2, NULL, 0, NULL), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "group=NAME"));
+    assert_int_equal(epipe_comm_create(NULL, "inproc", 0, 1, NULL, 0, NULL), EPIPE_EINVAL);
+    assert_int_equal(epipe_comm_create(&c, "inproc", EPIPE_COMM_FROM_ENV, 1, NULL, 0, NULL),
+                     EPIPE_EINVAL);
+}
+
+static void rendezvous_from_the_environment(void **state)
+{
+    (void)state;
+    epipe_comm *c;
+    assert_int_equal(epipe_comm_create(&c, NULL, EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV, NULL,
+                                       0, NULL),
+                     EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "EPIPE_RANK"));
+    setenv("EPIPE_RANK", "0", 1);
+    setenv("EPIPE_WORLD_SIZE", "1", 1);
+    assert_int_equal(epipe_comm_create(&c, "auto", EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV,
+                                       NULL, 0, "timeout_ms=1234"),
+                     EPIPE_OK);
+    assert_string_equal(epipe_comm_transport(c), "tcp");
+    assert_int_equal(param(c, EPIPE_COMM_TIMEOUT_MS), 1234);
+    epipe_comm_destroy(c);
+    /* the old function is the same call */
+    assert_int_equal(epipe_comm_create_from_env(&c, "timeout_ms=999"), EPIPE_OK);
+    assert_int_equal(param(c, EPIPE_COMM_TIMEOUT_MS), 999);
+    epipe_comm_destroy(c);
+    assert_int_equal(epipe_comm_create(&c, "inproc", EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV,
+                                       NULL, 0, NULL),
+                     EPIPE_EINVAL);
+    clean_env(NULL);
+}
+
+/* ---- inproc groups joined from threads --------------------------------- */
+
+struct joiner {
+    pthread_t th;
+    unsigned rank, size;
+    const char *options;
+    int rc;
+    char err[256];
+    epipe_comm *c;
+};
+
+static void *join_thread(void *arg)
+{
+    struct joiner *j = arg;
+    j->rc = epipe_comm_create(&j->c, "inproc", j->rank, j->size, NULL, 0, j->options);
+    snprintf(j->err, sizeof j->err, "%s", epipe_last_error());
+    return NULL;
+}
+
+static void start_joiners(struct joiner *j, unsigned n, unsigned size, const char *options)
+{
+    for (unsigned r = 0; r < n; r++) {
+        j[r] = (struct joiner){.rank = r, .size = size, .options = options};
+        assert_int_equal(pthread_create(&j[r].th, NULL, join_thread, &j[r]), 0);
+    }
+}
+
+static void join_all(struct joiner *j, unsigned n)
+{
+    for (unsigned r = 0; r < n; r++)
+        pthread_join(j[r].th, NULL);
+}
+
+static void ranks_join_a_group_from_threads(void **state)
+{
+    (void)state;
+    enum { P = 4 };
+    struct joiner j[P];
+    for (int round = 0; round < 2; round++) { /* a complete group frees its name */
+        start_joiners(j, P, P, "group=g4,timeout_ms=5000");
+        join_all(j, P);
+        for (unsigned r = 0; r < P; r++) {
+            if (j[r].rc)
+                fail_msg("rank %u: %s", r, j[r].err);
+            assert_int_equal(epipe_comm_rank(j[r].c), r);
+            assert_int_equal(epipe_comm_size(j[r].c), P);
+            assert_string_equal(epipe_comm_transport(j[r].c), "inproc");
+        }
+        /* a ring of messages: every rank reaches its neighbour */
+        for (unsigned r = 0; r < P; r++)
+            assert_int_equal(epipe_comm_send(j[r].c, (r + 1) % P, make_msg(j[r].c, (r + 1) % P, 64, r)),
+                             EPIPE_OK);
+        for (unsigned r = 0; r < P; r++) {
+            epipe_msg *m;
+            unsigned from = (r + P - 1) % P;
+            assert_int_equal(epipe_comm_recv(j[r].c, from, EPIPE_WIRE_ERROR, 0, from, 1000, &m),
+                             EPIPE_OK);
+            epipe_msg_free(m);
+        }
+        for (unsigned r = 0; r < P; r++)
+            epipe_comm_destroy(j[r].c);
+    }
+}
+
+static void bad_groups_are_refused(void **state)
+{
+    (void)state;
+    /* a rank alone waits for the rest, then names who is missing */
+    struct joiner j[2];
+    start_joiners(j, 1, 3, "group=lonely,init_timeout_ms=100");
+    join_all(j, 1);
+    assert_int_equal(j[0].rc, EPIPE_ETIMEDOUT);
+    assert_null(j[0].c);
+    assert_non_null(strstr(j[0].err, "'lonely'"));
+    assert_non_null(strstr(j[0].err, "1, 2 of 3 did not join"));
+    /* a second rank that disagrees on the size, or repeats a rank */
+    start_joiners(j, 1, 2, "group=g2,init_timeout_ms=10000");
+    while (epipe_inproc_pending("g2") == 0) /* until rank 0 is in */
+        sched_yield();
+    epipe_comm *c = (epipe_comm *)1;
+    assert_int_equal(epipe_comm_create(&c, "inproc", 1, 3, NULL, 0, "group=g2"), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "has 2 ranks; rank 1 says 3"));
+    assert_null(c);
+    assert_int_equal(epipe_comm_create(&c, "inproc", 0, 2, NULL, 0, "group=g2"), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "rank 0 joined twice"));
+    /* the group still forms with the right rank */
+    assert_int_equal(epipe_comm_create(&c, "inproc", 1, 2, NULL, 0, "group=g2"), EPIPE_OK);
+    join_all(j, 1);
+    assert_int_equal(j[0].rc, EPIPE_OK);
+    epipe_comm_destroy(c);
+    epipe_comm_destroy(j[0].c);
+}
+
+/* ---- one precedence for every setting ---------------------------------- */
+
+static void settings_follow_one_precedence(void **state)
+{
+    (void)state;
+    const char *transports[] = {"inproc", "tcp"};
+    for (int t = 0; t < 2; t++) {
+        epipe_comm *c;
+        /* defaults */
+        assert_int_equal(epipe_comm_create(&c, transports[t], 0, 1, NULL, 0, NULL), EPIPE_OK);
+        assert_int_equal(param(c, EPIPE_COMM_TIMEOUT_MS), 30000);
+        assert_int_equal(param(c, EPIPE_COMM_SPIN_US), 50);
+        assert_int_equal(param(c, EPIPE_COMM_BUFFER_CACHE), 512 << 20);
+        assert_int_equal(param(c, EPIPE_COMM_MAX_MESSAGE), INT64_C(1) << 32);
+        epipe_comm_destroy(c);
+        /* environment over defaults */
+        setenv("EPIPE_TIMEOUT_MS", "1500", 1);
+        setenv("EPIPE_SPIN_US", "7", 1);
+        setenv("EPIPE_BUFFER_CACHE", "1048576", 1);
+        assert_int_equal(epipe_comm_create(&c, transports[t], 0, 1, NULL, 0, NULL), EPIPE_OK);
+        assert_int_equal(param(c, EPIPE_COMM_TIMEOUT_MS), 1500);
+        assert_int_equal(param(c, EPIPE_COMM_SPIN_US), 7);
+        assert_int_equal(param(c, EPIPE_COMM_BUFFER_CACHE), 1048576);
+        epipe_comm_destroy(c);
+        /* the options string over the environment */
+        assert_int_equal(epipe_comm_create(&c, transports[t], 0, 1, NULL, 0,
+                                           "timeout_ms=700,spin_us=0,max_message=8192"),
+                         EPIPE_OK);
+        assert_int_equal(param(c, EPIPE_COMM_TIMEOUT_MS), 700);
+        assert_int_equal(param(c, EPIPE_COMM_SPIN_US), 0);
+        assert_int_equal(param(c, EPIPE_COMM_MAX_MESSAGE), 8192);
+        assert_int_equal(param(c, EPIPE_COMM_BUFFER_CACHE), 1048576);
+        /* set_param over everything */
+        assert_int_equal(epipe_comm_set_param(c, EPIPE_COMM_TIMEOUT_MS, 300), EPIPE_OK);
+        assert_int_equal(param(c, EPIPE_COMM_TIMEOUT_MS), 300);
+        epipe_comm_destroy(c);
+        /* a bad variable is named */
+        setenv("EPIPE_TIMEOUT_MS", "-4", 1);
+        assert_int_equal(epipe_comm_create(&c, transports[t], 0, 1, NULL, 0, NULL), EPIPE_EINVAL);
+        assert_non_null(strstr(epipe_last_error(), "EPIPE_TIMEOUT_MS"));
+        clean_env(NULL);
+    }
+    /* epipe_comm_create_inproc takes the environment too */
+    epipe_comm *cs[2];
+    setenv("EPIPE_TIMEOUT_MS", "2500", 1);
+    assert_int_equal(epipe_comm_create_inproc(cs, 2), EPIPE_OK);
+    assert_int_equal(param(cs[1], EPIPE_COMM_TIMEOUT_MS), 2500);
+    epipe_comm_destroy(cs[0]);
+    epipe_comm_destroy(cs[1]);
+    clean_env(NULL);
+}
+
+/* A stage that has not set EPIPE_STAGE_TIMEOUT_MS follows its
+ * communicator's timeout as it is at each receive; one that has, keeps it. */
+static void stages_follow_the_comm_timeout(void **state)
+{
+    (void)state;
+    epipe_comm *cs[2];
+    assert_int_equal(epipe_comm_create_inproc(cs, 2), EPIPE_OK);
+    epipe_stage *st;
+    assert_int_equal(epipe_stage_create(&st, cs[1], "gpipe", 1), EPIPE_OK);
+    assert_int_equal(epipe_comm_set_param(cs[1], EPIPE_COMM_TIMEOUT_MS, 40), EPIPE_OK);
+    const DLTensor *x;
+    epipe_op op;
+    assert_int_equal(epipe_stage_next_op(st, &op), EPIPE_OK);
+    assert_int_equal(epipe_stage_recv_activation(st, op.microbatch, &x), EPIPE_ETIMEDOUT);
+    assert_non_null(strstr(epipe_stage_last_error(st), "within 40 ms"));
+    epipe_stage_destroy(st);
+    assert_int_equal(epipe_stage_create(&st, cs[1], "gpipe", 1), EPIPE_OK);
+    assert_int_equal(epipe_stage_set_param(st, EPIPE_STAGE_TIMEOUT_MS, 30), EPIPE_OK);
+    assert_int_equal(epipe_comm_set_param(cs[1], EPIPE_COMM_TIMEOUT_MS, 60000), EPIPE_OK);
+    assert_int_equal(epipe_stage_next_op(st, &op), EPIPE_OK);
+    assert_int_equal(epipe_stage_recv_activation(st, op.microbatch, &x), EPIPE_ETIMEDOUT);
+    assert_non_null(strstr(epipe_stage_last_error(st), "within 30 ms"));
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(cs[0]);
+    epipe_comm_destroy(cs[1]);
+}
+
+/* ---- buffer caches belong to their handle ------------------------------ */
+
+static void buffer_caches_are_per_handle(void **state)
+{
+    (void)state;
+    epipe_comm *a[2], *b[2];
+    assert_int_equal(epipe_comm_create_inproc(a, 2), EPIPE_OK);
+    assert_int_equal(epipe_comm_create_inproc(b, 2), EPIPE_OK);
+    enum { BIG = 1 << 20 };
+    uint64_t hits, misses, bytes;
+    for (uint32_t i = 0; i < 3; i++) {
+        assert_int_equal(epipe_comm_send(a[0], 1, make_msg(a[0], 1, BIG, i)), EPIPE_OK);
+        epipe_msg *m;
+        assert_int_equal(epipe_comm_recv(a[1], 0, EPIPE_WIRE_ERROR, 0, i, 1000, &m), EPIPE_OK);
+        epipe_msg_free(m); /* back to a[0]'s cache, freed by a[1]'s side */
+    }
+    epipe_comm_cache_stats(a[0], &hits, &misses, &bytes);
+    assert_int_equal(misses, 1);
+    assert_int_equal(hits, 2);
+    assert_true(bytes >= BIG);
+    /* b finds nothing of a's, though a holds a buffer of the size it needs */
+    epipe_msg *m = make_msg(b[0], 1, BIG, 0);
+    epipe_comm_cache_stats(b[0], &hits, &misses, &bytes);
+    assert_int_equal(hits, 0);
+    assert_int_equal(misses, 1);
+    epipe_comm_cache_stats(a[0], &hits, NULL, &bytes);
+    assert_int_equal(hits, 2);
+    assert_true(bytes >= BIG);
+    /* a message outlives the handle whose cache it came from */
+    epipe_comm_destroy(b[0]);
+    epipe_comm_destroy(b[1]);
+    epipe_msg_free(m);
+    /* a cap of 0 keeps nothing; lowering the cap frees what is held */
+    assert_int_equal(epipe_comm_set_param(a[0], EPIPE_COMM_BUFFER_CACHE, 0), EPIPE_OK);
+    epipe_comm_cache_stats(a[0], NULL, NULL, &bytes);
+    assert_int_equal(bytes, 0);
+    epipe_msg_free(make_msg(a[0], 1, BIG, 0));
+    epipe_comm_cache_stats(a[0], NULL, NULL, &bytes);
+    assert_int_equal(bytes, 0);
+    assert_int_equal(epipe_comm_set_param(a[0], EPIPE_COMM_BUFFER_CACHE, -1), EPIPE_EINVAL);
+    epipe_comm_destroy(a[0]);
+    epipe_comm_destroy(a[1]);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup(names_pick_the_transport, clean_env),
+        cmocka_unit_test_setup(rendezvous_from_the_environment, clean_env),
+        cmocka_unit_test_setup(ranks_join_a_group_from_threads, clean_env),
+        cmocka_unit_test_setup(bad_groups_are_refused, clean_env),
+        cmocka_unit_test_setup(settings_follow_one_precedence, clean_env),
+        cmocka_unit_test_setup(stages_follow_the_comm_timeout, clean_env),
+        cmocka_unit_test_setup(buffer_caches_are_per_handle, clean_env),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
