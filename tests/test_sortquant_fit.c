@@ -14,8 +14,8 @@
 
 #include <epipe/epipe.h>
 
-#include "../lib/codec/codec_impl.h"
 #include "../codecs/quantize_common.h"
+#include "../lib/codec/codec_impl.h"
 #include "bitpack.h"
 #include "tensor.h"
 #include "testutil.h"
@@ -119,8 +119,8 @@ static void check_chunks(const char *spec, unsigned bits, const float *x, size_t
             continue; /* empty */
         for (unsigned i = 0; i < j; i++)
             if (cmax[i] >= cmin[j] && cmax[i] >= cmin[i])
-                fail_msg("%s: chunk %u holds %g, not below chunk %u's %g", spec, i,
-                         (double)cmax[i], j, (double)cmin[j]);
+                fail_msg("%s: chunk %u holds %g, not below chunk %u's %g", spec, i, (double)cmax[i],
+                         j, (double)cmin[j]);
         if (!(epipe_get_f32(b.table + 8 * j) > epipe_get_f32(b.table + 8 * (j - 1))))
             fail_msg("%s: chunk %u's min is not above chunk %u's", spec, j, j - 1);
     }
@@ -134,7 +134,10 @@ static void check_chunks(const char *spec, unsigned bits, const float *x, size_t
 static void chunks_by_value(void **state)
 {
     (void)state;
-    const struct { const char *spec; unsigned bits; } cs[] = {
+    const struct {
+        const char *spec;
+        unsigned bits;
+    } cs[] = {
         {"sortquant:bits=8,mode=fit", 8},         {"sortquant:bits=4,mode=fit", 4},
         {"sortquant:bits=2,mode=fit", 2},         {"sortquant:bits=16,mode=fit", 16},
         {"sortquant:bits=6,mode=fit,split=4", 6}, {"sortquant:bits=8,mode=fit,split=1", 8},
@@ -338,7 +341,7 @@ static void hostile_payloads(void **state)
     test_payload p = test_encode(spec, x, n, 1, 0);
     struct fit_body b = parse_body(&p, 8);
     assert_true(b.S >= 2); /* heavy tails: several chunks */
-    size_t T = HDR + 4; /* the table */
+    size_t T = HDR + 4;    /* the table */
     uint8_t *orig = malloc(p.len);
     memcpy(orig, p.buf, p.len);
 #define RESET() memcpy(p.buf, orig, p.len)
@@ -409,7 +412,9 @@ static void specs_and_words(void **state)
     (void)state;
     expect_spec_error("sortquant:bits=8,mode=fit,split=5", "'split'");
     expect_spec_error("sortquant:bits=3,mode=fit,split=3", "'split'");
-    const struct { const char *in, *out; } canon[] = {
+    const struct {
+        const char *in, *out;
+    } canon[] = {
         {"sortquant:mode=fit", "sortquant:bits=8,mode=fit,sample=65536"},
         {"sortquant:bits=4,mode=fit,split=2", "sortquant:bits=4,split=2,mode=fit,sample=65536"},
         {"sortquant:bits=2,mode=fit,sample=2048", "sortquant:bits=2,mode=fit,sample=2048"},
@@ -435,7 +440,12 @@ static void specs_and_words(void **state)
     float big[1024];
     test_fill(big, 1024, DIST_LOGNORMAL, 2);
     /* a chosen split's table is at most an eighth of the codes */
-    const struct { const char *spec; size_t n; uint32_t word; size_t len; } words[] = {
+    const struct {
+        const char *spec;
+        size_t n;
+        uint32_t word;
+        size_t len;
+    } words[] = {
         {"sortquant:bits=8,mode=fit", 100, 8u | 4u << 8 | 1u << 16 | 1u << 17, 4 + 8 + 100},
         {"sortquant:bits=8,mode=fit", 256, 8u | 4u << 8 | 1u << 16 | 1u << 17, 4 + 32 + 256},
         {"sortquant:bits=8,mode=fit", 1024, 8u | 4u << 8 | 1u << 16 | 1u << 17, 4 + 128 + 1024},
@@ -461,14 +471,10 @@ static void specs_and_words(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(mse_against_quant),
-        cmocka_unit_test(chunks_by_value),
-        cmocka_unit_test(split_choice),
-        cmocka_unit_test(outlier_far_from_the_sample),
-        cmocka_unit_test(fast_matches_reference),
-        cmocka_unit_test(threads_and_kernels_match),
-        cmocka_unit_test(nonfinite_rejected),
-        cmocka_unit_test(hostile_payloads),
+        cmocka_unit_test(mse_against_quant),      cmocka_unit_test(chunks_by_value),
+        cmocka_unit_test(split_choice),           cmocka_unit_test(outlier_far_from_the_sample),
+        cmocka_unit_test(fast_matches_reference), cmocka_unit_test(threads_and_kernels_match),
+        cmocka_unit_test(nonfinite_rejected),     cmocka_unit_test(hostile_payloads),
         cmocka_unit_test(specs_and_words),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -67,7 +67,7 @@ static void dp_layer(const struct dp *d, size_t j, size_t l, size_t r, size_t ol
 }
 
 int epipe_sq_fit_plan(sq_fit *f, const sq_bucket *b, size_t nb, unsigned bits, int fixed,
-                unsigned smax, sq_plan *out)
+                      unsigned smax, sq_plan *out)
 {
     memset(out, 0, sizeof *out);
     out->S = fixed >= 0 ? (unsigned)fixed : 0;
@@ -224,7 +224,8 @@ int epipe_sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
             return epipe_codec_fail(c, EPIPE_ENOMEM, "sortquant: out of memory for scratch");
         uint32_t *hist = st->fit.hist;
         sq_bucket *bk = (sq_bucket *)w;
-        float *lo = (float *)(bk + nbk), *hi = lo + (1u << SQ_FIT_SMAX), *smp = hi + (1u << SQ_FIT_SMAX);
+        float *lo = (float *)(bk + nbk), *hi = lo + (1u << SQ_FIT_SMAX),
+              *smp = hi + (1u << SQ_FIT_SMAX);
         /* The tensor's extent first (and its finiteness): the outer chunks'
          * ends, and two more points for the histogram, so that the fit sees
          * the tails the sample missed. */
@@ -239,7 +240,8 @@ int epipe_sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         }
         size_t nb = hist_buckets(hist, s, m, ends, bk);
         unsigned bits = (unsigned)c->p[SQ_BITS];
-        if (epipe_sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n), &pl))
+        if (epipe_sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n),
+                              &pl))
             return epipe_codec_fail(c, EPIPE_ENOMEM, "sortquant: out of memory for scratch");
         epipe_qtab *t = &st->ftab[pl.S];
         epipe_sq_fit_set_chunks(t, &pl, n, ends[0], ends[1]);
@@ -258,15 +260,17 @@ int epipe_sq_fit_read(epipe_codec *c, const uint8_t *body, size_t n, epipe_qtab 
     sq_state *st = c->state;
     unsigned S = body[0];
     if (body[1] | body[2] | body[3])
-        return epipe_codec_fail(c, EPIPE_EPROTO,
-                                "sortquant: fit word has reserved bytes %02x %02x %02x; they must be zero",
-                                body[1], body[2], body[3]);
+        return epipe_codec_fail(
+            c, EPIPE_EPROTO,
+            "sortquant: fit word has reserved bytes %02x %02x %02x; they must be zero", body[1],
+            body[2], body[3]);
     unsigned smax = sq_fit_smax_for(st, (unsigned)c->p[SQ_BITS], n);
     if (st->fit_fixed >= 0 ? S != smax : S > smax)
-        return epipe_codec_fail(c, EPIPE_EPROTO,
-                                "sortquant: fit payload has split S = %u; for %zu values this codec "
-                                "takes %s%u",
-                                S, n, st->fit_fixed >= 0 ? "exactly " : "0..", smax);
+        return epipe_codec_fail(
+            c, EPIPE_EPROTO,
+            "sortquant: fit payload has split S = %u; for %zu values this codec "
+            "takes %s%u",
+            S, n, st->fit_fixed >= 0 ? "exactly " : "0..", smax);
     epipe_qtab *t = &st->ftab[S];
     int rc = epipe_q_read_table(c, t, body + 4, n);
     if (rc)

@@ -45,6 +45,6 @@ void epipe_sq_fit_free(sq_fit *f);
  * input). Deterministic: the fast path and the reference share it. Returns
  * 0 or EPIPE_ENOMEM. */
 int epipe_sq_fit_plan(sq_fit *f, const sq_bucket *b, size_t nb, unsigned bits, int fixed,
-                unsigned smax, sq_plan *out);
+                      unsigned smax, sq_plan *out);
 
 #endif
