@@ -29,6 +29,7 @@ static const char *const all_specs[] = {
     "quant:bits=8",
     "quant:bits=1",
     "sortquant:bits=8",
+    "sortquant:bits=8,mode=sample",
     "sortquant:bits=8,mode=exact",
     "sortquant:bits=16",
     "sortquant:bits=5,split=0",
@@ -344,7 +345,7 @@ static void getters_and_bounds(void **state)
     epipe_codec *c;
     double v, lo, hi;
     int64_t k;
-    assert_int_equal(epipe_codec_create(&c, "sortquant:bits=6"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&c, "sortquant:bits=6,mode=sample"), EPIPE_OK);
     assert_int_equal(epipe_codec_spec_param(c, "bits", &v), EPIPE_OK);
     assert_true(v == 6);
     assert_int_equal(epipe_codec_spec_param(c, "split", &v), EPIPE_OK); /* derived: 6/4 */
@@ -382,7 +383,7 @@ static void getters_and_bounds(void **state)
     assert_int_equal(epipe_codec_param_bounds("quant", "bits", &lo, &hi), EPIPE_OK);
     assert_true(lo == 1 && hi == 16);
     assert_int_equal(epipe_codec_param_bounds("sortquant", "mode", &lo, &hi), EPIPE_OK);
-    assert_true(lo == 0 && hi == 1);
+    assert_true(lo == 0 && hi == 2); /* exact, sample, fit */
     assert_int_equal(epipe_codec_param_bounds("topk", "ratio", &lo, &hi), EPIPE_OK);
     assert_true(lo > 0 && hi == 1);
     assert_int_equal(epipe_codec_param_bounds("zstd", "level", &lo, &hi), EPIPE_EINVAL);

@@ -595,7 +595,7 @@ static void chains_quantize_the_code(void **state)
     assert_string_equal(epipe_codec_name(ch), "chain");
     assert_int_equal(epipe_codec_id(ch), 64);
     assert_true(epipe_codec_trainable(ch));
-    assert_non_null(strstr(epipe_codec_spec(ch), "|sortquant:bits=8,split=2"));
+    assert_non_null(strstr(epipe_codec_spec(ch), "|sortquant:bits=8,mode=fit"));
     epipe_codec *again = make(epipe_codec_spec(ch));
     assert_string_equal(epipe_codec_spec(again), epipe_codec_spec(ch));
     epipe_codec_destroy(again);

@@ -25,10 +25,13 @@ typedef struct epipe_codec epipe_codec;
  *                                      finite values beyond its range
  *                                      saturate to its largest finite
  *   quant:bits=B                       global min/max uniform, B in 1..16
- *   sortquant:bits=B[,split=S][,mode=exact|sample][,sample=N]
- *                                      sort quantization, B in 2..16; S
- *                                      defaults to the 3:1 rule (B/4,
- *                                      at least 1); mode defaults to sample
+ *   sortquant:bits=B[,split=S][,mode=fit|sample|exact][,sample=N]
+ *                                      sort quantization, B in 2..16; mode
+ *                                      defaults to fit (MSE-fitted chunks,
+ *                                      S in 0..4 chosen per tensor unless
+ *                                      given); sample and exact (the
+ *                                      research's equal-count chunks) take
+ *                                      S from the 3:1 rule (B/4, at least 1)
  *   kmeans:bits=B[,iters=K]            1-D Lloyd-Max codebook, B in 1..12
  *   topk:ratio=r                       keep the ceil(r*n) largest |x|
  *   insert:kind=conv|linear[,out=K|ratio=r][,kernel=k][,in=C][,seed=S]
@@ -96,8 +99,10 @@ EPIPE_API int epipe_codec_get_param(const epipe_codec *codec, epipe_codec_param 
 
 /* The value of the spec parameter `key` ("bits") as configured, defaults
  * and derived values filled in (what epipe_codec_spec() prints). A choice
- * ("mode=exact|sample") gives the index of the choice in the order
- * docs/codecs.md lists them (sortquant mode: 0 exact, 1 sample). EPIPE_EINVAL
+ * ("mode=exact|sample|fit") gives the index of the choice in the order
+ * docs/codecs.md lists them (sortquant mode: 0 exact, 1 sample, 2 fit); a
+ * parameter the codec chooses per tensor (sortquant's split in fit mode
+ * when not given) gives NaN. EPIPE_EINVAL
  * for a key the codec does not have (the message lists its keys); a chain
  * has no parameters of its own (read its links' in its spec). */
 EPIPE_API int epipe_codec_spec_param(const epipe_codec *codec, const char *key,

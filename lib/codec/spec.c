@@ -71,17 +71,20 @@ static void build_canonical_spec(epipe_codec *c)
 {
     const epipe_codec_ops *ops = c->ops;
     size_t len = (size_t)snprintf(c->spec, sizeof c->spec, "%s", ops->name);
-    for (unsigned i = 0; i < ops->nparams && len < sizeof c->spec; i++) {
+    for (unsigned i = 0, first = 1; i < ops->nparams && len < sizeof c->spec; i++) {
         const epipe_param_desc *d = &ops->params[i];
         char val[40];
+        if (isnan(c->p[i])) /* left for the codec to choose per tensor */
+            continue;
         if (d->kind == EPIPE_PARAM_CHOICE)
             snprintf(val, sizeof val, "%s", d->choices[(int)c->p[i]]);
         else if (d->kind == EPIPE_PARAM_INT)
             snprintf(val, sizeof val, "%.0f", c->p[i]);
         else
             format_real(val, sizeof val, c->p[i]);
-        len += (size_t)snprintf(c->spec + len, sizeof c->spec - len, "%c%s=%s", i ? ',' : ':',
+        len += (size_t)snprintf(c->spec + len, sizeof c->spec - len, "%c%s=%s", first ? ':' : ',',
                                 d->key, val);
+        first = 0;
     }
 }
 
