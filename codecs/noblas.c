@@ -3,7 +3,7 @@
  * The names stay registered and their specs parse as usual, so a spec
  * that works elsewhere fails here with EPIPE_ENOTSUP naming the missing
  * library, never "unknown codec". The parameter tables repeat the keys and
- * bounds of poweriter.c and insert.c; keep them in step. */
+ * bounds of poweriter/poweriter.c and insert/insert.c; keep them in step. */
 #include <math.h>
 
 #include "../lib/codec/codec_impl.h"

@@ -449,7 +449,11 @@ static void chain_is_a_registered_codec(void **state)
     epipe_codec *ch, *plain;
     unsigned count;
     int64_t k;
-    assert_int_equal(epipe_codec_create(&ch, "insert:kind=linear,out=2|none"), EPIPE_OK);
+    /* insert needs BLAS: a -Dblas=disabled build refuses it (codecs/noblas.c). */
+    int rc = epipe_codec_create(&ch, "insert:kind=linear,out=2|none");
+    if (rc == EPIPE_ENOTSUP)
+        skip();
+    assert_int_equal(rc, EPIPE_OK);
     assert_int_equal(epipe_codec_create(&plain, "insert:kind=linear,out=2"), EPIPE_OK);
     assert_int_equal(epipe_codec_set_param(ch, EPIPE_CODEC_THREADS, 2), EPIPE_OK);
     assert_int_equal(epipe_codec_get_param(ch, EPIPE_CODEC_THREADS, &k), EPIPE_OK);
