@@ -5,8 +5,8 @@
  * NaN stay what they are. */
 #include <math.h>
 
-#include "../lib/tensor.h"
 #include "../lib/codec/codec_impl.h"
+#include "../lib/tensor.h"
 
 enum { CAST_DTYPE };
 enum { CAST_FP16, CAST_BF16 };

@@ -87,9 +87,9 @@ AVX2_INLINE void extent_k(const float *restrict x, size_t n, const float *restri
     }
 }
 
-__attribute__((target("avx2"))) int epipe_q_extent_avx2(const float *x, size_t n,
-                                                        const float *bnd, unsigned k, float *lo,
-                                                        float *hi, float *bad)
+__attribute__((target("avx2"))) int epipe_q_extent_avx2(const float *x, size_t n, const float *bnd,
+                                                        unsigned k, float *lo, float *hi,
+                                                        float *bad)
 {
     switch (k) {
     case 1: extent_k(x, n, bnd, 1, lo, hi, bad); return 1;
@@ -126,8 +126,8 @@ AVX2_INLINE void code_k(const float *restrict x, size_t n, const epipe_qtab *t, 
     __m256 wq[4];
     if (k == 16)
         for (unsigned u = 1; u < 4; u++)
-            wq[u] = _mm256_setr_ps(t->bnd[u], t->bnd[4 + u], t->bnd[8 + u], t->bnd[12 + u], 0, 0,
-                                   0, 0);
+            wq[u] = _mm256_setr_ps(t->bnd[u], t->bnd[4 + u], t->bnd[8 + u], t->bnd[12 + u], 0, 0, 0,
+                                   0);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_loadu_ps(x + i);
@@ -165,8 +165,8 @@ AVX2_INLINE void code_k(const float *restrict x, size_t n, const epipe_qtab *t, 
     }
 }
 
-__attribute__((target("avx2"))) int epipe_q_code_avx2(const float *x, size_t n,
-                                                      const epipe_qtab *t, uint16_t *code)
+__attribute__((target("avx2"))) int epipe_q_code_avx2(const float *x, size_t n, const epipe_qtab *t,
+                                                      uint16_t *code)
 {
     switch (t->k) {
     case 1: code_k(x, n, t, 1, code); return 1;

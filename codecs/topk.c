@@ -4,9 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../lib/codec/codec_impl.h"
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
-#include "../lib/codec/codec_impl.h"
 
 enum { TOPK_RATIO };
 
@@ -34,7 +34,10 @@ static unsigned topk_index_bytes(uint64_t n)
 /* The decoder must derive the same k: the ratio's float32 bits. */
 static uint32_t topk_param_word(const epipe_codec *c)
 {
-    union { float f; uint32_t u; } w = {.f = (float)c->p[TOPK_RATIO]};
+    union {
+        float f;
+        uint32_t u;
+    } w = {.f = (float)c->p[TOPK_RATIO]};
     return w.u;
 }
 
@@ -51,7 +54,10 @@ static int topk_body_size(const epipe_codec *c, uint64_t n, size_t *bytes)
  * bits whose unsigned order is the order of |x| (+0 and -0 are equal). */
 static inline uint32_t mag(float v)
 {
-    union { float f; uint32_t u; } b = {.f = v};
+    union {
+        float f;
+        uint32_t u;
+    } b = {.f = v};
     return b.u & 0x7fffffffu;
 }
 
@@ -67,8 +73,8 @@ static int check_finite(epipe_codec *c, const float *x, size_t n)
 {
     size_t bad = epipe_find_nonfinite(x, n);
     if (bad < n)
-        return epipe_codec_fail(c, EPIPE_EINVAL, "topk: value at index %zu is not finite (%g)",
-                                bad, (double)x[bad]);
+        return epipe_codec_fail(c, EPIPE_EINVAL, "topk: value at index %zu is not finite (%g)", bad,
+                                (double)x[bad]);
     return EPIPE_OK;
 }
 
@@ -230,7 +236,10 @@ static int topk_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 
 /* ---- reference: a full sort -------------------------------------------- */
 
-typedef struct { float m; size_t i; } topk_entry;
+typedef struct {
+    float m;
+    size_t i;
+} topk_entry;
 
 static int by_magnitude(const void *a, const void *b)
 {

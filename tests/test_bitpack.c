@@ -27,7 +27,8 @@ static void every_width_matches_reference(void **state)
     for (unsigned w = 1; w <= 16; w++)
         for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
             size_t n = sizes[s], nb = epipe_bitpack_bytes(n, w);
-            uint16_t *codes = calloc(n + 1, 2), *back = calloc(n + 1, 2), *back_ref = calloc(n + 1, 2);
+            uint16_t *codes = calloc(n + 1, 2), *back = calloc(n + 1, 2),
+                     *back_ref = calloc(n + 1, 2);
             uint8_t *fast = calloc(nb + 1, 1), *ref = calloc(nb + 1, 1);
             fill_codes(codes, n, w, w * 131 + n);
             epipe_bitpack(codes, n, w, fast);

@@ -92,7 +92,8 @@ static void mse_at_most_uniform_quantization(void **state)
                 epipe_codec *probe;
                 /* sortquant's sample mode: its default (fit) beats 20 Lloyd
                  * iterations at 8 bits on ReLU data */
-                snprintf(rs, sizeof rs, "%s:bits=%u%s", rivals[r], bits[b], r ? ",mode=sample" : "");
+                snprintf(rs, sizeof rs, "%s:bits=%u%s", rivals[r], bits[b],
+                         r ? ",mode=sample" : "");
                 if (epipe_codec_create(&probe, rs) != EPIPE_OK)
                     continue; /* not built yet, or B out of its range */
                 epipe_codec_destroy(probe);

@@ -36,7 +36,8 @@ static int setup_keys(void **state)
     unsetenv("EPIPE_ENCRYPT");
     unsetenv("EPIPE_AUTH_KEY_FILE");
     unsetenv("EPIPE_TCP_CIPHER");
-    const char *text[2] = {"a pre-shared key for the crypt tests, 32+", "another key, also long enough"};
+    const char *text[2] = {"a pre-shared key for the crypt tests, 32+",
+                           "another key, also long enough"};
     char *path[2] = {key_a, key_b};
     for (int i = 0; i < 2; i++) {
         snprintf(path[i], sizeof key_a, "/tmp/epipe-crypt-key-XXXXXX");
@@ -205,7 +206,8 @@ static void *proxy_main(void *arg)
     if (poll(&pf, 1, 20000) != 1)
         return NULL;
     int down = accept(p->lfd, NULL, NULL), up = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)p->upstream),
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)p->upstream),
                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     for (int tries = 0; connect(up, (struct sockaddr *)&a, sizeof a) && tries < 200; tries++)
         usleep(20000);
@@ -327,7 +329,8 @@ static void test_records(void **state)
             assert_int_equal(len, sizeof in);
             memcpy(copy, out, sizeof out);
             assert_int_equal(epipe_tcp_open(rx, copy, copy + EPIPE_TCP_REC_HDR, len,
-                                            copy + EPIPE_TCP_REC_HDR + len), EPIPE_OK);
+                                            copy + EPIPE_TCP_REC_HDR + len),
+                             EPIPE_OK);
             assert_memory_equal(copy + EPIPE_TCP_REC_HDR, in, sizeof in);
         }
         assert_int_equal(epipe_tcp_aead_count(tx), 3);
@@ -453,7 +456,8 @@ static void pipeline_with(const char *extra)
     /* A clean goodbye is seen as one. */
     epipe_comm_destroy(c[1]);
     epipe_msg *m;
-    assert_int_equal(epipe_comm_recv(c[0], 1, EPIPE_WIRE_ACTIVATION, 999, 0, 5000, &m), EPIPE_EPEER);
+    assert_int_equal(epipe_comm_recv(c[0], 1, EPIPE_WIRE_ACTIVATION, 999, 0, 5000, &m),
+                     EPIPE_EPEER);
     assert_non_null(strstr(epipe_comm_last_error(c[0]), "rank 1 left"));
     epipe_comm_destroy(c[0]);
     for (int i = 0; i < 4; i++)
@@ -548,8 +552,8 @@ static int canary_seen(const char *extra)
 static void test_capture_shows_no_tensor(void **state)
 {
     (void)state;
-    assert_true(canary_seen(""));              /* in clear: the search finds it */
-    assert_false(canary_seen(",encrypt=1"));    /* encrypted: nowhere in the capture */
+    assert_true(canary_seen(""));            /* in clear: the search finds it */
+    assert_false(canary_seen(",encrypt=1")); /* encrypted: nowhere in the capture */
 }
 
 /* One rank encrypts and the other does not: both fail at init, and say so. */

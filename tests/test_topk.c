@@ -41,7 +41,10 @@ static uint8_t *tk_encode(const char *spec, int threads, int ref, float *x, size
     return buf;
 }
 
-typedef struct { float m; size_t i; } entry;
+typedef struct {
+    float m;
+    size_t i;
+} entry;
 
 static int by_mag_then_index(const void *a, const void *b)
 {

@@ -77,18 +77,10 @@ int bench_crc_main(int argc, char **argv)
     int opt;
     while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
         switch (opt) {
-        case 'h':
-            usage(stdout);
-            return 0;
-        case O_JSON:
-            json = 1;
-            break;
-        case O_REPS:
-            reps = atoi(optarg);
-            break;
-        case O_SIZES:
-            nsizes = parse_sizes(optarg, sizes, 16);
-            break;
+        case 'h': usage(stdout); return 0;
+        case O_JSON: json = 1; break;
+        case O_REPS: reps = atoi(optarg); break;
+        case O_SIZES: nsizes = parse_sizes(optarg, sizes, 16); break;
         default: /* ':' or '?' */
             epipe_cli_bad_option("epipe-bench crc", argv, opt);
             usage(stderr);

@@ -20,15 +20,14 @@ struct sopts {
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: epipe-bench schedule [--kind gpipe|1f1b] [-p STAGES] [-m MICROBATCHES]\n"
-            "       [--forward-cost X] [--backward-cost X] [--comm-cost X] [--json]\n\n"
-            "Simulates one training step of the schedule (default 1f1b, p=4, m=8) and prints\n"
-            "each stage's compute ops on a timeline (F3 / B3: forward / backward of\n"
-            "micro-batch 3; dots: idle), the makespan, the bubble fraction beside the\n"
-            "uniform-cost formula (p-1)/(m+p-1), and the peak live activations per stage.\n"
-            "Costs default to forward 1, backward 1, links 0 (--comm-cost sets both\n"
-            "directions of every link). --json prints one JSON object instead.\n");
+    fprintf(f, "usage: epipe-bench schedule [--kind gpipe|1f1b] [-p STAGES] [-m MICROBATCHES]\n"
+               "       [--forward-cost X] [--backward-cost X] [--comm-cost X] [--json]\n\n"
+               "Simulates one training step of the schedule (default 1f1b, p=4, m=8) and prints\n"
+               "each stage's compute ops on a timeline (F3 / B3: forward / backward of\n"
+               "micro-batch 3; dots: idle), the makespan, the bubble fraction beside the\n"
+               "uniform-cost formula (p-1)/(m+p-1), and the peak live activations per stage.\n"
+               "Costs default to forward 1, backward 1, links 0 (--comm-cost sets both\n"
+               "directions of every link). --json prints one JSON object instead.\n");
 }
 
 static int parse_unsigned(const char *s, unsigned *out)
@@ -75,30 +74,14 @@ static int parse_args(int argc, char **argv, struct sopts *o)
         int bad = 0;
         const char *want = "a finite cost >= 0";
         switch (c) {
-        case 'h':
-            usage(stdout);
-            return 1;
-        case 'j':
-            o->json = 1;
-            break;
-        case 'k':
-            o->kind = optarg;
-            break;
-        case 'p':
-            bad = parse_unsigned(optarg, &o->stages), want = "a whole number";
-            break;
-        case 'm':
-            bad = parse_unsigned(optarg, &o->mbs), want = "a whole number";
-            break;
-        case O_FWD:
-            bad = parse_cost(optarg, &o->fwd);
-            break;
-        case O_BWD:
-            bad = parse_cost(optarg, &o->bwd);
-            break;
-        case O_COMM:
-            bad = parse_cost(optarg, &o->comm);
-            break;
+        case 'h': usage(stdout); return 1;
+        case 'j': o->json = 1; break;
+        case 'k': o->kind = optarg; break;
+        case 'p': bad = parse_unsigned(optarg, &o->stages), want = "a whole number"; break;
+        case 'm': bad = parse_unsigned(optarg, &o->mbs), want = "a whole number"; break;
+        case O_FWD: bad = parse_cost(optarg, &o->fwd); break;
+        case O_BWD: bad = parse_cost(optarg, &o->bwd); break;
+        case O_COMM: bad = parse_cost(optarg, &o->comm); break;
         default: /* ':' or '?' */
             epipe_cli_bad_option("epipe-bench schedule", argv, c);
             usage(stderr);

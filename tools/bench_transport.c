@@ -16,8 +16,8 @@
 #include <epipe/epipe.h>
 
 #include "bench.h"
-#include "codec/payload.h"
 #include "cli.h"
+#include "codec/payload.h"
 #include "comm/comm_impl.h"
 #include "tensor.h"
 
@@ -35,12 +35,12 @@ struct peer {
     int rank;
     epipe_comm *comm;
     epipe_comm *comm2; /* --compare: the other communicator */
-    int raw;          /* raw socket to the other process */
+    int raw;           /* raw socket to the other process */
     epipe_codec *none;
-    float *src;       /* the tensor sent, largest size */
-    uint8_t *rawbuf;  /* raw socket buffer, largest size */
-    uint32_t phase;   /* tags every phase's messages (micro-batch field) */
-    int raw_hot;      /* raw sends from one buffer (stays in cache) */
+    float *src;      /* the tensor sent, largest size */
+    uint8_t *rawbuf; /* raw socket buffer, largest size */
+    uint32_t phase;  /* tags every phase's messages (micro-batch field) */
+    int raw_hot;     /* raw sends from one buffer (stays in cache) */
 };
 
 static int parse_size(const char *s, size_t *out)
@@ -107,8 +107,11 @@ static int raw_io(int fd, void *buf, size_t n, int wr)
 static epipe_msg *make_msg(struct peer *p, unsigned kind, uint64_t step, size_t bytes)
 {
     int64_t shape = (int64_t)(bytes / 4);
-    DLTensor t = {.data = p->src, .device = {kDLCPU, 0}, .ndim = 1,
-                  .dtype = {kDLFloat, 32, 1}, .shape = &shape};
+    DLTensor t = {.data = p->src,
+                  .device = {kDLCPU, 0},
+                  .ndim = 1,
+                  .dtype = {kDLFloat, 32, 1},
+                  .shape = &shape};
     size_t cap, len;
     if (epipe_codec_max_encoded_size(p->none, &t, &cap))
         return NULL;
@@ -226,8 +229,7 @@ static double tcp_stream(struct peer *p, size_t bytes, size_t count)
         for (size_t i = 0; i < count; i++) {
             if (trecv(p, EPIPE_WIRE_ACTIVATION, i))
                 goto out;
-            if (((i + 1) % every == 0 || i + 1 == count) &&
-                tsend(p, EPIPE_WIRE_GRADIENT, i + 1, 4))
+            if (((i + 1) % every == 0 || i + 1 == count) && tsend(p, EPIPE_WIRE_GRADIENT, i + 1, 4))
                 goto out;
         }
     }
@@ -337,8 +339,9 @@ static int run(struct peer *p, const struct cfg *c)
         if (count > (c->quick ? 20000u : 200000u))
             count = c->quick ? 20000u : 200000u;
         size_t iters = s <= 65536 ? (c->quick ? 200 : 2000)
-                                  : ((c->quick ? 16u : 128u) << 20) / s < 4 ? 4
-                                                                            : ((c->quick ? 16u : 128u) << 20) / s;
+                       : ((c->quick ? 16u : 128u) << 20) / s < 4
+                           ? 4
+                           : ((c->quick ? 16u : 128u) << 20) / s;
         double ts[2] = {-1, -1}, rs = -1, tl[2] = {-1, -1}, rl = -1;
         int ncomm = p->comm2 ? 2 : 1;
         /* A warm-up of each, then the repetitions, alternating them. */
@@ -391,8 +394,8 @@ static int run(struct peer *p, const struct cfg *c)
                        "\"messages\":%zu,\"streams\":%u,\"spin_us\":%d,"
                        "\"mbytes_per_s\":%.1f,\"raw_mbytes_per_s\":%.1f,\"throughput_ratio\":%.3f,"
                        "\"latency_us\":%.2f,\"raw_latency_us\":%.2f,\"latency_ratio\":%.3f%s",
-                       name, s, count, c->streams, c->spin_us, tput, rtput, tput / rtput, lat,
-                       rlat, lat / rlat, k ? "" : "}\n");
+                       name, s, count, c->streams, c->spin_us, tput, rtput, tput / rtput, lat, rlat,
+                       lat / rlat, k ? "" : "}\n");
             else
                 printf("%-14s %9zu B  %9.1f MB/s  raw %9.1f MB/s  (%.2fx)   one-way %8.2f us  "
                        "raw %8.2f us  (%.2fx)%s",
@@ -411,7 +414,17 @@ int bench_transport_main(int argc, char **argv)
 {
     struct cfg c = {.reps = 3, .streams = 1, .spin_us = 50};
     const char *sizes = "4,4K,16K,64K,256K,1M,4M,16M,64M";
-    enum { O_JSON = 256, O_QUICK, O_RAW_HOT, O_SIZES, O_SPIN_US, O_STREAMS, O_REPS, O_OPTIONS, O_COMPARE };
+    enum {
+        O_JSON = 256,
+        O_QUICK,
+        O_RAW_HOT,
+        O_SIZES,
+        O_SPIN_US,
+        O_STREAMS,
+        O_REPS,
+        O_OPTIONS,
+        O_COMPARE
+    };
     static const struct option longopts[] = {
         {"help", no_argument, NULL, 'h'},
         {"json", no_argument, NULL, O_JSON},
@@ -429,36 +442,16 @@ int bench_transport_main(int argc, char **argv)
     int opt;
     while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
         switch (opt) {
-        case 'h':
-            usage(stdout);
-            return 0;
-        case O_JSON:
-            c.json = 1;
-            break;
-        case O_QUICK:
-            c.quick = 1;
-            break;
-        case O_RAW_HOT:
-            c.raw_hot = 1;
-            break;
-        case O_SIZES:
-            sizes = optarg;
-            break;
-        case O_SPIN_US:
-            c.spin_us = atoi(optarg);
-            break;
-        case O_STREAMS:
-            c.streams = (unsigned)atoi(optarg);
-            break;
-        case O_REPS:
-            c.reps = atoi(optarg);
-            break;
-        case O_OPTIONS:
-            c.options = optarg;
-            break;
-        case O_COMPARE:
-            c.compare = optarg;
-            break;
+        case 'h': usage(stdout); return 0;
+        case O_JSON: c.json = 1; break;
+        case O_QUICK: c.quick = 1; break;
+        case O_RAW_HOT: c.raw_hot = 1; break;
+        case O_SIZES: sizes = optarg; break;
+        case O_SPIN_US: c.spin_us = atoi(optarg); break;
+        case O_STREAMS: c.streams = (unsigned)atoi(optarg); break;
+        case O_REPS: c.reps = atoi(optarg); break;
+        case O_OPTIONS: c.options = optarg; break;
+        case O_COMPARE: c.compare = optarg; break;
         default: /* ':' or '?' */
             epipe_cli_bad_option("epipe-bench transport", argv, opt);
             usage(stderr);
@@ -497,7 +490,8 @@ int bench_transport_main(int argc, char **argv)
 
     /* The raw listener exists before the fork, so the parent's connect finds it. */
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)raw_port),
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)raw_port),
                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     int one = 1;
     setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);

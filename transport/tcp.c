@@ -25,7 +25,7 @@ static void wake(struct tcp *t)
 
 /* A framed message without tensor: heartbeat, bye or error. */
 epipe_msg *epipe_tcp_control_msg(struct tcp *t, unsigned kind, unsigned dst, unsigned about,
-                              int status, const char *text)
+                                 int status, const char *text)
 {
     size_t len = text ? strlen(text) : 0;
     epipe_msg *m = epipe_msg_new(len);
@@ -141,7 +141,8 @@ static struct conn *pick(struct tcp *t, unsigned peer)
 {
     struct conn *best = NULL;
     uint64_t least = UINT64_MAX;
-    unsigned n = t->count[peer], start = n ? __atomic_fetch_add(&t->rr[peer], 1, __ATOMIC_RELAXED) : 0;
+    unsigned n = t->count[peer],
+             start = n ? __atomic_fetch_add(&t->rr[peer], 1, __ATOMIC_RELAXED) : 0;
     for (unsigned i = 0; i < n; i++) {
         struct conn *k = &t->conns[t->first[peer] + (start + i) % n];
         uint64_t q = __atomic_load_n(&k->tx_queued, __ATOMIC_RELAXED);
@@ -158,7 +159,8 @@ static int tcp_send(epipe_comm *c, unsigned peer, epipe_msg *m)
         epipe_msg_free(m);
         return epipe_fail_into(c->msg, EPIPE_EINVAL,
                                "rank %u: no connection to rank %u: topology=pipeline joins "
-                               "neighbours and rank 0 (use topology=mesh)", c->rank, peer);
+                               "neighbours and rank 0 (use topology=mesh)",
+                               c->rank, peer);
     }
     struct conn *k = pick(t, peer);
     if (!k || epipe_tcp_enqueue(t, k, m, 1) != EPIPE_OK) {
@@ -171,7 +173,8 @@ static int tcp_send(epipe_comm *c, unsigned peer, epipe_msg *m)
 }
 
 /* Sends an ERROR about rank `about` to peer (best effort). */
-void epipe_tcp_queue_error(struct tcp *t, unsigned peer, unsigned about, int status, const char *why)
+void epipe_tcp_queue_error(struct tcp *t, unsigned peer, unsigned about, int status,
+                           const char *why)
 {
     if (!t->count[peer])
         return;
@@ -231,8 +234,9 @@ static void tcp_destroy(epipe_comm *c)
     if (t->started) {
         for (unsigned i = 0; i < t->nconns; i++) {
             struct conn *k = &t->conns[i];
-            epipe_msg *m = k->fd >= 0 ? epipe_tcp_control_msg(t, EPIPE_WIRE_BYE, k->peer, c->rank, 0, NULL)
-                                      : NULL;
+            epipe_msg *m = k->fd >= 0
+                               ? epipe_tcp_control_msg(t, EPIPE_WIRE_BYE, k->peer, c->rank, 0, NULL)
+                               : NULL;
             if (m)
                 epipe_tcp_enqueue(t, k, m, 0);
         }
@@ -370,32 +374,38 @@ static int create(epipe_comm **out, unsigned rank, unsigned size, const char *ma
         }
         t->started = 1;
     }
-    epipe_log_info((int)rank, "tcp", "rank %u of %u connected: %u connection(s), topology %s, "
-                   "%u stream(s) per neighbour, timeout %lld ms%s%s%s", rank, size, nlinks,
-                   o->mesh ? "mesh" : "pipeline", o->streams, (long long)o->timeout_ms,
-                   o->key_file[0] ? ", authenticated" : "", o->encrypt ? ", encrypted: " : "",
-                   !o->encrypt ? "" : aes_links == (int)nlinks ? "AES-256-GCM"
-                                    : aes_links ? "AES-256-GCM and ChaCha20-Poly1305"
-                                                : "ChaCha20-Poly1305");
+    epipe_log_info((int)rank, "tcp",
+                   "rank %u of %u connected: %u connection(s), topology %s, "
+                   "%u stream(s) per neighbour, timeout %lld ms%s%s%s",
+                   rank, size, nlinks, o->mesh ? "mesh" : "pipeline", o->streams,
+                   (long long)o->timeout_ms, o->key_file[0] ? ", authenticated" : "",
+                   o->encrypt ? ", encrypted: " : "",
+                   !o->encrypt                ? ""
+                   : aes_links == (int)nlinks ? "AES-256-GCM"
+                   : aes_links                ? "AES-256-GCM and ChaCha20-Poly1305"
+                                              : "ChaCha20-Poly1305");
     *out = c;
     return EPIPE_OK;
 }
 
 /* epipe_comm_create_tcp() and "tcp" in epipe_comm_create() (lib/comm/create.c). */
-int epipe_tcp_comm_create(epipe_comm **out, unsigned rank, unsigned size,
-                          const char *master_addr, unsigned master_port, const char *options)
+int epipe_tcp_comm_create(epipe_comm **out, unsigned rank, unsigned size, const char *master_addr,
+                          unsigned master_port, const char *options)
 {
     epipe_clear_error();
     if (!out)
         return epipe_fail(EPIPE_EINVAL, "epipe_comm_create_tcp: out is NULL");
     *out = NULL;
     if (size == 0 || size > 1048576 || rank >= size)
-        return epipe_fail(EPIPE_EINVAL, "epipe_comm_create_tcp: rank %u of size %u is out of range "
-                                        "(size 1..1048576, rank below it)", rank, size);
+        return epipe_fail(EPIPE_EINVAL,
+                          "epipe_comm_create_tcp: rank %u of size %u is out of range "
+                          "(size 1..1048576, rank below it)",
+                          rank, size);
     if (size > 1 && (!master_addr || !*master_addr || master_port == 0 || master_port > 65535))
-        return epipe_fail(EPIPE_EINVAL, "epipe_comm_create_tcp: master address '%s' or port %u "
-                                        "is not valid", master_addr ? master_addr : "(null)",
-                          master_port);
+        return epipe_fail(EPIPE_EINVAL,
+                          "epipe_comm_create_tcp: master address '%s' or port %u "
+                          "is not valid",
+                          master_addr ? master_addr : "(null)", master_port);
     epipe_tcp_opts o;
     int rc = epipe_tcp_opts_parse(&o, options);
     if (rc == EPIPE_OK)

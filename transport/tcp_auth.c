@@ -78,21 +78,28 @@ int epipe_tcp_key_load(epipe_tcp_key *k, const char *path)
     }
     if (!S_ISREG(st.st_mode)) {
         close(fd);
-        return epipe_fail(EPIPE_EINVAL, "auth: the key file '%s' is not a regular file (a %s); "
-                                        "give a file holding the key", path,
-                          S_ISCHR(st.st_mode) ? "character device" : S_ISFIFO(st.st_mode) ? "FIFO"
-                          : S_ISDIR(st.st_mode) ? "directory" : S_ISSOCK(st.st_mode) ? "socket"
-                                                                     : "special file");
+        return epipe_fail(EPIPE_EINVAL,
+                          "auth: the key file '%s' is not a regular file (a %s); "
+                          "give a file holding the key",
+                          path,
+                          S_ISCHR(st.st_mode)    ? "character device"
+                          : S_ISFIFO(st.st_mode) ? "FIFO"
+                          : S_ISDIR(st.st_mode)  ? "directory"
+                          : S_ISSOCK(st.st_mode) ? "socket"
+                                                 : "special file");
     }
     if (st.st_size > EPIPE_TCP_KEY_FILE_MAX) {
         close(fd);
-        return epipe_fail(EPIPE_EINVAL, "auth: the key file '%s' holds %lld bytes; a key file "
-                                        "holds at most %d", path, (long long)st.st_size,
-                          EPIPE_TCP_KEY_FILE_MAX);
+        return epipe_fail(EPIPE_EINVAL,
+                          "auth: the key file '%s' holds %lld bytes; a key file "
+                          "holds at most %d",
+                          path, (long long)st.st_size, EPIPE_TCP_KEY_FILE_MAX);
     }
     if (st.st_mode & 077)
-        epipe_log_warn(-1, "auth", "key file '%s' is readable by other users (mode %03o); "
-                                   "chmod 600 it", path, (unsigned)(st.st_mode & 0777));
+        epipe_log_warn(-1, "auth",
+                       "key file '%s' is readable by other users (mode %03o); "
+                       "chmod 600 it",
+                       path, (unsigned)(st.st_mode & 0777));
     uint8_t buf[4096];
     size_t n = 0;
     crypto_generichash_state h;
@@ -124,8 +131,10 @@ int epipe_tcp_key_load(epipe_tcp_key *k, const char *path)
     sodium_memzero(buf, sizeof buf);
     if (n < 16) {
         sodium_memzero(&h, sizeof h);
-        return epipe_fail(EPIPE_EINVAL, "auth: the key file '%s' holds %zu bytes; a key needs at "
-                                        "least 16 (head -c 32 /dev/urandom > FILE)", path, n);
+        return epipe_fail(EPIPE_EINVAL,
+                          "auth: the key file '%s' holds %zu bytes; a key needs at "
+                          "least 16 (head -c 32 /dev/urandom > FILE)",
+                          path, n);
     }
     crypto_generichash_final(&h, k->key, sizeof k->key);
     k->on = 1;
@@ -188,9 +197,11 @@ int epipe_tcp_link_keys(const epipe_tcp_key *k, const epipe_tcp_link *l, unsigne
 int epipe_tcp_key_load(epipe_tcp_key *k, const char *path)
 {
     memset(k, 0, sizeof *k);
-    return epipe_fail(EPIPE_ENOTSUP, "auth: key file '%s' given, but this libepipe was built "
-                                     "without libsodium, so it cannot authenticate peers "
-                                     "(install libsodium-dev and rebuild)", path);
+    return epipe_fail(EPIPE_ENOTSUP,
+                      "auth: key file '%s' given, but this libepipe was built "
+                      "without libsodium, so it cannot authenticate peers "
+                      "(install libsodium-dev and rebuild)",
+                      path);
 }
 
 void epipe_tcp_key_wipe(epipe_tcp_key *k)

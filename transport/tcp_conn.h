@@ -10,7 +10,7 @@
 #include "../lib/clock.h"
 #include "tcp_impl.h"
 
-#define STAGING (256 * 1024)   /* read buffer for headers and small messages */
+#define STAGING (256 * 1024)    /* read buffer for headers and small messages */
 #define DIRECT_MAX (256 * 1024) /* the caller writes messages up to this itself */
 #define MAX_IOV 64
 #define RECV_CHUNK (1024 * 1024) /* read at most this much at once, to CRC it in cache */

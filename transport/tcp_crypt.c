@@ -21,8 +21,8 @@ size_t epipe_tcp_record_size(void)
         unsigned long long n = strtoull(v, &end, 10);
         if (!*end && n >= 1024 && n <= EPIPE_TCP_REC_MAX)
             return (size_t)n;
-        epipe_log_warn(-1, "tcp", "EPIPE_TCP_RECORD_BYTES = '%s' is not in 1024..%zu; using %zu",
-                       v, EPIPE_TCP_REC_MAX, RECORD_DEFAULT);
+        epipe_log_warn(-1, "tcp", "EPIPE_TCP_RECORD_BYTES = '%s' is not in 1024..%zu; using %zu", v,
+                       EPIPE_TCP_REC_MAX, RECORD_DEFAULT);
     }
     return RECORD_DEFAULT;
 }
@@ -43,8 +43,9 @@ int epipe_tcp_crypt_mismatch(const epipe_tcp_opts *o, unsigned theirs, unsigned 
     int them = (theirs & EPIPE_TCP_HF_ENCRYPT) != 0;
     if (them == !!o->encrypt)
         return 0;
-    snprintf(why, cap, "rank %u runs %s encryption, this rank %s (set encrypt=1 or "
-                       "EPIPE_ENCRYPT=1 on every rank, or on none)",
+    snprintf(why, cap,
+             "rank %u runs %s encryption, this rank %s (set encrypt=1 or "
+             "EPIPE_ENCRYPT=1 on every rank, or on none)",
              their_rank, them ? "with" : "without", o->encrypt ? "with" : "without");
     return 1;
 }
@@ -54,8 +55,9 @@ int epipe_tcp_rec_len(const uint8_t h[EPIPE_TCP_REC_HDR], size_t *len)
 {
     size_t n = h[0] | (size_t)h[1] << 8 | (size_t)h[2] << 16;
     if (h[3] != (uint8_t)(0xA5 ^ h[0] ^ h[1] ^ h[2]) || n == 0 || n > EPIPE_TCP_REC_MAX)
-        return epipe_fail(EPIPE_EAUTH, "a record header that fails its check (%02x %02x %02x %02x): "
-                                       "tampered with, or the peer does not encrypt",
+        return epipe_fail(EPIPE_EAUTH,
+                          "a record header that fails its check (%02x %02x %02x %02x): "
+                          "tampered with, or the peer does not encrypt",
                           h[0], h[1], h[2], h[3]);
     *len = n;
     return EPIPE_OK;
@@ -195,9 +197,10 @@ int epipe_tcp_open(epipe_tcp_aead *a, const uint8_t hdr[EPIPE_TCP_REC_HDR], uint
                     : crypto_aead_chacha20poly1305_ietf_decrypt_detached(
                           body, NULL, body, len, tag, hdr, EPIPE_TCP_REC_HDR, n, a->key);
     if (rc)
-        return epipe_fail(EPIPE_EAUTH, "record %llu failed its %s tag: tampered with or keys "
-                                       "differ", (unsigned long long)seq,
-                          epipe_tcp_cipher_name(a->aes));
+        return epipe_fail(EPIPE_EAUTH,
+                          "record %llu failed its %s tag: tampered with or keys "
+                          "differ",
+                          (unsigned long long)seq, epipe_tcp_cipher_name(a->aes));
     return EPIPE_OK;
 }
 

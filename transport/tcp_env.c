@@ -17,8 +17,9 @@ static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const ch
         !strcmp(key, "heartbeat_ms")) {
         int64_t lo = key[0] == 'h' ? 0 : 1;
         if (epipe_parse_i64(val, lo, 86400000, &v))
-            return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s' is not a number of ms in %lld..86400000",
-                              what, val, (long long)lo);
+            return epipe_fail(EPIPE_EINVAL,
+                              "tcp: %s = '%s' is not a number of ms in %lld..86400000", what, val,
+                              (long long)lo);
         if (key[0] == 't')
             o->timeout_ms = v;
         else if (key[0] == 'i')
@@ -69,12 +70,11 @@ int epipe_tcp_opts_parse(epipe_tcp_opts *o, const char *spec)
     static const struct {
         const char *var, *key;
     } vars[] = {
-        {"EPIPE_TIMEOUT_MS", "timeout_ms"},   {"EPIPE_INIT_TIMEOUT_MS", "init_timeout_ms"},
+        {"EPIPE_TIMEOUT_MS", "timeout_ms"},     {"EPIPE_INIT_TIMEOUT_MS", "init_timeout_ms"},
         {"EPIPE_HEARTBEAT_MS", "heartbeat_ms"}, {"EPIPE_TCP_STREAMS", "streams"},
-        {"EPIPE_TCP_TOPOLOGY", "topology"},   {"EPIPE_LISTEN_ADDR", "listen_addr"},
-        {"EPIPE_SPIN_US", "spin_us"},
-        {"EPIPE_IFNAME", "ifname"},           {"EPIPE_AUTH_KEY_FILE", "key_file"},
-        {"EPIPE_ENCRYPT", "encrypt"},
+        {"EPIPE_TCP_TOPOLOGY", "topology"},     {"EPIPE_LISTEN_ADDR", "listen_addr"},
+        {"EPIPE_SPIN_US", "spin_us"},           {"EPIPE_IFNAME", "ifname"},
+        {"EPIPE_AUTH_KEY_FILE", "key_file"},    {"EPIPE_ENCRYPT", "encrypt"},
     };
     memset(o, 0, sizeof *o);
     o->timeout_ms = 30000;
@@ -148,12 +148,15 @@ int epipe_rdv_first_host(const char *list, char *out, size_t cap)
                 out[o++] = *p++;
             }
             if (*p != ',' && *p != '-' && *p != ']')
-                return epipe_fail(EPIPE_EINVAL, "rendezvous: a range in node list '%s' is not "
-                                                "numbers", list);
+                return epipe_fail(EPIPE_EINVAL,
+                                  "rendezvous: a range in node list '%s' is not "
+                                  "numbers",
+                                  list);
             while (*p && *p != ']')
                 p++;
             if (*p != ']')
-                return epipe_fail(EPIPE_EINVAL, "rendezvous: unbalanced '[' in node list '%s'", list);
+                return epipe_fail(EPIPE_EINVAL, "rendezvous: unbalanced '[' in node list '%s'",
+                                  list);
             p++;
             continue;
         }
@@ -212,21 +215,23 @@ int epipe_rdv_env_parse(epipe_rdv_env *e)
         snprintf(e->addr_source, sizeof e->addr_source, "EPIPE_MASTER_ADDR");
     } else if (src == SRC_TORCH || (src == SRC_EPIPE && env("MASTER_ADDR"))) {
         if (!(a = env("MASTER_ADDR")))
-            return epipe_fail(EPIPE_EINVAL, "rendezvous: rank from %s but neither EPIPE_MASTER_ADDR "
-                                            "nor MASTER_ADDR is set", e->source);
+            return epipe_fail(EPIPE_EINVAL,
+                              "rendezvous: rank from %s but neither EPIPE_MASTER_ADDR "
+                              "nor MASTER_ADDR is set",
+                              e->source);
         snprintf(e->addr_source, sizeof e->addr_source, "MASTER_ADDR");
     } else if (src == SRC_EPIPE) {
         a = "127.0.0.1";
         snprintf(e->addr_source, sizeof e->addr_source, "local host (default)");
     } else {
         /* MPI, PMI and Slurm give no master: one node means the local host. */
-        const char *local = src == SRC_OMPI ? env("OMPI_COMM_WORLD_LOCAL_SIZE")
+        const char *local = src == SRC_OMPI  ? env("OMPI_COMM_WORLD_LOCAL_SIZE")
                             : src == SRC_PMI ? env("MPI_LOCALNRANKS")
                                              : NULL;
         const char *nnodes = env("SLURM_JOB_NUM_NODES") ? env("SLURM_JOB_NUM_NODES")
-                                                         : env("SLURM_NNODES");
+                                                        : env("SLURM_NNODES");
         const char *nodelist = env("SLURM_JOB_NODELIST") ? env("SLURM_JOB_NODELIST")
-                                                          : env("SLURM_NODELIST");
+                                                         : env("SLURM_NODELIST");
         int single = -1; /* unknown */
         if (local)
             single = strtoul(local, NULL, 10) == size;
@@ -242,8 +247,9 @@ int epipe_rdv_env_parse(epipe_rdv_env *e)
             a = NULL;
             snprintf(e->addr_source, sizeof e->addr_source, "first host of SLURM_JOB_NODELIST");
         } else {
-            return epipe_fail(EPIPE_EINVAL, "rendezvous: a multi-node run (%s) gives no master "
-                                            "address: set EPIPE_MASTER_ADDR to rank 0's host",
+            return epipe_fail(EPIPE_EINVAL,
+                              "rendezvous: a multi-node run (%s) gives no master "
+                              "address: set EPIPE_MASTER_ADDR to rank 0's host",
                               e->source);
         }
     }

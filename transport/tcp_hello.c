@@ -32,7 +32,8 @@ int epipe_tcp_hello_decode(const uint8_t *p, size_t len, struct epipe_tcp_hello 
 {
     memset(h, 0, sizeof *h);
     if (len < HELLO_SIZE)
-        return epipe_fail(EPIPE_EPROTO, "hello payload is %zu bytes, fewer than %d", len, HELLO_SIZE);
+        return epipe_fail(EPIPE_EPROTO, "hello payload is %zu bytes, fewer than %d", len,
+                          HELLO_SIZE);
     if (memcmp(p, HELLO_MAGIC, 4))
         return epipe_fail(EPIPE_EPROTO, "hello payload has a bad magic");
     if (epipe_tcp_get_u16(p + 6) != HELLO_VERSION)
@@ -159,8 +160,8 @@ static int write_all(int fd, const uint8_t *p, size_t len, int64_t deadline)
     return EPIPE_OK;
 }
 
-int epipe_tcp_send_msg(int fd, unsigned kind, unsigned src, unsigned dst, uint32_t mb, uint64_t step,
-                    const void *payload, size_t len, int64_t deadline)
+int epipe_tcp_send_msg(int fd, unsigned kind, unsigned src, unsigned dst, uint32_t mb,
+                       uint64_t step, const void *payload, size_t len, int64_t deadline)
 {
     epipe_wire_header h;
     memset(&h, 0, sizeof h);
@@ -177,7 +178,8 @@ int epipe_tcp_send_msg(int fd, unsigned kind, unsigned src, unsigned dst, uint32
     return rc;
 }
 
-int epipe_tcp_send_hello(int fd, const struct epipe_tcp_hello *h, unsigned src, unsigned dst, int64_t deadline)
+int epipe_tcp_send_hello(int fd, const struct epipe_tcp_hello *h, unsigned src, unsigned dst,
+                         int64_t deadline)
 {
     uint8_t p[HELLO_SIZE];
     epipe_tcp_hello_encode(h, p);
@@ -187,11 +189,11 @@ int epipe_tcp_send_hello(int fd, const struct epipe_tcp_hello *h, unsigned src, 
 /* ERROR messages carry the status (as a positive number) in `step` and the
  * rank the error is about in `micro_batch`; the payload is the text. */
 void epipe_tcp_send_error(int fd, unsigned src, unsigned dst, unsigned about, int status,
-                       const char *text)
+                          const char *text)
 {
     size_t len = strnlen(text, EPIPE_ERRMSG_MAX);
     epipe_tcp_send_msg(fd, EPIPE_WIRE_ERROR, src, dst, about, (uint64_t)(-status), text, len,
-             epipe_now_ms() + 1000);
+                       epipe_now_ms() + 1000);
 }
 
 /* Turns a received ERROR into a status and a message. */
@@ -207,12 +209,14 @@ int epipe_tcp_error_from(const struct epipe_tcp_reader *r, const char *who)
 /* Connector: HELLO, then CHALLENGE, PROOF, WELCOME. `who` names the peer.
  * *dropped is set when the acceptor closed the connection unanswered. */
 int epipe_tcp_client_handshake(struct epipe_tcp_rdv *s, int fd, unsigned type, unsigned peer,
-                            unsigned stream, const char *who, int *dropped)
+                               unsigned stream, const char *who, int *dropped)
 {
     struct epipe_tcp_hello me = {.type = (uint8_t)type,
-                       .flags = (s->key->on ? HF_AUTH : 0) | epipe_tcp_crypt_flags(s->o),
-                       .rank = s->rank, .size = s->size, .stream = stream,
-                       .port = (uint16_t)s->my_port};
+                                 .flags = (s->key->on ? HF_AUTH : 0) | epipe_tcp_crypt_flags(s->o),
+                                 .rank = s->rank,
+                                 .size = s->size,
+                                 .stream = stream,
+                                 .port = (uint16_t)s->my_port};
     snprintf(me.addr, sizeof me.addr, "%s", s->my_addr);
     epipe_tcp_random(me.nonce, sizeof me.nonce);
     struct epipe_tcp_reader r = {0};
@@ -235,12 +239,14 @@ int epipe_tcp_client_handshake(struct epipe_tcp_rdv *s, int fd, unsigned type, u
         goto out;
     }
     if (ch.rank != peer) {
-        rc = epipe_fail(EPIPE_EINVAL, "%s answers as rank %u of %u, but this rank expects rank %u "
-                                      "of %u", who, ch.rank, ch.size, peer, s->size);
+        rc = epipe_fail(EPIPE_EINVAL,
+                        "%s answers as rank %u of %u, but this rank expects rank %u "
+                        "of %u",
+                        who, ch.rank, ch.size, peer, s->size);
         goto out;
     }
-    struct epipe_tcp_hello proof = {.type = HT_PROOF, .flags = me.flags, .rank = s->rank, .size = s->size,
-                          .stream = stream};
+    struct epipe_tcp_hello proof = {
+        .type = HT_PROOF, .flags = me.flags, .rank = s->rank, .size = s->size, .stream = stream};
     if (s->key->on) {
         if (!(ch.flags & HF_AUTH) ||
             !epipe_tcp_mac_ok(s->key, 'S', me.nonce, ch.nonce, s->rank, peer, stream, ch.mac)) {
@@ -265,8 +271,10 @@ int epipe_tcp_client_handshake(struct epipe_tcp_rdv *s, int fd, unsigned type, u
     epipe_tcp_reader_reset(&r);
     if ((rc = epipe_tcp_send_hello(fd, &proof, s->rank, peer, s->deadline)) == EPIPE_OK &&
         ch.size != s->size) { /* after the proof, so the acceptor trusts our word and fails too */
-        rc = epipe_fail(EPIPE_EINVAL, "mismatched world size: %s has %u ranks, this rank (rank %u) "
-                                      "has %u", who, ch.size, s->rank, s->size);
+        rc = epipe_fail(EPIPE_EINVAL,
+                        "mismatched world size: %s has %u ranks, this rank (rank %u) "
+                        "has %u",
+                        who, ch.size, s->rank, s->size);
         goto out;
     }
     if (rc || (rc = epipe_tcp_reader_wait(fd, &r, s->deadline)) < 0) {
@@ -280,9 +288,9 @@ int epipe_tcp_client_handshake(struct epipe_tcp_rdv *s, int fd, unsigned type, u
     struct epipe_tcp_hello w;
     if ((rc = epipe_tcp_hello_decode(r.payload, r.h.payload_len, &w)))
         goto out;
-    rc = w.type == HT_WELCOME ? EPIPE_OK
-                              : epipe_fail(EPIPE_EPROTO, "expected a welcome, got hello type %u",
-                                           w.type);
+    rc = w.type == HT_WELCOME
+             ? EPIPE_OK
+             : epipe_fail(EPIPE_EPROTO, "expected a welcome, got hello type %u", w.type);
 out:
     epipe_tcp_reader_reset(&r);
     if (rc > 0)
@@ -292,7 +300,8 @@ out:
     return rc;
 }
 
-void epipe_tcp_refuse(struct epipe_tcp_rdv *s, struct epipe_tcp_pending *p, int status, const char *why)
+void epipe_tcp_refuse(struct epipe_tcp_rdv *s, struct epipe_tcp_pending *p, int status,
+                      const char *why)
 {
     epipe_log_warn((int)s->rank, "rendezvous", "refused the connection from %s: %s", p->from, why);
     snprintf(s->last_refusal, sizeof s->last_refusal, "%.40s: %.150s", p->from, why);
@@ -350,8 +359,11 @@ int epipe_tcp_accept_step(struct epipe_tcp_rdv *s, struct epipe_tcp_pending *p)
             return 1;
         }
         struct epipe_tcp_hello ch = {.type = HT_CHALLENGE,
-                           .flags = (s->key->on ? HF_AUTH : 0) | epipe_tcp_crypt_flags(s->o),
-                           .rank = s->rank, .size = s->size, .stream = h.stream};
+                                     .flags = (s->key->on ? HF_AUTH : 0) |
+                                              epipe_tcp_crypt_flags(s->o),
+                                     .rank = s->rank,
+                                     .size = s->size,
+                                     .stream = h.stream};
         epipe_tcp_random(p->nonce_s, sizeof p->nonce_s);
         memcpy(ch.nonce, p->nonce_s, sizeof ch.nonce);
         if (s->key->on)

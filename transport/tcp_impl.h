@@ -15,12 +15,12 @@
 /* Init-time settings: defaults, then EPIPE_* environment variables, then
  * the options spec ("timeout_ms=5000,streams=2"), each overriding the last. */
 typedef struct epipe_tcp_opts {
-    int64_t timeout_ms;      /* receives and liveness (EPIPE_TIMEOUT_MS): 30000 */
-    int64_t init_timeout_ms; /* rendezvous (EPIPE_INIT_TIMEOUT_MS): 120000 */
-    int64_t heartbeat_ms;    /* 0: timeout/4, at most 5000 (EPIPE_HEARTBEAT_MS) */
-    int64_t spin_us;         /* receive busy-wait (EPIPE_SPIN_US): 50 */
-    unsigned streams;        /* connections per neighbour (EPIPE_TCP_STREAMS): 1 */
-    int mesh;                /* topology=mesh (EPIPE_TCP_TOPOLOGY): 0 = pipeline */
+    int64_t timeout_ms;                   /* receives and liveness (EPIPE_TIMEOUT_MS): 30000 */
+    int64_t init_timeout_ms;              /* rendezvous (EPIPE_INIT_TIMEOUT_MS): 120000 */
+    int64_t heartbeat_ms;                 /* 0: timeout/4, at most 5000 (EPIPE_HEARTBEAT_MS) */
+    int64_t spin_us;                      /* receive busy-wait (EPIPE_SPIN_US): 50 */
+    unsigned streams;                     /* connections per neighbour (EPIPE_TCP_STREAMS): 1 */
+    int mesh;                             /* topology=mesh (EPIPE_TCP_TOPOLOGY): 0 = pipeline */
     char listen_addr[EPIPE_TCP_ADDR_MAX]; /* EPIPE_LISTEN_ADDR */
     char ifname[EPIPE_TCP_ADDR_MAX];      /* EPIPE_IFNAME */
     char key_file[512];                   /* EPIPE_AUTH_KEY_FILE */

@@ -71,8 +71,10 @@ void epipe_tcp_conn_ended(struct tcp *t, struct conn *k, const char *how)
         return;
     }
     if (k->hgot || k->rx || k->rh_got) {
-        snprintf(why, sizeof why, "stream %u was cut in the middle of a message (%zu of %zu "
-                                  "payload bytes)", k->stream, k->rx_got, k->rx ? k->rx_need : 0);
+        snprintf(why, sizeof why,
+                 "stream %u was cut in the middle of a message (%zu of %zu "
+                 "payload bytes)",
+                 k->stream, k->rx_got, k->rx ? k->rx_need : 0);
         epipe_tcp_conn_close(k, 0);
         peer_failed(t, peer, EPIPE_EPEER, why);
         return;
@@ -97,8 +99,8 @@ void epipe_tcp_conn_ended(struct tcp *t, struct conn *k, const char *how)
 void epipe_tcp_read_ended(struct tcp *t, struct conn *k, ssize_t n)
 {
     char how[64];
-    snprintf(how, sizeof how, "the connection %s%s", n == 0 ? "closed" : "failed: ",
-             n == 0 ? "" : strerror(errno));
+    snprintf(how, sizeof how, "the connection %s%s",
+             n == 0 ? "closed" : "failed: ", n == 0 ? "" : strerror(errno));
     epipe_tcp_conn_ended(t, k, how);
 }
 
@@ -135,21 +137,17 @@ static void finish(struct tcp *t, struct conn *k)
     m->len = m->hdr.header_len + k->rx_need;
     switch (m->hdr.kind) {
     case EPIPE_WIRE_ACTIVATION:
-    case EPIPE_WIRE_GRADIENT:
-        epipe_comm_deliver(c, m);
-        return;
-    case EPIPE_WIRE_HEARTBEAT:
-        break;
-    case EPIPE_WIRE_BYE:
-        k->bye = 1;
-        break;
+    case EPIPE_WIRE_GRADIENT: epipe_comm_deliver(c, m); return;
+    case EPIPE_WIRE_HEARTBEAT: break;
+    case EPIPE_WIRE_BYE: k->bye = 1; break;
     case EPIPE_WIRE_ERROR: {
         unsigned about = m->hdr.micro_batch;
         char why[EPIPE_ERRMSG_MAX];
         char by[32] = "";
         if (k->peer != about)
             snprintf(by, sizeof by, "reported by rank %u: ", k->peer);
-        snprintf(why, sizeof why, "%s%.*s", by, (int)(k->rx_need < sizeof why ? k->rx_need : sizeof why),
+        snprintf(why, sizeof why, "%s%.*s", by,
+                 (int)(k->rx_need < sizeof why ? k->rx_need : sizeof why),
                  (const char *)m->data + m->hdr.header_len);
         if (about < c->size && about != c->rank)
             peer_failed(t, about, EPIPE_EPEER, why);
@@ -357,7 +355,8 @@ static int64_t housekeeping(struct tcp *t, int64_t now)
         int64_t since = now - k->last_tx;
         pthread_mutex_unlock(&k->txlock);
         if (idle && since >= hb) {
-            epipe_msg *m = epipe_tcp_control_msg(t, EPIPE_WIRE_HEARTBEAT, k->peer, t->c->rank, 0, NULL);
+            epipe_msg *m = epipe_tcp_control_msg(t, EPIPE_WIRE_HEARTBEAT, k->peer, t->c->rank, 0,
+                                                 NULL);
             if (m)
                 epipe_tcp_enqueue(t, k, m, 0);
             since = 0;
@@ -408,14 +407,16 @@ void *epipe_tcp_progress(void *arg)
             int want_out = epipe_tcp_tx_waiting(k);
             busy += want_out || (k->bye_queued && !k->shut);
             pthread_mutex_unlock(&k->txlock);
-            pf[n] = (struct pollfd){.fd = k->fd, .events = (short)(POLLIN | (want_out ? POLLOUT : 0))};
+            pf[n] = (struct pollfd){.fd = k->fd,
+                                    .events = (short)(POLLIN | (want_out ? POLLOUT : 0))};
             idx[n++] = i;
         }
         if (stopping && (!busy || now >= stop_at)) {
             if (busy)
-                epipe_log_warn((int)t->c->rank, "tcp", "closing with unsent messages to %u "
-                               "connection(s): no progress for %lld ms", busy,
-                               (long long)patience);
+                epipe_log_warn((int)t->c->rank, "tcp",
+                               "closing with unsent messages to %u "
+                               "connection(s): no progress for %lld ms",
+                               busy, (long long)patience);
             break;
         }
         int64_t wait = next - now;

@@ -32,7 +32,8 @@ int epipe_tcp_ctl_step(struct epipe_tcp_rdv *s)
         rc = -(int)s->ctl_r.h.step;
         rc = epipe_fail(rc > -1 || rc < -64 ? EPIPE_EPEER : rc, "rendezvous: rank 0 reports: %.*s",
                         (int)s->ctl_r.h.payload_len, (const char *)s->ctl_r.payload);
-    } else if ((rc = epipe_tcp_hello_decode(s->ctl_r.payload, s->ctl_r.h.payload_len, &h)) == EPIPE_OK) {
+    } else if ((rc = epipe_tcp_hello_decode(s->ctl_r.payload, s->ctl_r.h.payload_len, &h)) ==
+               EPIPE_OK) {
         if (h.type == HT_GO)
             s->go = 1;
         else
@@ -83,15 +84,16 @@ int epipe_tcp_add_link(struct epipe_tcp_rdv *s, int fd, unsigned peer, unsigned 
 /* Connects (unless *fd already is) and handshakes; again, after a pause,
  * while the acceptor drops the connection unanswered (it sheds connections
  * under a flood), until the init timeout. On failure *fd is closed, -1. */
-static int dial(struct epipe_tcp_rdv *s, const char *host, unsigned port, unsigned type, unsigned peer,
-                unsigned stream, const char *who, int *fd)
+static int dial(struct epipe_tcp_rdv *s, const char *host, unsigned port, unsigned type,
+                unsigned peer, unsigned stream, const char *who, int *fd)
 {
     int backoff = 10;
     for (;;) {
         int rc, dropped = 0;
         if (*fd < 0 && (rc = epipe_tcp_connect_retry(s, host, port, s->deadline, fd, who)))
             return rc;
-        if ((rc = epipe_tcp_client_handshake(s, *fd, type, peer, stream, who, &dropped)) == EPIPE_OK)
+        if ((rc = epipe_tcp_client_handshake(s, *fd, type, peer, stream, who, &dropped)) ==
+            EPIPE_OK)
             return EPIPE_OK;
         close(*fd);
         *fd = -1;
@@ -130,7 +132,8 @@ static int setup_rank(struct epipe_tcp_rdv *s, const char *master_addr, unsigned
         getsockname(fd0, (struct sockaddr *)&ss, &len);
         epipe_tcp_host_only((struct sockaddr *)&ss, s->my_addr, sizeof s->my_addr);
     }
-    if ((rc = epipe_tcp_open_listener(s->my_addr, 0, AF_INET, &lfd, &s->my_port, where, sizeof where))) {
+    if ((rc = epipe_tcp_open_listener(s->my_addr, 0, AF_INET, &lfd, &s->my_port, where,
+                                      sizeof where))) {
         rc = epipe_tcp_refail(rc, "rendezvous: rank %u", s->rank);
         goto out;
     }
@@ -188,8 +191,10 @@ static int setup_rank(struct epipe_tcp_rdv *s, const char *master_addr, unsigned
     while (!s->go && rc == EPIPE_OK) {
         struct pollfd pf = {.fd = s->ctl, .events = POLLIN};
         if (poll(&pf, 1, epipe_tcp_left_ms(s->deadline)) == 0)
-            rc = epipe_fail(EPIPE_ETIMEDOUT, "rendezvous: rank %u: rank 0 did not say go within "
-                                             "the init timeout", s->rank);
+            rc = epipe_fail(EPIPE_ETIMEDOUT,
+                            "rendezvous: rank %u: rank 0 did not say go within "
+                            "the init timeout",
+                            s->rank);
         else
             rc = epipe_tcp_ctl_step(s);
     }
@@ -219,8 +224,12 @@ int epipe_tcp_setup(unsigned rank, unsigned size, const char *master_addr, unsig
     *nlinks = 0;
     if (size == 1)
         return EPIPE_OK;
-    struct epipe_tcp_rdv s = {.rank = rank, .size = size, .o = o, .key = key, .ctl = -1,
-                      .deadline = epipe_now_ms() + o->init_timeout_ms};
+    struct epipe_tcp_rdv s = {.rank = rank,
+                              .size = size,
+                              .o = o,
+                              .key = key,
+                              .ctl = -1,
+                              .deadline = epipe_now_ms() + o->init_timeout_ms};
     s.have = calloc(size, 1);
     if (!s.have)
         return epipe_fail(EPIPE_ENOMEM, "out of memory");

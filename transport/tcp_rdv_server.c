@@ -12,19 +12,19 @@
 #include "tcp_setup.h"
 
 struct epipe_tcp_registry { /* rank 0 only */
-    int *fd;      /* [size] registration connection, -1 until registered */
+    int *fd;                /* [size] registration connection, -1 until registered */
     struct epipe_tcp_hello *hi;
     uint8_t (*nonce_s)[EPIPE_TCP_NONCE]; /* [size] rank 0's nonce of each registration handshake */
     struct epipe_tcp_reader **rd; /* [size] what a registered rank sends, allocated when it does */
-    uint8_t *ready;     /* [size] it said READY: its connections are all made */
+    uint8_t *ready;               /* [size] it said READY: its connections are all made */
     unsigned registered, nready;
     int table_sent;
 };
 
 /* Tells every registered rank but `about` that the rendezvous failed
  * because of rank `about` (0: this one). */
-static void fail_all(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, unsigned about, int status,
-                     const char *why)
+static void fail_all(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, unsigned about,
+                     int status, const char *why)
 {
     for (unsigned q = 1; g && q < s->size; q++)
         if (g->fd[q] >= 0 && (q != about || about == 0))
@@ -42,8 +42,10 @@ static int serve(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, struct e
     struct epipe_tcp_hello h = p->hi;
     int is_reg = h.type == HT_REGISTER;
     if (h.size != s->size) {
-        snprintf(why, sizeof why, "mismatched world size: rank %u at %s says %u ranks, rank %u "
-                                  "has %u", h.rank, p->from, h.size, s->rank, s->size);
+        snprintf(why, sizeof why,
+                 "mismatched world size: rank %u at %s says %u ranks, rank %u "
+                 "has %u",
+                 h.rank, p->from, h.size, s->rank, s->size);
         epipe_tcp_refuse(s, p, EPIPE_EINVAL, why);
         fail_all(s, g, 0, EPIPE_EINVAL, why);
         return epipe_fail(EPIPE_EINVAL, "rendezvous: %s", why);
@@ -53,8 +55,9 @@ static int serve(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, struct e
         epipe_tcp_refuse(s, p, EPIPE_EINVAL, why);
         return 1;
     }
-    if (is_reg ? (!g || g->table_sent) : h.stream >= epipe_tcp_streams_between(s->o, s->rank, h.rank) ||
-                                         (s->rank == 0 && h.stream == 0)) {
+    if (is_reg ? (!g || g->table_sent)
+               : h.stream >= epipe_tcp_streams_between(s->o, s->rank, h.rank) ||
+                     (s->rank == 0 && h.stream == 0)) {
         snprintf(why, sizeof why, "unexpected %s from rank %u, stream %u",
                  is_reg ? "registration" : "connection", h.rank, h.stream);
         epipe_tcp_refuse(s, p, EPIPE_EPROTO, why);
@@ -67,7 +70,8 @@ static int serve(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, struct e
         fail_all(s, g, 0, EPIPE_EINVAL, why);
         return epipe_fail(EPIPE_EINVAL, "rendezvous: %s", why);
     }
-    struct epipe_tcp_hello w = {.type = HT_WELCOME, .rank = s->rank, .size = s->size, .stream = p->hi.stream};
+    struct epipe_tcp_hello w = {
+        .type = HT_WELCOME, .rank = s->rank, .size = s->size, .stream = p->hi.stream};
     if ((rc = epipe_tcp_send_hello(p->fd, &w, s->rank, p->hi.rank, epipe_now_ms() + 1000))) {
         snprintf(why, sizeof why, "%s", epipe_last_error());
         epipe_tcp_refuse(s, p, 0, why);
@@ -86,15 +90,16 @@ static int serve(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, struct e
         memcpy(g->nonce_s[q], p->nonce_s, EPIPE_TCP_NONCE);
         g->registered++;
         s->have[q] |= 1;
-        epipe_log_info((int)s->rank, "rendezvous", "rank %u registered from %s (listens on %s:%u)%s",
-                       q, p->from, p->hi.addr, p->hi.port, s->key->on ? ", authenticated" : "");
+        epipe_log_info((int)s->rank, "rendezvous",
+                       "rank %u registered from %s (listens on %s:%u)%s", q, p->from, p->hi.addr,
+                       p->hi.port, s->key->on ? ", authenticated" : "");
     } else {
         epipe_tcp_link_note(&s->hs, 0, p->hi.nonce, p->nonce_s, p->hi.flags,
                             epipe_tcp_crypt_flags(s->o));
         if ((rc = epipe_tcp_add_link(s, p->fd, q, p->hi.stream)))
             return rc;
-        epipe_log_debug((int)s->rank, "tcp", "accepted rank %u stream %u from %s", q,
-                        p->hi.stream, p->from);
+        epipe_log_debug((int)s->rank, "tcp", "accepted rank %u stream %u from %s", q, p->hi.stream,
+                        p->from);
     }
     p->fd = -1; /* kept */
     return p->hi.type == HT_REGISTER ? 1 : 2;
@@ -167,8 +172,8 @@ static int watch_rank(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, uns
         snprintf(why, sizeof why, "%s", epipe_last_error());
     else if (r->h.kind == EPIPE_WIRE_ERROR)
         snprintf(why, sizeof why, "%.*s", (int)r->h.payload_len, (const char *)r->payload);
-    else if (epipe_tcp_hello_decode(r->payload, r->h.payload_len, &h) == EPIPE_OK && h.type == HT_READY &&
-             g->table_sent && !g->ready[q]) {
+    else if (epipe_tcp_hello_decode(r->payload, r->h.payload_len, &h) == EPIPE_OK &&
+             h.type == HT_READY && g->table_sent && !g->ready[q]) {
         epipe_tcp_reader_reset(r);
         g->ready[q] = 1;
         g->nready++;
@@ -178,8 +183,10 @@ static int watch_rank(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, uns
     epipe_tcp_reader_reset(r);
     epipe_clear_error();
     if (!g->table_sent) {
-        epipe_log_warn(0, "rendezvous", "rank %u left before all ranks registered (%s); it may "
-                       "register again", q, why);
+        epipe_log_warn(0, "rendezvous",
+                       "rank %u left before all ranks registered (%s); it may "
+                       "register again",
+                       q, why);
         close(g->fd[q]);
         g->fd[q] = -1;
         g->registered--;
@@ -194,7 +201,8 @@ static int watch_rank(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, uns
 }
 
 /* The ranks among q0..size-1 still missing: streams (rank 0 also READY). */
-static void missing_ranks(const struct epipe_tcp_rdv *s, const struct epipe_tcp_registry *g, char *out, size_t cap)
+static void missing_ranks(const struct epipe_tcp_rdv *s, const struct epipe_tcp_registry *g,
+                          char *out, size_t cap)
 {
     size_t off = 0;
     out[0] = '\0';
@@ -237,7 +245,8 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
         unsigned nw = 0; /* then the connections to listen to */
         for (unsigned q = 1; g && q < s->size; q++)
             if (g->fd[q] >= 0 && !g->ready[q])
-                who[nw] = q, pf[1 + npend + nw++] = (struct pollfd){.fd = g->fd[q], .events = POLLIN};
+                who[nw] = q,
+                pf[1 + npend + nw++] = (struct pollfd){.fd = g->fd[q], .events = POLLIN};
         if (!g && s->ctl >= 0)
             pf[1 + npend + nw++] = (struct pollfd){.fd = s->ctl, .events = POLLIN};
         int n = poll(pf, 1 + npend + nw, epipe_tcp_left_ms(s->deadline));
@@ -246,8 +255,9 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
         if (n <= 0) {
             char missing[128];
             missing_ranks(s, g, missing, sizeof missing);
-            rc = epipe_fail(EPIPE_ETIMEDOUT, "rendezvous: rank %u: rank%s %s did not %s within the "
-                                             "init timeout%s%s",
+            rc = epipe_fail(EPIPE_ETIMEDOUT,
+                            "rendezvous: rank %u: rank%s %s did not %s within the "
+                            "init timeout%s%s",
                             s->rank, strchr(missing, ',') ? "s" : "", missing,
                             g && !g->table_sent ? "register"
                             : g && got == want  ? "finish connecting"
@@ -290,9 +300,10 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
                     unsigned v = evictee(pend, npend);
                     /* Said once; a flood must not flood the log too. */
                     epipe_log_msg(dropped++ ? EPIPE_LOG_DEBUG : EPIPE_LOG_WARN, (int)s->rank,
-                                  "rendezvous", "too many pending connections (%d); dropping the "
-                                  "oldest %s one, from %s", MAX_PENDING,
-                                  pend[v].phase ? "unproven" : "silent", pend[v].from);
+                                  "rendezvous",
+                                  "too many pending connections (%d); dropping the "
+                                  "oldest %s one, from %s",
+                                  MAX_PENDING, pend[v].phase ? "unproven" : "silent", pend[v].from);
                     close(pend[v].fd);
                     epipe_tcp_reader_reset(&pend[v].r);
                     pend[v] = pend[--npend];
@@ -313,8 +324,10 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
                 rc = epipe_tcp_refail(rc, "rendezvous: telling rank %u to go", q);
     }
     if (dropped)
-        epipe_log_info((int)s->rank, "rendezvous", "dropped %llu pending connections in all "
-                       "(more than %d at once)", (unsigned long long)dropped, MAX_PENDING);
+        epipe_log_info((int)s->rank, "rendezvous",
+                       "dropped %llu pending connections in all "
+                       "(more than %d at once)",
+                       (unsigned long long)dropped, MAX_PENDING);
 out:
     for (unsigned i = 0; pend && i < npend; i++) {
         if (pend[i].fd >= 0)
@@ -347,7 +360,7 @@ int epipe_tcp_setup_rank0(struct epipe_tcp_rdv *s, const char *master_addr, unsi
     }
     unsigned port;
     if ((rc = epipe_tcp_open_listener(chosen ? addr : NULL, master_port, family, &lfd, &port, where,
-                            sizeof where)))
+                                      sizeof where)))
         return epipe_tcp_refail(rc, "rendezvous: rank 0");
     epipe_log_info(0, "rendezvous", "rank 0 listens on %s for %u ranks%s", where, s->size,
                    s->key->on ? " (authentication on)" : "");

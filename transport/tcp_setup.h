@@ -95,13 +95,13 @@ struct epipe_tcp_rdv {
     unsigned my_port;
     epipe_tcp_link *links;
     unsigned nlinks, links_cap;
-    uint8_t *have;          /* [size] bit s: stream s of that peer is connected */
-    char last_refusal[200]; /* the last connection the acceptor refused, for timeouts */
-    int ctl;                /* ranks > 0, after the table: the connection to rank 0 */
+    uint8_t *have;                 /* [size] bit s: stream s of that peer is connected */
+    char last_refusal[200];        /* the last connection the acceptor refused, for timeouts */
+    int ctl;                       /* ranks > 0, after the table: the connection to rank 0 */
     struct epipe_tcp_reader ctl_r; /* what rank 0 says on it before GO: an ERROR, or GO */
-    int go;                 /* rank 0 said GO */
-    int ctl_heard;          /* rank 0 said the rendezvous failed, or closed */
-    epipe_tcp_link hs;      /* the last finished handshake, which add_link records
+    int go;                        /* rank 0 said GO */
+    int ctl_heard;                 /* rank 0 said the rendezvous failed, or closed */
+    epipe_tcp_link hs;             /* the last finished handshake, which add_link records
                                (nonces and flags: the link's keys come from them) */
 };
 

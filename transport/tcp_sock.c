@@ -60,10 +60,10 @@ void epipe_tcp_host_only(const struct sockaddr *sa, char *buf, size_t cap)
 }
 
 int epipe_tcp_resolve(const char *host, unsigned port, int passive, struct sockaddr_storage *out,
-                   socklen_t *len)
+                      socklen_t *len)
 {
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                             .ai_flags = passive ? AI_PASSIVE : 0};
+    struct addrinfo hints = {
+        .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = passive ? AI_PASSIVE : 0};
     char ps[8];
     snprintf(ps, sizeof ps, "%u", port);
     struct addrinfo *res;
@@ -108,14 +108,16 @@ static int ifname_addr(const char *ifname, char *out, size_t cap)
             }
     freeifaddrs(ifs);
     if (!found)
-        return epipe_fail(EPIPE_EINVAL, "EPIPE_IFNAME: interface '%s' has no IP address (or does "
-                                        "not exist)", ifname);
+        return epipe_fail(EPIPE_EINVAL,
+                          "EPIPE_IFNAME: interface '%s' has no IP address (or does "
+                          "not exist)",
+                          ifname);
     return EPIPE_OK;
 }
 
 /* A listening socket on host:port (host NULL: every address of family). */
 int epipe_tcp_open_listener(const char *host, unsigned port, int family, int *fd_out,
-                         unsigned *port_out, char *where, size_t where_cap)
+                            unsigned *port_out, char *where, size_t where_cap)
 {
     struct sockaddr_storage ss;
     socklen_t len;
@@ -127,11 +129,13 @@ int epipe_tcp_open_listener(const char *host, unsigned port, int family, int *fd
         memset(&ss, 0, sizeof ss);
         if (family == AF_INET6) {
             struct sockaddr_in6 *in = (struct sockaddr_in6 *)&ss;
-            in->sin6_family = AF_INET6, in->sin6_addr = in6addr_any, in->sin6_port = htons((uint16_t)port);
+            in->sin6_family = AF_INET6, in->sin6_addr = in6addr_any,
+            in->sin6_port = htons((uint16_t)port);
             len = sizeof *in;
         } else {
             struct sockaddr_in *in = (struct sockaddr_in *)&ss;
-            in->sin_family = AF_INET, in->sin_addr.s_addr = htonl(INADDR_ANY), in->sin_port = htons((uint16_t)port);
+            in->sin_family = AF_INET, in->sin_addr.s_addr = htonl(INADDR_ANY),
+            in->sin_port = htons((uint16_t)port);
             len = sizeof *in;
         }
     }
@@ -145,8 +149,8 @@ int epipe_tcp_open_listener(const char *host, unsigned port, int family, int *fd
         int e = errno;
         close(fd);
         return epipe_fail(EPIPE_EIO, "cannot listen on %s: %s%s", where, strerror(e),
-                          e == EADDRINUSE ? " (another job or program holds this port: pick "
-                                            "another with EPIPE_MASTER_PORT)"
+                          e == EADDRINUSE      ? " (another job or program holds this port: pick "
+                                                 "another with EPIPE_MASTER_PORT)"
                           : e == EADDRNOTAVAIL ? " (the address is not one of this host's)"
                                                : "");
     }
@@ -181,8 +185,8 @@ void epipe_tcp_tune(int fd)
 /* Connects to host:port, retrying while nobody listens yet, until deadline;
  * between tries it listens to rank 0 (epipe_tcp_pause_ms), which may say the rank
  * this one waits for has failed. */
-int epipe_tcp_connect_retry(struct epipe_tcp_rdv *s, const char *host, unsigned port, int64_t deadline,
-                         int *fd_out, const char *who)
+int epipe_tcp_connect_retry(struct epipe_tcp_rdv *s, const char *host, unsigned port,
+                            int64_t deadline, int *fd_out, const char *who)
 {
     struct sockaddr_storage ss;
     socklen_t len;
@@ -219,15 +223,17 @@ int epipe_tcp_connect_retry(struct epipe_tcp_rdv *s, const char *host, unsigned 
         last = err;
         if (err != ECONNREFUSED && err != ETIMEDOUT && err != ENETUNREACH && err != EHOSTUNREACH &&
             err != ECONNRESET && err != EAGAIN)
-            return epipe_fail(EPIPE_EIO, "cannot connect to %s (%s): %s", who, where, strerror(err));
+            return epipe_fail(EPIPE_EIO, "cannot connect to %s (%s): %s", who, where,
+                              strerror(err));
         if (epipe_now_ms() + backoff >= deadline)
             break;
         if ((rc = epipe_tcp_pause_ms(s, backoff)))
             return rc;
         backoff = backoff < 500 ? backoff * 2 : 1000;
     }
-    return epipe_fail(EPIPE_ETIMEDOUT, "cannot reach %s: %s, still after retrying until the "
-                                       "init timeout (is it running? a firewall?)",
+    return epipe_fail(EPIPE_ETIMEDOUT,
+                      "cannot reach %s: %s, still after retrying until the "
+                      "init timeout (is it running? a firewall?)",
                       who, strerror(last));
 }
 

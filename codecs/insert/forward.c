@@ -51,8 +51,8 @@ static int check_code_range(epipe_codec *c, const float *z, size_t n)
     for (size_t i = 0; i < n; i++)
         if (!(fabsf(z[i]) < 65520.0f))
             return epipe_codec_fail(c, EPIPE_EINVAL,
-                                    "insert: code value %zu (%g) does not fit fp16 (code=fp16)",
-                                    i, (double)z[i]);
+                                    "insert: code value %zu (%g) does not fit fp16 (code=fp16)", i,
+                                    (double)z[i]);
     return EPIPE_OK;
 }
 
@@ -141,8 +141,8 @@ int epipe_insert_restore_code(epipe_codec *c, const float *z, float *y)
     if (kind(c) == KIND_LINEAR) {
         /* Y [N][D] = Z [N][d] Rt [d][D] */
         if (B)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)B, (int)P, (int)K, 1.0f,
-                        z, (int)K, st->w[1], (int)P, 0.0f, y, (int)P);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)B, (int)P, (int)K, 1.0f, z,
+                        (int)K, st->w[1], (int)P, 0.0f, y, (int)P);
         return EPIPE_OK;
     }
     int64_t rb = epipe_insert_block_rows(&g);

@@ -37,14 +37,22 @@ static const char *const kind_choices[] = {"conv", "linear", NULL};
 static const char *const code_choices[] = {"fp32", "fp16", NULL};
 
 static const epipe_param_desc insert_params[] = {
-    {.key = "kind", .kind = EPIPE_PARAM_CHOICE, .min = 0, .max = 1, .def = KIND_CONV,
+    {.key = "kind",
+     .kind = EPIPE_PARAM_CHOICE,
+     .min = 0,
+     .max = 1,
+     .def = KIND_CONV,
      .choices = kind_choices},
     {.key = "out", .kind = EPIPE_PARAM_INT, .min = 0, .max = INSERT_MAX_OUT, .def = 0},
     {.key = "ratio", .kind = EPIPE_PARAM_REAL, .min = 0, .max = 1, .def = 0},
     {.key = "kernel", .kind = EPIPE_PARAM_INT, .min = 1, .max = 64, .def = NAN},
     {.key = "in", .kind = EPIPE_PARAM_INT, .min = 0, .max = INSERT_MAX_OUT, .def = 0},
     {.key = "seed", .kind = EPIPE_PARAM_INT, .min = 0, .max = 4294967295.0, .def = 1},
-    {.key = "code", .kind = EPIPE_PARAM_CHOICE, .min = 0, .max = 1, .def = CODE_F32,
+    {.key = "code",
+     .kind = EPIPE_PARAM_CHOICE,
+     .min = 0,
+     .max = 1,
+     .def = CODE_F32,
      .choices = code_choices},
 };
 
@@ -53,8 +61,10 @@ static int insert_configure(epipe_codec *c)
     if (isnan(c->p[I_KERNEL]))
         c->p[I_KERNEL] = kind(c) == KIND_CONV ? 4 : 1;
     if (kind(c) == KIND_LINEAR && c->p[I_KERNEL] != 1)
-        return epipe_fail(EPIPE_EINVAL, "insert: kernel=%g applies to kind=conv only "
-                          "(kind=linear projects the last dimension)", c->p[I_KERNEL]);
+        return epipe_fail(EPIPE_EINVAL,
+                          "insert: kernel=%g applies to kind=conv only "
+                          "(kind=linear projects the last dimension)",
+                          c->p[I_KERNEL]);
     if (c->p[I_OUT] > 0 && c->p[I_RATIO] > 0)
         return epipe_fail(EPIPE_EINVAL, "insert: give out= or ratio=, not both");
     if (c->p[I_OUT] == 0 && c->p[I_RATIO] == 0)
@@ -84,7 +94,8 @@ int epipe_insert_geometry(epipe_codec *c, const int64_t *shape, int ndim, struct
         if (ndim != 4)
             return epipe_codec_fail(c, EPIPE_EINVAL,
                                     "insert: kind=conv takes [B,C,H,W] tensors; this one has "
-                                    "%d dimensions", ndim);
+                                    "%d dimensions",
+                                    ndim);
         g->B = shape[0], g->cin = shape[1], g->H = shape[2], g->W = shape[3];
         if (g->H % k || g->W % k)
             return epipe_codec_fail(c, EPIPE_EINVAL,
@@ -120,8 +131,8 @@ int epipe_insert_geometry(epipe_codec *c, const int64_t *shape, int ndim, struct
         return epipe_codec_fail(c, EPIPE_EINVAL,
                                 "insert: out=%lld exceeds the %lld values of a patch "
                                 "(C=%lld x %lldx%lld): that would not compress",
-                                (long long)g->K, (long long)g->P, (long long)g->cin,
-                                (long long)k, (long long)k);
+                                (long long)g->K, (long long)g->P, (long long)g->cin, (long long)k,
+                                (long long)k);
     if (S(c)->ready && g->cin != S(c)->cin)
         return epipe_codec_fail(c, EPIPE_EINVAL,
                                 "insert: this codec's parameters are for %s=%lld; the tensor "
@@ -239,8 +250,10 @@ int epipe_insert_ensure_params(epipe_codec *c, int64_t cin)
         return EPIPE_OK;
     int64_t k = kern(c), P = cin * k * k, K = out_for(c, cin);
     if (K > P)
-        return epipe_codec_fail(c, EPIPE_EINVAL, "insert: out=%lld exceeds the %lld values of "
-                                "a patch: that would not compress", (long long)K, (long long)P);
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "insert: out=%lld exceeds the %lld values of "
+                                "a patch: that would not compress",
+                                (long long)K, (long long)P);
     size_t n = (size_t)(K * P);
     for (int i = 0; i < 2; i++) {
         free(st->w[i]), free(st->g[i]); /* a failed earlier attempt */

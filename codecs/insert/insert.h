@@ -6,8 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../../lib/tensor.h"
 #include "../../lib/codec/codec_impl.h"
+#include "../../lib/tensor.h"
 
 enum { I_KIND, I_OUT, I_RATIO, I_KERNEL, I_IN, I_SEED, I_CODE };
 enum { KIND_CONV = 0, KIND_LINEAR = 1 };
@@ -17,10 +17,10 @@ enum { CODE_F32 = 0, CODE_F16 = 1 };
 
 /* What a backward needs of one micro-batch's forward. */
 struct slot {
-    int64_t key;  /* micro-batch; -1 = free */
-    int ndim;     /* shape of the tensor encoded (encode) or decoded into (decode) */
+    int64_t key; /* micro-batch; -1 = free */
+    int ndim;    /* shape of the tensor encoded (encode) or decoded into (decode) */
     int64_t shape[EPIPE_MAX_NDIM];
-    float *buf;   /* encode: a copy of the input; decode: the code [B][K][S]
+    float *buf; /* encode: a copy of the input; decode: the code [B][K][S]
                      (conv) or [N][K] (linear) */
     size_t cap;
 };
@@ -31,14 +31,14 @@ struct cache {
 };
 
 struct insert_state {
-    int ready;     /* parameters exist */
-    int64_t cin;   /* C (conv) or D (linear) */
-    int64_t K, P;  /* code channels; values a patch */
+    int ready;                   /* parameters exist */
+    int64_t cin;                 /* C (conv) or D (linear) */
+    int64_t K, P;                /* code channels; values a patch */
     float *w[2], *g[2], *mom[2]; /* 0: E, 1: Rt, each [K][P] */
     int64_t wshape[2][4];
     DLTensor wt[2], gt[2];
     struct cache enc, dec;
-    float *tmp;    /* per-batch patches or code when nothing is cached */
+    float *tmp; /* per-batch patches or code when nothing is cached */
     size_t tmp_cap;
     float *tmp2;
     size_t tmp2_cap;
@@ -90,12 +90,10 @@ int epipe_insert_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 /* train.c: the backward passes and the trained parameters. */
 int epipe_insert_code_shape(epipe_codec *c, const int64_t *shape, int ndim, int64_t *out,
                             int *out_ndim);
-int epipe_insert_encode_backward(epipe_codec *c, int64_t mb, const float *gz,
-                                 const int64_t *zshape, int zndim, float *gx,
-                                 const int64_t *xshape, int xndim);
-int epipe_insert_decode_backward(epipe_codec *c, int64_t mb, const float *gy,
-                                 const int64_t *yshape, int yndim, float *gz,
-                                 const int64_t *zshape, int zndim);
+int epipe_insert_encode_backward(epipe_codec *c, int64_t mb, const float *gz, const int64_t *zshape,
+                                 int zndim, float *gx, const int64_t *xshape, int xndim);
+int epipe_insert_decode_backward(epipe_codec *c, int64_t mb, const float *gy, const int64_t *yshape,
+                                 int yndim, float *gz, const int64_t *zshape, int zndim);
 int epipe_insert_tensor(epipe_codec *c, unsigned i, const char **name, DLTensor **param,
                         DLTensor **grad);
 void epipe_insert_zero_grad(epipe_codec *c);

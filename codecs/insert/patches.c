@@ -80,11 +80,11 @@ static inline void split_row(const float *restrict src, float *restrict dst, int
                              int64_t Wo, int64_t k)
 {
     switch (k) {
-#define SPLIT(K)                                                                                 \
-    case K:                                                                                      \
-        for (int64_t j = 0; j < Wo; j++)                                                         \
-            for (int64_t v = 0; v < K; v++)                                                      \
-                dst[v * stride + j] = src[j * K + v];                                            \
+#define SPLIT(K)                                                                                   \
+    case K:                                                                                        \
+        for (int64_t j = 0; j < Wo; j++)                                                           \
+            for (int64_t v = 0; v < K; v++)                                                        \
+                dst[v * stride + j] = src[j * K + v];                                              \
         return;
         SPLIT(1)
         SPLIT(2)
@@ -102,11 +102,11 @@ static inline void join_row(const float *restrict src, float *restrict dst, int6
                             int64_t Wo, int64_t k)
 {
     switch (k) {
-#define JOIN(K)                                                                                  \
-    case K:                                                                                      \
-        for (int64_t j = 0; j < Wo; j++)                                                         \
-            for (int64_t v = 0; v < K; v++)                                                      \
-                dst[j * K + v] = src[v * stride + j];                                            \
+#define JOIN(K)                                                                                    \
+    case K:                                                                                        \
+        for (int64_t j = 0; j < Wo; j++)                                                           \
+            for (int64_t v = 0; v < K; v++)                                                        \
+                dst[j * K + v] = src[v * stride + j];                                              \
         return;
         JOIN(1)
         JOIN(2)
@@ -122,7 +122,7 @@ static inline void join_row(const float *restrict src, float *restrict dst, int6
 
 /* cols [P][ns], ns = (i1-i0)*Wo, from sample xb's rows i0..i1. */
 void epipe_insert_im2col(const float *xb, const struct geom *g, int64_t k, int64_t i0, int64_t i1,
-                   float *cols)
+                         float *cols)
 {
     int64_t ns = (i1 - i0) * g->Wo;
     for (int64_t ch = 0; ch < g->cin; ch++)
@@ -133,7 +133,7 @@ void epipe_insert_im2col(const float *xb, const struct geom *g, int64_t k, int64
 }
 
 void epipe_insert_col2im(const float *cols, const struct geom *g, int64_t k, int64_t i0, int64_t i1,
-                   float *yb)
+                         float *yb)
 {
     int64_t ns = (i1 - i0) * g->Wo;
     for (int64_t ch = 0; ch < g->cin; ch++)

@@ -14,7 +14,7 @@ static int same_shape(const int64_t *a, int na, const int64_t *b, int nb)
 }
 
 int epipe_insert_code_shape(epipe_codec *c, const int64_t *shape, int ndim, int64_t *out,
-                             int *out_ndim)
+                            int *out_ndim)
 {
     struct geom g;
     int rc = epipe_insert_geometry(c, shape, ndim, &g);
@@ -30,8 +30,8 @@ int epipe_insert_code_shape(epipe_codec *c, const int64_t *shape, int ndim, int6
 }
 
 static int check_backward_shapes(epipe_codec *c, const struct slot *s, const char *what,
-                                 const int64_t *code_shape, int code_ndim, const int64_t *full_shape,
-                                 int full_ndim)
+                                 const int64_t *code_shape, int code_ndim,
+                                 const int64_t *full_shape, int full_ndim)
 {
     int64_t want[EPIPE_MAX_NDIM];
     int wn;
@@ -59,9 +59,8 @@ static int no_cache(epipe_codec *c, const char *what, int64_t mb)
                             what, (long long)mb, what);
 }
 
-int epipe_insert_encode_backward(epipe_codec *c, int64_t mb, const float *gz,
-                                  const int64_t *zshape, int zndim, float *gx,
-                                  const int64_t *xshape, int xndim)
+int epipe_insert_encode_backward(epipe_codec *c, int64_t mb, const float *gz, const int64_t *zshape,
+                                 int zndim, float *gx, const int64_t *xshape, int xndim)
 {
     struct insert_state *st = S(c);
     struct slot *s = epipe_insert_cache_find(&st->enc, mb);
@@ -77,8 +76,8 @@ int epipe_insert_encode_backward(epipe_codec *c, int64_t mb, const float *gz,
             /* dE [d][D] += gZ^T [d][N] X [N][D];  gX [N][D] = gZ [N][d] E [d][D] */
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)K, (int)P, (int)B, 1.0f, gz,
                         (int)K, s->buf, (int)P, 1.0f, st->g[0], (int)P);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)B, (int)P, (int)K, 1.0f,
-                        gz, (int)K, st->w[0], (int)P, 0.0f, gx, (int)P);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)B, (int)P, (int)K, 1.0f, gz,
+                        (int)K, st->w[0], (int)P, 0.0f, gx, (int)P);
         }
         s->key = -1;
         return EPIPE_OK;
@@ -94,8 +93,8 @@ int epipe_insert_encode_backward(epipe_codec *c, int64_t mb, const float *gz,
             const float *gzb = gz + (size_t)b * zn + i0 * g.Wo;
             epipe_insert_im2col(s->buf + (size_t)b * per, &g, k, i0, i1, cols);
             /* dE [K][P] += gZb [K][ns] cols^T [ns][P];  gcols [P][ns] = E^T gZb */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)K, (int)P, (int)ns, 1.0f,
-                        gzb, (int)Sn, cols, (int)ns, 1.0f, st->g[0], (int)P);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)K, (int)P, (int)ns, 1.0f, gzb,
+                        (int)Sn, cols, (int)ns, 1.0f, st->g[0], (int)P);
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)P, (int)ns, (int)K, 1.0f,
                         st->w[0], (int)P, gzb, (int)Sn, 0.0f, cols, (int)ns);
             epipe_insert_col2im(cols, &g, k, i0, i1, gx + (size_t)b * per);
@@ -104,9 +103,8 @@ int epipe_insert_encode_backward(epipe_codec *c, int64_t mb, const float *gz,
     return EPIPE_OK;
 }
 
-int epipe_insert_decode_backward(epipe_codec *c, int64_t mb, const float *gy,
-                                  const int64_t *yshape, int yndim, float *gz,
-                                  const int64_t *zshape, int zndim)
+int epipe_insert_decode_backward(epipe_codec *c, int64_t mb, const float *gy, const int64_t *yshape,
+                                 int yndim, float *gz, const int64_t *zshape, int zndim)
 {
     struct insert_state *st = S(c);
     struct slot *s = epipe_insert_cache_find(&st->dec, mb);
@@ -158,7 +156,7 @@ static int not_ready(epipe_codec *c)
 }
 
 int epipe_insert_tensor(epipe_codec *c, unsigned i, const char **name, DLTensor **param,
-                         DLTensor **grad)
+                        DLTensor **grad)
 {
     static const char *const names[2] = {"compress.weight", "restore.weight"};
     struct insert_state *st = S(c);

@@ -78,8 +78,8 @@ static void pi_mul_mtq(const float *m, int rows, int cols, const float *q, int r
 {
     if (r <= PI_GEMV_MAX_RANK) {
         for (int k = 0; k < r; k++)
-            cblas_sgemv(CblasRowMajor, CblasTrans, rows, cols, 1.0f, m, cols,
-                        q + (size_t)k * rows, 1, 0.0f, p + (size_t)k * cols, 1);
+            cblas_sgemv(CblasRowMajor, CblasTrans, rows, cols, 1.0f, m, cols, q + (size_t)k * rows,
+                        1, 0.0f, p + (size_t)k * cols, 1);
         return;
     }
     cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, cols, r, rows, 1.0f, m, cols, q, rows,
@@ -101,7 +101,8 @@ int epipe_pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     pi_state *st = c->state;
     const int rows = (int)v.rows, cols = (int)v.cols, r = (int)v.r;
     if (v.rows > INT32_MAX || v.cols > INT32_MAX || v.rows * v.cols > (uint64_t)INT64_MAX)
-        return epipe_codec_fail(c, EPIPE_EINVAL, "poweriter: matrix %llux%llu is too large for BLAS",
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "poweriter: matrix %llux%llu is too large for BLAS",
                                 (unsigned long long)v.rows, (unsigned long long)v.cols);
     uint64_t rec = 0;
     epipe_pi_record_size(c, &v, &rec);
@@ -150,7 +151,8 @@ int epipe_pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     if (rc || v.r == 0)
         return rc;
     if (v.rows > INT32_MAX || v.cols > INT32_MAX)
-        return epipe_codec_fail(c, EPIPE_EINVAL, "poweriter: matrix %llux%llu is too large for BLAS",
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "poweriter: matrix %llux%llu is too large for BLAS",
                                 (unsigned long long)v.rows, (unsigned long long)v.cols);
     pi_state *st = c->state;
     if (epipe_pi_grow(&st->q, &st->qcap, (size_t)v.rows * v.r) ||
@@ -168,8 +170,8 @@ int epipe_pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
             (rc = epipe_pi_read_factor(c, p + 4 + qbytes, v.cols, v.r, fp16, st->p, b, "P")))
             return rc;
         /* Y = s Q Pᵀ, row-major rows x cols = column-major cols x rows = s P Qᵀ. */
-        cblas_sgemm(CblasColMajor, CblasNoTrans, CblasTrans, (int)v.cols, (int)v.rows, (int)v.r,
-                    s, st->p, (int)v.cols, st->q, (int)v.rows, 0.0f, y + b * msize, (int)v.cols);
+        cblas_sgemm(CblasColMajor, CblasNoTrans, CblasTrans, (int)v.cols, (int)v.rows, (int)v.r, s,
+                    st->p, (int)v.cols, st->q, (int)v.rows, 0.0f, y + b * msize, (int)v.cols);
     }
     return EPIPE_OK;
 }

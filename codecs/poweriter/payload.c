@@ -16,13 +16,19 @@ static float pi_max_scale(unsigned r)
 
 static void pi_put_f32(uint8_t *p, float f)
 {
-    union { float f; uint32_t u; } b = {.f = f};
+    union {
+        float f;
+        uint32_t u;
+    } b = {.f = f};
     epipe_put_u32(p, b.u);
 }
 
 static float pi_get_f32(const uint8_t *p)
 {
-    union { float f; uint32_t u; } b = {.u = epipe_get_u32(p)};
+    union {
+        float f;
+        uint32_t u;
+    } b = {.u = epipe_get_u32(p)};
     return b.f;
 }
 
@@ -59,7 +65,7 @@ static size_t pi_write_factor(uint8_t *out, const float *f, uint64_t n, unsigned
 
 /* Writes matrix b's record: the scale s = max|P|, Q, then P / s. */
 int epipe_pi_write_record(epipe_codec *c, const pi_view *v, uint64_t b, const float *q,
-                           const float *p, uint8_t *rec)
+                          const float *p, uint8_t *rec)
 {
     unsigned r = v->r;
     int fp16 = (int)c->p[PI_FACTORS] == PI_F16;
@@ -114,7 +120,7 @@ int epipe_pi_check_header(epipe_codec *c, const uint8_t *body, const pi_view *v)
 /* Reads a row-major n x r factor into column-major floats, rejecting any
  * value that is not finite or has |v| > 1. */
 int epipe_pi_read_factor(epipe_codec *c, const uint8_t *in, uint64_t n, unsigned r, int fp16,
-                          float *f, uint64_t b, const char *which)
+                         float *f, uint64_t b, const char *which)
 {
     size_t es = fp16 ? 2 : 4;
     for (uint64_t i = 0; i < n; i++)
@@ -147,5 +153,8 @@ int epipe_pi_reject_nonfinite(epipe_codec *c, const float *x, size_t at)
     return epipe_codec_fail(c, EPIPE_EINVAL,
                             "poweriter: input value at index %zu is %s; poweriter needs finite "
                             "values",
-                            at, isnan(x[at]) ? "NaN" : x[at] > 0 ? "+inf" : "-inf");
+                            at,
+                            isnan(x[at]) ? "NaN"
+                            : x[at] > 0  ? "+inf"
+                                         : "-inf");
 }

@@ -148,15 +148,14 @@ int epipe_pi_prepare(epipe_codec *c, const pi_view *v, pi_slot **slot_out)
     size_t r = v->r, wneed = 64 * r + 64;
     *slot_out = NULL;
     if (epipe_pi_grow(&st->q, &st->qcap, (size_t)v->rows * r) ||
-        epipe_pi_grow(&st->p, &st->pcap, (size_t)v->cols * r) || epipe_pi_grow(&st->tau, &st->taucap, r) ||
-        epipe_pi_grow(&st->work, &st->workcap, wneed))
+        epipe_pi_grow(&st->p, &st->pcap, (size_t)v->cols * r) ||
+        epipe_pi_grow(&st->tau, &st->taucap, r) || epipe_pi_grow(&st->work, &st->workcap, wneed))
         return epipe_codec_fail(c, EPIPE_ENOMEM, "poweriter: out of memory");
     if ((int)c->p[PI_WARM] == 0)
         return 1;
     pi_slot *s = &st->slots[(c->microbatch > 0 ? (uint64_t)c->microbatch : 0) % PI_MAX_SLOTS];
     *slot_out = s;
-    if (s->p && s->v.nb == v->nb && s->v.rows == v->rows && s->v.cols == v->cols &&
-        s->v.r == v->r)
+    if (s->p && s->v.nb == v->nb && s->v.rows == v->rows && s->v.cols == v->cols && s->v.r == v->r)
         return 0;
     /* A new slot or a new shape: start cold. s->v stays zero (matching no
      * view) until an encode has filled the warm start completely. */
@@ -171,7 +170,8 @@ int epipe_pi_prepare(epipe_codec *c, const pi_view *v, pi_slot **slot_out)
  * hash of (row j, column k), the same for every matrix and every call. */
 static float pi_start_value(uint64_t j, unsigned k)
 {
-    uint64_t z = j * 0x9e3779b97f4a7c15ull + (uint64_t)k * 0xbf58476d1ce4e5b9ull + 0x632be59bd9b4e5bull;
+    uint64_t z = j * 0x9e3779b97f4a7c15ull + (uint64_t)k * 0xbf58476d1ce4e5b9ull +
+                 0x632be59bd9b4e5bull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     z ^= z >> 31;
@@ -213,7 +213,7 @@ static void pi_keep_warm(float *dst, const float *p, uint64_t cols, unsigned r)
  * slot's next start; a record that cannot be written sends the slot back
  * to a cold start rather than leaving it half updated. */
 int epipe_pi_finish_matrix(epipe_codec *c, const pi_view *v, uint64_t b, pi_slot *slot,
-                            float *start, uint8_t *rec)
+                           float *start, uint8_t *rec)
 {
     pi_state *st = c->state;
     int rc = epipe_pi_write_record(c, v, b, st->q, st->p, rec);

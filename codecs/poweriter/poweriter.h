@@ -6,8 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../../lib/tensor.h"
 #include "../../lib/codec/codec_impl.h"
+#include "../../lib/tensor.h"
 
 enum { PI_RANK, PI_ITERS, PI_WARM, PI_FACTORS };
 enum { PI_F32 = 0, PI_F16 = 1 };

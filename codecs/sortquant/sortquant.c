@@ -74,9 +74,10 @@ static int sq_configure(epipe_codec *c)
         c->p[SQ_SPLIT] = bits / 4 > 1 ? bits / 4 : 1; /* the 3:1 rule */
     unsigned split = (unsigned)c->p[SQ_SPLIT];
     if (split >= bits)
-        return epipe_fail(EPIPE_EINVAL,
-                          "sortquant: key 'split' = %u must be below bits = %u (a chunk needs a level bit)",
-                          split, bits);
+        return epipe_fail(
+            EPIPE_EINVAL,
+            "sortquant: key 'split' = %u must be below bits = %u (a chunk needs a level bit)",
+            split, bits);
     sq_state *st = calloc(1, sizeof *st);
     if (!st)
         return epipe_fail(EPIPE_ENOMEM, "sortquant: out of memory");
@@ -380,7 +381,7 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         unsigned threads = epipe_codec_workers(c, n);
         uint8_t *codes = body + epipe_q_table_bytes(t);
         int rc = (int)c->p[SQ_MODE] == SQ_MODE_EXACT ? encode_exact(c, st, x, n, codes, threads)
-                                                      : encode_sample(c, st, x, n, codes, threads);
+                                                     : encode_sample(c, st, x, n, codes, threads);
         if (rc)
             return rc;
     }

@@ -148,7 +148,7 @@ static int ref_fit(sq_state *st, const float *x, size_t n, double sample, unsign
         }
         sq_plan pl;
         rc = epipe_sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n),
-                         &pl);
+                               &pl);
         if (rc == EPIPE_OK) {
             epipe_qtab *t = &st->ftab[pl.S];
             epipe_sq_fit_set_chunks(t, &pl, n, min, max);
@@ -189,7 +189,7 @@ int epipe_sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         rc = ref_fit(st, x, n, c->p[SQ_SAMPLE], (unsigned)c->p[SQ_BITS], &S, codes);
     else if (n)
         rc = (int)c->p[SQ_MODE] == SQ_MODE_EXACT ? ref_exact(t, x, n, codes)
-                                                  : ref_sample(t, x, n, c->p[SQ_SAMPLE], codes);
+                                                 : ref_sample(t, x, n, c->p[SQ_SAMPLE], codes);
     if (rc == EPIPE_OK && fit) {
         t = &st->ftab[S];
         epipe_sq_fit_finish(st, S, n, body);

@@ -90,8 +90,7 @@ typedef enum epipe_codec_param {
 } epipe_codec_param;
 
 /* Sets a knob. EPIPE_EINVAL for an unknown knob or a value out of range. */
-EPIPE_API int epipe_codec_set_param(epipe_codec *codec, epipe_codec_param param,
-                                    int64_t value);
+EPIPE_API int epipe_codec_set_param(epipe_codec *codec, epipe_codec_param param, int64_t value);
 
 /* The knob's current value in *value. EPIPE_EINVAL for an unknown knob. */
 EPIPE_API int epipe_codec_get_param(const epipe_codec *codec, epipe_codec_param param,
@@ -105,8 +104,7 @@ EPIPE_API int epipe_codec_get_param(const epipe_codec *codec, epipe_codec_param 
  * when not given) gives NaN. EPIPE_EINVAL
  * for a key the codec does not have (the message lists its keys); a chain
  * has no parameters of its own (read its links' in its spec). */
-EPIPE_API int epipe_codec_spec_param(const epipe_codec *codec, const char *key,
-                                     double *value);
+EPIPE_API int epipe_codec_spec_param(const epipe_codec *codec, const char *key, double *value);
 
 /* The range a spec parameter accepts, without creating a codec: for codec
  * name `codec` ("sortquant") and `key` ("bits"), the smallest and largest
@@ -157,8 +155,7 @@ EPIPE_API int epipe_codec_encode(epipe_codec *codec, const DLTensor *src, void *
  * codec or other parameters or is malformed, EPIPE_ETRUNC if it is short,
  * EPIPE_EINVAL if dst's element count, dtype or device does not fit. On
  * error dst may have been partly written. */
-EPIPE_API int epipe_codec_decode(epipe_codec *codec, const void *src, size_t len,
-                                 DLTensor *dst);
+EPIPE_API int epipe_codec_decode(epipe_codec *codec, const void *src, size_t len, DLTensor *dst);
 
 /* ---- Trainable codecs ---------------------------------------------------
  *

@@ -219,8 +219,7 @@ typedef enum epipe_comm_param {
 EPIPE_API int epipe_comm_set_param(epipe_comm *comm, epipe_comm_param param, int64_t value);
 /* The knob's current value into *value; EPIPE_EINVAL for an unknown knob
  * or a NULL argument. Thread-safe. */
-EPIPE_API int epipe_comm_get_param(const epipe_comm *comm, epipe_comm_param param,
-                                   int64_t *value);
+EPIPE_API int epipe_comm_get_param(const epipe_comm *comm, epipe_comm_param param, int64_t *value);
 
 #ifdef __cplusplus
 }

@@ -31,7 +31,7 @@ extern "C" {
 #define EPIPE_VERSION_MINOR 1
 #define EPIPE_VERSION_PATCH 0
 /* One integer that sorts like the version: 10000*major + 100*minor + patch. */
-#define EPIPE_VERSION_NUMBER \
+#define EPIPE_VERSION_NUMBER                                                                       \
     (EPIPE_VERSION_MAJOR * 10000 + EPIPE_VERSION_MINOR * 100 + EPIPE_VERSION_PATCH)
 
 /* The version of the library actually loaded, in the EPIPE_VERSION_NUMBER

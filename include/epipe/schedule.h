@@ -85,8 +85,8 @@ EPIPE_API unsigned epipe_schedule_microbatches(const epipe_schedule *sched);
 /* The ordered op list of one stage: *ops points to *count ops owned by the
  * schedule, valid until epipe_schedule_destroy(). EPIPE_EINVAL for a NULL
  * argument or a stage out of range (the message gives the range). */
-EPIPE_API int epipe_schedule_ops(const epipe_schedule *sched, unsigned stage,
-                                 const epipe_op **ops, size_t *count);
+EPIPE_API int epipe_schedule_ops(const epipe_schedule *sched, unsigned stage, const epipe_op **ops,
+                                 size_t *count);
 
 /* A short static name of an op kind: "F", "B", "recv-act", "send-act",
  * "recv-grad", "send-grad", or "?" for an unknown kind. Thread-safe. */
@@ -125,10 +125,10 @@ typedef struct epipe_sim epipe_sim;
 
 /* Which cost epipe_sim_set_cost() sets. Costs are finite and >= 0. */
 typedef enum epipe_sim_cost {
-    EPIPE_SIM_FORWARD = 1,   /* one forward on the stage; default 1 */
-    EPIPE_SIM_BACKWARD = 2,  /* one backward on the stage; default 1 */
-    EPIPE_SIM_SEND_ACT = 3,  /* one activation from the stage to the next; default 0 */
-    EPIPE_SIM_SEND_GRAD = 4  /* one gradient from the stage to the previous; default 0 */
+    EPIPE_SIM_FORWARD = 1,  /* one forward on the stage; default 1 */
+    EPIPE_SIM_BACKWARD = 2, /* one backward on the stage; default 1 */
+    EPIPE_SIM_SEND_ACT = 3, /* one activation from the stage to the next; default 0 */
+    EPIPE_SIM_SEND_GRAD = 4 /* one gradient from the stage to the previous; default 0 */
 } epipe_sim_cost;
 
 /* The `stage` argument of epipe_sim_set_cost() that means every stage. */

@@ -197,14 +197,16 @@ EPIPE_API int epipe_stage_send_gradient(epipe_stage *stage, unsigned microbatch,
 typedef struct epipe_stage_callbacks {
     size_t struct_size;
     void *user;
-    int (*forward)(void *user, unsigned microbatch, const DLTensor *input,
-                   const DLTensor **output);
+    int (*forward)(void *user, unsigned microbatch, const DLTensor *input, const DLTensor **output);
     int (*backward)(void *user, unsigned microbatch, const DLTensor *grad_output,
                     const DLTensor **grad_input);
     int (*loss)(void *user, unsigned microbatch, double *value);
 } epipe_stage_callbacks;
 
-#define EPIPE_STAGE_CALLBACKS_INIT {sizeof(epipe_stage_callbacks), NULL, NULL, NULL, NULL}
+#define EPIPE_STAGE_CALLBACKS_INIT                                                                 \
+    {                                                                                              \
+        sizeof(epipe_stage_callbacks), NULL, NULL, NULL, NULL                                      \
+    }
 
 /* Copies the callbacks (the stage keeps cb->user, not cb). EPIPE_EINVAL if
  * struct_size is 0 or larger than this library knows, or forward or
@@ -230,12 +232,12 @@ typedef struct epipe_stage_stats {
     double step_seconds;    /* wall time inside steps */
     double compute_seconds; /* in callbacks, or between op-stream calls */
     double encode_seconds, decode_seconds;
-    double wait_seconds;    /* blocked waiting for a message */
+    double wait_seconds;                    /* blocked waiting for a message */
     uint64_t act_sent_raw, act_sent_wire;   /* down */
     uint64_t grad_recv_raw, grad_recv_wire; /* down */
     uint64_t act_recv_raw, act_recv_wire;   /* up */
     uint64_t grad_sent_raw, grad_sent_wire; /* up */
-    double loss_sum;        /* last stage: sum of loss() values */
+    double loss_sum;                        /* last stage: sum of loss() values */
     uint64_t loss_count;
 } epipe_stage_stats;
 

@@ -35,8 +35,8 @@ static int parse_value(const epipe_codec_ops *ops, const epipe_param_desc *d, co
             strncat(options, i ? "|" : "", sizeof options - strlen(options) - 1);
             strncat(options, d->choices[i], sizeof options - strlen(options) - 1);
         }
-        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not one of %s", ops->name,
-                          d->key, buf, options);
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not one of %s", ops->name, d->key,
+                          buf, options);
     }
     char *end;
     double x = strtod(buf, &end);
@@ -44,8 +44,8 @@ static int parse_value(const epipe_codec_ops *ops, const epipe_param_desc *d, co
         return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not a number", ops->name, d->key,
                           buf);
     if (d->kind == EPIPE_PARAM_INT && x != floor(x))
-        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not an integer", ops->name,
-                          d->key, buf);
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not an integer", ops->name, d->key,
+                          buf);
     if (x < d->min || x > d->max) {
         if (d->kind == EPIPE_PARAM_INT)
             return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = %s is out of range %.0f..%.0f",
@@ -114,12 +114,12 @@ static int parse_params(epipe_codec *c, const char *spec)
             if (ilen == 0)
                 return epipe_fail(EPIPE_EINVAL, "%s: empty parameter in '%s'", ops->name, spec);
             if (!eq)
-                return epipe_fail(EPIPE_EINVAL, "%s: parameter '%.*s' has no '=value'",
-                                  ops->name, (int)ilen, p);
+                return epipe_fail(EPIPE_EINVAL, "%s: parameter '%.*s' has no '=value'", ops->name,
+                                  (int)ilen, p);
             size_t klen = (size_t)(eq - p);
             unsigned k = 0;
-            while (k < ops->nparams &&
-                   !(strlen(ops->params[k].key) == klen && memcmp(ops->params[k].key, p, klen) == 0))
+            while (k < ops->nparams && !(strlen(ops->params[k].key) == klen &&
+                                         memcmp(ops->params[k].key, p, klen) == 0))
                 k++;
             if (k == ops->nparams)
                 return epipe_fail(EPIPE_EINVAL, "%s: unknown key '%.*s'", ops->name, (int)klen, p);

@@ -7,9 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../parse.h"
 #include "../../transport/tcp_impl.h"
 #include "../log.h"
+#include "../parse.h"
 #include "comm_impl.h"
 
 /* ---- settings: defaults < environment < options string ----------------- */
@@ -137,8 +137,7 @@ int epipe_comm_settings_apply(epipe_comm *c, const epipe_comm_settings *s)
 /* The transport `name` asks for: the argument, else EPIPE_TRANSPORT, else
  * "auto"; "auto" is tcp for groups of more than one rank or ranks from the
  * environment, else inproc. */
-static const char *pick_transport(const char *name, unsigned size, int from_env,
-                                  const char **why)
+static const char *pick_transport(const char *name, unsigned size, int from_env, const char **why)
 {
     *why = "argument";
     if (!name || !*name || !strcmp(name, "auto")) {
@@ -180,9 +179,8 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                 master_port = e.master_port;
         }
         epipe_log_info((int)rank, "rendezvous",
-                       "rank %u of %u from %s; master %s:%u (address from %s, port from %s)",
-                       rank, size, e.source, master_addr, master_port, e.addr_source,
-                       e.port_source);
+                       "rank %u of %u from %s; master %s:%u (address from %s, port from %s)", rank,
+                       size, e.source, master_addr, master_port, e.addr_source, e.port_source);
     }
     const char *why;
     const char *name = pick_transport(transport, size, from_env, &why);
@@ -196,9 +194,11 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
             return epipe_fail(EPIPE_EINVAL, "inproc: ranks of one process give their rank and "
                                             "size, not EPIPE_COMM_FROM_ENV");
         if (rest[0])
-            return epipe_fail(EPIPE_EINVAL, "inproc: unknown option(s) '%s' (known: group, "
-                                            "timeout_ms, init_timeout_ms, spin_us, max_message, "
-                                            "buffer_cache, trace)", rest);
+            return epipe_fail(EPIPE_EINVAL,
+                              "inproc: unknown option(s) '%s' (known: group, "
+                              "timeout_ms, init_timeout_ms, spin_us, max_message, "
+                              "buffer_cache, trace)",
+                              rest);
         rc = epipe_inproc_join(out, rank, size, &s);
     } else if (!strcmp(name, "tcp")) {
         if (s.group[0])
@@ -212,11 +212,15 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                  (long long)s.init_timeout_ms);
         rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
     } else if (!strcmp(name, "rdma")) {
-        return epipe_fail(EPIPE_ENOTSUP, "comm: the rdma transport is not built into this "
-                                         "libepipe (transport '%s' from %s)", name, why);
+        return epipe_fail(EPIPE_ENOTSUP,
+                          "comm: the rdma transport is not built into this "
+                          "libepipe (transport '%s' from %s)",
+                          name, why);
     } else {
-        return epipe_fail(EPIPE_EINVAL, "comm: unknown transport '%s' (from %s; known: tcp, "
-                                        "inproc, rdma, auto)", name, why);
+        return epipe_fail(EPIPE_EINVAL,
+                          "comm: unknown transport '%s' (from %s; known: tcp, "
+                          "inproc, rdma, auto)",
+                          name, why);
     }
     if (rc == EPIPE_OK && (rc = epipe_comm_settings_apply(*out, &s))) {
         epipe_comm_destroy(*out);
@@ -252,8 +256,10 @@ EPIPE_API int epipe_comm_create_tcp(epipe_comm **out, unsigned rank, unsigned si
         epipe_clear_error();
         if (out)
             *out = NULL;
-        return epipe_fail(EPIPE_EINVAL, "epipe_comm_create_tcp: rank %u of size %u is out of "
-                                        "range (size 1..1048576, rank below it)", rank, size);
+        return epipe_fail(EPIPE_EINVAL,
+                          "epipe_comm_create_tcp: rank %u of size %u is out of "
+                          "range (size 1..1048576, rank below it)",
+                          rank, size);
     }
     return epipe_comm_create(out, "tcp", rank, size, master_addr, master_port, options);
 }

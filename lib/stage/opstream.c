@@ -10,7 +10,6 @@
 #include "../tensor.h"
 #include "stage_impl.h"
 
-
 /* ---- the op stream ------------------------------------------------------ */
 
 static int finish_current_op(epipe_stage *st)
@@ -98,7 +97,7 @@ static int expect(epipe_stage *st, unsigned mb, int is_recv, int dir)
     if (!st->cur_valid)
         return fail(st, EPIPE_ESTATE, "%s(%u) called with no op in progress: call next_op first",
                     call, mb);
-    /* the op's text is formatted only for an error: this runs for every send and receive */
+        /* the op's text is formatted only for an error: this runs for every send and receive */
 #define WHAT op_text(&st->cur, what, sizeof what)
     if (st->cur.kind != want || st->cur.microbatch != mb)
         return fail(st, EPIPE_ESTATE, "%s(%u) called during the %s", call, mb, WHAT);
@@ -155,9 +154,9 @@ int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
     unsigned peer = dir == DIR_ACT ? st->s - 1 : st->s + 1;
     epipe_msg *msg;
     double t0 = now();
-    rc = epipe_comm_recv(st->comm, peer, dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT,
-                         st->step, mb, stage_timeout_ms(st),
-                         &msg);
+    rc = epipe_comm_recv(st->comm, peer,
+                         dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT, st->step, mb,
+                         stage_timeout_ms(st), &msg);
     double t1 = now();
     st->st.wait_seconds += t1 - t0;
     if (st->tracing)
@@ -167,8 +166,9 @@ int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
     /* A gradient for a trainable activation codec is the code's: decode it
      * aside, then back-propagate it through the compress into grad_in. */
     int code_grad = dir == DIR_GRAD && trains(st, st->enc_act);
-    struct lent_tensor *lt = dir == DIR_ACT ? &st->act_in[mb] : code_grad ? &st->code_in
-                                                                          : &st->grad_in;
+    struct lent_tensor *lt = dir == DIR_ACT ? &st->act_in[mb]
+                             : code_grad    ? &st->code_in
+                                            : &st->grad_in;
     const epipe_wire_header *h = &msg->hdr;
     uint64_t n;
     size_t esz = epipe_dtype_size((enum epipe_dtype)h->dtype);
@@ -228,7 +228,8 @@ int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
          * and dtype of the step's activations. */
         const struct sent_shape *ss = &st->sent[DIR_ACT];
         if (!ss->set)
-            return fail(st, EPIPE_EINTERNAL, "a code gradient arrived before any activation "
+            return fail(st, EPIPE_EINTERNAL,
+                        "a code gradient arrived before any activation "
                         "was sent this step");
         if ((rc = lend_shape(st, &st->grad_in, ss->ndim, ss->shape, ss->dtype)))
             return rc;
@@ -238,7 +239,8 @@ int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
         if (st->tracing)
             epipe_trace_span(st->trace, "compress-backward", "decode", t2, t3);
         if (rc)
-            return fail(st, rc, "back-propagating the code gradient of micro-batch %u through "
+            return fail(st, rc,
+                        "back-propagating the code gradient of micro-batch %u through "
                         "the compress: %s",
                         mb, epipe_codec_last_error(st->enc_act));
         lt = &st->grad_in;
@@ -327,7 +329,8 @@ int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
         if ((rc = lend_shape(st, &st->code_out, zn, zs, f32)))
             return rc;
         if ((rc = epipe_codec_decode_backward_checked(st->dec_act, mb, t, n, dt, &st->code_out.t)))
-            return fail(st, rc, "back-propagating the gradient of micro-batch %u through the "
+            return fail(st, rc,
+                        "back-propagating the gradient of micro-batch %u through the "
                         "restore: %s",
                         mb, epipe_codec_last_error(st->dec_act));
         double tb1 = now();

@@ -8,7 +8,6 @@
 #include "../codec/codec_internal.h"
 #include "stage_impl.h"
 
-
 /* ---- create, configure, destroy ---------------------------------------- */
 
 static int make_codec(epipe_stage *st, epipe_codec **slot, const char *spec)
@@ -55,8 +54,9 @@ EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char
     for (unsigned i = 0; st->eval_ops && i < microbatches; i++)
         st->eval_ops[i] = (epipe_op){.kind = EPIPE_OP_FORWARD, .microbatch = i};
     st->training = 1;
-    if (!st->act_in || !st->eval_ops || make_codec(st, &st->enc_act, "none") || make_codec(st, &st->dec_act, "none") ||
-        make_codec(st, &st->enc_grad, "none") || make_codec(st, &st->dec_grad, "none")) {
+    if (!st->act_in || !st->eval_ops || make_codec(st, &st->enc_act, "none") ||
+        make_codec(st, &st->dec_act, "none") || make_codec(st, &st->enc_grad, "none") ||
+        make_codec(st, &st->dec_grad, "none")) {
         epipe_stage_destroy(st);
         return epipe_fail(EPIPE_ENOMEM, "epipe_stage_create: out of memory");
     }
@@ -120,9 +120,11 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
     int all = boundary == EPIPE_ALL_BOUNDARIES;
     int down = st->s + 1 < st->p && (all || boundary == st->s);
     int up = st->s > 0 && (all || boundary + 1 == st->s);
-    if (down && (rc = make_codec(st, dir == EPIPE_DIR_ACTIVATION ? &st->enc_act : &st->dec_grad, spec)))
+    if (down &&
+        (rc = make_codec(st, dir == EPIPE_DIR_ACTIVATION ? &st->enc_act : &st->dec_grad, spec)))
         return rc;
-    if (up && (rc = make_codec(st, dir == EPIPE_DIR_ACTIVATION ? &st->dec_act : &st->enc_grad, spec)))
+    if (up &&
+        (rc = make_codec(st, dir == EPIPE_DIR_ACTIVATION ? &st->dec_act : &st->enc_grad, spec)))
         return rc;
     return EPIPE_OK;
 }
@@ -135,7 +137,8 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
     switch (param) {
     case EPIPE_STAGE_TIMEOUT_MS:
         if (value < 1 || value > 86400000)
-            return fail(st, EPIPE_EINVAL, "EPIPE_STAGE_TIMEOUT_MS = %lld is out of range 1..86400000",
+            return fail(st, EPIPE_EINVAL,
+                        "EPIPE_STAGE_TIMEOUT_MS = %lld is out of range 1..86400000",
                         (long long)value);
         st->timeout_ms = value;
         return EPIPE_OK;
@@ -154,15 +157,16 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
             return fail(st, EPIPE_EINVAL, "EPIPE_STAGE_BATCH_SIZE = %lld is negative",
                         (long long)value);
         if (value % st->m)
-            return fail(st, EPIPE_EINVAL,
-                        "batch size %lld does not divide into %u micro-batches", (long long)value,
-                        st->m);
+            return fail(st, EPIPE_EINVAL, "batch size %lld does not divide into %u micro-batches",
+                        (long long)value, st->m);
         st->batch = value;
         return EPIPE_OK;
     case EPIPE_STAGE_TRAINING:
         if (value != 0 && value != 1)
-            return fail(st, EPIPE_EINVAL, "EPIPE_STAGE_TRAINING = %lld: use 1 (train) or 0 "
-                        "(forward only)", (long long)value);
+            return fail(st, EPIPE_EINVAL,
+                        "EPIPE_STAGE_TRAINING = %lld: use 1 (train) or 0 "
+                        "(forward only)",
+                        (long long)value);
         if (st->in_step)
             return fail(st, EPIPE_ESTATE, "EPIPE_STAGE_TRAINING can only change between steps");
         st->training = (int)value;
@@ -171,27 +175,17 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
     return fail(st, EPIPE_EINVAL, "unknown stage parameter %d", (int)param);
 }
 
-
-EPIPE_API int epipe_stage_get_param(const epipe_stage *st, epipe_stage_param param,
-                                    int64_t *value)
+EPIPE_API int epipe_stage_get_param(const epipe_stage *st, epipe_stage_param param, int64_t *value)
 {
     epipe_clear_error();
     if (!st || !value)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_param: %s is NULL",
                           st ? "value" : "stage");
     switch (param) {
-    case EPIPE_STAGE_TIMEOUT_MS:
-        *value = stage_timeout_ms(st);
-        return EPIPE_OK;
-    case EPIPE_STAGE_CODEC_THREADS:
-        *value = (int64_t)st->codec_threads;
-        return EPIPE_OK;
-    case EPIPE_STAGE_BATCH_SIZE:
-        *value = st->batch;
-        return EPIPE_OK;
-    case EPIPE_STAGE_TRAINING:
-        *value = st->training;
-        return EPIPE_OK;
+    case EPIPE_STAGE_TIMEOUT_MS: *value = stage_timeout_ms(st); return EPIPE_OK;
+    case EPIPE_STAGE_CODEC_THREADS: *value = (int64_t)st->codec_threads; return EPIPE_OK;
+    case EPIPE_STAGE_BATCH_SIZE: *value = st->batch; return EPIPE_OK;
+    case EPIPE_STAGE_TRAINING: *value = st->training; return EPIPE_OK;
     }
     /* fail() writes the handle's message, which a const handle cannot take. */
     return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_param: unknown stage parameter %d",
@@ -237,8 +231,7 @@ EPIPE_API int epipe_stage_codec_sgd_step(epipe_stage *st, double lr, double mome
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_codec_sgd_step: stage is NULL");
     if (st->in_step)
         return fail(st, EPIPE_ESTATE, "epipe_stage_codec_sgd_step can only run between steps");
-    epipe_codec *mine[2] = {st->s + 1 < st->p ? st->enc_act : NULL,
-                            st->s > 0 ? st->dec_act : NULL};
+    epipe_codec *mine[2] = {st->s + 1 < st->p ? st->enc_act : NULL, st->s > 0 ? st->dec_act : NULL};
     for (int i = 0; i < 2; i++) {
         if (!epipe_codec_trainable(mine[i]))
             continue;
@@ -260,11 +253,13 @@ EPIPE_API int epipe_stage_get_stats(const epipe_stage *st, epipe_stage_stats *ou
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_stats: stage or stats is NULL");
     size_t n = out->struct_size;
     if (n < sizeof(size_t))
-        return epipe_fail(EPIPE_EINVAL,
-                          "epipe_stage_get_stats: set stats->struct_size = sizeof(epipe_stage_stats)");
+        return epipe_fail(
+            EPIPE_EINVAL,
+            "epipe_stage_get_stats: set stats->struct_size = sizeof(epipe_stage_stats)");
     if (n > sizeof st->st)
         n = sizeof st->st;
-    memcpy((char *)out + sizeof(size_t), (const char *)&st->st + sizeof(size_t), n - sizeof(size_t));
+    memcpy((char *)out + sizeof(size_t), (const char *)&st->st + sizeof(size_t),
+           n - sizeof(size_t));
     return EPIPE_OK;
 }
 

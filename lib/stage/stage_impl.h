@@ -38,9 +38,9 @@ struct epipe_stage {
     epipe_schedule *sched;
     const epipe_op *train_ops; /* this stage's list in the schedule */
     size_t ntrain_ops;
-    epipe_op *eval_ops;        /* forwards only, in micro-batch order */
+    epipe_op *eval_ops; /* forwards only, in micro-batch order */
     int training;
-    const epipe_op *ops;       /* the list the current step runs */
+    const epipe_op *ops; /* the list the current step runs */
     size_t nops;
     unsigned s, p, m;
 

@@ -5,7 +5,6 @@
 
 #include "stage_impl.h"
 
-
 /* ---- the callback driver ------------------------------------------------ */
 
 EPIPE_API int epipe_stage_set_callbacks(epipe_stage *st, const epipe_stage_callbacks *cb)
@@ -74,7 +73,8 @@ EPIPE_API int epipe_stage_step(epipe_stage *st)
     if (!st)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_step: stage is NULL");
     if (!st->has_cb)
-        return fail(st, EPIPE_ESTATE, "epipe_stage_step needs callbacks (epipe_stage_set_callbacks)");
+        return fail(st, EPIPE_ESTATE,
+                    "epipe_stage_step needs callbacks (epipe_stage_set_callbacks)");
     if (st->in_step)
         return fail(st, EPIPE_ESTATE, "epipe_stage_step called in the middle of an op-stream step");
     epipe_op op;

@@ -23,8 +23,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (created != EPIPE_OK)
         abort(); /* the specs above are valid */
     float *out = malloc((size_t)n * sizeof *out + 1);
-    DLTensor t = {.data = out, .device = {kDLCPU, 0}, .ndim = 1, .dtype = {kDLFloat, 32, 1},
-                  .shape = &n};
+    DLTensor t = {
+        .data = out, .device = {kDLCPU, 0}, .ndim = 1, .dtype = {kDLFloat, 32, 1}, .shape = &n};
     int rc = epipe_codec_decode(c, data + 3, size - 3, &t);
     if (rc != EPIPE_OK && epipe_codec_last_error(c)[0] == '\0')
         abort(); /* every failure must say why */

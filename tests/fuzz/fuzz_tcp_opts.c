@@ -10,10 +10,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     static int cleared;
     if (!cleared) { /* the environment is one source of settings: start without it */
-        static const char *vars[] = {"EPIPE_TIMEOUT_MS", "EPIPE_INIT_TIMEOUT_MS",
-                                     "EPIPE_HEARTBEAT_MS", "EPIPE_TCP_STREAMS",
-                                     "EPIPE_TCP_TOPOLOGY", "EPIPE_LISTEN_ADDR", "EPIPE_SPIN_US",
-                                     "EPIPE_IFNAME", "EPIPE_AUTH_KEY_FILE", "EPIPE_ENCRYPT"};
+        static const char *vars[] = {"EPIPE_TIMEOUT_MS",    "EPIPE_INIT_TIMEOUT_MS",
+                                     "EPIPE_HEARTBEAT_MS",  "EPIPE_TCP_STREAMS",
+                                     "EPIPE_TCP_TOPOLOGY",  "EPIPE_LISTEN_ADDR",
+                                     "EPIPE_SPIN_US",       "EPIPE_IFNAME",
+                                     "EPIPE_AUTH_KEY_FILE", "EPIPE_ENCRYPT"};
         for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
             unsetenv(vars[i]);
         cleared = 1;
@@ -36,8 +37,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         o.init_timeout_ms > 86400000 || o.heartbeat_ms < 0 || o.heartbeat_ms > 86400000 ||
         o.spin_us < 0 || o.spin_us > 1000000 || o.streams < 1 ||
         o.streams > EPIPE_TCP_MAX_STREAMS || (o.mesh != 0 && o.mesh != 1) ||
-        (o.encrypt != 0 && o.encrypt != 1) ||
-        !memchr(o.listen_addr, '\0', sizeof o.listen_addr) ||
+        (o.encrypt != 0 && o.encrypt != 1) || !memchr(o.listen_addr, '\0', sizeof o.listen_addr) ||
         !memchr(o.ifname, '\0', sizeof o.ifname) || !memchr(o.key_file, '\0', sizeof o.key_file))
         abort();
     return 0;

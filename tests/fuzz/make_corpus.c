@@ -10,8 +10,8 @@
 
 #include <epipe/epipe.h>
 
-#include "codec/payload.h"
 #include "../../transport/tcp_setup.h"
+#include "codec/payload.h"
 #include "fuzz_specs.h"
 #include "wire/crc32c.h"
 #include "wire/wire.h"
@@ -42,8 +42,11 @@ static void write_wire_corpus(const char *root)
     for (size_t s = 0; s < FUZZ_NSPECS; s++) {
         float x[6] = {1.5f, -2.0f, 0.25f, 3.0f, -0.5f, 8.0f};
         int64_t shape[2] = {2, 3};
-        DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = 2,
-                      .dtype = {kDLFloat, 32, 1}, .shape = shape};
+        DLTensor t = {.data = x,
+                      .device = {kDLCPU, 0},
+                      .ndim = 2,
+                      .dtype = {kDLFloat, 32, 1},
+                      .shape = shape};
         epipe_codec *c;
         size_t plen;
         if (epipe_codec_create(&c, fuzz_specs[s]) != EPIPE_OK ||
@@ -55,9 +58,15 @@ static void write_wire_corpus(const char *root)
         epipe_payload_header ph;
         epipe_payload_get(payload, plen, &ph);
         epipe_wire_header h = {.kind = s % 2 ? EPIPE_WIRE_GRADIENT : EPIPE_WIRE_ACTIVATION,
-                               .dtype = ph.dtype, .ndim = 2, .codec_id = ph.codec_id,
-                               .codec_param = ph.param_word, .micro_batch = (uint32_t)s,
-                               .step = 1000 + s, .src_stage = 0, .dst_stage = 1, .shape = {2, 3}};
+                               .dtype = ph.dtype,
+                               .ndim = 2,
+                               .codec_id = ph.codec_id,
+                               .codec_param = ph.param_word,
+                               .micro_batch = (uint32_t)s,
+                               .step = 1000 + s,
+                               .src_stage = 0,
+                               .dst_stage = 1,
+                               .shape = {2, 3}};
         if (epipe_wire_frame(&h, payload, plen, msg, sizeof msg, &w) != EPIPE_OK)
             exit(1);
         char name[32];
@@ -75,10 +84,10 @@ static void write_wire_corpus(const char *root)
         {EPIPE_WIRE_BYE, "", "bye"},
     };
     for (size_t i = 0; i < sizeof ctl / sizeof ctl[0]; i++) {
-        epipe_wire_header h = {.kind = (uint8_t)ctl[i].kind, .step = 7, .src_stage = 2,
-                               .dst_stage = 1};
-        if (epipe_wire_frame(&h, ctl[i].payload, strlen(ctl[i].payload), msg, sizeof msg,
-                             &w) != EPIPE_OK)
+        epipe_wire_header h = {
+            .kind = (uint8_t)ctl[i].kind, .step = 7, .src_stage = 2, .dst_stage = 1};
+        if (epipe_wire_frame(&h, ctl[i].payload, strlen(ctl[i].payload), msg, sizeof msg, &w) !=
+            EPIPE_OK)
             exit(1);
         write_file(dir, ctl[i].name, msg, w);
     }
@@ -117,8 +126,12 @@ static void write_tcp_corpus(const char *root)
     uint8_t p[HELLO_SIZE + 3 * TABLE_ENTRY], msg[1024];
     char name[32];
     for (unsigned t = HT_REGISTER; t <= HT_GO; t++) {
-        struct epipe_tcp_hello h = {.type = (uint8_t)t, .flags = t & 1 ? HF_AUTH : 0, .rank = t,
-                                    .size = 4, .stream = t % 2, .port = 29600};
+        struct epipe_tcp_hello h = {.type = (uint8_t)t,
+                                    .flags = t & 1 ? HF_AUTH : 0,
+                                    .rank = t,
+                                    .size = 4,
+                                    .stream = t % 2,
+                                    .port = 29600};
         snprintf(h.addr, sizeof h.addr, "10.0.0.%u", t);
         memset(h.nonce, (int)t, sizeof h.nonce);
         memset(h.mac, (int)(t + 100), sizeof h.mac);
@@ -164,12 +177,20 @@ static void write_tcp_corpus(const char *root)
     write_sel(dir, "stream-claims-75MB", 1, msg, w);
 
     static const char *opts[] = {
-        "", "timeout_ms=5000", "streams=2,topology=mesh",
+        "",
+        "timeout_ms=5000",
+        "streams=2,topology=mesh",
         "timeout_ms=1,init_timeout_ms=86400000,heartbeat_ms=0,spin_us=1000000,streams=8,"
         "topology=pipeline,listen_addr=127.0.0.1,ifname=lo,key_file=/etc/epipe.key",
-        "streams=9", "topology=ring", "timeout_ms=", "key", "unknown=1", "spin_us=-1,,",
+        "streams=9",
+        "topology=ring",
+        "timeout_ms=",
+        "key",
+        "unknown=1",
+        "spin_us=-1,,",
         "listen_addr=0123456789012345678901234567890123456789012345678901234567890123456789",
-        "encrypt=1,key_file=/etc/epipe.key", "encrypt=2"};
+        "encrypt=1,key_file=/etc/epipe.key",
+        "encrypt=2"};
     snprintf(dir, sizeof dir, "%s/tcp_opts", root);
     mkdir(dir, 0755);
     for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++) {
@@ -179,9 +200,16 @@ static void write_tcp_corpus(const char *root)
     static const struct {
         uint8_t cap;
         const char *list;
-    } lists[] = {{64, "node[03-05,9],gpu1"}, {64, "localhost"}, {5, "longname"},
-                 {64, "n[1"}, {64, "a]b"}, {0, "x"}, {64, "[]"}, {64, "pre[007]suf,x"},
-                 {64, ",node1"}, {8, "r[1-2]c[3-4]"}};
+    } lists[] = {{64, "node[03-05,9],gpu1"},
+                 {64, "localhost"},
+                 {5, "longname"},
+                 {64, "n[1"},
+                 {64, "a]b"},
+                 {0, "x"},
+                 {64, "[]"},
+                 {64, "pre[007]suf,x"},
+                 {64, ",node1"},
+                 {8, "r[1-2]c[3-4]"}};
     snprintf(dir, sizeof dir, "%s/nodelist", root);
     mkdir(dir, 0755);
     for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
@@ -189,11 +217,19 @@ static void write_tcp_corpus(const char *root)
         write_sel(dir, name, lists[i].cap, lists[i].list, strlen(lists[i].list));
     }
     static const char *comm_opts[] = {
-        "", "timeout_ms=5000", "group=g1,timeout_ms=100,spin_us=0",
+        "",
+        "timeout_ms=5000",
+        "group=g1,timeout_ms=100,spin_us=0",
         "timeout_ms=86400000,spin_us=1000000,max_message=4096,buffer_cache=0,"
         "init_timeout_ms=1,trace=/tmp/t.json,group=pipeline-a,streams=2,encrypt=1",
-        "max_message=4095", "buffer_cache=1099511627777", "timeout_ms=0", "group=",
-        "trace", "=1", "streams=2,,topology=mesh", "timeout_ms=99999999999999999999"};
+        "max_message=4095",
+        "buffer_cache=1099511627777",
+        "timeout_ms=0",
+        "group=",
+        "trace",
+        "=1",
+        "streams=2,,topology=mesh",
+        "timeout_ms=99999999999999999999"};
     snprintf(dir, sizeof dir, "%s/comm_opts", root);
     mkdir(dir, 0755);
     for (size_t i = 0; i < sizeof comm_opts / sizeof comm_opts[0]; i++) {
@@ -219,8 +255,11 @@ int main(int argc, char **argv)
             float x[64];
             for (int i = 0; i < n; i++)
                 x[i] = sinf((float)i * 0.7f) * (float)(i % 5);
-            DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = 1,
-                          .dtype = {kDLFloat, 32, 1}, .shape = &n};
+            DLTensor t = {.data = x,
+                          .device = {kDLCPU, 0},
+                          .ndim = 1,
+                          .dtype = {kDLFloat, 32, 1},
+                          .shape = &n};
             epipe_codec *c;
             if (epipe_codec_create(&c, fuzz_specs[s]) != EPIPE_OK)
                 return 1;

@@ -8,7 +8,7 @@
 
 typedef struct mlp_layer {
     int in, out;
-    int tanh_act; /* 1: y = tanh(xW^T + b); 0: linear */
+    int tanh_act;   /* 1: y = tanh(xW^T + b); 0: linear */
     float *w, *b;   /* [out][in], [out] */
     float *gw, *gb; /* gradients, accumulated until mlp_layer_sgd */
 } mlp_layer;

@@ -31,10 +31,10 @@ struct host {
     mlp_layer *layers;
     /* acts[mb][k]: input of layer l0+k (k = 0) or output of layer l0+k-1 */
     float *acts[HOST_MAX_MB][HOST_MAX_LAYERS + 1];
-    float *dy[HOST_MAX_MB];  /* last stage: gradient of the loss */
+    float *dy[HOST_MAX_MB]; /* last stage: gradient of the loss */
     double loss[HOST_MAX_MB];
-    float *gbuf[2];          /* backward scratch */
-    float *dx;               /* gradient sent upstream */
+    float *gbuf[2]; /* backward scratch */
+    float *dx;      /* gradient sent upstream */
     int64_t out_shape[2], dx_shape[2];
     DLTensor out, dxt;
     double step_loss;
@@ -43,8 +43,8 @@ struct host {
 static DLTensor view2d(float *data, int64_t *shape, int rows, int cols)
 {
     shape[0] = rows, shape[1] = cols;
-    DLTensor t = {.data = data, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1},
-                  .shape = shape};
+    DLTensor t = {
+        .data = data, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     return t;
 }
 
@@ -243,8 +243,8 @@ void host_reference(unsigned microbatches, int steps, mlp_layer *layers, double 
         double total = 0;
         for (unsigned mb = 0; mb < microbatches; mb++) {
             for (int r = 0; r < rows; r++)
-                mlp_data(step, (int)mb * rows + r, host_dims[0], out_dim,
-                         act[0] + r * host_dims[0], t + r * out_dim);
+                mlp_data(step, (int)mb * rows + r, host_dims[0], out_dim, act[0] + r * host_dims[0],
+                         t + r * out_dim);
             for (int l = 0; l < host_nlayers; l++)
                 mlp_layer_forward(&layers[l], act[l], rows, act[l + 1]);
             total += mlp_mse_loss(act[host_nlayers], t, rows, out_dim, HOST_BATCH, dy);

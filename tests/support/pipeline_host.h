@@ -28,7 +28,7 @@ struct host_config {
 };
 
 struct host_result {
-    int rc;                 /* first error status, or EPIPE_OK */
+    int rc; /* first error status, or EPIPE_OK */
     char error[256];
     double first_loss, last_loss; /* last stage: mean loss of the first and last step */
     epipe_stage_stats stats;
