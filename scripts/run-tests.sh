@@ -1,8 +1,9 @@
 #!/bin/sh
-# Sets up, builds and runs the whole test suite: a -Werror build, a build
-# without the BLAS codecs that is also a static+shared build, the unit and
-# fuzz suites under ASan+UBSan, the unit tests under valgrind, and the libFuzzer
-# targets for a few seconds each when clang is present. Safe to run twice.
+# Sets up, builds and runs the whole test suite: the .clang-format check, a
+# -Werror build, a build without the BLAS codecs that is also a static+shared
+# build, the unit and fuzz suites under ASan+UBSan, the unit tests under
+# valgrind, and the libFuzzer targets for a few seconds each when clang is
+# present. Safe to run twice.
 set -eu
 cd "$(dirname "$0")/.."
 sh scripts/ci/setup-debian.sh
@@ -15,6 +16,9 @@ configure() { # dir, options...
         meson setup "$dir" "$@" >/dev/null
     fi
 }
+
+echo "== source format (.clang-format)"
+sh scripts/ci/check-format.sh
 
 echo "== build and test (-Werror)"
 configure build-test -Dwerror=true
