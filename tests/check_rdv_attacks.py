@@ -11,7 +11,8 @@ import tempfile
 import threading
 import time
 
-import rdv_peer
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'support'))
+import rdv_peer  # noqa: E402 (tests/support/rdv_peer.py)
 from rdv_peer import (ERROR, HELLO, HT_CHALLENGE, HT_PROOF, HT_REGISTER, Rank, frame, free_port,
                       hello, rank_env, recv_msg, status_kb, wait_listening)
 

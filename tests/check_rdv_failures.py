@@ -5,11 +5,13 @@ once (no waiting for the init timeout), with its reason whole; a rank that
 leaves before the table may register again; a rank killed mid-training is
 named as the origin on every rank. Usage: check_rdv_failures.py EPIPE_RUN
 TCP_TRAINER."""
+import os
 import socket
 import subprocess
 import sys
 
-import rdv_peer
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'support'))
+import rdv_peer  # noqa: E402 (tests/support/rdv_peer.py)
 from rdv_peer import HELLO, HT_TABLE, Rank, error, free_port, recv_msg, register
 
 run, trainer = sys.argv[1], sys.argv[2]
