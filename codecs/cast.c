@@ -7,9 +7,9 @@
 #include <math.h>
 #include <string.h>
 
+#include "../lib/codec/codec_impl.h"
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
-#include "../lib/codec/codec_impl.h"
 #include "quantize_common.h"
 
 enum { CAST_DTYPE };

@@ -5,9 +5,9 @@
 #include <string.h>
 
 #include "../lib/bitpack.h"
+#include "../lib/codec/codec_impl.h"
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
-#include "../lib/codec/codec_impl.h"
 #include "kmeans_impl.h"
 
 enum { KM_BITS, KM_ITERS };
@@ -297,8 +297,16 @@ static double km_pass(km_fit *f, const float *cent)
             size_t b = g * KM_BLOCK, e = b + KM_BLOCK < n ? b + KM_BLOCK : n;
             f->psq[0] = km_block_sums(f->x, b, e, cent, f->mid, k, 1, f->psum, f->pcnt);
         } else {
-            km_job job = {.x = f->x, .n = n, .k = k, .cent = cent, .mid = f->mid, .block0 = g,
-                          .nblocks = nb, .psum = f->psum, .pcnt = f->pcnt, .psq = f->psq};
+            km_job job = {.x = f->x,
+                          .n = n,
+                          .k = k,
+                          .cent = cent,
+                          .mid = f->mid,
+                          .block0 = g,
+                          .nblocks = nb,
+                          .psum = f->psum,
+                          .pcnt = f->pcnt,
+                          .psq = f->psq};
             unsigned nt = f->workers < nb ? f->workers : (unsigned)nb;
             if (nt > 1)
                 epipe_parallel_run(nt, km_sums_task, &job);
@@ -318,8 +326,8 @@ static double km_pass(km_fit *f, const float *cent)
 
 /* The sampled fit (n > M, so m >= 65536): the starts scored and Lloyd
  * iterated on the weighted fit set. */
-static int km_fit_weighted(km_fit *f, unsigned iters, const float *s, size_t m, double *w,
-                           float lo, float hi, float *cand, float *cent)
+static int km_fit_weighted(km_fit *f, unsigned iters, const float *s, size_t m, double *w, float lo,
+                           float hi, float *cand, float *cent)
 {
     size_t k = f->k;
     float *fx = NULL;
@@ -438,7 +446,11 @@ static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *bod
         return epipe_codec_fail(c, EPIPE_EINVAL, "kmeans: value at index %zu is not finite (%g)",
                                 at, (double)x[at]);
     }
-    km_fit f = {.x = x, .n = n, .k = k, .ref = ref, .workers = ref ? 1 : epipe_codec_workers(c, n),
+    km_fit f = {.x = x,
+                .n = n,
+                .k = k,
+                .ref = ref,
+                .workers = ref ? 1 : epipe_codec_workers(c, n),
                 .group = ref ? 1 : KM_GROUP};
     float *cent = calloc(k, sizeof *cent);
     /* The table pays for itself from about 2^16 values; without memory for
@@ -465,8 +477,8 @@ static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *bod
     } else {
         if (lut)
             epipe_km_build_table(f.mid, k, lut);
-        km_job job = {.x = x, .n = n, .k = k, .bits = bits, .mid = f.mid, .lut = lut,
-                      .codes_out = codes};
+        km_job job = {
+            .x = x, .n = n, .k = k, .bits = bits, .mid = f.mid, .lut = lut, .codes_out = codes};
         if (f.workers > 1)
             epipe_parallel_run(f.workers, km_pack_task, &job);
         else
@@ -498,8 +510,8 @@ static int kmeans_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *
 
 /* ---- decode ------------------------------------------------------------ */
 
-static void km_unpack_range(const uint8_t *in, size_t b, size_t e, const float *cent,
-                            unsigned bits, int ref, float *y)
+static void km_unpack_range(const uint8_t *in, size_t b, size_t e, const float *cent, unsigned bits,
+                            int ref, float *y)
 {
     uint16_t codes[KM_CHUNK];
     for (size_t s = b; s < e; s += KM_CHUNK) {

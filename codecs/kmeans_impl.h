@@ -4,8 +4,8 @@
 #ifndef EPIPE_CODECS_KMEANS_IMPL_H
 #define EPIPE_CODECS_KMEANS_IMPL_H
 
-#include <stddef.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -81,8 +81,8 @@ size_t epipe_km_fit_set(const float *x, size_t n, const float *s, size_t m, floa
 /* One weighted pass over the fit set for the codebook cent: sums and
  * weights per centroid into tsum, tw; the weighted squared error. ref
  * finds codes by the linear count, else by a merge walk (same codes). */
-double epipe_km_wpass(const float *fx, const double *fw, size_t nf, const float *cent,
-                      double *mid, size_t k, int ref, double *tsum, double *tw);
+double epipe_km_wpass(const float *fx, const double *fw, size_t nf, const float *cent, double *mid,
+                      size_t k, int ref, double *tsum, double *tw);
 /* Each centroid becomes its members' weighted mean; 1 if any changed. */
 int epipe_km_wupdate(float *cent, size_t k, const double *tsum, const double *tw);
 

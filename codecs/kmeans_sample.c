@@ -61,8 +61,8 @@ static size_t km_tails(const float *restrict x, size_t n, float a, float b, floa
 
 /* One weighted assignment pass over the ascending fit set (fx, fw): sums
  * and weights per centroid, and the weighted squared error. */
-double epipe_km_wpass(const float *fx, const double *fw, size_t nf, const float *cent,
-                       double *mid, size_t k, int ref, double *tsum, double *tw)
+double epipe_km_wpass(const float *fx, const double *fw, size_t nf, const float *cent, double *mid,
+                      size_t k, int ref, double *tsum, double *tw)
 {
     epipe_km_midpoints(cent, k, mid);
     memset(tsum, 0, k * sizeof *tsum);
@@ -103,7 +103,7 @@ int epipe_km_wupdate(float *cent, size_t k, const double *tsum, const double *tw
 /* The middle sample values in order, each of weight (n - T) / (m - 2R),
  * with the sorted low tail before them and the high tail after. */
 size_t epipe_km_fit_set(const float *x, size_t n, const float *s, size_t m, float **fx_out,
-                         double **fw_out)
+                        double **fw_out)
 {
     size_t r = EPIPE_KM_TAIL_RANKS;
     float a = s[r], b = s[m - 1 - r], *tails = NULL;

@@ -2,8 +2,8 @@
  * every other codec is measured against. */
 #include <string.h>
 
-#include "../lib/tensor.h"
 #include "../lib/codec/codec_impl.h"
+#include "../lib/tensor.h"
 
 static uint32_t none_param_word(const epipe_codec *c)
 {

@@ -109,31 +109,37 @@ int epipe_q_read_table(epipe_codec *c, epipe_qtab *t, const uint8_t *body, size_
     for (unsigned j = 0; j < t->k; j++) {
         float min = epipe_get_f32(body + 8 * j), step = epipe_get_f32(body + 8 * j + 4);
         if (!isfinite(min))
-            return epipe_codec_fail(c, EPIPE_EPROTO, "%s: chunk %u of %u has min %g; it must be finite",
-                                    name, j, t->k, (double)min);
+            return epipe_codec_fail(c, EPIPE_EPROTO,
+                                    "%s: chunk %u of %u has min %g; it must be finite", name, j,
+                                    t->k, (double)min);
         if (!isfinite(step) || signbit(step))
             return epipe_codec_fail(c, EPIPE_EPROTO,
                                     "%s: chunk %u of %u has step %g; it must be finite and >= 0",
                                     name, j, t->k, (double)step);
         if (!isfinite(min + t->levels * step))
-            return epipe_codec_fail(c, EPIPE_EPROTO,
-                                    "%s: chunk %u of %u (min %g, step %g) decodes past the float range",
-                                    name, j, t->k, (double)min, (double)step);
+            return epipe_codec_fail(
+                c, EPIPE_EPROTO,
+                "%s: chunk %u of %u (min %g, step %g) decodes past the float range", name, j, t->k,
+                (double)min, (double)step);
         t->min[j] = min;
         t->step[j] = step;
         t->inv[j] = step > 0.0f ? 1.0f / step : 0.0f;
     }
     if (!epipe_bitpack_tail_clean(body + epipe_q_table_bytes(t), n, t->bits))
-        return epipe_codec_fail(c, EPIPE_EPROTO, "%s: padding bits after the last code are not zero",
-                                name);
+        return epipe_codec_fail(c, EPIPE_EPROTO,
+                                "%s: padding bits after the last code are not zero", name);
     return EPIPE_OK;
 }
 
 int epipe_q_reject_nonfinite(epipe_codec *c, const float *x, size_t n, size_t bad)
 {
     (void)n;
-    return epipe_codec_fail(c, EPIPE_EINVAL, "%s: input value at index %zu is %s; quantizers need finite values",
-                            c->ops->name, bad, isnan(x[bad]) ? "NaN" : x[bad] > 0 ? "+inf" : "-inf");
+    return epipe_codec_fail(c, EPIPE_EINVAL,
+                            "%s: input value at index %zu is %s; quantizers need finite values",
+                            c->ops->name, bad,
+                            isnan(x[bad]) ? "NaN"
+                            : x[bad] > 0  ? "+inf"
+                                          : "-inf");
 }
 
 void epipe_q_task_range(size_t n, unsigned threads, unsigned task, size_t *begin, size_t *end)
@@ -199,8 +205,8 @@ Q_INLINE void sweep_bounds(const float *restrict x, size_t n, const float *restr
     }
 }
 
-Q_INLINE void extent_small(const float *restrict x, size_t n, const float *restrict bnd,
-                           unsigned k, float *restrict lo, float *restrict hi, float *bad)
+Q_INLINE void extent_small(const float *restrict x, size_t n, const float *restrict bnd, unsigned k,
+                           float *restrict lo, float *restrict hi, float *bad)
 {
     vf l[SMALL_K], h[SMALL_K], acc = vsplat(0.0f);
     for (unsigned j = 0; j < k; j++) {
@@ -409,8 +415,8 @@ static void encode_task(void *p, unsigned task, unsigned ntasks)
     }
 }
 
-void epipe_q_encode(const epipe_qtab *t, const float *x, size_t n, uint8_t *out,
-                    unsigned threads, epipe_q_fixup_fn fixup, void *fixup_ctx)
+void epipe_q_encode(const epipe_qtab *t, const float *x, size_t n, uint8_t *out, unsigned threads,
+                    epipe_q_fixup_fn fixup, void *fixup_ctx)
 {
     struct encode_ctx e = {t, x, n, out, fixup, fixup_ctx};
     epipe_parallel_run(threads ? threads : 1, encode_task, &e);

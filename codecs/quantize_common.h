@@ -18,9 +18,9 @@
  * min = step = inv = 0. */
 typedef struct epipe_qtab {
     unsigned bits, q, k;
-    float levels;              /* 2^q - 1 */
-    float *bnd;                /* [k + 1]: bnd[0] = -inf, bnd[k] = +inf */
-    float *min, *step, *inv;   /* [k] */
+    float levels;            /* 2^q - 1 */
+    float *bnd;              /* [k + 1]: bnd[0] = -inf, bnd[k] = +inf */
+    float *min, *step, *inv; /* [k] */
 } epipe_qtab;
 
 /* Allocates the arrays for `bits` code bits split into 2^split chunks;
@@ -88,8 +88,8 @@ typedef void (*epipe_q_fixup_fn)(void *ctx, unsigned task, const float *x, size_
 void epipe_q_task_range(size_t n, unsigned threads, unsigned task, size_t *begin, size_t *end);
 
 /* Codes x[0..n) by value and packs them at t->bits bits into out. */
-void epipe_q_encode(const epipe_qtab *t, const float *x, size_t n, uint8_t *out,
-                    unsigned threads, epipe_q_fixup_fn fixup, void *fixup_ctx);
+void epipe_q_encode(const epipe_qtab *t, const float *x, size_t n, uint8_t *out, unsigned threads,
+                    epipe_q_fixup_fn fixup, void *fixup_ctx);
 
 /* Decodes n packed codes into y. lut has room for 2^bits floats. */
 void epipe_q_decode(const epipe_qtab *t, const uint8_t *codes, size_t n, float *y, float *lut,

@@ -87,9 +87,9 @@ AVX2_INLINE void extent_k(const float *restrict x, size_t n, const float *restri
     }
 }
 
-__attribute__((target("avx2"))) int epipe_q_extent_avx2(const float *x, size_t n,
-                                                        const float *bnd, unsigned k, float *lo,
-                                                        float *hi, float *bad)
+__attribute__((target("avx2"))) int epipe_q_extent_avx2(const float *x, size_t n, const float *bnd,
+                                                        unsigned k, float *lo, float *hi,
+                                                        float *bad)
 {
     switch (k) {
     case 1: extent_k(x, n, bnd, 1, lo, hi, bad); return 1;
@@ -120,12 +120,30 @@ AVX2_INLINE void code_k(const float *restrict x, size_t n, const epipe_qtab *t, 
     const __m256 lv = _mm256_set1_ps(t->levels);
     const __m256i seven = _mm256_set1_epi32(7);
     const __m128i q = _mm_cvtsi32_si128((int)t->q);
+    /* k = 16 in two levels (boundaries are sorted): the quarter from
+     * bnd[4], bnd[8], bnd[12], then the three boundaries inside it, picked
+     * by a lane permute of wq[u][quarter] = bnd[4·quarter + u]. */
+    __m256 wq[4];
+    if (k == 16)
+        for (unsigned u = 1; u < 4; u++)
+            wq[u] = _mm256_setr_ps(t->bnd[u], t->bnd[4 + u], t->bnd[8 + u], t->bnd[12 + u], 0, 0, 0,
+                                   0);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_loadu_ps(x + i);
         __m256i c = _mm256_setzero_si256();
-        for (unsigned j = 1; j < k; j++)
-            c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(v, b[j], _CMP_GE_OQ)));
+        if (k == 16) {
+            __m256i qt = c, in = c;
+            for (unsigned j = 4; j < 16; j += 4)
+                qt = _mm256_sub_epi32(qt, _mm256_castps_si256(_mm256_cmp_ps(v, b[j], _CMP_GE_OQ)));
+            for (unsigned u = 1; u < 4; u++)
+                in = _mm256_sub_epi32(in, _mm256_castps_si256(_mm256_cmp_ps(
+                                              v, _mm256_permutevar8x32_ps(wq[u], qt), _CMP_GE_OQ)));
+            c = _mm256_add_epi32(_mm256_slli_epi32(qt, 2), in);
+        } else {
+            for (unsigned j = 1; j < k; j++)
+                c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(v, b[j], _CMP_GE_OQ)));
+        }
         __m256 mn = _mm256_permutevar8x32_ps(mlo, c), iv = _mm256_permutevar8x32_ps(ilo, c);
         if (k > 8) {
             __m256 up = _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, seven));
@@ -147,8 +165,8 @@ AVX2_INLINE void code_k(const float *restrict x, size_t n, const epipe_qtab *t, 
     }
 }
 
-__attribute__((target("avx2"))) int epipe_q_code_avx2(const float *x, size_t n,
-                                                      const epipe_qtab *t, uint16_t *code)
+__attribute__((target("avx2"))) int epipe_q_code_avx2(const float *x, size_t n, const epipe_qtab *t,
+                                                      uint16_t *code)
 {
     switch (t->k) {
     case 1: code_k(x, n, t, 1, code); return 1;

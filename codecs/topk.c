@@ -4,9 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../lib/codec/codec_impl.h"
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
-#include "../lib/codec/codec_impl.h"
 #include "quantize_common.h"
 #include "topk_impl.h"
 
@@ -36,7 +36,10 @@ static unsigned topk_index_bytes(uint64_t n)
 /* The decoder must derive the same k: the ratio's float32 bits. */
 static uint32_t topk_param_word(const epipe_codec *c)
 {
-    union { float f; uint32_t u; } w = {.f = (float)c->p[TOPK_RATIO]};
+    union {
+        float f;
+        uint32_t u;
+    } w = {.f = (float)c->p[TOPK_RATIO]};
     return w.u;
 }
 
@@ -61,8 +64,8 @@ static int check_finite(epipe_codec *c, const float *x, size_t n)
 {
     size_t bad = epipe_find_nonfinite(x, n);
     if (bad < n)
-        return epipe_codec_fail(c, EPIPE_EINVAL, "topk: value at index %zu is not finite (%g)",
-                                bad, (double)x[bad]);
+        return epipe_codec_fail(c, EPIPE_EINVAL, "topk: value at index %zu is not finite (%g)", bad,
+                                (double)x[bad]);
     return EPIPE_OK;
 }
 
@@ -266,8 +269,7 @@ static void topk_sort_u32(uint32_t *a, uint32_t *tmp, size_t n, uint32_t *cnt)
 /* Finds T and the per-range counts through the window; 1 when it did,
  * 0 when the caller must use the histograms, -1 on a non-finite value
  * (reported), -2 without memory. gt, eq: per range > T and == T. */
-static int topk_by_window(topk_job *j, uint64_t k, uint64_t *gt, uint64_t *eq,
-                          uint64_t *scratch)
+static int topk_by_window(topk_job *j, uint64_t k, uint64_t *gt, uint64_t *eq, uint64_t *scratch)
 {
     size_t n = j->n, S = TOPK_SAMPLE;
     unsigned nt = j->nt;
@@ -278,8 +280,8 @@ static int topk_by_window(topk_job *j, uint64_t k, uint64_t *gt, uint64_t *eq,
         smp[i] = epipe_topk_mag(j->x[(size_t)((uint64_t)i * n / S)]);
     topk_sort_u32(smp, smp + S, S, (uint32_t *)scratch);
     double p = (double)k / (double)n, sd = sqrt((double)S * p * (1 - p));
-    double r = p * (double)S, margin = 4 * sd + 64; /* descending rank of T in the sample */
-    size_t top = r - margin < 1 ? 1 : (size_t)(r - margin);            /* rank of whi */
+    double r = p * (double)S, margin = 4 * sd + 64;         /* descending rank of T in the sample */
+    size_t top = r - margin < 1 ? 1 : (size_t)(r - margin); /* rank of whi */
     size_t bot = r + margin > (double)S ? S : (size_t)(r + margin) + 1; /* rank of wlo */
     j->whi = top <= 1 ? 0x7fffffffu : smp[S - top]; /* no bound: every magnitude */
     j->wlo = smp[S - bot];
@@ -468,7 +470,10 @@ out:
 
 /* ---- reference: a full sort -------------------------------------------- */
 
-typedef struct { float m; size_t i; } topk_entry;
+typedef struct {
+    float m;
+    size_t i;
+} topk_entry;
 
 static int by_magnitude(const void *a, const void *b)
 {

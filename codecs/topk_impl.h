@@ -22,9 +22,9 @@ typedef struct topk_job {
     uint64_t *off, *quota; /* pass 3: per range output offset and == T to keep */
     uint8_t *idx, *val;
     unsigned w;
-    int x86;               /* pass 3 may use AVX2 */
-    uint32_t wlo, whi;     /* window pass: the magnitudes collected */
-    uint32_t *wcand;       /* window pass: [nt][wcap] magnitudes in the window */
+    int x86;           /* pass 3 may use AVX2 */
+    uint32_t wlo, whi; /* window pass: the magnitudes collected */
+    uint32_t *wcand;   /* window pass: [nt][wcap] magnitudes in the window */
     size_t wcap;
     uint64_t *wabove, *wcount, *wbad; /* per range: > whi, in window, non-finite */
 } topk_job;
@@ -36,11 +36,14 @@ typedef struct topk_job {
  * bits whose unsigned order is the order of |x| (+0 and -0 are equal). */
 static inline uint32_t epipe_topk_mag(float v)
 {
-    union { float f; uint32_t u; } b = {.f = v};
+    union {
+        float f;
+        uint32_t u;
+    } b = {.f = v};
     return b.u & 0x7fffffffu;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__BYTE_ORDER__) && \
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__BYTE_ORDER__) &&                         \
     __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define TOPK_X86 1
 /* The emit pass for 32-bit indices over [b, e) from output entry o with

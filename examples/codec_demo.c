@@ -9,6 +9,7 @@
 
 #include <epipe/epipe.h>
 
+#include "cli.h" /* tools/cli.h */
 #include "common/idx.h"
 
 static const char *const default_specs[] = {
@@ -35,16 +36,27 @@ int main(int argc, char **argv)
     const char *path = IDX_FASHION_DIR "/train-images-idx3-ubyte.gz";
     const char *specs[64];
     int nspecs = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"images", required_argument, NULL, 'i'},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    /* "-": specs stay in place, each returned as option 1. */
+    while ((opt = getopt_long(argc, argv, "-:h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'h':
             printf("usage: epipe-codec-demo [--images FILE.idx3[.gz]] [SPEC...]\n"
                    "Encodes the Fashion-MNIST training images with each codec and prints\n"
                    "the wire ratio, the error and the speed. Default specs: a tour of all.\n");
             return 0;
-        } else if (!strcmp(argv[i], "--images") && i + 1 < argc) {
-            path = argv[++i];
-        } else if (nspecs < 64) {
-            specs[nspecs++] = argv[i];
+        case 'i': path = optarg; break;
+        case 1:
+            if (nspecs < 64)
+                specs[nspecs++] = optarg;
+            break;
+        default: /* ':' or '?' */ epipe_cli_bad_option("epipe-codec-demo", argv, opt); return 2;
         }
     }
     if (!nspecs)
@@ -60,15 +72,15 @@ int main(int argc, char **argv)
         shape[2] = pixels, shape[3] = 1;
     size_t n = (size_t)count * pixels;
     float *y = calloc(n, sizeof *y);
-    DLTensor src = {.data = x, .device = {kDLCPU, 0}, .ndim = 4, .dtype = {kDLFloat, 32, 1},
-                    .shape = shape};
+    DLTensor src = {
+        .data = x, .device = {kDLCPU, 0}, .ndim = 4, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     DLTensor dst = src;
     dst.data = y;
     printf("libepipe %s: %s as a [%lld,%lld,%lld,%lld] fp32 tensor (%.1f MB)\n\n",
            epipe_version_string(), path, (long long)shape[0], (long long)shape[1],
            (long long)shape[2], (long long)shape[3], (double)n * 4 / 1e6);
-    printf("%-44s %9s %11s %10s %10s %10s\n", "codec (canonical spec)", "ratio", "MSE",
-           "PSNR dB", "enc MB/s", "dec MB/s");
+    printf("%-44s %9s %11s %10s %10s %10s\n", "codec (canonical spec)", "ratio", "MSE", "PSNR dB",
+           "enc MB/s", "dec MB/s");
     int failed = 0;
     for (int s = 0; s < nspecs; s++) {
         epipe_codec *c;

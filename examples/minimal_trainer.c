@@ -17,10 +17,10 @@ static const float LR = 0.05f;
 struct layer {
     unsigned stage, stages;
     float w[DIM * DIM], grad[DIM * DIM];
-    float x[MICRO][ROWS * DIM];  /* each micro-batch's input, kept for backward */
+    float x[MICRO][ROWS * DIM]; /* each micro-batch's input, kept for backward */
     float y[ROWS * DIM], dx[ROWS * DIM];
     int64_t shape[2];
-    DLTensor out, dout;          /* views of y and dx handed to the stage */
+    DLTensor out, dout; /* views of y and dx handed to the stage */
     double loss;
 };
 
@@ -36,12 +36,15 @@ static void view(DLTensor *t, float *data, int64_t *shape)
 
 /* The data: micro-batch mb's input rows, and the target the last stage
  * compares with (2x the input: the chain must learn to double). */
-static float sample(unsigned mb, int i) { return (float)((int)((mb * 131u + (unsigned)i * 17u) % 23u) - 11) / 11.0f; }
+static float sample(unsigned mb, int i)
+{
+    return (float)((int)((mb * 131u + (unsigned)i * 17u) % 23u) - 11) / 11.0f;
+}
 
 static int forward(void *user, unsigned mb, const DLTensor *input, const DLTensor **output)
 {
     struct layer *l = user;
-    for (int i = 0; i < ROWS * DIM; i++)  /* the first stage reads its own data */
+    for (int i = 0; i < ROWS * DIM; i++) /* the first stage reads its own data */
         l->x[mb][i] = input ? ((const float *)input->data)[i] : sample(mb, i);
     for (int r = 0; r < ROWS; r++)
         for (int o = 0; o < DIM; o++) {
@@ -51,17 +54,18 @@ static int forward(void *user, unsigned mb, const DLTensor *input, const DLTenso
             l->y[r * DIM + o] = acc;
         }
     view(&l->out, l->y, l->shape);
-    *output = &l->out;  /* encoded and sent before forward's caller returns */
+    *output = &l->out; /* encoded and sent before forward's caller returns */
     return 0;
 }
 
-static int backward(void *user, unsigned mb, const DLTensor *grad_output, const DLTensor **grad_input)
+static int backward(void *user, unsigned mb, const DLTensor *grad_output,
+                    const DLTensor **grad_input)
 {
     struct layer *l = user;
     float dy[ROWS * DIM];
     if (grad_output) {
         memcpy(dy, grad_output->data, sizeof dy);
-    } else {  /* last stage: start from the loss 0.5*|y - 2*x0|^2 / rows */
+    } else { /* last stage: start from the loss 0.5*|y - 2*x0|^2 / rows */
         for (int r = 0; r < ROWS; r++)
             for (int o = 0; o < DIM; o++) {
                 float yv = 0;
@@ -72,7 +76,7 @@ static int backward(void *user, unsigned mb, const DLTensor *grad_output, const 
                 l->loss += 0.5 * d * d / (ROWS * MICRO);
             }
     }
-    for (int o = 0; o < DIM; o++)  /* dW += dy^T x, dx = dy W */
+    for (int o = 0; o < DIM; o++) /* dW += dy^T x, dx = dy W */
         for (int k = 0; k < DIM; k++) {
             float acc = 0;
             for (int r = 0; r < ROWS; r++)
@@ -101,7 +105,7 @@ static int run_stage(epipe_comm *comm, const char *codec)
         return 1;
     l->stage = epipe_comm_rank(comm), l->stages = epipe_comm_size(comm);
     l->shape[0] = ROWS, l->shape[1] = DIM;
-    for (int i = 0; i < DIM; i++)  /* identity start: the chain computes x */
+    for (int i = 0; i < DIM; i++) /* identity start: the chain computes x */
         l->w[i * DIM + i] = 1.0f;
     if (!(rc = epipe_stage_create(&st, comm, "1f1b", MICRO)) &&
         !(rc = epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, codec)) &&
@@ -116,7 +120,7 @@ static int run_stage(epipe_comm *comm, const char *codec)
         l->loss = 0;
         if ((rc = epipe_stage_step(st)))
             break;
-        for (int i = 0; i < DIM * DIM; i++)  /* plain SGD: the host owns the optimizer */
+        for (int i = 0; i < DIM * DIM; i++) /* plain SGD: the host owns the optimizer */
             l->w[i] -= LR * l->grad[i];
         if (first < 0)
             first = l->loss;
@@ -124,8 +128,9 @@ static int run_stage(epipe_comm *comm, const char *codec)
     }
     int bad = 0;
     if (rc) {
-        fprintf(stderr, "stage %u: %s\n", l->stage, st ? epipe_stage_last_error(st) : epipe_last_error());
-        epipe_comm_abort(comm);  /* wake the other stages */
+        fprintf(stderr, "stage %u: %s\n", l->stage,
+                st ? epipe_stage_last_error(st) : epipe_last_error());
+        epipe_comm_abort(comm); /* wake the other stages */
         bad = 1;
     } else if (l->stage + 1 == l->stages) {
         printf("loss %.6f -> %.6f after %d steps over %u stages (%s)\n", first, last, STEPS,
@@ -137,7 +142,11 @@ static int run_stage(epipe_comm *comm, const char *codec)
     return bad;
 }
 
-struct thread { epipe_comm *comm; const char *codec; int bad; };
+struct thread {
+    epipe_comm *comm;
+    const char *codec;
+    int bad;
+};
 
 static void *thread_main(void *p)
 {
@@ -152,7 +161,7 @@ int main(int argc, char **argv)
     const char *codec = argc > 1 ? argv[1] : "none";
     unsigned stages = argc > 2 ? (unsigned)atoi(argv[2]) : 3;
     if (getenv("EPIPE_RANK") || getenv("RANK") || getenv("OMPI_COMM_WORLD_RANK") ||
-        getenv("PMI_RANK") || getenv("SLURM_PROCID")) {  /* one rank of a launched job */
+        getenv("PMI_RANK") || getenv("SLURM_PROCID")) { /* one rank of a launched job */
         epipe_comm *comm;
         if (epipe_comm_create_from_env(&comm, NULL)) {
             fprintf(stderr, "%s\n", epipe_last_error());

@@ -136,8 +136,7 @@ BP_INLINE size_t wide_groups(size_t g, unsigned W)
  * j*W. A wide store also writes bytes of the next groups, rewritten right
  * after; nothing past the range is touched, so threads may pack
  * neighbouring ranges. */
-BP_INLINE void pack_groups(const uint16_t *restrict c, size_t g, unsigned W,
-                           uint8_t *restrict out)
+BP_INLINE void pack_groups(const uint16_t *restrict c, size_t g, unsigned W, uint8_t *restrict out)
 {
     size_t wide = wide_groups(g, W);
     for (size_t j = 0; j < g; j++) {
@@ -152,8 +151,7 @@ BP_INLINE void pack_groups(const uint16_t *restrict c, size_t g, unsigned W,
 }
 
 /* The inverse; reads nothing past the g*W bytes. */
-BP_INLINE void unpack_groups(const uint8_t *restrict in, size_t g, unsigned W,
-                             uint16_t *restrict c)
+BP_INLINE void unpack_groups(const uint8_t *restrict in, size_t g, unsigned W, uint16_t *restrict c)
 {
     const uint64_t mask = (1u << W) - 1u;
     size_t wide = wide_groups(g, W);
@@ -312,8 +310,8 @@ lut_groups_avx2(const uint8_t *restrict in, size_t g, unsigned W, const float *r
     float t[16] = {0};
     memcpy(t, lut, sizeof(float) << W);
     const __m256 lo = _mm256_loadu_ps(t), hi = _mm256_loadu_ps(t + 8);
-    const __m256i sh = _mm256_setr_epi32(0, (int)W, 2 * (int)W, 3 * (int)W, 4 * (int)W,
-                                         5 * (int)W, 6 * (int)W, 7 * (int)W);
+    const __m256i sh = _mm256_setr_epi32(0, (int)W, 2 * (int)W, 3 * (int)W, 4 * (int)W, 5 * (int)W,
+                                         6 * (int)W, 7 * (int)W);
     const __m256i mask = _mm256_set1_epi32((1 << W) - 1);
     size_t bytes = g * W;
     for (size_t j = 0; j < g; j++) {

@@ -42,8 +42,10 @@ static void log_init(void)
         if (!found && !strcasecmp(v, "warning"))
             log_level = EPIPE_LOG_WARN, found = 1;
         if (!found)
-            fprintf(stderr, "epipe: log: EPIPE_LOG=%s is not one of error, warn, info, debug; "
-                            "using warn\n", v);
+            fprintf(stderr,
+                    "epipe: log: EPIPE_LOG=%s is not one of error, warn, info, debug; "
+                    "using warn\n",
+                    v);
     }
     const char *s = getenv("EPIPE_LOG_SUBSYS");
     if (s && *s && strlen(s) + 3 < sizeof log_subsys)

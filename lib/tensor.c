@@ -90,7 +90,10 @@ bool epipe_tensor_is_dense(const DLTensor *t)
 
 uint16_t epipe_f32_to_f16(float f)
 {
-    union { float f; uint32_t u; } c = {.f = f};
+    union {
+        float f;
+        uint32_t u;
+    } c = {.f = f};
     uint32_t x = c.u, sign = (x >> 16) & 0x8000u, absx = x & 0x7fffffffu;
     if (absx > 0x7f800000u) /* NaN: keep it quiet and a NaN */
         return (uint16_t)(sign | 0x7e00u | ((absx >> 13) & 0x3ffu));
@@ -113,20 +116,32 @@ float epipe_f16_to_f32(uint16_t h)
     if (exp == 0)
         mag = (float)mant / 16777216.0f;
     else if (exp == 31) {
-        union { uint32_t u; float f; } c = {.u = 0x7f800000u | (mant << 13)};
+        union {
+            uint32_t u;
+            float f;
+        } c = {.u = 0x7f800000u | (mant << 13)};
         mag = c.f;
     } else {
-        union { uint32_t u; float f; } c = {.u = ((exp + 112u) << 23) | (mant << 13)};
+        union {
+            uint32_t u;
+            float f;
+        } c = {.u = ((exp + 112u) << 23) | (mant << 13)};
         mag = c.f;
     }
-    union { float f; uint32_t u; } r = {.f = mag};
+    union {
+        float f;
+        uint32_t u;
+    } r = {.f = mag};
     r.u |= sign;
     return r.f;
 }
 
 uint16_t epipe_f32_to_bf16(float f)
 {
-    union { float f; uint32_t u; } c = {.f = f};
+    union {
+        float f;
+        uint32_t u;
+    } c = {.f = f};
     if ((c.u & 0x7fffffffu) > 0x7f800000u)
         return (uint16_t)((c.u >> 16) | 0x40u); /* quiet NaN stays NaN */
     c.u += 0x7fffu + ((c.u >> 16) & 1u);
@@ -135,7 +150,10 @@ uint16_t epipe_f32_to_bf16(float f)
 
 float epipe_bf16_to_f32(uint16_t h)
 {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)h << 16};
+    union {
+        uint32_t u;
+        float f;
+    } c = {.u = (uint32_t)h << 16};
     return c.f;
 }
 
@@ -156,8 +174,14 @@ static void store_elem(char *p, enum epipe_dtype d, float f)
     uint16_t h;
     switch (d) {
     case EPIPE_DTYPE_F32: memcpy(p, &f, 4); return;
-    case EPIPE_DTYPE_F16: h = epipe_f32_to_f16(f); memcpy(p, &h, 2); return;
-    case EPIPE_DTYPE_BF16: h = epipe_f32_to_bf16(f); memcpy(p, &h, 2); return;
+    case EPIPE_DTYPE_F16:
+        h = epipe_f32_to_f16(f);
+        memcpy(p, &h, 2);
+        return;
+    case EPIPE_DTYPE_BF16:
+        h = epipe_f32_to_bf16(f);
+        memcpy(p, &h, 2);
+        return;
     }
 }
 
@@ -169,7 +193,8 @@ static enum epipe_dtype dtype_of(const DLTensor *t)
 }
 
 /* Visits every element in row-major order; `fn` gets the element address. */
-static void walk(const DLTensor *t, size_t n, void (*fn)(char *elem, size_t i, void *ctx), void *ctx)
+static void walk(const DLTensor *t, size_t n, void (*fn)(char *elem, size_t i, void *ctx),
+                 void *ctx)
 {
     enum epipe_dtype d = dtype_of(t);
     size_t esz = epipe_dtype_size(d);

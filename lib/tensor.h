@@ -64,12 +64,18 @@ static inline uint64_t epipe_get_u64(const uint8_t *p)
 }
 static inline void epipe_put_f32(uint8_t *p, float f)
 {
-    union { float f; uint32_t u; } c = {.f = f};
+    union {
+        float f;
+        uint32_t u;
+    } c = {.f = f};
     epipe_put_u32(p, c.u);
 }
 static inline float epipe_get_f32(const uint8_t *p)
 {
-    union { float f; uint32_t u; } c = {.u = epipe_get_u32(p)};
+    union {
+        float f;
+        uint32_t u;
+    } c = {.u = epipe_get_u32(p)};
     return c.f;
 }
 

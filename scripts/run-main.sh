@@ -6,7 +6,7 @@
 # (--help lists them), e.g. --act-codec none --grad-codec none.
 set -eu
 cd "$(dirname "$0")/.."
-sh scripts/setup-debian.sh
+sh scripts/ci/setup-debian.sh
 if [ -f build-main/build.ninja ]; then
     meson setup --reconfigure build-main -Dtests=false >/dev/null
 else

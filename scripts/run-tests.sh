@@ -1,10 +1,12 @@
 #!/bin/sh
-# Sets up, builds and runs the whole test suite: a -Werror build, the same
-# suite under ASan+UBSan, the unit tests under valgrind, and the libFuzzer
-# targets for a few seconds each when clang is present. Safe to run twice.
+# Sets up, builds and runs the whole test suite: the .clang-format check, a
+# -Werror build, a build without the BLAS codecs that is also a static+shared
+# build, the unit and fuzz suites under ASan+UBSan, the unit tests under
+# valgrind, and the libFuzzer targets for a few seconds each when clang is
+# present. Safe to run twice.
 set -eu
 cd "$(dirname "$0")/.."
-sh scripts/setup-debian.sh
+sh scripts/ci/setup-debian.sh
 
 configure() { # dir, options...
     dir=$1; shift
@@ -15,10 +17,18 @@ configure() { # dir, options...
     fi
 }
 
+echo "== source format (.clang-format)"
+sh scripts/ci/check-format.sh
+
 echo "== build and test (-Werror)"
 configure build-test -Dwerror=true
 ninja -C build-test
 meson test -C build-test --print-errorlogs --num-processes 2
+
+echo "== without BLAS (-Dblas=disabled; poweriter/insert tests skip) and default_library=both"
+configure build-noblas -Dwerror=true -Dblas=disabled -Ddefault_library=both
+ninja -C build-noblas
+meson test -C build-noblas --print-errorlogs --num-processes 2
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer"
 configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Doptimization=1

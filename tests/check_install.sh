@@ -1,6 +1,9 @@
 #!/bin/sh
 # Installs into a scratch DESTDIR, then builds and runs a program against the
-# installed library found only through pkg-config.
+# installed library found only through pkg-config: the shared library with
+# `pkg-config --libs`, and, where a static archive was installed
+# (-Ddefault_library=static or both), the archive with `--static`, whose
+# Requires.private and Libs.private must name everything it needs.
 set -eu
 build=$1
 src=$2
@@ -11,8 +14,6 @@ pcdir=$(dirname "$(find "$tmp/root" -name epipe.pc | head -n 1)")
 [ -f "$pcdir/epipe.pc" ] || { echo "epipe.pc was not installed"; exit 1; }
 export PKG_CONFIG_PATH="$pcdir" PKG_CONFIG_SYSROOT_DIR="$tmp/root"
 cflags=$(pkg-config --cflags epipe)
-libs=$(pkg-config --libs epipe)
-echo "pkg-config: $cflags $libs"
 cat > "$tmp/use.c" <<'C'
 #include <epipe/epipe.h>
 #include <stdio.h>
@@ -26,6 +27,28 @@ int main(void)
     return 0;
 }
 C
-cc $cflags "$tmp/use.c" -o "$tmp/use" $libs
-libdir=$(pkg-config --libs-only-L epipe | sed 's/^ *-L//; s/ *$//')
-LD_LIBRARY_PATH="$libdir" "$tmp/use"
+# The first -L is epipe's own libdir, with the sysroot prefix: the libdir
+# inside the scratch DESTDIR (a static-only .pc lists its dependencies' too).
+set -- $(pkg-config --libs-only-L epipe)
+libdir_root=${1#-L}
+ran=0
+if [ -e "$libdir_root/libepipe.so" ]; then
+    libs=$(pkg-config --libs epipe)
+    echo "pkg-config (shared): $cflags $libs"
+    cc $cflags "$tmp/use.c" -o "$tmp/use" $libs
+    LD_LIBRARY_PATH="$libdir_root" "$tmp/use"
+    ran=1
+fi
+if [ -e "$libdir_root/libepipe.a" ]; then
+    libs=$(pkg-config --static --libs epipe)
+    echo "pkg-config --static: $cflags $libs"
+    # -l:libepipe.a picks the archive even where the .so is beside it.
+    cc $cflags "$tmp/use.c" -o "$tmp/use-static" $(echo "$libs" | sed 's/-lepipe\b/-l:libepipe.a/')
+    if readelf -d "$tmp/use-static" | grep -q 'libepipe\.so'; then
+        echo "the static link still loads libepipe.so"
+        exit 1
+    fi
+    "$tmp/use-static"
+    ran=1
+fi
+[ "$ran" = 1 ] || { echo "neither libepipe.so nor libepipe.a was installed in $libdir_root"; exit 1; }

@@ -190,4 +190,10 @@ with tempfile.TemporaryDirectory() as d:
     print("same key: launcher exit %d in %.2f s" % (r.returncode, dt))
     if r.returncode != 0 and "libsodium" not in r.stdout:
         fail("same key should train:\n%s%s" % (r.stdout, r.stderr))
+    # Encrypted (encrypt=1 via EPIPE_ENCRYPT): three processes train.
+    r, dt = launch(["-n", "3", "--", trainer, "--steps", "3"],
+                   env={"EPIPE_AUTH_KEY_FILE": os.path.join(d, "key0"), "EPIPE_ENCRYPT": "1"})
+    print("same key, encrypted: launcher exit %d in %.2f s" % (r.returncode, dt))
+    if (r.returncode != 0 or "rank 2: ok" not in r.stdout) and "libsodium" not in r.stdout:
+        fail("an encrypted group should train:\n%s%s" % (r.stdout, r.stderr))
 sys.exit(0 if ok else 1)

@@ -26,25 +26,26 @@ static void every_width_matches_reference(void **state)
     (void)state;
     const size_t sizes[] = {0, 1, 7, 8, 9, 63, 64, 65, 95, 96, 97, 127, 128, 129, 1000, 4099};
     for (int simd = 0; simd < 2; simd++)
-    for (unsigned w = 1; w <= 16; w++)
-        for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
-            int was = epipe_bitpack_set_simd(simd);
-            size_t n = sizes[s], nb = epipe_bitpack_bytes(n, w);
-            uint16_t *codes = calloc(n + 1, 2), *back = calloc(n + 1, 2), *back_ref = calloc(n + 1, 2);
-            uint8_t *fast = calloc(nb + 1, 1), *ref = calloc(nb + 1, 1);
-            fill_codes(codes, n, w, w * 131 + n);
-            epipe_bitpack(codes, n, w, fast);
-            epipe_bitpack_ref(codes, n, w, ref);
-            assert_memory_equal(fast, ref, nb + 1);
-            assert_int_equal(nb, (n * w + 7) / 8);
-            assert_true(epipe_bitpack_tail_clean(fast, n, w));
-            epipe_bitunpack(fast, n, w, back);
-            epipe_bitunpack_ref(fast, n, w, back_ref);
-            assert_memory_equal(back, codes, n * 2);
-            assert_memory_equal(back_ref, codes, n * 2);
-            free(codes), free(back), free(back_ref), free(fast), free(ref);
-            epipe_bitpack_set_simd(was);
-        }
+        for (unsigned w = 1; w <= 16; w++)
+            for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+                int was = epipe_bitpack_set_simd(simd);
+                size_t n = sizes[s], nb = epipe_bitpack_bytes(n, w);
+                uint16_t *codes = calloc(n + 1, 2), *back = calloc(n + 1, 2),
+                         *back_ref = calloc(n + 1, 2);
+                uint8_t *fast = calloc(nb + 1, 1), *ref = calloc(nb + 1, 1);
+                fill_codes(codes, n, w, w * 131 + n);
+                epipe_bitpack(codes, n, w, fast);
+                epipe_bitpack_ref(codes, n, w, ref);
+                assert_memory_equal(fast, ref, nb + 1);
+                assert_int_equal(nb, (n * w + 7) / 8);
+                assert_true(epipe_bitpack_tail_clean(fast, n, w));
+                epipe_bitunpack(fast, n, w, back);
+                epipe_bitunpack_ref(fast, n, w, back_ref);
+                assert_memory_equal(back, codes, n * 2);
+                assert_memory_equal(back_ref, codes, n * 2);
+                free(codes), free(back), free(back_ref), free(fast), free(ref);
+                epipe_bitpack_set_simd(was);
+            }
 }
 
 static void a_six_bit_code_takes_six_bits(void **state)

@@ -31,8 +31,8 @@ static size_t fill_hard(float *x, size_t cap, uint64_t seed)
     test_rng r;
     test_rng_seed(&r, seed);
     size_t n = 0;
-    const uint32_t lows[] = {0, 1, 0xfff, 0x1000, 0x1001, 0x2fff, 0x3000, 0x7fff, 0x8000,
-                             0x8001, 0x18000, 0x1fff, 0x3fffff, 0x400000, 0x7fffff};
+    const uint32_t lows[] = {0,      1,      0xfff,   0x1000, 0x1001,   0x2fff,   0x3000,  0x7fff,
+                             0x8000, 0x8001, 0x18000, 0x1fff, 0x3fffff, 0x400000, 0x7fffff};
     for (uint32_t se = 0; se < 512; se++) {
         for (size_t l = 0; l < sizeof lows / sizeof lows[0]; l++)
             x[n++] = from_bits(se << 23 | lows[l]);
@@ -43,9 +43,10 @@ static size_t fill_hard(float *x, size_t cap, uint64_t seed)
             x[n++] = from_bits(se << 23 | (m & ~0xffffu) | 0x8000u); /* bf16 tie */
         }
     }
-    const float edges[] = {65504.0f, 65519.996f, 65520.0f, 65536.0f, FLT_MAX, -FLT_MAX,
-                           INFINITY, -INFINITY, 0.0f, -0.0f, 5.9604645e-8f, 2.9802322e-8f,
-                           2.9802326e-8f, 6.1035156e-5f, 6.1028e-5f, 3.3895314e38f};
+    const float edges[] = {65504.0f,      65519.996f,    65520.0f,      65536.0f,
+                           FLT_MAX,       -FLT_MAX,      INFINITY,      -INFINITY,
+                           0.0f,          -0.0f,         5.9604645e-8f, 2.9802322e-8f,
+                           2.9802326e-8f, 6.1035156e-5f, 6.1028e-5f,    3.3895314e38f};
     for (size_t e = 0; e < sizeof edges / sizeof edges[0]; e++)
         x[n++] = edges[e];
     while (n < cap)

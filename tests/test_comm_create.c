@@ -16,11 +16,21 @@
 
 #include "comm/comm_impl.h"
 
-static const char *env_vars[] = {"EPIPE_TRANSPORT", "EPIPE_TIMEOUT_MS", "EPIPE_SPIN_US",
-                                 "EPIPE_BUFFER_CACHE", "EPIPE_MAX_MESSAGE",
-                                 "EPIPE_INIT_TIMEOUT_MS", "EPIPE_RANK", "EPIPE_WORLD_SIZE",
-                                 "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
-                                 "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
+static const char *env_vars[] = {"EPIPE_TRANSPORT",
+                                 "EPIPE_TIMEOUT_MS",
+                                 "EPIPE_SPIN_US",
+                                 "EPIPE_BUFFER_CACHE",
+                                 "EPIPE_MAX_MESSAGE",
+                                 "EPIPE_INIT_TIMEOUT_MS",
+                                 "EPIPE_RANK",
+                                 "EPIPE_WORLD_SIZE",
+                                 "RANK",
+                                 "WORLD_SIZE",
+                                 "OMPI_COMM_WORLD_RANK",
+                                 "OMPI_COMM_WORLD_SIZE",
+                                 "PMI_RANK",
+                                 "PMI_SIZE",
+                                 "SLURM_PROCID",
                                  "SLURM_NTASKS"};
 
 static int clean_env(void **state)
@@ -86,8 +96,7 @@ static void names_pick_the_transport(void **state)
     assert_non_null(strstr(epipe_last_error(), "carrier-pigeon"));
     assert_non_null(strstr(epipe_last_error(), "EPIPE_TRANSPORT"));
     unsetenv("EPIPE_TRANSPORT");
-    assert_int_equal(epipe_comm_create(&c, "rdma", 0, 2, "127.0.0.1", 29600, NULL),
-                     EPIPE_ENOTSUP);
+    assert_int_equal(epipe_comm_create(&c, "rdma", 0, 2, "127.0.0.1", 29600, NULL), EPIPE_ENOTSUP);
     assert_non_null(strstr(epipe_last_error(), "rdma transport is not built"));
     assert_int_equal(epipe_comm_create(&c, "udp", 0, 1, NULL, 0, NULL), EPIPE_EINVAL);
     assert_non_null(strstr(epipe_last_error(), "'udp'"));
@@ -97,8 +106,7 @@ static void names_pick_the_transport(void **state)
     assert_int_equal(epipe_comm_create(&c, "tcp", 0, 1, NULL, 0, "bogus=1"), EPIPE_EINVAL);
     assert_non_null(strstr(epipe_last_error(), "bogus"));
     assert_int_equal(epipe_comm_create(&c, "tcp", 0, 1, NULL, 0, "group=g"), EPIPE_EINVAL);
-    assert_int_equal(epipe_comm_create(&c, "inproc", 0, 1, NULL, 0, "timeout_ms=0"),
-                     EPIPE_EINVAL);
+    assert_int_equal(epipe_comm_create(&c, "inproc", 0, 1, NULL, 0, "timeout_ms=0"), EPIPE_EINVAL);
     assert_non_null(strstr(epipe_last_error(), "timeout_ms"));
     assert_int_equal(epipe_comm_create(&c, "inproc", 2, 2, NULL, 0, "group=x"), EPIPE_EINVAL);
     assert_int_equal(epipe_comm_create(&c, "inproc", 0, 2, NULL, 0, NULL), EPIPE_EINVAL);
@@ -112,14 +120,14 @@ static void rendezvous_from_the_environment(void **state)
 {
     (void)state;
     epipe_comm *c;
-    assert_int_equal(epipe_comm_create(&c, NULL, EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV, NULL,
-                                       0, NULL),
-                     EPIPE_EINVAL);
+    assert_int_equal(
+        epipe_comm_create(&c, NULL, EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV, NULL, 0, NULL),
+        EPIPE_EINVAL);
     assert_non_null(strstr(epipe_last_error(), "EPIPE_RANK"));
     setenv("EPIPE_RANK", "0", 1);
     setenv("EPIPE_WORLD_SIZE", "1", 1);
-    assert_int_equal(epipe_comm_create(&c, "auto", EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV,
-                                       NULL, 0, "timeout_ms=1234"),
+    assert_int_equal(epipe_comm_create(&c, "auto", EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV, NULL,
+                                       0, "timeout_ms=1234"),
                      EPIPE_OK);
     assert_string_equal(epipe_comm_transport(c), "tcp");
     assert_int_equal(param(c, EPIPE_COMM_TIMEOUT_MS), 1234);
@@ -128,9 +136,9 @@ static void rendezvous_from_the_environment(void **state)
     assert_int_equal(epipe_comm_create_from_env(&c, "timeout_ms=999"), EPIPE_OK);
     assert_int_equal(param(c, EPIPE_COMM_TIMEOUT_MS), 999);
     epipe_comm_destroy(c);
-    assert_int_equal(epipe_comm_create(&c, "inproc", EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV,
-                                       NULL, 0, NULL),
-                     EPIPE_EINVAL);
+    assert_int_equal(
+        epipe_comm_create(&c, "inproc", EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV, NULL, 0, NULL),
+        EPIPE_EINVAL);
     clean_env(NULL);
 }
 
@@ -184,8 +192,9 @@ static void ranks_join_a_group_from_threads(void **state)
         }
         /* a ring of messages: every rank reaches its neighbour */
         for (unsigned r = 0; r < P; r++)
-            assert_int_equal(epipe_comm_send(j[r].c, (r + 1) % P, make_msg(j[r].c, (r + 1) % P, 64, r)),
-                             EPIPE_OK);
+            assert_int_equal(
+                epipe_comm_send(j[r].c, (r + 1) % P, make_msg(j[r].c, (r + 1) % P, 64, r)),
+                EPIPE_OK);
         for (unsigned r = 0; r < P; r++) {
             epipe_msg *m;
             unsigned from = (r + P - 1) % P;

@@ -19,8 +19,8 @@
 
 static DLTensor view(float *x, int64_t *shape, int ndim)
 {
-    DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = ndim, .dtype = {kDLFloat, 32, 1},
-                  .shape = shape};
+    DLTensor t = {
+        .data = x, .device = {kDLCPU, 0}, .ndim = ndim, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     return t;
 }
 
@@ -437,8 +437,8 @@ static void fd_encoder(const struct fd *f)
 }
 
 /* Decoder's L(z, Rt) = <G, restore(z)>; z is written into a payload. */
-static double dec_loss(epipe_codec *c, uint8_t *buf, size_t len, const struct fd *f,
-                       const float *G, float *y)
+static double dec_loss(epipe_codec *c, uint8_t *buf, size_t len, const struct fd *f, const float *G,
+                       float *y)
 {
     int64_t shape[4];
     memcpy(shape, f->shape, sizeof shape);
@@ -567,10 +567,10 @@ static void backward_takes_half_tensors(void **state)
     uint16_t g16[4], gx16[8];
     for (int i = 0; i < 4; i++)
         g16[i] = (uint16_t)(i == 0 ? 0x3c00 : i == 1 ? 0xc000 : i == 2 ? 0x3800 : 0x4200);
-    DLTensor h = {.data = g16, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 16, 1},
-                  .shape = zs};
-    DLTensor hx = {.data = gx16, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 16, 1},
-                   .shape = shape};
+    DLTensor h = {
+        .data = g16, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 16, 1}, .shape = zs};
+    DLTensor hx = {
+        .data = gx16, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 16, 1}, .shape = shape};
     assert_int_equal(epipe_codec_encode_backward(c, 1, &h, &hx), EPIPE_OK);
     for (int i = 0; i < 8; i++) {
         /* fp16 -> f32 by hand for normal numbers */
@@ -595,7 +595,7 @@ static void chains_quantize_the_code(void **state)
     assert_string_equal(epipe_codec_name(ch), "chain");
     assert_int_equal(epipe_codec_id(ch), 64);
     assert_true(epipe_codec_trainable(ch));
-    assert_non_null(strstr(epipe_codec_spec(ch), "|sortquant:bits=8,split=2"));
+    assert_non_null(strstr(epipe_codec_spec(ch), "|sortquant:bits=8,mode=fit"));
     epipe_codec *again = make(epipe_codec_spec(ch));
     assert_string_equal(epipe_codec_spec(again), epipe_codec_spec(ch));
     epipe_codec_destroy(again);

@@ -22,8 +22,8 @@
 
 static DLTensor view(float *x, int64_t *shape, int ndim)
 {
-    DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = ndim, .dtype = {kDLFloat, 32, 1},
-                  .shape = shape};
+    DLTensor t = {
+        .data = x, .device = {kDLCPU, 0}, .ndim = ndim, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     return t;
 }
 
@@ -36,8 +36,7 @@ static size_t numel(const int64_t *shape, int ndim)
 }
 
 /* Encodes x on c and decodes into y; returns the payload (caller frees). */
-static uint8_t *roundtrip(epipe_codec *c, float *x, float *y, int64_t *shape, int ndim,
-                          size_t *len)
+static uint8_t *roundtrip(epipe_codec *c, float *x, float *y, int64_t *shape, int ndim, size_t *len)
 {
     DLTensor tx = view(x, shape, ndim), ty = view(y, shape, ndim);
     size_t cap;
@@ -100,8 +99,8 @@ static double best_error(const float *x, int nb, int rows, int cols, int r)
           *sup = malloc(sizeof(float) * mn);
     for (int b = 0; b < nb; b++) {
         memcpy(a, x + (size_t)b * rows * cols, sizeof(float) * rows * cols);
-        assert_int_equal(LAPACKE_sgesvd(LAPACK_ROW_MAJOR, 'N', 'N', rows, cols, a, cols, s, NULL,
-                                        1, NULL, 1, sup),
+        assert_int_equal(LAPACKE_sgesvd(LAPACK_ROW_MAJOR, 'N', 'N', rows, cols, a, cols, s, NULL, 1,
+                                        NULL, 1, sup),
                          0);
         for (int k = r; k < mn; k++)
             e += (double)s[k] * s[k];
@@ -254,8 +253,8 @@ static void fast_path_agrees_with_reference(void **state)
                 xm = fmax(xm, fabs((double)x[i]));
             }
             if (!(d <= 1e-4 * xm))
-                fail_msg("%s call %d: fast and reference differ by %g (max|x| %g)", specs[s], t,
-                         d, xm);
+                fail_msg("%s call %d: fast and reference differ by %g (max|x| %g)", specs[s], t, d,
+                         xm);
         }
         epipe_codec_destroy(f);
         epipe_codec_destroy(r);
@@ -322,7 +321,10 @@ static void expect_rejected(epipe_codec *c, const uint8_t *p, size_t len, DLTens
 
 static void put_f32(uint8_t *p, float f)
 {
-    union { float f; uint32_t u; } b = {.f = f};
+    union {
+        float f;
+        uint32_t u;
+    } b = {.f = f};
     epipe_put_u32(p, b.u);
 }
 
@@ -335,9 +337,9 @@ static void corrupt_payloads_are_rejected(void **state)
     low_rank(x, B, T, D, 3, 0.1, 7);
     for (int f = 0; f < 2; f++) {
         epipe_codec *c;
-        assert_int_equal(epipe_codec_create(&c, f ? "poweriter:rank=2,factors=fp16"
-                                                  : "poweriter:rank=2"),
-                         EPIPE_OK);
+        assert_int_equal(
+            epipe_codec_create(&c, f ? "poweriter:rank=2,factors=fp16" : "poweriter:rank=2"),
+            EPIPE_OK);
         size_t len, es = f ? 2 : 4;
         uint8_t *good = roundtrip(c, x, y, shape, 3, &len);
         /* 16-byte header, 32-byte body header, then B records. */
@@ -402,13 +404,13 @@ static void shapes_and_views(void **state)
         int64_t shape[4];
         uint64_t nb, rows, cols;
     } cases[] = {
-        {4, {2, 3, 4, 5}, 2, 3, 20},  /* [B,C,H,W] -> B x [C, HW] */
-        {3, {2, 7, 9}, 2, 7, 9},      /* [B,T,D] -> B x [T, D] */
-        {2, {6, 11}, 1, 6, 11},       /* [B,D] -> one [B, D] */
-        {1, {13}, 1, 1, 13},          /* 1-D -> one row */
-        {0, {0}, 1, 1, 1},            /* scalar */
-        {3, {0, 4, 4}, 0, 4, 4},      /* empty */
-        {2, {5, 0}, 1, 5, 0},         /* empty */
+        {4, {2, 3, 4, 5}, 2, 3, 20}, /* [B,C,H,W] -> B x [C, HW] */
+        {3, {2, 7, 9}, 2, 7, 9},     /* [B,T,D] -> B x [T, D] */
+        {2, {6, 11}, 1, 6, 11},      /* [B,D] -> one [B, D] */
+        {1, {13}, 1, 1, 13},         /* 1-D -> one row */
+        {0, {0}, 1, 1, 1},           /* scalar */
+        {3, {0, 4, 4}, 0, 4, 4},     /* empty */
+        {2, {5, 0}, 1, 5, 0},        /* empty */
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         size_t n = numel(cases[k].shape, cases[k].ndim);
@@ -424,7 +426,8 @@ static void shapes_and_views(void **state)
         r = r < cases[k].cols ? r : cases[k].cols;
         if (cases[k].nb == 0)
             r = 0;
-        size_t want = 16 + 32 + (r ? cases[k].nb * (4 + (cases[k].rows + cases[k].cols) * r * 4) : 0);
+        size_t want = 16 + 32 +
+                      (r ? cases[k].nb * (4 + (cases[k].rows + cases[k].cols) * r * 4) : 0);
         assert_int_equal(len, want);
         assert_int_equal(epipe_get_u32(p + 16), r);
         assert_int_equal(epipe_get_u64(p + 24), cases[k].nb);

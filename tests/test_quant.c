@@ -15,8 +15,8 @@
 
 #include <epipe/epipe.h>
 
-#include "../lib/codec/codec_impl.h"
 #include "../codecs/quantize_common.h"
+#include "../lib/codec/codec_impl.h"
 #include "tensor.h"
 #include "testutil.h"
 
@@ -48,8 +48,8 @@ static void half_step_bound(void **state)
             for (size_t i = 0; i < n; i++) {
                 double err = fabs((double)x[i] - y[i]);
                 if (err > step / 2 * (1 + 1e-6) + 16 * FLT_EPSILON * amax)
-                    fail_msg("%s dist %d: x[%zu]=%g decoded %g, step %g", spec, d, i,
-                             (double)x[i], (double)y[i], (double)step);
+                    fail_msg("%s dist %d: x[%zu]=%g decoded %g, step %g", spec, d, i, (double)x[i],
+                             (double)y[i], (double)step);
             }
             free(p.buf);
         }
@@ -249,14 +249,10 @@ static void specs(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(half_step_bound),
-        cmocka_unit_test(all_equal_is_exact),
-        cmocka_unit_test(fast_matches_reference),
-        cmocka_unit_test(generic_kernels_match_reference),
-        cmocka_unit_test(nonfinite_rejected),
-        cmocka_unit_test(find_nonfinite_scan),
-        cmocka_unit_test(hostile_payloads),
-        cmocka_unit_test(specs),
+        cmocka_unit_test(half_step_bound),        cmocka_unit_test(all_equal_is_exact),
+        cmocka_unit_test(fast_matches_reference), cmocka_unit_test(generic_kernels_match_reference),
+        cmocka_unit_test(nonfinite_rejected),     cmocka_unit_test(find_nonfinite_scan),
+        cmocka_unit_test(hostile_payloads),       cmocka_unit_test(specs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

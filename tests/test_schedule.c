@@ -163,18 +163,20 @@ static void every_size_holds(void **state)
                 check_dependencies(sc, sim, 1, 1, 0);
 
                 /* Backward twice the forward: same bubble, same bounds. */
-                assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_BACKWARD,
-                                                     EPIPE_SIM_ALL_STAGES, 2), EPIPE_OK);
+                assert_int_equal(
+                    epipe_sim_set_cost(sim, EPIPE_SIM_BACKWARD, EPIPE_SIM_ALL_STAGES, 2), EPIPE_OK);
                 assert_int_equal(epipe_sim_run(sim), EPIPE_OK);
                 assert_true(epipe_sim_makespan(sim) == 3.0 * (m + p - 1));
                 assert_true(fabs(epipe_sim_bubble_fraction(sim) - want) < 1e-12);
                 check_dependencies(sc, sim, 1, 2, 0);
 
                 /* Links that cost time: still every dependency, plus the link. */
-                assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_SEND_ACT,
-                                                     EPIPE_SIM_ALL_STAGES, 0.25), EPIPE_OK);
-                assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_SEND_GRAD,
-                                                     EPIPE_SIM_ALL_STAGES, 0.25), EPIPE_OK);
+                assert_int_equal(
+                    epipe_sim_set_cost(sim, EPIPE_SIM_SEND_ACT, EPIPE_SIM_ALL_STAGES, 0.25),
+                    EPIPE_OK);
+                assert_int_equal(
+                    epipe_sim_set_cost(sim, EPIPE_SIM_SEND_GRAD, EPIPE_SIM_ALL_STAGES, 0.25),
+                    EPIPE_OK);
                 assert_int_equal(epipe_sim_run(sim), EPIPE_OK);
                 assert_true(epipe_sim_makespan(sim) >= 3.0 * (m + p - 1));
                 check_dependencies(sc, sim, 1, 2, 0.25);
@@ -247,7 +249,10 @@ static void bad_arguments_are_named(void **state)
     epipe_schedule_destroy(NULL);
 }
 
-#define OP(k, i) {.kind = EPIPE_OP_##k, .microbatch = (i)}
+#define OP(k, i)                                                                                   \
+    {                                                                                              \
+        .kind = EPIPE_OP_##k, .microbatch = (i)                                                    \
+    }
 
 static int run_raw(unsigned p, unsigned m, const epipe_op *const *ops, const size_t *counts)
 {
@@ -305,16 +310,15 @@ static void broken_lists_are_caught(void **state)
     assert_non_null(strstr(epipe_last_error(), "no next stage"));
 
     /* A forward on stage 1 before its activation arrives. */
-    const epipe_op early[] = {OP(FORWARD, 0), OP(RECV_ACT, 0), OP(BACKWARD, 0),
-                              OP(SEND_GRAD, 0)};
+    const epipe_op early[] = {OP(FORWARD, 0), OP(RECV_ACT, 0), OP(BACKWARD, 0), OP(SEND_GRAD, 0)};
     lists[0] = ok0, lists[1] = early;
     assert_int_equal(run_raw(2, 1, lists, counts), EPIPE_EINVAL);
     assert_non_null(strstr(epipe_last_error(), "before its activation is received"));
 
     /* Receives in another order than the sends: links are FIFO. */
-    const epipe_op a0[] = {OP(FORWARD, 0), OP(SEND_ACT, 0), OP(FORWARD, 1), OP(SEND_ACT, 1),
+    const epipe_op a0[] = {OP(FORWARD, 0),   OP(SEND_ACT, 0), OP(FORWARD, 1),   OP(SEND_ACT, 1),
                            OP(RECV_GRAD, 0), OP(BACKWARD, 0), OP(RECV_GRAD, 1), OP(BACKWARD, 1)};
-    const epipe_op a1[] = {OP(RECV_ACT, 1), OP(FORWARD, 1), OP(RECV_ACT, 0), OP(FORWARD, 0),
+    const epipe_op a1[] = {OP(RECV_ACT, 1), OP(FORWARD, 1),   OP(RECV_ACT, 0), OP(FORWARD, 0),
                            OP(BACKWARD, 0), OP(SEND_GRAD, 0), OP(BACKWARD, 1), OP(SEND_GRAD, 1)};
     const epipe_op *fifo[] = {a0, a1};
     size_t n8[] = {8, 8};

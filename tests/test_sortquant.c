@@ -15,8 +15,8 @@
 
 #include <epipe/epipe.h>
 
-#include "../lib/codec/codec_impl.h"
 #include "../codecs/quantize_common.h"
+#include "../lib/codec/codec_impl.h"
 #include "bitpack.h"
 #include "tensor.h"
 #include "testutil.h"
@@ -55,7 +55,8 @@ static void check_error_bound(const char *spec, const float *x, size_t n)
         amax = fmaxf(amax, fabsf(x[i]));
     for (size_t i = 0; i < n; i++) {
         unsigned ch = codes[i] >> q;
-        float min = epipe_get_f32(p.buf + HDR + 8 * ch), step = epipe_get_f32(p.buf + HDR + 8 * ch + 4);
+        float min = epipe_get_f32(p.buf + HDR + 8 * ch),
+              step = epipe_get_f32(p.buf + HDR + 8 * ch + 4);
         double err = fabs((double)x[i] - (double)y[i]);
         double bound = step / 2 * (1 + 1e-6) + 16 * FLT_EPSILON * amax;
         if (err > bound || x[i] < min)
@@ -70,11 +71,12 @@ static void check_error_bound(const char *spec, const float *x, size_t n)
 static void error_bounds(void **state)
 {
     (void)state;
-    const char *specs[] = {"sortquant:bits=8",          "sortquant:bits=8,mode=exact",
-                           "sortquant:bits=4",          "sortquant:bits=4,mode=exact",
-                           "sortquant:bits=16",         "sortquant:bits=12,mode=exact",
-                           "sortquant:bits=7,split=5",  "sortquant:bits=9,split=6,mode=exact",
-                           "sortquant:bits=2,split=0",  "sortquant:bits=5,split=2,mode=exact"};
+    const char *specs[] = {
+        "sortquant:bits=8,mode=sample",         "sortquant:bits=8,mode=exact",
+        "sortquant:bits=4,mode=sample",         "sortquant:bits=4,mode=exact",
+        "sortquant:bits=16,mode=sample",        "sortquant:bits=12,mode=exact",
+        "sortquant:bits=7,split=5,mode=sample", "sortquant:bits=9,split=6,mode=exact",
+        "sortquant:bits=2,split=0,mode=sample", "sortquant:bits=5,split=2,mode=exact"};
     const enum test_dist dists[] = {DIST_NORMAL, DIST_RELU, DIST_LOGNORMAL, DIST_UNIFORM};
     size_t n = 20011;
     float *x = malloc(sizeof *x * n);
@@ -163,7 +165,7 @@ static void mse_against_quant(void **state)
         test_fill(x, n, dists[d], 55 + d);
         for (size_t b = 0; b < 3; b++) {
             char sq[64], sqe[64], qs[64], qe[64];
-            snprintf(sq, sizeof sq, "sortquant:bits=%u", bits[b]);
+            snprintf(sq, sizeof sq, "sortquant:bits=%u,mode=sample", bits[b]);
             snprintf(sqe, sizeof sqe, "sortquant:bits=%u,mode=exact", bits[b]);
             snprintf(qs, sizeof qs, "quant:bits=%u", bits[b] - split[b]);
             snprintf(qe, sizeof qe, "quant:bits=%u", bits[b]);
@@ -176,8 +178,8 @@ static void mse_against_quant(void **state)
             if (dists[d] == DIST_LOGNORMAL && bits[b] == 4) {
                 double mq4 = mse_of(qe, x, n);
                 if (!(ms < 0.5 * mq4 && me < 0.5 * mq4))
-                    fail_msg("heavy tails, 4 bits: sortquant mse %g (exact %g) vs quant %g", ms,
-                             me, mq4);
+                    fail_msg("heavy tails, 4 bits: sortquant mse %g (exact %g) vs quant %g", ms, me,
+                             mq4);
             }
         }
     }
@@ -220,16 +222,16 @@ static void check_same(const char *spec, float *x, size_t n)
 static void fast_matches_reference(void **state)
 {
     (void)state;
-    const char *specs[] = {"sortquant:bits=8",
+    const char *specs[] = {"sortquant:bits=8,mode=sample",
                            "sortquant:bits=8,mode=exact",
-                           "sortquant:bits=3,split=1",
+                           "sortquant:bits=3,split=1,mode=sample",
                            "sortquant:bits=5,split=2,mode=exact",
-                           "sortquant:bits=16",
+                           "sortquant:bits=16,mode=sample",
                            "sortquant:bits=16,mode=exact",
                            "sortquant:bits=11,split=5,mode=exact",
-                           "sortquant:bits=13,split=7",
+                           "sortquant:bits=13,split=7,mode=sample",
                            "sortquant:bits=6,split=0,mode=exact",
-                           "sortquant:bits=12,split=3,sample=1024"};
+                           "sortquant:bits=12,split=3,sample=1024,mode=sample"};
     const size_t sizes[] = {0, 1, 2, 7, 8, 9, 15, 63, 64, 65, 1000, 4095, 4097, 5003};
     float *x = malloc(sizeof *x * 5003);
     for (size_t s = 0; s < sizeof specs / sizeof *specs; s++)
@@ -246,8 +248,9 @@ static void fast_matches_reference(void **state)
 static void threads_match_reference(void **state)
 {
     (void)state;
-    const char *specs[] = {"sortquant:bits=8", "sortquant:bits=8,mode=exact",
-                           "sortquant:bits=6,split=3,mode=exact", "sortquant:bits=14,split=6",
+    const char *specs[] = {"sortquant:bits=8,mode=sample", "sortquant:bits=8,mode=exact",
+                           "sortquant:bits=6,split=3,mode=exact",
+                           "sortquant:bits=14,split=6,mode=sample",
                            "sortquant:bits=7,split=5,mode=exact"};
     const size_t sizes[] = {262143, 262151, 393227, 600000};
     float *x = malloc(sizeof *x * 600000);
@@ -266,7 +269,7 @@ static void threads_match_reference(void **state)
         if (x[i] == 0.0f)
             x[i] = -0.0f;
     check_same("sortquant:bits=8,mode=exact", x, 300001);
-    check_same("sortquant:bits=8", x, 300001);
+    check_same("sortquant:bits=8,mode=sample", x, 300001);
     check_same("sortquant:bits=12,split=4,mode=exact", x, 300001);
     /* every value in one top-16-bit key bucket, 30% of them equal */
     test_rng r;
@@ -284,8 +287,9 @@ static void generic_kernels_match_reference(void **state)
 {
     (void)state;
     int was = epipe_q_set_simd(0);
-    const char *specs[] = {"sortquant:bits=8", "sortquant:bits=8,mode=exact", "sortquant:bits=16",
-                           "sortquant:bits=6,split=3,mode=exact", "sortquant:bits=3,split=1"};
+    const char *specs[] = {"sortquant:bits=8,mode=sample", "sortquant:bits=8,mode=exact",
+                           "sortquant:bits=16,mode=sample", "sortquant:bits=6,split=3,mode=exact",
+                           "sortquant:bits=3,split=1,mode=sample"};
     const size_t sizes[] = {1, 9, 1001, 270001};
     float *x = malloc(sizeof *x * 270001);
     for (size_t s = 0; s < sizeof specs / sizeof *specs; s++)
@@ -303,7 +307,8 @@ static void degenerate_inputs(void **state)
     float x[100], y[100];
     for (int i = 0; i < 100; i++)
         x[i] = 3.5f;
-    const char *specs[] = {"sortquant:bits=8", "sortquant:bits=8,mode=exact", "sortquant:bits=16"};
+    const char *specs[] = {"sortquant:bits=8,mode=sample", "sortquant:bits=8,mode=exact",
+                           "sortquant:bits=16,mode=sample"};
     for (size_t s = 0; s < 3; s++)
         for (size_t n = 0; n <= 100; n += 33) {
             test_payload p = test_encode(specs[s], x, n, 1, 0);
@@ -331,7 +336,7 @@ static void nonfinite_rejected(void **state)
     test_fill(x, 5000, DIST_NORMAL, 9);
     const float bad[] = {NAN, INFINITY, -INFINITY};
     const size_t where[] = {0, 4321, 4999};
-    const char *specs[] = {"sortquant:bits=8", "sortquant:bits=8,mode=exact"};
+    const char *specs[] = {"sortquant:bits=8,mode=sample", "sortquant:bits=8,mode=exact"};
     for (size_t s = 0; s < 2; s++)
         for (int ref = 0; ref < 2; ref++)
             for (size_t b = 0; b < 3; b++) {
@@ -396,19 +401,23 @@ static void expect_spec_error(const char *spec, const char *needle)
 static void specs_and_defaults(void **state)
 {
     (void)state;
-    expect_spec_error("sortquant:bits=40", "'bits'");
-    expect_spec_error("sortquant:bits=1", "'bits'");
-    expect_spec_error("sortquant:bits=8,split=8", "'split'");
-    expect_spec_error("sortquant:bits=4,split=13", "'split'");
+    expect_spec_error("sortquant:bits=40,mode=sample", "'bits'");
+    expect_spec_error("sortquant:bits=1,mode=sample", "'bits'");
+    expect_spec_error("sortquant:bits=8,split=8,mode=sample", "'split'");
+    expect_spec_error("sortquant:bits=4,split=13,mode=sample", "'split'");
     expect_spec_error("sortquant:bits=8,mode=bogus", "'mode'");
-    expect_spec_error("sortquant:bits=8,sample=10", "'sample'");
-    const struct { const char *in, *out; } canon[] = {
-        {"sortquant", "sortquant:bits=8,split=2,mode=sample,sample=65536"},
-        {"sortquant:bits=16", "sortquant:bits=16,split=4,mode=sample,sample=65536"},
+    expect_spec_error("sortquant:bits=8,sample=10,mode=sample", "'sample'");
+    const struct {
+        const char *in, *out;
+    } canon[] = {
+        {"sortquant", "sortquant:bits=8,mode=fit,sample=65536"},
+        {"sortquant:mode=sample", "sortquant:bits=8,split=2,mode=sample,sample=65536"},
+        {"sortquant:bits=16,mode=sample", "sortquant:bits=16,split=4,mode=sample,sample=65536"},
         {"sortquant:bits=12,mode=exact", "sortquant:bits=12,split=3,mode=exact,sample=65536"},
-        {"sortquant:bits=4", "sortquant:bits=4,split=1,mode=sample,sample=65536"},
-        {"sortquant:bits=2", "sortquant:bits=2,split=1,mode=sample,sample=65536"},
-        {"sortquant:bits=3,split=0", "sortquant:bits=3,split=0,mode=sample,sample=65536"},
+        {"sortquant:bits=4,mode=sample", "sortquant:bits=4,split=1,mode=sample,sample=65536"},
+        {"sortquant:bits=2,mode=sample", "sortquant:bits=2,split=1,mode=sample,sample=65536"},
+        {"sortquant:bits=3,split=0,mode=sample",
+         "sortquant:bits=3,split=0,mode=sample,sample=65536"},
     };
     for (size_t i = 0; i < sizeof canon / sizeof *canon; i++) {
         epipe_codec *c = test_codec(canon[i].in, 1, 0);
@@ -419,7 +428,7 @@ static void specs_and_defaults(void **state)
     float x[100], y[100];
     test_fill(x, 100, DIST_NORMAL, 1);
     test_payload p = test_encode("sortquant:bits=8,mode=exact", x, 100, 1, 0);
-    test_decode("sortquant:bits=8,sample=2048", &p, y, 100, 1, 0);
+    test_decode("sortquant:bits=8,sample=2048,mode=sample", &p, y, 100, 1, 0);
     free(p.buf);
 }
 

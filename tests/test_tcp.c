@@ -153,13 +153,35 @@ static void recv_act(epipe_comm *c, unsigned peer, uint64_t step, uint32_t mb, s
 /* ---- rendezvous from the environment ----------------------------------- */
 
 static const char *all_vars[] = {
-    "EPIPE_RANK", "EPIPE_WORLD_SIZE", "EPIPE_MASTER_ADDR", "EPIPE_MASTER_PORT", "RANK",
-    "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS", "SLURM_PROCID",
-    "SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_NNODES",
-    "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", "EPIPE_TIMEOUT_MS", "EPIPE_TCP_STREAMS",
-    "EPIPE_AUTH_KEY_FILE", "EPIPE_IFNAME", "EPIPE_LISTEN_ADDR", "EPIPE_TCP_TOPOLOGY",
-    "EPIPE_INIT_TIMEOUT_MS", "EPIPE_HEARTBEAT_MS",
+    "EPIPE_RANK",
+    "EPIPE_WORLD_SIZE",
+    "EPIPE_MASTER_ADDR",
+    "EPIPE_MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MPI_LOCALNRANKS",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_JOB_ID",
+    "EPIPE_TIMEOUT_MS",
+    "EPIPE_TCP_STREAMS",
+    "EPIPE_AUTH_KEY_FILE",
+    "EPIPE_IFNAME",
+    "EPIPE_LISTEN_ADDR",
+    "EPIPE_TCP_TOPOLOGY",
+    "EPIPE_INIT_TIMEOUT_MS",
+    "EPIPE_HEARTBEAT_MS",
 };
 
 static void clear_env(void)
@@ -420,7 +442,8 @@ static void test_two_ranks(void **state)
     recv_act(c[1], 0, 8, 0, big, 20);
     /* Nothing arrives: a timeout, not a hang. */
     epipe_msg *m;
-    assert_int_equal(epipe_comm_recv(c[1], 0, EPIPE_WIRE_ACTIVATION, 9, 0, 50, &m), EPIPE_ETIMEDOUT);
+    assert_int_equal(epipe_comm_recv(c[1], 0, EPIPE_WIRE_ACTIVATION, 9, 0, 50, &m),
+                     EPIPE_ETIMEDOUT);
     /* Messages sent just before destroy are flushed; then the peer is gone. */
     for (uint32_t i = 0; i < 8; i++)
         assert_int_equal(epipe_comm_send(c[1], 0, make_act(1, 0, 10, i, 50000, 30 + i)), EPIPE_OK);
@@ -476,9 +499,10 @@ static void test_streams_mesh(void **state)
         for (unsigned d = 0; d < 4; d++)
             if (s != d)
                 for (uint32_t mb = 0; mb < 6; mb++)
-                    assert_int_equal(epipe_comm_send(c[s], d, make_act(s, d, 1, mb, 20000 + 100 * s,
-                                                                         s * 100 + d * 10 + mb)),
-                                     EPIPE_OK);
+                    assert_int_equal(
+                        epipe_comm_send(
+                            c[s], d, make_act(s, d, 1, mb, 20000 + 100 * s, s * 100 + d * 10 + mb)),
+                        EPIPE_OK);
     for (unsigned d = 0; d < 4; d++)
         for (unsigned s = 0; s < 4; s++)
             if (s != d)
@@ -555,7 +579,8 @@ static void test_port_in_use(void **state)
     assert_int_equal(listen(fd, 4), 0);
     getsockname(fd, (struct sockaddr *)&a, &len);
     epipe_comm *c;
-    int rc = epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", ntohs(a.sin_port), "init_timeout_ms=2000");
+    int rc = epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", ntohs(a.sin_port),
+                                   "init_timeout_ms=2000");
     assert_int_equal(rc, EPIPE_EIO);
     assert_null(c);
     assert_non_null(strstr(epipe_last_error(), "in use"));
@@ -621,7 +646,8 @@ static int connect_to(unsigned port)
 {
     for (int i = 0; i < 200; i++) {
         int fd = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+        struct sockaddr_in a = {.sin_family = AF_INET,
+                                .sin_port = htons((uint16_t)port),
                                 .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
         if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0)
             return fd;
@@ -706,7 +732,8 @@ static void test_master_version(void **state)
     pthread_t th;
     pthread_create(&th, NULL, fake_master, &lfd);
     epipe_comm *c;
-    int rc = epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", ntohs(a.sin_port), "init_timeout_ms=3000");
+    int rc = epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", ntohs(a.sin_port),
+                                   "init_timeout_ms=3000");
     pthread_join(th, NULL);
     close(lfd);
     print_message("%s\n", epipe_last_error());
@@ -842,14 +869,16 @@ static void test_silent_peer(void **state)
     pid_t pid = fork();
     if (pid == 0) {
         epipe_comm *c;
-        if (epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", port, "timeout_ms=600,init_timeout_ms=5000"))
+        if (epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", port,
+                                  "timeout_ms=600,init_timeout_ms=5000"))
             _exit(1);
         for (;;)
             pause();
     }
     epipe_comm *c;
-    assert_int_equal(epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", port,
-                                           "timeout_ms=600,init_timeout_ms=5000"), EPIPE_OK);
+    assert_int_equal(
+        epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", port, "timeout_ms=600,init_timeout_ms=5000"),
+        EPIPE_OK);
     epipe_msg *m;
     /* Alive and idle: heartbeats keep it up past the timeout. */
     assert_int_equal(epipe_comm_recv(c, 1, EPIPE_WIRE_ACTIVATION, 0, 0, 1500, &m), EPIPE_ETIMEDOUT);

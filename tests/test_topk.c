@@ -14,8 +14,8 @@
 
 #include <epipe/epipe.h>
 
-#include "../lib/codec/codec_impl.h"
 #include "../codecs/quantize_common.h"
+#include "../lib/codec/codec_impl.h"
 #include "tensor.h"
 #include "testutil.h"
 
@@ -42,7 +42,10 @@ static uint8_t *tk_encode(const char *spec, int threads, int ref, float *x, size
     return buf;
 }
 
-typedef struct { float m; size_t i; } entry;
+typedef struct {
+    float m;
+    size_t i;
+} entry;
 
 static int by_mag_then_index(const void *a, const void *b)
 {

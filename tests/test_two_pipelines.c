@@ -69,8 +69,8 @@ static int stage_run(struct stage_arg *a, epipe_comm *c)
         return rc;
     float *x = calloc(WIDTH, sizeof *x);
     int64_t shape[2] = {1, WIDTH};
-    DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1},
-                  .shape = shape};
+    DLTensor t = {
+        .data = x, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     for (int step = 0; rc == EPIPE_OK && step < a->steps; step++) {
         epipe_op op;
         while (rc == EPIPE_OK && (rc = epipe_stage_next_op(st, &op)) == EPIPE_OK &&
@@ -158,8 +158,7 @@ static void two_pipelines_share_nothing(void **state)
                                      .microbatches = in_a ? 2 : 4,
                                      .steps = 3};
         snprintf(args[i].options, sizeof args[i].options, "group=%s,trace=%s%s",
-                 in_a ? "pipeA" : "pipeB", in_a ? path_a : path_b,
-                 in_a ? "" : ",buffer_cache=0");
+                 in_a ? "pipeA" : "pipeB", in_a ? path_a : path_b, in_a ? "" : ",buffer_cache=0");
     }
     for (unsigned i = 0; i < N; i++)
         assert_int_equal(pthread_create(&args[i].th, NULL, stage_thread, &args[i]), 0);
@@ -177,7 +176,7 @@ static void two_pipelines_share_nothing(void **state)
     assert_non_null(a);
     assert_non_null(b);
     assert_non_null(strstr(a, "\"stage 1\""));
-    assert_null(strstr(a, "\"stage 2\""));  /* A has no third stage */
+    assert_null(strstr(a, "\"stage 2\""));      /* A has no third stage */
     assert_null(strstr(a, "\"name\": \"F2\"")); /* nor a third micro-batch */
     assert_non_null(strstr(b, "\"stage 2\""));
     assert_non_null(strstr(b, "\"name\": \"F3\""));

@@ -22,17 +22,16 @@
 
 /* Runs a call with a cleared message; checks its status and that a failure
  * left a message. */
-#define EXPECT(want, call)                                                   \
-    do {                                                                     \
-        epipe_clear_error();                                                 \
-        int rc_ = (call);                                                    \
-        if (rc_ != (want))                                                   \
-            print_error("%s: got %s, want %s (%s)\n", #call,                 \
-                        epipe_status_name(rc_), epipe_status_name(want),     \
-                        epipe_last_error());                                 \
-        assert_int_equal(rc_, (want));                                       \
-        if ((want) != EPIPE_OK)                                              \
-            assert_true(strncmp(epipe_last_error(), "wire: ", 6) == 0);      \
+#define EXPECT(want, call)                                                                         \
+    do {                                                                                           \
+        epipe_clear_error();                                                                       \
+        int rc_ = (call);                                                                          \
+        if (rc_ != (want))                                                                         \
+            print_error("%s: got %s, want %s (%s)\n", #call, epipe_status_name(rc_),               \
+                        epipe_status_name(want), epipe_last_error());                              \
+        assert_int_equal(rc_, (want));                                                             \
+        if ((want) != EPIPE_OK)                                                                    \
+            assert_true(strncmp(epipe_last_error(), "wire: ", 6) == 0);                            \
     } while (0)
 
 static uint32_t crc_bitwise(uint32_t crc, const uint8_t *p, size_t n)
@@ -109,8 +108,8 @@ static void crc_three_way_matches_reference(void **state)
     test_rng_seed(&r, 7);
     for (size_t i = 0; i < N; i++)
         buf[i] = (uint8_t)test_rng_next(&r);
-    const size_t edges[] = {767, 768, 769, 775, 776, 1535, 1536, 24575, 24576, 24577,
-                            24576 + 768, 24576 + 767, 49152, 49152 + 7, 1 << 20};
+    const size_t edges[] = {767,   768,   769,         775,         776,   1535,      1536,   24575,
+                            24576, 24577, 24576 + 768, 24576 + 767, 49152, 49152 + 7, 1 << 20};
     for (size_t i = 0; i < sizeof edges / sizeof *edges + 400; i++) {
         size_t n = i < sizeof edges / sizeof *edges ? edges[i]
                                                     : (size_t)(test_rng_next(&r) % 200000);
@@ -140,8 +139,15 @@ enum { NUMEL = 24, PLEN = 16 + NUMEL * 4, MSG = HS + PLEN };
 static epipe_wire_header tensor_header(void)
 {
     epipe_wire_header h = {
-        .kind = EPIPE_WIRE_ACTIVATION, .dtype = EPIPE_DTYPE_F32, .ndim = 3, .codec_id = 1,
-        .codec_param = 0, .micro_batch = 5, .step = 77, .src_stage = 0, .dst_stage = 1,
+        .kind = EPIPE_WIRE_ACTIVATION,
+        .dtype = EPIPE_DTYPE_F32,
+        .ndim = 3,
+        .codec_id = 1,
+        .codec_param = 0,
+        .micro_batch = 5,
+        .step = 77,
+        .src_stage = 0,
+        .dst_stage = 1,
         .shape = {2, 3, 4},
     };
     return h;
@@ -228,17 +234,23 @@ static void message_round_trip_with_codec(void **state)
     float x[NUMEL], y[NUMEL];
     test_fill(x, NUMEL, DIST_NORMAL, 3);
     int64_t shape[3] = {2, 3, 4};
-    DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = 3, .dtype = {kDLFloat, 32, 1},
-                  .shape = shape};
+    DLTensor t = {
+        .data = x, .device = {kDLCPU, 0}, .ndim = 3, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     epipe_codec *c;
     assert_int_equal(epipe_codec_create(&c, "cast:dtype=bf16"), EPIPE_OK);
     size_t plen;
     assert_int_equal(epipe_codec_max_encoded_size(c, &t, &plen), EPIPE_OK);
     uint8_t *msg = malloc(HS + plen);
     assert_int_equal(epipe_codec_encode(c, &t, msg + HS, plen, &plen), EPIPE_OK);
-    epipe_wire_header h = {.kind = EPIPE_WIRE_GRADIENT, .dtype = msg[HS + 2], .ndim = 3,
-                           .codec_id = msg[HS], .codec_param = epipe_get_u32(msg + HS + 4),
-                           .micro_batch = 3, .step = 9, .src_stage = 2, .dst_stage = 1,
+    epipe_wire_header h = {.kind = EPIPE_WIRE_GRADIENT,
+                           .dtype = msg[HS + 2],
+                           .ndim = 3,
+                           .codec_id = msg[HS],
+                           .codec_param = epipe_get_u32(msg + HS + 4),
+                           .micro_batch = 3,
+                           .step = 9,
+                           .src_stage = 2,
+                           .dst_stage = 1,
                            .shape = {2, 3, 4}};
     size_t w; /* the payload already sits after the header: framed in place */
     EXPECT(EPIPE_OK, epipe_wire_frame(&h, msg + HS, plen, msg, HS + plen, &w));
@@ -494,12 +506,12 @@ static void field_rejections(void **state)
         void (*edit)(uint8_t *);
         int want;
     } cases[] = {
-        {edit_dims_2_32, EPIPE_EOVERFLOW}, {edit_dim_huge, EPIPE_EOVERFLOW},
-        {edit_zero_dim, EPIPE_OK},         {edit_ndim_17, EPIPE_EPROTO},
-        {edit_kind_0, EPIPE_EPROTO},       {edit_kind_7, EPIPE_EPROTO},
-        {edit_kind_255, EPIPE_EPROTO},     {edit_dtype_3, EPIPE_EPROTO},
-        {edit_reserved, EPIPE_EPROTO},     {edit_flags, EPIPE_EPROTO},
-        {edit_slot, EPIPE_EPROTO},         {edit_codec_0, EPIPE_EPROTO},
+        {edit_dims_2_32, EPIPE_EOVERFLOW},  {edit_dim_huge, EPIPE_EOVERFLOW},
+        {edit_zero_dim, EPIPE_OK},          {edit_ndim_17, EPIPE_EPROTO},
+        {edit_kind_0, EPIPE_EPROTO},        {edit_kind_7, EPIPE_EPROTO},
+        {edit_kind_255, EPIPE_EPROTO},      {edit_dtype_3, EPIPE_EPROTO},
+        {edit_reserved, EPIPE_EPROTO},      {edit_flags, EPIPE_EPROTO},
+        {edit_slot, EPIPE_EPROTO},          {edit_codec_0, EPIPE_EPROTO},
         {edit_short_payload, EPIPE_EPROTO}, {edit_heartbeat_with_ndim, EPIPE_EPROTO},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -558,7 +570,8 @@ static void payload_must_match_header(void **state)
         unsigned off;
         uint8_t val;
         const char *word;
-    } edits[] = {{0, 2, "codec id"}, {2, 1, "dtype"}, {4, 9, "parameter word"}, {8, 25, "25 values"}};
+    } edits[] = {
+        {0, 2, "codec id"}, {2, 1, "dtype"}, {4, 9, "parameter word"}, {8, 25, "25 values"}};
     for (size_t i = 0; i < 4; i++) {
         epipe_wire_header h = tensor_header();
         uint8_t payload[PLEN], msg[MSG];

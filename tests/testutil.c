@@ -47,9 +47,7 @@ void test_fill(float *x, size_t n, enum test_dist d, uint64_t seed)
         switch (d) {
         case DIST_NORMAL: x[i] = (float)g; break;
         case DIST_RELU: x[i] = g > 0 ? (float)g : 0.0f; break;
-        case DIST_LOGNORMAL:
-            x[i] = (float)(exp(g) * ((test_rng_next(&r) & 1) ? 1 : -1));
-            break;
+        case DIST_LOGNORMAL: x[i] = (float)(exp(g) * ((test_rng_next(&r) & 1) ? 1 : -1)); break;
         case DIST_UNIFORM: x[i] = (float)(2.0 * test_rng_uniform(&r) - 1.0); break;
         }
     }

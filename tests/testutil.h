@@ -9,7 +9,9 @@
 enum test_dist { DIST_NORMAL, DIST_RELU, DIST_LOGNORMAL, DIST_UNIFORM };
 
 /* xorshift64* generator: the same seed gives the same stream everywhere. */
-typedef struct { uint64_t s; } test_rng;
+typedef struct {
+    uint64_t s;
+} test_rng;
 void test_rng_seed(test_rng *r, uint64_t seed);
 uint64_t test_rng_next(test_rng *r);
 double test_rng_uniform(test_rng *r); /* [0, 1) */

@@ -1,6 +1,5 @@
 /* epipe-bench codec: encode and decode throughput of codecs against a
  * plain memcpy of the same tensor, their scalar references, and the error. */
-#include <cblas.h>
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -12,6 +11,11 @@
 
 #include "../lib/codec/codec_impl.h"
 #include "bench.h"
+#include "cli.h"
+
+#ifdef EPIPE_HAVE_BLAS
+#include <cblas.h>
+#endif
 
 struct opts {
     int64_t shape[8];
@@ -22,15 +26,14 @@ struct opts {
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: epipe-bench codec SPEC [SPEC...] [--shape 32,32,112,112]\n"
-            "       [--dist normal|relu|lognormal|uniform] [--threads N] [--reps R]\n"
-            "       [--no-ref] [--gemm] [--json]\n\n"
-            "Times encode and decode of one tensor (best of R runs, default 5) beside a\n"
-            "single-threaded memcpy of the same bytes, and the codec's scalar reference\n"
-            "(once; --no-ref skips it). --threads sets EPIPE_CODEC_THREADS (0 = auto).\n"
-            "--gemm, for trainable codecs (insert): also time plain cblas_sgemm calls of\n"
-            "the same matrix shapes on operands of the same size, and give GFLOP/s.\n");
+    fprintf(f, "usage: epipe-bench codec SPEC [SPEC...] [--shape 32,32,112,112]\n"
+               "       [--dist normal|relu|lognormal|uniform] [--threads N] [--reps R]\n"
+               "       [--no-ref] [--gemm] [--json]\n\n"
+               "Times encode and decode of one tensor (best of R runs, default 5) beside a\n"
+               "single-threaded memcpy of the same bytes, and the codec's scalar reference\n"
+               "(once; --no-ref skips it). --threads sets EPIPE_CODEC_THREADS (0 = auto).\n"
+               "--gemm, for trainable codecs (insert): also time plain cblas_sgemm calls of\n"
+               "the same matrix shapes on operands of the same size, and give GFLOP/s.\n");
 }
 
 static int parse_shape(const char *s, struct opts *o)
@@ -122,30 +125,36 @@ static int do_decode(void *p)
  * operands of the same sizes: batch calls of (M x Kd) . (Kd x N). */
 struct gemm_ref {
     int batch, linear;
-    int K, P, S;      /* code channels, values a patch, positions a sample */
-    const float *x;   /* batch x [P][S] (conv) or [rows][P] (linear) */
-    float *w;         /* [K][P] */
-    float *z;         /* code: batch x [K][S] or [rows][K] */
-    float *y;         /* like x */
+    int K, P, S;    /* code channels, values a patch, positions a sample */
+    const float *x; /* batch x [P][S] (conv) or [rows][P] (linear) */
+    float *w;       /* [K][P] */
+    float *z;       /* code: batch x [K][S] or [rows][K] */
+    float *y;       /* like x */
 };
 
 static int do_gemm_encode(void *p)
 {
+#ifdef EPIPE_HAVE_BLAS
     struct gemm_ref *g = p;
     if (g->linear) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->batch, g->K, g->P, 1.0f, g->x,
-                    g->P, g->w, g->P, 0.0f, g->z, g->K);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->batch, g->K, g->P, 1.0f, g->x, g->P,
+                    g->w, g->P, 0.0f, g->z, g->K);
         return 0;
     }
     size_t per = (size_t)g->P * (size_t)g->S, zper = (size_t)g->K * (size_t)g->S;
     for (int b = 0; b < g->batch; b++)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->K, g->S, g->P, 1.0f, g->w,
-                    g->P, g->x + (size_t)b * per, g->S, 0.0f, g->z + (size_t)b * zper, g->S);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->K, g->S, g->P, 1.0f, g->w, g->P,
+                    g->x + (size_t)b * per, g->S, 0.0f, g->z + (size_t)b * zper, g->S);
     return 0;
+#else
+    (void)p;
+    return -1; /* no BLAS: gemm_shapes() never selects these */
+#endif
 }
 
 static int do_gemm_decode(void *p)
 {
+#ifdef EPIPE_HAVE_BLAS
     struct gemm_ref *g = p;
     if (g->linear) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->batch, g->P, g->K, 1.0f, g->z,
@@ -157,6 +166,10 @@ static int do_gemm_decode(void *p)
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, g->P, g->S, g->K, 1.0f, g->w, g->P,
                     g->z + (size_t)b * zper, g->S, 0.0f, g->y + (size_t)b * per, g->S);
     return 0;
+#else
+    (void)p;
+    return -1; /* no BLAS: gemm_shapes() never selects these */
+#endif
 }
 
 /* Fills *g for codec c on the tensor src; 0 if c is not a GEMM codec. */
@@ -164,6 +177,9 @@ static int gemm_shapes(epipe_codec *c, const DLTensor *src, struct gemm_ref *g)
 {
     int zn;
     int64_t zs[EPIPE_CODEC_MAX_NDIM];
+#ifndef EPIPE_HAVE_BLAS
+    return 0; /* built without a BLAS: nothing to compare with */
+#endif
     if (!epipe_codec_trainable(c) || epipe_codec_code_shape(c, src, &zn, zs))
         return 0;
     memset(g, 0, sizeof *g);
@@ -197,8 +213,11 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
     epipe_codec_set_param(c, EPIPE_CODEC_THREADS, o->threads);
     int64_t shape[8];
     memcpy(shape, o->shape, sizeof shape);
-    DLTensor src = {.data = x, .device = {kDLCPU, 0}, .ndim = o->ndim,
-                    .dtype = {kDLFloat, 32, 1}, .shape = shape};
+    DLTensor src = {.data = x,
+                    .device = {kDLCPU, 0},
+                    .ndim = o->ndim,
+                    .dtype = {kDLFloat, 32, 1},
+                    .shape = shape};
     DLTensor dst = src;
     dst.data = y;
     struct run r = {.codec = c, .src = &src, .dst = &dst, .from = x, .to = y, .bytes = n * 4};
@@ -283,8 +302,8 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
                "\"encode_mvals\": %.1f, \"decode_mvals\": %.1f, \"memcpy_mvals\": %.1f, "
                "\"encode_vs_memcpy\": %.4f, \"decode_vs_memcpy\": %.4f, "
                "\"wire_bytes\": %zu, \"wire_ratio\": %.6f, \"mse\": %.6g, \"max_abs_err\": %.6g",
-               epipe_codec_spec(c), n, o->dist, o->threads, enc, dec, copy, enc / copy,
-               dec / copy, len, (double)len / (double)(n * 4), se / (double)n, maxe);
+               epipe_codec_spec(c), n, o->dist, o->threads, enc, dec, copy, enc / copy, dec / copy,
+               len, (double)len / (double)(n * 4), se / (double)n, maxe);
         if (identical >= 0)
             printf(", \"ref_encode_mvals\": %.2f, \"ref_decode_mvals\": %.2f, "
                    "\"ref_identical\": %s",
@@ -297,8 +316,8 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
             printf(", \"encode_gflops\": %.2f, \"decode_gflops\": %.2f, "
                    "\"gemm_encode_gflops\": %.2f, \"gemm_decode_gflops\": %.2f, "
                    "\"encode_vs_gemm\": %.4f, \"decode_vs_gemm\": %.4f",
-                   gflop / t_enc, gflop / t_dec, gflop / t_genc, gflop / t_gdec,
-                   t_genc / t_enc, t_gdec / t_dec);
+                   gflop / t_enc, gflop / t_dec, gflop / t_genc, gflop / t_gdec, t_genc / t_enc,
+                   t_gdec / t_dec);
         printf("}\n");
     } else {
         printf("%s  (%zu values, %s, threads=%d)\n", epipe_codec_spec(c), n, o->dist, o->threads);
@@ -328,47 +347,64 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
 
 int bench_codec_main(int argc, char **argv)
 {
-    struct opts o = {.shape = {32, 32, 112, 112}, .ndim = 4, .dist = "normal", .threads = 0,
-                     .reps = 5, .ref = 1};
+    struct opts o = {.shape = {32, 32, 112, 112},
+                     .ndim = 4,
+                     .dist = "normal",
+                     .threads = 0,
+                     .reps = 5,
+                     .ref = 1};
     const char *specs[32];
     int nspecs = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int more = i + 1 < argc;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--json")) {
-            o.json = 1;
-        } else if (!strcmp(a, "--gemm")) {
-            o.gemm = 1;
-        } else if (!strcmp(a, "--no-ref")) {
-            o.ref = 0;
-        } else if (!strcmp(a, "--shape") && more) {
-            if (parse_shape(argv[++i], &o)) {
+    enum { O_JSON = 256, O_GEMM, O_NO_REF, O_SHAPE, O_DIST, O_THREADS, O_REPS };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, O_JSON},
+        {"gemm", no_argument, NULL, O_GEMM},
+        {"no-ref", no_argument, NULL, O_NO_REF},
+        {"shape", required_argument, NULL, O_SHAPE},
+        {"dist", required_argument, NULL, O_DIST},
+        {"threads", required_argument, NULL, O_THREADS},
+        {"reps", required_argument, NULL, O_REPS},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    /* "-" keeps the specs in place: each is returned as option 1. */
+    while ((opt = getopt_long(argc, argv, "-:h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'h': usage(stdout); return 0;
+        case O_JSON: o.json = 1; break;
+        case O_GEMM: o.gemm = 1; break;
+        case O_NO_REF: o.ref = 0; break;
+        case O_SHAPE:
+            if (parse_shape(optarg, &o)) {
                 fprintf(stderr, "epipe-bench codec: bad --shape '%s' (want e.g. 32,32,112,112)\n",
-                        argv[i]);
+                        optarg);
                 return 2;
             }
-        } else if (!strcmp(a, "--dist") && more) {
-            o.dist = argv[++i];
-            if (strcmp(o.dist, "normal") && strcmp(o.dist, "relu") &&
-                strcmp(o.dist, "lognormal") && strcmp(o.dist, "uniform")) {
+            break;
+        case O_DIST:
+            o.dist = optarg;
+            if (strcmp(o.dist, "normal") && strcmp(o.dist, "relu") && strcmp(o.dist, "lognormal") &&
+                strcmp(o.dist, "uniform")) {
                 fprintf(stderr, "epipe-bench codec: unknown --dist '%s'\n", o.dist);
                 return 2;
             }
-        } else if (!strcmp(a, "--threads") && more) {
-            o.threads = atoi(argv[++i]);
-        } else if (!strcmp(a, "--reps") && more) {
-            o.reps = atoi(argv[++i]);
+            break;
+        case O_THREADS: o.threads = atoi(optarg); break;
+        case O_REPS:
+            o.reps = atoi(optarg);
             if (o.reps < 1)
                 o.reps = 1;
-        } else if (a[0] == '-') {
-            fprintf(stderr, "epipe-bench codec: unknown or incomplete option '%s'\n", a);
+            break;
+        case 1:
+            if (nspecs < 32)
+                specs[nspecs++] = optarg;
+            break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-bench codec", argv, opt);
             usage(stderr);
             return 2;
-        } else if (nspecs < 32) {
-            specs[nspecs++] = a;
         }
     }
     if (!nspecs) {

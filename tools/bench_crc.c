@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "bench.h"
+#include "cli.h"
 #include "wire/crc32c.h"
 
 static void usage(FILE *f)
@@ -64,21 +65,32 @@ int bench_crc_main(int argc, char **argv)
 {
     size_t sizes[16] = {4096, 65536, 1u << 20, 4u << 20, 64u << 20};
     int nsizes = 5, reps = 5, json = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(argv[i], "--json")) {
-            json = 1;
-        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
-            reps = atoi(argv[++i]);
-        } else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
-            nsizes = parse_sizes(argv[++i], sizes, 16);
-        } else {
-            fprintf(stderr, "epipe-bench crc: unknown or incomplete option '%s'\n", argv[i]);
+    enum { O_JSON = 256, O_REPS, O_SIZES };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, O_JSON},
+        {"reps", required_argument, NULL, O_REPS},
+        {"sizes", required_argument, NULL, O_SIZES},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'h': usage(stdout); return 0;
+        case O_JSON: json = 1; break;
+        case O_REPS: reps = atoi(optarg); break;
+        case O_SIZES: nsizes = parse_sizes(optarg, sizes, 16); break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-bench crc", argv, opt);
             usage(stderr);
             return 2;
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "epipe-bench crc: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return 2;
     }
     if (nsizes < 1 || reps < 1) {
         fprintf(stderr, "epipe-bench crc: bad --sizes or --reps\n");

@@ -24,7 +24,8 @@ static const struct {
     {"codec", bench_codec_main, "codec throughput and error against memcpy"},
     {"schedule", bench_schedule_main, "a pipeline schedule's simulated timeline and bubble"},
     {"pipeline", bench_pipeline_main, "stage runtime overhead and step time against the simulator"},
-    {"transport", bench_transport_main, "TCP transport throughput and latency against a raw socket"},
+    {"transport", bench_transport_main,
+     "TCP transport throughput and latency against a raw socket"},
     {"crc", bench_crc_main, "CRC32C throughput of the wire checksum paths against memcpy"},
 };
 

@@ -10,6 +10,7 @@
 #include <epipe/epipe.h>
 
 #include "bench.h"
+#include "cli.h"
 
 struct bench_opts {
     const char *kind, *codec;
@@ -23,7 +24,7 @@ struct bench_opts {
 struct stage_arg {
     epipe_comm *comm;
     const struct bench_opts *o;
-    double seconds; /* wall time of the timed steps */
+    double seconds;     /* wall time of the timed steps */
     double cpu_seconds; /* this stage thread's CPU time (user + system) in them */
     int rc;
     char err[256];
@@ -103,8 +104,11 @@ static void *stage_main(void *p)
     epipe_stage *st;
     a->buf = calloc((size_t)o->elems, sizeof(float));
     a->shape[0] = 1, a->shape[1] = o->elems;
-    a->t = (DLTensor){.data = a->buf, .device = {kDLCPU, 0}, .ndim = 2,
-                      .dtype = {kDLFloat, 32, 1}, .shape = a->shape};
+    a->t = (DLTensor){.data = a->buf,
+                      .device = {kDLCPU, 0},
+                      .ndim = 2,
+                      .dtype = {kDLFloat, 32, 1},
+                      .shape = a->shape};
     a->rc = epipe_stage_create(&st, a->comm, o->kind, o->m);
     if (a->rc == EPIPE_OK)
         a->rc = epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, o->codec);
@@ -158,64 +162,73 @@ static int simulated_makespan(const struct bench_opts *o, double *ms)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: epipe-bench pipeline [--kind gpipe|1f1b] [-p STAGES] [-m MICROBATCHES]\n"
-            "       [--steps N] [--fwd-ms F --bwd-ms B [--spin]] [--elems N] [--codec SPEC]\n"
-            "       [--spin-us US] [--json]\n\n"
-            "Runs a pipeline of in-process stages (threads). Without --fwd-ms/--bwd-ms the\n"
-            "callbacks do nothing and the result is the runtime's overhead per op\n"
-            "(one op = a forward or backward with its receive and send). With them, each\n"
-            "callback sleeps that long (standing for device compute; --spin busy-waits\n"
-            "instead, standing for CPU compute) and the measured step time is compared\n"
-            "with the simulator's makespan for the same costs. --spin-us sets\n"
-            "EPIPE_COMM_SPIN_US (receives busy-wait, yielding, before they sleep;\n"
-            "inproc default 50).\n");
+    fprintf(f, "usage: epipe-bench pipeline [--kind gpipe|1f1b] [-p STAGES] [-m MICROBATCHES]\n"
+               "       [--steps N] [--fwd-ms F --bwd-ms B [--spin]] [--elems N] [--codec SPEC]\n"
+               "       [--spin-us US] [--json]\n\n"
+               "Runs a pipeline of in-process stages (threads). Without --fwd-ms/--bwd-ms the\n"
+               "callbacks do nothing and the result is the runtime's overhead per op\n"
+               "(one op = a forward or backward with its receive and send). With them, each\n"
+               "callback sleeps that long (standing for device compute; --spin busy-waits\n"
+               "instead, standing for CPU compute) and the measured step time is compared\n"
+               "with the simulator's makespan for the same costs. --spin-us sets\n"
+               "EPIPE_COMM_SPIN_US (receives busy-wait, yielding, before they sleep;\n"
+               "inproc default 50).\n");
 }
 
 int bench_pipeline_main(int argc, char **argv)
 {
-    struct bench_opts o = {.kind = "1f1b", .codec = "none", .p = 4, .m = 8, .steps = 0,
-                           .elems = 4, .spin_us = -1};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int more = i + 1 < argc;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--json")) {
-            o.json = 1;
-        } else if (!strcmp(a, "--spin-us") && more) {
-            o.spin_us = atol(argv[++i]);
-        } else if (!strcmp(a, "--spin")) {
-            o.spin = 1;
-        } else if (!strcmp(a, "--kind") && more) {
-            o.kind = argv[++i];
-        } else if (!strcmp(a, "--codec") && more) {
-            o.codec = argv[++i];
-        } else if (!strcmp(a, "-p") && more) {
-            o.p = (unsigned)atoi(argv[++i]);
-        } else if (!strcmp(a, "-m") && more) {
-            o.m = (unsigned)atoi(argv[++i]);
-        } else if (!strcmp(a, "--steps") && more) {
-            o.steps = atoi(argv[++i]);
-        } else if (!strcmp(a, "--fwd-ms") && more) {
-            o.fwd_ms = atof(argv[++i]);
-        } else if (!strcmp(a, "--bwd-ms") && more) {
-            o.bwd_ms = atof(argv[++i]);
-        } else if (!strcmp(a, "--elems") && more) {
-            o.elems = atoi(argv[++i]);
-        } else {
-            fprintf(stderr, "epipe-bench pipeline: unknown or incomplete option '%s'\n", a);
+    struct bench_opts o = {
+        .kind = "1f1b", .codec = "none", .p = 4, .m = 8, .steps = 0, .elems = 4, .spin_us = -1};
+    enum { O_JSON = 256, O_SPIN_US, O_SPIN, O_KIND, O_CODEC, O_STEPS, O_FWD, O_BWD, O_ELEMS };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, O_JSON},
+        {"spin-us", required_argument, NULL, O_SPIN_US},
+        {"spin", no_argument, NULL, O_SPIN},
+        {"kind", required_argument, NULL, O_KIND},
+        {"codec", required_argument, NULL, O_CODEC},
+        {"stages", required_argument, NULL, 'p'},
+        {"microbatches", required_argument, NULL, 'm'},
+        {"steps", required_argument, NULL, O_STEPS},
+        {"fwd-ms", required_argument, NULL, O_FWD},
+        {"bwd-ms", required_argument, NULL, O_BWD},
+        {"elems", required_argument, NULL, O_ELEMS},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    while ((opt = getopt_long(argc, argv, ":hp:m:", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'h': usage(stdout); return 0;
+        case O_JSON: o.json = 1; break;
+        case O_SPIN_US: o.spin_us = atol(optarg); break;
+        case O_SPIN: o.spin = 1; break;
+        case O_KIND: o.kind = optarg; break;
+        case O_CODEC: o.codec = optarg; break;
+        case 'p': o.p = (unsigned)atoi(optarg); break;
+        case 'm': o.m = (unsigned)atoi(optarg); break;
+        case O_STEPS: o.steps = atoi(optarg); break;
+        case O_FWD: o.fwd_ms = atof(optarg); break;
+        case O_BWD: o.bwd_ms = atof(optarg); break;
+        case O_ELEMS: o.elems = atoi(optarg); break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-bench pipeline", argv, opt);
             usage(stderr);
             return 2;
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "epipe-bench pipeline: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return 2;
     }
     int timed = o.fwd_ms > 0 || o.bwd_ms > 0;
     char spin_text[24] = "null"; /* JSON: null when the communicator's default was kept */
     if (o.spin_us >= 0)
         snprintf(spin_text, sizeof spin_text, "%ld", o.spin_us);
     if (o.p < 1 || o.p > 64 || o.m < 1 || o.elems < 1 || o.fwd_ms < 0 || o.bwd_ms < 0) {
-        fprintf(stderr, "epipe-bench pipeline: need 1 <= p <= 64, m >= 1, elems >= 1, costs >= 0\n");
+        fprintf(stderr,
+                "epipe-bench pipeline: need 1 <= p <= 64, m >= 1, elems >= 1, costs >= 0\n");
         return 2;
     }
     if (o.steps <= 0)
@@ -257,13 +270,14 @@ int bench_pipeline_main(int argc, char **argv)
                    "\"microbatches\": %u, \"steps\": %d, \"elems\": %d, \"codec\": \"%s\", "
                    "\"spin_us\": %s, \"step_us\": %.2f, \"us_per_op\": %.3f, "
                    "\"cpu_us_per_op\": %.3f}\n",
-                   o.kind, o.p, o.m, o.steps, o.elems, o.codec, spin_text, step_ms * 1e3,
-                   us_per_op, cpu_us_per_op);
+                   o.kind, o.p, o.m, o.steps, o.elems, o.codec, spin_text, step_ms * 1e3, us_per_op,
+                   cpu_us_per_op);
         else
-            printf("%s, %u stages, %u micro-batches, %d-value tensors, codec %s, empty callbacks:\n"
-                   "  %.1f us a step, %.2f us an op (forward or backward with its receive and send),\n"
-                   "  %.2f us of CPU an op (stage threads, user + system)\n",
-                   o.kind, o.p, o.m, o.elems, o.codec, step_ms * 1e3, us_per_op, cpu_us_per_op);
+            printf(
+                "%s, %u stages, %u micro-batches, %d-value tensors, codec %s, empty callbacks:\n"
+                "  %.1f us a step, %.2f us an op (forward or backward with its receive and send),\n"
+                "  %.2f us of CPU an op (stage threads, user + system)\n",
+                o.kind, o.p, o.m, o.elems, o.codec, step_ms * 1e3, us_per_op, cpu_us_per_op);
         return 0;
     }
     double sim_ms;
@@ -273,14 +287,13 @@ int bench_pipeline_main(int argc, char **argv)
     }
     double ideal = (o.m + o.p - 1.0) / o.m * o.m * (o.fwd_ms + o.bwd_ms);
     if (o.json)
-        printf("{\"bench\": \"pipeline-step\", \"kind\": \"%s\", \"stages\": %u, "
-               "\"microbatches\": %u, \"steps\": %d, \"fwd_ms\": %g, \"bwd_ms\": %g, "
-               "\"compute\": \"%s\", \"spin_us\": %s, \"codec\": \"%s\", \"measured_step_ms\": %.3f, "
-               "\"simulated_step_ms\": %.3f, \"ratio\": %.4f, \"compute_only_ideal_ms\": %.3f}\n",
-               o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.spin ? "spin" : "sleep", spin_text,
-               o.codec,
-               step_ms, sim_ms,
-               step_ms / sim_ms, ideal);
+        printf(
+            "{\"bench\": \"pipeline-step\", \"kind\": \"%s\", \"stages\": %u, "
+            "\"microbatches\": %u, \"steps\": %d, \"fwd_ms\": %g, \"bwd_ms\": %g, "
+            "\"compute\": \"%s\", \"spin_us\": %s, \"codec\": \"%s\", \"measured_step_ms\": %.3f, "
+            "\"simulated_step_ms\": %.3f, \"ratio\": %.4f, \"compute_only_ideal_ms\": %.3f}\n",
+            o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.spin ? "spin" : "sleep", spin_text,
+            o.codec, step_ms, sim_ms, step_ms / sim_ms, ideal);
     else
         printf("%s, %u stages, %u micro-batches, forward %g ms, backward %g ms, codec %s:\n"
                "  measured %.3f ms a step, simulated %.3f ms: ratio %.4f\n",

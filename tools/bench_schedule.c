@@ -9,6 +9,7 @@
 #include <epipe/epipe.h>
 
 #include "bench.h"
+#include "cli.h"
 
 struct sopts {
     const char *kind;
@@ -19,15 +20,14 @@ struct sopts {
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: epipe-bench schedule [--kind gpipe|1f1b] [-p STAGES] [-m MICROBATCHES]\n"
-            "       [--forward-cost X] [--backward-cost X] [--comm-cost X] [--json]\n\n"
-            "Simulates one training step of the schedule (default 1f1b, p=4, m=8) and prints\n"
-            "each stage's compute ops on a timeline (F3 / B3: forward / backward of\n"
-            "micro-batch 3; dots: idle), the makespan, the bubble fraction beside the\n"
-            "uniform-cost formula (p-1)/(m+p-1), and the peak live activations per stage.\n"
-            "Costs default to forward 1, backward 1, links 0 (--comm-cost sets both\n"
-            "directions of every link). --json prints one JSON object instead.\n");
+    fprintf(f, "usage: epipe-bench schedule [--kind gpipe|1f1b] [-p STAGES] [-m MICROBATCHES]\n"
+               "       [--forward-cost X] [--backward-cost X] [--comm-cost X] [--json]\n\n"
+               "Simulates one training step of the schedule (default 1f1b, p=4, m=8) and prints\n"
+               "each stage's compute ops on a timeline (F3 / B3: forward / backward of\n"
+               "micro-batch 3; dots: idle), the makespan, the bubble fraction beside the\n"
+               "uniform-cost formula (p-1)/(m+p-1), and the peak live activations per stage.\n"
+               "Costs default to forward 1, backward 1, links 0 (--comm-cost sets both\n"
+               "directions of every link). --json prints one JSON object instead.\n");
 }
 
 static int parse_unsigned(const char *s, unsigned *out)
@@ -54,45 +54,49 @@ static int parse_cost(const char *s, double *out)
 
 static int parse_args(int argc, char **argv, struct sopts *o)
 {
+    enum { O_FWD = 256, O_BWD, O_COMM };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, 'j'},
+        {"kind", required_argument, NULL, 'k'},
+        {"stages", required_argument, NULL, 'p'},
+        {"microbatches", required_argument, NULL, 'm'},
+        {"forward-cost", required_argument, NULL, O_FWD},
+        {"backward-cost", required_argument, NULL, O_BWD},
+        {"comm-cost", required_argument, NULL, O_COMM},
+        {NULL, 0, NULL, 0},
+    };
     *o = (struct sopts){.kind = "1f1b", .stages = 4, .mbs = 8, .fwd = 1, .bwd = 1};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, ":hk:p:m:", longopts, NULL)) != -1) {
+        char a[64];
         int bad = 0;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            return 1;
-        } else if (!strcmp(a, "--json")) {
-            o->json = 1;
-            continue;
-        } else if (!v) {
-            bad = 1;
-        } else if (!strcmp(a, "--kind") || !strcmp(a, "-k")) {
-            o->kind = v;
-        } else if (!strcmp(a, "-p") || !strcmp(a, "--stages")) {
-            bad = parse_unsigned(v, &o->stages);
-        } else if (!strcmp(a, "-m") || !strcmp(a, "--microbatches")) {
-            bad = parse_unsigned(v, &o->mbs);
-        } else if (!strcmp(a, "--forward-cost")) {
-            bad = parse_cost(v, &o->fwd);
-        } else if (!strcmp(a, "--backward-cost")) {
-            bad = parse_cost(v, &o->bwd);
-        } else if (!strcmp(a, "--comm-cost")) {
-            bad = parse_cost(v, &o->comm);
-        } else {
-            fprintf(stderr, "epipe-bench schedule: unknown option '%s'\n", a);
+        const char *want = "a finite cost >= 0";
+        switch (c) {
+        case 'h': usage(stdout); return 1;
+        case 'j': o->json = 1; break;
+        case 'k': o->kind = optarg; break;
+        case 'p': bad = parse_unsigned(optarg, &o->stages), want = "a whole number"; break;
+        case 'm': bad = parse_unsigned(optarg, &o->mbs), want = "a whole number"; break;
+        case O_FWD: bad = parse_cost(optarg, &o->fwd); break;
+        case O_BWD: bad = parse_cost(optarg, &o->bwd); break;
+        case O_COMM: bad = parse_cost(optarg, &o->comm); break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-bench schedule", argv, c);
             usage(stderr);
             return -1;
         }
         if (bad) {
-            fprintf(stderr, "epipe-bench schedule: option '%s' needs %s\n", a,
-                    !strcmp(a, "-p") || !strcmp(a, "-m") || !strcmp(a, "--stages") ||
-                            !strcmp(a, "--microbatches")
-                        ? "a whole number"
-                        : !strcmp(a, "--kind") || !strcmp(a, "-k") ? "a value"
-                                                                   : "a finite cost >= 0");
+            fprintf(stderr, "epipe-bench schedule: option '%s' needs %s, not '%s'\n",
+                    epipe_cli_optname(argv, a, sizeof a), want, optarg);
             return -1;
         }
-        i++;
+    }
+    if (optind < argc) {
+        fprintf(stderr, "epipe-bench schedule: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return -1;
     }
     return 0;
 }

@@ -16,6 +16,7 @@
 #include <epipe/epipe.h>
 
 #include "bench.h"
+#include "cli.h"
 #include "codec/payload.h"
 #include "comm/comm_impl.h"
 #include "tensor.h"
@@ -26,17 +27,20 @@ struct cfg {
     int json, quick, reps, raw_hot;
     unsigned streams;
     int spin_us;
+    const char *options; /* appended to the transport options */
+    const char *compare; /* a second communicator's extra options, or NULL */
 };
 
 struct peer {
     int rank;
     epipe_comm *comm;
-    int raw;          /* raw socket to the other process */
+    epipe_comm *comm2; /* --compare: the other communicator */
+    int raw;           /* raw socket to the other process */
     epipe_codec *none;
-    float *src;       /* the tensor sent, largest size */
-    uint8_t *rawbuf;  /* raw socket buffer, largest size */
-    uint32_t phase;   /* tags every phase's messages (micro-batch field) */
-    int raw_hot;      /* raw sends from one buffer (stays in cache) */
+    float *src;      /* the tensor sent, largest size */
+    uint8_t *rawbuf; /* raw socket buffer, largest size */
+    uint32_t phase;  /* tags every phase's messages (micro-batch field) */
+    int raw_hot;     /* raw sends from one buffer (stays in cache) */
 };
 
 static int parse_size(const char *s, size_t *out)
@@ -59,6 +63,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: epipe-bench transport [--json] [--sizes 4,4K,64K,1M,4M,64M] [--streams N]\n"
             "                             [--spin-us US] [--reps R] [--quick] [--raw-hot]\n"
+            "                             [--options SPEC] [--compare SPEC]\n"
             "Two processes on loopback: for each message size (tensor bytes), streaming\n"
             "throughput and one-way latency (ping-pong / 2) of the TCP transport and of a raw\n"
             "TCP socket moving the same bytes. Transport messages are built (codec none, sealed)\n"
@@ -66,7 +71,10 @@ static void usage(FILE *f)
             "by epipe_comm_recv in the other process. Best of R repetitions (default 3) of\n"
             "each. --quick moves less data (for tests). The raw sender sends from the\n"
             "payloads of as many distinct messages as the transport's, built the same way\n"
-            "(not from one buffer that stays in cache); --raw-hot sends from one buffer.\n");
+            "(not from one buffer that stays in cache); --raw-hot sends from one buffer.\n"
+            "--options adds TCP options (\"key_file=K\"); --compare SPEC also measures a\n"
+            "second communicator with SPEC added (\"encrypt=1\"), alternating with the first\n"
+            "in every repetition; its rows say how it compares with the first.\n");
 }
 
 static int free_port(void)
@@ -99,8 +107,11 @@ static int raw_io(int fd, void *buf, size_t n, int wr)
 static epipe_msg *make_msg(struct peer *p, unsigned kind, uint64_t step, size_t bytes)
 {
     int64_t shape = (int64_t)(bytes / 4);
-    DLTensor t = {.data = p->src, .device = {kDLCPU, 0}, .ndim = 1,
-                  .dtype = {kDLFloat, 32, 1}, .shape = &shape};
+    DLTensor t = {.data = p->src,
+                  .device = {kDLCPU, 0},
+                  .ndim = 1,
+                  .dtype = {kDLFloat, 32, 1},
+                  .shape = &shape};
     size_t cap, len;
     if (epipe_codec_max_encoded_size(p->none, &t, &cap))
         return NULL;
@@ -218,8 +229,7 @@ static double tcp_stream(struct peer *p, size_t bytes, size_t count)
         for (size_t i = 0; i < count; i++) {
             if (trecv(p, EPIPE_WIRE_ACTIVATION, i))
                 goto out;
-            if (((i + 1) % every == 0 || i + 1 == count) &&
-                tsend(p, EPIPE_WIRE_GRADIENT, i + 1, 4))
+            if (((i + 1) % every == 0 || i + 1 == count) && tsend(p, EPIPE_WIRE_GRADIENT, i + 1, 4))
                 goto out;
         }
     }
@@ -307,6 +317,14 @@ out:
     return dt;
 }
 
+static void swap_comms(struct peer *p)
+{
+    if (p->comm2) {
+        epipe_comm *x = p->comm;
+        p->comm = p->comm2, p->comm2 = x;
+    }
+}
+
 static double best(double a, double b)
 {
     return a < 0 ? b : b < 0 ? a : a < b ? a : b;
@@ -321,44 +339,72 @@ static int run(struct peer *p, const struct cfg *c)
         if (count > (c->quick ? 20000u : 200000u))
             count = c->quick ? 20000u : 200000u;
         size_t iters = s <= 65536 ? (c->quick ? 200 : 2000)
-                                  : ((c->quick ? 16u : 128u) << 20) / s < 4 ? 4
-                                                                            : ((c->quick ? 16u : 128u) << 20) / s;
-        double ts = -1, rs = -1, tl = -1, rl = -1;
-        /* A warm-up of each, then the repetitions, alternating the two. */
-        tcp_stream(p, s, count / 8 + 1);
+                       : ((c->quick ? 16u : 128u) << 20) / s < 4
+                           ? 4
+                           : ((c->quick ? 16u : 128u) << 20) / s;
+        double ts[2] = {-1, -1}, rs = -1, tl[2] = {-1, -1}, rl = -1;
+        int ncomm = p->comm2 ? 2 : 1;
+        /* A warm-up of each, then the repetitions, alternating them. */
+        for (int k = 0; k < ncomm; k++, swap_comms(p))
+            tcp_stream(p, s, count / 8 + 1);
         raw_stream(p, s, count / 8 + 1);
         for (int r = 0; r < c->reps; r++) {
-            double a = raw_stream(p, s, count), b = tcp_stream(p, s, count);
-            if (a < 0 || b < 0)
+            double a = raw_stream(p, s, count);
+            if (a < 0)
                 return -1;
-            rs = best(rs, a), ts = best(ts, b);
+            rs = best(rs, a);
+            for (int k = 0; k < ncomm; k++, swap_comms(p)) {
+                double b = tcp_stream(p, s, count);
+                if (b < 0)
+                    return -1;
+                ts[k] = best(ts[k], b);
+            }
         }
-        tcp_pingpong(p, s, iters / 8 + 1);
+        for (int k = 0; k < ncomm; k++, swap_comms(p))
+            tcp_pingpong(p, s, iters / 8 + 1);
         raw_pingpong(p, s, iters / 8 + 1);
         for (int r = 0; r < c->reps; r++) {
-            double a = raw_pingpong(p, s, iters), b = tcp_pingpong(p, s, iters);
-            if (a < 0 || b < 0)
+            double a = raw_pingpong(p, s, iters);
+            if (a < 0)
                 return -1;
-            rl = best(rl, a), tl = best(tl, b);
+            rl = best(rl, a);
+            for (int k = 0; k < ncomm; k++, swap_comms(p)) {
+                double b = tcp_pingpong(p, s, iters);
+                if (b < 0)
+                    return -1;
+                tl[k] = best(tl[k], b);
+            }
         }
         if (p->rank != 0)
             continue;
         double mb = (double)s * (double)count / 1e6;
-        double tput = mb / ts, rtput = mb / rs;
-        double lat = tl / (double)iters / 2 * 1e6, rlat = rl / (double)iters / 2 * 1e6;
-        char name[32];
-        snprintf(name, sizeof name, c->streams > 1 ? "tcp:streams=%u" : "tcp", c->streams);
-        if (c->json)
-            printf("{\"bench\":\"transport\",\"transport\":\"%s\",\"size\":%zu,\"messages\":%zu,"
-                   "\"streams\":%u,\"spin_us\":%d,"
-                   "\"mbytes_per_s\":%.1f,\"raw_mbytes_per_s\":%.1f,\"throughput_ratio\":%.3f,"
-                   "\"latency_us\":%.2f,\"raw_latency_us\":%.2f,\"latency_ratio\":%.3f}\n",
-                   name, s, count, c->streams, c->spin_us, tput, rtput, tput / rtput, lat, rlat,
-                   lat / rlat);
-        else
-            printf("%-14s %9zu B  %9.1f MB/s  raw %9.1f MB/s  (%.2fx)   one-way %8.2f us  raw "
-                   "%8.2f us  (%.2fx)\n",
-                   name, s, tput, rtput, tput / rtput, lat, rlat, lat / rlat);
+        double rtput = mb / rs, rlat = rl / (double)iters / 2 * 1e6;
+        for (int k = 0; k < ncomm; k++) {
+            double tput = mb / ts[k], lat = tl[k] / (double)iters / 2 * 1e6;
+            double vs_t = ts[0] / ts[k], vs_l = tl[k] / tl[0];
+            char name[160];
+            int n = snprintf(name, sizeof name, "tcp");
+            if (c->streams > 1)
+                n += snprintf(name + n, sizeof name - (size_t)n, ":streams=%u", c->streams);
+            if (k == 1)
+                snprintf(name + n, sizeof name - (size_t)n, "%s%s", c->streams > 1 ? "," : ":",
+                         c->compare);
+            if (c->json)
+                printf("{\"bench\":\"transport\",\"transport\":\"%s\",\"size\":%zu,"
+                       "\"messages\":%zu,\"streams\":%u,\"spin_us\":%d,"
+                       "\"mbytes_per_s\":%.1f,\"raw_mbytes_per_s\":%.1f,\"throughput_ratio\":%.3f,"
+                       "\"latency_us\":%.2f,\"raw_latency_us\":%.2f,\"latency_ratio\":%.3f%s",
+                       name, s, count, c->streams, c->spin_us, tput, rtput, tput / rtput, lat, rlat,
+                       lat / rlat, k ? "" : "}\n");
+            else
+                printf("%-14s %9zu B  %9.1f MB/s  raw %9.1f MB/s  (%.2fx)   one-way %8.2f us  "
+                       "raw %8.2f us  (%.2fx)%s",
+                       name, s, tput, rtput, tput / rtput, lat, rlat, lat / rlat, k ? "" : "\n");
+            if (k && c->json)
+                printf(",\"vs_first_throughput\":%.3f,\"vs_first_latency\":%.3f}\n", vs_t, vs_l);
+            else if (k)
+                printf("   vs tcp: throughput %.2fx, latency %.2fx\n", vs_t, vs_l);
+        }
         fflush(stdout);
     }
     return 0;
@@ -368,28 +414,54 @@ int bench_transport_main(int argc, char **argv)
 {
     struct cfg c = {.reps = 3, .streams = 1, .spin_us = 50};
     const char *sizes = "4,4K,16K,64K,256K,1M,4M,16M,64M";
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json"))
-            c.json = 1;
-        else if (!strcmp(argv[i], "--quick"))
-            c.quick = 1;
-        else if (!strcmp(argv[i], "--raw-hot"))
-            c.raw_hot = 1;
-        else if (!strcmp(argv[i], "--sizes") && i + 1 < argc)
-            sizes = argv[++i];
-        else if (!strcmp(argv[i], "--spin-us") && i + 1 < argc)
-            c.spin_us = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--streams") && i + 1 < argc)
-            c.streams = (unsigned)atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
-            c.reps = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            usage(stdout);
-            return 0;
-        } else {
+    enum {
+        O_JSON = 256,
+        O_QUICK,
+        O_RAW_HOT,
+        O_SIZES,
+        O_SPIN_US,
+        O_STREAMS,
+        O_REPS,
+        O_OPTIONS,
+        O_COMPARE
+    };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"json", no_argument, NULL, O_JSON},
+        {"quick", no_argument, NULL, O_QUICK},
+        {"raw-hot", no_argument, NULL, O_RAW_HOT},
+        {"sizes", required_argument, NULL, O_SIZES},
+        {"spin-us", required_argument, NULL, O_SPIN_US},
+        {"streams", required_argument, NULL, O_STREAMS},
+        {"reps", required_argument, NULL, O_REPS},
+        {"options", required_argument, NULL, O_OPTIONS},
+        {"compare", required_argument, NULL, O_COMPARE},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'h': usage(stdout); return 0;
+        case O_JSON: c.json = 1; break;
+        case O_QUICK: c.quick = 1; break;
+        case O_RAW_HOT: c.raw_hot = 1; break;
+        case O_SIZES: sizes = optarg; break;
+        case O_SPIN_US: c.spin_us = atoi(optarg); break;
+        case O_STREAMS: c.streams = (unsigned)atoi(optarg); break;
+        case O_REPS: c.reps = atoi(optarg); break;
+        case O_OPTIONS: c.options = optarg; break;
+        case O_COMPARE: c.compare = optarg; break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-bench transport", argv, opt);
             usage(stderr);
             return 2;
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "epipe-bench transport: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return 2;
     }
     char buf[512];
     snprintf(buf, sizeof buf, "%s", sizes);
@@ -406,18 +478,20 @@ int bench_transport_main(int argc, char **argv)
     size_t maxs = 0;
     for (int i = 0; i < c.nsizes; i++)
         maxs = c.sizes[i] > maxs ? c.sizes[i] : maxs;
-    int port = free_port(), raw_port = free_port();
-    if (port < 0 || raw_port < 0) {
+    int port = free_port(), raw_port = free_port(), port2 = c.compare ? free_port() : 0;
+    if (port < 0 || raw_port < 0 || port2 < 0) {
         fprintf(stderr, "epipe-bench transport: no free port on 127.0.0.1\n");
         return 1;
     }
-    char opts[96];
-    snprintf(opts, sizeof opts, "streams=%u,spin_us=%d,timeout_ms=60000,init_timeout_ms=20000",
-             c.streams, c.spin_us);
+    char opts[1024], opts2[2048];
+    snprintf(opts, sizeof opts, "streams=%u,spin_us=%d,timeout_ms=60000,init_timeout_ms=20000%s%s",
+             c.streams, c.spin_us, c.options ? "," : "", c.options ? c.options : "");
+    snprintf(opts2, sizeof opts2, "%s,%s", opts, c.compare ? c.compare : "");
 
     /* The raw listener exists before the fork, so the parent's connect finds it. */
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)raw_port),
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)raw_port),
                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     int one = 1;
     setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -439,6 +513,9 @@ int bench_transport_main(int argc, char **argv)
     int rc = p.src && p.rawbuf ? epipe_codec_create(&p.none, "none") : EPIPE_ENOMEM;
     if (rc == EPIPE_OK)
         rc = epipe_comm_create_tcp(&p.comm, (unsigned)p.rank, 2, "127.0.0.1", (unsigned)port, opts);
+    if (rc == EPIPE_OK && c.compare)
+        rc = epipe_comm_create_tcp(&p.comm2, (unsigned)p.rank, 2, "127.0.0.1", (unsigned)port2,
+                                   opts2);
     if (rc) {
         fprintf(stderr, "epipe-bench transport: rank %d: %s\n", p.rank, epipe_last_error());
     } else if (p.rank == 1) {
@@ -466,6 +543,7 @@ int bench_transport_main(int argc, char **argv)
     if (p.raw >= 0)
         close(p.raw);
     epipe_comm_destroy(p.comm);
+    epipe_comm_destroy(p.comm2);
     epipe_codec_destroy(p.none);
     free(p.src);
     free(p.rawbuf);

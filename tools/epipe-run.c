@@ -15,12 +15,14 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cli.h"
+
 #define MAX_RANKS 1024
 #define LINE_MAX_BYTES 65536
 
 struct stream {
-    int fd;     /* read end, -1 at EOF */
-    int out;    /* 1 or 2 */
+    int fd;  /* read end, -1 at EOF */
+    int out; /* 1 or 2 */
     char *buf;
     size_t len;
 };
@@ -52,16 +54,16 @@ static double now(void)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: epipe-run -n N [--grace SECONDS] [--] PROGRAM [ARGS...]\n"
-            "Starts N copies of PROGRAM on this machine as ranks 0..N-1 of one libepipe group:\n"
-            "each gets EPIPE_RANK, EPIPE_WORLD_SIZE, EPIPE_LOCAL_RANK, EPIPE_MASTER_ADDR=127.0.0.1\n"
-            "and EPIPE_MASTER_PORT (a free port, unless EPIPE_MASTER_PORT is set). Output lines\n"
-            "are prefixed \"[rank R] \"; stdin is /dev/null. SIGINT and SIGTERM are forwarded.\n"
-            "When a rank fails (non-zero exit or a signal), the others get GRACE seconds\n"
-            "(default 2) to end on their own, then SIGTERM, then SIGKILL 5 s later; epipe-run\n"
-            "exits with the first failing rank's status (128+signal for a signal), else 0; a\n"
-            "rank killed by a signal within 0.2 s after another failed counts as the first.\n");
+    fprintf(
+        f, "usage: epipe-run -n N [--grace SECONDS] [--] PROGRAM [ARGS...]\n"
+           "Starts N copies of PROGRAM on this machine as ranks 0..N-1 of one libepipe group:\n"
+           "each gets EPIPE_RANK, EPIPE_WORLD_SIZE, EPIPE_LOCAL_RANK, EPIPE_MASTER_ADDR=127.0.0.1\n"
+           "and EPIPE_MASTER_PORT (a free port, unless EPIPE_MASTER_PORT is set). Output lines\n"
+           "are prefixed \"[rank R] \"; stdin is /dev/null. SIGINT and SIGTERM are forwarded.\n"
+           "When a rank fails (non-zero exit or a signal), the others get GRACE seconds\n"
+           "(default 2) to end on their own, then SIGTERM, then SIGKILL 5 s later; epipe-run\n"
+           "exits with the first failing rank's status (128+signal for a signal), else 0; a\n"
+           "rank killed by a signal within 0.2 s after another failed counts as the first.\n");
 }
 
 static int free_port(void)
@@ -69,7 +71,8 @@ static int free_port(void)
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t len = sizeof a;
-    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) || getsockname(fd, (struct sockaddr *)&a, &len)) {
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) ||
+        getsockname(fd, (struct sockaddr *)&a, &len)) {
         if (fd >= 0)
             close(fd);
         return -1;
@@ -141,33 +144,38 @@ int main(int argc, char **argv)
 {
     long n = 0;
     double grace = 2.0;
-    int i = 1;
-    for (; i < argc; i++) {
-        if (!strcmp(argv[i], "--")) {
-            i++;
-            break;
-        }
-        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            usage(stdout);
-            return 0;
-        }
-        if ((!strcmp(argv[i], "-n") || !strcmp(argv[i], "--np")) && i + 1 < argc) {
-            char *end;
-            n = strtol(argv[++i], &end, 10);
+    enum { O_GRACE = 256 };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"np", required_argument, NULL, 'n'},
+        {"grace", required_argument, NULL, O_GRACE},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    /* "+": options end at the program's name (or "--"); its own options are
+     * its business. */
+    while ((opt = getopt_long(argc, argv, "+:hn:", longopts, NULL)) != -1) {
+        char name[64];
+        char *end;
+        switch (opt) {
+        case 'h': usage(stdout); return 0;
+        case 'n':
+            n = strtol(optarg, &end, 10);
             if (*end || n < 1 || n > MAX_RANKS) {
-                fprintf(stderr, "epipe-run: -n %s: give a count in 1..%d\n", argv[i], MAX_RANKS);
+                fprintf(stderr, "epipe-run: %s %s: give a count in 1..%d\n",
+                        epipe_cli_optname(argv, name, sizeof name), optarg, MAX_RANKS);
                 return 2;
             }
-        } else if (!strcmp(argv[i], "--grace") && i + 1 < argc) {
-            grace = atof(argv[++i]);
-        } else if (argv[i][0] == '-') {
-            fprintf(stderr, "epipe-run: unknown option %s\n", argv[i]);
+            break;
+        case O_GRACE: grace = atof(optarg); break;
+        default: /* ':' or '?' */
+            epipe_cli_bad_option("epipe-run", argv, opt);
             usage(stderr);
             return 2;
-        } else {
-            break;
         }
     }
+    int i = optind;
     if (n < 1 || i >= argc) {
         usage(stderr);
         return 2;
@@ -181,7 +189,8 @@ int main(int argc, char **argv)
     } else {
         int p = free_port();
         if (p < 0) {
-            fprintf(stderr, "epipe-run: cannot find a free port on 127.0.0.1: %s\n", strerror(errno));
+            fprintf(stderr, "epipe-run: cannot find a free port on 127.0.0.1: %s\n",
+                    strerror(errno));
             return 1;
         }
         snprintf(port, sizeof port, "%d", p);
@@ -335,8 +344,9 @@ int main(int argc, char **argv)
                 int cause = first_fail >= 0 && WIFSIGNALED(st) && !first_signaled &&
                             !signals_sent && now() - first_fail_at < 0.2;
                 if (cause) {
-                    fprintf(stderr, "epipe-run: rank %u was killed by signal %d (%s) as rank %d "
-                                    "failed; taking it as the cause\n",
+                    fprintf(stderr,
+                            "epipe-run: rank %u was killed by signal %d (%s) as rank %d "
+                            "failed; taking it as the cause\n",
                             r, WTERMSIG(st), strsignal(WTERMSIG(st)), first_fail);
                     first_fail = (int)r;
                     first_signaled = 1;

@@ -41,8 +41,8 @@ static int inproc_send(epipe_comm *c, unsigned peer, epipe_msg *m)
     const uint8_t *payload;
     int rc = epipe_wire_parse(m->data, m->len, &lim, &m->hdr, &payload);
     if (rc == EPIPE_OK && (m->hdr.src_stage != c->rank || m->hdr.dst_stage != peer))
-        rc = epipe_fail(EPIPE_EPROTO, "wire: message from rank %u to %u claims %u to %u",
-                        c->rank, peer, m->hdr.src_stage, m->hdr.dst_stage);
+        rc = epipe_fail(EPIPE_EPROTO, "wire: message from rank %u to %u claims %u to %u", c->rank,
+                        peer, m->hdr.src_stage, m->hdr.dst_stage);
     if (rc != EPIPE_OK) {
         epipe_fail_into(c->msg, rc, "%s", epipe_last_error());
         epipe_comm_peer_down(dst, c->rank, EPIPE_PEER_FAILED, c->msg);
@@ -83,7 +83,8 @@ static void inproc_destroy(epipe_comm *c)
     if (epipe_log_enabled(EPIPE_LOG_DEBUG, "comm")) {
         uint64_t hits, misses;
         epipe_comm_cache_stats(c, &hits, &misses, NULL);
-        epipe_log_debug((int)c->rank, "comm", "inproc group '%s': rank %u leaves; its buffer "
+        epipe_log_debug((int)c->rank, "comm",
+                        "inproc group '%s': rank %u leaves; its buffer "
                         "cache served %llu buffer(s) again and allocated %llu",
                         hub->name, c->rank, (unsigned long long)hits, (unsigned long long)misses);
     }
@@ -216,9 +217,10 @@ static int give_up(struct inproc_pending *g, epipe_comm *c, unsigned rank, int64
     for (unsigned r = 0; r < g->hub->size && n + 12 < sizeof missing; r++)
         if (!g->hub->members[r])
             n += (size_t)snprintf(missing + n, sizeof missing - n, "%s%u", n ? ", " : "", r);
-    int rc = epipe_fail(EPIPE_ETIMEDOUT, "inproc: group '%s': rank %u waited %lld ms; rank(s) "
-                                         "%s of %u did not join", g->name, rank, (long long)ms,
-                        missing, g->hub->size);
+    int rc = epipe_fail(EPIPE_ETIMEDOUT,
+                        "inproc: group '%s': rank %u waited %lld ms; rank(s) "
+                        "%s of %u did not join",
+                        g->name, rank, (long long)ms, missing, g->hub->size);
     g->hub->members[rank] = NULL;
     epipe_comm_free(c);
     if (--g->joined == 0) {
@@ -238,8 +240,10 @@ int epipe_inproc_join(epipe_comm **out, unsigned rank, unsigned size, const epip
         return epipe_fail(EPIPE_EINVAL, "inproc: rank %u is not below size %u", rank, size);
     if (!s->group[0]) {
         if (size > 1)
-            return epipe_fail(EPIPE_EINVAL, "inproc: a group of %u ranks needs a name "
-                                            "(option group=NAME) for its ranks to meet", size);
+            return epipe_fail(EPIPE_EINVAL,
+                              "inproc: a group of %u ranks needs a name "
+                              "(option group=NAME) for its ranks to meet",
+                              size);
         epipe_comm *one[1];
         if ((rc = epipe_inproc_create_all(one, 1, s)))
             return rc;

@@ -6,20 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../lib/parse.h"
 #include "tcp_impl.h"
-
-static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out)
-{
-    if (!s || !*s)
-        return -1;
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || *end || v < lo || v > hi)
-        return -1;
-    *out = v;
-    return 0;
-}
 
 /* Applies one setting; `what` names its origin for the error message. */
 static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const char *what)
@@ -28,9 +16,10 @@ static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const ch
     if (!strcmp(key, "timeout_ms") || !strcmp(key, "init_timeout_ms") ||
         !strcmp(key, "heartbeat_ms")) {
         int64_t lo = key[0] == 'h' ? 0 : 1;
-        if (parse_i64(val, lo, 86400000, &v))
-            return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s' is not a number of ms in %lld..86400000",
-                              what, val, (long long)lo);
+        if (epipe_parse_i64(val, lo, 86400000, &v))
+            return epipe_fail(EPIPE_EINVAL,
+                              "tcp: %s = '%s' is not a number of ms in %lld..86400000", what, val,
+                              (long long)lo);
         if (key[0] == 't')
             o->timeout_ms = v;
         else if (key[0] == 'i')
@@ -38,12 +27,12 @@ static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const ch
         else
             o->heartbeat_ms = v;
     } else if (!strcmp(key, "spin_us")) {
-        if (parse_i64(val, 0, 1000000, &v))
+        if (epipe_parse_i64(val, 0, 1000000, &v))
             return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s' is not a number of us in 0..1000000",
                               what, val);
         o->spin_us = v;
     } else if (!strcmp(key, "streams")) {
-        if (parse_i64(val, 1, EPIPE_TCP_MAX_STREAMS, &v))
+        if (epipe_parse_i64(val, 1, EPIPE_TCP_MAX_STREAMS, &v))
             return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s' is not a stream count in 1..%d", what,
                               val, EPIPE_TCP_MAX_STREAMS);
         o->streams = (unsigned)v;
@@ -62,11 +51,15 @@ static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const ch
             return epipe_fail(EPIPE_EINVAL, "tcp: %s is longer than %zu characters", what,
                               sizeof o->key_file - 1);
         strcpy(o->key_file, val);
+    } else if (!strcmp(key, "encrypt")) { /* crypt: encrypted links */
+        if (strcmp(val, "0") && strcmp(val, "1"))
+            return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s': use 0 or 1", what, val);
+        o->encrypt = val[0] == '1';
     } else {
         return epipe_fail(EPIPE_EINVAL,
                           "tcp: unknown option '%s' (known: timeout_ms, init_timeout_ms, "
                           "heartbeat_ms, spin_us, streams, topology, listen_addr, ifname, "
-                          "key_file)",
+                          "key_file, encrypt)",
                           key);
     }
     return EPIPE_OK;
@@ -77,11 +70,11 @@ int epipe_tcp_opts_parse(epipe_tcp_opts *o, const char *spec)
     static const struct {
         const char *var, *key;
     } vars[] = {
-        {"EPIPE_TIMEOUT_MS", "timeout_ms"},   {"EPIPE_INIT_TIMEOUT_MS", "init_timeout_ms"},
+        {"EPIPE_TIMEOUT_MS", "timeout_ms"},     {"EPIPE_INIT_TIMEOUT_MS", "init_timeout_ms"},
         {"EPIPE_HEARTBEAT_MS", "heartbeat_ms"}, {"EPIPE_TCP_STREAMS", "streams"},
-        {"EPIPE_TCP_TOPOLOGY", "topology"},   {"EPIPE_LISTEN_ADDR", "listen_addr"},
-        {"EPIPE_SPIN_US", "spin_us"},
-        {"EPIPE_IFNAME", "ifname"},           {"EPIPE_AUTH_KEY_FILE", "key_file"},
+        {"EPIPE_TCP_TOPOLOGY", "topology"},     {"EPIPE_LISTEN_ADDR", "listen_addr"},
+        {"EPIPE_SPIN_US", "spin_us"},           {"EPIPE_IFNAME", "ifname"},
+        {"EPIPE_AUTH_KEY_FILE", "key_file"},    {"EPIPE_ENCRYPT", "encrypt"},
     };
     memset(o, 0, sizeof *o);
     o->timeout_ms = 30000;
@@ -128,7 +121,7 @@ static int env_uint(const char *name, unsigned long max, unsigned long *out)
 {
     const char *v = env(name);
     int64_t x;
-    if (parse_i64(v, 0, (int64_t)max, &x))
+    if (epipe_parse_i64(v, 0, (int64_t)max, &x))
         return epipe_fail(EPIPE_EINVAL, "rendezvous: %s = '%s' is not a number in 0..%lu", name, v,
                           max);
     *out = (unsigned long)x;
@@ -142,18 +135,28 @@ int epipe_rdv_first_host(const char *list, char *out, size_t cap)
     const char *p = list;
     if (!p || !*p)
         return epipe_fail(EPIPE_EINVAL, "rendezvous: empty Slurm node list");
+    if (cap == 0)
+        return epipe_fail(EPIPE_EINVAL, "rendezvous: no room for a host name");
     while (*p && *p != ',') {
+        if (*p == ']')
+            return epipe_fail(EPIPE_EINVAL, "rendezvous: unbalanced ']' in node list '%s'", list);
         if (*p == '[') {
             p++;
-            while (*p && *p != ',' && *p != '-' && *p != ']') { /* the first number */
+            while (*p >= '0' && *p <= '9') { /* the first number */
                 if (o + 1 >= cap)
                     return epipe_fail(EPIPE_EINVAL, "rendezvous: host name in '%s' too long", list);
                 out[o++] = *p++;
             }
+            if (*p != ',' && *p != '-' && *p != ']')
+                return epipe_fail(EPIPE_EINVAL,
+                                  "rendezvous: a range in node list '%s' is not "
+                                  "numbers",
+                                  list);
             while (*p && *p != ']')
                 p++;
             if (*p != ']')
-                return epipe_fail(EPIPE_EINVAL, "rendezvous: unbalanced '[' in node list '%s'", list);
+                return epipe_fail(EPIPE_EINVAL, "rendezvous: unbalanced '[' in node list '%s'",
+                                  list);
             p++;
             continue;
         }
@@ -212,21 +215,23 @@ int epipe_rdv_env_parse(epipe_rdv_env *e)
         snprintf(e->addr_source, sizeof e->addr_source, "EPIPE_MASTER_ADDR");
     } else if (src == SRC_TORCH || (src == SRC_EPIPE && env("MASTER_ADDR"))) {
         if (!(a = env("MASTER_ADDR")))
-            return epipe_fail(EPIPE_EINVAL, "rendezvous: rank from %s but neither EPIPE_MASTER_ADDR "
-                                            "nor MASTER_ADDR is set", e->source);
+            return epipe_fail(EPIPE_EINVAL,
+                              "rendezvous: rank from %s but neither EPIPE_MASTER_ADDR "
+                              "nor MASTER_ADDR is set",
+                              e->source);
         snprintf(e->addr_source, sizeof e->addr_source, "MASTER_ADDR");
     } else if (src == SRC_EPIPE) {
         a = "127.0.0.1";
         snprintf(e->addr_source, sizeof e->addr_source, "local host (default)");
     } else {
         /* MPI, PMI and Slurm give no master: one node means the local host. */
-        const char *local = src == SRC_OMPI ? env("OMPI_COMM_WORLD_LOCAL_SIZE")
+        const char *local = src == SRC_OMPI  ? env("OMPI_COMM_WORLD_LOCAL_SIZE")
                             : src == SRC_PMI ? env("MPI_LOCALNRANKS")
                                              : NULL;
         const char *nnodes = env("SLURM_JOB_NUM_NODES") ? env("SLURM_JOB_NUM_NODES")
-                                                         : env("SLURM_NNODES");
+                                                        : env("SLURM_NNODES");
         const char *nodelist = env("SLURM_JOB_NODELIST") ? env("SLURM_JOB_NODELIST")
-                                                          : env("SLURM_NODELIST");
+                                                         : env("SLURM_NODELIST");
         int single = -1; /* unknown */
         if (local)
             single = strtoul(local, NULL, 10) == size;
@@ -242,8 +247,9 @@ int epipe_rdv_env_parse(epipe_rdv_env *e)
             a = NULL;
             snprintf(e->addr_source, sizeof e->addr_source, "first host of SLURM_JOB_NODELIST");
         } else {
-            return epipe_fail(EPIPE_EINVAL, "rendezvous: a multi-node run (%s) gives no master "
-                                            "address: set EPIPE_MASTER_ADDR to rank 0's host",
+            return epipe_fail(EPIPE_EINVAL,
+                              "rendezvous: a multi-node run (%s) gives no master "
+                              "address: set EPIPE_MASTER_ADDR to rank 0's host",
                               e->source);
         }
     }

@@ -15,15 +15,16 @@
 /* Init-time settings: defaults, then EPIPE_* environment variables, then
  * the options spec ("timeout_ms=5000,streams=2"), each overriding the last. */
 typedef struct epipe_tcp_opts {
-    int64_t timeout_ms;      /* receives and liveness (EPIPE_TIMEOUT_MS): 30000 */
-    int64_t init_timeout_ms; /* rendezvous (EPIPE_INIT_TIMEOUT_MS): 120000 */
-    int64_t heartbeat_ms;    /* 0: timeout/4, at most 5000 (EPIPE_HEARTBEAT_MS) */
-    int64_t spin_us;         /* receive busy-wait (EPIPE_SPIN_US): 50 */
-    unsigned streams;        /* connections per neighbour (EPIPE_TCP_STREAMS): 1 */
-    int mesh;                /* topology=mesh (EPIPE_TCP_TOPOLOGY): 0 = pipeline */
+    int64_t timeout_ms;                   /* receives and liveness (EPIPE_TIMEOUT_MS): 30000 */
+    int64_t init_timeout_ms;              /* rendezvous (EPIPE_INIT_TIMEOUT_MS): 120000 */
+    int64_t heartbeat_ms;                 /* 0: timeout/4, at most 5000 (EPIPE_HEARTBEAT_MS) */
+    int64_t spin_us;                      /* receive busy-wait (EPIPE_SPIN_US): 50 */
+    unsigned streams;                     /* connections per neighbour (EPIPE_TCP_STREAMS): 1 */
+    int mesh;                             /* topology=mesh (EPIPE_TCP_TOPOLOGY): 0 = pipeline */
     char listen_addr[EPIPE_TCP_ADDR_MAX]; /* EPIPE_LISTEN_ADDR */
     char ifname[EPIPE_TCP_ADDR_MAX];      /* EPIPE_IFNAME */
     char key_file[512];                   /* EPIPE_AUTH_KEY_FILE */
+    int encrypt;                          /* encrypt=1 (EPIPE_ENCRYPT); needs key_file */
 } epipe_tcp_opts;
 
 /* Fills *o from defaults, the environment and spec (NULL or "" for none).
@@ -60,8 +61,12 @@ typedef struct epipe_tcp_key {
     uint8_t key[32];
 } epipe_tcp_key;
 
+#define EPIPE_TCP_KEY_FILE_MAX 65536 /* longest key file read */
+
 /* Loads and hashes the key file; EPIPE_ENOTSUP without libsodium, EPIPE_EIO
- * if it cannot be read, EPIPE_EINVAL if it holds fewer than 16 bytes. */
+ * if it cannot be read, EPIPE_EINVAL if it is not a regular file, holds
+ * fewer than 16 bytes or more than EPIPE_TCP_KEY_FILE_MAX. Never waits on
+ * the file (a FIFO or device is refused at once). */
 int epipe_tcp_key_load(epipe_tcp_key *k, const char *path);
 void epipe_tcp_key_wipe(epipe_tcp_key *k);
 void epipe_tcp_random(uint8_t *buf, size_t len);
@@ -74,27 +79,90 @@ int epipe_tcp_mac_ok(const epipe_tcp_key *k, char role, const uint8_t *nonce_c,
                      const uint8_t *nonce_s, uint32_t rank_c, uint32_t rank_s, uint32_t stream,
                      const uint8_t mac[EPIPE_TCP_MAC]);
 
-/* ---- connection setup (tcp_setup.c) ----------------------------------- */
+/* ---- connection setup (tcp_sock.c, tcp_hello.c, tcp_rdv_*.c) ---------- */
 
 /* One established, authenticated connection to a peer, before the progress
- * thread takes it. */
+ * thread takes it, with what its handshake agreed (for the link's keys). */
 typedef struct epipe_tcp_link {
     int fd;
     unsigned peer, stream;
+    int connector; /* this rank opened the connection (sent the first hello) */
+    uint8_t nonce_c[EPIPE_TCP_NONCE], nonce_s[EPIPE_TCP_NONCE]; /* connector's, acceptor's */
+    unsigned flags_c, flags_s; /* hello flags each side sent (EPIPE_TCP_HF_*) */
 } epipe_tcp_link;
+
+/* Records a finished handshake in l (not its fd, peer or stream). */
+void epipe_tcp_link_note(epipe_tcp_link *l, int connector, const uint8_t *nonce_c,
+                         const uint8_t *nonce_s, unsigned flags_c, unsigned flags_s);
 
 /* Runs the rendezvous and connects this rank to its peers (docs/transport.md
  * says how). On success *links holds *nlinks connections, blocking, with
  * TCP_NODELAY set; the caller owns and frees the array and closes the fds.
  * Errors name the peer, address and cause: EPIPE_EIO (port in use, cannot
  * listen), EPIPE_ETIMEDOUT (master unreachable, a rank missing), EPIPE_EINVAL
- * (mismatched world size, duplicate rank), EPIPE_EVERSION, EPIPE_EAUTH. */
+ * (mismatched world size, duplicate rank), EPIPE_EVERSION, EPIPE_EAUTH,
+ * EPIPE_EPEER (a rank failed during the rendezvous, as rank 0 reports). */
 int epipe_tcp_setup(unsigned rank, unsigned size, const char *master_addr, unsigned master_port,
                     const epipe_tcp_opts *o, const epipe_tcp_key *key, epipe_tcp_link **links,
                     unsigned *nlinks);
 
 /* Whether ranks a and b are joined under the topology, and how many streams. */
 unsigned epipe_tcp_streams_between(const epipe_tcp_opts *o, unsigned a, unsigned b);
+
+/* ---- encrypted links (tcp_crypt.c, keys in tcp_auth.c) ---------------- */
+
+/* Hello flags beside tcp_setup.h's HF_AUTH (1): what a side announces. */
+#define EPIPE_TCP_HF_ENCRYPT 2u /* it runs with encrypt=1 */
+#define EPIPE_TCP_HF_AES 4u     /* and can run AES-256-GCM (AES-NI and PCLMUL) */
+
+/* A record: a 4-byte header (body length, 1 .. EPIPE_TCP_REC_MAX, and a
+ * check byte), the body encrypted, a 16-byte tag over body and header. */
+#define EPIPE_TCP_REC_HDR 4
+#define EPIPE_TCP_REC_TAG 16
+#define EPIPE_TCP_REC_MAX ((size_t)1 << 20)
+#define EPIPE_TCP_REC_OVERHEAD (EPIPE_TCP_REC_HDR + EPIPE_TCP_REC_TAG)
+
+/* One direction of one connection: its key and record counter. */
+typedef struct epipe_tcp_aead epipe_tcp_aead;
+
+/* EPIPE_OK if the options can be run: encrypt=1 needs a key (EPIPE_EINVAL)
+ * and libsodium (EPIPE_ENOTSUP). */
+int epipe_tcp_crypt_check(const epipe_tcp_opts *o);
+/* The EPIPE_TCP_HF_* flags this rank announces under o. */
+unsigned epipe_tcp_crypt_flags(const epipe_tcp_opts *o);
+/* 1 (and a message in why) if a peer announcing `theirs` cannot talk to a
+ * rank running o: one side encrypts and the other does not. */
+int epipe_tcp_crypt_mismatch(const epipe_tcp_opts *o, unsigned theirs, unsigned their_rank,
+                             char *why, size_t cap);
+/* The cipher both ends of l run: 1 for AES-256-GCM, 0 for ChaCha20-Poly1305. */
+int epipe_tcp_link_aes(const epipe_tcp_link *l);
+const char *epipe_tcp_cipher_name(int aes);
+/* Derives l's two keys from the pre-shared key (tcp_auth.c): tx for what
+ * this rank sends on it, rx for what it receives. EPIPE_ENOTSUP without
+ * libsodium. The caller wipes them. */
+int epipe_tcp_link_keys(const epipe_tcp_key *k, const epipe_tcp_link *l, unsigned my_rank,
+                        uint8_t tx[32], uint8_t rx[32]);
+/* A direction's state from its key; NULL when out of memory. */
+epipe_tcp_aead *epipe_tcp_aead_new(const uint8_t key[32], int aes);
+void epipe_tcp_aead_free(epipe_tcp_aead *a);
+/* The next record: writes EPIPE_TCP_REC_OVERHEAD + len bytes at out (len in
+ * 1 .. EPIPE_TCP_REC_MAX; in and out do not overlap). */
+void epipe_tcp_seal(epipe_tcp_aead *a, uint8_t *out, const uint8_t *in, size_t len);
+/* The body length a record header announces; EPIPE_EAUTH if it fails its
+ * check byte or is out of range. */
+int epipe_tcp_rec_len(const uint8_t hdr[EPIPE_TCP_REC_HDR], size_t *len);
+/* Checks and decrypts the next record in place; EPIPE_EAUTH if its tag
+ * fails (then the direction is unusable: tear the connection down). */
+int epipe_tcp_open(epipe_tcp_aead *a, const uint8_t hdr[EPIPE_TCP_REC_HDR], uint8_t *body,
+                   size_t len, const uint8_t tag[EPIPE_TCP_REC_TAG]);
+/* Records sealed or opened so far by a. */
+uint64_t epipe_tcp_aead_count(const epipe_tcp_aead *a);
+/* Moves a to a new key every `records` records (0: the default, 2^16);
+ * both ends of a direction must use the same. For tests. */
+void epipe_tcp_aead_rekey_every(epipe_tcp_aead *a, uint64_t records);
+/* The body size a sender cuts messages into: 256 KiB, or
+ * EPIPE_TCP_RECORD_BYTES (1024 .. 1 MiB, for measurement). */
+size_t epipe_tcp_record_size(void);
 
 /* ---- test hooks (tcp.c) ------------------------------------------------ */
 

@@ -6,13 +6,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../lib/parallel.h"
 #include "../../lib/codec/codec_impl.h"
+#include "../../lib/parallel.h"
 #include "../quantize_common.h"
 
-#define NB 65536                     /* buckets of the top 16 key bits */
-#define SUB_MAX ((size_t)1 << 30)    /* values per histogram: counts fit 32 bits */
-#define SMALL_N 4096                 /* below this, sort the keys */
+#define NB 65536                  /* buckets of the top 16 key bits */
+#define SUB_MAX ((size_t)1 << 30) /* values per histogram: counts fit 32 bits */
+#define SMALL_N 4096              /* below this, sort the keys */
 
 static void *grow(void *p, size_t *cap, size_t need)
 {
@@ -26,7 +26,7 @@ static void *grow(void *p, size_t *cap, size_t need)
     return p;
 }
 
-void sq_select_free(sq_select *s)
+void epipe_sq_select_free(sq_select *s)
 {
     free(s->hist);
     free(s->cand);
@@ -143,8 +143,8 @@ static inline void gather_one(const struct sel_ctx *c, uint32_t k, uint64_t *off
 
 /* Appends the low key halves of x[0..n) that fall in wanted buckets: a
  * vector range test first, the bucket table only for hits. */
-Q_CLONES static void gather_block(const float *x, size_t n, const struct sel_ctx *c,
-                                  uint64_t *off, uint64_t *heq)
+Q_CLONES static void gather_block(const float *x, size_t n, const struct sel_ctx *c, uint64_t *off,
+                                  uint64_t *heq)
 {
     vi lo[MAX_RANGES], hi[MAX_RANGES], hv[MAX_HEAVY], eq[MAX_HEAVY];
     for (unsigned r = 0; r < c->nranges; r++) {
@@ -263,8 +263,8 @@ static uint16_t select_two_rounds(const uint16_t *cand, uint64_t c, const struct
     return (uint16_t)(hb << 8 | lb);
 }
 
-int sq_select_ranks(sq_select *s, const float *x, size_t n, const uint64_t *rank, size_t R,
-                    float *val, uint64_t *lt, unsigned threads, int *nonfinite)
+int epipe_sq_select_ranks(sq_select *s, const float *x, size_t n, const uint64_t *rank, size_t R,
+                          float *val, uint64_t *lt, unsigned threads, int *nonfinite)
 {
     if (nonfinite)
         *nonfinite = 0;
@@ -302,8 +302,14 @@ int sq_select_ranks(sq_select *s, const float *x, size_t n, const uint64_t *rank
     uint64_t *heq = off0 + (size_t)nsub * R;
     float *bad = (float *)(heq + (size_t)nsub * MAX_HEAVY);
 
-    struct sel_ctx c = {.x = x, .n = n, .nsub = nsub, .hist = hist, .bad = bad, .slot = slot,
-                        .off = off, .heq = heq};
+    struct sel_ctx c = {.x = x,
+                        .n = n,
+                        .nsub = nsub,
+                        .hist = hist,
+                        .bad = bad,
+                        .slot = slot,
+                        .off = off,
+                        .heq = heq};
     epipe_parallel_run(threads, hist_task, &c);
     if (nonfinite) {
         for (unsigned sub = 0; sub < nsub; sub++)

@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 /* Scratch memory kept between calls; zero-initialise, free with
- * sq_select_free(). */
+ * epipe_sq_select_free(). */
 typedef struct sq_select {
     uint32_t *hist; /* [nsub][65536] per sub-range histograms */
     size_t hist_cap;
@@ -20,12 +20,18 @@ typedef struct sq_select {
 /* The order-preserving key of a float (-0 is keyed as +0). */
 static inline uint32_t sq_key(float f)
 {
-    union { float f; uint32_t u; } c = {.f = f + 0.0f};
+    union {
+        float f;
+        uint32_t u;
+    } c = {.f = f + 0.0f};
     return c.u ^ ((uint32_t)((int32_t)c.u >> 31) | 0x80000000u);
 }
 static inline float sq_unkey(uint32_t k)
 {
-    union { float f; uint32_t u; } c = {.u = (k & 0x80000000u) ? k ^ 0x80000000u : ~k};
+    union {
+        float f;
+        uint32_t u;
+    } c = {.u = (k & 0x80000000u) ? k ^ 0x80000000u : ~k};
     return c.f;
 }
 
@@ -36,8 +42,8 @@ static inline float sq_unkey(uint32_t k)
  * an infinity, *nonfinite becomes 1 and val and lt are not filled; without
  * the check such x give meaningless (but defined) results. Returns 0, or
  * EPIPE_ENOMEM. */
-int sq_select_ranks(sq_select *s, const float *x, size_t n, const uint64_t *rank, size_t R,
-                    float *val, uint64_t *lt, unsigned threads, int *nonfinite);
-void sq_select_free(sq_select *s);
+int epipe_sq_select_ranks(sq_select *s, const float *x, size_t n, const uint64_t *rank, size_t R,
+                          float *val, uint64_t *lt, unsigned threads, int *nonfinite);
+void epipe_sq_select_free(sq_select *s);
 
 #endif

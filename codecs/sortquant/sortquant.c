@@ -1,4 +1,4 @@
-/* `sortquant:bits=B,split=S,mode=exact|sample,sample=N`: sort quantization,
+/* `sortquant:bits=B,split=S,mode=exact|sample|fit,sample=N`: sort quantization,
  * the fast path (radix select or a sample, then vector kernels on threads). */
 #include "sortquant.h"
 
@@ -9,12 +9,12 @@
 #include "../../lib/bitpack.h"
 #include "../../lib/parallel.h"
 
-static const char *const sq_modes[] = {"exact", "sample", NULL};
+static const char *const sq_modes[] = {"exact", "sample", "fit", NULL};
 
 static const epipe_param_desc sq_params[] = {
     {.key = "bits", .kind = EPIPE_PARAM_INT, .min = 2, .max = 16, .def = 8},
     {.key = "split", .kind = EPIPE_PARAM_INT, .min = 0, .max = 12, .def = NAN},
-    {.key = "mode", .kind = EPIPE_PARAM_CHOICE, .def = SQ_MODE_SAMPLE, .choices = sq_modes},
+    {.key = "mode", .kind = EPIPE_PARAM_CHOICE, .def = SQ_MODE_FIT, .choices = sq_modes},
     {.key = "sample", .kind = EPIPE_PARAM_INT, .min = 1024, .max = 16777216, .def = 65536},
 };
 
@@ -24,23 +24,60 @@ static void sq_release(epipe_codec *c)
     if (!st)
         return;
     epipe_qtab_free(&st->tab);
-    sq_select_free(&st->sel);
+    for (unsigned S = 0; S <= SQ_FIT_SMAX; S++)
+        epipe_qtab_free(&st->ftab[S]);
+    epipe_sq_fit_free(&st->fit);
+    epipe_sq_select_free(&st->sel);
     free(st->lut);
     free(st->work);
     free(st);
     c->state = NULL;
 }
 
+/* mode=fit: split given (fixed S, 0..SQ_FIT_SMAX) or left NAN (chosen per
+ * tensor up to min(SQ_FIT_SMAX, bits - 1); the canonical spec omits it). */
+static int fit_configure(epipe_codec *c, sq_state *st, unsigned bits)
+{
+    if (isnan(c->p[SQ_SPLIT])) {
+        st->fit_fixed = -1;
+        st->fit_smax = bits - 1 < SQ_FIT_SMAX ? bits - 1 : SQ_FIT_SMAX;
+    } else {
+        unsigned split = (unsigned)c->p[SQ_SPLIT];
+        if (split > SQ_FIT_SMAX || split >= bits)
+            return epipe_fail(EPIPE_EINVAL,
+                              "sortquant: key 'split' = %u with mode=fit must be at most %u and "
+                              "below bits = %u (or left out, to be chosen per tensor)",
+                              split, SQ_FIT_SMAX, bits);
+        st->fit_fixed = (int)split;
+        st->fit_smax = split;
+    }
+    for (unsigned S = 0; S <= st->fit_smax; S++) /* S = 0: the tensor's extent */
+        if ((st->fit_fixed < 0 || S == st->fit_smax || S == 0) &&
+            epipe_qtab_init(&st->ftab[S], bits, S))
+            return epipe_fail(EPIPE_ENOMEM, "sortquant: out of memory");
+    if (!(st->lut = malloc(sizeof(float) << bits)))
+        return epipe_fail(EPIPE_ENOMEM, "sortquant: out of memory");
+    return EPIPE_OK;
+}
+
 static int sq_configure(epipe_codec *c)
 {
     unsigned bits = (unsigned)c->p[SQ_BITS];
+    if ((int)c->p[SQ_MODE] == SQ_MODE_FIT) {
+        sq_state *st = calloc(1, sizeof *st);
+        if (!st)
+            return epipe_fail(EPIPE_ENOMEM, "sortquant: out of memory");
+        c->state = st;
+        return fit_configure(c, st, bits);
+    }
     if (isnan(c->p[SQ_SPLIT]))
         c->p[SQ_SPLIT] = bits / 4 > 1 ? bits / 4 : 1; /* the 3:1 rule */
     unsigned split = (unsigned)c->p[SQ_SPLIT];
     if (split >= bits)
-        return epipe_fail(EPIPE_EINVAL,
-                          "sortquant: key 'split' = %u must be below bits = %u (a chunk needs a level bit)",
-                          split, bits);
+        return epipe_fail(
+            EPIPE_EINVAL,
+            "sortquant: key 'split' = %u must be below bits = %u (a chunk needs a level bit)",
+            split, bits);
     sq_state *st = calloc(1, sizeof *st);
     if (!st)
         return epipe_fail(EPIPE_ENOMEM, "sortquant: out of memory");
@@ -52,12 +89,20 @@ static int sq_configure(epipe_codec *c)
 
 static uint32_t sq_param_word(const epipe_codec *c)
 {
+    const sq_state *st = c->state;
+    if ((int)c->p[SQ_MODE] == SQ_MODE_FIT)
+        return (uint32_t)c->p[SQ_BITS] | st->fit_smax << 8 | SQ_WORD_FIT |
+               (st->fit_fixed < 0 ? SQ_WORD_CHOSEN : 0);
     return (uint32_t)c->p[SQ_BITS] | (uint32_t)c->p[SQ_SPLIT] << 8;
 }
 
 static int sq_body_size(const epipe_codec *c, uint64_t n, size_t *bytes)
 {
-    uint64_t table = 8ull << (unsigned)c->p[SQ_SPLIT];
+    const sq_state *st = c->state;
+    /* mode=fit: the fit word, and a table as long as the largest S needs */
+    uint64_t table = (int)c->p[SQ_MODE] == SQ_MODE_FIT
+                         ? 4 + (8ull << sq_fit_smax_for(st, (unsigned)c->p[SQ_BITS], n))
+                         : 8ull << (unsigned)c->p[SQ_SPLIT];
     if (n >= 1ull << 59)
         return EPIPE_EOVERFLOW;
     uint64_t codes = epipe_bitpack_bytes(n, (unsigned)c->p[SQ_BITS]);
@@ -239,7 +284,7 @@ static int encode_exact(epipe_codec *c, sq_state *st, const float *x, size_t n, 
         }
     }
     int nonfinite;
-    if (sq_select_ranks(&st->sel, x, n, req, R, val, lt, threads, &nonfinite))
+    if (epipe_sq_select_ranks(&st->sel, x, n, req, R, val, lt, threads, &nonfinite))
         return no_memory(c);
     if (nonfinite)
         return epipe_q_reject_nonfinite(c, x, n, epipe_find_nonfinite(x, n));
@@ -312,7 +357,7 @@ static int encode_sample(epipe_codec *c, sq_state *st, const float *x, size_t n,
         req[j - 1] = sq_rank(j, m, k);
     /* A NaN in the sample gives garbage boundaries; the extent pass below
      * rejects the input before they are used. */
-    if (sq_select_ranks(&st->sel, s, m, req, k - 1, val, lt, epipe_codec_workers(c, m), NULL))
+    if (epipe_sq_select_ranks(&st->sel, s, m, req, k - 1, val, lt, epipe_codec_workers(c, m), NULL))
         return no_memory(c);
     for (unsigned j = 1; j < k; j++)
         t->bnd[j] = val[j - 1];
@@ -326,6 +371,8 @@ static int encode_sample(epipe_codec *c, sq_state *st, const float *x, size_t n,
 
 static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
+    if ((int)c->p[SQ_MODE] == SQ_MODE_FIT)
+        return epipe_sq_encode_fit(c, x, n, body);
     sq_state *st = c->state;
     epipe_qtab *t = &st->tab;
     for (unsigned j = 0; j < t->k; j++)
@@ -334,7 +381,7 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         unsigned threads = epipe_codec_workers(c, n);
         uint8_t *codes = body + epipe_q_table_bytes(t);
         int rc = (int)c->p[SQ_MODE] == SQ_MODE_EXACT ? encode_exact(c, st, x, n, codes, threads)
-                                                      : encode_sample(c, st, x, n, codes, threads);
+                                                     : encode_sample(c, st, x, n, codes, threads);
         if (rc)
             return rc;
     }
@@ -345,19 +392,25 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 static int sq_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
     sq_state *st = c->state;
-    int rc = epipe_q_read_table(c, &st->tab, body, n);
+    epipe_qtab *t = &st->tab;
+    int rc;
+    if ((int)c->p[SQ_MODE] == SQ_MODE_FIT) {
+        rc = epipe_sq_fit_read(c, body, n, &t);
+        body += 4;
+    } else {
+        rc = epipe_q_read_table(c, t, body, n);
+    }
     if (rc)
         return rc;
-    epipe_q_decode(&st->tab, body + epipe_q_table_bytes(&st->tab), n, y, st->lut,
-                   epipe_codec_workers(c, n));
+    epipe_q_decode(t, body + epipe_q_table_bytes(t), n, y, st->lut, epipe_codec_workers(c, n));
     return EPIPE_OK;
 }
 
 static const epipe_codec_backend sortquant_cpu = {
     .encode = sq_encode,
     .decode = sq_decode,
-    .encode_ref = sq_encode_ref,
-    .decode_ref = sq_decode_ref,
+    .encode_ref = epipe_sq_encode_ref,
+    .decode_ref = epipe_sq_decode_ref,
 };
 
 const epipe_codec_ops epipe_codec_sortquant = {

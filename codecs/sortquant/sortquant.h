@@ -8,10 +8,17 @@
 
 #include "../../lib/codec/codec_impl.h"
 #include "../quantize_common.h"
+#include "fit.h"
 #include "select.h"
 
 enum { SQ_BITS, SQ_SPLIT, SQ_MODE, SQ_SAMPLE };
-enum { SQ_MODE_EXACT, SQ_MODE_SAMPLE };
+enum { SQ_MODE_EXACT, SQ_MODE_SAMPLE, SQ_MODE_FIT };
+
+/* The parameter word: B | S << 8, and for mode=fit the fit layout flag and,
+ * when S is chosen per tensor, the chosen flag (S is then the largest S the
+ * encoder may choose). docs/codecs.md, "sortquant". */
+#define SQ_WORD_FIT (1u << 16)
+#define SQ_WORD_CHOSEN (1u << 17)
 
 typedef struct sq_state {
     epipe_qtab tab;
@@ -19,6 +26,12 @@ typedef struct sq_state {
     sq_select sel;
     void *work; /* ranks, order statistics, extents, tie counters */
     size_t work_cap;
+    /* mode=fit: one table per split S in 0..fit_smax; fit_fixed is the
+     * split given in the spec, or -1 when it is chosen per tensor. */
+    epipe_qtab ftab[SQ_FIT_SMAX + 1];
+    unsigned fit_smax;
+    int fit_fixed;
+    sq_fit fit;
 } sq_state;
 
 /* floor(j * n / k) without overflow, for j <= k <= 4096: where chunk j of k
@@ -71,7 +84,29 @@ static inline uint64_t sq_sample_count(uint64_t n, double sample)
     return n < (uint64_t)sample ? n : (uint64_t)sample;
 }
 
-int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body);
-int sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y);
+/* mode=fit (fit.c): the fast encoder; the check of a body's fit word,
+ * table and padding, giving the table of its split; a plan's boundaries
+ * and chunk ranges put into table t, for n values spanning [min, max]; the
+ * fit word, table and padding written. */
+int epipe_sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body);
+/* The largest split a fit body of n values may hold: the fixed split, or
+ * the configured largest lowered until the 8·2^S table bytes are at most
+ * an eighth of the code bytes (small tensors get small tables). */
+static inline unsigned sq_fit_smax_for(const sq_state *st, unsigned bits, uint64_t n)
+{
+    if (st->fit_fixed >= 0)
+        return (unsigned)st->fit_fixed;
+    unsigned S = st->fit_smax;
+    uint64_t codes = n / 8 * bits + (n % 8 * bits + 7) / 8;
+    while (S > 0 && (64ull << S) > codes)
+        S--;
+    return S;
+}
+int epipe_sq_fit_read(epipe_codec *c, const uint8_t *body, size_t n, epipe_qtab **t);
+void epipe_sq_fit_set_chunks(epipe_qtab *t, const sq_plan *pl, size_t n, float min, float max);
+void epipe_sq_fit_finish(const sq_state *st, unsigned S, size_t n, uint8_t *body);
+
+int epipe_sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body);
+int epipe_sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y);
 
 #endif

@@ -1,5 +1,6 @@
-/* The plain scalar reference of sortquant: a full stable sort (exact mode)
- * or a sorted sample (sample mode), then one value at a time. */
+/* The plain scalar reference of sortquant: a full stable sort (exact mode),
+ * a sorted sample (sample mode) or sorted sample keys (fit mode), then one
+ * value at a time. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -48,24 +49,19 @@ static int ref_exact(epipe_qtab *t, const float *x, size_t n, uint16_t *codes)
     return EPIPE_OK;
 }
 
-/* Sort a sample, take its order statistics as boundaries, classify each
- * value against them, then quantize each chunk over its own extent. */
-static int ref_sample(epipe_qtab *t, const float *x, size_t n, double sample, uint16_t *codes)
+/* Classify each value against the boundaries t->bnd, then quantize each
+ * chunk over its own extent. */
+static int ref_classify(epipe_qtab *t, const float *x, size_t n, uint16_t *codes)
 {
-    size_t m = (size_t)sq_sample_count(n, sample);
     unsigned k = t->k;
-    float *s = malloc(sizeof *s * m + sizeof(float) * 2 * k);
+    float *mn = malloc(sizeof(float) * 2 * k);
     unsigned *chunk = malloc(sizeof *chunk * n);
-    if (!s || !chunk) {
-        free(s);
+    if (!mn || !chunk) {
+        free(mn);
         free(chunk);
         return EPIPE_ENOMEM;
     }
-    float *mn = s + m, *mx = mn + k;
-    sq_sample_gather(x, n, m, s);
-    qsort(s, m, sizeof *s, cmp_float);
-    for (unsigned j = 1; j < k; j++)
-        t->bnd[j] = s[sq_rank(j, m, k)];
+    float *mx = mn + k;
     for (unsigned j = 0; j < k; j++) {
         mn[j] = 1.0f; /* max < min marks an empty chunk */
         mx[j] = 0.0f;
@@ -93,28 +89,112 @@ static int ref_sample(epipe_qtab *t, const float *x, size_t n, double sample, ui
     }
     for (size_t i = 0; i < n; i++)
         codes[i] = epipe_q_code(t, x[i], chunk[i]);
-    free(s);
+    free(mn);
     free(chunk);
     return EPIPE_OK;
 }
 
-int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+/* Sort a sample, take its order statistics as boundaries, classify. */
+static int ref_sample(epipe_qtab *t, const float *x, size_t n, double sample, uint16_t *codes)
+{
+    size_t m = (size_t)sq_sample_count(n, sample);
+    unsigned k = t->k;
+    float *s = malloc(sizeof *s * m);
+    if (!s)
+        return EPIPE_ENOMEM;
+    sq_sample_gather(x, n, m, s);
+    qsort(s, m, sizeof *s, cmp_float);
+    for (unsigned j = 1; j < k; j++)
+        t->bnd[j] = s[sq_rank(j, m, k)];
+    free(s);
+    return ref_classify(t, x, n, codes);
+}
+
+static int cmp_u32(const void *pa, const void *pb)
+{
+    uint32_t a = *(const uint32_t *)pa, b = *(const uint32_t *)pb;
+    return (a > b) - (a < b);
+}
+
+/* mode=fit: the tensor's extent, the sample's keys and its two ends sorted
+ * and counted per top-16-bit bucket (the fast path uses a histogram), the
+ * shared plan, then each value classified against the boundaries and coded. */
+static int ref_fit(sq_state *st, const float *x, size_t n, double sample, unsigned bits,
+                   unsigned *S, uint16_t *codes)
+{
+    size_t m = (size_t)sq_sample_count(n, sample);
+    float *s = malloc(sizeof *s * m);
+    uint32_t *key = malloc(sizeof *key * (m + 2));
+    sq_bucket *bk = malloc(sizeof *bk * (m + 2));
+    int rc = EPIPE_ENOMEM;
+    if (s && key && bk) {
+        float min = x[0], max = x[0];
+        for (size_t i = 1; i < n; i++) {
+            min = x[i] < min ? x[i] : min;
+            max = x[i] > max ? x[i] : max;
+        }
+        sq_sample_gather(x, n, m, s);
+        for (size_t i = 0; i < m; i++)
+            key[i] = sq_key(s[i]);
+        key[m] = sq_key(min); /* the tensor's ends count as two more points */
+        key[m + 1] = sq_key(max);
+        qsort(key, m + 2, sizeof *key, cmp_u32);
+        size_t nb = 0;
+        for (size_t i = 0; i < m + 2; i++) {
+            if (nb && bk[nb - 1].key16 == key[i] >> 16)
+                bk[nb - 1].count++;
+            else
+                bk[nb++] = (sq_bucket){key[i] >> 16, 1};
+        }
+        sq_plan pl;
+        rc = epipe_sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n),
+                               &pl);
+        if (rc == EPIPE_OK) {
+            epipe_qtab *t = &st->ftab[pl.S];
+            epipe_sq_fit_set_chunks(t, &pl, n, min, max);
+            for (size_t i = 0; i < n; i++) {
+                unsigned ch = 0;
+                for (unsigned j = 1; j < t->k; j++)
+                    if (t->bnd[j] <= x[i])
+                        ch++;
+                codes[i] = epipe_q_code(t, x[i], ch);
+            }
+            *S = pl.S;
+        }
+    }
+    free(s);
+    free(key);
+    free(bk);
+    return rc;
+}
+
+int epipe_sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     sq_state *st = c->state;
     epipe_qtab *t = &st->tab;
     size_t bad = epipe_find_nonfinite(x, n);
     if (bad < n)
         return epipe_q_reject_nonfinite(c, x, n, bad);
+    int fit = (int)c->p[SQ_MODE] == SQ_MODE_FIT;
+    unsigned S = fit && st->fit_fixed >= 0 ? (unsigned)st->fit_fixed : 0;
+    if (fit)
+        t = &st->ftab[S];
     for (unsigned j = 0; j < t->k; j++)
         epipe_q_set_empty(t, j);
     uint16_t *codes = malloc(sizeof *codes * (n + 1));
     if (!codes)
         return epipe_codec_fail(c, EPIPE_ENOMEM, "sortquant: out of memory");
     int rc = EPIPE_OK;
-    if (n)
+    if (n && fit)
+        rc = ref_fit(st, x, n, c->p[SQ_SAMPLE], (unsigned)c->p[SQ_BITS], &S, codes);
+    else if (n)
         rc = (int)c->p[SQ_MODE] == SQ_MODE_EXACT ? ref_exact(t, x, n, codes)
-                                                  : ref_sample(t, x, n, c->p[SQ_SAMPLE], codes);
-    if (rc == EPIPE_OK) {
+                                                 : ref_sample(t, x, n, c->p[SQ_SAMPLE], codes);
+    if (rc == EPIPE_OK && fit) {
+        t = &st->ftab[S];
+        epipe_sq_fit_finish(st, S, n, body);
+        epipe_bitpack_ref(codes, n, t->bits, body + 4 + epipe_q_table_bytes(t));
+    } else if (rc == EPIPE_OK) {
         epipe_q_write_table(t, body);
         epipe_bitpack_ref(codes, n, t->bits, body + epipe_q_table_bytes(t));
     }
@@ -124,12 +204,19 @@ int sq_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     return EPIPE_OK;
 }
 
-int sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+int epipe_sq_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
     sq_state *st = c->state;
-    int rc = epipe_q_read_table(c, &st->tab, body, n);
+    epipe_qtab *t = &st->tab;
+    int rc;
+    if ((int)c->p[SQ_MODE] == SQ_MODE_FIT) {
+        rc = epipe_sq_fit_read(c, body, n, &t);
+        body += 4;
+    } else {
+        rc = epipe_q_read_table(c, t, body, n);
+    }
     if (rc)
         return rc;
-    epipe_q_decode_ref(&st->tab, body + epipe_q_table_bytes(&st->tab), n, y);
+    epipe_q_decode_ref(t, body + epipe_q_table_bytes(t), n, y);
     return EPIPE_OK;
 }

@@ -17,8 +17,10 @@ static gzFile open_idx(const char *path, int ndim, uint32_t *dims)
 {
     gzFile f = gzopen(path, "rb");
     if (!f) {
-        fprintf(stderr, "cannot open %s: install the Debian package dataset-fashion-mnist, "
-                        "or give the data directory\n", path);
+        fprintf(stderr,
+                "cannot open %s: install the Debian package dataset-fashion-mnist, "
+                "or give the data directory\n",
+                path);
         return NULL;
     }
     unsigned char h[16];
@@ -33,8 +35,7 @@ static gzFile open_idx(const char *path, int ndim, uint32_t *dims)
     return f;
 }
 
-float *idx_load_images(const char *path, double mean, double sd, uint32_t *count,
-                       uint32_t *pixels)
+float *idx_load_images(const char *path, double mean, double sd, uint32_t *count, uint32_t *pixels)
 {
     uint32_t dim[3];
     gzFile f = open_idx(path, 3, dim);

@@ -24,7 +24,7 @@ seed, so stage 0 has the images and stage 2 the labels of each batch.
 
 At the end the last rank prints the test accuracy, and every rank a line
 "RESULT {json}" (its boundary statistics; the accuracy on the last rank) that
-scripts/accuracy_ablation.py reads; rank 1, which touches both boundaries,
+scripts/experiments/accuracy_ablation.py reads; rank 1, which touches both boundaries,
 prints the wire ratio of the whole pipeline.
 """
 import argparse

@@ -115,8 +115,8 @@ const float *model_backward(stage_model *m, int mb, const float *dy, int rows, i
                 if (y[i] <= 0)
                     g[i] = 0;
         /* gw[out][in] += g^T[out][rows] x[rows][in]; gb += column sums */
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, l->out, l->in, rows, 1.0f, g,
-                    l->out, x, l->in, 1.0f, l->gw, l->in);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, l->out, l->in, rows, 1.0f, g, l->out,
+                    x, l->in, 1.0f, l->gw, l->in);
         for (int r = 0; r < rows; r++)
             for (int o = 0; o < l->out; o++)
                 l->gb[o] += g[(size_t)r * l->out + o];
@@ -124,8 +124,8 @@ const float *model_backward(stage_model *m, int mb, const float *dy, int rows, i
             return NULL;
         /* dx[rows][in] = g[rows][out] w[out][in] */
         float *dx = k == 0 ? m->dx : m->grad[(k + 1) % 2];
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, l->in, l->out, 1.0f, g,
-                    l->out, l->w, l->in, 0.0f, dx, l->in);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, l->in, l->out, 1.0f, g, l->out,
+                    l->w, l->in, 0.0f, dx, l->in);
         dy = dx;
     }
     return m->dx;

@@ -18,14 +18,14 @@ typedef struct dense_layer {
 
 /* One stage's part of the model and its working memory. */
 typedef struct stage_model {
-    int nlayers;              /* layers this stage owns */
+    int nlayers; /* layers this stage owns */
     dense_layer layers[MODEL_MAX_LAYERS];
-    int rows;                 /* rows of one micro-batch */
-    int mbs;                  /* micro-batches a step */
+    int rows; /* rows of one micro-batch */
+    int mbs;  /* micro-batches a step */
     /* act[mb][k]: input of layer k (k = 0) or output of layer k-1 */
     float *act[MODEL_MAX_MB][MODEL_MAX_LAYERS + 1];
-    float *grad[2];           /* backward scratch between layers */
-    float *dx;                /* gradient of the stage's input */
+    float *grad[2]; /* backward scratch between layers */
+    float *dx;      /* gradient of the stage's input */
 } stage_model;
 
 /* dims[0..n]: the widths of the whole network (input, hidden..., classes).

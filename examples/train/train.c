@@ -15,6 +15,7 @@
 #include <epipe/epipe.h>
 
 #include "../common/idx.h"
+#include "cli.h" /* tools/cli.h */
 #include "model.h"
 
 struct options {
@@ -57,9 +58,9 @@ struct rank {
     unsigned s, p;
     int dims[MODEL_MAX_LAYERS + 2], nlayers, l0, l1, rows;
     stage_model model;
-    const float *x;         /* rows of the current batch (stage 0) */
-    const uint8_t *y;       /* labels of the current batch (last stage) */
-    const uint32_t *order;  /* sample indices of the current epoch */
+    const float *x;        /* rows of the current batch (stage 0) */
+    const uint8_t *y;      /* labels of the current batch (last stage) */
+    const uint32_t *order; /* sample indices of the current epoch */
     long batch_start;
     float *xbuf;
     uint8_t ybuf[MODEL_MAX_MB * 1024];
@@ -90,8 +91,11 @@ static int cb_forward(void *user, unsigned mb, const DLTensor *in, const DLTenso
         return 0;
     }
     r->out_shape[0] = rows, r->out_shape[1] = out_dim;
-    r->out = (DLTensor){.data = (void *)y, .device = {kDLCPU, 0}, .ndim = 2,
-                        .dtype = {kDLFloat, 32, 1}, .shape = r->out_shape};
+    r->out = (DLTensor){.data = (void *)y,
+                        .device = {kDLCPU, 0},
+                        .ndim = 2,
+                        .dtype = {kDLFloat, 32, 1},
+                        .shape = r->out_shape};
     *out = &r->out;
     return 0;
 }
@@ -103,8 +107,11 @@ static int cb_backward(void *user, unsigned mb, const DLTensor *gout, const DLTe
     const float *dx = model_backward(&r->model, (int)mb, dy, r->rows, r->s > 0);
     if (r->s > 0) {
         r->dx_shape[0] = r->rows, r->dx_shape[1] = r->dims[r->l0];
-        r->dx = (DLTensor){.data = (void *)dx, .device = {kDLCPU, 0}, .ndim = 2,
-                           .dtype = {kDLFloat, 32, 1}, .shape = r->dx_shape};
+        r->dx = (DLTensor){.data = (void *)dx,
+                           .device = {kDLCPU, 0},
+                           .ndim = 2,
+                           .dtype = {kDLFloat, 32, 1},
+                           .shape = r->dx_shape};
         *gin = &r->dx;
     }
     return 0;
@@ -136,8 +143,8 @@ static void shuffle(uint32_t *order, uint32_t n, uint64_t seed)
     }
 }
 
-static void progress(const struct rank *r, int epoch, long done, long total, double t0,
-                     double loss, int final)
+static void progress(const struct rank *r, int epoch, long done, long total, double t0, double loss,
+                     int final)
 {
     static int last_tenth = -1;
     int tty = isatty(STDOUT_FILENO);
@@ -152,8 +159,8 @@ static void progress(const struct rank *r, int epoch, long done, long total, dou
         bar[i] = i < fill ? '#' : '.';
     bar[30] = '\0';
     printf("%sepoch %d/%d [%s] %3d%% %ld/%ld  loss %.4f  %s %.0fs%s", tty ? "\r" : "", epoch + 1,
-           r->o->epochs, bar, (int)(100 * done / total), done, total, loss,
-           final ? "took" : "ETA", final ? el : eta, tty && !final ? "" : "\n");
+           r->o->epochs, bar, (int)(100 * done / total), done, total, loss, final ? "took" : "ETA",
+           final ? el : eta, tty && !final ? "" : "\n");
     fflush(stdout);
 }
 
@@ -191,8 +198,8 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
     uint32_t *order = malloc(sizeof *order * d->ntrain);
     r.xbuf = malloc(sizeof(float) * (size_t)o->batch * d->pixels);
     int rc = order && r.xbuf ? EPIPE_OK : EPIPE_ENOMEM;
-    if (!rc && model_init(&r.model, r.dims, r.nlayers, r.l0, r.l1, r.rows, (int)o->microbatches,
-                          o->seed))
+    if (!rc &&
+        model_init(&r.model, r.dims, r.nlayers, r.l0, r.l1, r.rows, (int)o->microbatches, o->seed))
         rc = EPIPE_ENOMEM;
     for (unsigned mb = 0; !rc && mb < o->microbatches; mb++)
         if (!(r.dlogits[mb] = malloc(sizeof(float) * (size_t)r.rows * 10)))
@@ -214,7 +221,7 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
     if (!rc)
         rc = epipe_stage_set_callbacks(r.stage, &cb);
     long ntrain = o->train_limit > 0 && o->train_limit < (long)d->ntrain ? o->train_limit
-                                                                          : (long)d->ntrain;
+                                                                         : (long)d->ntrain;
     long steps = ntrain / o->batch;
     int last = r.s + 1 == r.p && !o->quiet;
     double t_start = now();
@@ -238,7 +245,8 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
         res->final_loss = run_loss;
     }
     res->seconds = now() - t_start;
-    res->samples_per_s = res->seconds > 0 ? (double)(steps * o->batch * o->epochs) / res->seconds : 0;
+    res->samples_per_s = res->seconds > 0 ? (double)(steps * o->batch * o->epochs) / res->seconds
+                                          : 0;
     /* The statistics cover training only: evaluation steps run forwards. */
     res->stats.struct_size = sizeof res->stats;
     if (r.stage)
@@ -324,35 +332,66 @@ static void usage(FILE *f)
 
 static int parse_args(int argc, char **argv, struct options *o)
 {
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            exit(0);
-        } else if (!strcmp(a, "--quiet")) {
-            o->quiet = 1;
-            continue;
-        }
-        if (!v) {
-            fprintf(stderr, "epipe-train: unknown option or missing value: %s\n", a);
-            return -1;
-        }
-        i++;
-        if (!strcmp(a, "--stages")) o->stages = (unsigned)atoi(v);
-        else if (!strcmp(a, "--microbatches")) o->microbatches = (unsigned)atoi(v);
-        else if (!strcmp(a, "--schedule")) o->schedule = v;
-        else if (!strcmp(a, "--act-codec")) o->act_codec = v;
-        else if (!strcmp(a, "--grad-codec")) o->grad_codec = v;
-        else if (!strcmp(a, "--epochs")) o->epochs = atoi(v);
-        else if (!strcmp(a, "--batch")) o->batch = atoi(v);
-        else if (!strcmp(a, "--lr")) o->lr = (float)atof(v);
-        else if (!strcmp(a, "--momentum")) o->momentum = (float)atof(v);
-        else if (!strcmp(a, "--codec-lr")) o->codec_lr = (float)atof(v);
-        else if (!strcmp(a, "--seed")) o->seed = strtoull(v, NULL, 10);
-        else if (!strcmp(a, "--train-limit")) o->train_limit = atol(v);
-        else if (!strcmp(a, "--data")) o->data_dir = v;
-        else if (!strcmp(a, "--blas-threads")) o->blas_threads = atoi(v);
-        else if (!strcmp(a, "--hidden")) {
+    enum {
+        O_QUIET = 256,
+        O_STAGES,
+        O_MB,
+        O_SCHEDULE,
+        O_ACT,
+        O_GRAD,
+        O_EPOCHS,
+        O_BATCH,
+        O_LR,
+        O_MOMENTUM,
+        O_CODEC_LR,
+        O_SEED,
+        O_TRAIN_LIMIT,
+        O_DATA,
+        O_BLAS_THREADS,
+        O_HIDDEN
+    };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"quiet", no_argument, NULL, O_QUIET},
+        {"stages", required_argument, NULL, O_STAGES},
+        {"microbatches", required_argument, NULL, O_MB},
+        {"schedule", required_argument, NULL, O_SCHEDULE},
+        {"act-codec", required_argument, NULL, O_ACT},
+        {"grad-codec", required_argument, NULL, O_GRAD},
+        {"epochs", required_argument, NULL, O_EPOCHS},
+        {"batch", required_argument, NULL, O_BATCH},
+        {"lr", required_argument, NULL, O_LR},
+        {"momentum", required_argument, NULL, O_MOMENTUM},
+        {"codec-lr", required_argument, NULL, O_CODEC_LR},
+        {"seed", required_argument, NULL, O_SEED},
+        {"train-limit", required_argument, NULL, O_TRAIN_LIMIT},
+        {"data", required_argument, NULL, O_DATA},
+        {"blas-threads", required_argument, NULL, O_BLAS_THREADS},
+        {"hidden", required_argument, NULL, O_HIDDEN},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt;
+    while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
+        const char *v = optarg;
+        switch (opt) {
+        case 'h': usage(stdout); exit(0);
+        case O_QUIET: o->quiet = 1; break;
+        case O_STAGES: o->stages = (unsigned)atoi(v); break;
+        case O_MB: o->microbatches = (unsigned)atoi(v); break;
+        case O_SCHEDULE: o->schedule = v; break;
+        case O_ACT: o->act_codec = v; break;
+        case O_GRAD: o->grad_codec = v; break;
+        case O_EPOCHS: o->epochs = atoi(v); break;
+        case O_BATCH: o->batch = atoi(v); break;
+        case O_LR: o->lr = (float)atof(v); break;
+        case O_MOMENTUM: o->momentum = (float)atof(v); break;
+        case O_CODEC_LR: o->codec_lr = (float)atof(v); break;
+        case O_SEED: o->seed = strtoull(v, NULL, 10); break;
+        case O_TRAIN_LIMIT: o->train_limit = atol(v); break;
+        case O_DATA: o->data_dir = v; break;
+        case O_BLAS_THREADS: o->blas_threads = atoi(v); break;
+        case O_HIDDEN:
             o->nhidden = 0;
             for (const char *p = v; *p && o->nhidden < MODEL_MAX_LAYERS - 1;) {
                 char *end;
@@ -364,21 +403,27 @@ static int parse_args(int argc, char **argv, struct options *o)
                 o->hidden[o->nhidden++] = (int)w;
                 p = *end == ',' ? end + 1 : end;
             }
-        } else {
-            fprintf(stderr, "epipe-train: unknown option %s\n", a);
-            return -1;
+            break;
+        default: /* ':' or '?' */ epipe_cli_bad_option("epipe-train", argv, opt); return -1;
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "epipe-train: unexpected argument '%s' (options start with --)\n",
+                argv[optind]);
+        return -1;
     }
     if (o->microbatches < 1 || o->microbatches > MODEL_MAX_MB || o->batch < 1 ||
         o->batch % (int)o->microbatches || o->batch / (int)o->microbatches > 1024) {
-        fprintf(stderr, "epipe-train: --batch %d must divide into --microbatches %u (at most %d, "
-                        "and at most 1024 rows each)\n",
+        fprintf(stderr,
+                "epipe-train: --batch %d must divide into --microbatches %u (at most %d, "
+                "and at most 1024 rows each)\n",
                 o->batch, o->microbatches, MODEL_MAX_MB);
         return -1;
     }
     if (o->epochs < 1 || o->stages < 1 || o->stages > (unsigned)o->nhidden + 1) {
-        fprintf(stderr, "epipe-train: need --epochs >= 1 and 1 <= --stages <= %d (one layer a "
-                        "stage at least)\n",
+        fprintf(stderr,
+                "epipe-train: need --epochs >= 1 and 1 <= --stages <= %d (one layer a "
+                "stage at least)\n",
                 o->nhidden + 1);
         return -1;
     }
@@ -453,15 +498,18 @@ static int main_rank(struct options *o, const struct dataset *d)
     unsigned s = epipe_comm_rank(comm), p = epipe_comm_size(comm);
     o->stages = p;
     if (p > (unsigned)o->nhidden + 1) {
-        fprintf(stderr, "epipe-train: %u ranks but the model has only %d layers (one layer a "
-                "stage at least; widen --hidden)\n", p, o->nhidden + 1);
+        fprintf(stderr,
+                "epipe-train: %u ranks but the model has only %d layers (one layer a "
+                "stage at least; widen --hidden)\n",
+                p, o->nhidden + 1);
         epipe_comm_destroy(comm);
         return 2;
     }
     if (s == 0)
         printf("libepipe %s: %u stages as processes over %s, %s, %u micro-batches, act %s, "
-               "grad %s\n", epipe_version_string(), p, epipe_comm_transport(comm), o->schedule,
-               o->microbatches, o->act_codec, o->grad_codec);
+               "grad %s\n",
+               epipe_version_string(), p, epipe_comm_transport(comm), o->schedule, o->microbatches,
+               o->act_codec, o->grad_codec);
     fflush(stdout);
     struct rank_result res;
     run_rank(comm, o, d, &res);
@@ -478,29 +526,40 @@ static int main_rank(struct options *o, const struct dataset *d)
     if (s + 1 < p) {
         double raw = (double)(st->act_sent_raw + st->grad_recv_raw);
         double w = (double)(st->act_sent_wire + st->grad_recv_wire);
-        snprintf(wire, sizeof wire, "boundary %u->%u raw %.2f MB wire %.2f MB ratio %.4f", s,
-                 s + 1, raw / 1e6, w / 1e6, raw ? w / raw : 0);
+        snprintf(wire, sizeof wire, "boundary %u->%u raw %.2f MB wire %.2f MB ratio %.4f", s, s + 1,
+                 raw / 1e6, w / 1e6, raw ? w / raw : 0);
     }
     double steps = st->steps ? (double)st->steps : 1;
     printf("stage %u: %s | compute %.1f%% codec %.1f%% wait %.1f%% other %.1f%% | "
-           "step %.3f ms, compute %.3f ms a step\n", s, wire,
-           100 * st->compute_seconds / tot, 100 * (st->encode_seconds + st->decode_seconds) / tot,
-           100 * st->wait_seconds / tot, 100 * other / tot, 1e3 * st->step_seconds / steps,
-           1e3 * st->compute_seconds / steps);
+           "step %.3f ms, compute %.3f ms a step\n",
+           s, wire, 100 * st->compute_seconds / tot,
+           100 * (st->encode_seconds + st->decode_seconds) / tot, 100 * st->wait_seconds / tot,
+           100 * other / tot, 1e3 * st->step_seconds / steps, 1e3 * st->compute_seconds / steps);
     if (s + 1 == p)
         printf("test accuracy %.2f%%  (%u stages, %s, %u micro-batches, batch %d, %d epoch%s), "
-               "%.0f samples/s\n", 100 * res.accuracy, p, o->schedule, o->microbatches, o->batch,
-               o->epochs, o->epochs == 1 ? "" : "s", res.samples_per_s);
+               "%.0f samples/s\n",
+               100 * res.accuracy, p, o->schedule, o->microbatches, o->batch, o->epochs,
+               o->epochs == 1 ? "" : "s", res.samples_per_s);
     return 0;
 }
 
 int main(int argc, char **argv)
 {
-    struct options o = {.stages = 3, .microbatches = 4, .schedule = "1f1b",
-                        .act_codec = "sortquant:bits=8", .grad_codec = "sortquant:bits=8",
-                        .data_dir = IDX_FASHION_DIR, .epochs = 3, .batch = 64,
-                        .hidden = {512, 256}, .nhidden = 2, .lr = 0.05f, .momentum = 0.9f,
-                        .seed = 1, .blas_threads = 1, .codec_lr = -1};
+    struct options o = {.stages = 3,
+                        .microbatches = 4,
+                        .schedule = "1f1b",
+                        .act_codec = "sortquant:bits=8",
+                        .grad_codec = "sortquant:bits=8",
+                        .data_dir = IDX_FASHION_DIR,
+                        .epochs = 3,
+                        .batch = 64,
+                        .hidden = {512, 256},
+                        .nhidden = 2,
+                        .lr = 0.05f,
+                        .momentum = 0.9f,
+                        .seed = 1,
+                        .blas_threads = 1,
+                        .codec_lr = -1};
     if (parse_args(argc, argv, &o))
         return 2;
     model_set_blas_threads(o.blas_threads);

@@ -25,10 +25,13 @@ typedef struct epipe_codec epipe_codec;
  *                                      finite values beyond its range
  *                                      saturate to its largest finite
  *   quant:bits=B                       global min/max uniform, B in 1..16
- *   sortquant:bits=B[,split=S][,mode=exact|sample][,sample=N]
- *                                      sort quantization, B in 2..16; S
- *                                      defaults to the 3:1 rule (B/4,
- *                                      at least 1); mode defaults to sample
+ *   sortquant:bits=B[,split=S][,mode=fit|sample|exact][,sample=N]
+ *                                      sort quantization, B in 2..16; mode
+ *                                      defaults to fit (MSE-fitted chunks,
+ *                                      S in 0..4 chosen per tensor unless
+ *                                      given); sample and exact (the
+ *                                      research's equal-count chunks) take
+ *                                      S from the 3:1 rule (B/4, at least 1)
  *   kmeans:bits=B[,iters=K]            1-D Lloyd-Max codebook, B in 1..12
  *   topk:ratio=r                       keep the ceil(r*n) largest |x|
  *   insert:kind=conv|linear[,out=K|ratio=r][,kernel=k][,in=C][,seed=S]
@@ -87,8 +90,7 @@ typedef enum epipe_codec_param {
 } epipe_codec_param;
 
 /* Sets a knob. EPIPE_EINVAL for an unknown knob or a value out of range. */
-EPIPE_API int epipe_codec_set_param(epipe_codec *codec, epipe_codec_param param,
-                                    int64_t value);
+EPIPE_API int epipe_codec_set_param(epipe_codec *codec, epipe_codec_param param, int64_t value);
 
 /* The knob's current value in *value. EPIPE_EINVAL for an unknown knob. */
 EPIPE_API int epipe_codec_get_param(const epipe_codec *codec, epipe_codec_param param,
@@ -96,12 +98,13 @@ EPIPE_API int epipe_codec_get_param(const epipe_codec *codec, epipe_codec_param 
 
 /* The value of the spec parameter `key` ("bits") as configured, defaults
  * and derived values filled in (what epipe_codec_spec() prints). A choice
- * ("mode=exact|sample") gives the index of the choice in the order
- * docs/codecs.md lists them (sortquant mode: 0 exact, 1 sample). EPIPE_EINVAL
+ * ("mode=exact|sample|fit") gives the index of the choice in the order
+ * docs/codecs.md lists them (sortquant mode: 0 exact, 1 sample, 2 fit); a
+ * parameter the codec chooses per tensor (sortquant's split in fit mode
+ * when not given) gives NaN. EPIPE_EINVAL
  * for a key the codec does not have (the message lists its keys); a chain
  * has no parameters of its own (read its links' in its spec). */
-EPIPE_API int epipe_codec_spec_param(const epipe_codec *codec, const char *key,
-                                     double *value);
+EPIPE_API int epipe_codec_spec_param(const epipe_codec *codec, const char *key, double *value);
 
 /* The range a spec parameter accepts, without creating a codec: for codec
  * name `codec` ("sortquant") and `key` ("bits"), the smallest and largest
@@ -152,8 +155,7 @@ EPIPE_API int epipe_codec_encode(epipe_codec *codec, const DLTensor *src, void *
  * codec or other parameters or is malformed, EPIPE_ETRUNC if it is short,
  * EPIPE_EINVAL if dst's element count, dtype or device does not fit. On
  * error dst may have been partly written. */
-EPIPE_API int epipe_codec_decode(epipe_codec *codec, const void *src, size_t len,
-                                 DLTensor *dst);
+EPIPE_API int epipe_codec_decode(epipe_codec *codec, const void *src, size_t len, DLTensor *dst);
 
 /* ---- Trainable codecs ---------------------------------------------------
  *
@@ -168,23 +170,26 @@ EPIPE_API int epipe_codec_decode(epipe_codec *codec, const void *src, size_t len
  * encode or decode so the codec keeps what the backward needs. Gradients
  * accumulate (+=) across backward calls until epipe_codec_zero_grad().
  * The other codecs return EPIPE_ENOTSUP from every call below except
- * epipe_codec_trainable() and epipe_codec_code_shape(). */
+ * epipe_codec_trainable() and epipe_codec_code_shape().
+ *
+ * Experimental (EPIPE_EXPERIMENTAL, docs/api.md): these calls may change
+ * in a minor release. */
 
 #define EPIPE_CODEC_MAX_NDIM 16
 
 /* 1 if the codec has parameters to train, else 0 (and 0 for NULL). */
-EPIPE_API int epipe_codec_trainable(const epipe_codec *codec);
+EPIPE_EXPERIMENTAL int epipe_codec_trainable(const epipe_codec *codec);
 
 /* The shape of the code the codec computes for a tensor of src's shape
  * (src->data is not read): the shape of the gradient the decoder's
  * backward produces and the encoder's backward consumes. For codecs that
  * are not trainable the code's shape is src's. EPIPE_EINVAL for a shape
  * the codec cannot take. shape must have room for EPIPE_CODEC_MAX_NDIM. */
-EPIPE_API int epipe_codec_code_shape(epipe_codec *codec, const DLTensor *src, int *ndim,
-                                     int64_t shape[EPIPE_CODEC_MAX_NDIM]);
+EPIPE_EXPERIMENTAL int epipe_codec_code_shape(epipe_codec *codec, const DLTensor *src, int *ndim,
+                                              int64_t shape[EPIPE_CODEC_MAX_NDIM]);
 
 /* How many parameter tensors the codec has (insert: 2). */
-EPIPE_API int epipe_codec_num_tensors(epipe_codec *codec, unsigned *count);
+EPIPE_EXPERIMENTAL int epipe_codec_num_tensors(epipe_codec *codec, unsigned *count);
 
 /* Parameter tensor `index`: its name ("compress.weight"), the parameter
  * and its gradient, as dense fp32 CPU DLTensor views. All three are owned
@@ -195,8 +200,8 @@ EPIPE_API int epipe_codec_num_tensors(epipe_codec *codec, unsigned *count);
  * exist yet (insert creates them when it learns the channel count: give
  * `in=` in the spec, or encode or decode once first); EPIPE_EINVAL for an
  * index out of range. */
-EPIPE_API int epipe_codec_tensor(epipe_codec *codec, unsigned index, const char **name,
-                                 DLTensor **param, DLTensor **grad);
+EPIPE_EXPERIMENTAL int epipe_codec_tensor(epipe_codec *codec, unsigned index, const char **name,
+                                          DLTensor **param, DLTensor **grad);
 
 /* Encoder backward for `microbatch` (kept by its encode, see
  * EPIPE_CODEC_MICROBATCH): given grad_code, the gradient of the loss with
@@ -205,24 +210,25 @@ EPIPE_API int epipe_codec_tensor(epipe_codec *codec, unsigned index, const char 
  * gradient. Both tensors are the caller's: fp32/fp16/bf16, CPU, any
  * strides. The kept input is released. EPIPE_ESTATE if nothing is kept
  * for that micro-batch; EPIPE_EINVAL for a shape that does not match. */
-EPIPE_API int epipe_codec_encode_backward(epipe_codec *codec, unsigned microbatch,
-                                          const DLTensor *grad_code, DLTensor *grad_input);
+EPIPE_EXPERIMENTAL int epipe_codec_encode_backward(epipe_codec *codec, unsigned microbatch,
+                                                   const DLTensor *grad_code, DLTensor *grad_input);
 
 /* Decoder backward for `microbatch` (kept by its decode): given
  * grad_output, the gradient with respect to the restored tensor, writes
  * grad_code (the code's shape) and adds the restore parameters' gradient.
  * Ownership and errors as epipe_codec_encode_backward(). */
-EPIPE_API int epipe_codec_decode_backward(epipe_codec *codec, unsigned microbatch,
-                                          const DLTensor *grad_output, DLTensor *grad_code);
+EPIPE_EXPERIMENTAL int epipe_codec_decode_backward(epipe_codec *codec, unsigned microbatch,
+                                                   const DLTensor *grad_output,
+                                                   DLTensor *grad_code);
 
 /* Sets every parameter gradient to zero. */
-EPIPE_API int epipe_codec_zero_grad(epipe_codec *codec);
+EPIPE_EXPERIMENTAL int epipe_codec_zero_grad(epipe_codec *codec);
 
 /* The built-in optimizer, SGD with momentum (PyTorch's form, no dampening):
  * v = momentum*v + grad; param -= lr*v, for every parameter tensor. The
  * gradients are left as they are (call epipe_codec_zero_grad()).
  * lr in [0, 1e6], momentum in [0, 1); EPIPE_EINVAL otherwise. */
-EPIPE_API int epipe_codec_sgd_step(epipe_codec *codec, double lr, double momentum);
+EPIPE_EXPERIMENTAL int epipe_codec_sgd_step(epipe_codec *codec, double lr, double momentum);
 
 #ifdef __cplusplus
 }

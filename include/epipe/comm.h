@@ -117,19 +117,25 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
  *                      is a loopback one, else every address)
  *   key_file=PATH      authenticate every connection with the pre-shared
  *                      key in PATH (EPIPE_AUTH_KEY_FILE); off by default
+ *   encrypt=0|1        encrypt and authenticate every message after the
+ *                      handshake (EPIPE_ENCRYPT; 0): AES-256-GCM, or
+ *                      ChaCha20-Poly1305 where a side lacks AES-NI, with
+ *                      per-connection keys from key_file, which it needs;
+ *                      every rank must agree (docs/transport.md)
  *
  * Blocks until every rank has joined or init_timeout_ms has passed. Returns
  * EPIPE_OK and *out, owned by the caller (epipe_comm_destroy), or an error
  * with *out NULL and a message (epipe_last_error) that says which rank,
  * address and cause:
- *   EPIPE_EINVAL    bad argument or option; a rank that says another world
- *                   size; two processes with the same rank
+ *   EPIPE_EINVAL    bad argument or option (encrypt=1 without key_file); a
+ *                   rank that says another world size; two processes with
+ *                   the same rank; a peer whose encrypt setting differs
  *   EPIPE_EIO       cannot listen (the port is in use, the address is not
  *                   this host's)
  *   EPIPE_ETIMEDOUT the master is unreachable, or a rank did not join, in time
  *   EPIPE_EVERSION  a peer speaks another wire version
  *   EPIPE_EAUTH     a peer lacks the key or holds another one
- *   EPIPE_ENOTSUP   key_file set in a build without libsodium
+ *   EPIPE_ENOTSUP   key_file or encrypt=1 in a build without libsodium
  *   EPIPE_ENOMEM
  * Thread-safe (each call makes its own handle).
  *
@@ -138,7 +144,8 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
  * receives from it return EPIPE_EPEER (EPIPE_ETIMEDOUT when it fell
  * silent); a peer whose message fails its checks (its CRC, its header)
  * is cut off and receives from it return that check's status:
- * EPIPE_ECHECKSUM, EPIPE_EPROTO or EPIPE_ETOOBIG; the message names it. */
+ * EPIPE_ECHECKSUM, EPIPE_EPROTO or EPIPE_ETOOBIG (EPIPE_EAUTH for an
+ * encrypted record whose tag fails); the message names it. */
 EPIPE_API int epipe_comm_create_tcp(epipe_comm **out, unsigned rank, unsigned size,
                                     const char *master_addr, unsigned master_port,
                                     const char *options);
@@ -212,8 +219,7 @@ typedef enum epipe_comm_param {
 EPIPE_API int epipe_comm_set_param(epipe_comm *comm, epipe_comm_param param, int64_t value);
 /* The knob's current value into *value; EPIPE_EINVAL for an unknown knob
  * or a NULL argument. Thread-safe. */
-EPIPE_API int epipe_comm_get_param(const epipe_comm *comm, epipe_comm_param param,
-                                   int64_t *value);
+EPIPE_API int epipe_comm_get_param(const epipe_comm *comm, epipe_comm_param param, int64_t *value);
 
 #ifdef __cplusplus
 }

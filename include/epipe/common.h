@@ -19,11 +19,19 @@ extern "C" {
 #define EPIPE_API
 #endif
 
+/* EPIPE_EXPERIMENTAL marks exported calls whose signature or behaviour may
+ * still change in a minor release (0.x to 0.y) without a new soname: the
+ * trainable-codec calls (epipe/codec.h, epipe_stage_codec_sgd_step) and
+ * the schedule simulator (epipe_sim_*, epipe/schedule.h). It exports them
+ * as EPIPE_API does, in the same version node of lib/libepipe.map, so a
+ * binary binds to them as to any other call; docs/api.md says more. */
+#define EPIPE_EXPERIMENTAL EPIPE_API
+
 #define EPIPE_VERSION_MAJOR 0
 #define EPIPE_VERSION_MINOR 1
 #define EPIPE_VERSION_PATCH 0
 /* One integer that sorts like the version: 10000*major + 100*minor + patch. */
-#define EPIPE_VERSION_NUMBER \
+#define EPIPE_VERSION_NUMBER                                                                       \
     (EPIPE_VERSION_MAJOR * 10000 + EPIPE_VERSION_MINOR * 100 + EPIPE_VERSION_PATCH)
 
 /* The version of the library actually loaded, in the EPIPE_VERSION_NUMBER

@@ -3,10 +3,10 @@
 #ifndef EPIPE_EPIPE_H
 #define EPIPE_EPIPE_H
 
-#include <epipe/common.h>
 #include <epipe/codec.h>
 #include <epipe/comm.h>
-#include <epipe/stage.h>
+#include <epipe/common.h>
 #include <epipe/schedule.h>
+#include <epipe/stage.h>
 
 #endif /* EPIPE_EPIPE_H */

@@ -85,8 +85,8 @@ EPIPE_API unsigned epipe_schedule_microbatches(const epipe_schedule *sched);
 /* The ordered op list of one stage: *ops points to *count ops owned by the
  * schedule, valid until epipe_schedule_destroy(). EPIPE_EINVAL for a NULL
  * argument or a stage out of range (the message gives the range). */
-EPIPE_API int epipe_schedule_ops(const epipe_schedule *sched, unsigned stage,
-                                 const epipe_op **ops, size_t *count);
+EPIPE_API int epipe_schedule_ops(const epipe_schedule *sched, unsigned stage, const epipe_op **ops,
+                                 size_t *count);
 
 /* A short static name of an op kind: "F", "B", "recv-act", "send-act",
  * "recv-grad", "send-grad", or "?" for an unknown kind. Thread-safe. */
@@ -117,15 +117,18 @@ EPIPE_API const char *epipe_op_kind_name(uint32_t kind);
  * a new cost is a new enum value, never a changed struct.
  *
  * Thread safety: one epipe_sim must not be used by two threads at once;
- * distinct sims (even of one schedule) are independent. */
+ * distinct sims (even of one schedule) are independent.
+ *
+ * Experimental (EPIPE_EXPERIMENTAL, docs/api.md): the simulator's calls
+ * may change in a minor release. */
 typedef struct epipe_sim epipe_sim;
 
 /* Which cost epipe_sim_set_cost() sets. Costs are finite and >= 0. */
 typedef enum epipe_sim_cost {
-    EPIPE_SIM_FORWARD = 1,   /* one forward on the stage; default 1 */
-    EPIPE_SIM_BACKWARD = 2,  /* one backward on the stage; default 1 */
-    EPIPE_SIM_SEND_ACT = 3,  /* one activation from the stage to the next; default 0 */
-    EPIPE_SIM_SEND_GRAD = 4  /* one gradient from the stage to the previous; default 0 */
+    EPIPE_SIM_FORWARD = 1,  /* one forward on the stage; default 1 */
+    EPIPE_SIM_BACKWARD = 2, /* one backward on the stage; default 1 */
+    EPIPE_SIM_SEND_ACT = 3, /* one activation from the stage to the next; default 0 */
+    EPIPE_SIM_SEND_GRAD = 4 /* one gradient from the stage to the previous; default 0 */
 } epipe_sim_cost;
 
 /* The `stage` argument of epipe_sim_set_cost() that means every stage. */
@@ -136,41 +139,41 @@ typedef enum epipe_sim_cost {
  * outlive it. Returns EPIPE_OK, EPIPE_EINVAL for a NULL argument, or
  * EPIPE_ENOMEM; on error *out is NULL. Free with epipe_sim_destroy().
  * Thread-safe. */
-EPIPE_API int epipe_sim_create(epipe_sim **out, const epipe_schedule *sched);
+EPIPE_EXPERIMENTAL int epipe_sim_create(epipe_sim **out, const epipe_schedule *sched);
 
 /* Frees the sim. NULL is a no-op. */
-EPIPE_API void epipe_sim_destroy(epipe_sim *sim);
+EPIPE_EXPERIMENTAL void epipe_sim_destroy(epipe_sim *sim);
 
 /* Sets one cost on one stage, or on every stage with EPIPE_SIM_ALL_STAGES.
  * The results are void until the next epipe_sim_run(). EPIPE_EINVAL for an
  * unknown cost, a stage out of range, or a value that is negative, NaN or
  * infinite (the message says which). */
-EPIPE_API int epipe_sim_set_cost(epipe_sim *sim, epipe_sim_cost what, unsigned stage,
-                                 double value);
+EPIPE_EXPERIMENTAL int epipe_sim_set_cost(epipe_sim *sim, epipe_sim_cost what, unsigned stage,
+                                          double value);
 
 /* Runs the simulation with the current costs. Never blocks. EPIPE_OK; for a
  * schedule from epipe_schedule_create() it cannot fail otherwise. (On op
  * lists that do not hold, EPIPE_ESTATE for a deadlock, naming each stage
  * that waits and for what, and EPIPE_EINVAL for a broken dependency.) */
-EPIPE_API int epipe_sim_run(epipe_sim *sim);
+EPIPE_EXPERIMENTAL int epipe_sim_run(epipe_sim *sim);
 
 /* Results of the last successful epipe_sim_run(); NaN when a cost has been
  * set since. */
-EPIPE_API double epipe_sim_makespan(const epipe_sim *sim);
-EPIPE_API double epipe_sim_bubble_fraction(const epipe_sim *sim);
+EPIPE_EXPERIMENTAL double epipe_sim_makespan(const epipe_sim *sim);
+EPIPE_EXPERIMENTAL double epipe_sim_bubble_fraction(const epipe_sim *sim);
 
 /* The peak count of live micro-batch activations on a stage. EPIPE_EINVAL
  * for a NULL argument or a stage out of range; EPIPE_ESTATE when a cost has
  * been set since the last run. */
-EPIPE_API int epipe_sim_peak_live(const epipe_sim *sim, unsigned stage, unsigned *peak);
+EPIPE_EXPERIMENTAL int epipe_sim_peak_live(const epipe_sim *sim, unsigned stage, unsigned *peak);
 
 /* Start and end time of op `index` of a stage's list (as epipe_schedule_ops
  * gives it). A receive starts when the stage reaches it and ends when the
  * message has arrived; a send takes no stage time. Either pointer may be
  * NULL. Errors as for epipe_sim_peak_live(), and EPIPE_EINVAL for an index
  * out of range. */
-EPIPE_API int epipe_sim_op_time(const epipe_sim *sim, unsigned stage, size_t index,
-                                double *start, double *end);
+EPIPE_EXPERIMENTAL int epipe_sim_op_time(const epipe_sim *sim, unsigned stage, size_t index,
+                                         double *start, double *end);
 
 #ifdef __cplusplus
 }

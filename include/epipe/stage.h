@@ -70,8 +70,8 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *stage, epipe_direction dir, uns
 
 /* Knobs, set with epipe_stage_set_param(). */
 typedef enum epipe_stage_param {
-    /* How long a receive waits, in ms (1 .. 86400000). Default: the
-     * communicator's EPIPE_COMM_TIMEOUT_MS. */
+    /* How long a receive waits, in ms (1 .. 86400000). Until it is set,
+     * the communicator's EPIPE_COMM_TIMEOUT_MS as it is at each receive. */
     EPIPE_STAGE_TIMEOUT_MS = 1,
     /* Worker threads for each codec call (as EPIPE_CODEC_THREADS). Default 1:
      * the host's compute usually owns the other cores. */
@@ -90,6 +90,14 @@ typedef enum epipe_stage_param {
 } epipe_stage_param;
 
 EPIPE_API int epipe_stage_set_param(epipe_stage *stage, epipe_stage_param param, int64_t value);
+/* The current value of a knob in *value: what epipe_stage_set_param() last
+ * set, or the default (EPIPE_STAGE_TIMEOUT_MS: the communicator's timeout
+ * as it is now, until the stage sets its own). EPIPE_EINVAL for a NULL argument or an
+ * unknown param, with the message in epipe_last_error() (the handle is
+ * const); *value is then left alone. Never blocks; same thread rules as
+ * every call on the stage. */
+EPIPE_API int epipe_stage_get_param(const epipe_stage *stage, epipe_stage_param param,
+                                    int64_t *value);
 
 EPIPE_API unsigned epipe_stage_index(const epipe_stage *stage);
 EPIPE_API unsigned epipe_stage_count(const epipe_stage *stage);
@@ -131,7 +139,7 @@ EPIPE_API epipe_codec *epipe_stage_codec(epipe_stage *stage, epipe_direction dir
  * one). Call it between steps, like the host's own optimizer step; a stage
  * with no trainable codec does nothing. EPIPE_ESTATE mid-step, EPIPE_EINVAL
  * for lr outside [0, 1e6] or momentum outside [0, 1). */
-EPIPE_API int epipe_stage_codec_sgd_step(epipe_stage *stage, double lr, double momentum);
+EPIPE_EXPERIMENTAL int epipe_stage_codec_sgd_step(epipe_stage *stage, double lr, double momentum);
 
 /* ---- The op stream ------------------------------------------------------
  *
@@ -189,14 +197,16 @@ EPIPE_API int epipe_stage_send_gradient(epipe_stage *stage, unsigned microbatch,
 typedef struct epipe_stage_callbacks {
     size_t struct_size;
     void *user;
-    int (*forward)(void *user, unsigned microbatch, const DLTensor *input,
-                   const DLTensor **output);
+    int (*forward)(void *user, unsigned microbatch, const DLTensor *input, const DLTensor **output);
     int (*backward)(void *user, unsigned microbatch, const DLTensor *grad_output,
                     const DLTensor **grad_input);
     int (*loss)(void *user, unsigned microbatch, double *value);
 } epipe_stage_callbacks;
 
-#define EPIPE_STAGE_CALLBACKS_INIT {sizeof(epipe_stage_callbacks), NULL, NULL, NULL, NULL}
+#define EPIPE_STAGE_CALLBACKS_INIT                                                                 \
+    {                                                                                              \
+        sizeof(epipe_stage_callbacks), NULL, NULL, NULL, NULL                                      \
+    }
 
 /* Copies the callbacks (the stage keeps cb->user, not cb). EPIPE_EINVAL if
  * struct_size is 0 or larger than this library knows, or forward or
@@ -222,12 +232,12 @@ typedef struct epipe_stage_stats {
     double step_seconds;    /* wall time inside steps */
     double compute_seconds; /* in callbacks, or between op-stream calls */
     double encode_seconds, decode_seconds;
-    double wait_seconds;    /* blocked waiting for a message */
+    double wait_seconds;                    /* blocked waiting for a message */
     uint64_t act_sent_raw, act_sent_wire;   /* down */
     uint64_t grad_recv_raw, grad_recv_wire; /* down */
     uint64_t act_recv_raw, act_recv_wire;   /* up */
     uint64_t grad_sent_raw, grad_sent_wire; /* up */
-    double loss_sum;        /* last stage: sum of loss() values */
+    double loss_sum;                        /* last stage: sum of loss() values */
     uint64_t loss_count;
 } epipe_stage_stats;
 

@@ -136,8 +136,8 @@ static int chain_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     if ((rc = a->be->train->forward_code(a, x, n, links(c)->code)))
         return pass(c, a, rc);
     epipe_payload_put(body, a->ops->id, EPIPE_DTYPE_F32, a->ops->param_word(a), n);
-    if ((rc = epipe_codec_encode_checked(b, &view, nz, EPIPE_DTYPE_F32,
-                                         body + EPIPE_PAYLOAD_HEADER, inner, &written)))
+    if ((rc = epipe_codec_encode_checked(b, &view, nz, EPIPE_DTYPE_F32, body + EPIPE_PAYLOAD_HEADER,
+                                         inner, &written)))
         return fail_from_link(c, b, rc, "encoding the code");
     return EPIPE_OK;
 }
@@ -199,8 +199,9 @@ static int chain_encode_backward(epipe_codec *c, int64_t mb, const float *grad_c
                                  const int64_t *input_shape, int input_ndim)
 {
     epipe_codec *a = link_a(c);
-    return pass(c, a, a->be->train->encode_backward(a, mb, grad_code, code_shape, code_ndim,
-                                                    grad_input, input_shape, input_ndim));
+    return pass(c, a,
+                a->be->train->encode_backward(a, mb, grad_code, code_shape, code_ndim, grad_input,
+                                              input_shape, input_ndim));
 }
 
 static int chain_decode_backward(epipe_codec *c, int64_t mb, const float *grad_output,
@@ -208,9 +209,9 @@ static int chain_decode_backward(epipe_codec *c, int64_t mb, const float *grad_o
                                  const int64_t *code_shape, int code_ndim)
 {
     epipe_codec *a = link_a(c);
-    return pass(c, a, a->be->train->decode_backward(a, mb, grad_output, output_shape,
-                                                    output_ndim, grad_code, code_shape,
-                                                    code_ndim));
+    return pass(c, a,
+                a->be->train->decode_backward(a, mb, grad_output, output_shape, output_ndim,
+                                              grad_code, code_shape, code_ndim));
 }
 
 static void chain_zero_grad(epipe_codec *c)
@@ -261,8 +262,10 @@ static int chain_parse(epipe_codec *c, const char *spec)
     char canon[2 * EPIPE_SPEC_MAX];
     snprintf(canon, sizeof canon, "%s|%s", ch->a->spec, ch->b->spec);
     if (strlen(canon) >= EPIPE_SPEC_MAX)
-        return epipe_fail(EPIPE_EINVAL, "chain '%s': its canonical spec is %zu characters; the "
-                          "limit is %d", spec, strlen(canon), EPIPE_SPEC_MAX - 1);
+        return epipe_fail(EPIPE_EINVAL,
+                          "chain '%s': its canonical spec is %zu characters; the "
+                          "limit is %d",
+                          spec, strlen(canon), EPIPE_SPEC_MAX - 1);
     memcpy(c->spec, canon, strlen(canon) + 1);
     return EPIPE_OK;
 }

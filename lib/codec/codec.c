@@ -146,19 +146,14 @@ EPIPE_API int epipe_codec_set_param(epipe_codec *c, epipe_codec_param param, int
     return epipe_codec_fail(c, EPIPE_EINVAL, "unknown codec parameter %d", (int)param);
 }
 
-EPIPE_API int epipe_codec_get_param(const epipe_codec *c, epipe_codec_param param,
-                                    int64_t *value)
+EPIPE_API int epipe_codec_get_param(const epipe_codec *c, epipe_codec_param param, int64_t *value)
 {
     epipe_clear_error();
     if (!c || !value)
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_get_param: codec or value is NULL");
     switch (param) {
-    case EPIPE_CODEC_THREADS:
-        *value = c->threads;
-        return EPIPE_OK;
-    case EPIPE_CODEC_MICROBATCH:
-        *value = c->microbatch;
-        return EPIPE_OK;
+    case EPIPE_CODEC_THREADS: *value = c->threads; return EPIPE_OK;
+    case EPIPE_CODEC_MICROBATCH: *value = c->microbatch; return EPIPE_OK;
     }
     return epipe_codec_fail((epipe_codec *)c, EPIPE_EINVAL, "unknown codec parameter %d",
                             (int)param);
@@ -203,8 +198,7 @@ EPIPE_API int epipe_codec_spec_param(const epipe_codec *c, const char *key, doub
     return EPIPE_OK;
 }
 
-EPIPE_API int epipe_codec_param_bounds(const char *codec, const char *key, double *min,
-                                       double *max)
+EPIPE_API int epipe_codec_param_bounds(const char *codec, const char *key, double *min, double *max)
 {
     epipe_clear_error();
     if (!codec || !key || !min || !max)
@@ -236,8 +230,8 @@ static int payload_size(epipe_codec *c, uint64_t n, size_t *bytes)
     size_t body;
     int rc = c->ops->body_size(c, n, &body);
     if (rc == EPIPE_EOVERFLOW)
-        return epipe_codec_fail(c, rc, "%s: payload for %llu values overflows size_t",
-                                c->ops->name, (unsigned long long)n);
+        return epipe_codec_fail(c, rc, "%s: payload for %llu values overflows size_t", c->ops->name,
+                                (unsigned long long)n);
     if (rc)
         return rc; /* the codec said why (a shape it cannot take) */
     if (body > SIZE_MAX - EPIPE_PAYLOAD_HEADER)
@@ -256,8 +250,8 @@ int epipe_codec_size_checked(epipe_codec *c, const DLTensor *t, uint64_t n, size
     return payload_size(c, n, bytes);
 }
 
-int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n,
-                               enum epipe_dtype dt, void *dst, size_t capacity, size_t *written)
+int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, enum epipe_dtype dt,
+                               void *dst, size_t capacity, size_t *written)
 {
     *written = 0;
     const epipe_codec_backend *be = NULL;
@@ -299,10 +293,9 @@ int epipe_codec_decode_checked(epipe_codec *c, const void *src, size_t len, DLTe
         return epipe_codec_fail(c, EPIPE_ETRUNC, "%s: payload is %zu bytes; its header alone is %d",
                                 name, len, EPIPE_PAYLOAD_HEADER);
     if (ph.codec_id != (unsigned)c->ops->id)
-        return epipe_codec_fail(c, EPIPE_EPROTO,
-                                "%s: payload was made by codec id %u (%s), not this codec (id %u)",
-                                name, ph.codec_id, epipe_codec_name_of_id(ph.codec_id),
-                                (unsigned)c->ops->id);
+        return epipe_codec_fail(
+            c, EPIPE_EPROTO, "%s: payload was made by codec id %u (%s), not this codec (id %u)",
+            name, ph.codec_id, epipe_codec_name_of_id(ph.codec_id), (unsigned)c->ops->id);
     if (ph.version != EPIPE_PAYLOAD_VERSION)
         return epipe_codec_fail(c, EPIPE_EVERSION,
                                 "%s: payload format version %u; this library reads %d", name,

@@ -43,8 +43,8 @@ typedef struct epipe_param_desc {
     const char *key;
     epipe_param_kind kind;
     double min, max;
-    double def;                  /* default; NAN = the codec derives it */
-    const char *const *choices;  /* NULL-terminated, for EPIPE_PARAM_CHOICE */
+    double def;                 /* default; NAN = the codec derives it */
+    const char *const *choices; /* NULL-terminated, for EPIPE_PARAM_CHOICE */
 } epipe_param_desc;
 
 /* Trainable codecs (insert), per backend: the backward and the parameters.
@@ -53,8 +53,7 @@ typedef struct epipe_param_desc {
 typedef struct epipe_codec_train_ops {
     /* Parameter tensor i < ntensors() and its gradient, owned by the codec
      * and in the backend's memory; EPIPE_ESTATE while they do not exist. */
-    int (*tensor)(epipe_codec *c, unsigned i, const char **name, DLTensor **param,
-                  DLTensor **grad);
+    int (*tensor)(epipe_codec *c, unsigned i, const char **name, DLTensor **param, DLTensor **grad);
     /* Given the gradient w.r.t. the code of micro-batch mb's encode, writes
      * the gradient w.r.t. its input and accumulates the compress gradients. */
     int (*encode_backward)(epipe_codec *c, int64_t mb, const float *grad_code,
@@ -131,8 +130,7 @@ typedef struct epipe_codec_ops {
     /* Trainable codecs only (NULL for the others): the code's shape for an
      * input of `shape` (errors as body_size's), and the parameter tensors'
      * count. A trainable codec's backends have train ops. */
-    int (*code_shape)(epipe_codec *c, const int64_t *shape, int ndim, int64_t *out,
-                      int *out_ndim);
+    int (*code_shape)(epipe_codec *c, const int64_t *shape, int ndim, int64_t *out, int *out_ndim);
     unsigned (*ntensors)(const epipe_codec *c);
     /* Optional: frees codec->state (and whatever a backend allocated). */
     void (*release)(epipe_codec *c);
@@ -156,11 +154,11 @@ struct epipe_codec {
      * or patches (insert) read it; the others need only the count. */
     int ndim;
     int64_t shape[16];
-    unsigned threads;                 /* EPIPE_CODEC_THREADS */
-    int64_t microbatch;               /* EPIPE_CODEC_MICROBATCH: -1 = keep nothing */
-    int use_reference;                /* run encode_ref/decode_ref (tests, bench) */
-    void *state;                      /* the codec's own */
-    float *scratch;                   /* fp32 staging for converted tensors */
+    unsigned threads;   /* EPIPE_CODEC_THREADS */
+    int64_t microbatch; /* EPIPE_CODEC_MICROBATCH: -1 = keep nothing */
+    int use_reference;  /* run encode_ref/decode_ref (tests, bench) */
+    void *state;        /* the codec's own */
+    float *scratch;     /* fp32 staging for converted tensors */
     size_t scratch_cap;
     char spec[EPIPE_SPEC_MAX];
     char msg[EPIPE_ERRMSG_MAX];

@@ -15,8 +15,8 @@
  * with element count n and dtype dt. They do not clear the thread's error
  * and report failures on the handle (epipe_codec_last_error()). */
 int epipe_codec_size_checked(epipe_codec *c, const DLTensor *t, uint64_t n, size_t *bytes);
-int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n,
-                               enum epipe_dtype dt, void *dst, size_t capacity, size_t *written);
+int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, enum epipe_dtype dt,
+                               void *dst, size_t capacity, size_t *written);
 int epipe_codec_decode_checked(epipe_codec *c, const void *src, size_t len, DLTensor *dst,
                                uint64_t n, enum epipe_dtype dt);
 /* As epipe_codec_decode_backward() for a checked grad_output (n values of

@@ -5,15 +5,9 @@
 #include "core.h"
 
 static const epipe_codec_ops *const registry[] = {
-    &epipe_codec_none,
-    &epipe_codec_cast,
-    &epipe_codec_quant,
-    &epipe_codec_sortquant,
-    &epipe_codec_kmeans,
-    &epipe_codec_topk,
-    &epipe_codec_poweriter,
-    &epipe_codec_insert,
-    &epipe_codec_chain,
+    &epipe_codec_none,      &epipe_codec_cast,   &epipe_codec_quant,
+    &epipe_codec_sortquant, &epipe_codec_kmeans, &epipe_codec_topk,
+    &epipe_codec_poweriter, &epipe_codec_insert, &epipe_codec_chain,
 };
 #define NREGISTRY (sizeof registry / sizeof registry[0])
 
@@ -44,8 +38,7 @@ const epipe_codec_backend *epipe_codec_backend_of(const epipe_codec_ops *ops,
                                                   epipe_codec_device dev)
 {
     switch (dev) {
-    case EPIPE_CODEC_DEV_CPU:
-        return ops->cpu;
+    case EPIPE_CODEC_DEV_CPU: return ops->cpu;
     case EPIPE_CODEC_DEV_CUDA:
         /* The CUDA module (next issue) registers its tables here, by
          * ops->id; this build has none. */

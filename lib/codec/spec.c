@@ -35,8 +35,8 @@ static int parse_value(const epipe_codec_ops *ops, const epipe_param_desc *d, co
             strncat(options, i ? "|" : "", sizeof options - strlen(options) - 1);
             strncat(options, d->choices[i], sizeof options - strlen(options) - 1);
         }
-        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not one of %s", ops->name,
-                          d->key, buf, options);
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not one of %s", ops->name, d->key,
+                          buf, options);
     }
     char *end;
     double x = strtod(buf, &end);
@@ -44,8 +44,8 @@ static int parse_value(const epipe_codec_ops *ops, const epipe_param_desc *d, co
         return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not a number", ops->name, d->key,
                           buf);
     if (d->kind == EPIPE_PARAM_INT && x != floor(x))
-        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not an integer", ops->name,
-                          d->key, buf);
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not an integer", ops->name, d->key,
+                          buf);
     if (x < d->min || x > d->max) {
         if (d->kind == EPIPE_PARAM_INT)
             return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = %s is out of range %.0f..%.0f",
@@ -71,17 +71,20 @@ static void build_canonical_spec(epipe_codec *c)
 {
     const epipe_codec_ops *ops = c->ops;
     size_t len = (size_t)snprintf(c->spec, sizeof c->spec, "%s", ops->name);
-    for (unsigned i = 0; i < ops->nparams && len < sizeof c->spec; i++) {
+    for (unsigned i = 0, first = 1; i < ops->nparams && len < sizeof c->spec; i++) {
         const epipe_param_desc *d = &ops->params[i];
         char val[40];
+        if (isnan(c->p[i])) /* left for the codec to choose per tensor */
+            continue;
         if (d->kind == EPIPE_PARAM_CHOICE)
             snprintf(val, sizeof val, "%s", d->choices[(int)c->p[i]]);
         else if (d->kind == EPIPE_PARAM_INT)
             snprintf(val, sizeof val, "%.0f", c->p[i]);
         else
             format_real(val, sizeof val, c->p[i]);
-        len += (size_t)snprintf(c->spec + len, sizeof c->spec - len, "%c%s=%s", i ? ',' : ':',
+        len += (size_t)snprintf(c->spec + len, sizeof c->spec - len, "%c%s=%s", first ? ':' : ',',
                                 d->key, val);
+        first = 0;
     }
 }
 
@@ -111,12 +114,12 @@ static int parse_params(epipe_codec *c, const char *spec)
             if (ilen == 0)
                 return epipe_fail(EPIPE_EINVAL, "%s: empty parameter in '%s'", ops->name, spec);
             if (!eq)
-                return epipe_fail(EPIPE_EINVAL, "%s: parameter '%.*s' has no '=value'",
-                                  ops->name, (int)ilen, p);
+                return epipe_fail(EPIPE_EINVAL, "%s: parameter '%.*s' has no '=value'", ops->name,
+                                  (int)ilen, p);
             size_t klen = (size_t)(eq - p);
             unsigned k = 0;
-            while (k < ops->nparams &&
-                   !(strlen(ops->params[k].key) == klen && memcmp(ops->params[k].key, p, klen) == 0))
+            while (k < ops->nparams && !(strlen(ops->params[k].key) == klen &&
+                                         memcmp(ops->params[k].key, p, klen) == 0))
                 k++;
             if (k == ops->nparams)
                 return epipe_fail(EPIPE_EINVAL, "%s: unknown key '%.*s'", ops->name, (int)klen, p);

@@ -32,15 +32,14 @@ int epipe_codec_stage_in(epipe_codec *c, const DLTensor *src, uint64_t n, enum e
     }
     float *s = scratch(c, n);
     if (!s && n)
-        return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: no memory to stage %llu values",
-                                c->ops->name, (unsigned long long)n);
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: no memory to stage %llu values", c->ops->name,
+                                (unsigned long long)n);
     epipe_tensor_read_f32(src, s, n);
     *x = s;
     return EPIPE_OK;
 }
 
-int epipe_codec_stage_out(epipe_codec *c, DLTensor *dst, uint64_t n, enum epipe_dtype dt,
-                          float **y)
+int epipe_codec_stage_out(epipe_codec *c, DLTensor *dst, uint64_t n, enum epipe_dtype dt, float **y)
 {
     if (dense_f32(dst, dt)) {
         *y = (float *)((char *)dst->data + dst->byte_offset);
@@ -48,8 +47,8 @@ int epipe_codec_stage_out(epipe_codec *c, DLTensor *dst, uint64_t n, enum epipe_
     }
     float *s = scratch(c, n);
     if (!s && n)
-        return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: no memory to stage %llu values",
-                                c->ops->name, (unsigned long long)n);
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: no memory to stage %llu values", c->ops->name,
+                                (unsigned long long)n);
     *y = s;
     return EPIPE_OK;
 }

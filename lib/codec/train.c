@@ -83,9 +83,9 @@ EPIPE_API int epipe_codec_tensor(epipe_codec *c, unsigned index, const char **na
 
 /* Backward from gin (n_in values of dt_in, checked) into gout (checked). */
 static int backward(epipe_codec *c, const epipe_codec_train_ops *t, unsigned mb,
-                    const DLTensor *gin, const char *in_name, uint64_t n_in,
-                    enum epipe_dtype dt_in, DLTensor *gout, const char *out_name,
-                    uint64_t n_out, enum epipe_dtype dt_out, int enc)
+                    const DLTensor *gin, const char *in_name, uint64_t n_in, enum epipe_dtype dt_in,
+                    DLTensor *gout, const char *out_name, uint64_t n_out, enum epipe_dtype dt_out,
+                    int enc)
 {
     float *a = NULL, *b = NULL, *own_a = NULL, *own_b = NULL;
     int rc = epipe_codec_f32_view(c, gin, in_name, n_in, dt_in, &a, &own_a, 1);
@@ -112,8 +112,7 @@ static int backward_entry(epipe_codec *c, const char *call, unsigned mb, const D
     int rc;
     if (!c->ops->code_shape)
         return not_trainable(c, call);
-    if ((rc = epipe_codec_backend_for(c, gin, in_name, &be)) ||
-        (rc = train_ops(c, be, call, &t)) ||
+    if ((rc = epipe_codec_backend_for(c, gin, in_name, &be)) || (rc = train_ops(c, be, call, &t)) ||
         (rc = epipe_tensor_inspect(gin, in_name, c->msg, &n_in, &dt_in)) ||
         (rc = epipe_tensor_inspect(gout, out_name, c->msg, &n_out, &dt_out)))
         return rc;
@@ -136,8 +135,8 @@ EPIPE_API int epipe_codec_decode_backward(epipe_codec *c, unsigned microbatch,
     epipe_clear_error();
     if (!c || !grad_output || !grad_code)
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_decode_backward: an argument is NULL");
-    return backward_entry(c, "epipe_codec_decode_backward", microbatch, grad_output,
-                          "grad_output", grad_code, "grad_code", 0);
+    return backward_entry(c, "epipe_codec_decode_backward", microbatch, grad_output, "grad_output",
+                          grad_code, "grad_code", 0);
 }
 
 int epipe_codec_decode_backward_checked(epipe_codec *c, unsigned mb, const DLTensor *grad_output,

@@ -22,9 +22,9 @@
 
 struct epipe_msgpool {
     pthread_mutex_t lock;
-    unsigned refs;   /* the handle's and one per message out; atomic */
-    int closed;      /* the handle is gone: keep nothing more */
-    uint64_t cap;    /* bytes the cache may hold */
+    unsigned refs; /* the handle's and one per message out; atomic */
+    int closed;    /* the handle is gone: keep nothing more */
+    uint64_t cap;  /* bytes the cache may hold */
     struct {
         void *p;
         size_t cap;
@@ -131,8 +131,7 @@ static void pool_put(epipe_msgpool *pool, void *p, size_t cap)
     free(p);
 }
 
-void epipe_comm_cache_stats(const epipe_comm *c, uint64_t *hits, uint64_t *misses,
-                            uint64_t *bytes)
+void epipe_comm_cache_stats(const epipe_comm *c, uint64_t *hits, uint64_t *misses, uint64_t *bytes)
 {
     epipe_msgpool *pool = c->pool;
     pthread_mutex_lock(&pool->lock);
@@ -301,9 +300,8 @@ int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m)
     pthread_mutex_unlock(&c->lock);
     if (aborted || state != EPIPE_PEER_UP) {
         epipe_msg_free(m);
-        return epipe_fail_into(c->msg, EPIPE_EPEER, "rank %u: cannot send to rank %u: %s",
-                               c->rank, peer,
-                               aborted ? "this rank was aborted" : "the peer is gone");
+        return epipe_fail_into(c->msg, EPIPE_EPEER, "rank %u: cannot send to rank %u: %s", c->rank,
+                               peer, aborted ? "this rank was aborted" : "the peer is gone");
     }
     return c->ops->send(c, peer, m);
 }
@@ -384,9 +382,10 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
                                  "micro-batch %u%s%s",
                                  c->rank, peer,
                                  c->peer_state[peer] == EPIPE_PEER_LEFT ? "left" : "failed",
-                                 epipe_wire_kind_name(kind), (unsigned long long)step,
-                                 micro_batch, c->peer_why[peer][0] ? ": " : "", c->peer_why[peer]);
-        else if (__atomic_load_n(&c->spin_us, __ATOMIC_RELAXED) > 0 && spin_for_arrival(c, &deadline))
+                                 epipe_wire_kind_name(kind), (unsigned long long)step, micro_batch,
+                                 c->peer_why[peer][0] ? ": " : "", c->peer_why[peer]);
+        else if (__atomic_load_n(&c->spin_us, __ATOMIC_RELAXED) > 0 &&
+                 spin_for_arrival(c, &deadline))
             continue; /* something arrived while spinning: look again */
         else if (pthread_cond_timedwait(&c->arrived, &c->lock, &deadline) == ETIMEDOUT)
             rc = epipe_fail_into(c->msg, EPIPE_ETIMEDOUT,
@@ -495,9 +494,7 @@ EPIPE_API int epipe_comm_get_param(const epipe_comm *c, epipe_comm_param param, 
     case EPIPE_COMM_SPIN_US:
         *value = __atomic_load_n(&c->spin_us, __ATOMIC_RELAXED);
         return EPIPE_OK;
-    case EPIPE_COMM_MAX_MESSAGE:
-        *value = (int64_t)c->max_message;
-        return EPIPE_OK;
+    case EPIPE_COMM_MAX_MESSAGE: *value = (int64_t)c->max_message; return EPIPE_OK;
     case EPIPE_COMM_BUFFER_CACHE:
         pthread_mutex_lock(&c->pool->lock);
         *value = (int64_t)c->pool->cap;

@@ -16,10 +16,10 @@ typedef struct epipe_msgpool epipe_msgpool;
 /* One framed message: wire header and payload in one allocation. */
 typedef struct epipe_msg {
     struct epipe_msg *next;
-    epipe_msgpool *pool;     /* the cache its buffer returns to, or NULL */
-    epipe_wire_header hdr;   /* parsed on receipt; filled by the sender */
-    uint8_t *data;           /* header bytes, then payload */
-    size_t len;              /* bytes used in data */
+    epipe_msgpool *pool;   /* the cache its buffer returns to, or NULL */
+    epipe_wire_header hdr; /* parsed on receipt; filled by the sender */
+    uint8_t *data;         /* header bytes, then payload */
+    size_t len;            /* bytes used in data */
     size_t cap;
 } epipe_msg;
 
@@ -58,13 +58,13 @@ enum epipe_peer_state { EPIPE_PEER_UP = 0, EPIPE_PEER_LEFT = 1, EPIPE_PEER_FAILE
  * order: defaults < environment < options string; epipe_comm_set_param()
  * changes them later. */
 typedef struct epipe_comm_settings {
-    int64_t timeout_ms;       /* timeout_ms, EPIPE_TIMEOUT_MS: 30000 */
-    int64_t spin_us;          /* spin_us, EPIPE_SPIN_US: 50 */
-    uint64_t max_message;     /* max_message, EPIPE_MAX_MESSAGE: 2^32 */
-    uint64_t buffer_cache;    /* buffer_cache, EPIPE_BUFFER_CACHE: 512 MiB */
-    int64_t init_timeout_ms;  /* init_timeout_ms, EPIPE_INIT_TIMEOUT_MS: 120000 */
-    char trace[512];          /* trace=PATH, else EPIPE_TRACE at stage creation */
-    char group[64];           /* inproc: group=NAME */
+    int64_t timeout_ms;      /* timeout_ms, EPIPE_TIMEOUT_MS: 30000 */
+    int64_t spin_us;         /* spin_us, EPIPE_SPIN_US: 50 */
+    uint64_t max_message;    /* max_message, EPIPE_MAX_MESSAGE: 2^32 */
+    uint64_t buffer_cache;   /* buffer_cache, EPIPE_BUFFER_CACHE: 512 MiB */
+    int64_t init_timeout_ms; /* init_timeout_ms, EPIPE_INIT_TIMEOUT_MS: 120000 */
+    char trace[512];         /* trace=PATH, else EPIPE_TRACE at stage creation */
+    char group[64];          /* inproc: group=NAME */
 } epipe_comm_settings;
 
 /* Fills s from defaults and the environment, then `options`; keys it does
@@ -77,35 +77,34 @@ int epipe_comm_settings_resolve(epipe_comm_settings *s, const char *options, cha
 int epipe_comm_settings_apply(epipe_comm *c, const epipe_comm_settings *s);
 
 /* Transport entry points, called by epipe_comm_create() (lib/comm/create.c). */
-int epipe_inproc_join(epipe_comm **out, unsigned rank, unsigned size,
-                      const epipe_comm_settings *s);
+int epipe_inproc_join(epipe_comm **out, unsigned rank, unsigned size, const epipe_comm_settings *s);
 int epipe_inproc_create_all(epipe_comm **comms, unsigned size, const epipe_comm_settings *s);
 /* Ranks that have joined inproc group `name` while it is still forming;
  * 0 when no such group is forming (tests). */
 unsigned epipe_inproc_pending(const char *name);
-int epipe_tcp_comm_create(epipe_comm **out, unsigned rank, unsigned size,
-                          const char *master_addr, unsigned master_port, const char *options);
+int epipe_tcp_comm_create(epipe_comm **out, unsigned rank, unsigned size, const char *master_addr,
+                          unsigned master_port, const char *options);
 
 struct epipe_comm {
     const epipe_transport_ops *ops;
     void *tp; /* the transport's own state */
     unsigned rank, size;
-    int64_t timeout_ms;          /* read and written atomically */
+    int64_t timeout_ms; /* read and written atomically */
     uint64_t max_message;
-    int64_t spin_us;             /* a receive busy-waits this long before sleeping */
-    epipe_msgpool *pool;         /* this handle's buffer cache */
-    char *trace;                 /* trace=PATH, or NULL */
+    int64_t spin_us;     /* a receive busy-waits this long before sleeping */
+    epipe_msgpool *pool; /* this handle's buffer cache */
+    char *trace;         /* trace=PATH, or NULL */
     char msg[EPIPE_ERRMSG_MAX];
 
     pthread_mutex_t lock; /* guards everything below */
     pthread_cond_t arrived;
     epipe_msg *inbox, *inbox_tail;
     int aborted;
-    uint64_t arrivals;           /* counts deliveries and peer changes (spinners
+    uint64_t arrivals;                  /* counts deliveries and peer changes (spinners
                                     read it without the lock) */
-    unsigned char *peer_state;   /* [size] enum epipe_peer_state */
-    char (*peer_why)[96];        /* [size] why a peer failed */
-    int *peer_status;            /* [size] what receives from a failed peer
+    unsigned char *peer_state;          /* [size] enum epipe_peer_state */
+    char (*peer_why)[EPIPE_ERRMSG_MAX]; /* [size] why a peer failed */
+    int *peer_status;                   /* [size] what receives from a failed peer
                                     return; 0 means EPIPE_EPEER */
 };
 
@@ -134,7 +133,6 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
 
 /* Buffer-cache counters of c's cache (tests, epipe-bench): buffers reused
  * and freshly allocated for epipe_comm_msg_new(), and the bytes held now. */
-void epipe_comm_cache_stats(const epipe_comm *c, uint64_t *hits, uint64_t *misses,
-                            uint64_t *bytes);
+void epipe_comm_cache_stats(const epipe_comm *c, uint64_t *hits, uint64_t *misses, uint64_t *bytes);
 
 #endif

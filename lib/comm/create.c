@@ -9,6 +9,7 @@
 
 #include "../../transport/tcp_impl.h"
 #include "../log.h"
+#include "../parse.h"
 #include "comm_impl.h"
 
 /* ---- settings: defaults < environment < options string ----------------- */
@@ -29,19 +30,6 @@ static const struct {
 };
 #define NSETTINGS (sizeof settings / sizeof settings[0])
 
-static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out)
-{
-    if (!s || !*s)
-        return -1;
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || *end || v < lo || v > hi)
-        return -1;
-    *out = v;
-    return 0;
-}
-
 /* Applies setting i = val; `what` says where it came from. */
 static int set_one(epipe_comm_settings *s, size_t i, const char *val, const char *what)
 {
@@ -49,20 +37,20 @@ static int set_one(epipe_comm_settings *s, size_t i, const char *val, const char
     switch (settings[i].kind) {
     case S_MS:
     case S_INIT_MS:
-        if (parse_i64(val, 1, 86400000, &v))
+        if (epipe_parse_i64(val, 1, 86400000, &v))
             return epipe_fail(EPIPE_EINVAL, "comm: %s = '%s' is not a number of ms in 1..86400000",
                               what, val);
         *(settings[i].kind == S_MS ? &s->timeout_ms : &s->init_timeout_ms) = v;
         return EPIPE_OK;
     case S_US:
-        if (parse_i64(val, 0, 1000000, &v))
+        if (epipe_parse_i64(val, 0, 1000000, &v))
             return epipe_fail(EPIPE_EINVAL, "comm: %s = '%s' is not a number of us in 0..1000000",
                               what, val);
         s->spin_us = v;
         return EPIPE_OK;
     case S_BYTES:
     case S_CACHE:
-        if (parse_i64(val, settings[i].kind == S_BYTES ? 4096 : 0, INT64_C(1) << 40, &v))
+        if (epipe_parse_i64(val, settings[i].kind == S_BYTES ? 4096 : 0, INT64_C(1) << 40, &v))
             return epipe_fail(EPIPE_EINVAL, "comm: %s = '%s' is not a byte count in %s..2^40", what,
                               val, settings[i].kind == S_BYTES ? "4096" : "0");
         *(settings[i].kind == S_BYTES ? &s->max_message : &s->buffer_cache) = (uint64_t)v;
@@ -149,8 +137,7 @@ int epipe_comm_settings_apply(epipe_comm *c, const epipe_comm_settings *s)
 /* The transport `name` asks for: the argument, else EPIPE_TRANSPORT, else
  * "auto"; "auto" is tcp for groups of more than one rank or ranks from the
  * environment, else inproc. */
-static const char *pick_transport(const char *name, unsigned size, int from_env,
-                                  const char **why)
+static const char *pick_transport(const char *name, unsigned size, int from_env, const char **why)
 {
     *why = "argument";
     if (!name || !*name || !strcmp(name, "auto")) {
@@ -192,9 +179,8 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                 master_port = e.master_port;
         }
         epipe_log_info((int)rank, "rendezvous",
-                       "rank %u of %u from %s; master %s:%u (address from %s, port from %s)",
-                       rank, size, e.source, master_addr, master_port, e.addr_source,
-                       e.port_source);
+                       "rank %u of %u from %s; master %s:%u (address from %s, port from %s)", rank,
+                       size, e.source, master_addr, master_port, e.addr_source, e.port_source);
     }
     const char *why;
     const char *name = pick_transport(transport, size, from_env, &why);
@@ -208,9 +194,11 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
             return epipe_fail(EPIPE_EINVAL, "inproc: ranks of one process give their rank and "
                                             "size, not EPIPE_COMM_FROM_ENV");
         if (rest[0])
-            return epipe_fail(EPIPE_EINVAL, "inproc: unknown option(s) '%s' (known: group, "
-                                            "timeout_ms, init_timeout_ms, spin_us, max_message, "
-                                            "buffer_cache, trace)", rest);
+            return epipe_fail(EPIPE_EINVAL,
+                              "inproc: unknown option(s) '%s' (known: group, "
+                              "timeout_ms, init_timeout_ms, spin_us, max_message, "
+                              "buffer_cache, trace)",
+                              rest);
         rc = epipe_inproc_join(out, rank, size, &s);
     } else if (!strcmp(name, "tcp")) {
         if (s.group[0])
@@ -224,11 +212,15 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                  (long long)s.init_timeout_ms);
         rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
     } else if (!strcmp(name, "rdma")) {
-        return epipe_fail(EPIPE_ENOTSUP, "comm: the rdma transport is not built into this "
-                                         "libepipe (transport '%s' from %s)", name, why);
+        return epipe_fail(EPIPE_ENOTSUP,
+                          "comm: the rdma transport is not built into this "
+                          "libepipe (transport '%s' from %s)",
+                          name, why);
     } else {
-        return epipe_fail(EPIPE_EINVAL, "comm: unknown transport '%s' (from %s; known: tcp, "
-                                        "inproc, rdma, auto)", name, why);
+        return epipe_fail(EPIPE_EINVAL,
+                          "comm: unknown transport '%s' (from %s; known: tcp, "
+                          "inproc, rdma, auto)",
+                          name, why);
     }
     if (rc == EPIPE_OK && (rc = epipe_comm_settings_apply(*out, &s))) {
         epipe_comm_destroy(*out);
@@ -264,8 +256,10 @@ EPIPE_API int epipe_comm_create_tcp(epipe_comm **out, unsigned rank, unsigned si
         epipe_clear_error();
         if (out)
             *out = NULL;
-        return epipe_fail(EPIPE_EINVAL, "epipe_comm_create_tcp: rank %u of size %u is out of "
-                                        "range (size 1..1048576, rank below it)", rank, size);
+        return epipe_fail(EPIPE_EINVAL,
+                          "epipe_comm_create_tcp: rank %u of size %u is out of "
+                          "range (size 1..1048576, rank below it)",
+                          rank, size);
     }
     return epipe_comm_create(out, "tcp", rank, size, master_addr, master_port, options);
 }

@@ -12,8 +12,8 @@
 struct epipe_schedule {
     const char *kind;
     unsigned stages, microbatches;
-    epipe_op **ops;  /* ops[s]: stage s's list */
-    size_t *counts;  /* counts[s]: its length */
+    epipe_op **ops; /* ops[s]: stage s's list */
+    size_t *counts; /* counts[s]: its length */
 };
 
 /* Appends ops to one stage's list; the list was sized for the worst case. */
@@ -123,12 +123,12 @@ EPIPE_API int epipe_schedule_create(epipe_schedule **out, const char *kind, unsi
         return epipe_fail(EPIPE_EINVAL, "%s schedule: %u stages is out of range 1..%u", kind,
                           stages, EPIPE_SCHEDULE_MAX_STAGES);
     if (microbatches < 1 || microbatches > EPIPE_SCHEDULE_MAX_MICROBATCHES)
-        return epipe_fail(EPIPE_EINVAL, "%s schedule: %u micro-batches is out of range 1..%u",
-                          kind, microbatches, EPIPE_SCHEDULE_MAX_MICROBATCHES);
+        return epipe_fail(EPIPE_EINVAL, "%s schedule: %u micro-batches is out of range 1..%u", kind,
+                          microbatches, EPIPE_SCHEDULE_MAX_MICROBATCHES);
     if ((uint64_t)stages * microbatches > EPIPE_SCHEDULE_MAX_PRODUCT)
         return epipe_fail(EPIPE_EINVAL,
-                          "%s schedule: %u stages x %u micro-batches exceeds the limit of %u",
-                          kind, stages, microbatches, EPIPE_SCHEDULE_MAX_PRODUCT);
+                          "%s schedule: %u stages x %u micro-batches exceeds the limit of %u", kind,
+                          stages, microbatches, EPIPE_SCHEDULE_MAX_PRODUCT);
 
     epipe_schedule *sc = calloc(1, sizeof *sc);
     if (!sc)
@@ -188,15 +188,15 @@ EPIPE_API unsigned epipe_schedule_microbatches(const epipe_schedule *sched)
     return sched ? sched->microbatches : 0;
 }
 
-EPIPE_API int epipe_schedule_ops(const epipe_schedule *sched, unsigned stage,
-                                 const epipe_op **ops, size_t *count)
+EPIPE_API int epipe_schedule_ops(const epipe_schedule *sched, unsigned stage, const epipe_op **ops,
+                                 size_t *count)
 {
     epipe_clear_error();
     if (!sched || !ops || !count)
         return epipe_fail(EPIPE_EINVAL, "epipe_schedule_ops: NULL argument");
     if (stage >= sched->stages)
-        return epipe_fail(EPIPE_EINVAL, "%s schedule: stage %u is out of range 0..%u",
-                          sched->kind, stage, sched->stages - 1);
+        return epipe_fail(EPIPE_EINVAL, "%s schedule: stage %u is out of range 0..%u", sched->kind,
+                          stage, sched->stages - 1);
     *ops = sched->ops[stage];
     *count = sched->counts[stage];
     return EPIPE_OK;
@@ -216,7 +216,7 @@ EPIPE_API const char *epipe_op_kind_name(uint32_t kind)
 }
 
 void epipe_schedule_lists(const epipe_schedule *sched, const epipe_op *const **ops,
-                         const size_t **counts)
+                          const size_t **counts)
 {
     *ops = (const epipe_op *const *)sched->ops;
     *counts = sched->counts;

@@ -44,9 +44,9 @@ struct epipe_sim {
     unsigned stages, mbs;
     const epipe_op *const *ops;
     const size_t *counts;
-    double *cost[5];   /* indexed by epipe_sim_cost; cost[k][s] */
-    size_t *first;     /* first[s]: index of stage s's first op in times */
-    double *times;     /* 2 per op: start, end */
+    double *cost[5]; /* indexed by epipe_sim_cost; cost[k][s] */
+    size_t *first;   /* first[s]: index of stage s's first op in times */
+    double *times;   /* 2 per op: start, end */
     unsigned *peak;
     double makespan, bubble;
     int valid;
@@ -167,8 +167,9 @@ static int advance(epipe_sim *sim, unsigned s)
         case EPIPE_OP_RECV_GRAD: {
             int act = op->kind == EPIPE_OP_RECV_ACT;
             if (act ? first : last)
-                return op_error(sim, s, k, act ? "stage 0 has no previous stage"
-                                               : "the last stage has no next stage");
+                return op_error(sim, s, k,
+                                act ? "stage 0 has no previous stage"
+                                    : "the last stage has no next stage");
             if (*f & (act ? GOT_ACT : GOT_GRAD))
                 return op_error(sim, s, k, "received twice");
             struct link *l = act ? &sim->act[s - 1] : &sim->grad[s + 1];
@@ -178,8 +179,10 @@ static int advance(epipe_sim *sim, unsigned s)
             }
             if (l->q[l->head].mb != mb) {
                 char why[96];
-                snprintf(why, sizeof why, "the next message on the link is for micro-batch %u "
-                         "(links are FIFO)", l->q[l->head].mb);
+                snprintf(why, sizeof why,
+                         "the next message on the link is for micro-batch %u "
+                         "(links are FIFO)",
+                         l->q[l->head].mb);
                 return op_error(sim, s, k, why);
             }
             double arrive = l->q[l->head++].arrive;
@@ -189,8 +192,7 @@ static int advance(epipe_sim *sim, unsigned s)
             t[1] = st->clock;
             break;
         }
-        default:
-            return op_error(sim, s, k, "unknown op kind");
+        default: return op_error(sim, s, k, "unknown op kind");
         }
     }
     return 0;
@@ -207,9 +209,9 @@ static int deadlock(const epipe_sim *sim)
         const epipe_op *op = &sim->ops[s][st->pc];
         int act = op->kind == EPIPE_OP_RECV_ACT;
         n += (size_t)snprintf(msg + n, sizeof msg - n,
-                              "%s stage %u waits at op %zu (%s %u) for stage %u",
-                              n > 10 ? ";" : "", s, st->pc, epipe_op_kind_name(op->kind),
-                              op->microbatch, act ? s - 1 : s + 1);
+                              "%s stage %u waits at op %zu (%s %u) for stage %u", n > 10 ? ";" : "",
+                              s, st->pc, epipe_op_kind_name(op->kind), op->microbatch,
+                              act ? s - 1 : s + 1);
     }
     return epipe_fail(EPIPE_ESTATE, "%s", msg);
 }
@@ -245,8 +247,8 @@ EPIPE_API int epipe_sim_run(epipe_sim *sim)
         for (unsigned i = 0; i < m; i++) {
             uint8_t f = sim->flags[(size_t)s * m + i];
             if (!(f & DONE_F) || !(f & DONE_B))
-                return epipe_fail(EPIPE_EINVAL, "stage %u never runs the %s of micro-batch %u",
-                                  s, f & DONE_F ? "backward" : "forward", i);
+                return epipe_fail(EPIPE_EINVAL, "stage %u never runs the %s of micro-batch %u", s,
+                                  f & DONE_F ? "backward" : "forward", i);
         }
         if (sim->st[s].clock > makespan)
             makespan = sim->st[s].clock;
@@ -268,8 +270,7 @@ int epipe_sim_create_raw(epipe_sim **out, unsigned stages, unsigned microbatches
     *out = NULL;
     if (!ops || !counts)
         return epipe_fail(EPIPE_EINVAL, "epipe_sim_create: NULL op lists");
-    if (!stages || !microbatches ||
-        (uint64_t)stages * microbatches > EPIPE_SCHEDULE_MAX_PRODUCT)
+    if (!stages || !microbatches || (uint64_t)stages * microbatches > EPIPE_SCHEDULE_MAX_PRODUCT)
         return epipe_fail(EPIPE_EINVAL, "simulator: %u stages x %u micro-batches is out of range",
                           stages, microbatches);
     epipe_sim *sim = calloc(1, sizeof *sim);
@@ -303,8 +304,8 @@ int epipe_sim_create_raw(epipe_sim **out, unsigned stages, unsigned microbatches
     sim->qmem = malloc(2 * pm * sizeof *sim->qmem);
     sim->st = calloc(stages, sizeof *sim->st);
     sim->ready = malloc(stages * sizeof *sim->ready);
-    if (!ok || !sim->first || !sim->times || !sim->peak || !sim->flags || !sim->act ||
-        !sim->grad || !sim->qmem || !sim->st || !sim->ready) {
+    if (!ok || !sim->first || !sim->times || !sim->peak || !sim->flags || !sim->act || !sim->grad ||
+        !sim->qmem || !sim->st || !sim->ready) {
         epipe_sim_destroy(sim);
         return epipe_fail(EPIPE_ENOMEM, "simulator: out of memory");
     }
@@ -331,8 +332,7 @@ EPIPE_API int epipe_sim_create(epipe_sim **out, const epipe_schedule *sched)
                                 epipe_schedule_microbatches(sched), ops, counts);
 }
 
-EPIPE_API int epipe_sim_set_cost(epipe_sim *sim, epipe_sim_cost what, unsigned stage,
-                                 double value)
+EPIPE_API int epipe_sim_set_cost(epipe_sim *sim, epipe_sim_cost what, unsigned stage, double value)
 {
     epipe_clear_error();
     if (!sim)
@@ -340,8 +340,8 @@ EPIPE_API int epipe_sim_set_cost(epipe_sim *sim, epipe_sim_cost what, unsigned s
     if (what < EPIPE_SIM_FORWARD || what > EPIPE_SIM_SEND_GRAD)
         return epipe_fail(EPIPE_EINVAL, "epipe_sim_set_cost: unknown cost %d", (int)what);
     if (stage != EPIPE_SIM_ALL_STAGES && stage >= sim->stages)
-        return epipe_fail(EPIPE_EINVAL, "epipe_sim_set_cost: stage %u is out of range 0..%u",
-                          stage, sim->stages - 1);
+        return epipe_fail(EPIPE_EINVAL, "epipe_sim_set_cost: stage %u is out of range 0..%u", stage,
+                          sim->stages - 1);
     if (!isfinite(value) || value < 0)
         return epipe_fail(EPIPE_EINVAL, "epipe_sim_set_cost: cost %g is not finite and >= 0",
                           value);
@@ -386,16 +386,18 @@ EPIPE_API int epipe_sim_peak_live(const epipe_sim *sim, unsigned stage, unsigned
     return EPIPE_OK;
 }
 
-EPIPE_API int epipe_sim_op_time(const epipe_sim *sim, unsigned stage, size_t index,
-                                double *start, double *end)
+EPIPE_API int epipe_sim_op_time(const epipe_sim *sim, unsigned stage, size_t index, double *start,
+                                double *end)
 {
     epipe_clear_error();
     int rc = check_stage(sim, stage, "epipe_sim_op_time");
     if (rc)
         return rc;
     if (index >= sim->counts[stage])
-        return epipe_fail(EPIPE_EINVAL, "epipe_sim_op_time: op %zu of stage %u is out of "
-                          "range (the stage has %zu ops)", index, stage, sim->counts[stage]);
+        return epipe_fail(EPIPE_EINVAL,
+                          "epipe_sim_op_time: op %zu of stage %u is out of "
+                          "range (the stage has %zu ops)",
+                          index, stage, sim->counts[stage]);
     const double *t = &sim->times[2 * (sim->first[stage] + index)];
     if (start)
         *start = t[0];

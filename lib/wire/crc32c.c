@@ -74,8 +74,8 @@ uint32_t epipe_crc32c_ref(uint32_t crc, const void *buf, size_t len)
         memcpy(&w, p, 8); /* little-endian hosts only (meson.build checks) */
         w ^= c;
         c = table[7][w & 0xFF] ^ table[6][(w >> 8) & 0xFF] ^ table[5][(w >> 16) & 0xFF] ^
-            table[4][(w >> 24) & 0xFF] ^ table[3][(w >> 32) & 0xFF] ^
-            table[2][(w >> 40) & 0xFF] ^ table[1][(w >> 48) & 0xFF] ^ table[0][w >> 56];
+            table[4][(w >> 24) & 0xFF] ^ table[3][(w >> 32) & 0xFF] ^ table[2][(w >> 40) & 0xFF] ^
+            table[1][(w >> 48) & 0xFF] ^ table[0][w >> 56];
     }
     while (len--)
         c = (c >> 8) ^ table[0][(c ^ *p++) & 0xFF];
@@ -89,8 +89,7 @@ uint32_t epipe_crc32c_ref(uint32_t crc, const void *buf, size_t len)
 
 static inline uint32_t shift(const uint32_t tab[4][256], uint32_t c)
 {
-    return tab[0][c & 0xFF] ^ tab[1][(c >> 8) & 0xFF] ^ tab[2][(c >> 16) & 0xFF] ^
-           tab[3][c >> 24];
+    return tab[0][c & 0xFF] ^ tab[1][(c >> 8) & 0xFF] ^ tab[2][(c >> 16) & 0xFF] ^ tab[3][c >> 24];
 }
 
 static inline uint64_t load64(const uint8_t *p)
@@ -127,7 +126,7 @@ crc32c_3way(uint64_t c, const uint8_t **pp, size_t *lenp, size_t n, const uint32
 }
 
 __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(uint32_t crc, const uint8_t *p,
-                                                                size_t len)
+                                                               size_t len)
 {
     uint64_t c = ~crc;
     while (len && ((uintptr_t)p & 7)) {
@@ -150,7 +149,7 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(uint32_t crc, con
 /* The single-chain loop the three-way path replaced: for comparison in
  * tests and benchmarks. */
 __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42_1way(uint32_t crc, const uint8_t *p,
-                                                                     size_t len)
+                                                                    size_t len)
 {
     uint64_t c = ~crc;
     while (len && ((uintptr_t)p & 7)) {

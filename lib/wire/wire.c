@@ -38,7 +38,6 @@ _Static_assert(OFF_EXT + 8 == EPIPE_WIRE_HEADER_SIZE, "v1 header: 4 extension + 
 _Static_assert(sizeof(epipe_wire_header) == 48 + 8 * EPIPE_MAX_NDIM, "no padding");
 _Static_assert(EPIPE_WIRE_HEADER_SIZE % 64 == 0, "payloads start cache-line aligned");
 
-
 static uint16_t get_u16(const uint8_t *p)
 {
     return (uint16_t)(p[0] | p[1] << 8);
@@ -57,8 +56,8 @@ static int is_tensor_kind(unsigned kind)
 
 const char *epipe_wire_kind_name(unsigned kind)
 {
-    static const char *const names[] = {"invalid", "activation", "gradient", "hello",
-                                        "heartbeat", "error", "bye"};
+    static const char *const names[] = {"invalid",   "activation", "gradient", "hello",
+                                        "heartbeat", "error",      "bye"};
     return kind <= EPIPE_WIRE_KIND_MAX ? names[kind] : "unknown";
 }
 
@@ -115,8 +114,9 @@ static int check_fields(const epipe_wire_header *h, uint64_t max_payload, int en
         return bad(encoding, EPIPE_EPROTO, "unknown message kind %u (known: 1..%d)", h->kind,
                    EPIPE_WIRE_KIND_MAX);
     if (h->flags & ~EPIPE_WIRE_FLAGS_KNOWN)
-        return bad(encoding, EPIPE_EPROTO, "unknown flags 0x%08x in a %s message (version %d defines 0x%08x)",
-                   h->flags, kn, EPIPE_WIRE_VERSION, EPIPE_WIRE_FLAGS_KNOWN);
+        return bad(encoding, EPIPE_EPROTO,
+                   "unknown flags 0x%08x in a %s message (version %d defines 0x%08x)", h->flags, kn,
+                   EPIPE_WIRE_VERSION, EPIPE_WIRE_FLAGS_KNOWN);
     if (h->payload_len > max_payload)
         return bad(encoding, EPIPE_ETOOBIG, "%s payload length %llu exceeds the limit %llu", kn,
                    (unsigned long long)h->payload_len, (unsigned long long)max_payload);
@@ -129,18 +129,23 @@ static int check_fields(const epipe_wire_header *h, uint64_t max_payload, int en
                        "shape slot %u is %llu but ndim is %u; unused slots must be zero", i,
                        (unsigned long long)h->shape[i], h->ndim);
     if (!is_tensor_kind(h->kind)) {
-        const char *field = h->codec_id ? "codec id" : h->codec_param ? "codec param"
-                            : h->dtype ? "dtype" : h->ndim ? "ndim" : NULL;
-        unsigned long long v = h->codec_id ? h->codec_id : h->codec_param ? h->codec_param
-                               : h->dtype ? h->dtype : h->ndim;
+        const char *field = h->codec_id      ? "codec id"
+                            : h->codec_param ? "codec param"
+                            : h->dtype       ? "dtype"
+                            : h->ndim        ? "ndim"
+                                             : NULL;
+        unsigned long long v = h->codec_id      ? h->codec_id
+                               : h->codec_param ? h->codec_param
+                               : h->dtype       ? h->dtype
+                                                : h->ndim;
         if (field)
             return bad(encoding, EPIPE_EPROTO, "%s message has %s %llu; it must be 0 (no tensor)",
                        kn, field, v);
         return EPIPE_OK;
     }
     if (h->dtype > EPIPE_DTYPE_BF16)
-        return bad(encoding, EPIPE_EPROTO, "unknown dtype %u in a %s message (known: 0 f32, 1 f16, 2 bf16)",
-                   h->dtype, kn);
+        return bad(encoding, EPIPE_EPROTO,
+                   "unknown dtype %u in a %s message (known: 0 f32, 1 f16, 2 bf16)", h->dtype, kn);
     if (h->codec_id == 0)
         return bad(encoding, EPIPE_EPROTO, "%s message has codec id 0", kn);
     uint64_t n;
@@ -206,9 +211,8 @@ int epipe_wire_header_length(const uint8_t *buf, size_t len, size_t *header_len)
                           buf[0], buf[1], buf[2], buf[3], EPIPE_WIRE_MAGIC);
     unsigned hlen = get_u16(buf + OFF_HLEN);
     if (hlen < EPIPE_WIRE_HEADER_SIZE || hlen > EPIPE_WIRE_HEADER_MAX || hlen % 8)
-        return epipe_fail(EPIPE_EPROTO,
-                          "wire: header length %u is not a multiple of 8 in %d..%d", hlen,
-                          EPIPE_WIRE_HEADER_SIZE, EPIPE_WIRE_HEADER_MAX);
+        return epipe_fail(EPIPE_EPROTO, "wire: header length %u is not a multiple of 8 in %d..%d",
+                          hlen, EPIPE_WIRE_HEADER_SIZE, EPIPE_WIRE_HEADER_MAX);
     *header_len = hlen;
     return EPIPE_OK;
 }
@@ -227,14 +231,17 @@ int epipe_wire_parse_header(const uint8_t *buf, size_t len, const epipe_wire_lim
     if (want != got)
         return epipe_fail(EPIPE_ECHECKSUM,
                           "wire: header CRC32C is 0x%08x but its %zu bytes give 0x%08x: the "
-                          "header is corrupted", want, hlen - 4, got);
+                          "header is corrupted",
+                          want, hlen - 4, got);
     unsigned version = get_u16(buf + OFF_VERSION);
     if (version != EPIPE_WIRE_VERSION)
-        return epipe_fail(EPIPE_EVERSION, "wire: message has wire version %u; this library speaks %d",
-                          version, EPIPE_WIRE_VERSION);
+        return epipe_fail(EPIPE_EVERSION,
+                          "wire: message has wire version %u; this library speaks %d", version,
+                          EPIPE_WIRE_VERSION);
     uint32_t reserved = epipe_get_u32(buf + OFF_RESERVED);
     if (reserved)
-        return epipe_fail(EPIPE_EPROTO, "wire: reserved header bytes %d..%d are 0x%08x; they must be zero",
+        return epipe_fail(EPIPE_EPROTO,
+                          "wire: reserved header bytes %d..%d are 0x%08x; they must be zero",
                           OFF_RESERVED, OFF_RESERVED + 3, reserved);
     epipe_wire_header h = {
         .version = (uint16_t)version,
@@ -284,12 +291,14 @@ int epipe_wire_check_payload_crc(const epipe_wire_header *h, const uint8_t *payl
     if (got != h->payload_crc)
         return epipe_fail(EPIPE_ECHECKSUM,
                           "wire: %s payload CRC32C is 0x%08x but the header says 0x%08x: the "
-                          "payload (%zu bytes) is corrupted", kn, got, h->payload_crc, len);
+                          "payload (%zu bytes) is corrupted",
+                          kn, got, h->payload_crc, len);
     if (!is_tensor_kind(h->kind))
         return EPIPE_OK;
     epipe_payload_header ph;
     if (epipe_payload_get(payload, len, &ph)) /* the parser already refused this header */
-        return epipe_fail(EPIPE_EPROTO, "wire: %s payload of %zu bytes has no codec header", kn, len);
+        return epipe_fail(EPIPE_EPROTO, "wire: %s payload of %zu bytes has no codec header", kn,
+                          len);
     uint64_t n;
     int rc = epipe_wire_numel(h, &n);
     if (rc)
@@ -303,9 +312,10 @@ int epipe_wire_check_payload_crc(const epipe_wire_header *h, const uint8_t *payl
         return epipe_fail(EPIPE_EPROTO, "wire: %s payload has dtype %u; the header says %u", kn,
                           ph.dtype, h->dtype);
     if (param != h->codec_param)
-        return epipe_fail(EPIPE_EPROTO,
-                          "wire: %s payload has codec parameter word 0x%08x; the header says 0x%08x",
-                          kn, param, h->codec_param);
+        return epipe_fail(
+            EPIPE_EPROTO,
+            "wire: %s payload has codec parameter word 0x%08x; the header says 0x%08x", kn, param,
+            h->codec_param);
     if (count != n)
         return epipe_fail(EPIPE_EPROTO,
                           "wire: %s payload holds %llu values; the header's shape has %llu", kn,
@@ -315,7 +325,8 @@ int epipe_wire_check_payload_crc(const epipe_wire_header *h, const uint8_t *payl
 
 size_t epipe_wire_message_size(size_t payload_len)
 {
-    return payload_len > SIZE_MAX - EPIPE_WIRE_HEADER_SIZE ? 0 : payload_len + EPIPE_WIRE_HEADER_SIZE;
+    return payload_len > SIZE_MAX - EPIPE_WIRE_HEADER_SIZE ? 0
+                                                           : payload_len + EPIPE_WIRE_HEADER_SIZE;
 }
 
 int epipe_wire_frame(const epipe_wire_header *h, const void *payload, size_t payload_len,
@@ -329,7 +340,8 @@ int epipe_wire_frame(const epipe_wire_header *h, const void *payload, size_t pay
         return epipe_fail(EPIPE_EOVERFLOW, "wire: a %zu-byte payload overflows size_t when framed",
                           payload_len);
     if (!out || cap < need)
-        return epipe_fail(EPIPE_ENOSPC, "wire: framing a %zu-byte payload needs %zu bytes; capacity is %zu",
+        return epipe_fail(EPIPE_ENOSPC,
+                          "wire: framing a %zu-byte payload needs %zu bytes; capacity is %zu",
                           payload_len, need, out ? cap : 0);
     epipe_wire_header hh = *h;
     epipe_wire_set_payload(&hh, payload, payload_len);

@@ -35,19 +35,19 @@ enum epipe_wire_kind {
  * codec_param, dtype, ndim, shape) are used by ACTIVATION and GRADIENT and
  * must be zero otherwise. */
 typedef struct epipe_wire_header {
-    uint16_t version;    /* parse: as read; encode writes EPIPE_WIRE_VERSION */
-    uint16_t header_len; /* parse: as read; encode writes EPIPE_WIRE_HEADER_SIZE */
-    uint8_t kind;        /* enum epipe_wire_kind */
-    uint8_t dtype;       /* enum epipe_dtype of the tensor */
-    uint8_t ndim;        /* 0..EPIPE_MAX_NDIM */
-    uint8_t codec_id;    /* enum epipe_codec_id, copied from the payload */
-    uint32_t flags;      /* must be 0 in version 1 */
+    uint16_t version;     /* parse: as read; encode writes EPIPE_WIRE_VERSION */
+    uint16_t header_len;  /* parse: as read; encode writes EPIPE_WIRE_HEADER_SIZE */
+    uint8_t kind;         /* enum epipe_wire_kind */
+    uint8_t dtype;        /* enum epipe_dtype of the tensor */
+    uint8_t ndim;         /* 0..EPIPE_MAX_NDIM */
+    uint8_t codec_id;     /* enum epipe_codec_id, copied from the payload */
+    uint32_t flags;       /* must be 0 in version 1 */
     uint32_t codec_param; /* codec parameter word, copied from the payload */
     uint32_t micro_batch;
     uint32_t payload_crc; /* CRC32C of the payload */
     uint64_t step;
     uint32_t src_stage, dst_stage;
-    uint64_t payload_len; /* bytes after the header */
+    uint64_t payload_len;           /* bytes after the header */
     uint64_t shape[EPIPE_MAX_NDIM]; /* dims [0, ndim); the rest zero */
 } epipe_wire_header;
 

@@ -18,7 +18,9 @@ ROUND_TRIPS = [
     ("cast:dtype=fp16", 1e-3),
     ("quant:bits=8", 1.0 / 255),
     ("quant:bits=16", 1e-4),
-    ("sortquant:bits=8", 1.0 / 63),
+    # fit (the default): chunks within the range, at least 4 level bits
+    ("sortquant:bits=8", 1.0 / 30),
+    ("sortquant:bits=8,mode=sample", 1.0 / 63),
     ("sortquant:bits=12,split=3,mode=exact", 1.0 / 511),
     ("kmeans:bits=4", 0.25),
 ]
@@ -73,7 +75,7 @@ def test_topk_keeps_largest():
 def test_canonical_spec_round_trips():
     c = epipe.Codec("sortquant:bits=8")
     assert c.name == "sortquant"
-    assert c.spec.startswith("sortquant:bits=8,split=2")
+    assert c.spec.startswith("sortquant:bits=8,mode=fit")
     c2 = epipe.Codec(c.spec)
     assert c2.spec == c.spec and c2.id == c.id
     x = torch.randn(1000)

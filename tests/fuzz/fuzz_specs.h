@@ -17,12 +17,15 @@ static const char *const fuzz_specs[] = {
     "sortquant:bits=8",
     "sortquant:bits=5,split=2,mode=exact",
     "sortquant:bits=16",
-    "sortquant:bits=11,split=5",
+    "sortquant:bits=11,split=5,mode=sample",
     "insert:kind=linear,out=2",
     "insert:kind=linear,ratio=0.5,code=fp16",
     "insert:kind=linear,out=2|quant:bits=5",
     "poweriter:rank=1",
     "poweriter:rank=3,factors=fp16",
+    /* appended, so that the earlier seeds keep their indices */
+    "sortquant:bits=8,mode=sample",
+    "sortquant:bits=5,split=2,mode=fit",
 };
 #define FUZZ_NSPECS (sizeof fuzz_specs / sizeof fuzz_specs[0])
 

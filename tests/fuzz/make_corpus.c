@@ -1,5 +1,6 @@
 /* Writes the seed corpus for the fuzz targets: valid payloads of every
- * codec in fuzz_specs.h and valid specs. Run it to refresh
+ * codec in fuzz_specs.h, valid specs, wire messages, TCP setup hellos,
+ * transport options and Slurm node lists. Run it to refresh
  * tests/fuzz/corpus after a format change:  make_corpus tests/fuzz/corpus */
 #include <math.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 
 #include <epipe/epipe.h>
 
+#include "../../transport/tcp_setup.h"
 #include "codec/payload.h"
 #include "fuzz_specs.h"
 #include "wire/crc32c.h"
@@ -40,8 +42,11 @@ static void write_wire_corpus(const char *root)
     for (size_t s = 0; s < FUZZ_NSPECS; s++) {
         float x[6] = {1.5f, -2.0f, 0.25f, 3.0f, -0.5f, 8.0f};
         int64_t shape[2] = {2, 3};
-        DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = 2,
-                      .dtype = {kDLFloat, 32, 1}, .shape = shape};
+        DLTensor t = {.data = x,
+                      .device = {kDLCPU, 0},
+                      .ndim = 2,
+                      .dtype = {kDLFloat, 32, 1},
+                      .shape = shape};
         epipe_codec *c;
         size_t plen;
         if (epipe_codec_create(&c, fuzz_specs[s]) != EPIPE_OK ||
@@ -53,9 +58,15 @@ static void write_wire_corpus(const char *root)
         epipe_payload_header ph;
         epipe_payload_get(payload, plen, &ph);
         epipe_wire_header h = {.kind = s % 2 ? EPIPE_WIRE_GRADIENT : EPIPE_WIRE_ACTIVATION,
-                               .dtype = ph.dtype, .ndim = 2, .codec_id = ph.codec_id,
-                               .codec_param = ph.param_word, .micro_batch = (uint32_t)s,
-                               .step = 1000 + s, .src_stage = 0, .dst_stage = 1, .shape = {2, 3}};
+                               .dtype = ph.dtype,
+                               .ndim = 2,
+                               .codec_id = ph.codec_id,
+                               .codec_param = ph.param_word,
+                               .micro_batch = (uint32_t)s,
+                               .step = 1000 + s,
+                               .src_stage = 0,
+                               .dst_stage = 1,
+                               .shape = {2, 3}};
         if (epipe_wire_frame(&h, payload, plen, msg, sizeof msg, &w) != EPIPE_OK)
             exit(1);
         char name[32];
@@ -73,10 +84,10 @@ static void write_wire_corpus(const char *root)
         {EPIPE_WIRE_BYE, "", "bye"},
     };
     for (size_t i = 0; i < sizeof ctl / sizeof ctl[0]; i++) {
-        epipe_wire_header h = {.kind = (uint8_t)ctl[i].kind, .step = 7, .src_stage = 2,
-                               .dst_stage = 1};
-        if (epipe_wire_frame(&h, ctl[i].payload, strlen(ctl[i].payload), msg, sizeof msg,
-                             &w) != EPIPE_OK)
+        epipe_wire_header h = {
+            .kind = (uint8_t)ctl[i].kind, .step = 7, .src_stage = 2, .dst_stage = 1};
+        if (epipe_wire_frame(&h, ctl[i].payload, strlen(ctl[i].payload), msg, sizeof msg, &w) !=
+            EPIPE_OK)
             exit(1);
         write_file(dir, ctl[i].name, msg, w);
     }
@@ -88,6 +99,143 @@ static void write_wire_corpus(const char *root)
     msg[7] = (uint8_t)(hl >> 8);
     epipe_put_u32(msg + hl - 4, epipe_crc32c(0, msg, hl - 4));
     write_file(dir, "heartbeat-longer-header", msg, hl);
+}
+
+/* Writes one corpus file: a selector byte, then the bytes. */
+static void write_sel(const char *dir, const char *name, uint8_t sel, const void *p, size_t n)
+{
+    uint8_t buf[2048];
+    if (n + 1 > sizeof buf)
+        exit(1);
+    buf[0] = sel;
+    memcpy(buf + 1, p, n);
+    write_file(dir, name, buf, n + 1);
+}
+
+/* corpus/hello (fuzz_hello.c): hello payloads of every type (selector 0),
+ * and framed streams (1; 3 allows a 3-rank table): a register, two
+ * messages back to back, an error, a table, a header claiming 75 MB.
+ * corpus/tcp_opts, corpus/comm_opts and corpus/nodelist: option strings
+ * (the TCP transport's, the settings every transport shares) and Slurm
+ * lists. */
+static void write_tcp_corpus(const char *root)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/hello", root);
+    mkdir(dir, 0755);
+    uint8_t p[HELLO_SIZE + 3 * TABLE_ENTRY], msg[1024];
+    char name[32];
+    for (unsigned t = HT_REGISTER; t <= HT_GO; t++) {
+        struct epipe_tcp_hello h = {.type = (uint8_t)t,
+                                    .flags = t & 1 ? HF_AUTH : 0,
+                                    .rank = t,
+                                    .size = 4,
+                                    .stream = t % 2,
+                                    .port = 29600};
+        snprintf(h.addr, sizeof h.addr, "10.0.0.%u", t);
+        memset(h.nonce, (int)t, sizeof h.nonce);
+        memset(h.mac, (int)(t + 100), sizeof h.mac);
+        epipe_tcp_hello_encode(&h, p);
+        snprintf(name, sizeof name, "hello-%u", t);
+        write_sel(dir, name, 0, p, HELLO_SIZE);
+    }
+    struct epipe_tcp_hello reg = {.type = HT_REGISTER, .rank = 1, .size = 3, .port = 4000};
+    strcpy(reg.addr, "127.0.0.1");
+    epipe_tcp_hello_encode(&reg, p);
+    epipe_wire_header h = {.kind = EPIPE_WIRE_HELLO, .src_stage = 1};
+    size_t w, w2;
+    if (epipe_wire_frame(&h, p, HELLO_SIZE, msg, sizeof msg, &w) != EPIPE_OK)
+        exit(1);
+    write_sel(dir, "stream-register", 1, msg, w);
+    struct epipe_tcp_hello rdy = {.type = HT_READY, .rank = 1, .size = 3};
+    epipe_tcp_hello_encode(&rdy, p);
+    if (epipe_wire_frame(&h, p, HELLO_SIZE, msg + w, sizeof msg - w, &w2) != EPIPE_OK)
+        exit(1);
+    write_sel(dir, "stream-register-ready", 1, msg, w + w2);
+    static const char why[] = "rank 2 failed during the rendezvous: the other side closed";
+    epipe_wire_header e = {.kind = EPIPE_WIRE_ERROR, .micro_batch = 2, .step = 12};
+    if (epipe_wire_frame(&e, why, sizeof why - 1, msg, sizeof msg, &w) != EPIPE_OK)
+        exit(1);
+    write_sel(dir, "stream-error", 1, msg, w);
+    struct epipe_tcp_hello tab = {.type = HT_TABLE, .size = 3};
+    memset(p, 0, sizeof p);
+    epipe_tcp_hello_encode(&tab, p);
+    for (unsigned q = 1; q < 3; q++) {
+        uint8_t *en = p + HELLO_SIZE + TABLE_ENTRY * q;
+        snprintf((char *)en, 64, "10.0.0.%u", q);
+        epipe_tcp_put_u16(en + 64, 40000 + q);
+    }
+    if (epipe_wire_frame(&h, p, sizeof p, msg, sizeof msg, &w) != EPIPE_OK)
+        exit(1);
+    write_sel(dir, "stream-table", 3, msg, w);
+    write_sel(dir, "stream-table-unauthenticated", 1, msg, w);
+    if (epipe_wire_frame(&h, p, HELLO_SIZE, msg, sizeof msg, &w) != EPIPE_OK)
+        exit(1);
+    /* The memory bomb: a header claiming 152 + 72 * 2^20 bytes (its CRC redone). */
+    epipe_put_u64(msg + 40, HELLO_SIZE + TABLE_ENTRY * (uint64_t)1048576);
+    epipe_put_u32(msg + 188, epipe_crc32c(0, msg, 188));
+    write_sel(dir, "stream-claims-75MB", 1, msg, w);
+
+    static const char *opts[] = {
+        "",
+        "timeout_ms=5000",
+        "streams=2,topology=mesh",
+        "timeout_ms=1,init_timeout_ms=86400000,heartbeat_ms=0,spin_us=1000000,streams=8,"
+        "topology=pipeline,listen_addr=127.0.0.1,ifname=lo,key_file=/etc/epipe.key",
+        "streams=9",
+        "topology=ring",
+        "timeout_ms=",
+        "key",
+        "unknown=1",
+        "spin_us=-1,,",
+        "listen_addr=0123456789012345678901234567890123456789012345678901234567890123456789",
+        "encrypt=1,key_file=/etc/epipe.key",
+        "encrypt=2"};
+    snprintf(dir, sizeof dir, "%s/tcp_opts", root);
+    mkdir(dir, 0755);
+    for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++) {
+        snprintf(name, sizeof name, "opts-%zu", i);
+        write_file(dir, name, opts[i], strlen(opts[i]));
+    }
+    static const struct {
+        uint8_t cap;
+        const char *list;
+    } lists[] = {{64, "node[03-05,9],gpu1"},
+                 {64, "localhost"},
+                 {5, "longname"},
+                 {64, "n[1"},
+                 {64, "a]b"},
+                 {0, "x"},
+                 {64, "[]"},
+                 {64, "pre[007]suf,x"},
+                 {64, ",node1"},
+                 {8, "r[1-2]c[3-4]"}};
+    snprintf(dir, sizeof dir, "%s/nodelist", root);
+    mkdir(dir, 0755);
+    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
+        snprintf(name, sizeof name, "list-%zu", i);
+        write_sel(dir, name, lists[i].cap, lists[i].list, strlen(lists[i].list));
+    }
+    static const char *comm_opts[] = {
+        "",
+        "timeout_ms=5000",
+        "group=g1,timeout_ms=100,spin_us=0",
+        "timeout_ms=86400000,spin_us=1000000,max_message=4096,buffer_cache=0,"
+        "init_timeout_ms=1,trace=/tmp/t.json,group=pipeline-a,streams=2,encrypt=1",
+        "max_message=4095",
+        "buffer_cache=1099511627777",
+        "timeout_ms=0",
+        "group=",
+        "trace",
+        "=1",
+        "streams=2,,topology=mesh",
+        "timeout_ms=99999999999999999999"};
+    snprintf(dir, sizeof dir, "%s/comm_opts", root);
+    mkdir(dir, 0755);
+    for (size_t i = 0; i < sizeof comm_opts / sizeof comm_opts[0]; i++) {
+        snprintf(name, sizeof name, "opts-%zu", i);
+        write_file(dir, name, comm_opts[i], strlen(comm_opts[i]));
+    }
 }
 
 int main(int argc, char **argv)
@@ -107,8 +255,11 @@ int main(int argc, char **argv)
             float x[64];
             for (int i = 0; i < n; i++)
                 x[i] = sinf((float)i * 0.7f) * (float)(i % 5);
-            DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = 1,
-                          .dtype = {kDLFloat, 32, 1}, .shape = &n};
+            DLTensor t = {.data = x,
+                          .device = {kDLCPU, 0},
+                          .ndim = 1,
+                          .dtype = {kDLFloat, 32, 1},
+                          .shape = &n};
             epipe_codec *c;
             if (epipe_codec_create(&c, fuzz_specs[s]) != EPIPE_OK)
                 return 1;
@@ -142,5 +293,6 @@ int main(int argc, char **argv)
         write_file(dir, name, fuzz_specs[s], strlen(fuzz_specs[s]));
     }
     write_wire_corpus(argv[1]);
+    write_tcp_corpus(argv[1]);
     return 0;
 }

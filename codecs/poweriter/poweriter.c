@@ -1,0 +1,248 @@
+/* `poweriter:rank=r[,iters=k][,warm=0|1][,factors=fp32|fp16]`: low-rank
+ * compression by power (subspace) iteration, as in PowerSGD and the
+ * research prototype. A tensor is viewed as B matrices M [rows, cols]; the
+ * sender finds Q [rows, r] with orthonormal columns and P = Mᵀ Q [cols, r],
+ * keeps P as the start of the next call (per micro-batch slot) and sends
+ * both; the receiver rebuilds M ≈ Q Pᵀ. The heavy lifting is OpenBLAS
+ * (sgemm) and LAPACKE (sgeqrf + sorgqr); the scalar reference uses plain
+ * loops and modified Gram-Schmidt. Layout and rules: docs/codecs.md.
+ *
+ * This file: the parameters, sizes, state and warm starts, and the ops
+ * tables; payload.c, lowrank.c and ref.c hold the rest. */
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "poweriter.h"
+
+static const char *const pi_bool[] = {"0", "1", NULL};
+static const char *const pi_factor_types[] = {"fp32", "fp16", NULL};
+
+static const epipe_param_desc pi_params[] = {
+    {.key = "rank", .kind = EPIPE_PARAM_INT, .min = 1, .max = 256, .def = NAN},
+    {.key = "iters", .kind = EPIPE_PARAM_INT, .min = 1, .max = 64, .def = 1},
+    {.key = "warm", .kind = EPIPE_PARAM_CHOICE, .def = 1, .choices = pi_bool},
+    {.key = "factors", .kind = EPIPE_PARAM_CHOICE, .def = PI_F32, .choices = pi_factor_types},
+};
+
+/* ---- shapes and sizes ------------------------------------------------- */
+
+int epipe_pi_view_of(const epipe_codec *c, uint64_t n, pi_view *v)
+{
+    uint64_t nb = 1, rows = 1, cols = 1;
+    if (c->ndim == 1) {
+        cols = (uint64_t)c->shape[0];
+    } else if (c->ndim == 2) {
+        rows = (uint64_t)c->shape[0];
+        cols = (uint64_t)c->shape[1];
+    } else if (c->ndim >= 3) {
+        nb = (uint64_t)c->shape[0];
+        rows = (uint64_t)c->shape[1];
+        for (int d = 2; d < c->ndim; d++) {
+            uint64_t s = (uint64_t)c->shape[d];
+            if (s && cols > UINT64_MAX / s)
+                return EPIPE_EOVERFLOW;
+            cols *= s;
+        }
+    }
+    /* The product was already checked to be n by the tensor inspection;
+     * check again, cheaply, so a view never disagrees with the count. */
+    if ((rows && cols > UINT64_MAX / rows) || (nb && rows * cols > UINT64_MAX / nb) ||
+        nb * rows * cols != n)
+        return EPIPE_EOVERFLOW;
+    uint64_t r = (uint64_t)c->p[PI_RANK];
+    if (r > rows)
+        r = rows;
+    if (r > cols)
+        r = cols;
+    if (nb == 0)
+        r = 0;
+    v->nb = nb;
+    v->rows = rows;
+    v->cols = cols;
+    v->r = (unsigned)r;
+    return EPIPE_OK;
+}
+
+/* Bytes of one matrix's record: its scale, then Q and P. */
+int epipe_pi_record_size(const epipe_codec *c, const pi_view *v, uint64_t *bytes)
+{
+    uint64_t es = pi_esize(c);
+    if (v->rows > UINT64_MAX / 2 - v->cols)
+        return EPIPE_EOVERFLOW;
+    uint64_t f = v->rows + v->cols;
+    if (v->r && f > UINT64_MAX / v->r / es)
+        return EPIPE_EOVERFLOW;
+    *bytes = 4 + f * v->r * es;
+    return EPIPE_OK;
+}
+
+static int pi_body_size(const epipe_codec *c, uint64_t n, size_t *bytes)
+{
+    pi_view v;
+    uint64_t rec = 0;
+    if (epipe_pi_view_of(c, n, &v) || epipe_pi_record_size(c, &v, &rec))
+        return EPIPE_EOVERFLOW;
+    if (v.r == 0) {
+        *bytes = PI_BODY_HEADER;
+        return EPIPE_OK;
+    }
+    if (rec && v.nb > (SIZE_MAX - PI_BODY_HEADER) / rec)
+        return EPIPE_EOVERFLOW;
+    *bytes = (size_t)(PI_BODY_HEADER + v.nb * rec);
+    return EPIPE_OK;
+}
+
+static uint32_t pi_param_word(const epipe_codec *c)
+{
+    return (uint32_t)c->p[PI_RANK] | (uint32_t)c->p[PI_FACTORS] << 16;
+}
+
+/* ---- state ------------------------------------------------------------ */
+
+static void pi_release(epipe_codec *c)
+{
+    pi_state *st = c->state;
+    if (!st)
+        return;
+    for (unsigned i = 0; i < PI_MAX_SLOTS; i++)
+        free(st->slots[i].p);
+    free(st->q);
+    free(st->p);
+    free(st->tau);
+    free(st->work);
+    free(st);
+    c->state = NULL;
+}
+
+static int pi_configure(epipe_codec *c)
+{
+    if (isnan(c->p[PI_RANK]))
+        return epipe_fail(EPIPE_EINVAL, "poweriter: key 'rank' is required (poweriter:rank=R)");
+    c->state = calloc(1, sizeof(pi_state));
+    if (!c->state)
+        return epipe_fail(EPIPE_ENOMEM, "poweriter: out of memory");
+    return EPIPE_OK;
+}
+
+int epipe_pi_grow(float **p, size_t *cap, size_t n)
+{
+    if (*cap >= n)
+        return 0;
+    float *q = realloc(*p, (n ? n : 1) * sizeof *q);
+    if (!q)
+        return -1;
+    *p = q;
+    *cap = n;
+    return 0;
+}
+
+/* Scratch for one matrix of the view, and the slot's warm start in
+ * *slot_out (NULL when warm starts are off). Returns 1 when the slot is
+ * cold (new, reset, or for another shape), 0 when it holds a warm start,
+ * or an error status. */
+int epipe_pi_prepare(epipe_codec *c, const pi_view *v, pi_slot **slot_out)
+{
+    pi_state *st = c->state;
+    size_t r = v->r, wneed = 64 * r + 64;
+    *slot_out = NULL;
+    if (epipe_pi_grow(&st->q, &st->qcap, (size_t)v->rows * r) ||
+        epipe_pi_grow(&st->p, &st->pcap, (size_t)v->cols * r) ||
+        epipe_pi_grow(&st->tau, &st->taucap, r) || epipe_pi_grow(&st->work, &st->workcap, wneed))
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "poweriter: out of memory");
+    if ((int)c->p[PI_WARM] == 0)
+        return 1;
+    pi_slot *s = &st->slots[(c->microbatch > 0 ? (uint64_t)c->microbatch : 0) % PI_MAX_SLOTS];
+    *slot_out = s;
+    if (s->p && s->v.nb == v->nb && s->v.rows == v->rows && s->v.cols == v->cols && s->v.r == v->r)
+        return 0;
+    /* A new slot or a new shape: start cold. s->v stays zero (matching no
+     * view) until an encode has filled the warm start completely. */
+    memset(&s->v, 0, sizeof s->v);
+    size_t need = (size_t)v->nb * v->cols * r;
+    if (epipe_pi_grow(&s->p, &s->cap, need))
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "poweriter: no memory for the warm start");
+    return 1;
+}
+
+/* The deterministic start for a cold matrix: uniform in [-1, 1) from a
+ * hash of (row j, column k), the same for every matrix and every call. */
+static float pi_start_value(uint64_t j, unsigned k)
+{
+    uint64_t z = j * 0x9e3779b97f4a7c15ull + (uint64_t)k * 0xbf58476d1ce4e5b9ull +
+                 0x632be59bd9b4e5bull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 40) * 0x1p-23 - 1.0);
+}
+
+void epipe_pi_cold_start(float *p, uint64_t cols, unsigned r)
+{
+    for (unsigned k = 0; k < r; k++)
+        for (uint64_t j = 0; j < cols; j++)
+            p[k * cols + j] = pi_start_value(j, k);
+}
+
+/* Scales each column of p (cols x r, column-major) to unit length for the
+ * next call's start; a zero column gets the cold start again. */
+static void pi_keep_warm(float *dst, const float *p, uint64_t cols, unsigned r)
+{
+    for (unsigned k = 0; k < r; k++) {
+        const float *col = p + (size_t)k * cols;
+        float *out = dst + (size_t)k * cols;
+        double ss = 0;
+        for (uint64_t j = 0; j < cols; j++)
+            ss += (double)col[j] * col[j];
+        /* A column too small to normalise in float (1/norm would overflow
+         * to inf and turn its zeros into NaN) restarts like a cold one. */
+        if (!(ss > (double)FLT_MIN * FLT_MIN) || !isfinite(ss)) {
+            for (uint64_t j = 0; j < cols; j++)
+                out[j] = pi_start_value(j, k);
+            continue;
+        }
+        double inv = 1.0 / sqrt(ss);
+        for (uint64_t j = 0; j < cols; j++)
+            out[j] = (float)(col[j] * inv);
+    }
+}
+
+/* The end of one matrix's encode, shared by the fast path and the
+ * reference: writes its record from the state's Q and P and keeps P as the
+ * slot's next start; a record that cannot be written sends the slot back
+ * to a cold start rather than leaving it half updated. */
+int epipe_pi_finish_matrix(epipe_codec *c, const pi_view *v, uint64_t b, pi_slot *slot,
+                           float *start, uint8_t *rec)
+{
+    pi_state *st = c->state;
+    int rc = epipe_pi_write_record(c, v, b, st->q, st->p, rec);
+    if (rc) {
+        if (slot)
+            memset(&slot->v, 0, sizeof slot->v);
+        return rc;
+    }
+    if (slot)
+        pi_keep_warm(start, st->p, v->cols, v->r);
+    return EPIPE_OK;
+}
+
+static const epipe_codec_backend poweriter_cpu = {
+    .encode = epipe_pi_encode,
+    .decode = epipe_pi_decode,
+    .encode_ref = epipe_pi_encode_ref,
+    .decode_ref = epipe_pi_decode_ref,
+    .ref_approximate = 1,
+};
+
+const epipe_codec_ops epipe_codec_poweriter = {
+    .name = "poweriter",
+    .id = EPIPE_CODEC_ID_POWERITER,
+    .params = pi_params,
+    .nparams = 4,
+    .configure = pi_configure,
+    .param_word = pi_param_word,
+    .body_size = pi_body_size,
+    .release = pi_release,
+    .cpu = &poweriter_cpu,
+};

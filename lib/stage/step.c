@@ -1,0 +1,92 @@
+/* The stage's callback driver: epipe_stage_step runs a whole step on the op
+ * stream, calling the host's forward, backward and loss callbacks. */
+#define _POSIX_C_SOURCE 200809L
+#include <string.h>
+
+#include "stage_impl.h"
+
+/* ---- the callback driver ------------------------------------------------ */
+
+EPIPE_API int epipe_stage_set_callbacks(epipe_stage *st, const epipe_stage_callbacks *cb)
+{
+    epipe_clear_error();
+    if (!st || !cb)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_set_callbacks: stage or cb is NULL");
+    if (cb->struct_size == 0 || cb->struct_size > sizeof st->cb)
+        return fail(st, EPIPE_EINVAL,
+                    "callbacks struct_size %zu: this library knows sizes up to %zu (use "
+                    "EPIPE_STAGE_CALLBACKS_INIT)",
+                    cb->struct_size, sizeof st->cb);
+    epipe_stage_callbacks c = EPIPE_STAGE_CALLBACKS_INIT;
+    memcpy(&c, cb, cb->struct_size);
+    if (!c.forward || !c.backward)
+        return fail(st, EPIPE_EINVAL, "the forward and backward callbacks are required");
+    st->cb = c;
+    st->has_cb = 1;
+    return EPIPE_OK;
+}
+
+static int callback_failed(epipe_stage *st, const char *which, unsigned mb, int value)
+{
+    epipe_comm_abort(st->comm); /* the peers must not wait for what will not come */
+    return fail(st, EPIPE_ECALLBACK, "the %s callback of micro-batch %u returned %d", which, mb,
+                value);
+}
+
+static int run_op(epipe_stage *st, const epipe_op *op)
+{
+    unsigned mb = op->microbatch;
+    const DLTensor *in = NULL, *out = NULL;
+    int rc;
+    if (op->kind == EPIPE_OP_FORWARD) {
+        if (st->need_recv && (rc = epipe_stage_recv_tensor(st, mb, DIR_ACT, &in)))
+            return rc;
+        st->mark = now();
+        if ((rc = st->cb.forward(st->cb.user, mb, in, &out)))
+            return callback_failed(st, "forward", mb, rc);
+        if (st->s + 1 == st->p && st->cb.loss) {
+            double v;
+            if ((rc = st->cb.loss(st->cb.user, mb, &v)))
+                return callback_failed(st, "loss", mb, rc);
+            st->st.loss_sum += v;
+            st->st.loss_count++;
+        }
+        enter(st);
+        if (st->need_send && (rc = epipe_stage_send_tensor(st, mb, DIR_ACT, out)))
+            return rc;
+    } else {
+        if (st->need_recv && (rc = epipe_stage_recv_tensor(st, mb, DIR_GRAD, &in)))
+            return rc;
+        st->mark = now();
+        if ((rc = st->cb.backward(st->cb.user, mb, in, &out)))
+            return callback_failed(st, "backward", mb, rc);
+        enter(st);
+        if (st->need_send && (rc = epipe_stage_send_tensor(st, mb, DIR_GRAD, out)))
+            return rc;
+    }
+    return EPIPE_OK;
+}
+
+EPIPE_API int epipe_stage_step(epipe_stage *st)
+{
+    epipe_clear_error();
+    if (!st)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_step: stage is NULL");
+    if (!st->has_cb)
+        return fail(st, EPIPE_ESTATE,
+                    "epipe_stage_step needs callbacks (epipe_stage_set_callbacks)");
+    if (st->in_step)
+        return fail(st, EPIPE_ESTATE, "epipe_stage_step called in the middle of an op-stream step");
+    epipe_op op;
+    for (;;) {
+        int rc = epipe_stage_advance(st, &op);
+        if (rc == EPIPE_OK && op.kind == EPIPE_OP_NONE)
+            return EPIPE_OK;
+        if (rc == EPIPE_OK)
+            rc = run_op(st, &op);
+        if (rc) {
+            st->in_step = st->cur_valid = 0; /* the step is lost; the next one starts afresh */
+            return rc;
+        }
+    }
+}

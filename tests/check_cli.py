@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Options the GNU way (getopt_long) in the tools and examples: `--opt=value`
+and `--opt value` give the same result, short options take attached values,
+and a bad option is named in the error. Usage: check_cli.py EPIPE_BENCH
+EPIPE_RUN [EPIPE_TRAIN]."""
+import subprocess
+import sys
+
+bench, run = sys.argv[1], sys.argv[2]
+train = sys.argv[3] if len(sys.argv) > 3 else None
+ok = True
+
+
+def fail(msg):
+    global ok
+    print("FAIL:", msg)
+    ok = False
+
+
+def call(*args):
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+
+
+def same(what, a, b):
+    ra, rb = call(*a), call(*b)
+    if ra.returncode != 0 or ra.stdout != rb.stdout or ra.returncode != rb.returncode:
+        fail(f"{what}: {a} -> {ra.returncode} {ra.stdout[:200]!r} {ra.stderr[:200]!r}\n"
+             f"    vs {b} -> {rb.returncode} {rb.stdout[:200]!r} {rb.stderr[:200]!r}")
+    else:
+        print(f"ok: {what}: {' '.join(a[1:])}  ==  {' '.join(b[1:])}")
+
+
+def refused(what, args, needle):
+    r = call(*args)
+    if r.returncode == 0 or needle not in r.stderr:
+        fail(f"{what}: {args}: exit {r.returncode}, stderr {r.stderr[:300]!r}")
+    else:
+        print(f"ok: {what}: {r.stderr.splitlines()[0]}")
+
+
+same("epipe-bench schedule",
+     [bench, "schedule", "--kind", "gpipe", "--stages", "3", "--microbatches", "4", "--json"],
+     [bench, "schedule", "--kind=gpipe", "--stages=3", "--microbatches=4", "--json"])
+same("epipe-bench schedule, short options",
+     [bench, "schedule", "-k", "gpipe", "-p", "3", "-m", "4", "--json"],
+     [bench, "schedule", "-kgpipe", "-p3", "-m4", "--json"])
+same("epipe-bench schedule, costs",
+     [bench, "schedule", "--forward-cost", "2", "--comm-cost", "0.5", "--json"],
+     [bench, "schedule", "--json", "--forward-cost=2", "--comm-cost=0.5"])
+refused("bad value", [bench, "schedule", "--stages=x"], "'--stages' needs a whole number")
+refused("missing value", [bench, "schedule", "--kind"], "'--kind' needs a value")
+refused("unknown option", [bench, "schedule", "--bogus=1"], "unknown option '--bogus'")
+refused("value to a flag", [bench, "schedule", "--json=1"], "'--json' takes no value")
+refused("bench codec", [bench, "codec", "none", "--shape=0"], "bad --shape '0'")
+
+sh = "/bin/sh"
+prog = [sh, "-c", 'echo "rank $EPIPE_RANK of $EPIPE_WORLD_SIZE"']
+a = call(run, "-n", "2", "--", *prog)
+b = call(run, "--np=2", *prog)
+lines = lambda r: sorted(r.stdout.splitlines())
+if a.returncode or b.returncode or lines(a) != lines(b) or len(lines(a)) != 2:
+    fail(f"epipe-run: -n 2 -> {a.stdout!r} {a.stderr!r}; --np=2 -> {b.stdout!r} {b.stderr!r}")
+else:
+    print(f"ok: epipe-run -n 2 == --np=2: {lines(a)}")
+# Options after the program's name are the program's.
+r = call(run, "-n1", sh, "-c", "echo $1", "x", "--np=9")
+if r.returncode or "--np=9" not in r.stdout:
+    fail(f"epipe-run parsed its program's options: {r.stdout!r} {r.stderr!r}")
+refused("epipe-run", [run, "--np=0", sh], "--np 0: give a count")
+
+if train:
+    a = call(train, "--epochs", "0")
+    b = call(train, "--epochs=0")
+    if a.returncode == 0 or a.stderr != b.stderr or "--epochs" not in a.stderr:
+        fail(f"epipe-train --epochs 0 vs --epochs=0: {a.stderr!r} / {b.stderr!r}")
+    else:
+        print("ok: epipe-train --epochs 0 == --epochs=0:", a.stderr.strip())
+    refused("epipe-train", [train, "--lr"], "'--lr' needs a value")
+
+print("ok" if ok else "failed")
+sys.exit(0 if ok else 1)

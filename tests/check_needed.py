@@ -1,0 +1,33 @@
+#!/usr/bin/env python3
+"""Checks the libraries the shared libepipe loads against the blas feature:
+usage check_needed.py LIB blas|noblas. Without the feature neither its
+NEEDED entries nor ldd's full list may name a BLAS or LAPACK; with it, the
+NEEDED entries must (so the check cannot pass by looking at nothing)."""
+import re
+import subprocess
+import sys
+
+lib, feature = sys.argv[1], sys.argv[2]
+BLAS = re.compile(r"blas|lapack", re.I)
+dyn = subprocess.run(["readelf", "-d", lib], check=True, capture_output=True, text=True).stdout
+needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn)
+print("NEEDED:", " ".join(needed))
+if not needed:
+    sys.exit(f"{lib}: no NEEDED entries read")
+blas_needed = [n for n in needed if BLAS.search(n)]
+if feature == "blas":
+    if not blas_needed:
+        sys.exit("built with the blas feature, but libepipe does not load a BLAS")
+    sys.exit(0)
+if blas_needed:
+    sys.exit("built without the blas feature, but libepipe needs " + ", ".join(blas_needed))
+ldd = subprocess.run(["ldd", lib], capture_output=True, text=True)
+if ldd.returncode == 0:
+    loaded = [line.split()[0] for line in ldd.stdout.splitlines() if line.strip()]
+    print("ldd:", " ".join(loaded))
+    bad = [n for n in loaded if BLAS.search(n)]
+    if bad:
+        sys.exit("built without the blas feature, but loading libepipe pulls in " +
+                 ", ".join(bad))
+else:
+    print("ldd failed; checked the NEEDED entries only:", ldd.stderr.strip())

@@ -1,0 +1,57 @@
+/* A pipeline host for the tests: one stage of the test MLP (tests/mlp.h),
+ * driven by callbacks or by the op stream, on any communicator. */
+#ifndef EPIPE_TESTS_PIPELINE_HOST_H
+#define EPIPE_TESTS_PIPELINE_HOST_H
+
+#include <epipe/epipe.h>
+
+#include "mlp.h"
+
+#define HOST_MAX_LAYERS 8
+#define HOST_MAX_MB 16
+
+/* The model every test trains: widths of layer inputs, then the output. */
+extern const int host_dims[];
+extern const int host_nlayers;
+#define HOST_BATCH 16
+#define HOST_LR 0.1f
+
+struct host_config {
+    const char *schedule;
+    unsigned microbatches;
+    int steps;
+    const char *act_codec, *grad_codec; /* NULL = none */
+    int use_op_stream;
+    /* > 0: after each step, the built-in SGD for trainable codecs
+     * (epipe_stage_codec_sgd_step) with this lr and momentum. */
+    double codec_lr, codec_momentum;
+};
+
+struct host_result {
+    int rc; /* first error status, or EPIPE_OK */
+    char error[256];
+    double first_loss, last_loss; /* last stage: mean loss of the first and last step */
+    epipe_stage_stats stats;
+    /* The activations of the boundary below this stage as sent (index 0:
+     * first step, 1: last step, all micro-batches), and of the boundary
+     * above it as received (restored by the codec). */
+    float act_sent[2][HOST_BATCH * 16], act_recv[2][HOST_BATCH * 16];
+    /* This stage's layers after training, for comparison. */
+    int l0, l1;
+    mlp_layer layers[HOST_MAX_LAYERS];
+};
+
+/* Layers [*l0, *l1) of the model that stage s of p owns. */
+void host_partition(unsigned s, unsigned p, int *l0, int *l1);
+
+/* Trains stage `epipe_comm_rank(comm)` for cfg->steps steps; fills res
+ * (res->layers must be freed with host_result_free). Takes ownership of
+ * comm and destroys it. */
+void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_result *res);
+void host_result_free(struct host_result *res);
+
+/* The same training in one process without libepipe: the reference. */
+void host_reference(unsigned microbatches, int steps, mlp_layer *layers, double *first_loss,
+                    double *last_loss);
+
+#endif
