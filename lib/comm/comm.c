@@ -297,12 +297,20 @@ int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m)
     }
     pthread_mutex_lock(&c->lock);
     int aborted = c->aborted, state = c->peer_state[peer];
-    pthread_mutex_unlock(&c->lock);
     if (aborted || state != EPIPE_PEER_UP) {
+        /* Say why the peer is gone, as receives do: the reason may name the
+         * rank where a failure began (rank 3 killed, relayed by rank 2). */
+        int rc = epipe_fail_into(
+            c->msg, EPIPE_EPEER, "rank %u: cannot send to rank %u: %s%s%s", c->rank, peer,
+            aborted                    ? "this rank was aborted"
+            : state == EPIPE_PEER_LEFT ? "it left the group"
+                                       : "it failed",
+            !aborted && c->peer_why[peer][0] ? ": " : "", aborted ? "" : c->peer_why[peer]);
+        pthread_mutex_unlock(&c->lock);
         epipe_msg_free(m);
-        return epipe_fail_into(c->msg, EPIPE_EPEER, "rank %u: cannot send to rank %u: %s", c->rank,
-                               peer, aborted ? "this rank was aborted" : "the peer is gone");
+        return rc;
     }
+    pthread_mutex_unlock(&c->lock);
     return c->ops->send(c, peer, m);
 }
 
