@@ -95,8 +95,7 @@ static void running_sum_tracks_input(void **state)
         /* x + r stays within about one step of g's range, and r within
          * half a step of that range's 3 steps. */
         if (with > 0.5 * range)
-            fail_msg("%d steps: sum error %g with ef over the bound %g", steps, with,
-                     0.5 * range);
+            fail_msg("%d steps: sum error %g with ef over the bound %g", steps, with, 0.5 * range);
         if (steps >= 40 && without < 10 * with)
             fail_msg("%d steps: without ef %g, with %g: ef should win by 10x", steps, without,
                      with);
@@ -108,7 +107,7 @@ static void running_sum_tracks_input(void **state)
 static void every_lossy_codec(void **state)
 {
     (void)state;
-    static const char *const specs[] = {"cast:dtype=bf16", "quant:bits=4", "sortquant:bits=4",
+    static const char *const specs[] = {"cast:dtype=bf16", "quant:bits=4",   "sortquant:bits=4",
                                         "kmeans:bits=2",   "topk:ratio=0.1", "poweriter:rank=2"};
     float g[1024];
     test_fill(g, 1024, DIST_NORMAL, 11);
@@ -293,9 +292,12 @@ static void spec_key(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(running_sum_tracks_input), cmocka_unit_test(every_lossy_codec),
-        cmocka_unit_test(wire_format_unchanged),    cmocka_unit_test(slots_are_independent),
-        cmocka_unit_test(resets),                   cmocka_unit_test(nonfinite_refused),
+        cmocka_unit_test(running_sum_tracks_input),
+        cmocka_unit_test(every_lossy_codec),
+        cmocka_unit_test(wire_format_unchanged),
+        cmocka_unit_test(slots_are_independent),
+        cmocka_unit_test(resets),
+        cmocka_unit_test(nonfinite_refused),
         cmocka_unit_test(spec_key),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

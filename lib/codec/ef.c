@@ -97,8 +97,8 @@ static int slot_for(epipe_codec *c, uint64_t n, enum epipe_dtype dt, ef_slot **o
     return EPIPE_OK;
 }
 
-int epipe_codec_ef_encode(epipe_codec *c, const epipe_codec_backend *be, const float *x,
-                          uint64_t n, enum epipe_dtype dt, uint8_t *body)
+int epipe_codec_ef_encode(epipe_codec *c, const epipe_codec_backend *be, const float *x, uint64_t n,
+                          enum epipe_dtype dt, uint8_t *body)
 {
     if (be != c->ops->cpu)
         return epipe_codec_fail(c, EPIPE_ENOTSUP, "%s: ef=1 runs on the CPU backend only",
