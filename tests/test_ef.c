@@ -241,12 +241,65 @@ static void nonfinite_refused(void **state)
         size_t w = 1;
         assert_int_equal(epipe_codec_encode(c, &tb, buf, sizeof buf, &w), EPIPE_EINVAL);
         assert_int_equal(w, 0);
-        assert_non_null(strstr(epipe_codec_last_error(c), "src[7]"));
+        assert_non_null(strstr(epipe_codec_last_error(c), "index 7 is NaN"));
         test_payload p = enc(c, &t, 0), q = enc(ref, &t, 0);
         assert_true(same(&p, &q));
         free(p.buf), free(q.buf);
         epipe_codec_destroy(c), epipe_codec_destroy(ref);
     }
+}
+
+/* x + r overflowing fp32 is refused by name (fp16 saturates 3e38 to 65504,
+ * so the residual is about 3e38 after one step), and the residual kept. */
+static void overflow_refused(void **state)
+{
+    (void)state;
+    float g[4] = {3e38f, 1, 2, 3};
+    int64_t shape[1] = {4};
+    DLTensor t = view(g, shape, 1);
+    epipe_codec *c = test_codec("cast:dtype=fp16,ef=1", 1, 0);
+    free(enc(c, &t, 0).buf);
+    uint8_t buf[64];
+    size_t w;
+    assert_int_equal(epipe_codec_encode(c, &t, buf, sizeof buf, &w), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_codec_last_error(c), "index 0 (3e+38) plus its residual"));
+    g[0] = -3e38f; /* now x + r is about 0: accepted */
+    free(enc(c, &t, 0).buf);
+    epipe_codec_destroy(c);
+}
+
+/* Slots past the limit are refused, naming the micro-batch; a reset frees
+ * them. The scalar reference and threads give the same bytes with ef. */
+static void slot_limit_and_reference(void **state)
+{
+    (void)state;
+    float g[4] = {1, -2, 3, 0.5f};
+    int64_t shape[1] = {4};
+    DLTensor t = view(g, shape, 1);
+    epipe_codec *c = test_codec("quant:bits=2,ef=1", 1, 0);
+    for (int64_t mb = 0; mb < 4096; mb++)
+        free(enc(c, &t, mb).buf);
+    uint8_t buf[64];
+    size_t w;
+    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_MICROBATCH, 5000), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(c, &t, buf, sizeof buf, &w), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_codec_last_error(c), "micro-batch 5000"));
+    assert_int_equal(epipe_codec_reset_feedback(c), EPIPE_OK);
+    free(enc(c, &t, 5000).buf);
+    epipe_codec_destroy(c);
+
+    static float x[300000];
+    test_fill(x, 300000, DIST_NORMAL, 17);
+    int64_t big[1] = {300000};
+    DLTensor tx = view(x, big, 1);
+    epipe_codec *fast = test_codec("quant:bits=3,ef=1", 2, 0);
+    epipe_codec *ref = test_codec("quant:bits=3,ef=1", 1, 1);
+    for (int step = 0; step < 3; step++) {
+        test_payload a = enc(fast, &tx, 0), b = enc(ref, &tx, 0);
+        assert_true(same(&a, &b));
+        free(a.buf), free(b.buf);
+    }
+    epipe_codec_destroy(fast), epipe_codec_destroy(ref);
 }
 
 static void expect_refused(const char *spec, const char *needle)
@@ -299,6 +352,8 @@ int main(void)
         cmocka_unit_test(resets),
         cmocka_unit_test(nonfinite_refused),
         cmocka_unit_test(spec_key),
+        cmocka_unit_test(overflow_refused),
+        cmocka_unit_test(slot_limit_and_reference),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

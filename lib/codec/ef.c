@@ -1,5 +1,6 @@
 /* Error feedback (the core-level spec key ef=1): per micro-batch slot, the
  * residual of the last encode, added to the next input before encoding. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -123,11 +124,17 @@ int epipe_codec_ef_encode(epipe_codec *c, const epipe_codec_backend *be, const f
     size_t bad = epipe_find_nonfinite(w, n);
     if (bad < n) {
         if (epipe_find_nonfinite(x + bad, 1) == 0)
-            return epipe_codec_fail(c, EPIPE_EINVAL, "%s: src[%zu] is not finite (%g)",
-                                    c->ops->name, bad, (double)x[bad]);
-        return epipe_codec_fail(c, EPIPE_EINVAL,
-                                "%s: ef: src[%zu] = %g plus its residual %g overflows fp32",
-                                c->ops->name, bad, (double)x[bad], (double)s->r[bad]);
+            return epipe_codec_fail(c, EPIPE_EINVAL,
+                                    "%s: input value at index %zu is %s; error feedback (ef=1) "
+                                    "needs finite values",
+                                    c->ops->name, bad,
+                                    isnan(x[bad]) ? "NaN"
+                                    : x[bad] > 0  ? "+inf"
+                                                  : "-inf");
+        return epipe_codec_fail(
+            c, EPIPE_EINVAL,
+            "%s: ef: input value at index %zu (%g) plus its residual %g overflows fp32",
+            c->ops->name, bad, (double)x[bad], (double)s->r[bad]);
     }
     if ((rc = (c->use_reference ? be->encode_ref : be->encode)(c, w, n, body)))
         return rc;
