@@ -144,6 +144,45 @@ static void sortquant_trains_comparably(void **state)
         host_result_free(&res[s]), host_result_free(&plain[s]);
 }
 
+/* A gradient codec with error feedback (quant:bits=4,ef=1) trains as well
+ * as without compression; the stage keys its residuals by micro-batch.
+ * ef=1 on the activations is refused. */
+static void error_feedback_on_gradients(void **state)
+{
+    (void)state;
+    struct host_config cfg = {.schedule = "1f1b",
+                              .microbatches = 4,
+                              .steps = 20,
+                              .act_codec = "sortquant:bits=8",
+                              .grad_codec = "quant:bits=4,ef=1"};
+    struct host_result res[3], plain[3];
+    run_pipeline(3, &cfg, res);
+    check_ok(res, 3, "quant:bits=4,ef=1");
+    cfg.act_codec = cfg.grad_codec = NULL;
+    run_pipeline(3, &cfg, plain);
+    check_ok(plain, 3, "none");
+    double fell = res[2].first_loss - res[2].last_loss;
+    double fell_plain = plain[2].first_loss - plain[2].last_loss;
+    print_message("loss %.5f -> %.5f with quant:bits=4,ef=1 gradients, %.5f -> %.5f without\n",
+                  res[2].first_loss, res[2].last_loss, plain[2].first_loss, plain[2].last_loss);
+    assert_true(fell_plain > 0);
+    assert_true(fell > 0.9 * fell_plain);
+    for (int s = 0; s < 3; s++)
+        host_result_free(&res[s]), host_result_free(&plain[s]);
+    epipe_comm *comms[2];
+    epipe_stage *st;
+    assert_int_equal(epipe_comm_create_inproc(comms, 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&st, comms[0], "gpipe", 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, 0, "quant:bits=4,ef=1"),
+                     EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_stage_last_error(st), "ef=1 (error feedback) is for gradients"));
+    assert_int_equal(epipe_stage_set_codec(st, EPIPE_DIR_GRADIENT, 0, "quant:bits=4,ef=1"),
+                     EPIPE_OK);
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(comms[0]);
+    epipe_comm_destroy(comms[1]);
+}
+
 /* Relative squared error of a boundary's restored activations against the
  * ones sent, over one step (k = 0: first, 1: last). */
 static double recon_error(const struct host_result *sender, const struct host_result *receiver,
@@ -804,6 +843,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(pipelined_equals_single_process),
         cmocka_unit_test(sortquant_trains_comparably),
+        cmocka_unit_test(error_feedback_on_gradients),
         cmocka_unit_test(statistics_add_up),
         cmocka_unit_test(trace_file_is_written),
         cmocka_unit_test(wrong_op_order_is_refused),

@@ -43,6 +43,17 @@ typedef struct epipe_codec epipe_codec;
  *   poweriter:rank=R[,iters=K][,warm=0|1][,factors=fp32|fp16]
  *                                      rank-R factors per matrix by power
  *                                      iteration, warm-started
+ * Every lossy codec that is not trainable (cast, quant, sortquant, kmeans,
+ * topk, poweriter; not none, insert or a chain) also takes ef=0|1: error
+ * feedback for gradients ("quant:bits=2,ef=1"). The encoder keeps, per
+ * micro-batch slot (EPIPE_CODEC_MICROBATCH; -1 is a slot of its own), the
+ * residual x + r - decode(encode(x + r)) of its last encode and adds it to
+ * the next input, so that what it drops is sent later. The payload is
+ * that of the codec without ef (same format and parameter word; a decoder
+ * need not have ef=1). A slot starts over at zero when the tensor's shape
+ * or dtype changes; epipe_codec_reset_feedback() clears them all. Memory:
+ * one fp32 copy of the tensor per slot, and one more per handle. CPU
+ * tensors only.
  * The full list, with every default and range, is in docs/codecs.md.
  *
  * Creates a codec in *out. Returns EPIPE_OK, EPIPE_EINVAL for a malformed
@@ -96,12 +107,20 @@ EPIPE_API int epipe_codec_set_param(epipe_codec *codec, epipe_codec_param param,
 EPIPE_API int epipe_codec_get_param(const epipe_codec *codec, epipe_codec_param param,
                                     int64_t *value);
 
+/* Clears the error-feedback residuals of every micro-batch slot (spec key
+ * ef=1) and frees their memory: the next encode of each slot starts from
+ * zero, as after creation. Call it when the gradients stop continuing the
+ * previous ones (a new model, a restored checkpoint). A no-op for a codec
+ * without ef=1. EPIPE_EINVAL for NULL. Not thread-safe on one handle. */
+EPIPE_API int epipe_codec_reset_feedback(epipe_codec *codec);
+
 /* The value of the spec parameter `key` ("bits") as configured, defaults
  * and derived values filled in (what epipe_codec_spec() prints). A choice
  * ("mode=exact|sample|fit") gives the index of the choice in the order
  * docs/codecs.md lists them (sortquant mode: 0 exact, 1 sample, 2 fit); a
  * parameter the codec chooses per tensor (sortquant's split in fit mode
- * when not given) gives NaN. EPIPE_EINVAL
+ * when not given) gives NaN; "ef" gives 0 or 1 on codecs that take it.
+ * EPIPE_EINVAL
  * for a key the codec does not have (the message lists its keys); a chain
  * has no parameters of its own (read its links' in its spec). */
 EPIPE_API int epipe_codec_spec_param(const epipe_codec *codec, const char *key, double *value);

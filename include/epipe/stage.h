@@ -64,7 +64,9 @@ typedef enum epipe_direction {
  * before the first step. EPIPE_EINVAL for a spec that fails to parse (the
  * message is the parser's) or a boundary >= stages-1; EPIPE_ESTATE after
  * the first step. Boundaries that do not touch this stage are checked and
- * ignored, so every rank may run the same configuration code. */
+ * ignored, so every rank may run the same configuration code. The spec key
+ * ef=1 (error feedback) is for the gradient direction only: EPIPE_EINVAL
+ * on the activation direction; the decoding side ignores it. */
 EPIPE_API int epipe_stage_set_codec(epipe_stage *stage, epipe_direction dir, unsigned boundary,
                                     const char *spec);
 

@@ -259,6 +259,11 @@ static int chain_parse(epipe_codec *c, const char *spec)
     if (epipe_codec_trainable(ch->b))
         return epipe_fail(EPIPE_ENOTSUP, "chain '%s': the second codec must not be trainable",
                           spec);
+    if (ch->b->ef)
+        return epipe_fail(EPIPE_EINVAL,
+                          "chain '%s': ef=1 is not supported inside a chain (the residual "
+                          "would be the code's, not the gradient's); give it to a single codec",
+                          spec);
     char canon[2 * EPIPE_SPEC_MAX];
     snprintf(canon, sizeof canon, "%s|%s", ch->a->spec, ch->b->spec);
     if (strlen(canon) >= EPIPE_SPEC_MAX)

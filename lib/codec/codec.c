@@ -98,6 +98,7 @@ EPIPE_API void epipe_codec_destroy(epipe_codec *c)
         return;
     if (c->ops && c->ops->release)
         c->ops->release(c);
+    epipe_codec_ef_release(c);
     free(c->scratch);
     free(c);
 }
@@ -168,7 +169,9 @@ static void list_keys(const epipe_codec_ops *ops, char *buf, size_t cap)
             strncat(buf, ", ", cap - strlen(buf) - 1);
         strncat(buf, ops->params[k].key, cap - strlen(buf) - 1);
     }
-    if (!ops->nparams)
+    if (epipe_codec_ef_allowed(ops))
+        strncat(buf, ops->nparams ? ", ef" : "ef", cap - strlen(buf) - 1);
+    if (!buf[0])
         snprintf(buf, cap, "none");
 }
 
@@ -191,6 +194,10 @@ EPIPE_API int epipe_codec_spec_param(const epipe_codec *c, const char *key, doub
     epipe_clear_error();
     if (!c || !key || !value)
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_spec_param: codec, key or value is NULL");
+    if (strcmp(key, "ef") == 0 && epipe_codec_ef_allowed(c->ops)) {
+        *value = c->ef;
+        return EPIPE_OK;
+    }
     int k = epipe_codec_param_index(c->ops, key);
     if (k < 0)
         return unknown_key((epipe_codec *)c, c->ops, "epipe_codec_spec_param", key);
@@ -206,6 +213,11 @@ EPIPE_API int epipe_codec_param_bounds(const char *codec, const char *key, doubl
     const epipe_codec_ops *ops = epipe_codec_find(codec, strlen(codec));
     if (!ops)
         return epipe_codec_unknown(codec, strlen(codec));
+    if (strcmp(key, "ef") == 0 && epipe_codec_ef_allowed(ops)) {
+        *min = 0;
+        *max = 1;
+        return EPIPE_OK;
+    }
     int k = epipe_codec_param_index(ops, key);
     if (k < 0)
         return unknown_key(NULL, ops, "epipe_codec_param_bounds", key);
@@ -271,7 +283,11 @@ int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, 
         return rc;
     uint8_t *h = dst;
     epipe_payload_put(h, c->ops->id, dt, c->ops->param_word(c), n);
-    if ((rc = (c->use_reference ? be->encode_ref : be->encode)(c, x, n, h + EPIPE_PAYLOAD_HEADER)))
+    if (c->ef)
+        rc = epipe_codec_ef_encode(c, be, x, n, dt, h + EPIPE_PAYLOAD_HEADER);
+    else
+        rc = (c->use_reference ? be->encode_ref : be->encode)(c, x, n, h + EPIPE_PAYLOAD_HEADER);
+    if (rc)
         return rc;
     *written = need;
     return EPIPE_OK;

@@ -157,6 +157,8 @@ struct epipe_codec {
     unsigned threads;   /* EPIPE_CODEC_THREADS */
     int64_t microbatch; /* EPIPE_CODEC_MICROBATCH: -1 = keep nothing */
     int use_reference;  /* run encode_ref/decode_ref (tests, bench) */
+    int ef;             /* spec key ef=1: error feedback (lib/codec/ef.c) */
+    void *ef_state;     /* its residual slots, made on first encode */
     void *state;        /* the codec's own */
     float *scratch;     /* fp32 staging for converted tensors */
     size_t scratch_cap;

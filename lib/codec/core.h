@@ -20,8 +20,23 @@ int epipe_codec_unknown(const char *name, size_t len);
 /* spec.c: fills c->ops, c->p and the canonical c->spec from spec, and runs
  * the codec's configure. Errors go to the thread (the handle is new). */
 int epipe_codec_parse_spec(epipe_codec *c, const char *spec);
+/* 1 if specs of ops may carry the core key ef=1: every lossy codec that
+ * is not trainable (not none, insert or a chain). */
+int epipe_codec_ef_allowed(const epipe_codec_ops *ops);
 /* The index of key in ops->params, or -1. */
 int epipe_codec_param_index(const epipe_codec_ops *ops, const char *key);
+
+/* ef.c: error feedback for a handle whose spec has ef=1. Encodes x + r
+ * (r: the residual of the slot of c->microbatch, zeroed when new or when
+ * the tensor's dtype or shape (c->shape) changed) into body, decodes it
+ * back with the codec's own decoder and keeps x + r - decoded as the new
+ * r. On failure the residual is left as it was (or cleared if the decode
+ * failed). Only the CPU backend. */
+#define EPIPE_CODEC_EF_MAX_SLOTS 4096
+int epipe_codec_ef_encode(epipe_codec *c, const epipe_codec_backend *be, const float *x, uint64_t n,
+                          enum epipe_dtype dt, uint8_t *body);
+/* Frees every residual slot (epipe_codec_destroy, epipe_codec_reset_feedback). */
+void epipe_codec_ef_release(epipe_codec *c);
 
 /* codec.c: the backend for a tensor on t's device; EPIPE_ENOTSUP (naming
  * the device and the codec) when this build has none for it. */

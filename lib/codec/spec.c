@@ -15,6 +15,32 @@ int epipe_codec_param_index(const epipe_codec_ops *ops, const char *key)
     return -1;
 }
 
+int epipe_codec_ef_allowed(const epipe_codec_ops *ops)
+{
+    return ops != &epipe_codec_none && ops != &epipe_codec_chain && !ops->code_shape;
+}
+
+/* The core key ef=0|1 (error feedback, lib/codec/ef.c), on any codec that
+ * allows it. It changes only what the sender encodes, never the payload's
+ * format or parameter word. */
+static int parse_ef(epipe_codec *c, const char *v, size_t vlen)
+{
+    const epipe_codec_ops *ops = c->ops;
+    if (ops == &epipe_codec_none)
+        return epipe_fail(EPIPE_EINVAL, "none: key 'ef' does not apply: the codec is lossless");
+    if (!epipe_codec_ef_allowed(ops))
+        return epipe_fail(EPIPE_EINVAL,
+                          "%s: key 'ef' does not apply to a trainable codec (its code is not "
+                          "the gradient it was given)",
+                          ops->name);
+    if (vlen == 1 && (v[0] == '0' || v[0] == '1')) {
+        c->ef = v[0] == '1';
+        return EPIPE_OK;
+    }
+    return epipe_fail(EPIPE_EINVAL, "%s: key 'ef' = '%.*s' is not 0 or 1", ops->name,
+                      (int)(vlen < 32 ? vlen : 32), v);
+}
+
 static int parse_value(const epipe_codec_ops *ops, const epipe_param_desc *d, const char *v,
                        size_t vlen, double *out)
 {
@@ -86,6 +112,8 @@ static void build_canonical_spec(epipe_codec *c)
                                 d->key, val);
         first = 0;
     }
+    if (c->ef && len < sizeof c->spec) /* ef=0, the default, is left out */
+        snprintf(c->spec + len, sizeof c->spec - len, "%cef=1", strchr(c->spec, ':') ? ',' : ':');
 }
 
 static int parse_params(epipe_codec *c, const char *spec)
@@ -102,7 +130,7 @@ static int parse_params(epipe_codec *c, const char *spec)
     if (!ops)
         return epipe_codec_unknown(spec, nlen);
     c->ops = ops;
-    int set[EPIPE_CODEC_MAX_PARAMS] = {0};
+    int set[EPIPE_CODEC_MAX_PARAMS] = {0}, ef_set = 0;
     if (colon) {
         const char *p = colon + 1;
         if (*p == '\0')
@@ -117,6 +145,18 @@ static int parse_params(epipe_codec *c, const char *spec)
                 return epipe_fail(EPIPE_EINVAL, "%s: parameter '%.*s' has no '=value'", ops->name,
                                   (int)ilen, p);
             size_t klen = (size_t)(eq - p);
+            if (klen == 2 && memcmp(p, "ef", 2) == 0 && epipe_codec_param_index(ops, "ef") < 0) {
+                if (ef_set)
+                    return epipe_fail(EPIPE_EINVAL, "%s: key 'ef' is given twice", ops->name);
+                int rc = parse_ef(c, eq + 1, ilen - klen - 1);
+                if (rc)
+                    return rc;
+                ef_set = 1;
+                if (!comma)
+                    break;
+                p = comma + 1;
+                continue;
+            }
             unsigned k = 0;
             while (k < ops->nparams && !(strlen(ops->params[k].key) == klen &&
                                          memcmp(ops->params[k].key, p, klen) == 0))

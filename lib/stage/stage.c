@@ -110,7 +110,16 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
     if (rc)
         return fail(st, rc, "%s", epipe_last_error());
     int trainable = epipe_codec_trainable(probe);
+    double ef = 0;
+    if (epipe_codec_spec_param(probe, "ef", &ef) != EPIPE_OK)
+        ef = 0; /* a codec without the key */
     epipe_codec_destroy(probe);
+    epipe_clear_error();
+    if (ef == 1 && dir == EPIPE_DIR_ACTIVATION)
+        return fail(st, EPIPE_EINVAL,
+                    "'%s': ef=1 (error feedback) is for gradients, whose sum over steps is "
+                    "what training uses; one step's activations do not continue the last's",
+                    spec);
     if (trainable && dir == EPIPE_DIR_GRADIENT)
         return fail(st, EPIPE_ENOTSUP,
                     "'%s' is trainable: it goes on the activation direction, and then the "

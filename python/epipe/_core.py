@@ -106,6 +106,10 @@ class Codec(_Handle):
         self._check(lib.epipe_codec_set_param(self._handle(), CODEC_THREADS, int(n)),
                     "epipe_codec_set_param")
 
+    def reset_feedback(self):
+        """Clears the error-feedback residuals (spec key ef=1); a no-op without ef."""
+        self._check(lib.epipe_codec_reset_feedback(self._handle()), "epipe_codec_reset_feedback")
+
     def max_encoded_size(self, tensor):
         v = DLView(tensor)
         n = ctypes.c_size_t()

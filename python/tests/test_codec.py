@@ -72,6 +72,20 @@ def test_topk_keeps_largest():
     assert y[10] == 0
 
 
+def test_error_feedback_sends_what_it_dropped():
+    g = torch.randn(256)
+    c, d = epipe.Codec("quant:bits=2,ef=1"), epipe.Codec("quant:bits=2")
+    assert c.spec == "quant:bits=2,ef=1"
+    first = c.encode(g)
+    assert bytes(first) == bytes(d.encode(g))  # same format, no residual yet
+    total = d.decode(first, shape=g.shape)
+    for _ in range(49):
+        total += d.decode(c.encode(g), shape=g.shape)
+    assert (total - 50 * g).abs().max() <= 0.5 * float(g.max() - g.min())
+    c.reset_feedback()
+    assert bytes(c.encode(g)) == bytes(first)
+
+
 def test_canonical_spec_round_trips():
     c = epipe.Codec("sortquant:bits=8")
     assert c.name == "sortquant"
