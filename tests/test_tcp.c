@@ -95,36 +95,15 @@ static void make_group(epipe_comm **comms, unsigned size, const char *opts)
     }
 }
 
-/* An activation message of n floats from src to dst, made as the stage does. */
+/* An activation message of n fill values (seed) from src to dst. */
 static epipe_msg *make_act(unsigned src, unsigned dst, uint64_t step, uint32_t mb, size_t n,
                            uint64_t seed)
 {
-    epipe_codec *codec;
-    assert_int_equal(epipe_codec_create(&codec, "none"), EPIPE_OK);
     float *x = malloc(n * sizeof *x);
+    assert_non_null(x);
     test_fill(x, n, DIST_NORMAL, seed);
-    int64_t shape;
-    DLTensor t = test_view_f32(x, &shape, n);
-    size_t cap, len;
-    assert_int_equal(epipe_codec_max_encoded_size(codec, &t, &cap), EPIPE_OK);
-    epipe_msg *m = epipe_msg_new(cap);
-    assert_non_null(m);
-    assert_int_equal(epipe_codec_encode(codec, &t, epipe_msg_payload(m), cap, &len), EPIPE_OK);
-    const uint8_t *p = epipe_msg_payload(m);
-    memset(&m->hdr, 0, sizeof m->hdr);
-    m->hdr.kind = EPIPE_WIRE_ACTIVATION;
-    m->hdr.dtype = p[2];
-    m->hdr.ndim = 1;
-    m->hdr.shape[0] = n;
-    m->hdr.codec_id = p[0];
-    m->hdr.codec_param = epipe_get_u32(p + 4);
-    m->hdr.micro_batch = mb;
-    m->hdr.step = step;
-    m->hdr.src_stage = src;
-    m->hdr.dst_stage = dst;
-    assert_int_equal(epipe_msg_seal(m, len), EPIPE_OK);
+    epipe_msg *m = test_activation_msg(src, dst, step, mb, x, n);
     free(x);
-    epipe_codec_destroy(codec);
     return m;
 }
 

@@ -112,34 +112,6 @@ static void make_pair(epipe_comm **c, unsigned port0, unsigned port1, const char
     }
 }
 
-/* A message as the stage makes it (codec none) of the n floats at x. */
-static epipe_msg *make_msg(unsigned src, unsigned dst, uint64_t step, const float *x, size_t n)
-{
-    epipe_codec *codec;
-    assert_int_equal(epipe_codec_create(&codec, "none"), EPIPE_OK);
-    int64_t shape;
-    DLTensor t = test_view_f32((float *)x, &shape, n);
-    size_t cap, len;
-    assert_int_equal(epipe_codec_max_encoded_size(codec, &t, &cap), EPIPE_OK);
-    epipe_msg *m = epipe_msg_new(cap);
-    assert_non_null(m);
-    assert_int_equal(epipe_codec_encode(codec, &t, epipe_msg_payload(m), cap, &len), EPIPE_OK);
-    const uint8_t *p = epipe_msg_payload(m);
-    memset(&m->hdr, 0, sizeof m->hdr);
-    m->hdr.kind = EPIPE_WIRE_ACTIVATION;
-    m->hdr.dtype = p[2];
-    m->hdr.ndim = 1;
-    m->hdr.shape[0] = n;
-    m->hdr.codec_id = p[0];
-    m->hdr.codec_param = epipe_get_u32(p + 4);
-    m->hdr.step = step;
-    m->hdr.src_stage = src;
-    m->hdr.dst_stage = dst;
-    assert_int_equal(epipe_msg_seal(m, len), EPIPE_OK);
-    epipe_codec_destroy(codec);
-    return m;
-}
-
 /* Receives step's activation from peer: its n floats must be x's bytes. */
 static void expect_msg(epipe_comm *c, unsigned peer, uint64_t step, const float *x, size_t n)
 {
@@ -438,10 +410,12 @@ static void pipeline_with(const char *extra)
     float *x[4];
     for (int i = 0; i < 4; i++) {
         x[i] = random_floats(sizes[i], 100 + (uint64_t)i);
-        assert_int_equal(epipe_comm_send(c[0], 1, make_msg(0, 1, (uint64_t)i, x[i], sizes[i])),
-                         EPIPE_OK);
-        assert_int_equal(epipe_comm_send(c[1], 0, make_msg(1, 0, (uint64_t)i, x[i], sizes[i])),
-                         EPIPE_OK);
+        assert_int_equal(
+            epipe_comm_send(c[0], 1, test_activation_msg(0, 1, (uint64_t)i, 0, x[i], sizes[i])),
+            EPIPE_OK);
+        assert_int_equal(
+            epipe_comm_send(c[1], 0, test_activation_msg(1, 0, (uint64_t)i, 0, x[i], sizes[i])),
+            EPIPE_OK);
     }
     for (int i = 0; i < 4; i++) {
         expect_msg(c[1], 0, (uint64_t)i, x[i], sizes[i]);
@@ -449,8 +423,9 @@ static void pipeline_with(const char *extra)
     }
     /* Many small ones queued at once (packed into shared records). */
     for (int i = 0; i < 50; i++)
-        assert_int_equal(epipe_comm_send(c[0], 1, make_msg(0, 1, 100 + (uint64_t)i, x[1], 1000)),
-                         EPIPE_OK);
+        assert_int_equal(
+            epipe_comm_send(c[0], 1, test_activation_msg(0, 1, 100 + (uint64_t)i, 0, x[1], 1000)),
+            EPIPE_OK);
     for (int i = 0; i < 50; i++)
         expect_msg(c[1], 0, 100 + (uint64_t)i, x[1], 1000);
     /* A clean goodbye is seen as one. */
@@ -491,7 +466,7 @@ static void test_tampered_bit(void **state)
     make_pair(c, port, p.port, opts, opts);
     size_t n = (4u << 20) / 4;
     float *x = random_floats(n, 9);
-    assert_int_equal(epipe_comm_send(c[1], 0, make_msg(1, 0, 1, x, n)), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[1], 0, test_activation_msg(1, 0, 1, 0, x, n)), EPIPE_OK);
     epipe_msg *m;
     int rc = epipe_comm_recv(c[0], 1, EPIPE_WIRE_ACTIVATION, 1, 0, 10000, &m);
     assert_int_equal(rc, EPIPE_EAUTH);
@@ -531,8 +506,8 @@ static int canary_seen(const char *extra)
     float *x = malloc(n * sizeof *x);
     for (size_t i = 0; i < n * sizeof *x; i++)
         ((uint8_t *)x)[i] = (uint8_t)pat[i % 16];
-    assert_int_equal(epipe_comm_send(c[1], 0, make_msg(1, 0, 5, x, n)), EPIPE_OK);
-    assert_int_equal(epipe_comm_send(c[0], 1, make_msg(0, 1, 6, x, 1000)), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[1], 0, test_activation_msg(1, 0, 5, 0, x, n)), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[0], 1, test_activation_msg(0, 1, 6, 0, x, 1000)), EPIPE_OK);
     expect_msg(c[0], 1, 5, x, n);
     expect_msg(c[1], 0, 6, x, 1000);
     epipe_comm_destroy(c[1]);

@@ -11,6 +11,8 @@
 #include <epipe/epipe.h>
 
 #include "../lib/codec/codec_impl.h"
+#include "../lib/codec/payload.h"
+#include "../lib/comm/comm_impl.h"
 
 void test_rng_seed(test_rng *r, uint64_t seed)
 {
@@ -135,4 +137,34 @@ void test_expect_proto(const char *spec, const test_payload *p, size_t n, const 
     test_expect_rejected(c, p->buf, p->len, &t, needle);
     free(y);
     epipe_codec_destroy(c);
+}
+
+epipe_msg *test_activation_msg(unsigned src, unsigned dst, uint64_t step, uint32_t mb,
+                               const float *x, size_t n)
+{
+    epipe_codec *codec;
+    assert_int_equal(epipe_codec_create(&codec, "none"), EPIPE_OK);
+    int64_t shape;
+    DLTensor t = test_view_f32((float *)x, &shape, n);
+    size_t cap, len;
+    assert_int_equal(epipe_codec_max_encoded_size(codec, &t, &cap), EPIPE_OK);
+    epipe_msg *m = epipe_msg_new(cap);
+    assert_non_null(m);
+    assert_int_equal(epipe_codec_encode(codec, &t, epipe_msg_payload(m), cap, &len), EPIPE_OK);
+    epipe_codec_destroy(codec);
+    epipe_payload_header ph;
+    assert_int_equal(epipe_payload_get(epipe_msg_payload(m), len, &ph), 0);
+    memset(&m->hdr, 0, sizeof m->hdr);
+    m->hdr.kind = EPIPE_WIRE_ACTIVATION;
+    m->hdr.dtype = ph.dtype;
+    m->hdr.ndim = 1;
+    m->hdr.shape[0] = n;
+    m->hdr.codec_id = ph.codec_id;
+    m->hdr.codec_param = ph.param_word;
+    m->hdr.micro_batch = mb;
+    m->hdr.step = step;
+    m->hdr.src_stage = src;
+    m->hdr.dst_stage = dst;
+    assert_int_equal(epipe_msg_seal(m, len), EPIPE_OK);
+    return m;
 }

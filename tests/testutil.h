@@ -46,4 +46,11 @@ void test_expect_rejected(struct epipe_codec *c, const uint8_t *p, size_t len, D
 /* The same for a fresh codec of `spec` decoding p into n values. */
 void test_expect_proto(const char *spec, const test_payload *p, size_t n, const char *needle);
 
+/* A sealed activation message of the n floats at x from rank src to dst,
+ * made as the stage makes one (codec none; the wire header's codec fields
+ * read from the payload header). The caller owns it (epipe_msg_free, or a
+ * send, which takes it). Fails the test when anything does. */
+struct epipe_msg *test_activation_msg(unsigned src, unsigned dst, uint64_t step, uint32_t mb,
+                                      const float *x, size_t n);
+
 #endif
