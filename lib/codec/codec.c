@@ -252,6 +252,17 @@ static int payload_size(epipe_codec *c, uint64_t n, size_t *bytes)
     return EPIPE_OK;
 }
 
+/* The public calls' one check of a tensor: its backend first, so that a
+ * CUDA tensor is refused as one (not as a tensor on an unknown device),
+ * then its shape, dtype and count. */
+static int inspect_for_call(epipe_codec *c, const DLTensor *t, const char *what, uint64_t *n,
+                            enum epipe_dtype *dt)
+{
+    const epipe_codec_backend *be = NULL;
+    int rc = epipe_codec_backend_for(c, t, what, &be);
+    return rc ? rc : epipe_tensor_inspect(t, what, c->msg, n, dt);
+}
+
 int epipe_codec_size_checked(epipe_codec *c, const DLTensor *t, uint64_t n, size_t *bytes)
 {
     const epipe_codec_backend *be = NULL;
@@ -357,13 +368,10 @@ EPIPE_API int epipe_codec_max_encoded_size(const epipe_codec *codec, const DLTen
     /* Only the per-call shape and the last error are written: the handle's
      * scratch, not its configuration (see the header). */
     epipe_codec *c = (epipe_codec *)codec;
-    const epipe_codec_backend *be = NULL;
-    int rc = epipe_codec_backend_for(c, src, "src", &be);
-    if (rc)
-        return rc;
     uint64_t n;
     enum epipe_dtype dt;
-    if ((rc = epipe_tensor_inspect(src, "src", c->msg, &n, &dt)))
+    int rc = inspect_for_call(c, src, "src", &n, &dt);
+    if (rc)
         return rc;
     return epipe_codec_size_checked(c, src, n, bytes);
 }
@@ -375,13 +383,10 @@ EPIPE_API int epipe_codec_encode(epipe_codec *c, const DLTensor *src, void *dst,
     if (!c || !written)
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_encode: codec or written is NULL");
     *written = 0;
-    const epipe_codec_backend *be = NULL;
-    int rc = epipe_codec_backend_for(c, src, "src", &be);
-    if (rc)
-        return rc;
     uint64_t n;
     enum epipe_dtype dt;
-    if ((rc = epipe_tensor_inspect(src, "src", c->msg, &n, &dt)))
+    int rc = inspect_for_call(c, src, "src", &n, &dt);
+    if (rc)
         return rc;
     return epipe_codec_encode_checked(c, src, n, dt, dst, capacity, written);
 }
@@ -391,13 +396,10 @@ EPIPE_API int epipe_codec_decode(epipe_codec *c, const void *src, size_t len, DL
     epipe_clear_error();
     if (!c)
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_decode: codec is NULL");
-    const epipe_codec_backend *be = NULL;
-    int rc = epipe_codec_backend_for(c, dst, "dst", &be);
-    if (rc)
-        return rc;
     uint64_t n;
     enum epipe_dtype dt;
-    if ((rc = epipe_tensor_inspect(dst, "dst", c->msg, &n, &dt)))
+    int rc = inspect_for_call(c, dst, "dst", &n, &dt);
+    if (rc)
         return rc;
     return epipe_codec_decode_checked(c, src, len, dst, n, dt);
 }
