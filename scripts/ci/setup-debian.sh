@@ -3,11 +3,13 @@
 # python3-torch, python3-pytest, python3-numpy: the Python binding's tests and
 # examples/torch (run them with /usr/bin/python3, which sees these packages);
 # python3-matplotlib: scripts/experiments/accuracy_ablation.py's plot.
+# libibverbs-dev: the verbs header the rdma transport is compiled against (the
+# library itself is opened at run time, never linked).
 # Safe to run twice: it installs only the packages that are missing.
 # Usage: scripts/ci/setup-debian.sh [extra-package ...]
 set -eu
 pkgs="meson ninja-build pkg-config gcc g++ python3 libcmocka-dev libdlpack-dev zlib1g-dev libsodium-dev
-      libopenblas-dev liblapacke-dev dataset-fashion-mnist valgrind clang-format
+      libopenblas-dev liblapacke-dev libibverbs-dev dataset-fashion-mnist valgrind clang-format
       python3-torch python3-pytest python3-numpy python3-matplotlib $*"
 missing=""
 for p in $pkgs; do
