@@ -30,6 +30,12 @@ void fv_live_add(enum fv_live_kind kind, int delta)
   __atomic_add_fetch(&fv_live_counts[kind], delta, __ATOMIC_RELAXED);
 }
 
+void fv_live_reset(void)
+{
+  memset(fv_live_counts, 0, sizeof fv_live_counts);
+  pthread_mutex_init(&fv_open_lock, NULL);
+}
+
 FV_EXPORT int fakeverbs_live(const char *what);
 FV_EXPORT int fakeverbs_live(const char *what)
 {

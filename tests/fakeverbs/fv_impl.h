@@ -164,6 +164,7 @@ extern struct fv_nic fv_nic;
 
 void fv_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void fv_live_add(enum fv_live_kind kind, int delta);
+void fv_live_reset(void); /* in a forked child */
 int fv_fail_now(int op); /* under fv_nic.lock: counts a call, 1 when this one fails */
 uint64_t fv_now_ns(void);
 

@@ -419,7 +419,7 @@ int fv_rx_process(struct fv_conn *c)
     c->ack_ok -= k;
   }
   if (c->ack_err) {
-    struct fv_ack a = {c->ack_err, 1};
+    struct fv_ack a = {c->ack_err, 0}; /* the oldest outstanding send failed */
     if (fv_conn_append(c, &a, sizeof a) == 0)
       c->ack_err = 0;
   }
@@ -665,4 +665,40 @@ void fv_nic_stop(void)
     }
   }
   pthread_mutex_unlock(&fv_nic.lock);
+}
+
+/* A forked child starts without a NIC: the parent's thread is not there, and the
+ * child must not hold the parent's sockets open (a killed parent would then never
+ * look gone to its peers). The parent's objects stay unusable in the child, as
+ * verbs objects are after fork() without ibv_fork_init(). */
+static void fv_atfork_child(void)
+{
+  pthread_mutex_init(&fv_nic.lock, NULL);
+  for (struct fv_conn *c = fv_nic.conns; c; c = c->next)
+    close(c->fd);
+  for (int i = 0; i < 256; i++)
+    for (struct fv_qp *q = fv_nic.qps[i]; q; q = q->hnext)
+      if (q->out)
+        close(q->out->fd);
+  if (fv_nic.epfd >= 0) {
+    close(fv_nic.lfd);
+    close(fv_nic.kickfd);
+    close(fv_nic.epfd);
+  }
+  fv_nic.lfd = fv_nic.kickfd = fv_nic.epfd = -1;
+  fv_nic.conns = fv_nic.graveyard = NULL;
+  memset(fv_nic.qps, 0, sizeof fv_nic.qps);
+  fv_nic.mrs = NULL;
+  fv_nic.mrgen = NULL;
+  fv_nic.nmrs = 0;
+  fv_nic.users = 0;
+  fv_nic.running = 0;
+  fv_nic.nstalled = 0;
+  fv_nic.next_qpn = 0;
+  fv_live_reset();
+}
+
+__attribute__((constructor)) static void fv_init(void)
+{
+  pthread_atfork(NULL, NULL, fv_atfork_child);
 }
