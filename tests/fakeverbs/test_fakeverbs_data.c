@@ -422,3 +422,28 @@ void test_post_send_fault(void **state)
   expect(f.a.scq, 3, IBV_WC_WR_FLUSH_ERR);
   teardown(&f);
 }
+
+static int count_fds(void)
+{
+  int n = 0;
+  for (int fd = 0; fd < 4096; fd++)
+    n += fcntl(fd, F_GETFD) != -1;
+  return n;
+}
+
+/* Connect, transfer or fail, tear down: nothing is left behind (objects, sockets). */
+void test_cycles(void **state)
+{
+  (void)state;
+  int fds = count_fds();
+  for (int i = 0; i < 300; i++) {
+    struct fixture f;
+    setup(&f, 64, i % 3 == 0, 7, 14);
+    assert_int_equal(fvt_post_recv(f.b.qp, 1, NULL, 0, 0), 0);
+    uint32_t rkey = i % 2 ? f.dmr->rkey : f.dmr->rkey ^ 0x100;
+    assert_int_equal(write_to(&f, IBV_WR_RDMA_WRITE_WITH_IMM, 1, 0, 64, rkey, 0), 0);
+    expect(f.a.scq, 1, i % 2 ? IBV_WC_SUCCESS : IBV_WC_REM_ACCESS_ERR);
+    teardown(&f);
+  }
+  assert_int_equal(count_fds(), fds);
+}
