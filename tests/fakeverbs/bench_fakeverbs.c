@@ -65,6 +65,9 @@ int main(int argc, char **argv)
 {
   long count = argc > 1 ? atol(argv[1]) : 200000;
   uint32_t size = argc > 2 ? (uint32_t)atol(argv[2]) : 64;
+  int batch = argc > 3 ? atoi(argv[3]) : 16; /* work requests per ibv_post_send */
+  if (batch < 1 || batch > 16)
+    batch = 16;
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv))
     return 1;
@@ -92,12 +95,12 @@ int main(int argc, char **argv)
   long inflight_signaled = 0;
   struct ibv_wc wc[64];
   while (done < count) {
-    while (posted < count && inflight_signaled < WINDOW / 16) {
-      /* a batch of 16 chained writes, the last signaled */
+    while (posted < count && inflight_signaled < WINDOW / batch) {
+      /* a batch of chained writes, the last signaled */
       struct ibv_sge sge[16];
       struct ibv_send_wr wr[16], *bad;
       int k = 0;
-      for (; k < 16 && posted < count; k++, posted++) {
+      for (; k < batch && posted < count; k++, posted++) {
         sge[k] = (struct ibv_sge){(uintptr_t)buf, size, mr->lkey};
         memset(&wr[k], 0, sizeof wr[k]);
         wr[k].wr_id = (uint64_t)posted;
@@ -133,8 +136,8 @@ int main(int argc, char **argv)
   char d;
   fvt_xfer(sv[0], &d, 1, 0);
   double t = now_s() - t0;
-  printf("{\"messages\": %ld, \"size\": %u, \"seconds\": %.3f, \"messages_per_s\": %.0f}\n", count,
-         size, t, count / t);
+  printf("{\"messages\": %ld, \"size\": %u, \"batch\": %d, \"seconds\": %.3f, "
+         "\"messages_per_s\": %.0f}\n", count, size, batch, t, count / t);
   fvt_xfer(sv[0], &d, 1, 1);
   int st;
   waitpid(pid, &st, 0);

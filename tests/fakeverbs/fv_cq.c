@@ -186,11 +186,8 @@ void fv_cq_push(struct fv_cq *q, const struct ibv_wc *wc, int solicited)
   pthread_mutex_unlock(&q->lock);
 }
 
-int fv_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc)
+static int fv_poll_once(struct fv_cq *q, int n, struct ibv_wc *wc)
 {
-  struct fv_cq *q = FV_CONTAINER(cq, struct fv_cq, cq);
-  if (n < 0 || (n && !wc))
-    return -1;
   pthread_mutex_lock(&q->lock);
   if (q->overflow) {
     pthread_mutex_unlock(&q->lock);
@@ -204,6 +201,18 @@ int fv_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc)
   }
   pthread_mutex_unlock(&q->lock);
   return got;
+}
+
+int fv_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc)
+{
+  struct fv_cq *q = FV_CONTAINER(cq, struct fv_cq, cq);
+  if (n < 0 || (n && !wc))
+    return -1;
+  int got = fv_poll_once(q, n, wc);
+  if (got != 0 || n == 0)
+    return got;
+  fv_nic_progress();
+  return fv_poll_once(q, n, wc);
 }
 
 int fv_req_notify_cq(struct ibv_cq *cq, int solicited_only)

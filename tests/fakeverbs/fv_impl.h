@@ -153,6 +153,7 @@ struct fv_nic {
   uint8_t *mrgen;
   uint32_t nmrs;
   int nstalled;
+  uint64_t poll_until; /* ns: a thread polls a CQ and drives the NIC until then */
   /* fault injection: call counters and the failing call (0 = none) */
   unsigned long calls[4], fail_at[4];
   int log;
@@ -172,6 +173,7 @@ uint64_t fv_now_ns(void);
 int fv_nic_start(void); /* not locked */
 void fv_nic_stop(void); /* not locked */
 void fv_nic_kick(void);
+void fv_nic_progress(void); /* not locked: from ibv_poll_cq */
 int fv_conn_open(struct fv_qp *qp);
 void fv_conn_close(struct fv_conn *c);
 int fv_conn_flush(struct fv_conn *c);

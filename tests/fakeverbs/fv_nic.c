@@ -11,6 +11,7 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 static char fv_tag_listen, fv_tag_kick;
@@ -518,65 +519,109 @@ static void fv_rx_free(struct fv_conn *c)
   free(c);
 }
 
+static void fv_rx_kill(struct fv_conn *c)
+{
+  c->dead = 1; /* freed by the NIC thread's sweep; out of epoll now */
+  epoll_ctl(fv_nic.epfd, EPOLL_CTL_DEL, c->fd, NULL);
+}
+
+/* Handles what epoll reported (fv_nic.lock held). */
+static void fv_nic_handle(const struct epoll_event *ev, int n)
+{
+  for (int i = 0; i < n; i++) {
+    void *p = ev[i].data.ptr;
+    if (p == &fv_tag_kick) {
+      uint64_t v;
+      (void)!read(fv_nic.kickfd, &v, sizeof v);
+      continue;
+    }
+    if (p == &fv_tag_listen) {
+      fv_accept_all();
+      continue;
+    }
+    struct fv_conn *c = p;
+    if (c->dead)
+      continue;
+    if (c->outgoing) {
+      if (ev[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP))
+        fv_tx_read_acks(c);
+      if (!c->dead && (ev[i].events & EPOLLOUT) && fv_conn_flush(c) != 0)
+        fv_qp_peer_gone(c->qp);
+      continue;
+    }
+    if ((ev[i].events & EPOLLOUT) && fv_conn_flush(c) != 0)
+      fv_rx_kill(c);
+    if (!c->dead && c->stalled && (ev[i].events & (EPOLLERR | EPOLLHUP)))
+      fv_rx_kill(c); /* the requester is gone: nothing will retry the stalled request */
+    if (!c->dead && (ev[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)))
+      fv_rx_read(c);
+    if (c->dead)
+      fv_rx_kill(c);
+  }
+  if (fv_nic.nstalled)
+    for (struct fv_conn *c = fv_nic.conns; c; c = c->next)
+      if (c->stalled && !c->dead && fv_rx_process(c) != 0)
+        fv_rx_kill(c);
+}
+
+/* Frees dead connections: only the NIC thread, after handling the events it
+ * fetched (which may still name them). */
+static void fv_nic_sweep(void)
+{
+  for (struct fv_conn **pp = &fv_nic.conns; *pp;) {
+    struct fv_conn *c = *pp;
+    if (c->dead) {
+      *pp = c->next;
+      fv_rx_free(c);
+    } else {
+      pp = &c->next;
+    }
+  }
+  while (fv_nic.graveyard) {
+    struct fv_conn *c = fv_nic.graveyard;
+    fv_nic.graveyard = c->next;
+    free(c->tx);
+    free(c);
+  }
+}
+
+/* Called by ibv_poll_cq when it found nothing: a thread that busy-polls drives the
+ * NIC itself, so small messages need no thread wake-ups (fv_nic.lock not held). */
+void fv_nic_progress(void)
+{
+  if (pthread_mutex_trylock(&fv_nic.lock) != 0)
+    return;
+  if (fv_nic.running && !fv_nic.stop) {
+    struct epoll_event ev[32];
+    __atomic_store_n(&fv_nic.poll_until, fv_now_ns() + 200000u, __ATOMIC_RELAXED);
+    int n = epoll_wait(fv_nic.epfd, ev, 32, 0);
+    fv_nic_handle(ev, n);
+  }
+  pthread_mutex_unlock(&fv_nic.lock);
+}
+
 static void *fv_nic_main(void *arg)
 {
   (void)arg;
   struct epoll_event ev[64];
   for (;;) {
-    int timeout = __atomic_load_n(&fv_nic.nstalled, __ATOMIC_RELAXED) ? 1 : -1;
-    int n = epoll_wait(fv_nic.epfd, ev, 64, timeout);
+    /* while a thread busy-polls, it does the work and this one stays out of its way */
+    uint64_t until = __atomic_load_n(&fv_nic.poll_until, __ATOMIC_RELAXED), now = fv_now_ns();
+    int n = 0;
+    if (until > now) {
+      struct timespec ts = {0, (long)(until - now < 200000u ? until - now : 200000u)};
+      nanosleep(&ts, NULL);
+    } else {
+      int timeout = __atomic_load_n(&fv_nic.nstalled, __ATOMIC_RELAXED) ? 1 : -1;
+      n = epoll_wait(fv_nic.epfd, ev, 64, timeout);
+    }
     pthread_mutex_lock(&fv_nic.lock);
     if (fv_nic.stop) {
       pthread_mutex_unlock(&fv_nic.lock);
       return NULL;
     }
-    for (int i = 0; i < n; i++) {
-      void *p = ev[i].data.ptr;
-      if (p == &fv_tag_kick) {
-        uint64_t v;
-        (void)!read(fv_nic.kickfd, &v, sizeof v);
-        continue;
-      }
-      if (p == &fv_tag_listen) {
-        fv_accept_all();
-        continue;
-      }
-      struct fv_conn *c = p;
-      if (c->dead)
-        continue;
-      if (c->outgoing) {
-        if (ev[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP))
-          fv_tx_read_acks(c);
-        if (!c->dead && (ev[i].events & EPOLLOUT) && fv_conn_flush(c) != 0)
-          fv_qp_peer_gone(c->qp);
-        continue;
-      }
-      if ((ev[i].events & EPOLLOUT) && fv_conn_flush(c) != 0)
-        c->dead = 1;
-      if (!c->dead && c->stalled && (ev[i].events & (EPOLLERR | EPOLLHUP)))
-        c->dead = 1; /* the requester is gone: nothing will retry the stalled request */
-      if (!c->dead && (ev[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)))
-        fv_rx_read(c);
-    }
-    if (fv_nic.nstalled)
-      for (struct fv_conn *c = fv_nic.conns; c; c = c->next)
-        if (c->stalled && !c->dead && fv_rx_process(c) != 0)
-          c->dead = 1;
-    for (struct fv_conn **pp = &fv_nic.conns; *pp;) {
-      struct fv_conn *c = *pp;
-      if (c->dead) {
-        *pp = c->next;
-        fv_rx_free(c);
-      } else {
-        pp = &c->next;
-      }
-    }
-    while (fv_nic.graveyard) {
-      struct fv_conn *c = fv_nic.graveyard;
-      fv_nic.graveyard = c->next;
-      free(c->tx);
-      free(c);
-    }
+    fv_nic_handle(ev, n < 0 ? 0 : n);
+    fv_nic_sweep();
     pthread_mutex_unlock(&fv_nic.lock);
   }
 }
