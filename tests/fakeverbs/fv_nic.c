@@ -181,7 +181,7 @@ static void fv_rx_nak(struct fv_conn *c, enum ibv_wc_status st, const char *why)
   c->in_payload = 0;
   if (c->stalled) {
     c->stalled = 0;
-    fv_nic.nstalled--;
+    __atomic_sub_fetch(&fv_nic.nstalled, 1, __ATOMIC_RELAXED);
     fv_conn_events(c);
   }
 }
@@ -196,7 +196,7 @@ static int fv_rx_stall(struct fv_conn *c, enum ibv_wc_status st, uint64_t wait_n
     c->stalled = 1;
     c->stall_status = st;
     c->stall_deadline = forever ? 0 : now + wait_ns;
-    fv_nic.nstalled++;
+    __atomic_add_fetch(&fv_nic.nstalled, 1, __ATOMIC_RELAXED);
     fv_conn_events(c);
     fv_log("qp %u <- qp %u: stalled (%s)", c->hello.dst_qpn, c->hello.src_qpn, why);
     return 1;
@@ -212,7 +212,7 @@ static void fv_rx_unstall(struct fv_conn *c)
 {
   if (c->stalled) {
     c->stalled = 0;
-    fv_nic.nstalled--;
+    __atomic_sub_fetch(&fv_nic.nstalled, 1, __ATOMIC_RELAXED);
     fv_conn_events(c);
   }
 }
@@ -511,7 +511,7 @@ static void fv_accept_all(void)
 static void fv_rx_free(struct fv_conn *c)
 {
   if (c->stalled)
-    fv_nic.nstalled--;
+    __atomic_sub_fetch(&fv_nic.nstalled, 1, __ATOMIC_RELAXED);
   epoll_ctl(fv_nic.epfd, EPOLL_CTL_DEL, c->fd, NULL);
   close(c->fd);
   free(c->rx);
