@@ -177,8 +177,11 @@ void fv_nic_progress(void); /* not locked: from ibv_poll_cq */
 int fv_conn_open(struct fv_qp *qp);
 void fv_conn_close(struct fv_conn *c);
 int fv_conn_flush(struct fv_conn *c);
+void fv_conn_events(struct fv_conn *c); /* epoll interest from stalled/want_out */
 int fv_conn_append(struct fv_conn *c, const void *p, size_t n);
 void fv_gid_sockname(const union ibv_gid *gid, char *name, size_t cap);
+
+/* rx.c: the responder (fv_nic.lock held) */
 int fv_rx_process(struct fv_conn *c);
 
 /* mr lookups (fv_nic.lock held) */

@@ -447,3 +447,32 @@ void test_cycles(void **state)
   }
   assert_int_equal(count_fds(), fds);
 }
+
+/* A receive whose buffer lies outside its region, and a QP talking to a QP that
+ * is connected to another one. */
+void test_recv_prot_and_stranger(void **state)
+{
+  (void)state;
+  struct fixture f;
+  setup(&f, 64, 0, 7, 14);
+  assert_int_equal(fvt_post_recv(f.b.qp, 2, f.dst + 4090, 64, f.dmr->lkey), 0);
+  assert_int_equal(fvt_post(f.a.qp, IBV_WR_SEND, 1, f.src, 16, f.smr->lkey, 0, 0, 0, 1), 0);
+  expect(f.a.scq, 1, IBV_WC_REM_OP_ERR);
+  expect(f.b.rcq, 2, IBV_WC_LOC_PROT_ERR);
+  teardown(&f);
+  struct fvt_ep a, b, c;
+  assert_int_equal(fvt_open(&a, 8, 4, 0), 0);
+  assert_int_equal(fvt_open(&b, 8, 4, 0), 0);
+  assert_int_equal(fvt_open(&c, 8, 4, 0), 0);
+  struct fvt_info ib, ic;
+  fvt_info(&b, &ib);
+  fvt_info(&c, &ic);
+  assert_int_equal(fvt_connect(&a, &ib, 7, 4), 0); /* a -> b, but b -> c */
+  assert_int_equal(fvt_connect(&b, &ic, 7, 4), 0);
+  assert_int_equal(fvt_post(a.qp, IBV_WR_RDMA_WRITE, 1, NULL, 0, 0, 0, 0, 0, 1), 0);
+  expect(a.scq, 1, IBV_WC_RETRY_EXC_ERR);
+  fvt_close(&a);
+  fvt_close(&b);
+  fvt_close(&c);
+  fvt_assert_no_leaks();
+}
