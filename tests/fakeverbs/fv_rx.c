@@ -106,6 +106,7 @@ static int fv_rx_begin(struct fv_conn *c)
     struct fv_mr *m = h->len ? fv_mr_by_rkey(h->rkey) : NULL;
     if (!(q->access & IBV_ACCESS_REMOTE_WRITE)) {
       fv_rx_nak(c, IBV_WC_REM_ACCESS_ERR, "QP access flags lack IBV_ACCESS_REMOTE_WRITE");
+      fv_qp_to_err(q, IBV_WC_WR_FLUSH_ERR); /* the responder fails too (access error) */
       return 2;
     }
     if (h->len && (!m || m->mr.pd != q->qp.pd || !(m->access & IBV_ACCESS_REMOTE_WRITE) ||
@@ -119,10 +120,12 @@ static int fv_rx_begin(struct fv_conn *c)
                : !(m->access & IBV_ACCESS_REMOTE_WRITE) ? "MR without REMOTE_WRITE"
                                                         : "outside the MR");
       fv_rx_nak(c, IBV_WC_REM_ACCESS_ERR, why);
+      fv_qp_to_err(q, IBV_WC_WR_FLUSH_ERR);
       return 2;
     }
   } else if (h->op != FV_OP_SEND && h->op != FV_OP_SEND_IMM) {
     fv_rx_nak(c, IBV_WC_REM_INV_REQ_ERR, "unknown opcode");
+    fv_qp_to_err(q, IBV_WC_WR_FLUSH_ERR);
     return 2;
   }
   if (need_recv) {
@@ -193,6 +196,8 @@ static void fv_rx_finish(struct fv_conn *c)
     if (c->have_rwqe && q)
       fv_push_recv_wc(q, &c->rwqe, (enum ibv_wc_status)c->payload_status, IBV_WC_RECV, 0, 0, 0, 0);
     c->have_rwqe = 0;
+    if (q)
+      fv_qp_to_err(q, IBV_WC_WR_FLUSH_ERR);
     fv_rx_nak(c, c->payload_status == IBV_WC_REM_ACCESS_ERR ? IBV_WC_REM_ACCESS_ERR
                                                             : IBV_WC_REM_OP_ERR,
               "memory region deregistered during the transfer");

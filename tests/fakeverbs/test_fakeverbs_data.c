@@ -177,6 +177,7 @@ void test_bad_rkey_flush(void **state)
   struct fixture f;
   setup(&f, 64, 0, 7, 14);
   assert_int_equal(fvt_post_recv(f.a.qp, 90, NULL, 0, 0), 0);
+  assert_int_equal(fvt_post_recv(f.b.qp, 91, NULL, 0, 0), 0);
   assert_int_equal(write_to(&f, IBV_WR_RDMA_WRITE, 1, 0, 16, f.dmr->rkey ^ 0x100, 0), 0);
   assert_int_equal(write_to(&f, IBV_WR_RDMA_WRITE, 2, 0, 16, f.dmr->rkey, 0), 0);
   assert_int_equal(fvt_post(f.a.qp, IBV_WR_RDMA_WRITE, 3, f.src, 16, f.smr->lkey,
@@ -186,6 +187,9 @@ void test_bad_rkey_flush(void **state)
   expect(f.a.scq, 3, IBV_WC_WR_FLUSH_ERR);
   expect(f.a.rcq, 90, IBV_WC_WR_FLUSH_ERR);
   assert_int_equal(f.a.qp->state, IBV_QPS_ERR);
+  /* the responder's QP fails too (an access error), its receives are flushed */
+  expect(f.b.rcq, 91, IBV_WC_WR_FLUSH_ERR);
+  assert_int_equal(f.b.qp->state, IBV_QPS_ERR);
   assert_int_equal(f.dst[0], 0);
   /* posting to a QP in ERR completes at once with a flush error */
   assert_int_equal(write_to(&f, IBV_WR_RDMA_WRITE, 4, 0, 16, f.dmr->rkey, 0), 0);
