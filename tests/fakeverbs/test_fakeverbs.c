@@ -13,6 +13,7 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static struct ibv_mr *reg(struct ibv_pd *pd, void *p, size_t n, int access)
 {
@@ -180,10 +181,42 @@ static void test_state_machine(void **state)
   fvt_assert_no_leaks();
 }
 
+/* EPIPE_FAKEVERBS_LOG=1 traces refusals on stderr, naming the reason. */
+static void test_log(void **state)
+{
+  (void)state;
+  int p[2];
+  assert_int_equal(pipe(p), 0);
+  int saved = dup(2);
+  dup2(p[1], 2);
+  setenv("EPIPE_FAKEVERBS_LOG", "1", 1);
+  struct fvt_ep e;
+  int rc = fvt_open(&e, 8, 4, 0);
+  char buf[16];
+  struct ibv_mr *mr = reg(e.pd, buf, sizeof buf, IBV_ACCESS_REMOTE_WRITE);
+  fvt_close(&e);
+  unsetenv("EPIPE_FAKEVERBS_LOG");
+  dup2(saved, 2);
+  close(saved);
+  close(p[1]);
+  char out[8192] = {0};
+  size_t n = 0;
+  ssize_t r;
+  while (n < sizeof out - 1 && (r = read(p[0], out + n, sizeof out - 1 - n)) > 0)
+    n += (size_t)r;
+  close(p[0]);
+  assert_int_equal(rc, 0);
+  assert_null(mr);
+  assert_non_null(strstr(out, "fakeverbs["));
+  assert_non_null(strstr(out, "ibv_reg_mr: invalid argument"));
+  fvt_assert_no_leaks();
+}
+
 int main(void)
 {
   const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_device),
+    cmocka_unit_test(test_log),
     cmocka_unit_test(test_mr),
     cmocka_unit_test(test_state_machine),
     cmocka_unit_test(test_write_imm),

@@ -9,6 +9,7 @@
 #include "test_fakeverbs.h"
 
 #include <arpa/inet.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -102,7 +103,7 @@ enum child_mode { CHILD_ECHO, CHILD_HANG, CHILD_NORECV };
 static int child_main(int fd, size_t size, enum child_mode mode)
 {
   struct fvt_ep e;
-  if (fvt_open(&e, 64, 16, 0))
+  if (fvt_open(&e, 64, 16, mode == CHILD_ECHO)) /* the echo child sleeps on a channel */
     return 2;
   unsigned char *buf = calloc(1, size);
   struct ibv_mr *mr = (ibv_reg_mr)(e.pd, buf, size, RW);
@@ -113,6 +114,8 @@ static int child_main(int fd, size_t size, enum child_mode mode)
   if (fvt_xfer(fd, &me, sizeof me, 1) || fvt_xfer(fd, &peer, sizeof peer, 0) ||
       fvt_connect(&e, &peer.info, 7, 14))
     return 3;
+  if (mode == CHILD_ECHO && ibv_req_notify_cq(e.rcq, 0)) /* armed before the parent writes */
+    return 8;
   char go = 1;
   fvt_xfer(fd, &go, 1, 1);
   if (mode != CHILD_ECHO) {
@@ -120,6 +123,12 @@ static int child_main(int fd, size_t size, enum child_mode mode)
       pause();
   }
   struct ibv_wc wc;
+  struct pollfd pfd = {.fd = e.ch->fd, .events = POLLIN};
+  struct ibv_cq *ecq;
+  void *ectx;
+  if (poll(&pfd, 1, 20000) != 1 || ibv_get_cq_event(e.ch, &ecq, &ectx) || ecq != e.rcq)
+    return 8;
+  ibv_ack_cq_events(e.rcq, 1);
   if (fvt_wait(e.rcq, &wc, 20000) != 1 || wc.status != IBV_WC_SUCCESS ||
       wc.opcode != IBV_WC_RECV_RDMA_WITH_IMM || wc.byte_len != size || ntohl(wc.imm_data) != 42)
     return 4;
