@@ -30,16 +30,18 @@ static void fv_rx_nak(struct fv_conn *c, enum ibv_wc_status st, const char *why)
 }
 
 /* Stalls the stream (RC keeps order) until the condition clears or the
- * requester's retries would have run out. Returns 1 while stalled. */
+ * requester's retries would have run out. Returns 1 while stalled. A new
+ * reason (not ready, then no receive) starts its own count. */
 static int fv_rx_stall(struct fv_conn *c, enum ibv_wc_status st, uint64_t wait_ns, int forever,
                        const char *why)
 {
   uint64_t now = fv_now_ns();
-  if (!c->stalled) {
+  if (!c->stalled || c->stall_status != (int)st) {
+    if (!c->stalled)
+      __atomic_add_fetch(&fv_nic.nstalled, 1, __ATOMIC_RELAXED);
     c->stalled = 1;
     c->stall_status = st;
     c->stall_deadline = forever ? 0 : now + wait_ns;
-    __atomic_add_fetch(&fv_nic.nstalled, 1, __ATOMIC_RELAXED);
     fv_conn_events(c);
     fv_log("qp %u <- qp %u: stalled (%s)", c->hello.dst_qpn, c->hello.src_qpn, why);
     return 1;

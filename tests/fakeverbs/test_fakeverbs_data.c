@@ -392,6 +392,22 @@ void test_peer_not_ready(void **state)
   expect_none(a.scq, 30);
   assert_int_equal(fvt_connect(&b, &ia, 7, 14), 0);
   expect(a.scq, 1, IBV_WC_SUCCESS);
+  fvt_close(&a);
+  fvt_close(&b);
+  /* not ready, then ready without a receive: the RNR wait (for ever) replaces the
+   * retry wait (timeout 12: 17 ms x 3), which must not fail the send */
+  assert_int_equal(fvt_open(&a, 8, 4, 0), 0);
+  assert_int_equal(fvt_open(&b, 8, 4, 0), 0);
+  fvt_info(&a, &ia);
+  fvt_info(&b, &ib);
+  assert_int_equal(fvt_connect(&a, &ib, 7, 12), 0);
+  assert_int_equal(fvt_post(a.qp, IBV_WR_SEND, 1, NULL, 0, 0, 0, 0, 0, 1), 0);
+  expect_none(a.scq, 10);
+  assert_int_equal(fvt_connect(&b, &ia, 7, 12), 0);
+  expect_none(a.scq, 150);
+  assert_int_equal(fvt_post_recv(b.qp, 5, NULL, 0, 0), 0);
+  expect(a.scq, 1, IBV_WC_SUCCESS);
+  expect(b.rcq, 5, IBV_WC_SUCCESS);
   /* b's QP destroyed: a's retries run out (timeout 4: 65 us x 3 tries) */
   fvt_close(&b);
   struct ibv_qp_attr at = {.timeout = 4};
