@@ -72,6 +72,8 @@ static void fv_parse_env(void)
 {
   const char *lg = getenv("EPIPE_FAKEVERBS_LOG");
   fv_nic.log = lg && *lg && strcmp(lg, "0") != 0;
+  const char *st = getenv("EPIPE_FAKEVERBS_STRICT");
+  fv_nic.strict = st && *st && strcmp(st, "0") != 0;
   memset(fv_nic.calls, 0, sizeof fv_nic.calls);
   memset(fv_nic.fail_at, 0, sizeof fv_nic.fail_at);
   const char *f = getenv("EPIPE_FAKEVERBS_FAIL");

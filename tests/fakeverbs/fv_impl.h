@@ -56,6 +56,8 @@ struct fv_swqe {
   uint8_t opcode; /* enum ibv_wc_opcode */
   uint8_t signaled;
   uint8_t err; /* a local error found at post time: its completion status */
+  uint8_t nsge; /* EPIPE_FAKEVERBS_STRICT: the gather list kept in fv_qp.sq_sge */
+  uint64_t hash; /* ... and a hash of the bytes sent */
 };
 
 struct fv_rwqe {
@@ -84,6 +86,7 @@ struct fv_qp {
   struct fv_conn *out; /* requester connection to the peer's NIC */
   int out_broken; /* peer unreachable: next send fails with RETRY_EXC_ERR */
   int sig_all;
+  struct ibv_sge *sq_sge; /* strict mode: FV_MAX_SGE entries per send-queue slot */
 };
 
 /* Wire format between NICs (host byte order: one machine). */
@@ -157,6 +160,7 @@ struct fv_nic {
   /* fault injection: call counters and the failing call (0 = none) */
   unsigned long calls[4], fail_at[4];
   int log;
+  int strict; /* EPIPE_FAKEVERBS_STRICT=1 */
 };
 
 enum { FV_FAIL_REG_MR, FV_FAIL_CREATE_QP, FV_FAIL_MODIFY_QP, FV_FAIL_POST_SEND };

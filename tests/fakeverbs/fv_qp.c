@@ -4,8 +4,10 @@
 #include "fv_impl.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 struct fv_qp *fv_qp_lookup(uint32_t qpn)
 {
@@ -32,9 +34,12 @@ FV_EXPORT struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_att
   if (q) {
     q->sq = calloc(init->cap.max_send_wr, sizeof *q->sq);
     q->rq = calloc(rwr, sizeof *q->rq);
+    if (fv_nic.strict)
+      q->sq_sge = calloc((size_t)init->cap.max_send_wr * FV_MAX_SGE, sizeof *q->sq_sge);
   }
-  if (!q || !q->sq || !q->rq) {
+  if (!q || !q->sq || !q->rq || (fv_nic.strict && !q->sq_sge)) {
     if (q) {
+      free(q->sq_sge);
       free(q->sq);
       free(q->rq);
     }
@@ -45,6 +50,7 @@ FV_EXPORT struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_att
   pthread_mutex_lock(&fv_nic.lock);
   if (fv_fail_now(FV_FAIL_CREATE_QP)) {
     pthread_mutex_unlock(&fv_nic.lock);
+    free(q->sq_sge);
     free(q->sq);
     free(q->rq);
     free(q);
@@ -112,6 +118,7 @@ FV_EXPORT int ibv_destroy_qp(struct ibv_qp *qp)
   pthread_mutex_unlock(&fv_nic.lock);
   pthread_mutex_destroy(&qp->mutex);
   pthread_cond_destroy(&qp->cond);
+  free(q->sq_sge);
   free(q->sq);
   free(q->rq);
   free(q);
@@ -175,6 +182,38 @@ void fv_qp_to_err(struct fv_qp *q, enum ibv_wc_status first)
   }
 }
 
+static uint64_t fv_hash_sges(const struct ibv_sge *g, int n)
+{
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (int i = 0; i < n; i++) {
+    const unsigned char *p = (const unsigned char *)(uintptr_t)g[i].addr;
+    for (uint32_t k = 0; k < g[i].length; k++)
+      h = (h ^ p[k]) * 0x100000001b3ull;
+  }
+  return h;
+}
+
+/* Strict mode: did the user change a send's bytes before its completion? (Only
+ * while its regions are still registered: the bytes are readable then.) */
+static int fv_send_changed(struct fv_qp *q, const struct fv_swqe *s, uint64_t idx)
+{
+  const struct ibv_sge *g = q->sq_sge + idx * FV_MAX_SGE;
+  for (int i = 0; i < s->nsge; i++) {
+    struct fv_mr *m = fv_mr_by_lkey(g[i].lkey);
+    if (!m || g[i].addr < (uintptr_t)m->mr.addr ||
+        g[i].addr + g[i].length > (uintptr_t)m->mr.addr + m->mr.length)
+      return 0;
+  }
+  if (fv_hash_sges(g, s->nsge) == s->hash)
+    return 0;
+  fprintf(stderr,
+          "fakeverbs[%d]: EPIPE_FAKEVERBS_STRICT: the send buffer of wr_id 0x%llx on QP %u "
+          "changed between ibv_post_send and its completion; it completes with %s\n",
+          (int)getpid(), (unsigned long long)s->wr_id, q->qp.qp_num,
+          ibv_wc_status_str(IBV_WC_LOC_PROT_ERR));
+  return 1;
+}
+
 void fv_qp_acked(struct fv_qp *q, uint32_t count, enum ibv_wc_status status)
 {
   if (q->qp.state == IBV_QPS_ERR || q->qp.state == IBV_QPS_RESET)
@@ -185,6 +224,11 @@ void fv_qp_acked(struct fv_qp *q, uint32_t count, enum ibv_wc_status status)
       return;
     }
     struct fv_swqe *s = &q->sq[q->sq_acked % q->cap.max_send_wr];
+    if (q->sq_sge && s->nsge && fv_send_changed(q, s, q->sq_acked % q->cap.max_send_wr)) {
+      s->err = IBV_WC_LOC_PROT_ERR;
+      fv_qp_to_err(q, IBV_WC_WR_FLUSH_ERR);
+      return;
+    }
     q->sq_acked++;
     if (s->signaled) {
       fv_send_wc(q, s, IBV_WC_SUCCESS);
@@ -397,6 +441,7 @@ static int fv_post_one(struct fv_qp *q, struct ibv_send_wr *wr)
   s->signaled = q->sig_all || (wr->send_flags & IBV_SEND_SIGNALED);
   s->byte_len = 0;
   s->err = 0;
+  s->nsge = 0;
   q->sq_tail++;
   if (q->qp.state == IBV_QPS_ERR) {
     fv_qp_to_err(q, IBV_WC_WR_FLUSH_ERR);
@@ -404,6 +449,12 @@ static int fv_post_one(struct fv_qp *q, struct ibv_send_wr *wr)
   }
   enum ibv_wc_status st = fv_gather_check(q, wr, &total);
   s->byte_len = (uint32_t)total;
+  if (st == IBV_WC_SUCCESS && q->sq_sge && !(wr->send_flags & IBV_SEND_INLINE) && wr->num_sge) {
+    struct ibv_sge *g = q->sq_sge + ((q->sq_tail - 1) % q->cap.max_send_wr) * FV_MAX_SGE;
+    memcpy(g, wr->sg_list, (size_t)wr->num_sge * sizeof *g);
+    s->nsge = (uint8_t)wr->num_sge;
+    s->hash = fv_hash_sges(g, wr->num_sge);
+  }
   if (st == IBV_WC_SUCCESS && fv_fail_now(FV_FAIL_POST_SEND))
     st = IBV_WC_RETRY_EXC_ERR;
   if (st == IBV_WC_SUCCESS && (q->out_broken || !q->out))

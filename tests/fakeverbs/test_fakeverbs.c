@@ -234,6 +234,7 @@ int main(void)
     cmocka_unit_test(test_post_send_fault),
     cmocka_unit_test(test_cycles),
     cmocka_unit_test(test_recv_prot_and_stranger),
+    cmocka_unit_test(test_strict_send_buffer),
     cmocka_unit_test(test_threads),
     cmocka_unit_test(test_xproc_transfer),
     cmocka_unit_test(test_xproc_peer_killed),

@@ -25,6 +25,7 @@ void test_peer_not_ready(void **state);
 void test_post_send_fault(void **state);
 void test_cycles(void **state);
 void test_recv_prot_and_stranger(void **state);
+void test_strict_send_buffer(void **state);
 void test_threads(void **state);
 void test_xproc_transfer(void **state);
 void test_xproc_peer_killed(void **state);

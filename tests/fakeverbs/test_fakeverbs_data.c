@@ -496,3 +496,24 @@ void test_recv_prot_and_stranger(void **state)
   fvt_close(&c);
   fvt_assert_no_leaks();
 }
+
+/* EPIPE_FAKEVERBS_STRICT=1: a send buffer changed before its completion fails the send. */
+void test_strict_send_buffer(void **state)
+{
+  (void)state;
+  setenv("EPIPE_FAKEVERBS_STRICT", "1", 1);
+  struct fixture f;
+  setup(&f, 64, 0, 7, 14);
+  unsetenv("EPIPE_FAKEVERBS_STRICT");
+  /* untouched: fine */
+  assert_int_equal(write_to(&f, IBV_WR_RDMA_WRITE, 1, 0, 64, f.dmr->rkey, 0), 0);
+  expect(f.a.scq, 1, IBV_WC_SUCCESS);
+  /* no receive posted yet, so the send waits (RNR) while its buffer changes */
+  assert_int_equal(fvt_post(f.a.qp, IBV_WR_SEND, 2, f.src, 64, f.smr->lkey, 0, 0, 0, 1), 0);
+  expect_none(f.a.scq, 10);
+  f.src[3] ^= 1;
+  assert_int_equal(fvt_post_recv(f.b.qp, 3, f.dst, 64, f.dmr->lkey), 0);
+  expect(f.a.scq, 2, IBV_WC_LOC_PROT_ERR);
+  assert_int_equal(f.a.qp->state, IBV_QPS_ERR);
+  teardown(&f);
+}
