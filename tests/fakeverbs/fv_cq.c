@@ -186,9 +186,10 @@ void fv_cq_push(struct fv_cq *q, const struct ibv_wc *wc, int solicited)
     pthread_mutex_unlock(&q->lock);
 }
 
-static int fv_poll_once(struct fv_cq *q, int n, struct ibv_wc *wc)
+static int fv_poll_once(struct fv_cq *q, int n, struct ibv_wc *wc, int *armed)
 {
     pthread_mutex_lock(&q->lock);
+    *armed = q->armed;
     if (q->overflow) {
         pthread_mutex_unlock(&q->lock);
         return -1;
@@ -208,11 +209,13 @@ int fv_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc)
     struct fv_cq *q = FV_CONTAINER(cq, struct fv_cq, cq);
     if (n < 0 || (n && !wc))
         return -1;
-    int got = fv_poll_once(q, n, wc);
+    int armed;
+    int got = fv_poll_once(q, n, wc, &armed);
     if (got != 0 || n == 0)
         return got;
-    fv_nic_progress();
-    return fv_poll_once(q, n, wc);
+    /* the last look before sleeping on the channel does not claim the NIC */
+    fv_nic_progress(!armed);
+    return fv_poll_once(q, n, wc, &armed);
 }
 
 int fv_req_notify_cq(struct ibv_cq *cq, int solicited_only)
@@ -224,6 +227,9 @@ int fv_req_notify_cq(struct ibv_cq *cq, int solicited_only)
     q->armed = 1;
     q->solicited_only = solicited_only;
     pthread_mutex_unlock(&q->lock);
+    /* the caller is about to sleep: the NIC thread takes over at once */
+    if (__atomic_exchange_n(&fv_nic.poll_until, 0, __ATOMIC_RELAXED) != 0)
+        fv_nic_kick();
     return 0;
 }
 

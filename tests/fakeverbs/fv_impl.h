@@ -184,7 +184,7 @@ uint64_t fv_now_ns(void);
 int fv_nic_start(void); /* not locked */
 void fv_nic_stop(void); /* not locked */
 void fv_nic_kick(void);
-void fv_nic_progress(void); /* not locked: from ibv_poll_cq */
+void fv_nic_progress(int claim); /* not locked: from ibv_poll_cq */
 int fv_conn_open(struct fv_qp *qp);
 void fv_conn_close(struct fv_conn *c);
 int fv_conn_flush(struct fv_conn *c);

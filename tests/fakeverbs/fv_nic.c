@@ -4,6 +4,7 @@
 #include "fv_impl.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -323,13 +324,14 @@ static void fv_nic_sweep(void)
 
 /* Called by ibv_poll_cq when it found nothing: a thread that busy-polls drives the
  * NIC itself, so small messages need no thread wake-ups (fv_nic.lock not held). */
-void fv_nic_progress(void)
+void fv_nic_progress(int claim)
 {
     if (pthread_mutex_trylock(&fv_nic.lock) != 0)
         return;
     if (fv_nic.running && !fv_nic.stop) {
         struct epoll_event ev[32];
-        __atomic_store_n(&fv_nic.poll_until, fv_now_ns() + 200000u, __ATOMIC_RELAXED);
+        if (claim)
+            __atomic_store_n(&fv_nic.poll_until, fv_now_ns() + 200000u, __ATOMIC_RELAXED);
         int n = epoll_wait(fv_nic.epfd, ev, 32, 0);
         fv_nic_handle(ev, n);
     }
@@ -345,8 +347,13 @@ static void *fv_nic_main(void *arg)
         uint64_t until = __atomic_load_n(&fv_nic.poll_until, __ATOMIC_RELAXED), now = fv_now_ns();
         int n = 0;
         if (until > now) {
+            /* a kick (stop, or a poller going to sleep) ends the wait early */
             struct timespec ts = {0, (long)(until - now < 200000u ? until - now : 200000u)};
-            nanosleep(&ts, NULL);
+            struct pollfd k = {.fd = fv_nic.kickfd, .events = POLLIN};
+            if (ppoll(&k, 1, &ts, NULL) > 0) {
+                uint64_t v;
+                (void)!read(fv_nic.kickfd, &v, sizeof v);
+            }
         } else {
             int timeout = __atomic_load_n(&fv_nic.nstalled, __ATOMIC_RELAXED) ? 1 : -1;
             n = epoll_wait(fv_nic.epfd, ev, 64, timeout);
