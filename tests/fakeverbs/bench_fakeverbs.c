@@ -37,7 +37,7 @@ static int receiver(int fd, long count, uint32_t size)
     uint32_t rkey = mr->rkey;
     if (fvt_xfer(fd, &me, sizeof me, 1) || fvt_xfer(fd, &addr, sizeof addr, 1) ||
         fvt_xfer(fd, &rkey, sizeof rkey, 1) || fvt_xfer(fd, &peer, sizeof peer, 0) ||
-        fvt_connect(&e, &peer, 7, 14))
+        fvt_connect(&e, &peer, 7, 20))
         return 1;
     long got = 0;
     struct ibv_wc wc[64];
@@ -88,7 +88,7 @@ int main(int argc, char **argv)
     fvt_info(&e, &me);
     if (fvt_xfer(sv[0], &peer, sizeof peer, 0) || fvt_xfer(sv[0], &raddr, sizeof raddr, 0) ||
         fvt_xfer(sv[0], &rkey, sizeof rkey, 0) || fvt_xfer(sv[0], &me, sizeof me, 1) ||
-        fvt_connect(&e, &peer, 7, 14))
+        fvt_connect(&e, &peer, 7, 20))
         return 1;
     double t0 = now_s();
     long posted = 0, done = 0;
