@@ -226,9 +226,10 @@ void test_xproc_peer_killed(void **state)
     unsigned char *src = calloc(1, size);
     struct ibv_mr *smr = (ibv_reg_mr)(x.e.pd, src, size, IBV_ACCESS_LOCAL_WRITE);
     assert_int_equal(fvt_post_recv(x.e.qp, 50, NULL, 0, 0), 0);
+    /* with immediates: the child posted one receive, so the later ones cannot finish */
     for (int i = 0; i < 4; i++)
-        assert_int_equal(fvt_post(x.e.qp, IBV_WR_RDMA_WRITE, (uint64_t)i, src, (uint32_t)size,
-                                  smr->lkey, x.peer.addr, x.peer.rkey, 0, 1),
+        assert_int_equal(fvt_post(x.e.qp, IBV_WR_RDMA_WRITE_WITH_IMM, (uint64_t)i, src,
+                                  (uint32_t)size, smr->lkey, x.peer.addr, x.peer.rkey, 0, 1),
                          0);
     kill(x.pid, SIGKILL); /* while the writes are in flight */
     assert_int_equal(reap(&x), 128 + SIGKILL);
