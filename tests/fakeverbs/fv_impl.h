@@ -103,7 +103,9 @@ struct fv_hello {
     uint8_t src_gid[16];
 };
 enum { FV_OP_WRITE = 1, FV_OP_WRITE_IMM, FV_OP_SEND, FV_OP_SEND_IMM };
-enum { FV_F_SOLICITED = 1 };
+/* FV_F_ACKREQ: a signaled send; the responder acks at once. Acks count cumulatively,
+ * so those of unsignaled sends wait for the next one (no completion needs them). */
+enum { FV_F_SOLICITED = 1, FV_F_ACKREQ = 2 };
 struct fv_hdr {
     uint8_t op, flags, rnr_retry, timeout;
     uint8_t retry_cnt, pad[3];
@@ -142,6 +144,7 @@ struct fv_conn {
     int stall_status;
     int failed; /* sent an error NAK: drop everything after */
     uint64_t ack_ok;
+    int ack_due; /* a request asked for its ack */
     uint32_t ack_err;
     uint32_t ev_mask; /* epoll events registered */
 };

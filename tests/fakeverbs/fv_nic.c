@@ -219,6 +219,8 @@ static void fv_tx_read_acks(struct fv_conn *c)
         }
         c->ackpart_len = n - off;
         memcpy(c->ackpart, buf + off, c->ackpart_len);
+        if ((size_t)r < sizeof buf - sizeof(struct fv_ack))
+            return; /* drained: spare the read that would say EAGAIN */
     }
 }
 

@@ -484,6 +484,8 @@ static int fv_post_one(struct fv_qp *q, struct ibv_send_wr *wr)
     memset(&h, 0, sizeof h);
     h.op = op;
     h.flags = (wr->send_flags & IBV_SEND_SOLICITED) ? FV_F_SOLICITED : 0;
+    if (s->signaled || q->sq_sge) /* strict mode checks every send at its ack */
+        h.flags |= FV_F_ACKREQ;
     h.rnr_retry = q->rnr_retry;
     h.timeout = q->timeout;
     h.retry_cnt = q->retry_cnt;

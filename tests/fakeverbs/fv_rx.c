@@ -225,6 +225,8 @@ static void fv_rx_finish(struct fv_conn *c)
     }
     c->have_rwqe = 0;
     c->ack_ok++;
+    if (h->flags & FV_F_ACKREQ)
+        c->ack_due = 1;
 }
 
 /* Parses and executes what the requester sent; queues and sends the acks. */
@@ -273,13 +275,15 @@ int fv_rx_process(struct fv_conn *c)
     }
     if (c->failed)
         c->rx_off = c->rx_len; /* everything after a NAK is dropped */
-    while (c->ack_ok) {
+    while (c->ack_ok && (c->ack_due || c->ack_err)) {
         uint32_t k = c->ack_ok > 0xffffffffu ? 0xffffffffu : (uint32_t)c->ack_ok;
         struct fv_ack a = {IBV_WC_SUCCESS, k};
         if (fv_conn_append(c, &a, sizeof a) != 0)
             break;
         c->ack_ok -= k;
     }
+    if (!c->ack_ok)
+        c->ack_due = 0;
     if (c->ack_err) {
         struct fv_ack a = {c->ack_err, 0}; /* the oldest outstanding send failed */
         if (fv_conn_append(c, &a, sizeof a) == 0)
