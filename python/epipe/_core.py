@@ -177,10 +177,11 @@ class Codec(_Handle):
         need = max(cap.value, 1)
         buf = getattr(self, "_scratch", None)
         if buf is None or len(buf) < need:
-            # a fresh one: a caller may still hold a view of the old one
+            # a fresh one: a caller may still hold a view of the old one.
+            # The ctypes array pins it (a bytearray with exports cannot move).
             buf = self._scratch = bytearray(need)
-        addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
-        n = self._encode_at(v, h, addr, len(buf))
+            self._scratch_pin = (ctypes.c_char * need).from_buffer(buf)
+        n = self._encode_at(v, h, ctypes.addressof(self._scratch_pin), len(buf))
         return memoryview(buf)[:n].toreadonly()
 
     def decode(self, payload, out=None, *, shape=None, dtype=None):
