@@ -15,12 +15,14 @@ from epipe import _abi, _lib
 
 def _include_dir():
     """EPIPE_INCLUDE, else the include/ of the source tree the loaded library
-    was built in, else pkg-config's includedir for epipe."""
+    was built in, else that of the checkout this package runs from, else
+    pkg-config's includedir for epipe."""
     env = os.environ.get("EPIPE_INCLUDE")
     if env:
         return env
     d = os.path.dirname(os.path.realpath(_lib.library_path))
-    for up in (os.path.join(d, "..", ".."), os.path.join(d, "..")):
+    pkg_tree = os.path.join(os.path.dirname(os.path.abspath(epipe.__file__)), "..", "..")
+    for up in (os.path.join(d, "..", ".."), os.path.join(d, ".."), pkg_tree):
         if os.path.isfile(os.path.join(up, "meson.build")) and \
                 os.path.isfile(os.path.join(up, "include", "epipe", "common.h")):
             return os.path.normpath(os.path.join(up, "include"))
