@@ -46,6 +46,8 @@ cd "$tmp"
 
 check_import() { # expected package dir
     out=$("$vpy" -c "import epipe, os; print(epipe.__version__, epipe.library_path, os.path.dirname(epipe.__file__))")
+    dist=$("$vpy" -c "import importlib.metadata as m; print(m.version(\"epipe\"))")
+    [ "$dist" = "${out%% *}" ] || { echo "FAIL: pip installed epipe $dist, epipe.__version__ is ${out%% *}"; exit 1; }
     echo "import epipe: $out"
     set -- "$1" $out
     case "$3" in "$libdir"/*) ;; *) echo "FAIL: libepipe loaded from $3, not pkg-config's $libdir"; exit 1 ;; esac

@@ -103,3 +103,19 @@ def test_failure_names_every_place_tried(pkg):
     for place in ("EPIPE_LIBRARY: not set", "pkg-config: ", "install prefix: no libepipe.so.0 in",
                   sys.prefix):
         assert place in err, err
+
+
+def test_a_library_of_another_minor_is_refused_at_import(pkg):
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = pkg / "fake.c"
+    src.write_text('unsigned epipe_version(void) { return 200; }\n'
+                   'const char *epipe_version_string(void) { return "0.2.0"; }\n')
+    fake = pkg / "libepipe.so.0"
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(fake)], check=True)
+    r = _import(pkg, {"EPIPE_LIBRARY": str(fake)})
+    assert r.returncode != 0
+    err = r.stderr.strip().splitlines()[-1]
+    assert "ImportError: libepipe 0.2.0 at %s does not match" % fake in err, err
+    assert "written for libepipe %s" % epipe.__version__ in err, err
