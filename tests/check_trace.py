@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """EPIPE_TRACE in a multi-process run: each rank writes its own file
 (run.rank<R>.json), epipe-trace-merge joins them into one trace with a track
-per stage, and every stage's track has a forward and a backward span for
-each micro-batch of each step."""
+per stage (pids from 1), every stage's track has a forward and a backward
+slice for each micro-batch of each step, compute slices never contain a
+wait, slices carry their step, micro-batch, bytes and codec, and a flow
+arrow runs from each send to its receive on the neighbouring rank."""
 import json
 import os
 import subprocess
@@ -10,28 +12,96 @@ import sys
 import tempfile
 
 run, trainer, merge = sys.argv[1:4]
+STAGES, MB, STEPS = 3, 4, 100  # minimal_trainer: 100 steps of 4 micro-batches
+SPEC = "quant:bits=8"
+EPS = 0.002  # us: the files print times to 1 ns
+
+
+def fail(msg):
+    sys.exit("FAIL: " + msg)
+
+
 with tempfile.TemporaryDirectory() as d:
     env = dict(os.environ, EPIPE_TRACE=os.path.join(d, "run.json"))
-    r = subprocess.run([run, "-n", "3", "--", trainer], env=env, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([run, "-n", str(STAGES), "--", trainer, SPEC], env=env,
+                       capture_output=True, text=True, timeout=60)
     if r.returncode:
-        sys.exit("FAIL: trainer exited %d\n%s%s" % (r.returncode, r.stdout, r.stderr))
-    files = [os.path.join(d, "run.rank%d.json" % k) for k in range(3)]
+        fail("trainer exited %d\n%s%s" % (r.returncode, r.stdout, r.stderr))
+    files = [os.path.join(d, "run.rank%d.json" % k) for k in range(STAGES)]
     for f in files:
         if not os.path.exists(f):
-            sys.exit("FAIL: %s was not written (have %s)" % (f, os.listdir(d)))
+            fail("%s was not written (have %s)" % (f, os.listdir(d)))
     out = os.path.join(d, "merged.json")
     subprocess.run([sys.executable, merge, out] + files, check=True, capture_output=True)
     events = json.load(open(out))["traceEvents"]
-    for stage in range(3):
-        names = [e["name"] for e in events if e["pid"] == stage and e.get("cat") == "compute"]
-        # minimal_trainer: 100 steps of 4 micro-batches
-        for op in ("F", "B"):
-            for mb in range(4):
-                if names.count("%s%d" % (op, mb)) != 100:
-                    sys.exit("FAIL: stage %d has %d spans %s%d, not 100" %
-                             (stage, names.count("%s%d" % (op, mb)), op, mb))
-        tracks = [e for e in events if e["pid"] == stage and e["name"] == "process_name"]
-        if len(tracks) != 1:
-            sys.exit("FAIL: stage %d has %d track names" % (stage, len(tracks)))
+
+slices = [e for e in events if e["ph"] == "X"]
+# process ids from 1: stage s is pid s + 1, and nothing is on pid 0
+pids = sorted({e["pid"] for e in events})
+if pids != list(range(1, STAGES + 1)):
+    fail("pids %s, not 1..%d" % (pids, STAGES))
+for stage in range(STAGES):
+    pid = stage + 1
+    names = [e for e in events if e["pid"] == pid and e["name"] == "process_name"]
+    if len(names) != 1 or names[0]["args"]["name"] != "stage %d" % stage:
+        fail("pid %d has track names %s" % (pid, names))
+    compute = [e for e in slices if e["pid"] == pid and e["cat"] == "compute"]
+    # a forward and a backward slice per micro-batch per step, with their args
+    got = sorted((e["args"]["step"], e["name"][0], e["args"]["microbatch"]) for e in compute)
+    want = sorted((s, op, mb) for s in range(STEPS) for op in "FB" for mb in range(MB))
+    if got != want:
+        fail("stage %d: compute slices (step, op, mb) differ from %d steps x %s" %
+             (stage, STEPS, [op + str(mb) for op in "FB" for mb in range(MB)]))
+    for e in compute:
+        if e["name"] != "%s%d" % (e["name"][0], e["args"]["microbatch"]):
+            fail("slice %s has microbatch %s" % (e["name"], e["args"]["microbatch"]))
+    # compute slices do not contain (or overlap) the stage's waits
+    waits = [e for e in slices if e["pid"] == pid and e["cat"] == "wait"]
+    if not waits and stage:
+        fail("stage %d has no wait slices" % stage)
+    allc = sorted((e["ts"], e["ts"] + e["dur"]) for e in compute)
+    for w in waits:
+        w0, w1 = w["ts"], w["ts"] + w["dur"]
+        for c0, c1 in allc:
+            if c0 < w1 - EPS and w0 < c1 - EPS:
+                fail("stage %d: compute slice [%.3f, %.3f] overlaps wait [%.3f, %.3f]" %
+                     (stage, c0, c1, w0, w1))
+    # message slices carry step, micro-batch, direction, bytes and codec
+    for e in slices:
+        if e["pid"] == pid and e["cat"] in ("wait", "decode", "encode"):
+            a = e.get("args", {})
+            if not a.get("codec", "").startswith(SPEC):  # the canonical spec
+                fail("slice %s on stage %d has args %s" % (e["name"], stage, a))
+            if a.get("direction") not in ("activation", "gradient") or "step" not in a or \
+                    "microbatch" not in a or a.get("bytes", 0) <= 0:
+                fail("slice %s on stage %d has args %s" % (e["name"], stage, a))
+
+# a flow arrow from every send to its receive
+starts = {e["id"]: e for e in events if e["ph"] == "s"}
+ends = {e["id"]: e for e in events if e["ph"] == "f"}
+messages = STEPS * MB * (STAGES - 1) * 2
+if len(starts) != messages or sorted(starts) != sorted(ends):
+    fail("%d flow starts and %d ends, not %d paired" % (len(starts), len(ends), messages))
+
+
+def inside(pid, name, ts):
+    return [e for e in slices if e["pid"] == pid and e["name"] == name and
+            e["ts"] - EPS <= ts <= e["ts"] + e["dur"] + EPS]
+
+
+for i, s in starts.items():
+    f = ends[i]
+    if f.get("bp") != "e" or abs(s["pid"] - f["pid"]) != 1:
+        fail("flow %d from pid %d to pid %d (bp %s)" % (i, s["pid"], f["pid"], f.get("bp")))
+    enc, dec = inside(s["pid"], "encode", s["ts"]), inside(f["pid"], "decode", f["ts"])
+    if len(enc) != 1 or len(dec) != 1:
+        fail("flow %d does not start in one encode and end in one decode slice" % i)
+    ea, da = enc[0]["args"], dec[0]["args"]
+    for k in ("step", "microbatch", "direction", "bytes"):
+        if ea[k] != da[k]:
+            fail("flow %d joins a send and a receive that differ in %s: %s vs %s" %
+                 (i, k, ea[k], da[k]))
+    fwd = f["pid"] == s["pid"] + 1
+    if fwd != (ea["direction"] == "activation"):
+        fail("flow %d: a %s from pid %d to pid %d" % (i, ea["direction"], s["pid"], f["pid"]))
 print("1 passed, 0 failed")

@@ -397,12 +397,13 @@ static void statistics_add_up(void **state)
         host_result_free(&res[s]);
 }
 
-/* 1 when some line of the trace holds an event with this name on stage pid. */
-static int trace_has(const char *text, const char *name, unsigned pid)
+/* 1 when some line of the trace holds an event with this name on stage
+ * `stage` (process id stage + 1). */
+static int trace_has(const char *text, const char *name, unsigned stage)
 {
     char want_name[64], want_pid[32];
     snprintf(want_name, sizeof want_name, "\"name\": \"%s\"", name);
-    snprintf(want_pid, sizeof want_pid, "\"pid\": %u,", pid);
+    snprintf(want_pid, sizeof want_pid, "\"pid\": %u,", stage + 1);
     for (const char *line = text; line && *line;) {
         const char *end = strchr(line, '\n');
         size_t len = end ? (size_t)(end - line) : strlen(line);

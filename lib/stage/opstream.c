@@ -30,6 +30,7 @@ static int finish_current_op(epipe_stage *st)
         snprintf(name, sizeof name, "%c%u", st->cur.kind == EPIPE_OP_FORWARD ? 'F' : 'B',
                  st->cur.microbatch);
         epipe_trace_span(st->trace, name, "compute", st->op_t0, now());
+        epipe_trace_args(st->trace, st->step, st->cur.microbatch, -1, 0, NULL);
     }
     st->cur_valid = 0;
     return EPIPE_OK;
@@ -205,6 +206,7 @@ int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
     if (st->tracing)
         epipe_trace_span(st->trace, "decode", "decode", t1, t2);
     uint64_t wire = msg->len;
+    epipe_trace_args(st->trace, st->step, mb, dir, wire, epipe_codec_spec(codec));
     epipe_msg_free(msg);
     if (rc) {
         lt->t.data = NULL;
@@ -386,6 +388,7 @@ int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
         return fail(st, rc, "framing: %s", epipe_last_error());
     }
     uint64_t wire = msg->len;
+    epipe_trace_args(st->trace, st->step, mb, dir, wire, epipe_codec_spec(codec));
     if ((rc = epipe_comm_send(st->comm, peer, msg)))
         return fail(st, rc, "%s", epipe_comm_last_error(st->comm));
     if (dir == DIR_ACT)

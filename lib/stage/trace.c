@@ -5,6 +5,7 @@
 #include "trace.h"
 
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,18 @@ struct span {
     char name[12];
     const char *cat;
     double t0, t1;
+    /* epipe_trace_args(): has_args, then dir (-1: none), bytes (0: none)
+     * and codec (an interned copy, NULL: none) */
+    int has_args, dir;
+    unsigned mb;
+    uint64_t step, bytes;
+    const char *codec;
+};
+
+/* Strings the spans point to (codec specs), each kept once. */
+struct strs {
+    char **v;
+    size_t n;
 };
 
 struct spans {
@@ -31,12 +44,15 @@ struct trace_file {
     char *path;
     unsigned users;
     struct spans spans; /* of the stages that closed */
+    struct strs strs;   /* their strings */
 };
 
 struct epipe_trace {
     struct trace_file *file;
     unsigned stage;
     struct spans spans; /* this stage's, not yet handed over */
+    struct strs strs;   /* their strings */
+    size_t annotated;   /* spans [0, annotated) went through epipe_trace_args */
 };
 
 static pthread_mutex_t files_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -112,15 +128,121 @@ epipe_trace *epipe_trace_open(const char *path, unsigned rank, int one_process_p
     return t;
 }
 
+/* The longest part of [*t0, *t1] that the spans from `first` on (the
+ * stage's receive and send spans inside the op, in time order) leave free. */
+static void free_stretch(const struct spans *sp, size_t first, double *t0, double *t1)
+{
+    double best0 = *t0, best1 = *t0, at = *t0;
+    for (size_t i = first; i <= sp->n; i++) {
+        double end = i < sp->n ? sp->v[i].t0 : *t1;
+        if (end > *t1)
+            end = *t1;
+        if (end - at > best1 - best0)
+            best0 = at, best1 = end;
+        if (i < sp->n && sp->v[i].t1 > at)
+            at = sp->v[i].t1;
+    }
+    *t0 = best0, *t1 = best1;
+}
+
 void epipe_trace_span(epipe_trace *t, const char *name, const char *cat, double t0, double t1)
 {
     if (!t || spans_reserve(&t->spans, 1))
         return; /* a trace is best effort: drop the span, never fail a step */
+    if (!strcmp(cat, "compute")) {
+        size_t first = t->spans.n;
+        while (first > 0 && t->spans.v[first - 1].t0 >= t0 &&
+               strcmp(t->spans.v[first - 1].cat, "compute"))
+            first--;
+        free_stretch(&t->spans, first, &t0, &t1);
+    }
     struct span *s = &t->spans.v[t->spans.n++];
+    memset(s, 0, sizeof *s);
     s->stage = t->stage;
     snprintf(s->name, sizeof s->name, "%s", name);
     s->cat = cat;
     s->t0 = t0, s->t1 = t1;
+    s->dir = -1;
+}
+
+/* The trace's copy of `str`, made once; NULL when out of memory. */
+static const char *intern(struct strs *ss, const char *str)
+{
+    for (size_t i = 0; i < ss->n; i++)
+        if (!strcmp(ss->v[i], str))
+            return ss->v[i];
+    char **v = realloc(ss->v, (ss->n + 1) * sizeof *v);
+    if (!v)
+        return NULL;
+    ss->v = v;
+    size_t len = strlen(str) + 1;
+    if (!(v[ss->n] = malloc(len)))
+        return NULL;
+    memcpy(v[ss->n], str, len);
+    return v[ss->n++];
+}
+
+void epipe_trace_args(epipe_trace *t, uint64_t step, unsigned mb, int dir, uint64_t bytes,
+                      const char *codec)
+{
+    if (!t)
+        return;
+    const char *c = codec ? intern(&t->strs, codec) : NULL;
+    for (size_t i = t->annotated; i < t->spans.n; i++) {
+        struct span *s = &t->spans.v[i];
+        s->has_args = 1;
+        s->step = step, s->mb = mb, s->dir = dir, s->bytes = bytes, s->codec = c;
+    }
+    t->annotated = t->spans.n;
+}
+
+/* ", \"args\": {...}" of a span that has them. Specs are [a-z0-9:,=.]
+ * but are escaped anyway. */
+static void write_args(FILE *f, const struct span *s)
+{
+    if (!s->has_args)
+        return;
+    fprintf(f, ", \"args\": {\"step\": %llu, \"microbatch\": %u", (unsigned long long)s->step,
+            s->mb);
+    if (s->dir >= 0)
+        fprintf(f, ", \"direction\": \"%s\"", s->dir == 0 ? "activation" : "gradient");
+    if (s->bytes)
+        fprintf(f, ", \"bytes\": %llu", (unsigned long long)s->bytes);
+    if (s->codec) {
+        fputs(", \"codec\": \"", f);
+        for (const char *c = s->codec; *c; c++)
+            if (*c == '"' || *c == '\\')
+                fprintf(f, "\\%c", *c);
+            else if ((unsigned char)*c >= 0x20)
+                fputc(*c, f);
+        fputc('"', f);
+    }
+    fputc('}', f);
+}
+
+static void strs_free(struct strs *ss)
+{
+    for (size_t i = 0; i < ss->n; i++)
+        free(ss->v[i]);
+    free(ss->v);
+    ss->v = NULL, ss->n = 0;
+}
+
+/* Moves `from`'s strings to the end of `to`; on failure frees them and
+ * clears the codec of the spans in `sp` that point to them. */
+static void strs_move(struct strs *to, struct strs *from, struct spans *sp)
+{
+    char **v = from->n ? realloc(to->v, (to->n + from->n) * sizeof *v) : to->v;
+    if (!v) {
+        for (size_t i = 0; i < sp->n; i++)
+            sp->v[i].codec = NULL;
+        strs_free(from);
+        return;
+    }
+    memcpy(v + to->n, from->v, from->n * sizeof *v);
+    to->v = v, to->n += from->n;
+    free(from->v);
+    from->v = NULL, from->n = 0;
 }
 
 static void write_trace(const char *path, const struct spans *sp)
@@ -142,13 +264,17 @@ static void write_trace(const char *path, const struct spans *sp)
                 "\"args\": {\"name\": \"stage %u\"}},\n"
                 "{\"name\": \"process_sort_index\", \"ph\": \"M\", \"pid\": %u, \"tid\": 0, "
                 "\"args\": {\"sort_index\": %u}},\n",
-                s, s, s, s);
-    for (size_t i = 0; i < nspans; i++)
+                s + 1, s, s + 1, s);
+    for (size_t i = 0; i < nspans; i++) {
+        /* pid: the stage plus one (Perfetto treats pid 0 as the idle task) */
         fprintf(f,
                 "{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": %u, \"tid\": 0, "
-                "\"ts\": %.3f, \"dur\": %.3f}%s\n",
-                spans[i].name, spans[i].cat, spans[i].stage, spans[i].t0 * 1e6,
-                (spans[i].t1 - spans[i].t0) * 1e6, i + 1 < nspans ? "," : "");
+                "\"ts\": %.3f, \"dur\": %.3f",
+                spans[i].name, spans[i].cat, spans[i].stage + 1, spans[i].t0 * 1e6,
+                (spans[i].t1 - spans[i].t0) * 1e6);
+        write_args(f, &spans[i]);
+        fprintf(f, "}%s\n", i + 1 < nspans ? "," : "");
+    }
     fprintf(f, "]}\n");
     if (fclose(f) != 0)
         epipe_log_msg(EPIPE_LOG_ERROR, -1, "trace", "error writing the trace to %s", path);
@@ -161,6 +287,7 @@ void epipe_trace_close(epipe_trace *t)
     struct trace_file *f = t->file;
     pthread_mutex_lock(&files_lock);
     if (t->spans.n && spans_reserve(&f->spans, t->spans.n) == 0) {
+        strs_move(&f->strs, &t->strs, &t->spans);
         memcpy(f->spans.v + f->spans.n, t->spans.v, t->spans.n * sizeof *t->spans.v);
         f->spans.n += t->spans.n;
     }
@@ -172,12 +299,14 @@ void epipe_trace_close(epipe_trace *t)
                 break;
             }
     pthread_mutex_unlock(&files_lock);
+    strs_free(&t->strs); /* those not handed over */
     free(t->spans.v);
     free(t);
     if (last) {
         if (f->spans.n)
             write_trace(f->path, &f->spans);
         free(f->spans.v);
+        strs_free(&f->strs);
         free(f->path);
         free(f);
     }

@@ -4,19 +4,25 @@ import threading
 import weakref
 from collections import namedtuple
 
-from . import _lib
+from . import _abi, _lib
+from ._buffer import Buffer
 from ._lib import Error, check, lib
 from ._tensor import DLView, wrap_lent
 
+_C = _abi.C
 # epipe_op_kind (schedule.h) values the op stream returns
-OP_NONE, OP_FORWARD, OP_BACKWARD = 0, 1, 2
-ACTIVATION, GRADIENT = 0, 1  # epipe_direction
-ALL_BOUNDARIES = 0xFFFFFFFF
+OP_NONE, OP_FORWARD, OP_BACKWARD = (
+    _C["EPIPE_OP_NONE"], _C["EPIPE_OP_FORWARD"], _C["EPIPE_OP_BACKWARD"])
+ACTIVATION, GRADIENT = _C["EPIPE_DIR_ACTIVATION"], _C["EPIPE_DIR_GRADIENT"]  # epipe_direction
+ALL_BOUNDARIES = _C["EPIPE_ALL_BOUNDARIES"]
 
 # knobs (codec.h, comm.h, stage.h)
-CODEC_THREADS = 1
-COMM_TIMEOUT_MS, COMM_MAX_MESSAGE, COMM_SPIN_US = 1, 2, 3
-STAGE_TIMEOUT_MS, STAGE_CODEC_THREADS, STAGE_BATCH_SIZE, STAGE_TRAINING = 1, 2, 3, 4
+CODEC_THREADS = _C["EPIPE_CODEC_THREADS"]
+COMM_TIMEOUT_MS, COMM_MAX_MESSAGE, COMM_SPIN_US = (
+    _C["EPIPE_COMM_TIMEOUT_MS"], _C["EPIPE_COMM_MAX_MESSAGE"], _C["EPIPE_COMM_SPIN_US"])
+STAGE_TIMEOUT_MS, STAGE_CODEC_THREADS, STAGE_BATCH_SIZE, STAGE_TRAINING = (
+    _C["EPIPE_STAGE_TIMEOUT_MS"], _C["EPIPE_STAGE_CODEC_THREADS"], _C["EPIPE_STAGE_BATCH_SIZE"],
+    _C["EPIPE_STAGE_TRAINING"])
 
 
 def version():
@@ -51,7 +57,7 @@ class _Handle:
 
     def _handle(self):
         if not self._h:
-            raise Error(-11, f"this {type(self).__name__} is closed")
+            raise Error(_C["EPIPE_ESTATE"], f"this {type(self).__name__} is closed")
         return self._h
 
     def __enter__(self):
@@ -117,35 +123,82 @@ class Codec(_Handle):
                     "epipe_codec_max_encoded_size")
         return n.value
 
-    def encode(self, tensor):
+    def _encode_at(self, v, h, addr, cap):
+        written = ctypes.c_size_t()
+        self._check(lib.epipe_codec_encode(h, v.ptr, addr, cap, ctypes.byref(written)),
+                    "epipe_codec_encode")
+        return written.value
+
+    def encode(self, tensor, out=None):
         """Encodes a CPU tensor (fp32, fp16 or bf16, any strides), read in
-        place through DLPack. Returns the payload as bytes."""
+        place through DLPack.
+
+        Without `out`: returns the payload as a new ``bytes`` (one copy of
+        the payload out of the codec's reused buffer; use `out` or
+        encode_view() on hot paths). With `out` (a writable bytearray,
+        memoryview, NumPy array or contiguous CPU uint8 torch tensor of at
+        least max_encoded_size(tensor) bytes): the payload is written into
+        it and a memoryview of the written prefix is returned; nothing is
+        allocated or copied. Error EPIPE_ENOSPC names the size needed when
+        out is too small."""
+        if out is None:
+            return bytes(self.encode_view(tensor))
         v = DLView(tensor)
         h = self._handle()
         cap = ctypes.c_size_t()
         self._check(lib.epipe_codec_max_encoded_size(h, v.ptr, ctypes.byref(cap)),
                     "epipe_codec_max_encoded_size")
-        buf = ctypes.create_string_buffer(max(cap.value, 1))
-        written = ctypes.c_size_t()
-        self._check(lib.epipe_codec_encode(h, v.ptr, buf, cap.value, ctypes.byref(written)),
-                    "epipe_codec_encode")
-        return buf.raw[: written.value]
+        with Buffer(out, True) as (addr, size):
+            if size < cap.value:
+                raise Error(_C["EPIPE_ENOSPC"],
+                            f"out has {size} bytes; this tensor may need up to {cap.value} "
+                            "(max_encoded_size)", "Codec.encode")
+            n = self._encode_at(v, h, addr, size)
+        mv = out if isinstance(out, memoryview) else None
+        if mv is None:
+            try:
+                mv = memoryview(out)
+            except TypeError:  # a torch tensor: return a view of it instead
+                return out.view(-1)[:n]
+        return mv.cast("B")[:n]
+
+    def encode_view(self, tensor):
+        """Encodes into a buffer the codec keeps and reuses (grown when a
+        larger tensor comes), and returns a read-only memoryview of the
+        payload: no allocation or copy once the buffer has its size. The
+        view stays readable, but the next encode_view() on this codec
+        overwrites its bytes (unless the view was still held when the
+        buffer had to grow): copy it (bytes(view)) to keep it."""
+        v = DLView(tensor)
+        h = self._handle()
+        cap = ctypes.c_size_t()
+        self._check(lib.epipe_codec_max_encoded_size(h, v.ptr, ctypes.byref(cap)),
+                    "epipe_codec_max_encoded_size")
+        need = max(cap.value, 1)
+        buf = getattr(self, "_scratch", None)
+        if buf is None or len(buf) < need:
+            # a fresh one: a caller may still hold a view of the old one.
+            # The ctypes array pins it (a bytearray with exports cannot move).
+            buf = self._scratch = bytearray(need)
+            self._scratch_pin = (ctypes.c_char * need).from_buffer(buf)
+        n = self._encode_at(v, h, ctypes.addressof(self._scratch_pin), len(buf))
+        return memoryview(buf)[:n].toreadonly()
 
     def decode(self, payload, out=None, *, shape=None, dtype=None):
-        """Decodes payload into `out` (a writable CPU tensor, written in place
-        through DLPack, returned), or into a new torch tensor of `shape` and
-        `dtype` (default torch.float32)."""
+        """Decodes payload (bytes, bytearray, memoryview or any contiguous
+        buffer, read in place) into `out` (a writable CPU tensor, written in
+        place through DLPack, returned), or into a new torch tensor of
+        `shape` and `dtype` (default torch.float32)."""
         if out is None:
             import torch
 
             if shape is None:
                 raise TypeError("decode needs out= or shape=")
             out = torch.empty(shape, dtype=dtype or torch.float32)
-        if not isinstance(payload, bytes):
-            payload = bytes(payload)
         v = DLView(out)
-        self._check(lib.epipe_codec_decode(self._handle(), payload, len(payload), v.ptr),
-                    "epipe_codec_decode")
+        with Buffer(payload, False) as (addr, size):
+            self._check(lib.epipe_codec_decode(self._handle(), addr, size, v.ptr),
+                        "epipe_codec_decode")
         return out
 
     def __repr__(self):

@@ -3,10 +3,15 @@
 Nothing here needs torch or numpy.
 """
 import ctypes
-import ctypes.util
 import os
+import subprocess
+import sys
+import sysconfig
 
-__all__ = ["Error", "lib", "library_path", "check", "strerror", "status_name"]
+from . import _abi
+
+__all__ = ["Error", "lib", "library_path", "find_library", "check_version", "check", "strerror",
+           "status_name"]
 
 
 class Error(Exception):
@@ -30,39 +35,118 @@ class Error(Exception):
 # ---- finding the shared library ---------------------------------------------
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCE_ROOT = os.path.dirname(os.path.dirname(_HERE))
+_SONAME = "libepipe.so.0"
 
 
-def _candidates():
+def _source_tree_builds():
+    """build*/lib/libepipe.so of the checkout this package sits in, when it
+    runs from one (python/epipe in a tree with meson.build at the top): a
+    development fallback only, never used by an installed package."""
+    root = os.path.dirname(os.path.dirname(_HERE))
+    if not (os.path.isfile(os.path.join(root, "meson.build"))
+            and os.path.isdir(os.path.join(root, "include", "epipe"))):
+        return []
+    out = []
+    for build in ("build", "builddir"):
+        p = os.path.join(root, build, "lib", "libepipe.so")
+        if os.path.exists(p):
+            out.append(p)
+    return out
+
+
+def _pkgconfig_libdir():
+    """`pkg-config --variable=libdir epipe`, or (None, why not)."""
+    try:
+        r = subprocess.run(["pkg-config", "--variable=libdir", "epipe"], capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"pkg-config could not run ({e})"
+    if r.returncode != 0 or not r.stdout.strip():
+        why = (r.stderr.strip().splitlines() or ["no package epipe"])[-1]
+        return None, f"pkg-config found no epipe.pc ({why})"
+    return r.stdout.strip(), None
+
+
+def _prefix_dirs():
+    """The lib directories of the install prefixes: this Python's (a
+    virtual environment's or the system's) and /usr/local, where meson
+    installs by default, with the Debian multiarch directory of each."""
+    arch = sysconfig.get_config_var("MULTIARCH") or ""
+    out = []
+    for prefix in dict.fromkeys([sys.prefix, sys.base_prefix, "/usr/local"]):
+        for d in ([os.path.join(prefix, "lib", arch)] if arch else []) + [
+                os.path.join(prefix, "lib64"), os.path.join(prefix, "lib")]:
+            if d not in out:
+                out.append(d)
+    return out
+
+
+def find_library():
+    """Loads libepipe: EPIPE_LIBRARY (a path, never second-guessed), else
+    the libdir pkg-config gives for epipe, else the install prefixes and the
+    system's loader path, else (development) the source tree's build dir.
+    Returns (CDLL, path); raises ImportError naming every place tried."""
     env = os.environ.get("EPIPE_LIBRARY")
     if env:
-        # An explicit choice is never second-guessed: it loads or fails.
-        return [env], True
-    c = []
-    for build in ("build", "builddir"):
-        p = os.path.join(_SOURCE_ROOT, build, "lib", "libepipe.so")
-        if os.path.exists(p):
-            c.append(p)
-    found = ctypes.util.find_library("epipe")
-    if found:
-        c.append(found)
-    c.append("libepipe.so.0")
-    return c, False
-
-
-def _load():
-    cands, explicit = _candidates()
-    errors = []
-    for path in cands:
         try:
-            return ctypes.CDLL(path), path
+            return ctypes.CDLL(env), env
         except OSError as e:
-            errors.append(f"{path}: {e}")
-    hint = "" if explicit else " (set EPIPE_LIBRARY to the path of libepipe.so)"
-    raise ImportError("cannot load libepipe" + hint + ": " + "; ".join(errors))
+            raise ImportError(f"cannot load libepipe from EPIPE_LIBRARY={env}: {e}") from None
+    tried = ["EPIPE_LIBRARY: not set"]
+    libdir, why = _pkgconfig_libdir()
+    if libdir:
+        p = os.path.join(libdir, _SONAME)
+        if os.path.exists(p):
+            try:
+                return ctypes.CDLL(p), p
+            except OSError as e:
+                tried.append(f"pkg-config: {p}: {e}")
+        else:
+            tried.append(f"pkg-config: libdir {libdir} has no {_SONAME}")
+    else:
+        tried.append(f"pkg-config: {why}")
+    prefix_dirs = _prefix_dirs()
+    for d in prefix_dirs:
+        p = os.path.join(d, _SONAME)
+        if os.path.exists(p):
+            try:
+                return ctypes.CDLL(p), p
+            except OSError as e:
+                tried.append(f"install prefix: {p}: {e}")
+    try:
+        return ctypes.CDLL(_SONAME), _SONAME  # LD_LIBRARY_PATH, ld.so.cache
+    except OSError:
+        tried.append(f"install prefix: no {_SONAME} in {', '.join(prefix_dirs)} "
+                     "or on the dynamic loader's path")
+    for p in _source_tree_builds():
+        try:
+            return ctypes.CDLL(p), p
+        except OSError as e:
+            tried.append(f"source tree: {p}: {e}")
+    raise ImportError("cannot find libepipe; tried " + "; ".join(tried)
+                      + ". Install libepipe (meson install), point PKG_CONFIG_PATH at its "
+                      "epipe.pc, or set EPIPE_LIBRARY to the path of libepipe.so")
 
 
-lib, library_path = _load()
+def check_version(number, text, path):
+    """Refuses a library whose major.minor differs from the binding's
+    (_abi.VERSION): its ABI may differ. Another patch level is fine."""
+    want = tuple(int(x) for x in _abi.VERSION.split("."))
+    have = (int(number) // 10000, int(number) // 100 % 100)
+    if have != want[:2]:
+        raise ImportError(
+            f"libepipe {text} at {path} does not match this epipe package, written for "
+            f"libepipe {_abi.VERSION}: the ABI may differ (major.minor {have[0]}.{have[1]} vs "
+            f"{want[0]}.{want[1]}); install the epipe package of the library's version or "
+            "point EPIPE_LIBRARY at a matching libepipe.so")
+
+
+lib, library_path = find_library()
+lib.epipe_version.restype = ctypes.c_uint
+lib.epipe_version.argtypes = []
+lib.epipe_version_string.restype = ctypes.c_char_p
+lib.epipe_version_string.argtypes = []
+check_version(lib.epipe_version(), lib.epipe_version_string().decode(), library_path)
 
 # ---- DLPack structures (dlpack.h, DLPACK_VERSION 0.6 ABI) -------------------
 
@@ -145,7 +229,7 @@ _dlp = ctypes.POINTER(DLTensor)
 LogFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
                          ctypes.c_char_p)
 # epipe_comm_create()'s rank and size meaning "from the environment".
-COMM_FROM_ENV = 0xFFFFFFFF
+COMM_FROM_ENV = _abi.C["EPIPE_COMM_FROM_ENV"]
 
 _PROTOS = {
     "epipe_version": (_uint, []),

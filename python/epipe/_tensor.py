@@ -14,7 +14,7 @@ long as the library says the DLTensor is (see Stage.recv_activation).
 import ctypes
 import math
 
-from . import _lib
+from . import _abi, _lib
 
 try:
     import torch
@@ -75,11 +75,13 @@ def wrap_lent(ptr, copy):
         raise ImportError("receiving tensors needs torch")
     t = ptr.contents
     if t.device.device_type not in (kDLCPU, kDLCUDAHost):
-        raise _lib.Error(-3, f"received tensor on device type {t.device.device_type}, not the CPU")
+        raise _lib.Error(_abi.C["EPIPE_ENOTSUP"],
+                         f"received tensor on device type {t.device.device_type}, not the CPU")
     dtype = _torch_dtype(t.dtype)
     if dtype is None:
         raise _lib.Error(
-            -16, f"received tensor of DLPack dtype code {t.dtype.code} bits {t.dtype.bits}"
+            _abi.C["EPIPE_EINTERNAL"],
+            f"received tensor of DLPack dtype code {t.dtype.code} bits {t.dtype.bits}"
         )
     shape = [int(t.shape[i]) for i in range(t.ndim)]
     n = math.prod(shape)
@@ -87,7 +89,8 @@ def wrap_lent(ptr, copy):
         expect = 1
         for i in reversed(range(t.ndim)):
             if shape[i] != 1 and int(t.strides[i]) != expect:
-                raise _lib.Error(-16, "received tensor is not dense, as stage.h promises")
+                raise _lib.Error(_abi.C["EPIPE_EINTERNAL"],
+                                 "received tensor is not dense, as stage.h promises")
             expect *= shape[i]
     if n == 0:
         return torch.empty(shape, dtype=dtype)

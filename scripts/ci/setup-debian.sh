@@ -2,6 +2,8 @@
 # Installs what libepipe needs to build, test and run its demo on Debian 12.
 # python3-torch, python3-pytest, python3-numpy: the Python binding's tests and
 # examples/torch (run them with /usr/bin/python3, which sees these packages);
+# python3-venv, python3-pip, python3-setuptools, python3-wheel: installing the
+# binding as a package offline (scripts/check-python-package.sh);
 # python3-matplotlib: scripts/experiments/accuracy_ablation.py's plot.
 # libibverbs-dev: the verbs header the rdma transport is compiled against (the
 # library itself is opened at run time, never linked).
@@ -10,7 +12,8 @@
 set -eu
 pkgs="meson ninja-build pkg-config gcc g++ python3 libcmocka-dev libdlpack-dev zlib1g-dev libsodium-dev
       libopenblas-dev liblapacke-dev libibverbs-dev dataset-fashion-mnist valgrind clang-format
-      python3-torch python3-pytest python3-numpy python3-matplotlib $*"
+      python3-torch python3-pytest python3-numpy python3-matplotlib python3-venv python3-pip
+      python3-setuptools python3-wheel $*"
 missing=""
 for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

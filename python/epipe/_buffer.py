@@ -1,0 +1,69 @@
+"""Addresses of Python buffers (bytes, bytearray, memoryview, NumPy arrays,
+contiguous CPU torch tensors) for one C call, without copying them."""
+import ctypes
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+class _Py_buffer(ctypes.Structure):
+    # Python's Py_buffer (Include/pybuffer.h), stable since 3.3
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.py_object),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("strides", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("suboffsets", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_PyBUF_SIMPLE, _PyBUF_WRITABLE = 0, 1
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_Py_buffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_Py_buffer)]
+_release_buffer.restype = None
+
+
+class Buffer:
+    """`with Buffer(obj, writable) as (address, nbytes):` the contiguous
+    memory of obj, pinned (and, for a bytearray, not resizable) for the
+    duration. TypeError for an object without such memory."""
+
+    __slots__ = ("obj", "writable", "view", "held")
+
+    def __init__(self, obj, writable):
+        self.obj, self.writable, self.held = obj, writable, False
+        self.view = None
+
+    def __enter__(self):
+        obj = self.obj
+        if torch is not None and isinstance(obj, torch.Tensor):
+            if obj.device.type != "cpu" or not obj.is_contiguous():
+                raise TypeError("a byte buffer tensor must be a contiguous CPU tensor")
+            return obj.data_ptr(), obj.numel() * obj.element_size()
+        self.view = _Py_buffer()
+        flags = _PyBUF_WRITABLE if self.writable else _PyBUF_SIMPLE
+        try:
+            if _get_buffer(obj, ctypes.byref(self.view), flags) != 0:
+                raise TypeError  # pythonapi raises the Python error itself
+        except (TypeError, BufferError) as e:
+            what = "a writable" if self.writable else "a"
+            raise TypeError(f"expected {what} contiguous buffer (bytes, bytearray, "
+                            f"memoryview, array), got {type(obj).__name__}: {e}") from None
+        self.held = True
+        return self.view.buf or 0, self.view.len
+
+    def __exit__(self, *exc):
+        if self.held:
+            _release_buffer(ctypes.byref(self.view))
+            self.held = False

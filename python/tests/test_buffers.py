@@ -1,0 +1,99 @@
+"""Codec.encode(out=) and encode_view() write into caller-provided or reused
+memory, and decode reads any buffer in place: the same bytes as encode()."""
+import ctypes
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import epipe  # noqa: E402
+
+SPECS = ["none", "quant:bits=8", "sortquant:bits=8"]
+
+
+def _x(n=5000, seed=3):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def _addr(b):
+    return ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_encode_into_out_gives_the_same_bytes(spec):
+    x = _x()
+    c = epipe.Codec(spec)
+    ref = c.encode(x)
+    out = bytearray(c.max_encoded_size(x) + 7)
+    mv = c.encode(x, out=out)
+    assert isinstance(mv, memoryview) and mv.obj is out
+    assert bytes(mv) == ref and len(mv) == len(ref)
+    # written in place: the bytearray holds the payload
+    assert bytes(out[:len(ref)]) == ref
+
+
+@pytest.mark.parametrize("kind", ["memoryview", "uint8 tensor"])
+def test_encode_into_other_buffers(kind):
+    x = _x()
+    c = epipe.Codec("quant:bits=8")
+    ref = c.encode(x)
+    n = c.max_encoded_size(x)
+    if kind == "memoryview":
+        backing = bytearray(n + 10)
+        out = memoryview(backing)[10:]
+        got = bytes(c.encode(x, out=out))
+        assert bytes(backing[10:10 + len(ref)]) == ref
+    else:
+        out = torch.empty(n, dtype=torch.uint8)
+        got = c.encode(x, out=out)
+        assert isinstance(got, torch.Tensor) and got.data_ptr() == out.data_ptr()
+        got = bytes(got.numpy().tobytes())
+    assert got == ref
+
+
+def test_too_small_out_names_the_size_needed():
+    x = _x()
+    c = epipe.Codec("none")
+    with pytest.raises(epipe.Error) as ei:
+        c.encode(x, out=bytearray(100))
+    assert ei.value.name == "EPIPE_ENOSPC"
+    assert str(c.max_encoded_size(x)) in ei.value.message
+
+
+def test_read_only_out_is_refused():
+    c = epipe.Codec("none")
+    with pytest.raises(TypeError, match="writable"):
+        c.encode(_x(), out=bytes(1 << 16))
+
+
+def test_encode_view_reuses_its_buffer():
+    c = epipe.Codec("sortquant:bits=8")
+    x1, x2 = _x(seed=1), _x(seed=2)
+    v1 = c.encode_view(x1)
+    assert v1.readonly and bytes(v1) == c.encode(x1)
+    a1 = _addr(c._scratch)
+    v2 = c.encode_view(x2)
+    assert _addr(c._scratch) == a1  # same memory: nothing allocated
+    assert bytes(v2) == c.encode(x2)
+    # a larger tensor grows it; the old view stays readable
+    kept = bytes(v2)
+    v3 = c.encode_view(_x(50000))
+    assert bytes(v2) == kept and len(v3) > len(v2)
+
+
+@pytest.mark.parametrize("wrap", [bytes, bytearray, lambda b: memoryview(b),
+                                  lambda b: memoryview(bytearray(b"xx" + b))[2:]])
+def test_decode_reads_any_buffer(wrap):
+    x = _x()
+    c = epipe.Codec("quant:bits=16")
+    p = c.encode(x)
+    y = c.decode(wrap(p), shape=x.shape)
+    assert torch.allclose(x, y, atol=1e-3)
+
+
+def test_decode_of_a_truncated_view_fails_cleanly():
+    x = _x()
+    c = epipe.Codec("none")
+    p = c.encode(x)
+    with pytest.raises(epipe.Error) as ei:
+        c.decode(memoryview(p)[:-4], shape=x.shape)
+    assert ei.value.name in ("EPIPE_ETRUNC", "EPIPE_EPROTO")
