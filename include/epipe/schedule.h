@@ -76,6 +76,7 @@ typedef struct epipe_schedule_layout {
 #define EPIPE_SCHEDULE_MAX_STAGES 1024u /* ranks, and pipeline stages */
 #define EPIPE_SCHEDULE_MAX_MICROBATCHES 65536u
 #define EPIPE_SCHEDULE_MAX_PRODUCT (1u << 20) /* pipeline stages * microbatches */
+#define EPIPE_SCHEDULE_MAX_CHUNKS 64u          /* chunks on one rank */
 
 /* Kinds (the names are what epipe_schedule_create() takes). Every kind is
  * built for any placement: each rank's list is what a greedy run with unit
@@ -128,7 +129,8 @@ EPIPE_API int epipe_schedule_create(epipe_schedule **out, const char *kind, unsi
  * and placement (NULL = the kind's defaults). The pipeline has
  * placement_len stages, or ranks*chunks without a placement. EPIPE_EINVAL
  * besides for: a layout whose struct_size is too small, a placement of
- * length 0 or over EPIPE_SCHEDULE_MAX_STAGES, an entry that is not a rank
+ * length 0 or over EPIPE_SCHEDULE_MAX_STAGES, a rank with more than
+ * EPIPE_SCHEDULE_MAX_CHUNKS chunks, an entry that is not a rank
  * below `ranks`, a rank that holds no pipeline stage, a rank whose chunk
  * count differs from a nonzero layout->chunks, chunks the kind cannot use
  * (zb-v: 2 per rank); each message names the bad value. Thread-safe. */

@@ -227,6 +227,10 @@ static int make_layout(epipe_schedule *sc, const struct kind *k, unsigned ranks,
                               "%s schedule: rank %u holds %u chunks in the placement, not the "
                               "%u of layout.chunks",
                               kn, r, c, lay->chunks);
+        if (c > EPIPE_SCHEDULE_MAX_CHUNKS)
+            return epipe_fail(EPIPE_EINVAL,
+                              "%s schedule: rank %u holds %u chunks, over the limit of %u", kn, r,
+                              c, EPIPE_SCHEDULE_MAX_CHUNKS);
         if (k->need_chunks && c != k->need_chunks)
             return epipe_fail(EPIPE_EINVAL, "%s schedule: rank %u holds %u chunks; %s needs %u",
                               kn, r, c, kn, k->need_chunks);
