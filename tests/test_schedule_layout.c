@@ -397,6 +397,8 @@ static void bad_layouts_are_named(void **state)
     lay = (epipe_schedule_layout)EPIPE_SCHEDULE_LAYOUT_INIT;
     lay.struct_size = 4;
     expect_einval("1f1b", 2, 4, &lay, "struct_size");
+    lay.struct_size = sizeof lay + 8;
+    expect_einval("1f1b", 2, 4, &lay, "struct_size");
     lay = (epipe_schedule_layout)EPIPE_SCHEDULE_LAYOUT_INIT;
     lay.chunks = 600;
     expect_einval("1f1b", 2, 4, &lay, "limit");

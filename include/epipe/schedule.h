@@ -128,8 +128,9 @@ EPIPE_API int epipe_schedule_create(epipe_schedule **out, const char *kind, unsi
 /* Like epipe_schedule_create() over `ranks` ranks with the layout's chunks
  * and placement (NULL = the kind's defaults). The pipeline has
  * placement_len stages, or ranks*chunks without a placement. EPIPE_EINVAL
- * besides for: a layout whose struct_size is too small, a placement of
- * length 0 or over EPIPE_SCHEDULE_MAX_STAGES, a rank with more than
+ * besides for: a layout whose struct_size is not the size this library
+ * knows (a newer host's larger struct is refused, not half-read), a
+ * placement of length 0 or over EPIPE_SCHEDULE_MAX_STAGES, a rank with more than
  * EPIPE_SCHEDULE_MAX_CHUNKS chunks, an entry that is not a rank
  * below `ranks`, a rank that holds no pipeline stage, a rank whose chunk
  * count differs from a nonzero layout->chunks, chunks the kind cannot use
