@@ -134,7 +134,9 @@ EPIPE_API int epipe_schedule_create(epipe_schedule **out, const char *kind, unsi
  * EPIPE_SCHEDULE_MAX_CHUNKS chunks, an entry that is not a rank
  * below `ranks`, a rank that holds no pipeline stage, a rank whose chunk
  * count differs from a nonzero layout->chunks, chunks the kind cannot use
- * (zb-v: 2 per rank); each message names the bad value. Thread-safe. */
+ * (zb-v: 2 per rank), a placement the kind cannot use (interleaved with
+ * several chunks on a rank: round-robin only); each message names the bad
+ * value. Thread-safe. */
 EPIPE_API int epipe_schedule_create_layout(epipe_schedule **out, const char *kind, unsigned ranks,
                                            unsigned microbatches,
                                            const epipe_schedule_layout *layout);
