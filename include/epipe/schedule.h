@@ -79,9 +79,10 @@ typedef struct epipe_schedule_layout {
 #define EPIPE_SCHEDULE_MAX_CHUNKS 64u          /* chunks on one rank */
 
 /* Kinds (the names are what epipe_schedule_create() takes). Every kind is
- * built for any placement: each rank's list is what a greedy run with unit
- * costs gives under the kind's rules (below), so it never waits for work it
- * could do. With one chunk per rank and the default placement:
+ * built for any placement: each rank's list is what a greedy run at costs
+ * F = 1, B = 2 (Bi = W = 1 when split) gives under the kind's rules (below),
+ * so it never waits for work it could do at those costs. With one chunk per
+ * rank and the default placement:
  *   gpipe  every forward in micro-batch order, then every backward in
  *          micro-batch order. Each stage holds all m activations at once.
  *          With several chunks, a rank runs all its forwards first.
