@@ -331,11 +331,16 @@ static void bubbles_match_the_papers(void **state)
             near(zbh1, (double)(p - 1) / (3 * m), "zb-h1", p, m, 1);
             for (unsigned r = 0; r < p; r++)
                 assert_true(peaks[r] <= p); /* 1F1B's peak, on its first stage */
-            /* ZB-V has no closed form here: at most ZB-H1's bubble, in 2p chunk
-             * activations (p whole micro-batches, 1F1B's peak). */
+            /* ZB-V: at most ZB-H1's bubble, in 2p chunk activations (p whole
+             * micro-batches, 1F1B's peak). */
             double zbv = paper_bubble("zb-v", p, m, 2, peaks);
             if (zbv > zbh1 + 1e-12)
                 fail_msg("zb-v p=%u m=%u: bubble %.6f above zb-h1's %.6f", p, m, zbv, zbh1);
+            /* Its makespan is within 4 of the lower bound 6m + p - 1 (the
+             * last rank's 6m chunk ops cannot start before p - 1). */
+            double makespan = (1 + zbv) * 6 * m;
+            assert_true(makespan >= 6.0 * m + p - 1 - 1e-9);
+            assert_true(makespan <= 6.0 * m + p - 1 + 4 + 1e-9);
             for (unsigned r = 0; r < p; r++)
                 assert_true(peaks[r] <= 2 * p);
         }
