@@ -55,6 +55,8 @@ C = {
     "EPIPE_OP_SEND_ACT": 4,
     "EPIPE_OP_RECV_GRAD": 5,
     "EPIPE_OP_SEND_GRAD": 6,
+    "EPIPE_OP_BACKWARD_INPUT": 7,
+    "EPIPE_OP_BACKWARD_WEIGHT": 8,
     # stage.h
     "EPIPE_OP_NONE": 0,
     "EPIPE_DIR_ACTIVATION": 0,

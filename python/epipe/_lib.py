@@ -189,7 +189,7 @@ class Op(ctypes.Structure):
         ("kind", ctypes.c_uint32),
         ("microbatch", ctypes.c_uint32),
         ("chunk", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint32),
+        ("weight_version", ctypes.c_uint32),
     ]
 
 
