@@ -510,12 +510,13 @@ static void wrong_op_order_is_refused(void **state)
     expect_error(st, epipe_stage_send_activation(st, 0, &t), EPIPE_ESTATE, "called twice");
     assert_int_equal(epipe_stage_next_op(st, &op), EPIPE_OK);
     assert_int_equal(op.kind, EPIPE_OP_FORWARD);
-    /* micro-batch 1 sends another shape than micro-batch 0 did */
-    DLTensor t2 = tensor2d(shape, 3, 4);
-    expect_error(st, epipe_stage_send_activation(st, 1, &t2), EPIPE_EINVAL, "differs in shape");
-    DLTensor bad = tensor2d(shape, 2, 4);
+    int64_t shape2[2];
+    DLTensor bad = tensor2d(shape2, 2, 4);
     bad.dtype.code = kDLInt;
     expect_error(st, epipe_stage_send_activation(st, 1, &bad), EPIPE_EINVAL, "dtype");
+    /* micro-batch 1 may send another shape than micro-batch 0 did */
+    DLTensor t2 = tensor2d(shape2, 3, 4);
+    assert_int_equal(epipe_stage_send_activation(st, 1, &t2), EPIPE_OK);
     expect_error(st, epipe_stage_step(st), EPIPE_ESTATE, "callbacks");
     epipe_stage_destroy(st);
     epipe_comm_destroy(c[0]);

@@ -145,31 +145,51 @@ EPIPE_EXPERIMENTAL int epipe_stage_codec_sgd_step(epipe_stage *stage, double lr,
 
 /* ---- The op stream ------------------------------------------------------
  *
- * epipe_stage_next_op() fills *op with the next compute op of this stage's
- * schedule (EPIPE_OP_FORWARD or EPIPE_OP_BACKWARD of op->microbatch), or
- * with kind EPIPE_OP_NONE when the step is over; the call after that
- * starts the next step. For a FORWARD of micro-batch i the host:
- *   - on every stage but the first: epipe_stage_recv_activation(i) for its
- *     input (the first stage reads its own data);
+ * epipe_stage_next_op() fills *op with the next compute op of this rank's
+ * schedule, or with kind EPIPE_OP_NONE when the step is over; the call
+ * after that starts the next step. op->chunk says which of the rank's
+ * chunks (pipeline stages, see epipe_schedule_stage_of()) it runs; it is
+ * 0 when the rank holds one. The receive and send calls below always refer
+ * to the chunk of the op in progress, and their micro-batch must be the
+ * op's (EPIPE_ESTATE otherwise). "First" and "last" below mean the first
+ * and last pipeline stage; a chunk whose neighbour is on the same rank
+ * receives and sends like any other (the stage hands the tensor over in
+ * memory, through the boundary's codec only if the host set one).
+ * For a FORWARD of micro-batch i the host:
+ *   - on every pipeline stage but the first: epipe_stage_recv_activation(i)
+ *     for its input (the first stage reads its own data);
  *   - computes; on every stage but the last: epipe_stage_send_activation(i).
- * For a BACKWARD of micro-batch i:
+ * For a BACKWARD, or a BACKWARD_INPUT (split backward: input gradient
+ * only), of micro-batch i:
  *   - on every stage but the last: epipe_stage_recv_gradient(i) for the
  *     gradient of its output (the last stage starts from its loss);
- *   - computes; on every stage but the first: epipe_stage_send_gradient(i).
+ *   - computes; on every stage but the first: epipe_stage_send_gradient(i)
+ *     (for BACKWARD_INPUT the gradient leaves at once: send it, then return
+ *     to next_op, before computing weight gradients).
+ * For a BACKWARD_WEIGHT of micro-batch i: the host computes the weight
+ * gradients of i; it neither receives nor sends (EPIPE_ESTATE, naming the
+ * op, if it tries).
  * A call out of this order, or for another micro-batch, returns
  * EPIPE_ESTATE with a message that says what was expected.
  *
  * Tensor lifetimes: a received activation is owned by the stage and stays
- * valid until the backward of its micro-batch is over (the next
- * epipe_stage_next_op() after that backward), so a host may keep it for
- * autograd without a copy. A received gradient stays valid until the next
- * epipe_stage_next_op(). A tensor the host sends is encoded before the send
- * returns; the host may reuse it at once. Sent tensors: fp32, fp16 or bf16,
- * on the CPU, any strides; every micro-batch of a step must send the same
- * shape and dtype on the same boundary and direction (EPIPE_EINVAL else),
- * and a gradient sent back has the shape and dtype of the activation
- * received for that micro-batch (EPIPE_EINVAL else).
- * Received tensors are dense, in the dtype and shape that was sent. */
+ * valid until the backward of its micro-batch on that chunk is over (the
+ * next epipe_stage_next_op() after its BACKWARD or BACKWARD_WEIGHT), so a
+ * host may keep it for autograd without a copy. A received gradient stays
+ * valid until the next epipe_stage_next_op(). A tensor the host sends is
+ * encoded (or copied) before the send returns; the host may reuse it at
+ * once. Sent tensors: fp32, fp16 or bf16, on the CPU, any strides. Each
+ * micro-batch may send its own shape on a boundary (variable sequence
+ * lengths): the receiver gets the shape with the message. A gradient sent
+ * back must have the shape and dtype of the activation received for that
+ * micro-batch (EPIPE_EINVAL else, naming both shapes); a received gradient
+ * is checked against the activation sent for it too (EPIPE_EPROTO).
+ * Received tensors are dense, in the dtype and shape that was sent.
+ *
+ * Every tensor message carries a fingerprint of the sender's schedule
+ * (kind, ranks, micro-batches, placement): a rank that receives one from a
+ * peer running another schedule fails with EPIPE_EPROTO naming both
+ * kinds, and aborts its communicator so that no peer waits. */
 EPIPE_API int epipe_stage_next_op(epipe_stage *stage, epipe_op *op);
 EPIPE_API int epipe_stage_recv_activation(epipe_stage *stage, unsigned microbatch,
                                           const DLTensor **input);
@@ -179,6 +199,12 @@ EPIPE_API int epipe_stage_recv_gradient(epipe_stage *stage, unsigned microbatch,
                                         const DLTensor **grad_output);
 EPIPE_API int epipe_stage_send_gradient(epipe_stage *stage, unsigned microbatch,
                                         const DLTensor *grad_input);
+/* The op in progress (the last one next_op returned, or the one whose
+ * callback runs now): callbacks learn their chunk (op->chunk) from it.
+ * EPIPE_ESTATE when no op is in progress (*op is then zeroed), EPIPE_EINVAL
+ * for NULL; the message goes to epipe_last_error() (the handle is const).
+ * Never blocks; same thread rules as every call on the stage. */
+EPIPE_API int epipe_stage_current_op(const epipe_stage *stage, epipe_op *op);
 
 /* ---- Callbacks ----------------------------------------------------------
  *
@@ -203,16 +229,31 @@ typedef struct epipe_stage_callbacks {
     int (*backward)(void *user, unsigned microbatch, const DLTensor *grad_output,
                     const DLTensor **grad_input);
     int (*loss)(void *user, unsigned microbatch, double *value);
+    /* Split backward (schedules that split it: epipe_schedule_splits_backward()).
+     * backward_input(user, mb, grad_output, &grad_input) computes only the
+     * gradient of the input (the stage sends it upstream as soon as it
+     * returns); backward_weight(user, mb) later computes the weight
+     * gradients of the same micro-batch and may then free what it kept
+     * for it. Set both or neither. A host without them can still run a
+     * splitting schedule: backward then runs whole at the input-gradient
+     * op, and the weight-gradient op does nothing. Setting them for a
+     * schedule that does not split is EPIPE_EINVAL. */
+    int (*backward_input)(void *user, unsigned microbatch, const DLTensor *grad_output,
+                          const DLTensor **grad_input);
+    int (*backward_weight)(void *user, unsigned microbatch);
 } epipe_stage_callbacks;
 
 #define EPIPE_STAGE_CALLBACKS_INIT                                                                 \
     {                                                                                              \
-        sizeof(epipe_stage_callbacks), NULL, NULL, NULL, NULL                                      \
+        sizeof(epipe_stage_callbacks), NULL, NULL, NULL, NULL, NULL, NULL                          \
     }
 
-/* Copies the callbacks (the stage keeps cb->user, not cb). EPIPE_EINVAL if
- * struct_size is 0 or larger than this library knows, or forward or
- * backward is NULL. */
+/* Copies the callbacks (the stage keeps cb->user, not cb). A struct_size
+ * from an older header leaves the fields it lacks NULL. EPIPE_EINVAL if
+ * struct_size is 0 or larger than this library knows, forward is NULL,
+ * neither backward nor the split pair is set, only one of the pair is
+ * set, or the pair is set for a schedule that does not split (the message
+ * names the schedule). */
 EPIPE_API int epipe_stage_set_callbacks(epipe_stage *stage, const epipe_stage_callbacks *cb);
 
 /* Runs one step: every op of this stage's schedule, calling the callbacks
