@@ -5,6 +5,8 @@
 
 #include <epipe/epipe.h>
 
+#include "../../lib/stage/sched_compat.h" /* TEMPORARY, until the sched merge */
+
 #include "mlp.h"
 
 #define HOST_MAX_LAYERS 8
@@ -25,6 +27,13 @@ struct host_config {
     /* > 0: after each step, the built-in SGD for trainable codecs
      * (epipe_stage_codec_sgd_step) with this lr and momentum. */
     double codec_lr, codec_momentum;
+    /* Layout (epipe_schedule_layout): chunks per rank (0 = the kind's
+     * default) and the rank of each pipeline stage (NULL = the default). */
+    unsigned chunks;
+    const unsigned *placement;
+    unsigned placement_len;
+    /* 1: backward_input and backward_weight (split backward); 0: backward */
+    int split;
 };
 
 struct host_result {
@@ -36,12 +45,18 @@ struct host_result {
      * first step, 1: last step, all micro-batches), and of the boundary
      * above it as received (restored by the codec). */
     float act_sent[2][HOST_BATCH * 16], act_recv[2][HOST_BATCH * 16];
-    /* This stage's layers after training, for comparison. */
+    /* This rank's layers after training, for comparison: owns[l] says
+     * which; l0, l1: the range of its first chunk. */
     int l0, l1;
+    unsigned char owns[HOST_MAX_LAYERS];
     mlp_layer layers[HOST_MAX_LAYERS];
 };
 
-/* Layers [*l0, *l1) of the model that stage s of p owns. */
+/* Creates rank epipe_comm_rank(comm)'s stage with cfg's schedule and layout. */
+int host_create_stage(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg);
+
+/* Layers [*l0, *l1) of the model that pipeline stage s of p owns (empty
+ * when p exceeds the layer count: such a stage passes tensors on). */
 void host_partition(unsigned s, unsigned p, int *l0, int *l1);
 
 /* Trains stage `epipe_comm_rank(comm)` for cfg->steps steps; fills res
