@@ -14,6 +14,7 @@
 #include <cmocka.h>
 
 #include "pipeline_host.h"
+#include "stage/stage_raw.h"
 
 #define STEPS 4
 #define MAX_P 4
@@ -153,11 +154,268 @@ static void mismatched_schedules_fail_at_the_first_message(void **state)
     }
 }
 
+/* ---- chunks and split backward on raw op lists ---------------------------- */
+
+#define MAX_STAGES 8
+#define MAX_OPS 1024
+
+/* Op lists for any placement, in one global order that respects every
+ * dependency: all forwards by (micro-batch, pipeline stage), then the
+ * backwards by (micro-batch, stage from the last); with split, each
+ * backward is an input-gradient op and every weight-gradient op comes at
+ * the end of its rank's list (the activations must live until then). */
+struct raw_layout {
+    unsigned P, ranks, m;
+    unsigned placement[MAX_STAGES];
+    int split;
+    epipe_op ops[MAX_P][MAX_OPS];
+    size_t n[MAX_P];
+};
+
+static void put(struct raw_layout *L, unsigned g, uint32_t kind, unsigned mb)
+{
+    unsigned r = L->placement[g], chunk = 0;
+    for (unsigned k = 0; k < g; k++)
+        chunk += L->placement[k] == r;
+    assert_true(L->n[r] < MAX_OPS);
+    L->ops[r][L->n[r]++] = (epipe_op){.kind = kind, .microbatch = mb, .chunk = chunk};
+}
+
+static void build_raw(struct raw_layout *L)
+{
+    memset(L->n, 0, sizeof L->n);
+    for (unsigned mb = 0; mb < L->m; mb++)
+        for (unsigned g = 0; g < L->P; g++) {
+            if (g > 0)
+                put(L, g, EPIPE_OP_RECV_ACT, mb);
+            put(L, g, EPIPE_OP_FORWARD, mb);
+            if (g + 1 < L->P)
+                put(L, g, EPIPE_OP_SEND_ACT, mb);
+        }
+    for (unsigned mb = 0; mb < L->m; mb++)
+        for (unsigned g = L->P; g-- > 0;) {
+            if (g + 1 < L->P)
+                put(L, g, EPIPE_OP_RECV_GRAD, mb);
+            put(L, g, L->split ? EPIPE_OP_BACKWARD_INPUT : EPIPE_OP_BACKWARD, mb);
+            if (g > 0)
+                put(L, g, EPIPE_OP_SEND_GRAD, mb);
+        }
+    for (unsigned mb = 0; L->split && mb < L->m; mb++)
+        for (unsigned g = 0; g < L->P; g++)
+            put(L, g, EPIPE_OP_BACKWARD_WEIGHT, mb);
+}
+
+static int create_raw(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg)
+{
+    const struct raw_layout *L = cfg->create_arg;
+    unsigned r = epipe_comm_rank(comm);
+    return epipe_stage_create_raw(out, comm, L->m, L->P, L->placement, L->ops[r], L->n[r],
+                                  L->split);
+}
+
+static void run_ranks(unsigned p, const struct host_config *cfg, struct rank_arg *a)
+{
+    epipe_comm *c[MAX_P];
+    pthread_t tid[MAX_P];
+    assert_int_equal(epipe_comm_create_inproc(c, p), EPIPE_OK);
+    for (unsigned r = 0; r < p; r++) {
+        memset(&a[r], 0, sizeof a[r]);
+        a[r].comm = c[r];
+        a[r].cfg = *cfg;
+        assert_int_equal(pthread_create(&tid[r], NULL, rank_thread, &a[r]), 0);
+    }
+    for (unsigned r = 0; r < p; r++)
+        pthread_join(tid[r], NULL);
+}
+
+static double rel_diff(float a, float b)
+{
+    double d = fabs((double)a - (double)b), m = fmax(fabs((double)a), fabs((double)b));
+    return m > 1e-30 ? d / m : d;
+}
+
+/* Every layer is held by exactly one rank and equals the reference's. */
+static void assert_equal_to_reference(struct rank_arg *a, unsigned p, const mlp_layer *ref,
+                                      double ref_last, const char *what)
+{
+    int held[HOST_MAX_LAYERS] = {0};
+    int losses = 0;
+    for (unsigned r = 0; r < p; r++) {
+        if (a[r].res.rc)
+            fail_msg("%s: rank %u failed with %s: %s", what, r, epipe_status_name(a[r].res.rc),
+                     a[r].res.error);
+        for (int l = 0; l < host_nlayers; l++) {
+            if (!a[r].res.owns[l])
+                continue;
+            held[l]++;
+            const mlp_layer *x = &a[r].res.layers[l], *y = &ref[l];
+            for (int i = 0; i < x->in * x->out; i++)
+                if (rel_diff(x->w[i], y->w[i]) > 1e-6)
+                    fail_msg("%s: rank %u layer %d w[%d]: %.9g vs %.9g", what, r, l, i, x->w[i],
+                             y->w[i]);
+            for (int o = 0; o < x->out; o++)
+                if (rel_diff(x->b[o], y->b[o]) > 1e-6)
+                    fail_msg("%s: rank %u layer %d b[%d]", what, r, l, o);
+        }
+        if (a[r].res.holds_last) {
+            losses++;
+            assert_true(fabs(a[r].res.last_loss - ref_last) <= 1e-6 * ref_last);
+        }
+    }
+    for (int l = 0; l < host_nlayers; l++)
+        assert_int_equal(held[l], 1);
+    assert_int_equal(losses, 1);
+}
+
+/* Chunks on any placement (client-server 0,1,0; a local boundary 0,0,1;
+ * round-robin; a V with an empty stage), with and without split backward,
+ * by callbacks and by the op stream: the parameters equal single-process
+ * training within 1e-6 relative. */
+static void chunks_and_split_backward_equal_one_process(void **state)
+{
+    (void)state;
+    static const struct {
+        unsigned ranks, P, placement[MAX_STAGES];
+    } layouts[] = {
+        {2, 3, {0, 1, 0}},       {2, 3, {0, 0, 1}},          {2, 4, {0, 1, 0, 1}},
+        {3, 6, {0, 1, 2, 2, 1, 0}}, {4, 8, {0, 1, 2, 3, 0, 1, 2, 3}},
+    };
+    enum { M = 4 };
+    mlp_layer ref[HOST_MAX_LAYERS];
+    double ref_first, ref_last;
+    host_reference(M, STEPS, ref, &ref_first, &ref_last);
+    static struct raw_layout L;
+    for (size_t k = 0; k < sizeof layouts / sizeof layouts[0]; k++)
+        for (int split = 0; split < 2; split++)
+            for (int stream = 0; stream < 2; stream++) {
+                L.P = layouts[k].P;
+                L.ranks = layouts[k].ranks;
+                L.m = M;
+                L.split = split;
+                memcpy(L.placement, layouts[k].placement, sizeof L.placement);
+                build_raw(&L);
+                struct host_config cfg = {.microbatches = M,
+                                          .steps = STEPS,
+                                          .use_op_stream = stream,
+                                          .split = split,
+                                          .create = create_raw,
+                                          .create_arg = &L};
+                struct rank_arg a[MAX_P];
+                run_ranks(L.ranks, &cfg, a);
+                char what[96];
+                snprintf(what, sizeof what, "layout %zu, split %d, %s", k, split,
+                         stream ? "op stream" : "callbacks");
+                assert_equal_to_reference(a, L.ranks, ref, ref_last, what);
+                for (unsigned r = 0; r < L.ranks; r++)
+                    host_result_free(&a[r].res);
+            }
+    for (int l = 0; l < host_nlayers; l++)
+        mlp_layer_free(&ref[l]);
+}
+
+/* A host without split callbacks runs a splitting list with its plain
+ * backward (at the input-gradient op) and still trains exactly. */
+static void plain_backward_runs_a_split_list(void **state)
+{
+    (void)state;
+    enum { M = 4 };
+    mlp_layer ref[HOST_MAX_LAYERS];
+    double f, last;
+    host_reference(M, STEPS, ref, &f, &last);
+    static struct raw_layout L = {.P = 3, .ranks = 2, .m = M, .split = 1, .placement = {0, 1, 0}};
+    build_raw(&L);
+    struct host_config cfg = {
+        .microbatches = M, .steps = STEPS, .split = 0, .create = create_raw, .create_arg = &L};
+    struct rank_arg a[2];
+    run_ranks(2, &cfg, a);
+    assert_equal_to_reference(a, 2, ref, last, "plain backward on a split list");
+    for (unsigned r = 0; r < 2; r++)
+        host_result_free(&a[r].res);
+    for (int l = 0; l < host_nlayers; l++)
+        mlp_layer_free(&ref[l]);
+}
+
+static int nop_fwd(void *u, unsigned mb, const DLTensor *in, const DLTensor **out)
+{
+    (void)u, (void)mb, (void)in, (void)out;
+    return 0;
+}
+static int nop_bwd_in(void *u, unsigned mb, const DLTensor *g, const DLTensor **gin)
+{
+    (void)u, (void)mb, (void)g, (void)gin;
+    return 0;
+}
+static int nop_bwd_w(void *u, unsigned mb)
+{
+    (void)u, (void)mb;
+    return 0;
+}
+
+/* Split callbacks on a schedule that does not split, half a pair, and a
+ * send during a weight-gradient op: each a clear error. */
+static void split_backward_misuse_is_refused(void **state)
+{
+    (void)state;
+    epipe_comm *c[2];
+    epipe_stage *st;
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&st, c[1], "1f1b", 2), EPIPE_OK);
+    epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
+    cb.forward = nop_fwd;
+    cb.backward_input = nop_bwd_in;
+    expect_error(epipe_stage_last_error(st), epipe_stage_set_callbacks(st, &cb), EPIPE_EINVAL,
+                 "set both or neither");
+    cb.backward_weight = nop_bwd_w;
+    expect_error(epipe_stage_last_error(st), epipe_stage_set_callbacks(st, &cb), EPIPE_EINVAL,
+                 "schedule '1f1b' does not split the backward");
+    epipe_stage_destroy(st);
+
+    /* rank 1 of a two-stage split list: F0, Bi0, W0 */
+    epipe_op ops[] = {{EPIPE_OP_FORWARD, 0, 0, 0},
+                      {EPIPE_OP_BACKWARD_INPUT, 0, 0, 0},
+                      {EPIPE_OP_BACKWARD_WEIGHT, 0, 0, 0}};
+    unsigned placement[2] = {0, 1};
+    assert_int_equal(epipe_stage_create_raw(&st, c[1], 1, 2, placement, ops, 3, 1), EPIPE_OK);
+    assert_int_equal(epipe_stage_set_callbacks(st, &cb), EPIPE_OK); /* it splits: accepted */
+    epipe_op op;
+    int64_t shape[2];
+    DLTensor t = tensor2d(shape, 2, 4);
+    const DLTensor *in;
+    /* the activation of micro-batch 0 arrives from a stand-in rank 0 */
+    epipe_stage *s0;
+    epipe_op ops0[] = {{EPIPE_OP_FORWARD, 0, 0, 0}};
+    assert_int_equal(epipe_stage_create_raw(&s0, c[0], 1, 2, placement, ops0, 1, 1), EPIPE_OK);
+    next_is(s0, EPIPE_OP_FORWARD, 0);
+    assert_int_equal(epipe_stage_send_activation(s0, 0, &t), EPIPE_OK);
+    next_is(st, EPIPE_OP_FORWARD, 0);
+    assert_int_equal(epipe_stage_current_op(st, &op), EPIPE_OK);
+    assert_int_equal(op.kind, EPIPE_OP_FORWARD);
+    assert_int_equal(epipe_stage_recv_activation(st, 0, &in), EPIPE_OK);
+    next_is(st, EPIPE_OP_BACKWARD_INPUT, 0);
+    expect_error(epipe_stage_last_error(st), epipe_stage_next_op(st, &op), EPIPE_ESTATE,
+                 "input-gradient backward of micro-batch 0 ended without sending");
+    assert_int_equal(epipe_stage_send_gradient(st, 0, &t), EPIPE_OK);
+    next_is(st, EPIPE_OP_BACKWARD_WEIGHT, 0);
+    assert_true(in->data != NULL); /* still lent: the weight-gradient op needs it */
+    expect_error(epipe_stage_last_error(st), epipe_stage_send_gradient(st, 0, &t), EPIPE_ESTATE,
+                 "during the weight-gradient backward of micro-batch 0 (which neither");
+    next_is(st, EPIPE_OP_NONE, 0);
+    expect_error(epipe_last_error(), epipe_stage_current_op(st, &op), EPIPE_ESTATE,
+                 "no op is in progress");
+    epipe_stage_destroy(st);
+    epipe_stage_destroy(s0);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(each_microbatch_has_its_shape),
         cmocka_unit_test(mismatched_schedules_fail_at_the_first_message),
+        cmocka_unit_test(chunks_and_split_backward_equal_one_process),
+        cmocka_unit_test(plain_backward_runs_a_split_list),
+        cmocka_unit_test(split_backward_misuse_is_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -103,6 +103,15 @@ EPIPE_API int epipe_stage_get_param(const epipe_stage *stage, epipe_stage_param 
 
 EPIPE_API unsigned epipe_stage_index(const epipe_stage *stage);
 EPIPE_API unsigned epipe_stage_count(const epipe_stage *stage);
+/* The chunks (model chunks, virtual stages) this rank holds: 1 for the
+ * classic schedules; 0 for NULL. */
+EPIPE_API unsigned epipe_stage_chunks(const epipe_stage *stage);
+/* The pipeline stage that chunk `chunk` of this rank is, and how many the
+ * pipeline has (either pointer may be NULL). EPIPE_EINVAL for NULL or a
+ * chunk out of range; the message goes to epipe_last_error() (the handle
+ * is const). Never blocks. */
+EPIPE_API int epipe_stage_chunk_stage(const epipe_stage *stage, unsigned chunk,
+                                      unsigned *pipeline_stage, unsigned *pipeline_stages);
 /* The schedule the stage runs; owned by the stage. */
 EPIPE_API const epipe_schedule *epipe_stage_schedule(const epipe_stage *stage);
 /* The message of the last failing call on this handle, or "". */

@@ -216,7 +216,7 @@ static int check_tag(epipe_stage *st, const epipe_wire_header *h, unsigned peer)
     if (!h->schedule_tag || h->schedule_tag == st->tag)
         return EPIPE_OK;
     const char *theirs = epipe_stage_tag_kind(h->schedule_tag);
-    const char *mine = epipe_schedule_kind(st->sched);
+    const char *mine = st->kind;
     epipe_comm_abort(st->comm); /* the peers must not wait for what will not come */
     if (!strcmp(theirs, mine))
         return fail(st, EPIPE_EPROTO,

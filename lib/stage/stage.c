@@ -25,27 +25,23 @@ static int make_codec(epipe_stage *st, epipe_codec **slot, const char *spec)
 /* The schedule fingerprint that every tensor message carries
  * (docs/wire-format.md): the kind's index + 1 in bits 24..31, and a hash
  * of the kind, the rank and micro-batch counts and the placement in 0..23. */
-static uint32_t schedule_tag(const epipe_schedule *sched, unsigned p, unsigned m, unsigned P)
+static uint32_t schedule_tag(const epipe_stage *st)
 {
-    const char *kind = epipe_schedule_kind(sched);
     unsigned idx = 0;
     for (size_t i = 0; epipe_schedule_kind_name(i); i++)
-        if (!strcmp(epipe_schedule_kind_name(i), kind))
+        if (!strcmp(epipe_schedule_kind_name(i), st->kind))
             idx = (unsigned)i + 1;
     uint32_t h = 2166136261u;
 #define MIX(byte) (h = (h ^ (uint8_t)(byte)) * 16777619u)
-    for (const char *c = kind; *c; c++)
+    for (const char *c = st->kind; *c; c++)
         MIX(*c);
-    uint32_t words[3] = {p, m, P};
+    uint32_t words[3] = {st->p, st->m, st->P};
     for (int w = 0; w < 3; w++)
         for (int k = 0; k < 4; k++)
             MIX(words[w] >> (8 * k));
-    for (unsigned g = 0; g < P; g++) {
-        unsigned r = 0, c = 0;
-        epipe_schedule_placement(sched, g, &r, &c);
+    for (unsigned g = 0; g < st->P; g++)
         for (int k = 0; k < 4; k++)
-            MIX(r >> (8 * k));
-    }
+            MIX(st->place_rank[g] >> (8 * k));
 #undef MIX
     return (idx > 255 ? 255u : idx) << 24 | ((h >> 24) ^ (h & 0xFFFFFFu));
 }
@@ -58,35 +54,38 @@ const char *epipe_stage_tag_kind(uint32_t tag)
     return name ? name : "a schedule this library does not know";
 }
 
-/* Fills the rank's chunks from the schedule's placement. */
+/* Fills the rank's chunks from the placement (st->P, place_rank,
+ * place_chunk), and the forward-only list. */
 static int setup_chunks(epipe_stage *st)
 {
-    const epipe_schedule *sc = st->sched;
-    st->P = epipe_schedule_pipeline_stages(sc);
-    st->nch = epipe_schedule_chunks(sc, st->s);
+    st->nch = 0;
+    for (unsigned g = 0; g < st->P; g++)
+        st->nch += st->place_rank[g] == st->s;
     if (st->nch == 0)
         return epipe_fail(EPIPE_EINVAL, "rank %u holds no pipeline stage in this placement",
                           st->s);
     st->ch = calloc(st->nch, sizeof *st->ch);
     if (!st->ch)
         return epipe_fail(EPIPE_ENOMEM, "out of memory");
-    for (unsigned i = 0; i < st->nch; i++) {
-        struct chunk *c = &st->ch[i];
-        unsigned r;
-        if (epipe_schedule_stage_of(sc, st->s, i, &c->g))
-            return epipe_fail(EPIPE_EINTERNAL, "no pipeline stage for chunk %u of rank %u", i,
-                              st->s);
-        c->has_up = c->g > 0;
-        c->has_down = c->g + 1 < st->P;
+    for (unsigned g = 0; g < st->P; g++) {
+        if (st->place_rank[g] != st->s)
+            continue;
+        if (st->place_chunk[g] >= st->nch)
+            return epipe_fail(EPIPE_EINTERNAL, "pipeline stage %u is chunk %u of rank %u", g,
+                              st->place_chunk[g], st->s);
+        struct chunk *c = &st->ch[st->place_chunk[g]];
+        c->g = g;
+        c->has_up = g > 0;
+        c->has_down = g + 1 < st->P;
         if (c->has_up) {
-            epipe_schedule_placement(sc, c->g - 1, &c->up_rank, &r);
+            c->up_rank = st->place_rank[g - 1];
             c->up_local = c->up_rank == st->s;
-            c->up_chunk = r;
+            c->up_chunk = st->place_chunk[g - 1];
         }
         if (c->has_down) {
-            epipe_schedule_placement(sc, c->g + 1, &c->down_rank, &r);
+            c->down_rank = st->place_rank[g + 1];
             c->down_local = c->down_rank == st->s;
-            c->down_chunk = r;
+            c->down_chunk = st->place_chunk[g + 1];
         }
         c->act_in = calloc(st->m, sizeof *c->act_in);
         c->act_out = calloc(st->m, sizeof *c->act_out);
@@ -115,6 +114,43 @@ static int setup_chunks(epipe_stage *st)
     return EPIPE_OK;
 }
 
+/* The parts of creation common to a schedule and to raw op lists. */
+static epipe_stage *stage_new(epipe_comm *comm, unsigned microbatches)
+{
+    epipe_stage *st = calloc(1, sizeof *st);
+    if (!st)
+        return NULL;
+    st->comm = comm;
+    st->s = epipe_comm_rank(comm);
+    st->p = epipe_comm_size(comm);
+    st->m = microbatches;
+    st->timeout_ms = 0; /* until EPIPE_STAGE_TIMEOUT_MS: the communicator's, at each receive */
+    st->codec_threads = 1;
+    st->training = 1;
+    return st;
+}
+
+static int stage_finish(epipe_stage *st)
+{
+    int rc = setup_chunks(st);
+    if (rc)
+        return rc;
+    st->tag = schedule_tag(st);
+    st->trace = epipe_trace_open(st->comm->trace, st->s,
+                                 !strcmp(epipe_comm_transport(st->comm), "tcp"));
+    st->tracing = st->trace != NULL;
+    st->st.struct_size = sizeof st->st;
+    return EPIPE_OK;
+}
+
+static int placement_arrays(epipe_stage *st)
+{
+    st->place_rank = calloc(st->P ? st->P : 1, sizeof *st->place_rank);
+    st->place_chunk = calloc(st->P ? st->P : 1, sizeof *st->place_chunk);
+    return st->place_rank && st->place_chunk ? EPIPE_OK
+                                             : epipe_fail(EPIPE_ENOMEM, "out of memory");
+}
+
 EPIPE_API int epipe_stage_create_layout(epipe_stage **out, epipe_comm *comm, const char *schedule,
                                         unsigned microbatches, const epipe_schedule_layout *layout)
 {
@@ -124,32 +160,28 @@ EPIPE_API int epipe_stage_create_layout(epipe_stage **out, epipe_comm *comm, con
     *out = NULL;
     if (!comm || !schedule)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_create: comm or schedule is NULL");
-    epipe_stage *st = calloc(1, sizeof *st);
+    epipe_stage *st = stage_new(comm, microbatches);
     if (!st)
         return epipe_fail(EPIPE_ENOMEM, "epipe_stage_create: out of memory");
-    st->comm = comm;
-    st->s = epipe_comm_rank(comm);
-    st->p = epipe_comm_size(comm);
-    st->m = microbatches;
-    st->timeout_ms = 0; /* until EPIPE_STAGE_TIMEOUT_MS: the communicator's, at each receive */
-    st->codec_threads = 1;
-    st->training = 1;
     int rc = epipe_schedule_create_layout(&st->sched, schedule, st->p, microbatches, layout);
     if (rc == EPIPE_OK)
         rc = epipe_schedule_ops(st->sched, st->s, &st->train_ops, &st->ntrain_ops);
+    if (rc == EPIPE_OK) {
+        st->kind = epipe_schedule_kind(st->sched);
+        st->splits = epipe_schedule_splits_backward(st->sched) == 1;
+        st->P = epipe_schedule_pipeline_stages(st->sched);
+        rc = placement_arrays(st);
+        for (unsigned g = 0; rc == EPIPE_OK && g < st->P; g++)
+            rc = epipe_schedule_placement(st->sched, g, &st->place_rank[g], &st->place_chunk[g]);
+    }
     if (rc == EPIPE_OK)
-        rc = setup_chunks(st);
+        rc = stage_finish(st);
     if (rc) {
         char why[EPIPE_ERRMSG_MAX];
         snprintf(why, sizeof why, "%s", epipe_last_error());
         epipe_stage_destroy(st);
         return epipe_fail(rc, "epipe_stage_create: %s", why);
     }
-    st->splits = epipe_schedule_splits_backward(st->sched) == 1;
-    st->tag = schedule_tag(st->sched, st->p, st->m, st->P);
-    st->trace = epipe_trace_open(comm->trace, st->s, !strcmp(epipe_comm_transport(comm), "tcp"));
-    st->tracing = st->trace != NULL;
-    st->st.struct_size = sizeof st->st;
     *out = st;
     return EPIPE_OK;
 }
@@ -158,6 +190,45 @@ EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char
                                  unsigned microbatches)
 {
     return epipe_stage_create_layout(out, comm, schedule, microbatches, NULL);
+}
+
+int epipe_stage_create_raw(epipe_stage **out, epipe_comm *comm, unsigned microbatches,
+                           unsigned pipeline_stages, const unsigned *placement, const epipe_op *ops,
+                           size_t nops, int splits)
+{
+    epipe_clear_error();
+    *out = NULL;
+    epipe_stage *st = stage_new(comm, microbatches);
+    if (!st)
+        return epipe_fail(EPIPE_ENOMEM, "out of memory");
+    st->kind = "raw";
+    st->splits = splits;
+    st->P = pipeline_stages;
+    int rc = placement_arrays(st);
+    unsigned seen[1024] = {0};
+    for (unsigned g = 0; rc == EPIPE_OK && g < st->P; g++) {
+        if (placement[g] >= st->p || placement[g] >= 1024) {
+            rc = epipe_fail(EPIPE_EINVAL, "pipeline stage %u on rank %u of %u", g, placement[g],
+                            st->p);
+            break;
+        }
+        st->place_rank[g] = placement[g];
+        st->place_chunk[g] = seen[placement[g]]++;
+    }
+    if (rc == EPIPE_OK && !(st->raw_ops = malloc(sizeof *ops * (nops ? nops : 1))))
+        rc = epipe_fail(EPIPE_ENOMEM, "out of memory");
+    if (rc == EPIPE_OK) {
+        memcpy(st->raw_ops, ops, sizeof *ops * nops);
+        st->train_ops = st->raw_ops;
+        st->ntrain_ops = nops;
+        rc = stage_finish(st);
+    }
+    if (rc) {
+        epipe_stage_destroy(st);
+        return rc;
+    }
+    *out = st;
+    return EPIPE_OK;
 }
 
 static void free_lent(struct lent_tensor *lt, unsigned n)
@@ -190,6 +261,9 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
     free(st->grad_in.buf);
     free(st->scratch);
     free(st->eval_ops);
+    free(st->raw_ops);
+    free(st->place_rank);
+    free(st->place_chunk);
     epipe_schedule_destroy(st->sched);
     free(st);
 }
@@ -336,6 +410,26 @@ EPIPE_API unsigned epipe_stage_index(const epipe_stage *st)
 EPIPE_API unsigned epipe_stage_count(const epipe_stage *st)
 {
     return st ? st->p : 0;
+}
+
+EPIPE_API unsigned epipe_stage_chunks(const epipe_stage *st)
+{
+    return st ? st->nch : 0;
+}
+
+EPIPE_API int epipe_stage_chunk_stage(const epipe_stage *st, unsigned chunk,
+                                      unsigned *pipeline_stage, unsigned *pipeline_stages)
+{
+    if (!st)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_chunk_stage: stage is NULL");
+    if (chunk >= st->nch)
+        return epipe_fail(EPIPE_EINVAL, "stage %u: chunk %u does not exist: this rank holds %u",
+                          st->s, chunk, st->nch);
+    if (pipeline_stage)
+        *pipeline_stage = st->ch[chunk].g;
+    if (pipeline_stages)
+        *pipeline_stages = st->P;
+    return EPIPE_OK;
 }
 
 EPIPE_API const epipe_schedule *epipe_stage_schedule(const epipe_stage *st)

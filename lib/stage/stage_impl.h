@@ -14,6 +14,7 @@
 
 #include "../comm/comm_impl.h"
 #include "../error.h"
+#include "stage_raw.h"
 #include "trace.h"
 
 /* A tensor the stage decoded (or was handed locally) and lends to the host. */
@@ -63,7 +64,10 @@ struct chunk {
 
 struct epipe_stage {
     epipe_comm *comm;
-    epipe_schedule *sched;
+    epipe_schedule *sched; /* NULL for raw op lists (tests) */
+    const char *kind;      /* the schedule's kind, or "raw" */
+    unsigned *place_rank, *place_chunk; /* [P]: where each pipeline stage lives */
+    epipe_op *raw_ops;                  /* raw op lists: this rank's, owned */
     const epipe_op *train_ops; /* this rank's list in the schedule */
     size_t ntrain_ops;
     epipe_op *eval_ops; /* forwards only, micro-batch by micro-batch, chunks in order */

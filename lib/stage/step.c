@@ -19,7 +19,7 @@ EPIPE_API int epipe_stage_set_callbacks(epipe_stage *st, const epipe_stage_callb
                     cb->struct_size, sizeof st->cb);
     epipe_stage_callbacks c = EPIPE_STAGE_CALLBACKS_INIT;
     memcpy(&c, cb, cb->struct_size);
-    const char *kind = epipe_schedule_kind(st->sched);
+    const char *kind = st->kind;
     int split = c.backward_input || c.backward_weight;
     if (!c.forward)
         return fail(st, EPIPE_EINVAL, "the forward callback is required");

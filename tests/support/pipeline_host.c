@@ -17,6 +17,8 @@ void host_partition(unsigned s, unsigned p, int *l0, int *l1)
 
 int host_create_stage(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg)
 {
+    if (cfg->create)
+        return cfg->create(out, comm, cfg);
     return epipe_stage_create(out, comm, cfg->schedule, cfg->microbatches);
 }
 
@@ -236,19 +238,18 @@ static int step_op_stream(struct host *h, int split)
 
 static int setup_chunks(struct host *h)
 {
-    const epipe_schedule *sc = epipe_stage_schedule(h->stage);
-    h->P = epipe_schedule_pipeline_stages(sc);
-    h->nch = epipe_schedule_chunks(sc, h->s);
+    h->nch = epipe_stage_chunks(h->stage);
     if (h->nch > HOST_MAX_CHUNKS)
         return EPIPE_EINVAL;
     for (unsigned k = 0; k < h->nch; k++) {
         struct hchunk *c = &h->ch[k];
-        int rc = epipe_schedule_stage_of(sc, h->s, k, &c->g);
+        int rc = epipe_stage_chunk_stage(h->stage, k, &c->g, &h->P);
         if (rc)
             return rc;
         host_partition(c->g, h->P, &c->l0, &c->l1);
         c->first = c->g == 0;
         c->last = c->g + 1 == h->P;
+        h->res->holds_last |= c->last;
         init_layers(h->layers, c->l0, c->l1);
         for (int l = c->l0; l < c->l1; l++)
             h->res->owns[l] = 1;

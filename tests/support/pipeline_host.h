@@ -34,6 +34,10 @@ struct host_config {
     unsigned placement_len;
     /* 1: backward_input and backward_weight (split backward); 0: backward */
     int split;
+    /* Creates the stage instead of host_create_stage's default (tests that
+     * run raw op lists); arg is theirs. */
+    int (*create)(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg);
+    const void *create_arg;
 };
 
 struct host_result {
@@ -49,6 +53,7 @@ struct host_result {
      * which; l0, l1: the range of its first chunk. */
     int l0, l1;
     unsigned char owns[HOST_MAX_LAYERS];
+    int holds_last; /* this rank holds the last pipeline stage (the loss) */
     mlp_layer layers[HOST_MAX_LAYERS];
 };
 
