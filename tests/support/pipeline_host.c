@@ -153,12 +153,12 @@ static int backward_common(struct host *h, unsigned mb, const DLTensor *gout, co
     const float *dy = output_gradient(h, c, mb, gout);
     if (!dy)
         return 2;
-    int n = h->rows * 16;
     for (int l = c->l1 - 1; l >= c->l0; l--) {
+        size_t n = (size_t)(h->rows * host_dims[l + 1]);
         float *dx = l == c->l0 ? (c->first ? NULL : c->dx) : h->gbuf[l % 2];
         const float *x = c->acts[mb][l - c->l0], *y = c->acts[mb][l - c->l0 + 1];
         if (split) {
-            memcpy(c->dys[mb][l - c->l0], dy, sizeof(float) * (size_t)n);
+            memcpy(c->dys[mb][l - c->l0], dy, sizeof(float) * n);
             if (dx)
                 mlp_layer_backward_input(&h->layers[l], y, dy, h->rows, dx);
         } else {
@@ -168,7 +168,7 @@ static int backward_common(struct host *h, unsigned mb, const DLTensor *gout, co
     }
     if (!c->first) {
         if (c->l0 == c->l1) /* a chunk without layers passes the gradient on */
-            memcpy(c->dx, dy, sizeof(float) * (size_t)n);
+            memcpy(c->dx, dy, sizeof(float) * (size_t)(h->rows * host_dims[c->l0]));
         c->dxt = view2d(c->dx, c->dx_shape, h->rows, host_dims[c->l0]);
         *gin = &c->dxt;
     }
