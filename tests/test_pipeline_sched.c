@@ -156,63 +156,6 @@ static void mismatched_schedules_fail_at_the_first_message(void **state)
 
 /* ---- chunks and split backward on raw op lists ---------------------------- */
 
-#define MAX_STAGES 8
-#define MAX_OPS 1024
-
-/* Op lists for any placement, in one global order that respects every
- * dependency: all forwards by (micro-batch, pipeline stage), then the
- * backwards by (micro-batch, stage from the last); with split, each
- * backward is an input-gradient op and every weight-gradient op comes at
- * the end of its rank's list (the activations must live until then). */
-struct raw_layout {
-    unsigned P, ranks, m;
-    unsigned placement[MAX_STAGES];
-    int split;
-    epipe_op ops[MAX_P][MAX_OPS];
-    size_t n[MAX_P];
-};
-
-static void put(struct raw_layout *L, unsigned g, uint32_t kind, unsigned mb)
-{
-    unsigned r = L->placement[g], chunk = 0;
-    for (unsigned k = 0; k < g; k++)
-        chunk += L->placement[k] == r;
-    assert_true(L->n[r] < MAX_OPS);
-    L->ops[r][L->n[r]++] = (epipe_op){.kind = kind, .microbatch = mb, .chunk = chunk};
-}
-
-static void build_raw(struct raw_layout *L)
-{
-    memset(L->n, 0, sizeof L->n);
-    for (unsigned mb = 0; mb < L->m; mb++)
-        for (unsigned g = 0; g < L->P; g++) {
-            if (g > 0)
-                put(L, g, EPIPE_OP_RECV_ACT, mb);
-            put(L, g, EPIPE_OP_FORWARD, mb);
-            if (g + 1 < L->P)
-                put(L, g, EPIPE_OP_SEND_ACT, mb);
-        }
-    for (unsigned mb = 0; mb < L->m; mb++)
-        for (unsigned g = L->P; g-- > 0;) {
-            if (g + 1 < L->P)
-                put(L, g, EPIPE_OP_RECV_GRAD, mb);
-            put(L, g, L->split ? EPIPE_OP_BACKWARD_INPUT : EPIPE_OP_BACKWARD, mb);
-            if (g > 0)
-                put(L, g, EPIPE_OP_SEND_GRAD, mb);
-        }
-    for (unsigned mb = 0; L->split && mb < L->m; mb++)
-        for (unsigned g = 0; g < L->P; g++)
-            put(L, g, EPIPE_OP_BACKWARD_WEIGHT, mb);
-}
-
-static int create_raw(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg)
-{
-    const struct raw_layout *L = cfg->create_arg;
-    unsigned r = epipe_comm_rank(comm);
-    return epipe_stage_create_raw(out, comm, L->m, L->P, L->placement, L->ops[r], L->n[r],
-                                  L->split);
-}
-
 static void run_ranks(unsigned p, const struct host_config *cfg, struct rank_arg *a)
 {
     epipe_comm *c[MAX_P];
@@ -275,7 +218,7 @@ static void chunks_and_split_backward_equal_one_process(void **state)
 {
     (void)state;
     static const struct {
-        unsigned ranks, P, placement[MAX_STAGES];
+        unsigned ranks, P, placement[HOST_RAW_MAX_STAGES];
     } layouts[] = {
         {2, 3, {0, 1, 0}},       {2, 3, {0, 0, 1}},          {2, 4, {0, 1, 0, 1}},
         {3, 6, {0, 1, 2, 2, 1, 0}}, {4, 8, {0, 1, 2, 3, 0, 1, 2, 3}},
@@ -284,7 +227,7 @@ static void chunks_and_split_backward_equal_one_process(void **state)
     mlp_layer ref[HOST_MAX_LAYERS];
     double ref_first, ref_last;
     host_reference(M, STEPS, ref, &ref_first, &ref_last);
-    static struct raw_layout L;
+    static struct host_raw_layout L;
     for (size_t k = 0; k < sizeof layouts / sizeof layouts[0]; k++)
         for (int split = 0; split < 2; split++)
             for (int stream = 0; stream < 2; stream++) {
@@ -293,12 +236,12 @@ static void chunks_and_split_backward_equal_one_process(void **state)
                 L.m = M;
                 L.split = split;
                 memcpy(L.placement, layouts[k].placement, sizeof L.placement);
-                build_raw(&L);
+                assert_int_equal(host_build_raw(&L), 0);
                 struct host_config cfg = {.microbatches = M,
                                           .steps = STEPS,
                                           .use_op_stream = stream,
                                           .split = split,
-                                          .create = create_raw,
+                                          .create = host_create_raw,
                                           .create_arg = &L};
                 struct rank_arg a[MAX_P];
                 run_ranks(L.ranks, &cfg, a);
@@ -322,10 +265,10 @@ static void plain_backward_runs_a_split_list(void **state)
     mlp_layer ref[HOST_MAX_LAYERS];
     double f, last;
     host_reference(M, STEPS, ref, &f, &last);
-    static struct raw_layout L = {.P = 3, .ranks = 2, .m = M, .split = 1, .placement = {0, 1, 0}};
-    build_raw(&L);
+    static struct host_raw_layout L = {.P = 3, .ranks = 2, .m = M, .split = 1, .placement = {0, 1, 0}};
+    assert_int_equal(host_build_raw(&L), 0);
     struct host_config cfg = {
-        .microbatches = M, .steps = STEPS, .split = 0, .create = create_raw, .create_arg = &L};
+        .microbatches = M, .steps = STEPS, .split = 0, .create = host_create_raw, .create_arg = &L};
     struct rank_arg a[2];
     run_ranks(2, &cfg, a);
     assert_equal_to_reference(a, 2, ref, last, "plain backward on a split list");

@@ -70,6 +70,27 @@ void host_partition(unsigned s, unsigned p, int *l0, int *l1);
 void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_result *res);
 void host_result_free(struct host_result *res);
 
+/* Raw op lists (tests of the runtime without a schedule kind) for any
+ * placement, in one global order that respects every dependency: all
+ * forwards by (micro-batch, pipeline stage), then the backwards by
+ * (micro-batch, stage from the last); with split, each backward is an
+ * input-gradient op and every weight-gradient op comes at the end of its
+ * rank's list (the activations must live until then). */
+#define HOST_RAW_MAX_STAGES 16
+#define HOST_RAW_MAX_RANKS 8
+#define HOST_RAW_MAX_OPS 1024
+struct host_raw_layout {
+    unsigned P, ranks, m;                       /* set by the caller */
+    unsigned placement[HOST_RAW_MAX_STAGES];    /* set by the caller */
+    int split;                                  /* set by the caller */
+    epipe_op ops[HOST_RAW_MAX_RANKS][HOST_RAW_MAX_OPS];
+    size_t n[HOST_RAW_MAX_RANKS];
+};
+/* Fills L->ops and L->n; -1 if they do not fit. */
+int host_build_raw(struct host_raw_layout *L);
+/* A host_config.create that runs cfg->create_arg (a host_raw_layout). */
+int host_create_raw(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg);
+
 /* The same training in one process without libepipe: the reference. */
 void host_reference(unsigned microbatches, int steps, mlp_layer *layers, double *first_loss,
                     double *last_loss);
