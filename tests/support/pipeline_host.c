@@ -301,12 +301,11 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
     int rc = host_create_stage(&h.stage, comm, cfg);
     if (rc == EPIPE_OK)
         rc = setup_chunks(&h);
+    unsigned boundary = cfg->one_boundary ? cfg->boundary : EPIPE_ALL_BOUNDARIES;
     if (rc == EPIPE_OK && cfg->act_codec)
-        rc = epipe_stage_set_codec(h.stage, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES,
-                                   cfg->act_codec);
+        rc = epipe_stage_set_codec(h.stage, EPIPE_DIR_ACTIVATION, boundary, cfg->act_codec);
     if (rc == EPIPE_OK && cfg->grad_codec)
-        rc = epipe_stage_set_codec(h.stage, EPIPE_DIR_GRADIENT, EPIPE_ALL_BOUNDARIES,
-                                   cfg->grad_codec);
+        rc = epipe_stage_set_codec(h.stage, EPIPE_DIR_GRADIENT, boundary, cfg->grad_codec);
     if (rc == EPIPE_OK)
         rc = epipe_stage_set_param(h.stage, EPIPE_STAGE_BATCH_SIZE, HOST_BATCH);
     epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;

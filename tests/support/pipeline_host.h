@@ -23,6 +23,8 @@ struct host_config {
     unsigned microbatches;
     int steps;
     const char *act_codec, *grad_codec; /* NULL = none */
+    int one_boundary;                   /* 1: the codecs go on boundary `boundary` only */
+    unsigned boundary;
     int use_op_stream;
     /* > 0: after each step, the built-in SGD for trainable codecs
      * (epipe_stage_codec_sgd_step) with this lr and momentum. */
