@@ -14,7 +14,9 @@ extern "C" {
 #endif
 
 /* An opaque stage: the stage whose index is its communicator's rank, in a
- * pipeline of as many stages as the communicator has ranks.
+ * pipeline of as many stages as the communicator has ranks. With chunks
+ * (virtual stages, see "The op stream"), one handle serves every pipeline
+ * stage its rank holds; "stage" in a message then means the rank.
  *
  * The host owns the model and does the compute; the stage owns the
  * schedule, the codecs of its two boundaries, and the messages. Boundary b
@@ -35,8 +37,9 @@ typedef struct epipe_stage epipe_stage;
 /* Returned in epipe_op.kind by epipe_stage_next_op() when the step is over. */
 #define EPIPE_OP_NONE 0u
 
-/* Creates a stage on comm running schedule `schedule` ("gpipe", "1f1b")
- * with `microbatches` micro-batches per step. The stage borrows comm, which
+/* Creates a stage on comm running schedule `schedule` (a kind name of
+ * epipe/schedule.h: "gpipe", "1f1b", ...) with `microbatches` micro-batches
+ * per step, in the kind's default layout. The stage borrows comm, which
  * must outlive it. Codecs default to "none" on every boundary. Returns
  * EPIPE_OK; EPIPE_EINVAL for a NULL argument, an unknown schedule or a bad
  * micro-batch count (the message says which); EPIPE_ENOMEM. On error *out
