@@ -141,7 +141,7 @@ static void every_size_holds(void **state)
                     size_t ne = expected_compute(kind, p, m, s, seq);
                     for (size_t k = 0; k < n; k++) {
                         assert_int_equal(ops[k].chunk, 0);
-                        assert_int_equal(ops[k].reserved, 0);
+                        assert_int_equal(ops[k].weight_version, 0);
                         if (ops[k].kind == EPIPE_OP_FORWARD)
                             assert_int_equal(seq[nc++], (int)ops[k].microbatch + 1);
                         else if (ops[k].kind == EPIPE_OP_BACKWARD)
@@ -276,8 +276,8 @@ static void broken_lists_are_caught(void **state)
     assert_int_equal(run_raw(2, 1, lists, counts), EPIPE_ESTATE);
     const char *msg = epipe_last_error();
     assert_non_null(strstr(msg, "deadlock"));
-    assert_non_null(strstr(msg, "stage 0 waits at op 0 (recv-grad 0) for stage 1"));
-    assert_non_null(strstr(msg, "stage 1 waits at op 0 (recv-act 0) for stage 0"));
+    assert_non_null(strstr(msg, "rank 0 waits at op 0 (recv-grad 0, stage 0) for rank 1"));
+    assert_non_null(strstr(msg, "rank 1 waits at op 0 (recv-act 0, stage 1) for rank 0"));
 
     /* The same with the receive moved after the send: it holds. */
     const epipe_op ok0[] = {OP(FORWARD, 0), OP(SEND_ACT, 0), OP(RECV_GRAD, 0), OP(BACKWARD, 0)};
@@ -342,7 +342,7 @@ static void broken_lists_are_caught(void **state)
     copy[2] = copy[rg], copy[rg] = tmp;
     l[1] = copy;
     assert_int_equal(run_raw(3, 4, l, c), EPIPE_ESTATE);
-    assert_non_null(strstr(epipe_last_error(), "stage 1 waits at op 2 (recv-grad 0)"));
+    assert_non_null(strstr(epipe_last_error(), "rank 1 waits at op 2 (recv-grad 0"));
     epipe_schedule_destroy(sc);
 }
 

@@ -1,5 +1,5 @@
-/* Schedules as data: builds each stage's op list for gpipe and 1f1b, and the
- * public schedule API around it (create proves the lists with the simulator). */
+/* Schedules as data: the kinds, their layouts (placement of pipeline stages on
+ * ranks) and the public schedule API (create proves the lists by simulation). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,69 +11,36 @@
 
 struct epipe_schedule {
     const char *kind;
-    unsigned stages, microbatches;
-    epipe_op **ops; /* ops[s]: stage s's list */
-    size_t *counts; /* counts[s]: its length */
+    unsigned microbatches;
+    int split;
+    struct epipe_sched_layout layout;
+    epipe_op **ops; /* ops[r]: rank r's list */
+    size_t *counts; /* counts[r]: its length */
 };
 
-/* Appends ops to one stage's list; the list was sized for the worst case. */
-struct builder {
-    epipe_op *ops;
-    size_t n;
-    unsigned stage, stages;
-};
-
-static void put(struct builder *b, epipe_op_kind kind, unsigned mb)
+/* Rules of each kind over a layout; the limits arrays are allocated by the
+ * caller (zeroed: no limit). */
+static void rules_gpipe(const struct epipe_sched_layout *l, struct epipe_sched_policy *p)
 {
-    b->ops[b->n++] = (epipe_op){.kind = (uint32_t)kind, .microbatch = mb};
+    (void)l;
+    p->flush_forwards = 1;
 }
 
-static void forward(struct builder *b, unsigned mb)
+/* 1F1B: pipeline stage s of P holds at most P-s activations. */
+static void rules_1f1b(const struct epipe_sched_layout *l, struct epipe_sched_policy *p)
 {
-    if (b->stage > 0)
-        put(b, EPIPE_OP_RECV_ACT, mb);
-    put(b, EPIPE_OP_FORWARD, mb);
-    if (b->stage + 1 < b->stages)
-        put(b, EPIPE_OP_SEND_ACT, mb);
+    for (unsigned s = 0; s < l->nstages; s++)
+        p->stage_limit[s] = l->nstages - s;
 }
 
-static void backward(struct builder *b, unsigned mb)
-{
-    if (b->stage + 1 < b->stages)
-        put(b, EPIPE_OP_RECV_GRAD, mb);
-    put(b, EPIPE_OP_BACKWARD, mb);
-    if (b->stage > 0)
-        put(b, EPIPE_OP_SEND_GRAD, mb);
-}
-
-static void build_gpipe(struct builder *b, unsigned m)
-{
-    for (unsigned i = 0; i < m; i++)
-        forward(b, i);
-    for (unsigned i = 0; i < m; i++)
-        backward(b, i);
-}
-
-static void build_1f1b(struct builder *b, unsigned m)
-{
-    unsigned p = b->stages, s = b->stage;
-    unsigned warmup = p - s - 1 < m ? p - s - 1 : m;
-    for (unsigned i = 0; i < warmup; i++)
-        forward(b, i);
-    for (unsigned i = 0; i + warmup < m; i++) {
-        forward(b, i + warmup);
-        backward(b, i);
-    }
-    for (unsigned i = m - warmup; i < m; i++)
-        backward(b, i);
-}
-
-static const struct {
+static const struct kind {
     const char *name;
-    void (*build)(struct builder *b, unsigned microbatches);
+    unsigned default_chunks, need_chunks; /* need_chunks 0: any */
+    int v_shape;                          /* default placement a V, else round-robin */
+    void (*rules)(const struct epipe_sched_layout *l, struct epipe_sched_policy *p);
 } kinds[] = {
-    {"gpipe", build_gpipe},
-    {"1f1b", build_1f1b},
+    {"gpipe", 1, 0, 0, rules_gpipe},
+    {"1f1b", 1, 0, 0, rules_1f1b},
 };
 #define NKINDS (sizeof kinds / sizeof kinds[0])
 
@@ -98,15 +65,124 @@ EPIPE_API void epipe_schedule_destroy(epipe_schedule *sched)
     if (!sched)
         return;
     if (sched->ops)
-        for (unsigned s = 0; s < sched->stages; s++)
-            free(sched->ops[s]);
+        for (unsigned r = 0; r < sched->layout.ranks; r++)
+            free(sched->ops[r]);
     free(sched->ops);
     free(sched->counts);
+    epipe_sched_layout_free(&sched->layout);
     free(sched);
+}
+
+void epipe_sched_layout_free(struct epipe_sched_layout *l)
+{
+    free(l->rank_of);
+    free(l->chunk_of);
+    free(l->nchunks);
+    free(l->first);
+    free(l->stage_at);
+    memset(l, 0, sizeof *l);
+}
+
+int epipe_sched_layout_init(struct epipe_sched_layout *l, unsigned ranks, unsigned nstages,
+                            unsigned *rank_of)
+{
+    *l = (struct epipe_sched_layout){.ranks = ranks, .nstages = nstages, .rank_of = rank_of};
+    l->chunk_of = malloc(nstages * sizeof *l->chunk_of);
+    l->nchunks = calloc(ranks, sizeof *l->nchunks);
+    l->first = malloc(ranks * sizeof *l->first);
+    l->stage_at = malloc(nstages * sizeof *l->stage_at);
+    if (!l->chunk_of || !l->nchunks || !l->first || !l->stage_at)
+        return epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
+    for (unsigned s = 0; s < nstages; s++) {
+        if (rank_of[s] >= ranks)
+            return epipe_fail(EPIPE_EINVAL,
+                              "placement[%u] = %u: rank out of range 0..%u", s, rank_of[s],
+                              ranks - 1);
+        l->chunk_of[s] = l->nchunks[rank_of[s]]++;
+    }
+    unsigned total = 0;
+    for (unsigned r = 0; r < ranks; r++) {
+        if (!l->nchunks[r])
+            return epipe_fail(EPIPE_EINVAL, "placement: rank %u holds no pipeline stage", r);
+        l->first[r] = total;
+        total += l->nchunks[r];
+    }
+    for (unsigned s = 0; s < nstages; s++)
+        l->stage_at[l->first[rank_of[s]] + l->chunk_of[s]] = s;
+    return EPIPE_OK;
+}
+
+/* Checks the layout against the kind and fills sc->layout. */
+static int make_layout(epipe_schedule *sc, const struct kind *k, unsigned ranks,
+                       const epipe_schedule_layout *lay)
+{
+    const char *kn = k->name;
+    unsigned chunks = lay ? lay->chunks : 0;
+    const unsigned *placement = lay ? lay->placement : NULL;
+    unsigned n = placement ? lay->placement_len : 0;
+    if (lay && !placement && lay->placement_len)
+        return epipe_fail(EPIPE_EINVAL, "%s schedule: placement_len %u without a placement", kn,
+                          lay->placement_len);
+    if (placement) {
+        if (n == 0)
+            return epipe_fail(EPIPE_EINVAL, "%s schedule: the placement has length 0", kn);
+        if (n > EPIPE_SCHEDULE_MAX_STAGES)
+            return epipe_fail(EPIPE_EINVAL,
+                              "%s schedule: a placement of %u pipeline stages is over the "
+                              "limit of %u",
+                              kn, n, EPIPE_SCHEDULE_MAX_STAGES);
+    } else {
+        if (!chunks)
+            chunks = k->default_chunks;
+        if (chunks > EPIPE_SCHEDULE_MAX_STAGES / ranks)
+            return epipe_fail(EPIPE_EINVAL,
+                              "%s schedule: %u ranks x %u chunks is over the limit of %u "
+                              "pipeline stages",
+                              kn, ranks, chunks, EPIPE_SCHEDULE_MAX_STAGES);
+        n = ranks * chunks;
+    }
+    unsigned *rank_of = malloc(n * sizeof *rank_of);
+    if (!rank_of)
+        return epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
+    for (unsigned s = 0; s < n; s++) {
+        if (placement)
+            rank_of[s] = placement[s];
+        else if (k->v_shape && (s / ranks) % 2)
+            rank_of[s] = ranks - 1 - s % ranks;
+        else
+            rank_of[s] = s % ranks;
+    }
+    int rc = epipe_sched_layout_init(&sc->layout, ranks, n, rank_of);
+    if (rc == EPIPE_EINVAL) {
+        char why[EPIPE_ERRMSG_MAX];
+        snprintf(why, sizeof why, "%s", epipe_last_error());
+        return epipe_fail(EPIPE_EINVAL, "%s schedule over %u ranks: %s", kn, ranks, why);
+    }
+    if (rc)
+        return rc;
+    for (unsigned r = 0; r < ranks; r++) {
+        unsigned c = sc->layout.nchunks[r];
+        if (lay && lay->chunks && c != lay->chunks)
+            return epipe_fail(EPIPE_EINVAL,
+                              "%s schedule: rank %u holds %u chunks in the placement, not the "
+                              "%u of layout.chunks",
+                              kn, r, c, lay->chunks);
+        if (k->need_chunks && c != k->need_chunks)
+            return epipe_fail(EPIPE_EINVAL, "%s schedule: rank %u holds %u chunks; %s needs %u",
+                              kn, r, c, kn, k->need_chunks);
+    }
+    return EPIPE_OK;
 }
 
 EPIPE_API int epipe_schedule_create(epipe_schedule **out, const char *kind, unsigned stages,
                                     unsigned microbatches)
+{
+    return epipe_schedule_create_layout(out, kind, stages, microbatches, NULL);
+}
+
+EPIPE_API int epipe_schedule_create_layout(epipe_schedule **out, const char *kind, unsigned ranks,
+                                           unsigned microbatches,
+                                           const epipe_schedule_layout *layout)
 {
     epipe_clear_error();
     if (!out)
@@ -114,59 +190,72 @@ EPIPE_API int epipe_schedule_create(epipe_schedule **out, const char *kind, unsi
     *out = NULL;
     if (!kind)
         return epipe_fail(EPIPE_EINVAL, "epipe_schedule_create: kind is NULL");
-    size_t k = 0;
-    while (k < NKINDS && strcmp(kinds[k].name, kind))
-        k++;
-    if (k == NKINDS)
+    size_t ki = 0;
+    while (ki < NKINDS && strcmp(kinds[ki].name, kind))
+        ki++;
+    if (ki == NKINDS)
         return unknown_kind(kind);
-    if (stages < 1 || stages > EPIPE_SCHEDULE_MAX_STAGES)
+    const struct kind *k = &kinds[ki];
+    if (ranks < 1 || ranks > EPIPE_SCHEDULE_MAX_STAGES)
         return epipe_fail(EPIPE_EINVAL, "%s schedule: %u stages is out of range 1..%u", kind,
-                          stages, EPIPE_SCHEDULE_MAX_STAGES);
+                          ranks, EPIPE_SCHEDULE_MAX_STAGES);
     if (microbatches < 1 || microbatches > EPIPE_SCHEDULE_MAX_MICROBATCHES)
         return epipe_fail(EPIPE_EINVAL, "%s schedule: %u micro-batches is out of range 1..%u", kind,
                           microbatches, EPIPE_SCHEDULE_MAX_MICROBATCHES);
-    if ((uint64_t)stages * microbatches > EPIPE_SCHEDULE_MAX_PRODUCT)
+    if (layout && layout->struct_size < sizeof *layout)
         return epipe_fail(EPIPE_EINVAL,
-                          "%s schedule: %u stages x %u micro-batches exceeds the limit of %u", kind,
-                          stages, microbatches, EPIPE_SCHEDULE_MAX_PRODUCT);
+                          "%s schedule: layout.struct_size %zu is below %zu (initialise it with "
+                          "EPIPE_SCHEDULE_LAYOUT_INIT)",
+                          kind, layout->struct_size, sizeof *layout);
 
     epipe_schedule *sc = calloc(1, sizeof *sc);
     if (!sc)
         return epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
-    sc->kind = kinds[k].name;
-    sc->stages = stages;
+    sc->kind = k->name;
     sc->microbatches = microbatches;
-    sc->ops = calloc(stages, sizeof *sc->ops);
-    sc->counts = calloc(stages, sizeof *sc->counts);
-    if (!sc->ops || !sc->counts) {
+    int rc = make_layout(sc, k, ranks, layout);
+    if (rc) {
         epipe_schedule_destroy(sc);
-        return epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
+        return rc;
     }
-    /* At most 3 ops around each forward and each backward. */
-    size_t cap = (size_t)6 * microbatches;
-    for (unsigned s = 0; s < stages; s++) {
-        struct builder b = {.ops = malloc(cap * sizeof(epipe_op)), .stage = s, .stages = stages};
-        if (!b.ops) {
-            epipe_schedule_destroy(sc);
-            return epipe_fail(EPIPE_ENOMEM, "schedule: out of memory for %zu ops", cap);
-        }
-        kinds[k].build(&b, microbatches);
-        sc->ops[s] = b.ops;
-        sc->counts[s] = b.n;
+    unsigned P = sc->layout.nstages;
+    if ((uint64_t)P * microbatches > EPIPE_SCHEDULE_MAX_PRODUCT) {
+        epipe_schedule_destroy(sc);
+        return epipe_fail(EPIPE_EINVAL,
+                          "%s schedule: %u stages x %u micro-batches exceeds the limit of %u", kind,
+                          P, microbatches, EPIPE_SCHEDULE_MAX_PRODUCT);
+    }
+    struct epipe_sched_policy pol = {0};
+    pol.stage_limit = calloc(P, sizeof *pol.stage_limit);
+    pol.rank_limit = calloc(ranks, sizeof *pol.rank_limit);
+    sc->ops = calloc(ranks, sizeof *sc->ops);
+    sc->counts = calloc(ranks, sizeof *sc->counts);
+    if (!pol.stage_limit || !pol.rank_limit || !sc->ops || !sc->counts) {
+        rc = epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
+    } else {
+        k->rules(&sc->layout, &pol);
+        sc->split = pol.split;
+        rc = epipe_sched_build(&sc->layout, microbatches, &pol, sc->ops, sc->counts);
+    }
+    free(pol.stage_limit);
+    free(pol.rank_limit);
+    if (rc) {
+        epipe_schedule_destroy(sc);
+        return rc;
     }
 
     /* Prove it: a schedule that deadlocks or breaks a dependency is a bug. */
     epipe_sim *sim;
-    int rc = epipe_sim_create_raw(&sim, stages, microbatches, (const epipe_op *const *)sc->ops,
-                                  sc->counts);
+    rc = epipe_sim_create_layout_raw(&sim, &sc->layout, microbatches,
+                                     (const epipe_op *const *)sc->ops, sc->counts);
     if (rc != EPIPE_OK) {
         epipe_schedule_destroy(sc);
         if (rc == EPIPE_ENOMEM)
             return rc;
         char why[EPIPE_ERRMSG_MAX];
         snprintf(why, sizeof why, "%s", epipe_last_error());
-        return epipe_fail(EPIPE_EINTERNAL, "%s schedule p=%u m=%u failed its proof: %s", kind,
-                          stages, microbatches, why);
+        return epipe_fail(EPIPE_EINTERNAL, "%s schedule ranks=%u stages=%u m=%u failed its proof: %s",
+                          kind, ranks, P, microbatches, why);
     }
     epipe_sim_destroy(sim);
     *out = sc;
@@ -180,7 +269,55 @@ EPIPE_API const char *epipe_schedule_kind(const epipe_schedule *sched)
 
 EPIPE_API unsigned epipe_schedule_stages(const epipe_schedule *sched)
 {
-    return sched ? sched->stages : 0;
+    return sched ? sched->layout.ranks : 0;
+}
+
+EPIPE_API unsigned epipe_schedule_pipeline_stages(const epipe_schedule *sched)
+{
+    return sched ? sched->layout.nstages : 0;
+}
+
+EPIPE_API unsigned epipe_schedule_chunks(const epipe_schedule *sched, unsigned rank)
+{
+    return sched && rank < sched->layout.ranks ? sched->layout.nchunks[rank] : 0;
+}
+
+EPIPE_API int epipe_schedule_stage_of(const epipe_schedule *sched, unsigned rank, unsigned chunk,
+                                      unsigned *stage)
+{
+    epipe_clear_error();
+    if (!sched || !stage)
+        return epipe_fail(EPIPE_EINVAL, "epipe_schedule_stage_of: NULL argument");
+    const struct epipe_sched_layout *l = &sched->layout;
+    if (rank >= l->ranks)
+        return epipe_fail(EPIPE_EINVAL, "%s schedule: rank %u is out of range 0..%u",
+                          sched->kind, rank, l->ranks - 1);
+    if (chunk >= l->nchunks[rank])
+        return epipe_fail(EPIPE_EINVAL, "%s schedule: chunk %u of rank %u is out of range 0..%u",
+                          sched->kind, chunk, rank, l->nchunks[rank] - 1);
+    *stage = l->stage_at[l->first[rank] + chunk];
+    return EPIPE_OK;
+}
+
+EPIPE_API int epipe_schedule_placement(const epipe_schedule *sched, unsigned stage,
+                                       unsigned *rank, unsigned *chunk)
+{
+    epipe_clear_error();
+    if (!sched)
+        return epipe_fail(EPIPE_EINVAL, "epipe_schedule_placement: schedule is NULL");
+    if (stage >= sched->layout.nstages)
+        return epipe_fail(EPIPE_EINVAL, "%s schedule: pipeline stage %u is out of range 0..%u",
+                          sched->kind, stage, sched->layout.nstages - 1);
+    if (rank)
+        *rank = sched->layout.rank_of[stage];
+    if (chunk)
+        *chunk = sched->layout.chunk_of[stage];
+    return EPIPE_OK;
+}
+
+EPIPE_API int epipe_schedule_splits_backward(const epipe_schedule *sched)
+{
+    return sched ? sched->split : 0;
 }
 
 EPIPE_API unsigned epipe_schedule_microbatches(const epipe_schedule *sched)
@@ -194,9 +331,9 @@ EPIPE_API int epipe_schedule_ops(const epipe_schedule *sched, unsigned stage, co
     epipe_clear_error();
     if (!sched || !ops || !count)
         return epipe_fail(EPIPE_EINVAL, "epipe_schedule_ops: NULL argument");
-    if (stage >= sched->stages)
+    if (stage >= sched->layout.ranks)
         return epipe_fail(EPIPE_EINVAL, "%s schedule: stage %u is out of range 0..%u", sched->kind,
-                          stage, sched->stages - 1);
+                          stage, sched->layout.ranks - 1);
     *ops = sched->ops[stage];
     *count = sched->counts[stage];
     return EPIPE_OK;
@@ -211,6 +348,8 @@ EPIPE_API const char *epipe_op_kind_name(uint32_t kind)
     case EPIPE_OP_SEND_ACT: return "send-act";
     case EPIPE_OP_RECV_GRAD: return "recv-grad";
     case EPIPE_OP_SEND_GRAD: return "send-grad";
+    case EPIPE_OP_BACKWARD_INPUT: return "Bi";
+    case EPIPE_OP_BACKWARD_WEIGHT: return "W";
     default: return "?";
     }
 }
@@ -220,4 +359,9 @@ void epipe_schedule_lists(const epipe_schedule *sched, const epipe_op *const **o
 {
     *ops = (const epipe_op *const *)sched->ops;
     *counts = sched->counts;
+}
+
+const struct epipe_sched_layout *epipe_schedule_layout_of(const epipe_schedule *sched)
+{
+    return &sched->layout;
 }

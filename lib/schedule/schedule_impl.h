@@ -1,5 +1,5 @@
-/* Internal schedule interface: simulate raw per-stage op lists (used by the
- * public API, by tests that feed broken lists, and by lib/stage later). */
+/* Internal schedule interface: the layout of a schedule, the list builder,
+ * and the simulator on raw per-rank op lists (also used by tests). */
 #ifndef EPIPE_LIB_SCHEDULE_IMPL_H
 #define EPIPE_LIB_SCHEDULE_IMPL_H
 
@@ -7,16 +7,55 @@
 
 #include <epipe/schedule.h>
 
-/* Like epipe_sim_create(), on raw lists: ops[s][0..counts[s]) for each of
- * `stages` stages, micro-batch ids below `microbatches`. The sim borrows
- * both arrays, which must outlive it. Runs once with the default costs and
- * fails (EPIPE_ESTATE deadlock, EPIPE_EINVAL broken dependency or malformed
- * op) as epipe_sim_run() would; on error *out is NULL. */
+/* Where the pipeline stages live: stage s is chunk chunk_of[s] of rank
+ * rank_of[s]; rank r's chunk c is stage stage_at[first[r] + c]. */
+struct epipe_sched_layout {
+    unsigned ranks, nstages;
+    unsigned *rank_of, *chunk_of; /* nstages each */
+    unsigned *nchunks, *first;    /* ranks each */
+    unsigned *stage_at;           /* nstages */
+};
+
+/* Fills the derived arrays of a layout from rank_of (allocates all but
+ * rank_of, which the caller allocated). EPIPE_OK, EPIPE_EINVAL naming a bad
+ * entry or a rank without a stage, EPIPE_ENOMEM. */
+int epipe_sched_layout_init(struct epipe_sched_layout *l, unsigned ranks, unsigned nstages,
+                            unsigned *rank_of);
+void epipe_sched_layout_free(struct epipe_sched_layout *l);
+
+/* The rules a kind's lists are built by (build.c). */
+struct epipe_sched_policy {
+    int split;          /* BACKWARD_INPUT + BACKWARD_WEIGHT instead of BACKWARD */
+    int flush_forwards; /* gpipe: no backward on a rank before all its forwards */
+    int in_order;       /* only the rank's lowest-key pending forward (backward) may run */
+    int depth_first;    /* interleaved keys: micro-batch groups of `ranks`, chunk, mb */
+    int w_last;         /* a weight backward only when no forward nor backward can run */
+    unsigned *stage_limit; /* nstages: live activations a stage may hold, or 0 = none */
+    unsigned *rank_limit;  /* ranks: live activations a rank may hold, or 0 = none */
+};
+
+/* Builds each rank's list by a greedy run at unit costs under the policy.
+ * ops[r] (allocated here) has counts[r] ops. EPIPE_OK, EPIPE_ENOMEM, or
+ * EPIPE_EINTERNAL when the rules leave every rank stuck. */
+int epipe_sched_build(const struct epipe_sched_layout *l, unsigned microbatches,
+                      const struct epipe_sched_policy *pol, epipe_op **ops, size_t *counts);
+
+/* Like epipe_sim_create(), on raw lists: ops[r][0..counts[r]) for each of
+ * l->ranks ranks, micro-batch ids below `microbatches`. The sim borrows all
+ * of it, which must outlive it. Runs once with the default costs and fails
+ * (EPIPE_ESTATE deadlock, EPIPE_EINVAL broken dependency or malformed op)
+ * as epipe_sim_run() would; on error *out is NULL. */
+int epipe_sim_create_layout_raw(epipe_sim **out, const struct epipe_sched_layout *l,
+                                unsigned microbatches, const epipe_op *const *ops,
+                                const size_t *counts);
+
+/* The same with one chunk per rank, stage s on rank s (for tests). */
 int epipe_sim_create_raw(epipe_sim **out, unsigned stages, unsigned microbatches,
                          const epipe_op *const *ops, const size_t *counts);
 
-/* The schedule's lists, for epipe_sim_create(): ops[s] has counts[s] ops. */
+/* The schedule's lists and layout, for epipe_sim_create(). */
 void epipe_schedule_lists(const epipe_schedule *sched, const epipe_op *const **ops,
                           const size_t **counts);
+const struct epipe_sched_layout *epipe_schedule_layout_of(const epipe_schedule *sched);
 
 #endif
