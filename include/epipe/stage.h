@@ -46,6 +46,16 @@ typedef struct epipe_stage epipe_stage;
  * is NULL. The caller frees the stage with epipe_stage_destroy(). */
 EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char *schedule,
                                  unsigned microbatches);
+/* The same with the schedule's layout (epipe/schedule.h): chunks per rank
+ * and the placement of the pipeline stages on ranks; NULL = the kind's
+ * default, as epipe_stage_create(). The layout is read during the call
+ * only. Errors as epipe_stage_create(), and those of
+ * epipe_schedule_create_layout() (a placement or chunk count the kind
+ * cannot use, a rank that holds no stage). Every rank must pass the same
+ * schedule, micro-batch count and layout: a rank that does not is found
+ * at the first message (EPIPE_EPROTO naming both kinds). */
+EPIPE_API int epipe_stage_create_layout(epipe_stage **out, epipe_comm *comm, const char *schedule,
+                                        unsigned microbatches, const epipe_schedule_layout *layout);
 
 /* Frees the stage, its codecs and every buffer it lent. Messages still in
  * flight to peers are delivered first on the transports that queue them.

@@ -6,8 +6,6 @@
 #include <epipe/codec.h>
 #include <epipe/stage.h>
 
-#include "sched_compat.h" /* TEMPORARY */
-
 #include <stdarg.h>
 #include <stdio.h>
 #include <time.h>

@@ -21,7 +21,11 @@ int host_create_stage(epipe_stage **out, epipe_comm *comm, const struct host_con
 {
     if (cfg->create)
         return cfg->create(out, comm, cfg);
-    return epipe_stage_create(out, comm, cfg->schedule, cfg->microbatches);
+    epipe_schedule_layout layout = EPIPE_SCHEDULE_LAYOUT_INIT;
+    layout.chunks = cfg->chunks;
+    layout.placement = cfg->placement;
+    layout.placement_len = cfg->placement ? cfg->placement_len : 0;
+    return epipe_stage_create_layout(out, comm, cfg->schedule, cfg->microbatches, &layout);
 }
 
 static void init_layers(mlp_layer *layers, int l0, int l1)

@@ -5,8 +5,6 @@
 
 #include <epipe/epipe.h>
 
-#include "../../lib/stage/sched_compat.h" /* TEMPORARY, until the sched merge */
-
 #include "mlp.h"
 
 #define HOST_MAX_LAYERS 8
