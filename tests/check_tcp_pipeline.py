@@ -51,6 +51,9 @@ def compare(tag, out, ref):
 
 # (ranks, schedule, extra arguments)
 RUNS = [(p, k, []) for p in (2, 3, 4) for k in ("gpipe", "1f1b")]
+# the client-server split: rank 0 holds the first and the last layers
+RUNS += [(2, k, ["--placement", "0,1,0"]) for k in ("gpipe", "1f1b")]
+RUNS += [(3, "1f1b", ["--placement", "0,1,2,1,0"]), (2, "gpipe", ["--chunks", "2"])]
 # chunks on raw op lists (pipeline_host.h): client-server, a local boundary, a V
 RUNS += [(p, "raw", ["--raw", pl, "--split", sp]) for p, pl in
          ((2, "0,1,0"), (2, "0,0,1"), (3, "0,1,2,2,1,0")) for sp in ("0", "1")]

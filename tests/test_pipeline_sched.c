@@ -256,6 +256,91 @@ static void chunks_and_split_backward_equal_one_process(void **state)
         mlp_layer_free(&ref[l]);
 }
 
+/* The library's schedules on other layouts (the client-server split 0,1,0,
+ * a longer out-and-back 0,1,2,1,0, round-robin chunks) train exactly as one
+ * process, by callbacks and by the op stream. Kinds that split the backward
+ * run with the split callbacks. */
+static void schedule_layouts_equal_one_process(void **state)
+{
+    (void)state;
+    static const unsigned cs[] = {0, 1, 0}, oab[] = {0, 1, 2, 1, 0};
+    static const struct {
+        unsigned ranks, chunks;
+        const unsigned *placement;
+        unsigned len;
+    } layouts[] = {{2, 0, cs, 3}, {3, 0, oab, 5}, {2, 2, NULL, 0}, {3, 2, NULL, 0}};
+    enum { M = 4 };
+    mlp_layer ref[HOST_MAX_LAYERS];
+    double first, last;
+    host_reference(M, STEPS, ref, &first, &last);
+    int ran = 0;
+    for (size_t k = 0; epipe_schedule_kind_name(k); k++) {
+        const char *kind = epipe_schedule_kind_name(k);
+        for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
+            epipe_schedule *sc;
+            epipe_schedule_layout lay = EPIPE_SCHEDULE_LAYOUT_INIT;
+            lay.chunks = layouts[l].chunks;
+            lay.placement = layouts[l].placement;
+            lay.placement_len = layouts[l].len;
+            if (epipe_schedule_create_layout(&sc, kind, layouts[l].ranks, M, &lay) != EPIPE_OK)
+                continue; /* a layout this kind does not take */
+            int split = epipe_schedule_splits_backward(sc);
+            epipe_schedule_destroy(sc);
+            for (int stream = 0; stream < 2; stream++) {
+                struct host_config cfg = {.schedule = kind,
+                                          .microbatches = M,
+                                          .steps = STEPS,
+                                          .use_op_stream = stream,
+                                          .split = split,
+                                          .chunks = layouts[l].chunks,
+                                          .placement = layouts[l].placement,
+                                          .placement_len = layouts[l].len};
+                struct rank_arg a[MAX_P];
+                run_ranks(layouts[l].ranks, &cfg, a);
+                char what[96];
+                snprintf(what, sizeof what, "%s, layout %zu, %s", kind, l,
+                         stream ? "op stream" : "callbacks");
+                assert_equal_to_reference(a, layouts[l].ranks, ref, last, what);
+                for (unsigned r = 0; r < layouts[l].ranks; r++)
+                    host_result_free(&a[r].res);
+                ran++;
+            }
+        }
+    }
+    print_message("%d runs of the library's kinds on other layouts\n", ran);
+    assert_true(ran >= 4); /* gpipe and 1f1b on the client-server split at least */
+    for (int l = 0; l < host_nlayers; l++)
+        mlp_layer_free(&ref[l]);
+}
+
+/* Ranks that agree on the kind but not on the placement fail at the first
+ * message too. */
+static void mismatched_placement_fails_at_the_first_message(void **state)
+{
+    (void)state;
+    static const unsigned cs[] = {0, 1, 0}, other[] = {0, 1, 1};
+    epipe_comm *c[2];
+    struct rank_arg a[2];
+    pthread_t tid[2];
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    for (int r = 0; r < 2; r++) {
+        memset(&a[r], 0, sizeof a[r]);
+        a[r].comm = c[r];
+        a[r].cfg = (struct host_config){.schedule = "1f1b",
+                                        .microbatches = 4,
+                                        .steps = 2,
+                                        .placement = r ? other : cs,
+                                        .placement_len = 3};
+        assert_int_equal(pthread_create(&tid[r], NULL, rank_thread, &a[r]), 0);
+    }
+    for (int r = 0; r < 2; r++)
+        pthread_join(tid[r], NULL);
+    expect_error(a[1].res.error, a[1].res.rc, EPIPE_EPROTO,
+                 "rank 0 runs schedule '1f1b' and so does this rank, but");
+    for (int r = 0; r < 2; r++)
+        host_result_free(&a[r].res);
+}
+
 /* A host without split callbacks runs a splitting list with its plain
  * backward (at the input-gradient op) and still trains exactly. */
 static void plain_backward_runs_a_split_list(void **state)
@@ -434,6 +519,8 @@ int main(void)
         cmocka_unit_test(mismatched_schedules_fail_at_the_first_message),
         cmocka_unit_test(chunks_and_split_backward_equal_one_process),
         cmocka_unit_test(plain_backward_runs_a_split_list),
+        cmocka_unit_test(schedule_layouts_equal_one_process),
+        cmocka_unit_test(mismatched_placement_fails_at_the_first_message),
         cmocka_unit_test(split_backward_misuse_is_refused),
         cmocka_unit_test(local_boundary_uses_its_codec_only_when_set),
     };
