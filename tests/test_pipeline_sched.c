@@ -256,8 +256,9 @@ static void chunks_and_split_backward_equal_one_process(void **state)
         mlp_layer_free(&ref[l]);
 }
 
-/* The library's schedules on other layouts (the client-server split 0,1,0,
- * a longer out-and-back 0,1,2,1,0, round-robin chunks) train exactly as one
+/* Every schedule kind of the library, on every layout here that it takes
+ * (the client-server split 0,1,0, an out-and-back 0,1,2,1,0, round-robin
+ * chunks, the kind's defaults on 2 and 4 ranks), trains exactly as one
  * process, by callbacks and by the op stream. Kinds that split the backward
  * run with the split callbacks. */
 static void schedule_layouts_equal_one_process(void **state)
@@ -268,7 +269,8 @@ static void schedule_layouts_equal_one_process(void **state)
         unsigned ranks, chunks;
         const unsigned *placement;
         unsigned len;
-    } layouts[] = {{2, 0, cs, 3}, {3, 0, oab, 5}, {2, 2, NULL, 0}, {3, 2, NULL, 0}};
+    } layouts[] = {{2, 0, cs, 3},     {3, 0, oab, 5},   {2, 2, NULL, 0}, {3, 2, NULL, 0},
+                   {2, 0, NULL, 0},   {4, 0, NULL, 0},  {4, 2, NULL, 0}};
     enum { M = 4 };
     mlp_layer ref[HOST_MAX_LAYERS];
     double first, last;
