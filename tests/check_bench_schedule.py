@@ -21,7 +21,8 @@ def run(*args):
     return subprocess.run([bench, "schedule", *args], capture_output=True, text=True)
 
 
-KEYS = {"kind", "stages", "microbatches", "makespan", "bubble_fraction", "peak_live", "ops"}
+KEYS = {"kind", "stages", "pipeline_stages", "microbatches", "splits_backward", "makespan",
+        "bubble_fraction", "bubble_over_ideal", "published_bubble", "placement", "peak_live", "ops"}
 for kind in ("gpipe", "1f1b"):
     for p, m in ((1, 1), (2, 3), (4, 8), (6, 16), (5, 2)):
         r = run("--kind", kind, "-p", str(p), "-m", str(m), "--json")
@@ -61,8 +62,8 @@ if r.returncode != 0 or not re.search(r"bubble fraction\s+0\.2727", r.stdout):
     fail(f"timeline: exit {r.returncode}\n{r.stdout}{r.stderr}")
 if any(len(line) > 100 for line in r.stdout.splitlines()):
     fail("timeline wider than 100 columns:\n" + r.stdout)
-if len([l for l in r.stdout.splitlines() if l.startswith("stage ")]) != 4:
-    fail("timeline does not have one row per stage:\n" + r.stdout)
+if len([l for l in r.stdout.splitlines() if l.startswith("rank ")]) != 4:
+    fail("timeline does not have one row per rank:\n" + r.stdout)
 
 for args, needle in ((["--kind", "zb"], "'zb'"), (["-p", "0"], "0 stages"),
                      (["-m", "0"], "0 micro-batches"), (["-p", "x"], "-p"),
@@ -71,8 +72,70 @@ for args, needle in ((["--kind", "zb"], "'zb'"), (["-p", "0"], "0 stages"),
     if r.returncode == 0 or needle not in r.stderr:
         fail(f"{args}: exit {r.returncode}, stderr {r.stderr!r}")
 r = run("--kind", "zb")
-if "gpipe" not in r.stderr or "1f1b" not in r.stderr:
-    fail(f"unknown kind does not list the known ones: {r.stderr!r}")
+for k in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
+    if k not in r.stderr:
+        fail(f"unknown kind does not list {k}: {r.stderr!r}")
+
+
+def js(*args):
+    r = run(*args, "--json")
+    if r.returncode != 0:
+        fail(f"{args}: exit {r.returncode}: {r.stderr}")
+        return None
+    return json.loads(r.stdout)
+
+
+# The published bubbles at equal costs (idle over ideal compute).
+for args, want in (
+        (("--kind", "1f1b", "-p", "4", "-m", "8", "--weight-cost", "1"), 3 / 8),
+        (("--kind", "interleaved", "-p", "4", "-m", "8", "--chunks", "2"), 3 / 16),
+        (("--kind", "interleaved", "-p", "4", "-m", "10", "--chunks", "2"), 3 / 20),
+        (("--kind", "zb-h1", "-p", "4", "-m", "8", "--weight-cost", "1"), 3 / 24)):
+    o = js(*args)
+    if o and (abs(o["bubble_over_ideal"] - want) > 0.01 * want
+              or abs(o["published_bubble"] - want) > 1e-12):
+        fail(f"{args}: bubble {o['bubble_over_ideal']} / published {o['published_bubble']}, "
+             f"want {want}")
+
+# zb-h1 splits the backward: Bi and W ops; 1f1b pays B + W per backward.
+o = js("--kind", "zb-h1", "-p", "2", "-m", "2", "--weight-cost", "1")
+if o and (not o["splits_backward"] or sorted(o["ops"][1]) != ["Bi0", "Bi1", "F0", "F1", "W0", "W1"]):
+    fail(f"zb-h1 ops {o}")
+o = js("--kind", "1f1b", "-p", "1", "-m", "1", "--weight-cost", "2")
+if o and o["makespan"] != 4:
+    fail(f"1f1b with weight cost: makespan {o['makespan']}, want 1 + 1 + 2")
+
+# The client-server map: -p defaults to the ranks it names; chunk labels.
+o = js("--placement", "0,1,0", "-m", "4")
+if o and (o["stages"] != 2 or o["pipeline_stages"] != 3 or o["placement"] != [0, 1, 0]
+          or "F0.1" not in o["ops"][0] or o["published_bubble"] is not None):
+    fail(f"placement 0,1,0: {o}")
+o = js("--kind", "zb-v", "-p", "3", "-m", "3")
+if o and o["placement"] != [0, 1, 2, 2, 1, 0]:
+    fail(f"zb-v placement {o['placement']}")
+r = run("--kind", "zb-h1", "--placement", "0,1,0", "-m", "4", "--comm-cost", "0.5",
+        "--codec-cost", "0.1")
+if r.returncode != 0 or "rank 1" not in r.stdout or "Bi0.1" not in r.stdout:
+    fail(f"zb-h1 on 0,1,0: exit {r.returncode}\n{r.stdout}{r.stderr}")
+
+# Bad placements and chunk counts: named, exit 2.
+for args, needle in ((["--placement", ""], "--placement"),
+                     (["--placement", "0,,1"], "0,,1"),
+                     (["--placement", "0,1,"], "0,1,"),
+                     (["--placement", "a"], "list of ranks"),
+                     (["--placement", "-1,0"], "-1,0"),
+                     (["--placement", "+1,0"], "+1,0"),
+                     (["--placement", "99999999999"], "99999999999"),
+                     (["--placement", ",".join(["0"] * 1025)], "--placement"),
+                     (["--placement", "0,2", "-p", "2"], "placement[1] = 2: rank out of range"),
+                     (["--placement", "0,0", "-p", "2"], "rank 1 holds no pipeline stage"),
+                     (["--kind", "zb-v", "--chunks", "3"], "zb-v needs 2"),
+                     (["--chunks", "x"], "--chunks"),
+                     (["--weight-cost", "-1"], "--weight-cost"),
+                     (["--codec-cost", "nan"], "--codec-cost")):
+    r = run(*args)
+    if r.returncode != 2 or needle not in r.stderr:
+        fail(f"{args}: exit {r.returncode}, stderr {r.stderr!r}")
 
 print("ok" if ok else "failed")
 sys.exit(0 if ok else 1)

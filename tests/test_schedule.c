@@ -208,7 +208,10 @@ static void bad_arguments_are_named(void **state)
 
     assert_string_equal(epipe_schedule_kind_name(0), "gpipe");
     assert_string_equal(epipe_schedule_kind_name(1), "1f1b");
-    assert_null(epipe_schedule_kind_name(2));
+    assert_string_equal(epipe_schedule_kind_name(2), "interleaved");
+    assert_string_equal(epipe_schedule_kind_name(3), "zb-h1");
+    assert_string_equal(epipe_schedule_kind_name(4), "zb-v");
+    assert_null(epipe_schedule_kind_name(5));
     assert_string_equal(epipe_op_kind_name(EPIPE_OP_FORWARD), "F");
     assert_string_equal(epipe_op_kind_name(99), "?");
 
@@ -346,12 +349,95 @@ static void broken_lists_are_caught(void **state)
     epipe_schedule_destroy(sc);
 }
 
+/* Per-op costs: W, the codec on links between ranks only, one boundary's
+ * link; makespans worked out by hand. */
+static void costs_per_op_and_boundary(void **state)
+{
+    (void)state;
+    epipe_schedule *sc;
+    epipe_sim *sim;
+    /* 1f1b p=2 m=1, codec 0.5: F 1, encode .5, decode .5, F 1, B 1, encode,
+     * decode, B 1: 4 + 4 * 0.5, and both ranks busy half the time. */
+    assert_int_equal(epipe_schedule_create(&sc, "1f1b", 2, 1), EPIPE_OK);
+    assert_int_equal(epipe_sim_create(&sim, sc), EPIPE_OK);
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_CODEC, EPIPE_SIM_ALL_STAGES, 0.5), 0);
+    assert_int_equal(epipe_sim_run(sim), EPIPE_OK);
+    assert_true(fabs(epipe_sim_makespan(sim) - 6) < 1e-12);
+    assert_true(fabs(epipe_sim_bubble_fraction(sim) - 0.5) < 1e-12);
+    /* A weight cost makes the whole backward B + W. */
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_CODEC, EPIPE_SIM_ALL_STAGES, 0), 0);
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_WEIGHT, EPIPE_SIM_ALL_STAGES, 2), 0);
+    assert_int_equal(epipe_sim_run(sim), EPIPE_OK);
+    assert_true(fabs(epipe_sim_makespan(sim) - 8) < 1e-12);
+    /* The activation link of boundary 0 only: +3 once; the gradient link
+     * of stage 1 (to stage 0): +1 once. */
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_SEND_ACT, 0, 3), 0);
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_SEND_GRAD, 1, 1), 0);
+    assert_int_equal(epipe_sim_run(sim), EPIPE_OK);
+    assert_true(fabs(epipe_sim_makespan(sim) - 12) < 1e-12);
+    assert_int_equal(epipe_sim_set_cost(sim, (epipe_sim_cost)7, 0, 1), EPIPE_EINVAL);
+    epipe_sim_destroy(sim);
+    epipe_schedule_destroy(sc);
+
+    /* Client-server 0,1,0, gpipe, m=1: the client's two chunks hand over
+     * locally, so a codec and link cost only the two crossings each way:
+     * F0 | F1 | F2 B2 | B1 | B0, four crossings of link 1 + codec 2*0.5. */
+    static const unsigned map[] = {0, 1, 0};
+    epipe_schedule_layout lay = EPIPE_SCHEDULE_LAYOUT_INIT;
+    lay.placement = map, lay.placement_len = 3;
+    assert_int_equal(epipe_schedule_create_layout(&sc, "gpipe", 2, 1, &lay), EPIPE_OK);
+    assert_int_equal(epipe_sim_create(&sim, sc), EPIPE_OK);
+    assert_true(fabs(epipe_sim_makespan(sim) - 6) < 1e-12);
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_CODEC, EPIPE_SIM_ALL_STAGES, 0.5), 0);
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_SEND_ACT, EPIPE_SIM_ALL_STAGES, 1), 0);
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_SEND_GRAD, EPIPE_SIM_ALL_STAGES, 1), 0);
+    assert_int_equal(epipe_sim_run(sim), EPIPE_OK);
+    assert_true(fabs(epipe_sim_makespan(sim) - (6 + 4 * 1 + 4 * 2 * 0.5)) < 1e-12);
+    unsigned peak;
+    assert_int_equal(epipe_sim_peak_live(sim, 0, &peak), EPIPE_OK);
+    assert_int_equal(peak, 2); /* both client chunks hold micro-batch 0 */
+    epipe_sim_destroy(sim);
+    epipe_schedule_destroy(sc);
+}
+
+/* Split-backward rules: W before Bi, two Ws, BACKWARD after Bi. */
+static void split_backward_rules(void **state)
+{
+    (void)state;
+    const epipe_op *one[1];
+    size_t n[1] = {3};
+    const epipe_op w_first[] = {OP(FORWARD, 0), OP(BACKWARD_WEIGHT, 0), OP(BACKWARD_INPUT, 0)};
+    one[0] = w_first;
+    assert_int_equal(run_raw(1, 1, one, n), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "weight backward before its input backward"));
+    const epipe_op both[] = {OP(FORWARD, 0), OP(BACKWARD_INPUT, 0), OP(BACKWARD, 0)};
+    one[0] = both;
+    assert_int_equal(run_raw(1, 1, one, n), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "second backward"));
+    const epipe_op no_w[] = {OP(FORWARD, 0), OP(BACKWARD_INPUT, 0)};
+    one[0] = no_w;
+    n[0] = 2;
+    assert_int_equal(run_raw(1, 1, one, n), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "never runs the weight backward of micro-batch 0"));
+    const epipe_op ok[] = {OP(FORWARD, 0), OP(BACKWARD_INPUT, 0), OP(BACKWARD_WEIGHT, 0)};
+    one[0] = ok;
+    n[0] = 3;
+    assert_int_equal(run_raw(1, 1, one, n), EPIPE_OK);
+    const epipe_op bad_chunk[] = {{.kind = EPIPE_OP_FORWARD, .chunk = 1}, OP(BACKWARD, 0)};
+    one[0] = bad_chunk;
+    n[0] = 2;
+    assert_int_equal(run_raw(1, 1, one, n), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "chunk out of range"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(every_size_holds),
         cmocka_unit_test(bad_arguments_are_named),
         cmocka_unit_test(broken_lists_are_caught),
+        cmocka_unit_test(costs_per_op_and_boundary),
+        cmocka_unit_test(split_backward_rules),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

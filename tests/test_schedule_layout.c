@@ -256,12 +256,117 @@ static void random_placements(void **state)
             lay.placement = map;
             lay.placement_len = P;
             epipe_schedule *sc;
-            if (epipe_schedule_create_layout(&sc, kind, R, m, &lay) != EPIPE_OK)
+            int rc = epipe_schedule_create_layout(&sc, kind, R, m, &lay);
+            if (!strcmp(kind, "interleaved") && P > R) {
+                int rr = 1;
+                for (unsigned s = 0; s < P; s++)
+                    rr &= map[s] == s % R;
+                if (!rr) {
+                    assert_int_equal(rc, EPIPE_EINVAL);
+                    assert_non_null(strstr(epipe_last_error(), "round-robin"));
+                    continue;
+                }
+            }
+            if (rc != EPIPE_OK)
                 fail_msg("%s R=%u P=%u m=%u: %s", kind, R, P, m, epipe_last_error());
             prove(sc);
             epipe_schedule_destroy(sc);
         }
     }
+}
+
+/* Idle over ideal compute (the papers' bubble) at F = B = W = 1. */
+static double paper_bubble(const char *kind, unsigned p, unsigned m, unsigned chunks,
+                           unsigned *peaks)
+{
+    epipe_schedule_layout lay = EPIPE_SCHEDULE_LAYOUT_INIT;
+    lay.chunks = chunks;
+    epipe_schedule *sc;
+    if (epipe_schedule_create_layout(&sc, kind, p, m, &lay) != EPIPE_OK)
+        fail_msg("%s p=%u m=%u: %s", kind, p, m, epipe_last_error());
+    epipe_sim *sim;
+    assert_int_equal(epipe_sim_create(&sim, sc), EPIPE_OK);
+    run_costs(sim, (struct costs){1, 1, 1, 0});
+    double b = epipe_sim_bubble_fraction(sim);
+    for (unsigned r = 0; r < p; r++)
+        assert_int_equal(epipe_sim_peak_live(sim, r, &peaks[r]), EPIPE_OK);
+    epipe_sim_destroy(sim);
+    epipe_schedule_destroy(sc);
+    return b / (1 - b);
+}
+
+static void near(double got, double want, const char *what, unsigned p, unsigned m, unsigned v)
+{
+    if (fabs(got - want) > 0.01 * want + 1e-12)
+        fail_msg("%s p=%u m=%u v=%u: bubble %.6f, formula %.6f", what, p, m, v, got, want);
+}
+
+/* The published bubbles (idle over ideal compute) at equal costs, within
+ * 1%: 1F1B (p-1)/m, interleaved (p-1)/(v m) for any m >= p, ZB-H1
+ * (p-1)/(3m) for m >= p; and the memory each promises. */
+static void bubbles_match_the_papers(void **state)
+{
+    (void)state;
+    unsigned peaks[8];
+    for (unsigned p = 1; p <= 8; p++)
+        for (unsigned m = 1; m <= MAXM; m++) {
+            near(paper_bubble("1f1b", p, m, 1, peaks), (double)(p - 1) / m, "1f1b", p, m, 1);
+            for (unsigned r = 0; r < p; r++)
+                assert_int_equal(peaks[r], p - r < m ? p - r : m);
+            if (m < p)
+                continue;
+            for (unsigned v = 1; v <= 4; v++) {
+                near(paper_bubble("interleaved", p, m, v, peaks), (double)(p - 1) / (v * m),
+                     "interleaved", p, m, v);
+                /* Megatron's warm-up plus one, with groups of m/(m/p) rounded up. */
+                unsigned g = (m + m / p - 1) / (m / p);
+                for (unsigned r = 0; r < p; r++)
+                    assert_true(peaks[r] <= (v == 1 ? p - r : 2 * (p - r - 1) + (v - 1) * g + 1));
+            }
+            double zbh1 = paper_bubble("zb-h1", p, m, 1, peaks);
+            near(zbh1, (double)(p - 1) / (3 * m), "zb-h1", p, m, 1);
+            for (unsigned r = 0; r < p; r++)
+                assert_true(peaks[r] <= p); /* 1F1B's peak, on its first stage */
+            /* ZB-V has no closed form here: at most ZB-H1's bubble, in 2p chunk
+             * activations (p whole micro-batches, 1F1B's peak). */
+            double zbv = paper_bubble("zb-v", p, m, 2, peaks);
+            if (zbv > zbh1 + 1e-12)
+                fail_msg("zb-v p=%u m=%u: bubble %.6f above zb-h1's %.6f", p, m, zbv, zbh1);
+            for (unsigned r = 0; r < p; r++)
+                assert_true(peaks[r] <= 2 * p);
+        }
+}
+
+/* ZB-H1 splits the backward and sends each gradient right after its
+ * input-gradient op; the others do not split. */
+static void split_backward_kinds(void **state)
+{
+    (void)state;
+    static const char *const split[] = {"zb-h1", "zb-v"}, *const whole[] = {"gpipe", "1f1b",
+                                                                            "interleaved"};
+    epipe_schedule *sc;
+    for (size_t i = 0; i < 2; i++) {
+        assert_int_equal(epipe_schedule_create(&sc, split[i], 3, 6), EPIPE_OK);
+        assert_int_equal(epipe_schedule_splits_backward(sc), 1);
+        epipe_schedule_destroy(sc);
+    }
+    for (size_t i = 0; i < 3; i++) {
+        assert_int_equal(epipe_schedule_create(&sc, whole[i], 3, 6), EPIPE_OK);
+        assert_int_equal(epipe_schedule_splits_backward(sc), 0);
+        epipe_schedule_destroy(sc);
+    }
+    assert_string_equal(epipe_op_kind_name(EPIPE_OP_BACKWARD_INPUT), "Bi");
+    assert_string_equal(epipe_op_kind_name(EPIPE_OP_BACKWARD_WEIGHT), "W");
+    /* zb-v defaults to two chunks in a V: stage s on rank s, then back. */
+    assert_int_equal(epipe_schedule_create(&sc, "zb-v", 3, 6), EPIPE_OK);
+    assert_int_equal(epipe_schedule_pipeline_stages(sc), 6);
+    static const unsigned v[] = {0, 1, 2, 2, 1, 0};
+    for (unsigned s = 0; s < 6; s++) {
+        unsigned r;
+        assert_int_equal(epipe_schedule_placement(sc, s, &r, NULL), EPIPE_OK);
+        assert_int_equal(r, v[s]);
+    }
+    epipe_schedule_destroy(sc);
 }
 
 static void expect_einval(const char *kind, unsigned ranks, unsigned m,
@@ -299,6 +404,18 @@ static void bad_layouts_are_named(void **state)
     expect_einval("nope", 2, 4, &lay, "unknown schedule kind 'nope'");
     expect_einval("1f1b", 2, 0, &lay, "0 micro-batches");
     expect_einval("1f1b", 0, 4, &lay, "0 stages");
+    expect_einval("zb-h2", 2, 4, &lay, "known: gpipe, 1f1b, interleaved, zb-h1, zb-v");
+    lay.chunks = 3;
+    expect_einval("zb-v", 2, 4, &lay, "rank 0 holds 3 chunks; zb-v needs 2");
+    lay.chunks = 1;
+    expect_einval("zb-v", 2, 4, &lay, "rank 0 holds 1 chunks; zb-v needs 2");
+    lay.chunks = 0;
+    lay.placement = cs, lay.placement_len = 3;
+    expect_einval("zb-v", 2, 4, &lay, "rank 1 holds 1 chunks; zb-v needs 2");
+    static const unsigned not_rr[] = {0, 1, 1, 0};
+    lay.placement = not_rr, lay.placement_len = 4;
+    expect_einval("interleaved", 2, 4, &lay, "pipeline stage 2 is on rank 1");
+    lay.placement = NULL, lay.placement_len = 0;
 
     epipe_schedule *sc;
     assert_int_equal(epipe_schedule_create(&sc, "1f1b", 3, 4), EPIPE_OK);
@@ -324,6 +441,8 @@ int main(void)
         cmocka_unit_test(every_kind_every_size),
         cmocka_unit_test(client_server_map),
         cmocka_unit_test(random_placements),
+        cmocka_unit_test(bubbles_match_the_papers),
+        cmocka_unit_test(split_backward_kinds),
         cmocka_unit_test(bad_layouts_are_named),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,5 +1,5 @@
 /* epipe-bench schedule: simulates a pipeline schedule and prints it as a
- * per-stage timeline with its makespan, bubble and peak live activations. */
+ * per-rank timeline with its makespan, bubble and peak live activations. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -8,26 +8,67 @@
 
 #include <epipe/epipe.h>
 
+#include "../lib/parse.h"
 #include "bench.h"
 #include "cli.h"
 
+#define MAX_PLACEMENT EPIPE_SCHEDULE_MAX_STAGES
+
 struct sopts {
     const char *kind;
-    unsigned stages, mbs;
-    double fwd, bwd, comm;
+    unsigned stages, mbs, chunks;
+    int stages_set;
+    double fwd, bwd, wgt, comm, codec;
+    unsigned placement[MAX_PLACEMENT], placement_len;
     int json;
 };
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: epipe-bench schedule [--kind gpipe|1f1b] [-p STAGES] [-m MICROBATCHES]\n"
-               "       [--forward-cost X] [--backward-cost X] [--comm-cost X] [--json]\n\n"
-               "Simulates one training step of the schedule (default 1f1b, p=4, m=8) and prints\n"
-               "each stage's compute ops on a timeline (F3 / B3: forward / backward of\n"
-               "micro-batch 3; dots: idle), the makespan, the bubble fraction beside the\n"
-               "uniform-cost formula (p-1)/(m+p-1), and the peak live activations per stage.\n"
-               "Costs default to forward 1, backward 1, links 0 (--comm-cost sets both\n"
-               "directions of every link). --json prints one JSON object instead.\n");
+    fprintf(f,
+            "usage: epipe-bench schedule [--kind KIND] [-p RANKS] [-m MICROBATCHES]\n"
+            "       [--chunks V] [--placement R,R,...] [--forward-cost X] [--backward-cost X]\n"
+            "       [--weight-cost X] [--comm-cost X] [--codec-cost X] [--json]\n\n"
+            "Simulates one training step of the schedule (default 1f1b, p=4, m=8; kinds:\n"
+            "gpipe, 1f1b, interleaved, zb-h1, zb-v) and prints each rank's compute ops on a\n"
+            "timeline (F3 / B3 / Bi3 / W3: forward / backward / input-gradient / weight-\n"
+            "gradient backward of micro-batch 3, F3.1 on chunk 1; dots: idle), the makespan,\n"
+            "the bubble (idle over the step, and idle over the ideal compute beside the\n"
+            "published formula), and the peak live activations per rank.\n"
+            "--chunks: model chunks per rank (round-robin; a V for zb-v); --placement: the\n"
+            "rank of each pipeline stage, e.g. 0,1,0 (then -p defaults to the ranks named).\n"
+            "Costs are per op of one chunk: forward 1, backward 1, weight 0 (a schedule that\n"
+            "does not split the backward pays backward + weight), links 0 (--comm-cost sets\n"
+            "both directions of every link between ranks; chunks on one rank hand over for\n"
+            "free), codec 0 (encode and decode of each message between ranks).\n"
+            "--json prints one JSON object instead.\n");
+}
+
+/* Reads a placement "0,1,0": up to MAX_PLACEMENT ranks, each a whole number
+ * below MAX_PLACEMENT. 0, or -1 for anything else (empty entries included). */
+static int parse_placement(const char *s, unsigned *out, unsigned *len)
+{
+    unsigned n = 0;
+    const char *p = s;
+    for (;;) {
+        const char *comma = strchr(p, ',');
+        size_t l = comma ? (size_t)(comma - p) : strlen(p);
+        char item[16];
+        int64_t v;
+        if (l == 0 || l >= sizeof item || n == MAX_PLACEMENT)
+            return -1;
+        memcpy(item, p, l);
+        item[l] = '\0';
+        if (item[0] == '+' || item[0] == ' ' ||
+            epipe_parse_i64(item, 0, MAX_PLACEMENT - 1, &v) != 0)
+            return -1;
+        out[n++] = (unsigned)v;
+        if (!comma)
+            break;
+        p = comma + 1;
+    }
+    *len = n;
+    return 0;
 }
 
 static int parse_unsigned(const char *s, unsigned *out)
@@ -54,7 +95,7 @@ static int parse_cost(const char *s, double *out)
 
 static int parse_args(int argc, char **argv, struct sopts *o)
 {
-    enum { O_FWD = 256, O_BWD, O_COMM };
+    enum { O_FWD = 256, O_BWD, O_COMM, O_WGT, O_CODEC, O_CHUNKS, O_PLACE };
     static const struct option longopts[] = {
         {"help", no_argument, NULL, 'h'},
         {"json", no_argument, NULL, 'j'},
@@ -64,9 +105,14 @@ static int parse_args(int argc, char **argv, struct sopts *o)
         {"forward-cost", required_argument, NULL, O_FWD},
         {"backward-cost", required_argument, NULL, O_BWD},
         {"comm-cost", required_argument, NULL, O_COMM},
+        {"weight-cost", required_argument, NULL, O_WGT},
+        {"codec-cost", required_argument, NULL, O_CODEC},
+        {"chunks", required_argument, NULL, O_CHUNKS},
+        {"placement", required_argument, NULL, O_PLACE},
         {NULL, 0, NULL, 0},
     };
-    *o = (struct sopts){.kind = "1f1b", .stages = 4, .mbs = 8, .fwd = 1, .bwd = 1};
+    memset(o, 0, sizeof *o);
+    o->kind = "1f1b", o->stages = 4, o->mbs = 8, o->fwd = 1, o->bwd = 1;
     opterr = 0;
     int c;
     while ((c = getopt_long(argc, argv, ":hk:p:m:", longopts, NULL)) != -1) {
@@ -77,11 +123,21 @@ static int parse_args(int argc, char **argv, struct sopts *o)
         case 'h': usage(stdout); return 1;
         case 'j': o->json = 1; break;
         case 'k': o->kind = optarg; break;
-        case 'p': bad = parse_unsigned(optarg, &o->stages), want = "a whole number"; break;
+        case 'p':
+            bad = parse_unsigned(optarg, &o->stages), want = "a whole number";
+            o->stages_set = 1;
+            break;
+        case O_CHUNKS: bad = parse_unsigned(optarg, &o->chunks), want = "a whole number"; break;
+        case O_PLACE:
+            bad = parse_placement(optarg, o->placement, &o->placement_len);
+            want = "a list of ranks like 0,1,0";
+            break;
         case 'm': bad = parse_unsigned(optarg, &o->mbs), want = "a whole number"; break;
         case O_FWD: bad = parse_cost(optarg, &o->fwd); break;
         case O_BWD: bad = parse_cost(optarg, &o->bwd); break;
         case O_COMM: bad = parse_cost(optarg, &o->comm); break;
+        case O_WGT: bad = parse_cost(optarg, &o->wgt); break;
+        case O_CODEC: bad = parse_cost(optarg, &o->codec); break;
         default: /* ':' or '?' */
             epipe_cli_bad_option("epipe-bench schedule", argv, c);
             usage(stderr);
@@ -98,16 +154,92 @@ static int parse_args(int argc, char **argv, struct sopts *o)
         usage(stderr);
         return -1;
     }
+    if (o->placement_len && !o->stages_set) {
+        o->stages = 0;
+        for (unsigned i = 0; i < o->placement_len; i++)
+            if (o->placement[i] + 1 > o->stages)
+                o->stages = o->placement[i] + 1;
+    }
     return 0;
+}
+
+/* A compute op (the ones a timeline shows)? */
+static int is_compute(uint32_t kind)
+{
+    return kind == EPIPE_OP_FORWARD || kind == EPIPE_OP_BACKWARD ||
+           kind == EPIPE_OP_BACKWARD_INPUT || kind == EPIPE_OP_BACKWARD_WEIGHT;
+}
+
+/* "F3", or "F3.1" (chunk 1) when some rank holds several chunks. */
+static int op_label(char *buf, size_t cap, const epipe_op *op, int chunked)
+{
+    if (chunked)
+        return snprintf(buf, cap, "%s%u.%u", epipe_op_kind_name(op->kind), op->microbatch,
+                        op->chunk);
+    return snprintf(buf, cap, "%s%u", epipe_op_kind_name(op->kind), op->microbatch);
+}
+
+static int chunked(const epipe_schedule *sc)
+{
+    return epipe_schedule_pipeline_stages(sc) != epipe_schedule_stages(sc);
+}
+
+/* The published bubble (idle over ideal compute, at equal costs) of the
+ * kind on its default layout, its formula in words, or NAN when none. */
+static double published(const epipe_schedule *sc, char *what, size_t cap)
+{
+    const char *k = epipe_schedule_kind(sc);
+    unsigned p = epipe_schedule_stages(sc), m = epipe_schedule_microbatches(sc);
+    unsigned v = epipe_schedule_pipeline_stages(sc) / p;
+    int uniform = epipe_schedule_pipeline_stages(sc) == v * p;
+    for (unsigned s = 0; uniform && s < epipe_schedule_pipeline_stages(sc); s++) {
+        unsigned r;
+        epipe_schedule_placement(sc, s, &r, NULL);
+        uniform = !strcmp(k, "zb-v") || r == s % p;
+    }
+    if (!uniform) {
+        snprintf(what, cap, "no published formula for this placement");
+        return NAN;
+    }
+    if ((!strcmp(k, "1f1b") || !strcmp(k, "gpipe")) && v == 1) {
+        snprintf(what, cap, "published (p-1)/m = %u/%u", p - 1, m);
+        return (double)(p - 1) / m;
+    }
+    if (!strcmp(k, "interleaved") && m >= p) {
+        snprintf(what, cap, "published (p-1)/(v*m) = %u/%u", p - 1, v * m);
+        return (double)(p - 1) / (v * m);
+    }
+    if (!strcmp(k, "zb-h1") && m >= p) {
+        snprintf(what, cap, "published, at F = B = W, (p-1)/(3m) = %u/%u", p - 1, 3 * m);
+        return (double)(p - 1) / (3 * m);
+    }
+    snprintf(what, cap, "no published formula for %s at these sizes", k);
+    return NAN;
 }
 
 static void print_json(const epipe_schedule *sc, const epipe_sim *sim)
 {
-    unsigned p = epipe_schedule_stages(sc);
-    printf("{\"kind\": \"%s\", \"stages\": %u, \"microbatches\": %u, \"makespan\": %.15g, "
-           "\"bubble_fraction\": %.15g, \"peak_live\": [",
-           epipe_schedule_kind(sc), p, epipe_schedule_microbatches(sc), epipe_sim_makespan(sim),
-           epipe_sim_bubble_fraction(sim));
+    unsigned p = epipe_schedule_stages(sc), P = epipe_schedule_pipeline_stages(sc);
+    double bub = epipe_sim_bubble_fraction(sim);
+    char what[96];
+    double pub = published(sc, what, sizeof what);
+    printf("{\"kind\": \"%s\", \"stages\": %u, \"pipeline_stages\": %u, \"microbatches\": %u, "
+           "\"splits_backward\": %s, \"makespan\": %.15g, \"bubble_fraction\": %.15g, "
+           "\"bubble_over_ideal\": %.15g, \"published_bubble\": ",
+           epipe_schedule_kind(sc), p, P, epipe_schedule_microbatches(sc),
+           epipe_schedule_splits_backward(sc) ? "true" : "false", epipe_sim_makespan(sim), bub,
+           bub < 1 ? bub / (1 - bub) : 0.0);
+    if (isnan(pub))
+        printf("null");
+    else
+        printf("%.15g", pub);
+    printf(", \"placement\": [");
+    for (unsigned s = 0; s < P; s++) {
+        unsigned r = 0;
+        epipe_schedule_placement(sc, s, &r, NULL);
+        printf("%s%u", s ? ", " : "", r);
+    }
+    printf("], \"peak_live\": [");
     for (unsigned s = 0; s < p; s++) {
         unsigned peak = 0;
         epipe_sim_peak_live(sim, s, &peak);
@@ -120,9 +252,11 @@ static void print_json(const epipe_schedule *sc, const epipe_sim *sim)
         epipe_schedule_ops(sc, s, &ops, &n);
         printf("%s[", s ? ", " : "");
         for (size_t k = 0; k < n; k++)
-            if (ops[k].kind == EPIPE_OP_FORWARD || ops[k].kind == EPIPE_OP_BACKWARD)
-                printf("%s\"%s%u\"", j++ ? ", " : "", epipe_op_kind_name(ops[k].kind),
-                       ops[k].microbatch);
+            if (is_compute(ops[k].kind)) {
+                char label[48];
+                op_label(label, sizeof label, &ops[k], chunked(sc));
+                printf("%s\"%s\"", j++ ? ", " : "", label);
+            }
         printf("]");
     }
     printf("]}\n");
@@ -139,16 +273,24 @@ static size_t col(double t, double scale)
 static void print_timeline(const epipe_schedule *sc, const epipe_sim *sim, const struct sopts *o)
 {
     unsigned p = epipe_schedule_stages(sc), m = epipe_schedule_microbatches(sc);
+    unsigned P = epipe_schedule_pipeline_stages(sc);
+    int split = epipe_schedule_splits_backward(sc), ch = chunked(sc);
     double makespan = epipe_sim_makespan(sim);
-    char label[16];
-    int lw = snprintf(label, sizeof label, "F%u", m - 1);
+    char label[48];
+    epipe_op widest = {.kind = split ? EPIPE_OP_BACKWARD_INPUT : EPIPE_OP_FORWARD,
+                       .microbatch = m - 1, .chunk = P / p};
+    int lw = op_label(label, sizeof label, &widest, ch);
     /* The cheapest compute op gets its label and one space. */
-    double unit = o->fwd > 0 && (o->fwd < o->bwd || o->bwd == 0) ? o->fwd : o->bwd;
+    double costs[3] = {o->fwd, split ? o->bwd : o->bwd + o->wgt, split ? o->wgt : 0}, unit = 0;
+    for (int i = 0; i < 3; i++)
+        if (costs[i] > 0 && (unit == 0 || costs[i] < unit))
+            unit = costs[i];
     double scale = unit > 0 ? (lw + 1) / unit : 1;
     size_t width = col(makespan, scale);
 
-    printf("%s schedule, %u stages, %u micro-batches (costs: forward %g, backward %g, link %g)\n\n",
-           epipe_schedule_kind(sc), p, m, o->fwd, o->bwd, o->comm);
+    printf("%s schedule, %u ranks, %u pipeline stages, %u micro-batches\n(costs: forward %g, "
+           "backward %g, weight %g, link %g, codec %g)\n\n",
+           epipe_schedule_kind(sc), p, P, m, o->fwd, o->bwd, o->wgt, o->comm, o->codec);
     if (width > MAX_TIMELINE_COLS || unit <= 0) {
         printf("(timeline of %zu columns not drawn; --json lists every op)\n\n", width);
     } else {
@@ -182,7 +324,7 @@ static void print_timeline(const epipe_schedule *sc, const epipe_sim *sim, const
             memset(row, '.', width);
             row[width] = '\0';
             for (size_t k = 0; k < n; k++) {
-                if (ops[k].kind != EPIPE_OP_FORWARD && ops[k].kind != EPIPE_OP_BACKWARD)
+                if (!is_compute(ops[k].kind))
                     continue;
                 double t0, t1;
                 epipe_sim_op_time(sim, s, k, &t0, &t1);
@@ -191,21 +333,25 @@ static void print_timeline(const epipe_schedule *sc, const epipe_sim *sim, const
                     b = width;
                 if (a >= b)
                     continue;
-                int len = snprintf(label, sizeof label, "%s%u", epipe_op_kind_name(ops[k].kind),
-                                   ops[k].microbatch);
+                int len = op_label(label, sizeof label, &ops[k], ch);
                 memset(row + a, ' ', b - a);
                 memcpy(row + a, label, (size_t)len < b - a ? (size_t)len : b - a);
             }
-            printf("stage %-2u%s\n", s, row);
+            printf("rank %-3u%s\n", s, row);
         }
         printf("\n");
         free(row);
     }
 
-    double formula = (double)(p - 1) / (double)(m + p - 1);
-    printf("makespan         %g  (compute per stage %g)\n", makespan, m * (o->fwd + o->bwd));
-    printf("bubble fraction  %.4f  (uniform-cost formula (p-1)/(m+p-1) = %u/%u = %.4f)\n",
-           epipe_sim_bubble_fraction(sim), p - 1, m + p - 1, formula);
+    double bub = epipe_sim_bubble_fraction(sim), ideal = bub < 1 ? bub / (1 - bub) : 0;
+    char what[96];
+    double pub = published(sc, what, sizeof what);
+    printf("makespan         %g\n", makespan);
+    printf("bubble fraction  %.4f  (idle over ranks x makespan)\n", bub);
+    if (isnan(pub))
+        printf("bubble / ideal   %.4f  (idle over compute; %s)\n", ideal, what);
+    else
+        printf("bubble / ideal   %.4f  (idle over compute; %s = %.4f)\n", ideal, what, pub);
     printf("peak live        ");
     for (unsigned s = 0; s < p; s++) {
         if (p > 16 && s == 8) {
@@ -216,10 +362,10 @@ static void print_timeline(const epipe_schedule *sc, const epipe_sim *sim, const
         epipe_sim_peak_live(sim, s, &peak);
         printf("%s%u", s ? " " : "", peak);
     }
-    printf("  (activations alive at once on stages 0..%u", p - 1);
-    if (!strcmp(epipe_schedule_kind(sc), "1f1b"))
+    printf("  (chunk activations alive at once on ranks 0..%u", p - 1);
+    if (!strcmp(epipe_schedule_kind(sc), "1f1b") && !ch)
         printf("; 1f1b bound min(p-s,m)");
-    else if (!strcmp(epipe_schedule_kind(sc), "gpipe"))
+    else if (!strcmp(epipe_schedule_kind(sc), "gpipe") && !ch)
         printf("; gpipe holds all m");
     printf(")\n");
 }
@@ -231,7 +377,13 @@ int bench_schedule_main(int argc, char **argv)
     if (rc)
         return rc > 0 ? 0 : 2;
     epipe_schedule *sc;
-    if (epipe_schedule_create(&sc, o.kind, o.stages, o.mbs) != EPIPE_OK) {
+    epipe_schedule_layout lay = EPIPE_SCHEDULE_LAYOUT_INIT;
+    lay.chunks = o.chunks;
+    if (o.placement_len) {
+        lay.placement = o.placement;
+        lay.placement_len = o.placement_len;
+    }
+    if (epipe_schedule_create_layout(&sc, o.kind, o.stages, o.mbs, &lay) != EPIPE_OK) {
         fprintf(stderr, "epipe-bench schedule: %s\n", epipe_last_error());
         return 2;
     }
@@ -245,6 +397,10 @@ int bench_schedule_main(int argc, char **argv)
         rc = epipe_sim_set_cost(sim, EPIPE_SIM_SEND_ACT, EPIPE_SIM_ALL_STAGES, o.comm);
     if (rc == EPIPE_OK)
         rc = epipe_sim_set_cost(sim, EPIPE_SIM_SEND_GRAD, EPIPE_SIM_ALL_STAGES, o.comm);
+    if (rc == EPIPE_OK)
+        rc = epipe_sim_set_cost(sim, EPIPE_SIM_WEIGHT, EPIPE_SIM_ALL_STAGES, o.wgt);
+    if (rc == EPIPE_OK)
+        rc = epipe_sim_set_cost(sim, EPIPE_SIM_CODEC, EPIPE_SIM_ALL_STAGES, o.codec);
     if (rc == EPIPE_OK)
         rc = epipe_sim_run(sim);
     if (rc != EPIPE_OK) {

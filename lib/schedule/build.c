@@ -19,6 +19,7 @@ struct bstate {
     unsigned *rank_live;     /* per rank */
     unsigned *rank_fleft;    /* per rank: forwards not yet issued */
     uint32_t *busy;          /* per rank: time it is free again */
+    size_t *spos;            /* per rank: position in the script */
     epipe_op **ops;
     size_t *counts;
 };
@@ -37,7 +38,7 @@ static uint64_t key(const struct bstate *b, unsigned s, unsigned mb, int backwar
         unsigned r = l->rank_of[s], c = l->chunk_of[s];
         if (backward)
             c = l->nchunks[r] - 1 - c;
-        return ((uint64_t)(mb / l->ranks) << 40) | ((uint64_t)c << 20) | mb;
+        return ((uint64_t)epipe_sched_group(b->m, l->ranks, mb) << 40) | ((uint64_t)c << 20) | mb;
     }
     return ((uint64_t)mb << 20) | (l->nstages - 1 - s);
 }
@@ -96,6 +97,25 @@ static unsigned pick(const struct bstate *b, unsigned r, uint32_t t, int cls)
     return best >= UINT32_MAX - 1 ? UINT32_MAX : best;
 }
 
+/* The script's next compute op of rank r, if it can run at t: its stage
+ * (its class in *cls), else UINT32_MAX. */
+static unsigned scripted(struct bstate *b, unsigned r, uint32_t t, int *cls)
+{
+    const epipe_op *ops = b->pol->script[r];
+    size_t n = b->pol->script_n[r], *pos = &b->spos[r];
+    while (*pos < n && ops[*pos].kind != EPIPE_OP_FORWARD && ops[*pos].kind != EPIPE_OP_BACKWARD)
+        ++*pos;
+    if (*pos == n)
+        return UINT32_MAX;
+    const struct epipe_sched_layout *l = b->l;
+    unsigned s = l->stage_at[l->first[r] + ops[*pos].chunk];
+    *cls = ops[*pos].kind == EPIPE_OP_FORWARD ? 1 : 0;
+    if (!(*cls ? f_ready(b, s, t) : b_ready(b, s, t)))
+        return UINT32_MAX;
+    ++*pos;
+    return s;
+}
+
 /* Issues one op on rank r at time t if the rules allow one; returns 1 if so. */
 static int step(struct bstate *b, unsigned r, uint32_t t)
 {
@@ -103,12 +123,20 @@ static int step(struct bstate *b, unsigned r, uint32_t t)
     const struct epipe_sched_policy *pol = b->pol;
     unsigned s = UINT32_MAX;
     int cls = 0;
-    if (!pol->flush_forwards || !b->rank_fleft[r])
-        s = pick(b, r, t, cls = 0);
-    if (s == UINT32_MAX)
+    if (pol->script) {
+        s = scripted(b, r, t, &cls);
+        if (s == UINT32_MAX)
+            s = pick(b, r, t, cls = 2);
+    } else if (pol->f_first)
         s = pick(b, r, t, cls = 1);
-    if (s == UINT32_MAX && pol->split)
-        s = pick(b, r, t, cls = 2);
+    if (!pol->script) {
+        if (s == UINT32_MAX && (!pol->flush_forwards || !b->rank_fleft[r]))
+            s = pick(b, r, t, cls = 0);
+        if (s == UINT32_MAX && !pol->f_first)
+            s = pick(b, r, t, cls = 1);
+        if (s == UINT32_MAX && pol->split)
+            s = pick(b, r, t, cls = 2);
+    }
     if (s == UINT32_MAX)
         return 0;
     unsigned c = l->chunk_of[s], last = l->nstages - 1;
@@ -156,9 +184,10 @@ int epipe_sched_build(const struct epipe_sched_layout *l, unsigned microbatches,
     b.rank_live = calloc(R, sizeof *b.rank_live);
     b.rank_fleft = calloc(R, sizeof *b.rank_fleft);
     b.busy = calloc(R, sizeof *b.busy);
+    b.spos = calloc(R, sizeof *b.spos);
     int rc = EPIPE_OK;
     if (!b.fdone || !b.bdone || !b.nf || !b.nb || !b.nw || !b.rank_live || !b.rank_fleft ||
-        !b.busy) {
+        !b.busy || !b.spos) {
         rc = epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
         goto out;
     }
@@ -201,5 +230,6 @@ out:
     free(b.rank_live);
     free(b.rank_fleft);
     free(b.busy);
+    free(b.spos);
     return rc;
 }

@@ -20,27 +20,87 @@ struct epipe_schedule {
 
 /* Rules of each kind over a layout; the limits arrays are allocated by the
  * caller (zeroed: no limit). */
-static void rules_gpipe(const struct epipe_sched_layout *l, struct epipe_sched_policy *p)
+static void rules_gpipe(const struct epipe_sched_layout *l, unsigned m, struct epipe_sched_policy *p)
 {
-    (void)l;
+    (void)l, (void)m;
     p->flush_forwards = 1;
 }
 
 /* 1F1B: pipeline stage s of P holds at most P-s activations. */
-static void rules_1f1b(const struct epipe_sched_layout *l, struct epipe_sched_policy *p)
+static void rules_1f1b(const struct epipe_sched_layout *l, unsigned m, struct epipe_sched_policy *p)
 {
+    (void)m;
     for (unsigned s = 0; s < l->nstages; s++)
         p->stage_limit[s] = l->nstages - s;
 }
 
+/* Interleaved 1F1B (Megatron-LM, depth-first): forwards in groups of
+ * micro-batches (m/R groups of g >= R, the sizes as equal as possible, so
+ * any m works), chunk by chunk, backwards the same with the chunks
+ * reversed, each in that order only; a forward first when both may run;
+ * rank r runs 2(R-r-1) + (v-1)g forwards ahead of its first backward
+ * (Megatron's warm-up with g = R when R divides m), so it holds one more. */
+static void rules_interleaved(const struct epipe_sched_layout *l, unsigned m, struct epipe_sched_policy *p)
+{
+    unsigned R = l->ranks, g = epipe_sched_group_size(m, R);
+    p->depth_first = p->in_order = p->f_first = 1;
+    for (unsigned r = 0; r < R; r++)
+        p->rank_limit[r] = 2 * (R - r - 1) + (l->nchunks[r] - 1) * g + 1;
+    if (l->nstages == R)
+        rules_1f1b(l, m, p);
+}
+
+/* The peak live activations of 1f1b on this layout: the most that any rank
+ * holds when stage s holds P-s. */
+static unsigned peak_1f1b(const struct epipe_sched_layout *l)
+{
+    unsigned peak = 0;
+    for (unsigned r = 0; r < l->ranks; r++) {
+        unsigned sum = 0;
+        for (unsigned c = 0; c < l->nchunks[r]; c++)
+            sum += l->nstages - l->stage_at[l->first[r] + c];
+        peak = sum > peak ? sum : peak;
+    }
+    return peak;
+}
+
+/* ZB-H1 (Qi et al. 2024): the forwards and backwards of 1F1B in 1F1B's
+ * order, the backward split; a weight backward runs whenever the next of
+ * them cannot run yet (or at the end), and every rank may hold as many
+ * activations (freed by W) as 1F1B's fullest rank, so the later stages run
+ * their weight backwards late, in what were 1F1B's bubbles. */
+static void rules_zbh1(const struct epipe_sched_layout *l, unsigned m, struct epipe_sched_policy *p)
+{
+    unsigned peak = peak_1f1b(l);
+    (void)m;
+    p->split = 1;
+    for (unsigned r = 0; r < l->ranks; r++)
+        p->rank_limit[r] = peak;
+}
+
+/* ZB-V: two chunks per rank in a V; the same rules as ZB-H1, with a rank
+ * holding at most 2R chunk activations (the memory of 1F1B's first stage). */
+static void rules_zbv(const struct epipe_sched_layout *l, unsigned m, struct epipe_sched_policy *p)
+{
+    (void)m;
+    p->split = 1;
+    for (unsigned r = 0; r < l->ranks; r++)
+        p->rank_limit[r] = 2 * l->ranks;
+}
+
 static const struct kind {
     const char *name;
+    int scripted; /* follows the forward/backward order of 1f1b on the same layout */
     unsigned default_chunks, need_chunks; /* need_chunks 0: any */
     int v_shape;                          /* default placement a V, else round-robin */
-    void (*rules)(const struct epipe_sched_layout *l, struct epipe_sched_policy *p);
+    int round_robin; /* needs the round-robin placement when a rank holds several chunks */
+    void (*rules)(const struct epipe_sched_layout *l, unsigned m, struct epipe_sched_policy *p);
 } kinds[] = {
-    {"gpipe", 1, 0, 0, rules_gpipe},
-    {"1f1b", 1, 0, 0, rules_1f1b},
+    {"gpipe", 0, 1, 0, 0, 0, rules_gpipe},
+    {"1f1b", 0, 1, 0, 0, 0, rules_1f1b},
+    {"interleaved", 0, 1, 0, 0, 1, rules_interleaved},
+    {"zb-h1", 1, 1, 0, 0, 0, rules_zbh1},
+    {"zb-v", 0, 2, 2, 1, 0, rules_zbv},
 };
 #define NKINDS (sizeof kinds / sizeof kinds[0])
 
@@ -171,7 +231,51 @@ static int make_layout(epipe_schedule *sc, const struct kind *k, unsigned ranks,
             return epipe_fail(EPIPE_EINVAL, "%s schedule: rank %u holds %u chunks; %s needs %u",
                               kn, r, c, kn, k->need_chunks);
     }
+    /* Megatron's order is deadlock-free on the round-robin placement only. */
+    if (k->round_robin && n > ranks)
+        for (unsigned s = 0; s < n; s++)
+            if (sc->layout.rank_of[s] != s % ranks)
+                return epipe_fail(EPIPE_EINVAL,
+                                  "%s schedule: pipeline stage %u is on rank %u; with several "
+                                  "chunks on a rank %s needs the round-robin placement (stage s "
+                                  "on rank s %% %u)",
+                                  kn, s, sc->layout.rank_of[s], kn, ranks);
     return EPIPE_OK;
+}
+
+/* Builds sc's lists: a scripted kind first builds 1f1b's on the layout. */
+static int build_lists(epipe_schedule *sc, const struct kind *k, struct epipe_sched_policy *pol)
+{
+    const struct epipe_sched_layout *l = &sc->layout;
+    epipe_op **script = NULL;
+    size_t *script_n = NULL;
+    int rc = EPIPE_OK;
+    if (k->scripted) {
+        script = calloc(l->ranks, sizeof *script);
+        script_n = calloc(l->ranks, sizeof *script_n);
+        if (!script || !script_n) {
+            rc = epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
+            goto out;
+        }
+        struct epipe_sched_policy p1 = {.stage_limit = pol->stage_limit};
+        rules_1f1b(l, sc->microbatches, &p1);
+        rc = epipe_sched_build(l, sc->microbatches, &p1, script, script_n);
+        memset(pol->stage_limit, 0, l->nstages * sizeof *pol->stage_limit);
+        if (rc)
+            goto out;
+        pol->script = (const epipe_op *const *)script;
+        pol->script_n = script_n;
+    }
+    k->rules(l, sc->microbatches, pol);
+    sc->split = pol->split;
+    rc = epipe_sched_build(l, sc->microbatches, pol, sc->ops, sc->counts);
+out:
+    if (script)
+        for (unsigned r = 0; r < l->ranks; r++)
+            free(script[r]);
+    free(script);
+    free(script_n);
+    return rc;
 }
 
 EPIPE_API int epipe_schedule_create(epipe_schedule **out, const char *kind, unsigned stages,
@@ -233,9 +337,7 @@ EPIPE_API int epipe_schedule_create_layout(epipe_schedule **out, const char *kin
     if (!pol.stage_limit || !pol.rank_limit || !sc->ops || !sc->counts) {
         rc = epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
     } else {
-        k->rules(&sc->layout, &pol);
-        sc->split = pol.split;
-        rc = epipe_sched_build(&sc->layout, microbatches, &pol, sc->ops, sc->counts);
+        rc = build_lists(sc, k, &pol);
     }
     free(pol.stage_limit);
     free(pol.rank_limit);

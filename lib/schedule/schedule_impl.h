@@ -28,11 +28,32 @@ struct epipe_sched_policy {
     int split;          /* BACKWARD_INPUT + BACKWARD_WEIGHT instead of BACKWARD */
     int flush_forwards; /* gpipe: no backward on a rank before all its forwards */
     int in_order;       /* only the rank's lowest-key pending forward (backward) may run */
-    int depth_first;    /* interleaved keys: micro-batch groups of `ranks`, chunk, mb */
-    int w_last;         /* a weight backward only when no forward nor backward can run */
+    int depth_first;    /* interleaved keys: micro-batch group, chunk, mb */
+    int f_first;        /* a forward before a backward when both may run */
+    /* When set: each rank runs the forwards and backwards of script[r] (a
+     * list of a non-split kind on the same layout) in that order, a backward
+     * as BACKWARD_INPUT, and a weight backward whenever the next of them
+     * cannot run yet. */
+    const epipe_op *const *script;
+    const size_t *script_n;
     unsigned *stage_limit; /* nstages: live activations a stage may hold, or 0 = none */
     unsigned *rank_limit;  /* ranks: live activations a rank may hold, or 0 = none */
 };
+
+/* Depth-first (interleaved) micro-batch groups: m/R groups (at least one)
+ * of sizes as equal as possible, the larger first; each has >= R micro-batches
+ * unless m < R. The group of micro-batch mb, and the size of the first. */
+static inline unsigned epipe_sched_group(unsigned m, unsigned ranks, unsigned mb)
+{
+    unsigned g = m / ranks ? m / ranks : 1, base = m / g, extra = m % g;
+    unsigned edge = extra * (base + 1);
+    return mb < edge ? mb / (base + 1) : extra + (mb - edge) / base;
+}
+static inline unsigned epipe_sched_group_size(unsigned m, unsigned ranks)
+{
+    unsigned g = m / ranks ? m / ranks : 1;
+    return m / g + (m % g != 0);
+}
 
 /* Builds each rank's list by a greedy run at unit costs under the policy.
  * ops[r] (allocated here) has counts[r] ops. EPIPE_OK, EPIPE_ENOMEM, or
