@@ -51,6 +51,9 @@ def compare(tag, out, ref):
 
 # (ranks, schedule, extra arguments)
 RUNS = [(p, k, []) for p in (2, 3, 4) for k in ("gpipe", "1f1b")]
+# zero-bubble (split backward, by the split callbacks) and interleaved chunks
+RUNS += [(p, k, ["--split", "1"]) for p in (2, 4) for k in ("zb-h1", "zb-v")]
+RUNS += [(p, "interleaved", ["--chunks", "2"]) for p in (2, 3)]
 # the client-server split: rank 0 holds the first and the last layers
 RUNS += [(2, k, ["--placement", "0,1,0"]) for k in ("gpipe", "1f1b")]
 RUNS += [(3, "1f1b", ["--placement", "0,1,2,1,0"]), (2, "gpipe", ["--chunks", "2"])]
