@@ -397,9 +397,13 @@ static void bad_layouts_are_named(void **state)
     lay = (epipe_schedule_layout)EPIPE_SCHEDULE_LAYOUT_INIT;
     lay.struct_size = 4;
     expect_einval("1f1b", 2, 4, &lay, "struct_size");
+    lay.struct_size = sizeof lay + 8;
+    expect_einval("1f1b", 2, 4, &lay, "struct_size");
     lay = (epipe_schedule_layout)EPIPE_SCHEDULE_LAYOUT_INIT;
     lay.chunks = 600;
     expect_einval("1f1b", 2, 4, &lay, "limit");
+    lay.chunks = 65;
+    expect_einval("1f1b", 2, 4, &lay, "rank 0 holds 65 chunks, over the limit of 64");
     lay.chunks = 0;
     expect_einval("nope", 2, 4, &lay, "unknown schedule kind 'nope'");
     expect_einval("1f1b", 2, 0, &lay, "0 micro-batches");

@@ -76,6 +76,7 @@ typedef struct epipe_schedule_layout {
 #define EPIPE_SCHEDULE_MAX_STAGES 1024u /* ranks, and pipeline stages */
 #define EPIPE_SCHEDULE_MAX_MICROBATCHES 65536u
 #define EPIPE_SCHEDULE_MAX_PRODUCT (1u << 20) /* pipeline stages * microbatches */
+#define EPIPE_SCHEDULE_MAX_CHUNKS 64u          /* chunks on one rank */
 
 /* Kinds (the names are what epipe_schedule_create() takes). Every kind is
  * built for any placement: each rank's list is what a greedy run with unit
@@ -89,6 +90,23 @@ typedef struct epipe_schedule_layout {
  *          drains the remaining backwards. At most min(p-s, m) micro-batches'
  *          activations are alive on stage s at once (any placement: at most
  *          P-s on pipeline stage s of P; a backward goes first when ready).
+ *   interleaved  Megatron-LM's depth-first interleaved 1F1B over v chunks
+ *          per rank (default placement round-robin; with several chunks a
+ *          rank needs it): forwards in groups of g >= p micro-batches
+ *          (m/p groups, sizes as equal as possible, so any m >= 1), chunk
+ *          by chunk, backwards the same with the chunks reversed. Rank r
+ *          holds at most 2(p-r-1) + (v-1)g + 1 chunk activations. At equal
+ *          costs and m >= p its bubble is (p-1)/(v m) of the compute.
+ *   zb-h1  zero bubble H1 (Qi et al. 2024): splits the backward
+ *          (BACKWARD_INPUT, BACKWARD_WEIGHT); 1f1b's order of forwards
+ *          and input backwards, the weight backwards where 1f1b would idle.
+ *          Every rank holds at most 1f1b's peak (p). At F = B = W and
+ *          m >= p its bubble is (p-1)/(3m) of the compute.
+ *   zb-v   zero bubble V: splits the backward; 2 chunks per rank (any
+ *          other count is refused), placed in a V by default (stage s on
+ *          rank s, then back). Each rank holds at most 2p chunk activations.
+ * With one chunk per rank gpipe and 1f1b give the lists of earlier
+ * releases. docs/schedules.md has the rules and the simulated bubbles.
  * Around the compute ops, on every pipeline stage that has the neighbour:
  * RECV_ACT i just before FORWARD i, SEND_ACT i just after it, RECV_GRAD i
  * just before BACKWARD (or BACKWARD_INPUT) i, SEND_GRAD i just after it
@@ -110,8 +128,10 @@ EPIPE_API int epipe_schedule_create(epipe_schedule **out, const char *kind, unsi
 /* Like epipe_schedule_create() over `ranks` ranks with the layout's chunks
  * and placement (NULL = the kind's defaults). The pipeline has
  * placement_len stages, or ranks*chunks without a placement. EPIPE_EINVAL
- * besides for: a layout whose struct_size is too small, a placement of
- * length 0 or over EPIPE_SCHEDULE_MAX_STAGES, an entry that is not a rank
+ * besides for: a layout whose struct_size is not the size this library
+ * knows (a newer host's larger struct is refused, not half-read), a
+ * placement of length 0 or over EPIPE_SCHEDULE_MAX_STAGES, a rank with more than
+ * EPIPE_SCHEDULE_MAX_CHUNKS chunks, an entry that is not a rank
  * below `ranks`, a rank that holds no pipeline stage, a rank whose chunk
  * count differs from a nonzero layout->chunks, chunks the kind cannot use
  * (zb-v: 2 per rank); each message names the bad value. Thread-safe. */

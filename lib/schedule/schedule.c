@@ -227,6 +227,10 @@ static int make_layout(epipe_schedule *sc, const struct kind *k, unsigned ranks,
                               "%s schedule: rank %u holds %u chunks in the placement, not the "
                               "%u of layout.chunks",
                               kn, r, c, lay->chunks);
+        if (c > EPIPE_SCHEDULE_MAX_CHUNKS)
+            return epipe_fail(EPIPE_EINVAL,
+                              "%s schedule: rank %u holds %u chunks, over the limit of %u", kn, r,
+                              c, EPIPE_SCHEDULE_MAX_CHUNKS);
         if (k->need_chunks && c != k->need_chunks)
             return epipe_fail(EPIPE_EINVAL, "%s schedule: rank %u holds %u chunks; %s needs %u",
                               kn, r, c, kn, k->need_chunks);
@@ -306,10 +310,12 @@ EPIPE_API int epipe_schedule_create_layout(epipe_schedule **out, const char *kin
     if (microbatches < 1 || microbatches > EPIPE_SCHEDULE_MAX_MICROBATCHES)
         return epipe_fail(EPIPE_EINVAL, "%s schedule: %u micro-batches is out of range 1..%u", kind,
                           microbatches, EPIPE_SCHEDULE_MAX_MICROBATCHES);
-    if (layout && layout->struct_size < sizeof *layout)
+    /* Only one version of the struct exists; a larger one would carry
+     * settings this library cannot honour. */
+    if (layout && layout->struct_size != sizeof *layout)
         return epipe_fail(EPIPE_EINVAL,
-                          "%s schedule: layout.struct_size %zu is below %zu (initialise it with "
-                          "EPIPE_SCHEDULE_LAYOUT_INIT)",
+                          "%s schedule: layout.struct_size %zu is not the %zu this library knows "
+                          "(initialise it with EPIPE_SCHEDULE_LAYOUT_INIT)",
                           kind, layout->struct_size, sizeof *layout);
 
     epipe_schedule *sc = calloc(1, sizeof *sc);
