@@ -153,7 +153,8 @@ typedef enum epipe_boundary_side {
  * until epipe_stage_set_codec() replaces it or the stage is destroyed. Use
  * it only between the stage's calls, on the stage's thread; do not encode
  * or decode with it or change its knobs. NULL if the stage has no such
- * boundary (stage 0 has no UP side, the last stage no DOWN side). */
+ * boundary (stage 0 has no UP side, the last stage no DOWN side). On a
+ * rank with several chunks: the boundaries of its chunk 0. */
 EPIPE_API epipe_codec *epipe_stage_codec(epipe_stage *stage, epipe_direction dir,
                                          epipe_boundary_side side);
 
