@@ -227,6 +227,10 @@ static void client_server_map(void **state)
                 assert_int_equal(epipe_sim_peak_live(sim, 1, &peak), EPIPE_OK);
                 if (!strcmp(kind, "1f1b"))
                     assert_true(peak <= 2);
+                /* B = 2F (W = 1): the client's 6m of work, and at most the
+                 * critical path of one micro-batch (9) more. */
+                run_costs(sim, (struct costs){1, 1, 1, 0});
+                assert_true(epipe_sim_makespan(sim) <= 6.0 * m + 3);
                 epipe_sim_destroy(sim);
             }
             epipe_schedule_destroy(sc);

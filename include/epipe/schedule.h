@@ -79,9 +79,10 @@ typedef struct epipe_schedule_layout {
 #define EPIPE_SCHEDULE_MAX_CHUNKS 64u          /* chunks on one rank */
 
 /* Kinds (the names are what epipe_schedule_create() takes). Every kind is
- * built for any placement: each rank's list is what a greedy run with unit
- * costs gives under the kind's rules (below), so it never waits for work it
- * could do. With one chunk per rank and the default placement:
+ * built for any placement: each rank's list is what a greedy run at costs
+ * F = 1, B = 2 (Bi = W = 1 when split) gives under the kind's rules (below),
+ * so it never waits for work it could do at those costs. With one chunk per
+ * rank and the default placement:
  *   gpipe  every forward in micro-batch order, then every backward in
  *          micro-batch order. Each stage holds all m activations at once.
  *          With several chunks, a rank runs all its forwards first.
@@ -134,7 +135,9 @@ EPIPE_API int epipe_schedule_create(epipe_schedule **out, const char *kind, unsi
  * EPIPE_SCHEDULE_MAX_CHUNKS chunks, an entry that is not a rank
  * below `ranks`, a rank that holds no pipeline stage, a rank whose chunk
  * count differs from a nonzero layout->chunks, chunks the kind cannot use
- * (zb-v: 2 per rank); each message names the bad value. Thread-safe. */
+ * (zb-v: 2 per rank), a placement the kind cannot use (interleaved with
+ * several chunks on a rank: round-robin only); each message names the bad
+ * value. Thread-safe. */
 EPIPE_API int epipe_schedule_create_layout(epipe_schedule **out, const char *kind, unsigned ranks,
                                            unsigned microbatches,
                                            const epipe_schedule_layout *layout);

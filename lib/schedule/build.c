@@ -1,5 +1,5 @@
 /* The list builder: turns a kind's rules into each rank's op list by a
- * greedy run at unit costs, over any placement of pipeline stages on ranks. */
+ * greedy run at costs F = 1, B = 2 (Bi = W = 1), over any placement of pipeline stages on ranks. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,9 +158,11 @@ static int step(struct bstate *b, unsigned r, uint32_t t)
         put(b, r, pol->split ? EPIPE_OP_BACKWARD_INPUT : EPIPE_OP_BACKWARD, mb, c);
         if (s > 0)
             put(b, r, EPIPE_OP_SEND_GRAD, mb, c);
-        b->bdone[at + mb] = t + 1;
+        b->bdone[at + mb] = t + (pol->split ? 1 : 2);
         if (!pol->split)
             b->rank_live[r]--;
+        b->busy[r] = t + (pol->split ? 1 : 2);
+        return 1;
     } else {
         unsigned mb = b->nw[s]++;
         put(b, r, EPIPE_OP_BACKWARD_WEIGHT, mb, c);

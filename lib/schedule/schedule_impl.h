@@ -55,7 +55,8 @@ static inline unsigned epipe_sched_group_size(unsigned m, unsigned ranks)
     return m / g + (m % g != 0);
 }
 
-/* Builds each rank's list by a greedy run at unit costs under the policy.
+/* Builds each rank's list by a greedy run under the policy at costs F = 1,
+ * BACKWARD = 2, BACKWARD_INPUT = BACKWARD_WEIGHT = 1.
  * ops[r] (allocated here) has counts[r] ops. EPIPE_OK, EPIPE_ENOMEM, or
  * EPIPE_EINTERNAL when the rules leave every rank stuck. */
 int epipe_sched_build(const struct epipe_sched_layout *l, unsigned microbatches,
