@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The test MLP trained by 2-4 processes over TCP (started by epipe-run)
-equals the one-process reference (GPipe and 1F1B, codec none), and trains
-(loss falls) with sortquant:bits=8."""
+equals the one-process reference (GPipe and 1F1B, and the schedules with
+chunks and split backward, codec none), and trains (loss falls) with
+sortquant:bits=8."""
 import os
 import struct
 import subprocess
@@ -32,36 +33,53 @@ def launch(p, *args):
     return r, time.time() - t0
 
 
-with tempfile.TemporaryDirectory() as d:
-    for p in (2, 3, 4):
-        ref = os.path.join(d, "ref%d" % p)
-        r = subprocess.run([trainer, "--reference", str(p), "--micro", MICRO, "--steps", STEPS,
-                            "--out", ref], capture_output=True, text=True, timeout=20)
-        if r.returncode:
-            fail("reference p=%d: %s %s" % (p, r.stdout, r.stderr))
+def compare(tag, out, ref):
+    """Every layer file of the run equals the reference's within 1e-6 relative."""
+    for l in range(5):
+        a = open("%s.layer%d" % (out, l), "rb").read()
+        b = open("%s.layer%d" % (ref, l), "rb").read()
+        if a == b:
             continue
-        for sched in ("gpipe", "1f1b"):
-            out = os.path.join(d, "%s%d" % (sched, p))
-            r, dt = launch(p, "--schedule", sched, "--micro", MICRO, "--steps", STEPS,
-                           "--out", out)
-            print("p=%d %s: exit %d in %.3f s" % (p, sched, r.returncode, dt))
-            if r.returncode:
-                fail("p=%d %s:\n%s%s" % (p, sched, r.stdout, r.stderr))
-                continue
-            for s in range(p):
-                if not r.stdout.count("[rank %d] rank %d: ok" % (s, s)):
-                    fail("p=%d %s: no ok line from rank %d:\n%s" % (p, sched, s, r.stdout))
-                a = open("%s.stage%d" % (out, s), "rb").read()
-                b = open("%s.stage%d" % (ref, s), "rb").read()
-                if a == b:
-                    continue
-                x, y = floats("%s.stage%d" % (out, s)), floats("%s.stage%d" % (ref, s))
-                worst = max(abs(u - v) / max(abs(v), 1e-6) for u, v in zip(x, y))
-                if len(x) != len(y) or worst > 1e-6:
-                    fail("p=%d %s stage %d: parameters differ from the reference (worst "
-                         "relative %.3g)" % (p, sched, s, worst))
-                else:
-                    print("  stage %d: equal within %.3g (not bitwise)" % (s, worst))
+        x, y = floats("%s.layer%d" % (out, l)), floats("%s.layer%d" % (ref, l))
+        worst = max(abs(u - v) / max(abs(v), 1e-6) for u, v in zip(x, y))
+        if len(x) != len(y) or worst > 1e-6:
+            fail("%s layer %d: parameters differ from the reference (worst relative %.3g)"
+                 % (tag, l, worst))
+        else:
+            print("  layer %d: equal within %.3g (not bitwise)" % (l, worst))
+
+
+# (ranks, schedule, extra arguments)
+RUNS = [(p, k, []) for p in (2, 3, 4) for k in ("gpipe", "1f1b")]
+# zero-bubble (split backward, by the split callbacks) and interleaved chunks
+RUNS += [(p, k, ["--split", "1"]) for p in (2, 4) for k in ("zb-h1", "zb-v")]
+RUNS += [(p, "interleaved", ["--chunks", "2"]) for p in (2, 3)]
+# the client-server split: rank 0 holds the first and the last layers
+RUNS += [(2, k, ["--placement", "0,1,0"]) for k in ("gpipe", "1f1b")]
+RUNS += [(3, "1f1b", ["--placement", "0,1,2,1,0"]), (2, "gpipe", ["--chunks", "2"])]
+# chunks on raw op lists (pipeline_host.h): client-server, a local boundary, a V
+RUNS += [(p, "raw", ["--raw", pl, "--split", sp]) for p, pl in
+         ((2, "0,1,0"), (2, "0,0,1"), (3, "0,1,2,2,1,0")) for sp in ("0", "1")]
+
+with tempfile.TemporaryDirectory() as d:
+    ref = os.path.join(d, "ref")
+    r = subprocess.run([trainer, "--reference", "1", "--micro", MICRO, "--steps", STEPS,
+                        "--out", ref], capture_output=True, text=True, timeout=20)
+    if r.returncode:
+        fail("reference: %s %s" % (r.stdout, r.stderr))
+    for i, (p, sched, extra) in enumerate(RUNS if not r.returncode else []):
+        tag = "p=%d %s %s" % (p, sched, " ".join(extra))
+        out = os.path.join(d, "run%d" % i)
+        r, dt = launch(p, "--schedule", sched, "--micro", MICRO, "--steps", STEPS,
+                       "--out", out, *extra)
+        print("%s: exit %d in %.3f s" % (tag, r.returncode, dt))
+        if r.returncode:
+            fail("%s:\n%s%s" % (tag, r.stdout, r.stderr))
+            continue
+        for s in range(p):
+            if not r.stdout.count("[rank %d] rank %d: ok" % (s, s)):
+                fail("%s: no ok line from rank %d:\n%s" % (tag, s, r.stdout))
+        compare(tag, out, ref)
     for p, sched in ((2, "1f1b"), (3, "gpipe"), (4, "1f1b")):
         r, dt = launch(p, "--schedule", sched, "--micro", MICRO, "--steps", "40",
                        "--codec", "sortquant:bits=8")

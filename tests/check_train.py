@@ -35,6 +35,15 @@ for s in range(3):
     if not re.search(r"^\[rank %d\] stage %d: " % (s, s), out, re.M):
         sys.exit("FAIL: stage %d printed no row:\n%s" % (s, out))
 print("threads %.2f%%, processes over TCP %.2f%%" % (threads, procs))
+# Issue 13: the same three pipeline stages on two ranks in the client-server
+# placement (rank 0 holds the first and the last layers) with the zero-bubble
+# schedule, and interleaved chunks, compute the same thing: the same accuracy.
+cs, _ = accuracy([run, "-n", "2", "--", train, *ARGS, "--placement", "0,1,0",
+                  "--schedule", "zb-h1"])
+inter, _ = accuracy([train, "--stages", "3", "--chunks", "1", "--schedule", "interleaved", *ARGS])
+print("client-server zb-h1 over TCP %.2f%%, interleaved threads %.2f%%" % (cs, inter))
+if abs(cs - threads) > 1e-9 or abs(inter - threads) > 1e-9:
+    sys.exit("FAIL: the client-server or interleaved run's accuracy differs")
 if abs(threads - procs) > 1e-9:
     sys.exit("FAIL: the TCP run's accuracy differs from the threads run's")
 if procs < 60.0:

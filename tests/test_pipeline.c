@@ -58,7 +58,9 @@ static void assert_params_match(const struct host_result *res, unsigned p, const
                                 double tol)
 {
     for (unsigned s = 0; s < p; s++)
-        for (int l = res[s].l0; l < res[s].l1; l++) {
+        for (int l = 0; l < host_nlayers; l++) {
+            if (!res[s].owns[l])
+                continue;
             const mlp_layer *a = &res[s].layers[l], *b = &ref[l];
             for (int i = 0; i < a->in * a->out; i++)
                 if (rel_diff(a->w[i], b->w[i]) > tol)
@@ -511,12 +513,13 @@ static void wrong_op_order_is_refused(void **state)
     expect_error(st, epipe_stage_send_activation(st, 0, &t), EPIPE_ESTATE, "called twice");
     assert_int_equal(epipe_stage_next_op(st, &op), EPIPE_OK);
     assert_int_equal(op.kind, EPIPE_OP_FORWARD);
-    /* micro-batch 1 sends another shape than micro-batch 0 did */
-    DLTensor t2 = tensor2d(shape, 3, 4);
-    expect_error(st, epipe_stage_send_activation(st, 1, &t2), EPIPE_EINVAL, "differs in shape");
-    DLTensor bad = tensor2d(shape, 2, 4);
+    int64_t shape2[2];
+    DLTensor bad = tensor2d(shape2, 2, 4);
     bad.dtype.code = kDLInt;
     expect_error(st, epipe_stage_send_activation(st, 1, &bad), EPIPE_EINVAL, "dtype");
+    /* micro-batch 1 may send another shape than micro-batch 0 did */
+    DLTensor t2 = tensor2d(shape2, 3, 4);
+    assert_int_equal(epipe_stage_send_activation(st, 1, &t2), EPIPE_OK);
     expect_error(st, epipe_stage_step(st), EPIPE_ESTATE, "callbacks");
     epipe_stage_destroy(st);
     epipe_comm_destroy(c[0]);

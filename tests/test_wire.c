@@ -210,6 +210,7 @@ static void header_round_trip_every_field(void **state)
                 .payload_crc = (uint32_t)test_rng_next(&r),
             };
             if (tensor) {
+                h.schedule_tag = (uint32_t)test_rng_next(&r);
                 h.dtype = (uint8_t)(test_rng_next(&r) % 3);
                 h.codec_id = (uint8_t)(1 + test_rng_next(&r) % 255);
                 h.codec_param = (uint32_t)test_rng_next(&r);
@@ -225,6 +226,8 @@ static void header_round_trip_every_field(void **state)
             h.version = EPIPE_WIRE_VERSION;
             h.header_len = HS;
             assert_memory_equal(&back, &h, sizeof h);
+            /* the schedule tag sits in the extension area, bytes 184..187 */
+            assert_int_equal(epipe_get_u32(buf + 184), h.schedule_tag);
         }
 }
 
@@ -305,6 +308,7 @@ static void longer_header_accepted(void **state)
     EXPECT(EPIPE_OK, epipe_wire_parse(longer, sizeof longer, NULL, &h, &payload));
     assert_int_equal(h.header_len, HS + 16);
     assert_ptr_equal(payload, longer + HS + 16);
+    assert_int_equal(h.schedule_tag, 0xABABABABu); /* bytes 184..187: read, never refused */
 }
 
 /* ---- rejections --------------------------------------------------------- */

@@ -1,5 +1,6 @@
 /* epipe-bench pipeline: the stage runtime's cost. Per-op overhead with empty
- * callbacks, and step time with timed callbacks against the simulator. */
+ * callbacks, step time with timed callbacks against the simulator, and
+ * (--compare) the schedules' step times relative to 1f1b, measured and simulated. */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
 #include <stdio.h>
@@ -14,9 +15,11 @@
 
 struct bench_opts {
     const char *kind, *codec;
-    unsigned p, m;
-    int steps, json, spin;
+    unsigned p, m, chunks; /* chunks: per rank, 0 = the kind's default */
+    int steps, json, spin, compare;
     double fwd_ms, bwd_ms; /* 0: empty callbacks (overhead mode) */
+    double w_ms; /* weight-gradient part: its own op when the kind splits the
+                    backward, else added to the backward */
     int elems;
     long spin_us; /* EPIPE_COMM_SPIN_US on every stage's communicator; -1: the default */
 };
@@ -92,8 +95,25 @@ static int bwd(void *user, unsigned mb, const DLTensor *g, const DLTensor **gin)
 {
     struct stage_arg *a = user;
     (void)mb, (void)g;
+    busy_for(a->o->bwd_ms + a->o->w_ms, a->o->spin);
+    *gin = &a->t;
+    return 0;
+}
+
+static int bwd_input(void *user, unsigned mb, const DLTensor *g, const DLTensor **gin)
+{
+    struct stage_arg *a = user;
+    (void)mb, (void)g;
     busy_for(a->o->bwd_ms, a->o->spin);
     *gin = &a->t;
+    return 0;
+}
+
+static int bwd_weight(void *user, unsigned mb)
+{
+    struct stage_arg *a = user;
+    (void)mb;
+    busy_for(a->o->w_ms, a->o->spin);
     return 0;
 }
 
@@ -109,7 +129,9 @@ static void *stage_main(void *p)
                       .ndim = 2,
                       .dtype = {kDLFloat, 32, 1},
                       .shape = a->shape};
-    a->rc = epipe_stage_create(&st, a->comm, o->kind, o->m);
+    epipe_schedule_layout layout = EPIPE_SCHEDULE_LAYOUT_INIT;
+    layout.chunks = o->chunks;
+    a->rc = epipe_stage_create_layout(&st, a->comm, o->kind, o->m, &layout);
     if (a->rc == EPIPE_OK)
         a->rc = epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, o->codec);
     if (a->rc == EPIPE_OK)
@@ -117,7 +139,12 @@ static void *stage_main(void *p)
     epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
     cb.user = a;
     cb.forward = fwd;
-    cb.backward = bwd;
+    if (a->rc == EPIPE_OK && epipe_schedule_splits_backward(epipe_stage_schedule(st)) == 1) {
+        cb.backward_input = bwd_input;
+        cb.backward_weight = bwd_weight;
+    } else {
+        cb.backward = bwd;
+    }
     if (a->rc == EPIPE_OK)
         a->rc = epipe_stage_set_callbacks(st, &cb);
     int warmup = o->steps / 10 + 1;
@@ -139,18 +166,33 @@ static void *stage_main(void *p)
     return NULL;
 }
 
-static int simulated_makespan(const struct bench_opts *o, double *ms)
+/* The simulator's makespan for the same schedule and costs, and the
+ * compute ops of rank 0's list (for the overhead per op). */
+static int simulate(const struct bench_opts *o, double *ms, size_t *ops_per_rank)
 {
     epipe_schedule *s;
     epipe_sim *sim;
-    int rc = epipe_schedule_create(&s, o->kind, o->p, o->m);
+    epipe_schedule_layout layout = EPIPE_SCHEDULE_LAYOUT_INIT;
+    layout.chunks = o->chunks;
+    int rc = epipe_schedule_create_layout(&s, o->kind, o->p, o->m, &layout);
     if (rc)
         return rc;
+    const epipe_op *ops;
+    size_t n;
+    *ops_per_rank = 0;
+    if (epipe_schedule_ops(s, 0, &ops, &n) == EPIPE_OK)
+        for (size_t i = 0; i < n; i++)
+            *ops_per_rank += ops[i].kind == EPIPE_OP_FORWARD || ops[i].kind == EPIPE_OP_BACKWARD ||
+                             ops[i].kind == EPIPE_OP_BACKWARD_INPUT ||
+                             ops[i].kind == EPIPE_OP_BACKWARD_WEIGHT;
+    /* a backward that is not split costs B + W in the simulator too */
     rc = epipe_sim_create(&sim, s);
     if (!rc)
         rc = epipe_sim_set_cost(sim, EPIPE_SIM_FORWARD, EPIPE_SIM_ALL_STAGES, o->fwd_ms);
     if (!rc)
         rc = epipe_sim_set_cost(sim, EPIPE_SIM_BACKWARD, EPIPE_SIM_ALL_STAGES, o->bwd_ms);
+    if (!rc)
+        rc = epipe_sim_set_cost(sim, EPIPE_SIM_WEIGHT, EPIPE_SIM_ALL_STAGES, o->w_ms);
     if (!rc)
         rc = epipe_sim_run(sim);
     if (!rc)
@@ -160,11 +202,115 @@ static int simulated_makespan(const struct bench_opts *o, double *ms)
     return rc;
 }
 
+/* Runs the pipeline as threads; the slowest stage's step time in *step_ms
+ * and the stage threads' CPU time in *cpu. Returns 0, or 1 after printing
+ * the error. */
+static int run_pipeline(const struct bench_opts *o, double *step_ms, double *cpu)
+{
+    epipe_comm *comms[64];
+    if (epipe_comm_create_inproc(comms, o->p)) {
+        fprintf(stderr, "epipe-bench pipeline: %s\n", epipe_last_error());
+        return 1;
+    }
+    struct stage_arg args[64];
+    pthread_t tid[64];
+    memset(args, 0, sizeof args);
+    for (unsigned s = 0; s < o->p; s++) {
+        args[s].comm = comms[s];
+        if (o->spin_us >= 0 && epipe_comm_set_param(comms[s], EPIPE_COMM_SPIN_US, o->spin_us)) {
+            fprintf(stderr, "epipe-bench pipeline: %s\n", epipe_comm_last_error(comms[s]));
+            return 1;
+        }
+        args[s].o = o;
+        pthread_create(&tid[s], NULL, stage_main, &args[s]);
+    }
+    double worst = 0;
+    int failed = 0;
+    *cpu = 0;
+    for (unsigned s = 0; s < o->p; s++) {
+        pthread_join(tid[s], NULL);
+        *cpu += args[s].cpu_seconds;
+        if (args[s].rc && !failed) {
+            fprintf(stderr, "epipe-bench pipeline: %s, stage %u: %s\n", o->kind, s, args[s].err);
+            failed = 1;
+        }
+        worst = args[s].seconds > worst ? args[s].seconds : worst;
+    }
+    *step_ms = worst * 1e3 / o->steps;
+    return failed;
+}
+
+/* --compare: 1f1b, zb-h1, interleaved and zb-v on the same model. A rank's
+ * compute per micro-batch stays F + B + W whatever its chunk count: a chunk
+ * of a rank with v chunks takes F/v, B/v, W/v. */
+static int compare(const struct bench_opts *base)
+{
+    static const struct {
+        const char *kind;
+        unsigned chunks;
+    } kinds[] = {{"1f1b", 1}, {"zb-h1", 1}, {"interleaved", 2}, {"zb-v", 2}};
+    double meas[4], sim[4], over[4], over_cpu[4];
+    if (!base->json)
+        printf("%u ranks, %u micro-batches; per micro-batch and rank F %g ms, B %g ms, W %g ms "
+               "(%s; a rank with v chunks takes 1/v of each per chunk):\n"
+               "%-12s %6s %12s %12s %9s %10s %10s %8s %9s %9s\n",
+               base->p, base->m, base->fwd_ms, base->bwd_ms, base->w_ms,
+               base->spin ? "spin" : "sleep", "schedule", "chunks", "measured ms", "simulated ms",
+               "meas/sim", "meas/1f1b", "sim/1f1b", "diff", "us/op", "cpu us/op");
+    for (int k = 0; k < 4; k++) {
+        struct bench_opts o = *base;
+        o.kind = kinds[k].kind;
+        o.chunks = kinds[k].chunks;
+        o.fwd_ms = base->fwd_ms / o.chunks;
+        o.bwd_ms = base->bwd_ms / o.chunks;
+        o.w_ms = base->w_ms / o.chunks;
+        size_t ops;
+        double cpu;
+        if (simulate(&o, &sim[k], &ops)) {
+            fprintf(stderr, "epipe-bench pipeline: %s: %s\n", o.kind, epipe_last_error());
+            return 1;
+        }
+        if (run_pipeline(&o, &meas[k], &cpu))
+            return 1;
+        /* the runtime's own cost: the same schedule with empty callbacks */
+        struct bench_opts e = o;
+        e.fwd_ms = e.bwd_ms = e.w_ms = 0;
+        e.steps = 500;
+        double empty_ms;
+        if (run_pipeline(&e, &empty_ms, &cpu))
+            return 1;
+        over[k] = ops ? empty_ms * 1e3 / (double)ops : 0;
+        over_cpu[k] = ops ? cpu * 1e6 / ((double)ops * o.p * e.steps) : 0;
+        double mr = meas[k] / meas[0], sr = sim[k] / sim[0];
+        if (base->json)
+            printf("{\"bench\": \"pipeline-compare\", \"kind\": \"%s\", \"chunks\": %u, "
+                   "\"ranks\": %u, \"microbatches\": %u, \"fwd_ms\": %g, \"bwd_ms\": %g, "
+                   "\"w_ms\": %g, \"compute\": \"%s\", \"steps\": %d, \"measured_step_ms\": %.3f, "
+                   "\"simulated_step_ms\": %.3f, \"measured_vs_1f1b\": %.4f, "
+                   "\"simulated_vs_1f1b\": %.4f, \"overhead_us_per_op\": %.3f, "
+                   "\"overhead_cpu_us_per_op\": %.3f}\n",
+                   o.kind, o.chunks, o.p, o.m, base->fwd_ms, base->bwd_ms, base->w_ms,
+                   o.spin ? "spin" : "sleep", o.steps, meas[k], sim[k], mr, sr, over[k],
+                   over_cpu[k]);
+        else
+            printf("%-12s %6u %12.3f %12.3f %9.4f %10.4f %10.4f %+7.1f%% %9.2f %9.2f\n", o.kind,
+                   o.chunks, meas[k], sim[k], meas[k] / sim[k], mr, sr, 100 * (mr / sr - 1),
+                   over[k], over_cpu[k]);
+        fflush(stdout);
+    }
+    if (!base->json)
+        printf("diff: the measured ratio to 1f1b against the simulated one. The runtime's\n"
+               "overhead, from the same schedule with empty callbacks: us/op, its step time\n"
+               "over rank 0's compute ops (fill and drain included); cpu us/op, the stage\n"
+               "threads' CPU time over all their ops.\n");
+    return 0;
+}
+
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: epipe-bench pipeline [--kind gpipe|1f1b] [-p STAGES] [-m MICROBATCHES]\n"
-               "       [--steps N] [--fwd-ms F --bwd-ms B [--spin]] [--elems N] [--codec SPEC]\n"
-               "       [--spin-us US] [--json]\n\n"
+    fprintf(f, "usage: epipe-bench pipeline [--kind KIND] [--chunks V] [-p RANKS] [-m MICROBATCHES]\n"
+               "       [--steps N] [--fwd-ms F --bwd-ms B [--w-ms W] [--spin]] [--elems N]\n"
+               "       [--codec SPEC] [--spin-us US] [--compare] [--json]\n\n"
                "Runs a pipeline of in-process stages (threads). Without --fwd-ms/--bwd-ms the\n"
                "callbacks do nothing and the result is the runtime's overhead per op\n"
                "(one op = a forward or backward with its receive and send). With them, each\n"
@@ -172,14 +318,33 @@ static void usage(FILE *f)
                "instead, standing for CPU compute) and the measured step time is compared\n"
                "with the simulator's makespan for the same costs. --spin-us sets\n"
                "EPIPE_COMM_SPIN_US (receives busy-wait, yielding, before they sleep;\n"
-               "inproc default 50).\n");
+               "inproc default 50). --w-ms is the weight-gradient part of the backward:\n"
+               "an op of its own on kinds that split the backward (zb-h1, zb-v), else\n"
+               "added to the backward. Costs are per op of one chunk.\n"
+               "--compare runs 1f1b, zb-h1, interleaved (2 chunks) and zb-v with the\n"
+               "given costs per micro-batch and rank (default F = B = W = 2 ms; a rank\n"
+               "with v chunks takes 1/v of each per chunk), and prints each step time\n"
+               "relative to 1f1b beside the simulator's, and the runtime's overhead per op.\n");
 }
 
 int bench_pipeline_main(int argc, char **argv)
 {
     struct bench_opts o = {
         .kind = "1f1b", .codec = "none", .p = 4, .m = 8, .steps = 0, .elems = 4, .spin_us = -1};
-    enum { O_JSON = 256, O_SPIN_US, O_SPIN, O_KIND, O_CODEC, O_STEPS, O_FWD, O_BWD, O_ELEMS };
+    enum {
+        O_JSON = 256,
+        O_SPIN_US,
+        O_SPIN,
+        O_KIND,
+        O_CODEC,
+        O_STEPS,
+        O_FWD,
+        O_BWD,
+        O_ELEMS,
+        O_W,
+        O_CHUNKS,
+        O_COMPARE
+    };
     static const struct option longopts[] = {
         {"help", no_argument, NULL, 'h'},
         {"json", no_argument, NULL, O_JSON},
@@ -193,6 +358,9 @@ int bench_pipeline_main(int argc, char **argv)
         {"fwd-ms", required_argument, NULL, O_FWD},
         {"bwd-ms", required_argument, NULL, O_BWD},
         {"elems", required_argument, NULL, O_ELEMS},
+        {"w-ms", required_argument, NULL, O_W},
+        {"chunks", required_argument, NULL, O_CHUNKS},
+        {"compare", no_argument, NULL, O_COMPARE},
         {NULL, 0, NULL, 0},
     };
     opterr = 0;
@@ -211,6 +379,9 @@ int bench_pipeline_main(int argc, char **argv)
         case O_FWD: o.fwd_ms = atof(optarg); break;
         case O_BWD: o.bwd_ms = atof(optarg); break;
         case O_ELEMS: o.elems = atoi(optarg); break;
+        case O_W: o.w_ms = atof(optarg); break;
+        case O_CHUNKS: o.chunks = (unsigned)atoi(optarg); break;
+        case O_COMPARE: o.compare = 1; break;
         default: /* ':' or '?' */
             epipe_cli_bad_option("epipe-bench pipeline", argv, opt);
             usage(stderr);
@@ -222,49 +393,33 @@ int bench_pipeline_main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    int timed = o.fwd_ms > 0 || o.bwd_ms > 0;
+    if (o.compare && o.fwd_ms == 0 && o.bwd_ms == 0 && o.w_ms == 0)
+        o.fwd_ms = o.bwd_ms = o.w_ms = 2;
+    int timed = o.fwd_ms > 0 || o.bwd_ms > 0 || o.w_ms > 0;
     char spin_text[24] = "null"; /* JSON: null when the communicator's default was kept */
     if (o.spin_us >= 0)
         snprintf(spin_text, sizeof spin_text, "%ld", o.spin_us);
-    if (o.p < 1 || o.p > 64 || o.m < 1 || o.elems < 1 || o.fwd_ms < 0 || o.bwd_ms < 0) {
-        fprintf(stderr,
-                "epipe-bench pipeline: need 1 <= p <= 64, m >= 1, elems >= 1, costs >= 0\n");
+    if (o.p < 1 || o.p > 64 || o.m < 1 || o.elems < 1 || o.fwd_ms < 0 || o.bwd_ms < 0 ||
+        o.w_ms < 0 || o.chunks > 8) {
+        fprintf(stderr, "epipe-bench pipeline: need 1 <= p <= 64, m >= 1, elems >= 1, chunks "
+                        "<= 8, costs >= 0\n");
         return 2;
     }
     if (o.steps <= 0)
         o.steps = timed ? 20 : 2000;
-    epipe_comm *comms[64];
-    if (epipe_comm_create_inproc(comms, o.p)) {
-        fprintf(stderr, "epipe-bench pipeline: %s\n", epipe_last_error());
+    if (o.compare)
+        return compare(&o);
+    double step_ms, cpu;
+    if (run_pipeline(&o, &step_ms, &cpu))
         return 1;
-    }
-    struct stage_arg args[64];
-    pthread_t tid[64];
-    memset(args, 0, sizeof args);
-    for (unsigned s = 0; s < o.p; s++) {
-        args[s].comm = comms[s];
-        if (o.spin_us >= 0 && epipe_comm_set_param(comms[s], EPIPE_COMM_SPIN_US, o.spin_us)) {
-            fprintf(stderr, "epipe-bench pipeline: %s\n", epipe_comm_last_error(comms[s]));
-            return 2;
-        }
-        args[s].o = &o;
-        pthread_create(&tid[s], NULL, stage_main, &args[s]);
-    }
-    double worst = 0, cpu = 0;
-    for (unsigned s = 0; s < o.p; s++) {
-        pthread_join(tid[s], NULL);
-        cpu += args[s].cpu_seconds;
-        if (args[s].rc) {
-            fprintf(stderr, "epipe-bench pipeline: stage %u: %s\n", s, args[s].err);
-            return 1;
-        }
-        worst = args[s].seconds > worst ? args[s].seconds : worst;
-    }
-    double step_ms = worst * 1e3 / o.steps;
     if (!timed) {
-        double us_per_op = step_ms * 1e3 / (2.0 * o.m); /* per stage: m forwards, m backwards */
+        double sim_unused;
+        size_t ops;
+        if (simulate(&o, &sim_unused, &ops) || !ops)
+            ops = 2 * o.m; /* one chunk: m forwards, m backwards */
+        double us_per_op = step_ms * 1e3 / (double)ops; /* rank 0's compute ops */
         /* CPU the stage threads spent per op, whatever the scheduler did with the waits */
-        double cpu_us_per_op = cpu * 1e6 / (2.0 * o.m * o.p * o.steps);
+        double cpu_us_per_op = cpu * 1e6 / ((double)ops * o.p * o.steps);
         if (o.json)
             printf("{\"bench\": \"pipeline-overhead\", \"kind\": \"%s\", \"stages\": %u, "
                    "\"microbatches\": %u, \"steps\": %d, \"elems\": %d, \"codec\": \"%s\", "
@@ -281,22 +436,26 @@ int bench_pipeline_main(int argc, char **argv)
         return 0;
     }
     double sim_ms;
-    if (simulated_makespan(&o, &sim_ms)) {
+    size_t ops;
+    if (simulate(&o, &sim_ms, &ops)) {
         fprintf(stderr, "epipe-bench pipeline: %s\n", epipe_last_error());
         return 1;
     }
-    double ideal = (o.m + o.p - 1.0) / o.m * o.m * (o.fwd_ms + o.bwd_ms);
+    double ideal = (o.m + o.p - 1.0) / o.m * o.m * (o.fwd_ms + o.bwd_ms + o.w_ms);
     if (o.json)
         printf(
             "{\"bench\": \"pipeline-step\", \"kind\": \"%s\", \"stages\": %u, "
             "\"microbatches\": %u, \"steps\": %d, \"fwd_ms\": %g, \"bwd_ms\": %g, "
-            "\"compute\": \"%s\", \"spin_us\": %s, \"codec\": \"%s\", \"measured_step_ms\": %.3f, "
+            "\"w_ms\": %g, \"chunks\": %u, \"compute\": \"%s\", \"spin_us\": %s, \"codec\": \"%s\", \"measured_step_ms\": %.3f, "
             "\"simulated_step_ms\": %.3f, \"ratio\": %.4f, \"compute_only_ideal_ms\": %.3f}\n",
-            o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.spin ? "spin" : "sleep", spin_text,
+            o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.w_ms, o.chunks,
+            o.spin ? "spin" : "sleep", spin_text,
             o.codec, step_ms, sim_ms, step_ms / sim_ms, ideal);
     else
-        printf("%s, %u stages, %u micro-batches, forward %g ms, backward %g ms, codec %s:\n"
+        printf("%s, %u ranks, %u micro-batches, forward %g ms, backward %g ms, weight %g ms, "
+               "codec %s:\n"
                "  measured %.3f ms a step, simulated %.3f ms: ratio %.4f\n",
-               o.kind, o.p, o.m, o.fwd_ms, o.bwd_ms, o.codec, step_ms, sim_ms, step_ms / sim_ms);
+               o.kind, o.p, o.m, o.fwd_ms, o.bwd_ms, o.w_ms, o.codec, step_ms, sim_ms,
+               step_ms / sim_ms);
     return 0;
 }

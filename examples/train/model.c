@@ -79,7 +79,7 @@ void model_free(stage_model *m)
         layer_free(&m->layers[k]);
     for (int mb = 0; mb < m->mbs; mb++)
         for (int k = 0; k <= m->nlayers; k++)
-            free(m->act[mb][k]);
+            free(m->act[mb][k]), free(m->g[mb][k]);
     free(m->grad[0]), free(m->grad[1]), free(m->dx);
     memset(m, 0, sizeof *m);
 }
@@ -129,6 +129,52 @@ const float *model_backward(stage_model *m, int mb, const float *dy, int rows, i
         dy = dx;
     }
     return m->dx;
+}
+
+int model_enable_split(stage_model *m)
+{
+    for (int mb = 0; mb < m->mbs; mb++)
+        for (int k = 0; k < m->nlayers; k++)
+            if (!m->g[mb][k] &&
+                !(m->g[mb][k] = malloc(sizeof(float) * (size_t)m->rows *
+                                       (size_t)m->layers[k].out)))
+                return -1;
+    return 0;
+}
+
+const float *model_backward_input(stage_model *m, int mb, const float *dy, int rows, int want_dx)
+{
+    for (int k = m->nlayers - 1; k >= 0; k--) {
+        dense_layer *l = &m->layers[k];
+        float *g = m->g[mb][k];
+        const float *y = m->act[mb][k + 1];
+        size_t n = (size_t)rows * (size_t)l->out;
+        memcpy(g, dy, n * sizeof(float));
+        if (l->relu)
+            for (size_t i = 0; i < n; i++)
+                if (y[i] <= 0)
+                    g[i] = 0;
+        if (k == 0 && !want_dx)
+            return NULL;
+        float *dx = k == 0 ? m->dx : m->grad[(k + 1) % 2];
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, l->in, l->out, 1.0f, g, l->out,
+                    l->w, l->in, 0.0f, dx, l->in);
+        dy = dx;
+    }
+    return m->dx;
+}
+
+void model_backward_weight(stage_model *m, int mb, int rows)
+{
+    for (int k = m->nlayers - 1; k >= 0; k--) {
+        dense_layer *l = &m->layers[k];
+        const float *g = m->g[mb][k], *x = m->act[mb][k];
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, l->out, l->in, rows, 1.0f, g, l->out,
+                    x, l->in, 1.0f, l->gw, l->in);
+        for (int r = 0; r < rows; r++)
+            for (int o = 0; o < l->out; o++)
+                l->gb[o] += g[(size_t)r * l->out + o];
+    }
 }
 
 void model_sgd(stage_model *m, float lr, float momentum)

@@ -26,6 +26,9 @@ typedef struct stage_model {
     float *act[MODEL_MAX_MB][MODEL_MAX_LAYERS + 1];
     float *grad[2]; /* backward scratch between layers */
     float *dx;      /* gradient of the stage's input */
+    /* split backward (model_enable_split): g[mb][k], the gradient of layer
+     * k's pre-activation, kept from backward_input for backward_weight */
+    float *g[MODEL_MAX_MB][MODEL_MAX_LAYERS + 1];
 } stage_model;
 
 /* dims[0..n]: the widths of the whole network (input, hidden..., classes).
@@ -40,6 +43,14 @@ const float *model_forward(stage_model *m, int mb, const float *x, int rows);
 /* Backward of micro-batch mb given the gradient of its output; returns the
  * gradient of its input (NULL when want_dx is 0). */
 const float *model_backward(stage_model *m, int mb, const float *dy, int rows, int want_dx);
+/* The backward split in two (zero-bubble schedules): model_enable_split()
+ * allocates what the split keeps (0, or -1 when out of memory);
+ * model_backward_input() computes only the input gradient (as
+ * model_backward's result) and keeps each layer's pre-activation gradient;
+ * model_backward_weight() later adds the weight gradients of mb from them. */
+int model_enable_split(stage_model *m);
+const float *model_backward_input(stage_model *m, int mb, const float *dy, int rows, int want_dx);
+void model_backward_weight(stage_model *m, int mb, int rows);
 /* SGD with momentum over the summed gradients, which are then zeroed. */
 void model_sgd(stage_model *m, float lr, float momentum);
 /* Threads the BLAS may use for each call (OpenBLAS; a no-op elsewhere).

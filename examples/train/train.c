@@ -17,16 +17,7 @@
 #include "../common/idx.h"
 #include "cli.h" /* tools/cli.h */
 #include "model.h"
-
-struct options {
-    unsigned stages, microbatches;
-    const char *schedule, *act_codec, *grad_codec, *data_dir;
-    int epochs, batch, hidden[MODEL_MAX_LAYERS], nhidden;
-    float lr, momentum, codec_lr;
-    uint64_t seed;
-    long train_limit;
-    int quiet, blas_threads;
-};
+#include "options.h"
 
 struct dataset {
     float *train_x, *test_x;
@@ -40,6 +31,7 @@ struct rank_result {
     char error[300];
     epipe_stage_stats stats;
     double accuracy, final_loss, seconds, samples_per_s;
+    int holds_last; /* this rank holds the last pipeline stage (loss, accuracy) */
 };
 
 static double now(void)
@@ -51,13 +43,25 @@ static double now(void)
 
 /* ---- one rank ------------------------------------------------------------ */
 
+#define MAX_CHUNKS 8
+
+/* One of the rank's chunks: pipeline stage g, layers [l0, l1). */
+struct chunk {
+    unsigned g;
+    int l0, l1, first, last;
+    stage_model model;
+    int64_t out_shape[2], dx_shape[2];
+    DLTensor out, dx;
+};
+
 struct rank {
     const struct options *o;
     const struct dataset *d;
     epipe_stage *stage;
-    unsigned s, p;
-    int dims[MODEL_MAX_LAYERS + 2], nlayers, l0, l1, rows;
-    stage_model model;
+    unsigned s, p, P, nch;
+    int dims[MODEL_MAX_LAYERS + 2], nlayers, rows;
+    struct chunk ch[MAX_CHUNKS];
+    int has_first, has_last;
     const float *x;        /* rows of the current batch (stage 0) */
     const uint8_t *y;      /* labels of the current batch (last stage) */
     const uint32_t *order; /* sample indices of the current epoch */
@@ -67,54 +71,132 @@ struct rank {
     float *dlogits[MODEL_MAX_MB];
     double loss;
     int correct;
-    int64_t out_shape[2], dx_shape[2];
-    DLTensor out, dx;
+    char err[200]; /* this program's own error, if any */
 };
+
+/* The chunk of the op in progress. */
+static struct chunk *current(struct rank *r)
+{
+    epipe_op op;
+    if (epipe_stage_current_op(r->stage, &op) || op.chunk >= r->nch)
+        return NULL;
+    return &r->ch[op.chunk];
+}
 
 static int cb_forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
 {
     struct rank *r = user;
-    int rows = r->rows, in_dim = r->dims[r->l0];
+    struct chunk *c = current(r);
+    if (!c)
+        return 3;
+    int rows = r->rows, in_dim = r->dims[c->l0];
     const float *x;
-    if (r->s == 0) {
+    if (c->first) {
         x = r->xbuf + (size_t)mb * rows * in_dim;
     } else {
         if (in->ndim != 2 || in->shape[0] != rows || in->shape[1] != in_dim)
             return 1;
         x = in->data;
     }
-    const float *y = model_forward(&r->model, (int)mb, x, rows);
-    int out_dim = r->dims[r->l1];
-    if (r->s + 1 == r->p) {
+    const float *y = model_forward(&c->model, (int)mb, x, rows);
+    int out_dim = r->dims[c->l1];
+    if (c->last) {
         r->loss += softmax_xent(y, r->ybuf + (size_t)mb * rows, rows, out_dim, r->o->batch,
                                 r->dlogits[mb], &r->correct);
         return 0;
     }
-    r->out_shape[0] = rows, r->out_shape[1] = out_dim;
-    r->out = (DLTensor){.data = (void *)y,
+    c->out_shape[0] = rows, c->out_shape[1] = out_dim;
+    c->out = (DLTensor){.data = (void *)y,
                         .device = {kDLCPU, 0},
                         .ndim = 2,
                         .dtype = {kDLFloat, 32, 1},
-                        .shape = r->out_shape};
-    *out = &r->out;
+                        .shape = c->out_shape};
+    *out = &c->out;
+    return 0;
+}
+
+/* The whole backward, or (split) its input-gradient part. */
+static int backward_common(struct rank *r, unsigned mb, const DLTensor *gout, const DLTensor **gin,
+                           int split)
+{
+    struct chunk *c = current(r);
+    if (!c)
+        return 3;
+    const float *dy = c->last ? r->dlogits[mb] : gout->data;
+    const float *dx = split ? model_backward_input(&c->model, (int)mb, dy, r->rows, !c->first)
+                            : model_backward(&c->model, (int)mb, dy, r->rows, !c->first);
+    if (!c->first) {
+        c->dx_shape[0] = r->rows, c->dx_shape[1] = r->dims[c->l0];
+        c->dx = (DLTensor){.data = (void *)dx,
+                           .device = {kDLCPU, 0},
+                           .ndim = 2,
+                           .dtype = {kDLFloat, 32, 1},
+                           .shape = c->dx_shape};
+        *gin = &c->dx;
+    }
     return 0;
 }
 
 static int cb_backward(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
 {
+    return backward_common(user, mb, gout, gin, 0);
+}
+
+static int cb_backward_input(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
+{
+    return backward_common(user, mb, gout, gin, 1);
+}
+
+static int cb_backward_weight(void *user, unsigned mb)
+{
     struct rank *r = user;
-    const float *dy = r->s + 1 == r->p ? r->dlogits[mb] : gout->data;
-    const float *dx = model_backward(&r->model, (int)mb, dy, r->rows, r->s > 0);
-    if (r->s > 0) {
-        r->dx_shape[0] = r->rows, r->dx_shape[1] = r->dims[r->l0];
-        r->dx = (DLTensor){.data = (void *)dx,
-                           .device = {kDLCPU, 0},
-                           .ndim = 2,
-                           .dtype = {kDLFloat, 32, 1},
-                           .shape = r->dx_shape};
-        *gin = &r->dx;
-    }
+    struct chunk *c = current(r);
+    if (!c)
+        return 3;
+    model_backward_weight(&c->model, (int)mb, r->rows);
     return 0;
+}
+
+/* Creates the stage with the schedule, chunks and placement of the options. */
+static int create_stage(struct rank *r, epipe_comm *comm)
+{
+    const struct options *o = r->o;
+    epipe_schedule_layout layout = EPIPE_SCHEDULE_LAYOUT_INIT;
+    layout.chunks = o->chunks;
+    if (o->nplace) {
+        layout.placement = o->placement;
+        layout.placement_len = o->nplace;
+    }
+    int rc = epipe_stage_create_layout(&r->stage, comm, o->schedule, o->microbatches, &layout);
+    if (rc)
+        return rc;
+    const epipe_schedule *sc = epipe_stage_schedule(r->stage);
+    r->P = epipe_schedule_pipeline_stages(sc);
+    r->nch = epipe_schedule_chunks(sc, r->s);
+    if ((int)r->P > r->nlayers || r->nch > MAX_CHUNKS) {
+        snprintf(r->err, sizeof r->err,
+                 "%u pipeline stages need at least as many layers; the model has %d (widen "
+                 "--hidden)%s",
+                 r->P, r->nlayers, r->nch > MAX_CHUNKS ? ", and a rank holds at most 8 chunks" : "");
+        return EPIPE_EINVAL;
+    }
+    int split = epipe_schedule_splits_backward(sc) == 1;
+    for (unsigned k = 0; k < r->nch; k++) {
+        struct chunk *c = &r->ch[k];
+        if ((rc = epipe_schedule_stage_of(sc, r->s, k, &c->g)))
+            return rc;
+        c->l0 = (int)(c->g * (unsigned)r->nlayers / r->P);
+        c->l1 = (int)((c->g + 1) * (unsigned)r->nlayers / r->P);
+        c->first = c->g == 0;
+        c->last = c->g + 1 == r->P;
+        r->has_first |= c->first;
+        r->has_last |= c->last;
+        if (model_init(&c->model, r->dims, r->nlayers, c->l0, c->l1, r->rows,
+                       (int)o->microbatches, o->seed) ||
+            (split && model_enable_split(&c->model)))
+            return EPIPE_ENOMEM;
+    }
+    return EPIPE_OK;
 }
 
 /* Gathers the batch's inputs (stage 0) and labels (last stage). */
@@ -124,7 +206,7 @@ static void load_batch(struct rank *r, const float *xs, const uint8_t *ys, const
     int in_dim = r->dims[0], n = r->o->batch;
     for (int i = 0; i < n; i++) {
         uint32_t k = order ? order[start + i] : (uint32_t)(start + i);
-        if (r->s == 0)
+        if (r->has_first)
             memcpy(r->xbuf + (size_t)i * in_dim, xs + (size_t)k * in_dim, sizeof(float) * in_dim);
         r->ybuf[i] = ys[k];
     }
@@ -193,19 +275,15 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
         r.dims[i + 1] = o->hidden[i];
     r.dims[o->nhidden + 1] = 10;
     r.nlayers = o->nhidden + 1;
-    r.l0 = (int)(r.s * (unsigned)r.nlayers / r.p);
-    r.l1 = (int)((r.s + 1) * (unsigned)r.nlayers / r.p);
     uint32_t *order = malloc(sizeof *order * d->ntrain);
     r.xbuf = malloc(sizeof(float) * (size_t)o->batch * d->pixels);
     int rc = order && r.xbuf ? EPIPE_OK : EPIPE_ENOMEM;
-    if (!rc &&
-        model_init(&r.model, r.dims, r.nlayers, r.l0, r.l1, r.rows, (int)o->microbatches, o->seed))
-        rc = EPIPE_ENOMEM;
     for (unsigned mb = 0; !rc && mb < o->microbatches; mb++)
         if (!(r.dlogits[mb] = malloc(sizeof(float) * (size_t)r.rows * 10)))
             rc = EPIPE_ENOMEM;
     if (!rc)
-        rc = epipe_stage_create(&r.stage, comm, o->schedule, o->microbatches);
+        rc = create_stage(&r, comm);
+    res->holds_last = r.has_last;
     if (!rc)
         rc = epipe_stage_set_codec(r.stage, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES,
                                    o->act_codec);
@@ -217,13 +295,18 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
     epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
     cb.user = &r;
     cb.forward = cb_forward;
-    cb.backward = cb_backward;
+    if (r.stage && epipe_schedule_splits_backward(epipe_stage_schedule(r.stage)) == 1) {
+        cb.backward_input = cb_backward_input;
+        cb.backward_weight = cb_backward_weight;
+    } else {
+        cb.backward = cb_backward;
+    }
     if (!rc)
         rc = epipe_stage_set_callbacks(r.stage, &cb);
     long ntrain = o->train_limit > 0 && o->train_limit < (long)d->ntrain ? o->train_limit
                                                                          : (long)d->ntrain;
     long steps = ntrain / o->batch;
-    int last = r.s + 1 == r.p && !o->quiet;
+    int last = r.has_last && !o->quiet;
     double t_start = now();
     for (int e = 0; !rc && e < o->epochs; e++) {
         shuffle(order, d->ntrain, o->seed + (uint64_t)e);
@@ -233,7 +316,8 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
             r.loss = 0;
             if ((rc = epipe_stage_step(r.stage)))
                 break;
-            model_sgd(&r.model, o->lr, o->momentum);
+            for (unsigned k = 0; k < r.nch; k++)
+                model_sgd(&r.ch[k].model, o->lr, o->momentum);
             /* Trainable codecs (insert) learn with the model: the built-in
              * SGD steps this stage's compress and restore parameters. */
             if ((rc = epipe_stage_codec_sgd_step(r.stage, o->codec_lr, o->momentum)))
@@ -256,11 +340,14 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
     res->rc = rc;
     if (rc) {
         snprintf(res->error, sizeof res->error, "%s",
-                 r.stage ? epipe_stage_last_error(r.stage) : "out of memory");
+                 r.err[0]  ? r.err
+                 : r.stage ? epipe_stage_last_error(r.stage)
+                           : epipe_last_error());
         epipe_comm_abort(comm);
     }
     epipe_stage_destroy(r.stage);
-    model_free(&r.model);
+    for (unsigned k = 0; k < r.nch; k++)
+        model_free(&r.ch[k].model);
     for (unsigned mb = 0; mb < o->microbatches; mb++)
         free(r.dlogits[mb]);
     free(order);
@@ -273,7 +360,13 @@ static void print_table(const struct options *o, const struct rank_result *res, 
                         unsigned count, unsigned p)
 {
     const struct rank_result *lastr = &res[count - 1];
-    if (first + count == p)
+    int have_last = 0;
+    for (unsigned i = 0; i < count; i++)
+        if (res[i].holds_last)
+            lastr = &res[i], have_last = 1;
+    /* one chunk a rank in pipeline order: each rank's row is its boundary */
+    int plain = o->chunks <= 1 && !o->nplace;
+    if (have_last)
         printf("\ntest accuracy %.2f%%  (%u stages, %s, %u micro-batches, batch %d, %d epoch%s)\n"
                "throughput    %.0f samples/s\n",
                100 * lastr->accuracy, p, o->schedule, o->microbatches, o->batch, o->epochs,
@@ -288,11 +381,13 @@ static void print_table(const struct options *o, const struct rank_result *res, 
         double raw = (double)(s->act_sent_raw + s->grad_recv_raw);
         double wire = (double)(s->act_sent_wire + s->grad_recv_wire);
         char name[16];
-        if (st + 1 < p)
+        if (!plain)
+            snprintf(name, sizeof name, "rank %u", st);
+        else if (st + 1 < p)
             snprintf(name, sizeof name, "%u->%u", st, st + 1);
         else
             snprintf(name, sizeof name, "(stage %u)", st);
-        if (st + 1 < p)
+        if (!plain || st + 1 < p)
             printf("%-9s %13.2f %13.2f %8.4f |", name, raw / 1e6, wire / 1e6, raw ? wire / raw : 0);
         else
             printf("%-9s %13s %13s %8s |", name, "", "", "");
@@ -303,135 +398,9 @@ static void print_table(const struct options *o, const struct rank_result *res, 
     }
     printf("\nraw = activations sent plus gradients received on the boundary, as fp32;\n"
            "wire = the messages that carried them; time split per stage over its steps.\n");
-}
-
-/* ---- command line ---------------------------------------------------------- */
-
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: epipe-train [options]\n"
-            "  --stages N          pipeline stages (default 3); threads of this process unless\n"
-            "                      started by a launcher (then the launcher's world size)\n"
-            "  --microbatches M    micro-batches a step (default 4)\n"
-            "  --schedule KIND     gpipe or 1f1b (default 1f1b)\n"
-            "  --act-codec SPEC    codec for activations (default sortquant:bits=8)\n"
-            "  --grad-codec SPEC   codec for gradients (default sortquant:bits=8)\n"
-            "  --epochs E          (default 3)   --batch B (default 64)\n"
-            "  --lr LR             (default 0.05) --momentum MU (default 0.9)\n"
-            "  --codec-lr LR       learning rate of trainable codecs (insert; default --lr)\n"
-            "  --hidden W,W,...    hidden layer widths (default 512,256)\n"
-            "  --seed S            (default 1)\n"
-            "  --train-limit N     use only the first N training images\n"
-            "  --data DIR          Fashion-MNIST IDX files (default %s)\n"
-            "  --blas-threads N    threads a BLAS call may use (default 1: the stages\n"
-            "                      already keep the cores busy; libepipe's codecs share it)\n"
-            "  --quiet             no progress bar\n",
-            IDX_FASHION_DIR);
-}
-
-static int parse_args(int argc, char **argv, struct options *o)
-{
-    enum {
-        O_QUIET = 256,
-        O_STAGES,
-        O_MB,
-        O_SCHEDULE,
-        O_ACT,
-        O_GRAD,
-        O_EPOCHS,
-        O_BATCH,
-        O_LR,
-        O_MOMENTUM,
-        O_CODEC_LR,
-        O_SEED,
-        O_TRAIN_LIMIT,
-        O_DATA,
-        O_BLAS_THREADS,
-        O_HIDDEN
-    };
-    static const struct option longopts[] = {
-        {"help", no_argument, NULL, 'h'},
-        {"quiet", no_argument, NULL, O_QUIET},
-        {"stages", required_argument, NULL, O_STAGES},
-        {"microbatches", required_argument, NULL, O_MB},
-        {"schedule", required_argument, NULL, O_SCHEDULE},
-        {"act-codec", required_argument, NULL, O_ACT},
-        {"grad-codec", required_argument, NULL, O_GRAD},
-        {"epochs", required_argument, NULL, O_EPOCHS},
-        {"batch", required_argument, NULL, O_BATCH},
-        {"lr", required_argument, NULL, O_LR},
-        {"momentum", required_argument, NULL, O_MOMENTUM},
-        {"codec-lr", required_argument, NULL, O_CODEC_LR},
-        {"seed", required_argument, NULL, O_SEED},
-        {"train-limit", required_argument, NULL, O_TRAIN_LIMIT},
-        {"data", required_argument, NULL, O_DATA},
-        {"blas-threads", required_argument, NULL, O_BLAS_THREADS},
-        {"hidden", required_argument, NULL, O_HIDDEN},
-        {NULL, 0, NULL, 0},
-    };
-    opterr = 0;
-    int opt;
-    while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
-        const char *v = optarg;
-        switch (opt) {
-        case 'h': usage(stdout); exit(0);
-        case O_QUIET: o->quiet = 1; break;
-        case O_STAGES: o->stages = (unsigned)atoi(v); break;
-        case O_MB: o->microbatches = (unsigned)atoi(v); break;
-        case O_SCHEDULE: o->schedule = v; break;
-        case O_ACT: o->act_codec = v; break;
-        case O_GRAD: o->grad_codec = v; break;
-        case O_EPOCHS: o->epochs = atoi(v); break;
-        case O_BATCH: o->batch = atoi(v); break;
-        case O_LR: o->lr = (float)atof(v); break;
-        case O_MOMENTUM: o->momentum = (float)atof(v); break;
-        case O_CODEC_LR: o->codec_lr = (float)atof(v); break;
-        case O_SEED: o->seed = strtoull(v, NULL, 10); break;
-        case O_TRAIN_LIMIT: o->train_limit = atol(v); break;
-        case O_DATA: o->data_dir = v; break;
-        case O_BLAS_THREADS: o->blas_threads = atoi(v); break;
-        case O_HIDDEN:
-            o->nhidden = 0;
-            for (const char *p = v; *p && o->nhidden < MODEL_MAX_LAYERS - 1;) {
-                char *end;
-                long w = strtol(p, &end, 10);
-                if (end == p || w < 1 || w > 65536) {
-                    fprintf(stderr, "epipe-train: bad --hidden '%s'\n", v);
-                    return -1;
-                }
-                o->hidden[o->nhidden++] = (int)w;
-                p = *end == ',' ? end + 1 : end;
-            }
-            break;
-        default: /* ':' or '?' */ epipe_cli_bad_option("epipe-train", argv, opt); return -1;
-        }
-    }
-    if (optind < argc) {
-        fprintf(stderr, "epipe-train: unexpected argument '%s' (options start with --)\n",
-                argv[optind]);
-        return -1;
-    }
-    if (o->microbatches < 1 || o->microbatches > MODEL_MAX_MB || o->batch < 1 ||
-        o->batch % (int)o->microbatches || o->batch / (int)o->microbatches > 1024) {
-        fprintf(stderr,
-                "epipe-train: --batch %d must divide into --microbatches %u (at most %d, "
-                "and at most 1024 rows each)\n",
-                o->batch, o->microbatches, MODEL_MAX_MB);
-        return -1;
-    }
-    if (o->epochs < 1 || o->stages < 1 || o->stages > (unsigned)o->nhidden + 1) {
-        fprintf(stderr,
-                "epipe-train: need --epochs >= 1 and 1 <= --stages <= %d (one layer a "
-                "stage at least)\n",
-                o->nhidden + 1);
-        return -1;
-    }
-    if (o->blas_threads < 1 || o->blas_threads > 256) {
-        fprintf(stderr, "epipe-train: --blas-threads %d is not in 1..256\n", o->blas_threads);
-        return -1;
-    }
-    return 0;
+    if (!plain)
+        printf("With chunks or a placement, a rank's row sums the boundaries where its\n"
+               "chunks send activations to another rank.\n");
 }
 
 static int load_data(const struct options *o, struct dataset *d)
@@ -523,7 +492,12 @@ static int main_rank(struct options *o, const struct dataset *d)
     double other = st->step_seconds - st->compute_seconds - st->encode_seconds -
                    st->decode_seconds - st->wait_seconds;
     char wire[128] = "last stage, sends no activations";
-    if (s + 1 < p) {
+    if (o->chunks > 1 || o->nplace) {
+        double raw = (double)(st->act_sent_raw + st->grad_recv_raw);
+        double w = (double)(st->act_sent_wire + st->grad_recv_wire);
+        snprintf(wire, sizeof wire, "its boundaries to other ranks raw %.2f MB wire %.2f MB", raw / 1e6,
+                 w / 1e6);
+    } else if (s + 1 < p) {
         double raw = (double)(st->act_sent_raw + st->grad_recv_raw);
         double w = (double)(st->act_sent_wire + st->grad_recv_wire);
         snprintf(wire, sizeof wire, "boundary %u->%u raw %.2f MB wire %.2f MB ratio %.4f", s, s + 1,
@@ -535,7 +509,7 @@ static int main_rank(struct options *o, const struct dataset *d)
            s, wire, 100 * st->compute_seconds / tot,
            100 * (st->encode_seconds + st->decode_seconds) / tot, 100 * st->wait_seconds / tot,
            100 * other / tot, 1e3 * st->step_seconds / steps, 1e3 * st->compute_seconds / steps);
-    if (s + 1 == p)
+    if (res.holds_last)
         printf("test accuracy %.2f%%  (%u stages, %s, %u micro-batches, batch %d, %d epoch%s), "
                "%.0f samples/s\n",
                100 * res.accuracy, p, o->schedule, o->microbatches, o->batch, o->epochs,
@@ -560,7 +534,7 @@ int main(int argc, char **argv)
                         .seed = 1,
                         .blas_threads = 1,
                         .codec_lr = -1};
-    if (parse_args(argc, argv, &o))
+    if (train_parse_args(argc, argv, &o))
         return 2;
     model_set_blas_threads(o.blas_threads);
     if (o.codec_lr < 0)

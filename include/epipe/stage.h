@@ -14,7 +14,9 @@ extern "C" {
 #endif
 
 /* An opaque stage: the stage whose index is its communicator's rank, in a
- * pipeline of as many stages as the communicator has ranks.
+ * pipeline of as many stages as the communicator has ranks. With chunks
+ * (virtual stages, see "The op stream"), one handle serves every pipeline
+ * stage its rank holds; "stage" in a message then means the rank.
  *
  * The host owns the model and does the compute; the stage owns the
  * schedule, the codecs of its two boundaries, and the messages. Boundary b
@@ -35,14 +37,25 @@ typedef struct epipe_stage epipe_stage;
 /* Returned in epipe_op.kind by epipe_stage_next_op() when the step is over. */
 #define EPIPE_OP_NONE 0u
 
-/* Creates a stage on comm running schedule `schedule` ("gpipe", "1f1b")
- * with `microbatches` micro-batches per step. The stage borrows comm, which
+/* Creates a stage on comm running schedule `schedule` (a kind name of
+ * epipe/schedule.h: "gpipe", "1f1b", ...) with `microbatches` micro-batches
+ * per step, in the kind's default layout. The stage borrows comm, which
  * must outlive it. Codecs default to "none" on every boundary. Returns
  * EPIPE_OK; EPIPE_EINVAL for a NULL argument, an unknown schedule or a bad
  * micro-batch count (the message says which); EPIPE_ENOMEM. On error *out
  * is NULL. The caller frees the stage with epipe_stage_destroy(). */
 EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char *schedule,
                                  unsigned microbatches);
+/* The same with the schedule's layout (epipe/schedule.h): chunks per rank
+ * and the placement of the pipeline stages on ranks; NULL = the kind's
+ * default, as epipe_stage_create(). The layout is read during the call
+ * only. Errors as epipe_stage_create(), and those of
+ * epipe_schedule_create_layout() (a placement or chunk count the kind
+ * cannot use, a rank that holds no stage). Every rank must pass the same
+ * schedule, micro-batch count and layout: a rank that does not is found
+ * at the first message (EPIPE_EPROTO naming both kinds). */
+EPIPE_API int epipe_stage_create_layout(epipe_stage **out, epipe_comm *comm, const char *schedule,
+                                        unsigned microbatches, const epipe_schedule_layout *layout);
 
 /* Frees the stage, its codecs and every buffer it lent. Messages still in
  * flight to peers are delivered first on the transports that queue them.
@@ -103,6 +116,15 @@ EPIPE_API int epipe_stage_get_param(const epipe_stage *stage, epipe_stage_param 
 
 EPIPE_API unsigned epipe_stage_index(const epipe_stage *stage);
 EPIPE_API unsigned epipe_stage_count(const epipe_stage *stage);
+/* The chunks (model chunks, virtual stages) this rank holds: 1 for the
+ * classic schedules; 0 for NULL. */
+EPIPE_API unsigned epipe_stage_chunks(const epipe_stage *stage);
+/* The pipeline stage that chunk `chunk` of this rank is, and how many the
+ * pipeline has (either pointer may be NULL). EPIPE_EINVAL for NULL or a
+ * chunk out of range; the message goes to epipe_last_error() (the handle
+ * is const). Never blocks. */
+EPIPE_API int epipe_stage_chunk_stage(const epipe_stage *stage, unsigned chunk,
+                                      unsigned *pipeline_stage, unsigned *pipeline_stages);
 /* The schedule the stage runs; owned by the stage. */
 EPIPE_API const epipe_schedule *epipe_stage_schedule(const epipe_stage *stage);
 /* The message of the last failing call on this handle, or "". */
@@ -131,7 +153,8 @@ typedef enum epipe_boundary_side {
  * until epipe_stage_set_codec() replaces it or the stage is destroyed. Use
  * it only between the stage's calls, on the stage's thread; do not encode
  * or decode with it or change its knobs. NULL if the stage has no such
- * boundary (stage 0 has no UP side, the last stage no DOWN side). */
+ * boundary (stage 0 has no UP side, the last stage no DOWN side). On a
+ * rank with several chunks: the boundaries of its chunk 0. */
 EPIPE_API epipe_codec *epipe_stage_codec(epipe_stage *stage, epipe_direction dir,
                                          epipe_boundary_side side);
 
@@ -145,31 +168,51 @@ EPIPE_EXPERIMENTAL int epipe_stage_codec_sgd_step(epipe_stage *stage, double lr,
 
 /* ---- The op stream ------------------------------------------------------
  *
- * epipe_stage_next_op() fills *op with the next compute op of this stage's
- * schedule (EPIPE_OP_FORWARD or EPIPE_OP_BACKWARD of op->microbatch), or
- * with kind EPIPE_OP_NONE when the step is over; the call after that
- * starts the next step. For a FORWARD of micro-batch i the host:
- *   - on every stage but the first: epipe_stage_recv_activation(i) for its
- *     input (the first stage reads its own data);
+ * epipe_stage_next_op() fills *op with the next compute op of this rank's
+ * schedule, or with kind EPIPE_OP_NONE when the step is over; the call
+ * after that starts the next step. op->chunk says which of the rank's
+ * chunks (pipeline stages, see epipe_schedule_stage_of()) it runs; it is
+ * 0 when the rank holds one. The receive and send calls below always refer
+ * to the chunk of the op in progress, and their micro-batch must be the
+ * op's (EPIPE_ESTATE otherwise). "First" and "last" below mean the first
+ * and last pipeline stage; a chunk whose neighbour is on the same rank
+ * receives and sends like any other (the stage hands the tensor over in
+ * memory, through the boundary's codec only if the host set one).
+ * For a FORWARD of micro-batch i the host:
+ *   - on every pipeline stage but the first: epipe_stage_recv_activation(i)
+ *     for its input (the first stage reads its own data);
  *   - computes; on every stage but the last: epipe_stage_send_activation(i).
- * For a BACKWARD of micro-batch i:
+ * For a BACKWARD, or a BACKWARD_INPUT (split backward: input gradient
+ * only), of micro-batch i:
  *   - on every stage but the last: epipe_stage_recv_gradient(i) for the
  *     gradient of its output (the last stage starts from its loss);
- *   - computes; on every stage but the first: epipe_stage_send_gradient(i).
+ *   - computes; on every stage but the first: epipe_stage_send_gradient(i)
+ *     (for BACKWARD_INPUT the gradient leaves at once: send it, then return
+ *     to next_op, before computing weight gradients).
+ * For a BACKWARD_WEIGHT of micro-batch i: the host computes the weight
+ * gradients of i; it neither receives nor sends (EPIPE_ESTATE, naming the
+ * op, if it tries).
  * A call out of this order, or for another micro-batch, returns
  * EPIPE_ESTATE with a message that says what was expected.
  *
  * Tensor lifetimes: a received activation is owned by the stage and stays
- * valid until the backward of its micro-batch is over (the next
- * epipe_stage_next_op() after that backward), so a host may keep it for
- * autograd without a copy. A received gradient stays valid until the next
- * epipe_stage_next_op(). A tensor the host sends is encoded before the send
- * returns; the host may reuse it at once. Sent tensors: fp32, fp16 or bf16,
- * on the CPU, any strides; every micro-batch of a step must send the same
- * shape and dtype on the same boundary and direction (EPIPE_EINVAL else),
- * and a gradient sent back has the shape and dtype of the activation
- * received for that micro-batch (EPIPE_EINVAL else).
- * Received tensors are dense, in the dtype and shape that was sent. */
+ * valid until the backward of its micro-batch on that chunk is over (the
+ * next epipe_stage_next_op() after its BACKWARD or BACKWARD_WEIGHT), so a
+ * host may keep it for autograd without a copy. A received gradient stays
+ * valid until the next epipe_stage_next_op(). A tensor the host sends is
+ * encoded (or copied) before the send returns; the host may reuse it at
+ * once. Sent tensors: fp32, fp16 or bf16, on the CPU, any strides. Each
+ * micro-batch may send its own shape on a boundary (variable sequence
+ * lengths): the receiver gets the shape with the message. A gradient sent
+ * back must have the shape and dtype of the activation received for that
+ * micro-batch (EPIPE_EINVAL else, naming both shapes); a received gradient
+ * is checked against the activation sent for it too (EPIPE_EPROTO).
+ * Received tensors are dense, in the dtype and shape that was sent.
+ *
+ * Every tensor message carries a fingerprint of the sender's schedule
+ * (kind, ranks, micro-batches, placement): a rank that receives one from a
+ * peer running another schedule fails with EPIPE_EPROTO naming both
+ * kinds, and aborts its communicator so that no peer waits. */
 EPIPE_API int epipe_stage_next_op(epipe_stage *stage, epipe_op *op);
 EPIPE_API int epipe_stage_recv_activation(epipe_stage *stage, unsigned microbatch,
                                           const DLTensor **input);
@@ -179,6 +222,12 @@ EPIPE_API int epipe_stage_recv_gradient(epipe_stage *stage, unsigned microbatch,
                                         const DLTensor **grad_output);
 EPIPE_API int epipe_stage_send_gradient(epipe_stage *stage, unsigned microbatch,
                                         const DLTensor *grad_input);
+/* The op in progress (the last one next_op returned, or the one whose
+ * callback runs now): callbacks learn their chunk (op->chunk) from it.
+ * EPIPE_ESTATE when no op is in progress (*op is then zeroed), EPIPE_EINVAL
+ * for NULL; the message goes to epipe_last_error() (the handle is const).
+ * Never blocks; same thread rules as every call on the stage. */
+EPIPE_API int epipe_stage_current_op(const epipe_stage *stage, epipe_op *op);
 
 /* ---- Callbacks ----------------------------------------------------------
  *
@@ -203,16 +252,31 @@ typedef struct epipe_stage_callbacks {
     int (*backward)(void *user, unsigned microbatch, const DLTensor *grad_output,
                     const DLTensor **grad_input);
     int (*loss)(void *user, unsigned microbatch, double *value);
+    /* Split backward (schedules that split it: epipe_schedule_splits_backward()).
+     * backward_input(user, mb, grad_output, &grad_input) computes only the
+     * gradient of the input (the stage sends it upstream as soon as it
+     * returns); backward_weight(user, mb) later computes the weight
+     * gradients of the same micro-batch and may then free what it kept
+     * for it. Set both or neither. A host without them can still run a
+     * splitting schedule: backward then runs whole at the input-gradient
+     * op, and the weight-gradient op does nothing. Setting them for a
+     * schedule that does not split is EPIPE_EINVAL. */
+    int (*backward_input)(void *user, unsigned microbatch, const DLTensor *grad_output,
+                          const DLTensor **grad_input);
+    int (*backward_weight)(void *user, unsigned microbatch);
 } epipe_stage_callbacks;
 
 #define EPIPE_STAGE_CALLBACKS_INIT                                                                 \
     {                                                                                              \
-        sizeof(epipe_stage_callbacks), NULL, NULL, NULL, NULL                                      \
+        sizeof(epipe_stage_callbacks), NULL, NULL, NULL, NULL, NULL, NULL                          \
     }
 
-/* Copies the callbacks (the stage keeps cb->user, not cb). EPIPE_EINVAL if
- * struct_size is 0 or larger than this library knows, or forward or
- * backward is NULL. */
+/* Copies the callbacks (the stage keeps cb->user, not cb). A struct_size
+ * from an older header leaves the fields it lacks NULL. EPIPE_EINVAL if
+ * struct_size is 0 or larger than this library knows, forward is NULL,
+ * neither backward nor the split pair is set, only one of the pair is
+ * set, or the pair is set for a schedule that does not split (the message
+ * names the schedule). */
 EPIPE_API int epipe_stage_set_callbacks(epipe_stage *stage, const epipe_stage_callbacks *cb);
 
 /* Runs one step: every op of this stage's schedule, calling the callbacks

@@ -12,23 +12,33 @@
 
 /* ---- the op stream ------------------------------------------------------ */
 
+static const char *carried(const epipe_op *op)
+{
+    return op->kind == EPIPE_OP_FORWARD ? "activation" : "gradient";
+}
+
 static int finish_current_op(epipe_stage *st)
 {
-    char what[64];
+    char what[96];
     if (!st->cur_valid)
         return EPIPE_OK;
     if (st->need_recv && !st->did_recv)
         return fail(st, EPIPE_ESTATE, "the %s ended without receiving its %s",
-                    op_text(&st->cur, what, sizeof what),
-                    st->cur.kind == EPIPE_OP_FORWARD ? "activation" : "gradient");
+                    op_text(st, &st->cur, what, sizeof what), carried(&st->cur));
     if (st->need_send && !st->did_send)
         return fail(st, EPIPE_ESTATE, "the %s ended without sending its %s",
-                    op_text(&st->cur, what, sizeof what),
-                    st->cur.kind == EPIPE_OP_FORWARD ? "activation" : "gradient");
+                    op_text(st, &st->cur, what, sizeof what), carried(&st->cur));
     if (st->tracing) {
-        char name[12];
-        snprintf(name, sizeof name, "%c%u", st->cur.kind == EPIPE_OP_FORWARD ? 'F' : 'B',
-                 st->cur.microbatch);
+        char name[24];
+        uint32_t k = st->cur.kind;
+        char letter = k == EPIPE_OP_FORWARD          ? 'F'
+                      : k == EPIPE_OP_BACKWARD       ? 'B'
+                      : k == EPIPE_OP_BACKWARD_INPUT ? 'I'
+                                                     : 'W';
+        if (st->nch > 1)
+            snprintf(name, sizeof name, "%c%u.%u", letter, st->cur.microbatch, st->cur.chunk);
+        else
+            snprintf(name, sizeof name, "%c%u", letter, st->cur.microbatch);
         epipe_trace_span(st->trace, name, "compute", st->op_t0, now());
         epipe_trace_args(st->trace, st->step, st->cur.microbatch, -1, 0, NULL);
     }
@@ -36,27 +46,39 @@ static int finish_current_op(epipe_stage *st)
     return EPIPE_OK;
 }
 
+static void start_step(epipe_stage *st)
+{
+    st->in_step = st->started = 1;
+    st->pc = 0;
+    st->ops = st->training ? st->train_ops : st->eval_ops;
+    st->nops = st->training ? st->ntrain_ops : st->neval_ops;
+    st->step_t0 = st->mark = now();
+    for (unsigned k = 0; k < st->nch; k++) {
+        struct chunk *c = &st->ch[k];
+        memset(c->act_out, 0, sizeof *c->act_out * st->m);
+        memset(c->act_ready, 0, st->m);
+        if (c->grad_ready)
+            memset(c->grad_ready, 0, st->m);
+    }
+}
+
 int epipe_stage_advance(epipe_stage *st, epipe_op *op)
 {
-    /* A backward (or, forward-only, a forward) that ends now gives its
-     * received activation back to the stage. */
-    int releases = st->cur_valid && (st->cur.kind == EPIPE_OP_BACKWARD || !st->training);
-    unsigned mb = st->cur.microbatch;
+    /* A backward or weight-gradient backward (or, forward-only, a forward)
+     * that ends now gives its received activation back to the stage; an
+     * input-gradient backward keeps it for its weight-gradient backward. */
+    uint32_t k = st->cur.kind;
+    int releases = st->cur_valid && (k == EPIPE_OP_BACKWARD || k == EPIPE_OP_BACKWARD_WEIGHT ||
+                                     !st->training);
+    epipe_op ended = st->cur;
     int rc = finish_current_op(st);
     if (rc)
         return rc;
     if (releases)
-        st->act_in[mb].t.data = NULL;
-    if (!st->in_step) {
-        st->in_step = st->started = 1;
-        st->pc = 0;
-        st->ops = st->training ? st->train_ops : st->eval_ops;
-        st->nops = st->training ? st->ntrain_ops : st->m;
-        st->step_t0 = st->mark = now();
-        memset(st->sent, 0, sizeof st->sent);
-    }
-    while (st->pc < st->nops && st->ops[st->pc].kind != EPIPE_OP_FORWARD &&
-           st->ops[st->pc].kind != EPIPE_OP_BACKWARD)
+        st->ch[ended.chunk].act_in[ended.microbatch].t.data = NULL;
+    if (!st->in_step)
+        start_step(st);
+    while (st->pc < st->nops && !is_compute_kind(st->ops[st->pc].kind))
         st->pc++;
     if (st->pc == st->nops) {
         st->in_step = 0;
@@ -68,10 +90,14 @@ int epipe_stage_advance(epipe_stage *st, epipe_op *op)
         return EPIPE_OK;
     }
     st->cur = st->ops[st->pc++];
+    if (st->cur.chunk >= st->nch || st->cur.microbatch >= st->m)
+        return fail(st, EPIPE_EINTERNAL, "op %zu names chunk %u, micro-batch %u (of %u, %u)",
+                    st->pc - 1, st->cur.chunk, st->cur.microbatch, st->nch, st->m);
     st->cur_valid = 1;
-    int fwd = st->cur.kind == EPIPE_OP_FORWARD;
-    st->need_recv = fwd ? st->s > 0 : st->s + 1 < st->p;
-    st->need_send = fwd ? st->s + 1 < st->p : st->s > 0;
+    const struct chunk *c = &st->ch[st->cur.chunk];
+    k = st->cur.kind;
+    st->need_recv = k == EPIPE_OP_FORWARD ? c->has_up : is_backward_kind(k) ? c->has_down : 0;
+    st->need_send = k == EPIPE_OP_FORWARD ? c->has_down : is_backward_kind(k) ? c->has_up : 0;
     st->did_recv = st->did_send = 0;
     st->op_t0 = now();
     *op = st->cur;
@@ -86,6 +112,19 @@ EPIPE_API int epipe_stage_next_op(epipe_stage *st, epipe_op *op)
     return leave(st, epipe_stage_advance(st, op));
 }
 
+EPIPE_API int epipe_stage_current_op(const epipe_stage *st, epipe_op *op)
+{
+    if (!st || !op)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_current_op: stage or op is NULL");
+    if (!st->cur_valid) {
+        memset(op, 0, sizeof *op);
+        return epipe_fail(EPIPE_ESTATE, "stage %u: epipe_stage_current_op: no op is in progress",
+                          st->s);
+    }
+    *op = st->cur;
+    return EPIPE_OK;
+}
+
 /* Checks that a receive or send for `mb` in direction `dir` is what the
  * current op expects. */
 static int expect(epipe_stage *st, unsigned mb, int is_recv, int dir)
@@ -93,18 +132,23 @@ static int expect(epipe_stage *st, unsigned mb, int is_recv, int dir)
     static const char *const names[2][2] = {{"send_activation", "send_gradient"},
                                             {"recv_activation", "recv_gradient"}};
     const char *call = names[is_recv][dir];
-    unsigned want = dir == DIR_ACT ? EPIPE_OP_FORWARD : EPIPE_OP_BACKWARD;
-    char what[64];
+    char what[96];
     if (!st->cur_valid)
         return fail(st, EPIPE_ESTATE, "%s(%u) called with no op in progress: call next_op first",
                     call, mb);
         /* the op's text is formatted only for an error: this runs for every send and receive */
-#define WHAT op_text(&st->cur, what, sizeof what)
-    if (st->cur.kind != want || st->cur.microbatch != mb)
-        return fail(st, EPIPE_ESTATE, "%s(%u) called during the %s", call, mb, WHAT);
+#define WHAT op_text(st, &st->cur, what, sizeof what)
+    int kind_ok = dir == DIR_ACT ? st->cur.kind == EPIPE_OP_FORWARD : is_backward_kind(st->cur.kind);
+    if (!kind_ok || st->cur.microbatch != mb)
+        return fail(st, EPIPE_ESTATE, "%s(%u) called during the %s%s", call, mb, WHAT,
+                    st->cur.kind == EPIPE_OP_BACKWARD_WEIGHT
+                        ? " (which neither receives nor sends: the gradient went upstream "
+                          "when the input-gradient backward ended)"
+                        : "");
     if (is_recv ? !st->need_recv : !st->need_send)
-        return fail(st, EPIPE_ESTATE, "%s(%u): the %s of stage %u of %u has nothing to %s", call,
-                    mb, WHAT, st->s, st->p, is_recv ? "receive" : "send");
+        return fail(st, EPIPE_ESTATE,
+                    "%s(%u): the %s of pipeline stage %u of %u has nothing to %s", call, mb,
+                    WHAT, st->ch[st->cur.chunk].g, st->P, is_recv ? "receive" : "send");
     if (is_recv ? st->did_recv : st->did_send)
         return fail(st, EPIPE_ESTATE, "%s(%u) called twice in the %s", call, mb, WHAT);
     if (is_recv && st->need_send && st->did_send)
@@ -113,10 +157,24 @@ static int expect(epipe_stage *st, unsigned mb, int is_recv, int dir)
     return EPIPE_OK;
 }
 
+const char *epipe_stage_shape_text(int ndim, const int64_t *shape, DLDataType dtype, char *buf,
+                                   size_t cap)
+{
+    size_t n = 0;
+    n += (size_t)snprintf(buf, cap, "[");
+    for (int d = 0; d < ndim && n < cap; d++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", d ? "," : "", (long long)shape[d]);
+    if (n < cap)
+        snprintf(buf + n, cap - n, "] %s%u",
+                 dtype.code == kDLBfloat ? "bf" : dtype.code == kDLFloat ? "f" : "code",
+                 dtype.bits);
+    return buf;
+}
+
 /* Points lt at a dense CPU tensor of the given shape and dtype, growing its
  * buffer as needed. */
-static int lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim, const int64_t *shape,
-                      DLDataType dtype)
+int epipe_stage_lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim, const int64_t *shape,
+                           DLDataType dtype)
 {
     size_t esz = (size_t)(dtype.bits / 8), n = 1;
     for (int d = 0; d < ndim; d++) {
@@ -147,57 +205,86 @@ static int trains(const epipe_stage *st, const epipe_codec *c)
     return st->training && epipe_codec_trainable(c);
 }
 
-int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t)
+static int same_meta(const struct tensor_meta *a, const DLTensor *t)
 {
-    int rc = expect(st, mb, 1, dir);
-    if (rc)
-        return rc;
-    unsigned peer = dir == DIR_ACT ? st->s - 1 : st->s + 1;
+    return a->ndim == t->ndim && a->dtype.code == t->dtype.code && a->dtype.bits == t->dtype.bits &&
+           memcmp(a->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim) == 0;
+}
+
+/* A message from a peer that runs another schedule: refused, naming both. */
+static int check_tag(epipe_stage *st, const epipe_wire_header *h, unsigned peer)
+{
+    if (!h->schedule_tag || h->schedule_tag == st->tag)
+        return EPIPE_OK;
+    const char *theirs = epipe_stage_tag_kind(h->schedule_tag);
+    const char *mine = st->kind;
+    epipe_comm_abort(st->comm); /* the peers must not wait for what will not come */
+    if (!strcmp(theirs, mine))
+        return fail(st, EPIPE_EPROTO,
+                    "rank %u runs schedule '%s' and so does this rank, but with another "
+                    "micro-batch count, rank count or placement (schedule tags 0x%08x and "
+                    "0x%08x): every rank must create its stage alike",
+                    peer, theirs, h->schedule_tag, st->tag);
+    return fail(st, EPIPE_EPROTO,
+                "rank %u runs schedule '%s' but this rank runs '%s' (schedule tags 0x%08x and "
+                "0x%08x): every rank must create its stage with the same schedule",
+                peer, theirs, mine, h->schedule_tag, st->tag);
+}
+
+static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, const DLTensor **t)
+{
+    unsigned peer = dir == DIR_ACT ? c->up_rank : c->down_rank;
     epipe_msg *msg;
     double t0 = now();
-    rc = epipe_comm_recv(st->comm, peer,
-                         dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT, st->step, mb,
-                         stage_timeout_ms(st), &msg);
+    int rc = epipe_comm_recv(st->comm, peer,
+                             dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT,
+                             st->step, mb, stage_timeout_ms(st), &msg);
     double t1 = now();
     st->st.wait_seconds += t1 - t0;
     if (st->tracing)
         epipe_trace_span(st->trace, dir == DIR_ACT ? "wait-act" : "wait-grad", "wait", t0, t1);
     if (rc)
         return fail(st, rc, "%s", epipe_comm_last_error(st->comm));
+    const epipe_wire_header *h = &msg->hdr;
+    if ((rc = check_tag(st, h, peer))) {
+        epipe_msg_free(msg);
+        return rc;
+    }
     /* A gradient for a trainable activation codec is the code's: decode it
      * aside, then back-propagate it through the compress into grad_in. */
-    int code_grad = dir == DIR_GRAD && trains(st, st->enc_act);
-    struct lent_tensor *lt = dir == DIR_ACT ? &st->act_in[mb]
-                             : code_grad    ? &st->code_in
-                                            : &st->grad_in;
-    const epipe_wire_header *h = &msg->hdr;
+    int code_grad = dir == DIR_GRAD && trains(st, c->enc_act);
+    struct lent_tensor *lt = dir == DIR_ACT ? &c->act_in[mb] : code_grad ? &c->code_in : &st->grad_in;
+    const struct tensor_meta *sent = &c->act_out[mb];
     uint64_t n;
     size_t esz = epipe_dtype_size((enum epipe_dtype)h->dtype);
     if (epipe_wire_numel(h, &n) || n > SIZE_MAX / esz) {
         epipe_msg_free(msg);
-        return fail(st, EPIPE_EOVERFLOW, "the %s from stage %u is too large to hold",
+        return fail(st, EPIPE_EOVERFLOW, "the %s from rank %u is too large to hold",
                     epipe_wire_kind_name(h->kind), peer);
     }
-    if (lt->cap < n * esz) {
-        void *p = realloc(lt->buf, n * esz);
-        if (!p) {
-            epipe_msg_free(msg);
-            return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte %s", (size_t)(n * esz),
-                        epipe_wire_kind_name(h->kind));
-        }
-        lt->buf = p, lt->cap = n * esz;
-    }
-    memset(&lt->t, 0, sizeof lt->t);
-    lt->t.data = lt->buf;
-    lt->t.device.device_type = kDLCPU;
-    lt->t.ndim = h->ndim;
-    lt->t.shape = lt->shape;
+    int64_t shape[EPIPE_MAX_NDIM];
     for (int d = 0; d < h->ndim; d++)
-        lt->shape[d] = (int64_t)h->shape[d];
-    lt->t.dtype.code = h->dtype == EPIPE_DTYPE_BF16 ? kDLBfloat : kDLFloat;
-    lt->t.dtype.bits = (uint8_t)(esz * 8);
-    lt->t.dtype.lanes = 1;
-    epipe_codec *codec = dir == DIR_ACT ? st->dec_act : st->dec_grad;
+        shape[d] = (int64_t)h->shape[d];
+    DLDataType dtype = {h->dtype == EPIPE_DTYPE_BF16 ? kDLBfloat : kDLFloat, (uint8_t)(esz * 8), 1};
+    /* The shape comes with each message: micro-batches may differ. But a
+     * gradient has the shape of the activation it is the gradient of. */
+    if (dir == DIR_GRAD && !code_grad && sent->set) {
+        DLTensor probe = {.ndim = h->ndim, .shape = shape, .dtype = dtype};
+        if (!same_meta(sent, &probe)) {
+            char a[96], b[96];
+            epipe_msg_free(msg);
+            return fail(st, EPIPE_EPROTO,
+                        "the gradient of micro-batch %u from rank %u is %s, but the activation "
+                        "sent for it was %s",
+                        mb, peer, epipe_stage_shape_text(h->ndim, shape, dtype, a, sizeof a),
+                        epipe_stage_shape_text(sent->ndim, sent->shape, sent->dtype, b, sizeof b));
+        }
+    }
+    if ((rc = epipe_stage_lend_shape(st, lt, h->ndim, shape, dtype))) {
+        epipe_msg_free(msg);
+        return rc;
+    }
+    epipe_codec *codec = dir == DIR_ACT ? c->dec_act : c->dec_grad;
     if (dir == DIR_ACT && epipe_codec_trainable(codec))
         epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
     rc = epipe_codec_decode(codec, msg->data + h->header_len, (size_t)h->payload_len, &lt->t);
@@ -210,32 +297,30 @@ int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
     epipe_msg_free(msg);
     if (rc) {
         lt->t.data = NULL;
-        return fail(st, rc, "decoding the %s of micro-batch %u from stage %u: %s",
+        return fail(st, rc, "decoding the %s of micro-batch %u from rank %u: %s",
                     dir == DIR_ACT ? "activation" : "gradient", mb, peer,
                     epipe_codec_last_error(codec));
     }
     uint64_t raw = n * esz;
     if (code_grad) { /* raw: the gradient of the activation sent, as the host sees it */
-        const struct sent_shape *as = &st->sent[DIR_ACT];
-        raw = as->dtype.bits / 8u;
-        for (int d = 0; d < as->ndim; d++)
-            raw *= (uint64_t)as->shape[d];
+        raw = sent->dtype.bits / 8u;
+        for (int d = 0; d < sent->ndim; d++)
+            raw *= (uint64_t)sent->shape[d];
     }
     if (dir == DIR_ACT)
         st->st.act_recv_raw += raw, st->st.act_recv_wire += wire;
     else
         st->st.grad_recv_raw += raw, st->st.grad_recv_wire += wire;
     if (code_grad) {
-        /* The gradient of the activation this stage sent for mb: the shape
-         * and dtype of the step's activations. */
-        const struct sent_shape *ss = &st->sent[DIR_ACT];
-        if (!ss->set)
+        /* The gradient of the activation this chunk sent for mb. */
+        if (!sent->set)
             return fail(st, EPIPE_EINTERNAL,
-                        "a code gradient arrived before any activation "
-                        "was sent this step");
-        if ((rc = lend_shape(st, &st->grad_in, ss->ndim, ss->shape, ss->dtype)))
+                        "a code gradient of micro-batch %u arrived before its activation was "
+                        "sent this step",
+                        mb);
+        if ((rc = epipe_stage_lend_shape(st, &st->grad_in, sent->ndim, sent->shape, sent->dtype)))
             return rc;
-        rc = epipe_codec_encode_backward(st->enc_act, mb, &lt->t, &st->grad_in.t);
+        rc = epipe_codec_encode_backward(c->enc_act, mb, &lt->t, &st->grad_in.t);
         double t3 = now();
         st->st.decode_seconds += t3 - t2;
         if (st->tracing)
@@ -244,40 +329,55 @@ int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
             return fail(st, rc,
                         "back-propagating the code gradient of micro-batch %u through "
                         "the compress: %s",
-                        mb, epipe_codec_last_error(st->enc_act));
+                        mb, epipe_codec_last_error(c->enc_act));
         lt = &st->grad_in;
     }
-    st->did_recv = 1;
     *t = &lt->t;
     return EPIPE_OK;
 }
 
-/* A gradient sent back has the shape and dtype of the activation received
- * for that micro-batch (still lent to the host during its backward). */
-static int check_grad_like_input(epipe_stage *st, const DLTensor *t, unsigned mb)
+int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t)
 {
-    const DLTensor *in = &st->act_in[mb].t;
+    int rc = expect(st, mb, 1, dir);
+    if (rc)
+        return rc;
+    struct chunk *c = &st->ch[st->cur.chunk];
+    int local = dir == DIR_ACT ? c->up_local : c->down_local;
+    rc = local ? epipe_stage_take_local(st, c, mb, dir, t) : recv_remote(st, c, mb, dir, t);
+    if (rc == EPIPE_OK)
+        st->did_recv = 1;
+    return rc;
+}
+
+/* A gradient sent back has the shape and dtype of the activation received
+ * for that micro-batch (still lent to the host until its backward ends). */
+static int check_grad_like_input(epipe_stage *st, const struct chunk *c, const DLTensor *t,
+                                 unsigned mb)
+{
+    const DLTensor *in = &c->act_in[mb].t;
     if (!in->data)
         return EPIPE_OK;
     int same = in->ndim == t->ndim && in->dtype.code == t->dtype.code &&
                in->dtype.bits == t->dtype.bits &&
                memcmp(in->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim) == 0;
-    if (!same)
+    if (!same) {
+        char a[96], b[96];
         return fail(st, EPIPE_EINVAL,
                     "the gradient of micro-batch %u differs in shape or dtype from the activation "
-                    "received for it (ndim %d vs %d, last dim %lld vs %lld, %u vs %u bits)",
-                    mb, t->ndim, in->ndim, t->ndim ? (long long)t->shape[t->ndim - 1] : 0LL,
-                    in->ndim ? (long long)in->shape[in->ndim - 1] : 0LL, t->dtype.bits,
-                    in->dtype.bits);
+                    "received for it: %s vs %s",
+                    mb, epipe_stage_shape_text(t->ndim, t->shape, t->dtype, a, sizeof a),
+                    epipe_stage_shape_text(in->ndim, in->shape, in->dtype, b, sizeof b));
+    }
     return EPIPE_OK;
 }
 
-static int check_sent_shape(epipe_stage *st, int dir, const DLTensor *t, unsigned mb)
+/* Checks a tensor the host sends; records an activation's shape. Every
+ * micro-batch may send its own shape. */
+static int check_sent(epipe_stage *st, struct chunk *c, int dir, const DLTensor *t, unsigned mb)
 {
-    struct sent_shape *s = &st->sent[dir];
     const char *what = dir == DIR_ACT ? "activation" : "gradient";
     int rc;
-    if (dir == DIR_GRAD && (rc = check_grad_like_input(st, t, mb)))
+    if (dir == DIR_GRAD && (rc = check_grad_like_input(st, c, t, mb)))
         return rc;
     if (st->batch && (t->ndim < 1 || t->shape[0] != st->batch / st->m))
         return fail(st, EPIPE_EINVAL,
@@ -285,71 +385,55 @@ static int check_sent_shape(epipe_stage *st, int dir, const DLTensor *t, unsigne
                     "gives %lld",
                     what, mb, t->ndim ? (long long)t->shape[0] : 0LL, (long long)st->batch, st->m,
                     (long long)(st->batch / st->m));
-    if (!s->set) {
+    if (dir == DIR_ACT) {
+        struct tensor_meta *s = &c->act_out[mb];
         s->set = 1;
         s->dtype = t->dtype;
         s->ndim = t->ndim;
         memcpy(s->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
-        return EPIPE_OK;
     }
-    int same = s->ndim == t->ndim && s->dtype.code == t->dtype.code &&
-               s->dtype.bits == t->dtype.bits &&
-               memcmp(s->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim) == 0;
-    if (!same)
-        return fail(st, EPIPE_EINVAL,
-                    "the %s of micro-batch %u differs in shape or dtype from the first one of "
-                    "this step (ndim %d vs %d, dim0 %lld vs %lld)",
-                    what, mb, t->ndim, s->ndim, t->ndim ? (long long)t->shape[0] : 0LL,
-                    s->ndim ? (long long)s->shape[0] : 0LL);
     return EPIPE_OK;
 }
 
-int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
+static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, const DLTensor *t,
+                       uint64_t n, enum epipe_dtype dt)
 {
-    int rc = expect(st, mb, 0, dir);
-    if (rc)
-        return rc;
-    uint64_t n;
-    enum epipe_dtype dt;
-    if ((rc = epipe_tensor_inspect(t, dir == DIR_ACT ? "activation" : "gradient", NULL, &n, &dt)))
-        return fail(st, rc, "%s", epipe_last_error());
-    if ((rc = check_sent_shape(st, dir, t, mb)))
-        return rc;
+    int rc;
     /* Raw bytes count the host's tensor: with a trainable codec the code
      * gradient that crosses is smaller, and that saving is the codec's. */
     size_t raw = (size_t)n * epipe_dtype_size(dt);
     double tb = now();
-    if (dir == DIR_GRAD && trains(st, st->dec_act)) {
+    if (dir == DIR_GRAD && trains(st, c->dec_act)) {
         /* The host's gradient is the restored activation's: back-propagate
          * it through the restore and send the (smaller) code gradient. */
         int zn;
         int64_t zs[EPIPE_CODEC_MAX_NDIM];
         DLDataType f32 = {kDLFloat, 32, 1};
-        if ((rc = epipe_codec_code_shape(st->dec_act, &st->act_in[mb].t, &zn, zs)))
+        if ((rc = epipe_codec_code_shape(c->dec_act, &c->act_in[mb].t, &zn, zs)))
             return fail(st, rc, "the code of micro-batch %u: %s", mb,
-                        epipe_codec_last_error(st->dec_act));
-        if ((rc = lend_shape(st, &st->code_out, zn, zs, f32)))
+                        epipe_codec_last_error(c->dec_act));
+        if ((rc = epipe_stage_lend_shape(st, &c->code_out, zn, zs, f32)))
             return rc;
-        if ((rc = epipe_codec_decode_backward_checked(st->dec_act, mb, t, n, dt, &st->code_out.t)))
+        if ((rc = epipe_codec_decode_backward_checked(c->dec_act, mb, t, n, dt, &c->code_out.t)))
             return fail(st, rc,
                         "back-propagating the gradient of micro-batch %u through the "
                         "restore: %s",
-                        mb, epipe_codec_last_error(st->dec_act));
+                        mb, epipe_codec_last_error(c->dec_act));
         double tb1 = now();
         st->st.encode_seconds += tb1 - tb; /* the restore's backward counts as encoding */
         if (st->tracing)
             epipe_trace_span(st->trace, "restore-backward", "encode", tb, tb1);
-        t = &st->code_out.t;
+        t = &c->code_out.t;
         dt = EPIPE_DTYPE_F32;
         n = 1;
         for (int d = 0; d < zn; d++)
             n *= (uint64_t)zs[d];
     }
-    epipe_codec *codec = dir == DIR_ACT ? st->enc_act : st->enc_grad;
+    epipe_codec *codec = dir == DIR_ACT ? c->enc_act : c->enc_grad;
     /* Trainable codecs keep their input for the backward, and poweriter
      * its warm start, per micro-batch: one handle encodes them all in turn. */
     epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
-    unsigned peer = dir == DIR_ACT ? st->s + 1 : st->s - 1;
+    unsigned peer = dir == DIR_ACT ? c->down_rank : c->up_rank;
     size_t cap, len;
     /* t was checked above: the codec checks it no more (codec_internal.h). */
     if ((rc = epipe_codec_size_checked(codec, t, n, &cap)))
@@ -383,6 +467,7 @@ int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
     h->step = st->step;
     h->src_stage = st->s;
     h->dst_stage = peer;
+    h->schedule_tag = st->tag;
     if ((rc = epipe_msg_seal(msg, len))) {
         epipe_msg_free(msg);
         return fail(st, rc, "framing: %s", epipe_last_error());
@@ -395,8 +480,26 @@ int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
         st->st.act_sent_raw += raw, st->st.act_sent_wire += wire;
     else
         st->st.grad_sent_raw += raw, st->st.grad_sent_wire += wire;
-    st->did_send = 1;
     return EPIPE_OK;
+}
+
+int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t)
+{
+    int rc = expect(st, mb, 0, dir);
+    if (rc)
+        return rc;
+    struct chunk *c = &st->ch[st->cur.chunk];
+    uint64_t n;
+    enum epipe_dtype dt;
+    if ((rc = epipe_tensor_inspect(t, dir == DIR_ACT ? "activation" : "gradient", NULL, &n, &dt)))
+        return fail(st, rc, "%s", epipe_last_error());
+    if ((rc = check_sent(st, c, dir, t, mb)))
+        return rc;
+    int local = dir == DIR_ACT ? c->down_local : c->up_local;
+    rc = local ? epipe_stage_hand_over(st, c, mb, dir, t) : send_remote(st, c, mb, dir, t, n, dt);
+    if (rc == EPIPE_OK)
+        st->did_send = 1;
+    return rc;
 }
 
 EPIPE_API int epipe_stage_recv_activation(epipe_stage *st, unsigned mb, const DLTensor **input)

@@ -22,8 +22,137 @@ static int make_codec(epipe_stage *st, epipe_codec **slot, const char *spec)
     return EPIPE_OK;
 }
 
-EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char *schedule,
-                                 unsigned microbatches)
+/* The schedule fingerprint that every tensor message carries
+ * (docs/wire-format.md): the kind's index + 1 in bits 24..31, and a hash
+ * of the kind, the rank and micro-batch counts and the placement in 0..23. */
+static uint32_t schedule_tag(const epipe_stage *st)
+{
+    unsigned idx = 0;
+    for (size_t i = 0; epipe_schedule_kind_name(i); i++)
+        if (!strcmp(epipe_schedule_kind_name(i), st->kind))
+            idx = (unsigned)i + 1;
+    uint32_t h = 2166136261u;
+#define MIX(byte) (h = (h ^ (uint8_t)(byte)) * 16777619u)
+    for (const char *c = st->kind; *c; c++)
+        MIX(*c);
+    uint32_t words[3] = {st->p, st->m, st->P};
+    for (int w = 0; w < 3; w++)
+        for (int k = 0; k < 4; k++)
+            MIX(words[w] >> (8 * k));
+    for (unsigned g = 0; g < st->P; g++)
+        for (int k = 0; k < 4; k++)
+            MIX(st->place_rank[g] >> (8 * k));
+#undef MIX
+    return (idx > 255 ? 255u : idx) << 24 | ((h >> 24) ^ (h & 0xFFFFFFu));
+}
+
+/* The name of the kind whose index a schedule tag carries. */
+const char *epipe_stage_tag_kind(uint32_t tag)
+{
+    unsigned idx = tag >> 24;
+    const char *name = idx ? epipe_schedule_kind_name(idx - 1) : NULL;
+    return name ? name : "a schedule this library does not know";
+}
+
+/* Fills the rank's chunks from the placement (st->P, place_rank,
+ * place_chunk), and the forward-only list. */
+static int setup_chunks(epipe_stage *st)
+{
+    st->nch = 0;
+    for (unsigned g = 0; g < st->P; g++)
+        st->nch += st->place_rank[g] == st->s;
+    if (st->nch == 0)
+        return epipe_fail(EPIPE_EINVAL, "rank %u holds no pipeline stage in this placement",
+                          st->s);
+    st->ch = calloc(st->nch, sizeof *st->ch);
+    if (!st->ch)
+        return epipe_fail(EPIPE_ENOMEM, "out of memory");
+    for (unsigned g = 0; g < st->P; g++) {
+        if (st->place_rank[g] != st->s)
+            continue;
+        if (st->place_chunk[g] >= st->nch)
+            return epipe_fail(EPIPE_EINTERNAL, "pipeline stage %u is chunk %u of rank %u", g,
+                              st->place_chunk[g], st->s);
+        struct chunk *c = &st->ch[st->place_chunk[g]];
+        c->g = g;
+        c->has_up = g > 0;
+        c->has_down = g + 1 < st->P;
+        if (c->has_up) {
+            c->up_rank = st->place_rank[g - 1];
+            c->up_local = c->up_rank == st->s;
+            c->up_chunk = st->place_chunk[g - 1];
+        }
+        if (c->has_down) {
+            c->down_rank = st->place_rank[g + 1];
+            c->down_local = c->down_rank == st->s;
+            c->down_chunk = st->place_chunk[g + 1];
+        }
+        c->act_in = calloc(st->m, sizeof *c->act_in);
+        c->act_out = calloc(st->m, sizeof *c->act_out);
+        c->act_ready = calloc(st->m, 1);
+        if (!c->act_in || !c->act_out || !c->act_ready)
+            return epipe_fail(EPIPE_ENOMEM, "out of memory");
+        if (c->down_local) {
+            c->grad_loc = calloc(st->m, sizeof *c->grad_loc);
+            c->grad_ready = calloc(st->m, 1);
+            if (!c->grad_loc || !c->grad_ready)
+                return epipe_fail(EPIPE_ENOMEM, "out of memory");
+        }
+        if (make_codec(st, &c->enc_act, "none") || make_codec(st, &c->dec_act, "none") ||
+            make_codec(st, &c->enc_grad, "none") || make_codec(st, &c->dec_grad, "none"))
+            return epipe_fail(EPIPE_ENOMEM, "out of memory");
+    }
+    /* forward only: micro-batch by micro-batch, the chunks in pipeline order */
+    st->neval_ops = (size_t)st->m * st->nch;
+    st->eval_ops = calloc(st->neval_ops, sizeof *st->eval_ops);
+    if (!st->eval_ops)
+        return epipe_fail(EPIPE_ENOMEM, "out of memory");
+    for (unsigned i = 0; i < st->m; i++)
+        for (unsigned k = 0; k < st->nch; k++)
+            st->eval_ops[(size_t)i * st->nch + k] =
+                (epipe_op){.kind = EPIPE_OP_FORWARD, .microbatch = i, .chunk = k};
+    return EPIPE_OK;
+}
+
+/* The parts of creation common to a schedule and to raw op lists. */
+static epipe_stage *stage_new(epipe_comm *comm, unsigned microbatches)
+{
+    epipe_stage *st = calloc(1, sizeof *st);
+    if (!st)
+        return NULL;
+    st->comm = comm;
+    st->s = epipe_comm_rank(comm);
+    st->p = epipe_comm_size(comm);
+    st->m = microbatches;
+    st->timeout_ms = 0; /* until EPIPE_STAGE_TIMEOUT_MS: the communicator's, at each receive */
+    st->codec_threads = 1;
+    st->training = 1;
+    return st;
+}
+
+static int stage_finish(epipe_stage *st)
+{
+    int rc = setup_chunks(st);
+    if (rc)
+        return rc;
+    st->tag = schedule_tag(st);
+    st->trace = epipe_trace_open(st->comm->trace, st->s,
+                                 !strcmp(epipe_comm_transport(st->comm), "tcp"));
+    st->tracing = st->trace != NULL;
+    st->st.struct_size = sizeof st->st;
+    return EPIPE_OK;
+}
+
+static int placement_arrays(epipe_stage *st)
+{
+    st->place_rank = calloc(st->P ? st->P : 1, sizeof *st->place_rank);
+    st->place_chunk = calloc(st->P ? st->P : 1, sizeof *st->place_chunk);
+    return st->place_rank && st->place_chunk ? EPIPE_OK
+                                             : epipe_fail(EPIPE_ENOMEM, "out of memory");
+}
+
+EPIPE_API int epipe_stage_create_layout(epipe_stage **out, epipe_comm *comm, const char *schedule,
+                                        unsigned microbatches, const epipe_schedule_layout *layout)
 {
     epipe_clear_error();
     if (!out)
@@ -31,60 +160,110 @@ EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char
     *out = NULL;
     if (!comm || !schedule)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_create: comm or schedule is NULL");
-    epipe_stage *st = calloc(1, sizeof *st);
+    epipe_stage *st = stage_new(comm, microbatches);
     if (!st)
         return epipe_fail(EPIPE_ENOMEM, "epipe_stage_create: out of memory");
-    st->comm = comm;
-    st->s = epipe_comm_rank(comm);
-    st->p = epipe_comm_size(comm);
-    st->m = microbatches;
-    st->timeout_ms = 0; /* until EPIPE_STAGE_TIMEOUT_MS: the communicator's, at each receive */
-    st->codec_threads = 1;
-    int rc = epipe_schedule_create(&st->sched, schedule, st->p, microbatches);
+    int rc = epipe_schedule_create_layout(&st->sched, schedule, st->p, microbatches, layout);
     if (rc == EPIPE_OK)
         rc = epipe_schedule_ops(st->sched, st->s, &st->train_ops, &st->ntrain_ops);
+    if (rc == EPIPE_OK) {
+        st->kind = epipe_schedule_kind(st->sched);
+        st->splits = epipe_schedule_splits_backward(st->sched) == 1;
+        st->P = epipe_schedule_pipeline_stages(st->sched);
+        rc = placement_arrays(st);
+        for (unsigned g = 0; rc == EPIPE_OK && g < st->P; g++)
+            rc = epipe_schedule_placement(st->sched, g, &st->place_rank[g], &st->place_chunk[g]);
+    }
+    if (rc == EPIPE_OK)
+        rc = stage_finish(st);
     if (rc) {
         char why[EPIPE_ERRMSG_MAX];
         snprintf(why, sizeof why, "%s", epipe_last_error());
         epipe_stage_destroy(st);
         return epipe_fail(rc, "epipe_stage_create: %s", why);
     }
-    st->act_in = calloc(microbatches, sizeof *st->act_in);
-    st->eval_ops = calloc(microbatches, sizeof *st->eval_ops);
-    for (unsigned i = 0; st->eval_ops && i < microbatches; i++)
-        st->eval_ops[i] = (epipe_op){.kind = EPIPE_OP_FORWARD, .microbatch = i};
-    st->training = 1;
-    if (!st->act_in || !st->eval_ops || make_codec(st, &st->enc_act, "none") ||
-        make_codec(st, &st->dec_act, "none") || make_codec(st, &st->enc_grad, "none") ||
-        make_codec(st, &st->dec_grad, "none")) {
-        epipe_stage_destroy(st);
-        return epipe_fail(EPIPE_ENOMEM, "epipe_stage_create: out of memory");
-    }
-    st->trace = epipe_trace_open(comm->trace, st->s, !strcmp(epipe_comm_transport(comm), "tcp"));
-    st->tracing = st->trace != NULL;
-    st->st.struct_size = sizeof st->st;
     *out = st;
     return EPIPE_OK;
+}
+
+EPIPE_API int epipe_stage_create(epipe_stage **out, epipe_comm *comm, const char *schedule,
+                                 unsigned microbatches)
+{
+    return epipe_stage_create_layout(out, comm, schedule, microbatches, NULL);
+}
+
+int epipe_stage_create_raw(epipe_stage **out, epipe_comm *comm, unsigned microbatches,
+                           unsigned pipeline_stages, const unsigned *placement, const epipe_op *ops,
+                           size_t nops, int splits)
+{
+    epipe_clear_error();
+    *out = NULL;
+    epipe_stage *st = stage_new(comm, microbatches);
+    if (!st)
+        return epipe_fail(EPIPE_ENOMEM, "out of memory");
+    st->kind = "raw";
+    st->splits = splits;
+    st->P = pipeline_stages;
+    int rc = placement_arrays(st);
+    unsigned seen[1024] = {0};
+    for (unsigned g = 0; rc == EPIPE_OK && g < st->P; g++) {
+        if (placement[g] >= st->p || placement[g] >= 1024) {
+            rc = epipe_fail(EPIPE_EINVAL, "pipeline stage %u on rank %u of %u", g, placement[g],
+                            st->p);
+            break;
+        }
+        st->place_rank[g] = placement[g];
+        st->place_chunk[g] = seen[placement[g]]++;
+    }
+    if (rc == EPIPE_OK && !(st->raw_ops = malloc(sizeof *ops * (nops ? nops : 1))))
+        rc = epipe_fail(EPIPE_ENOMEM, "out of memory");
+    if (rc == EPIPE_OK) {
+        memcpy(st->raw_ops, ops, sizeof *ops * nops);
+        st->train_ops = st->raw_ops;
+        st->ntrain_ops = nops;
+        rc = stage_finish(st);
+    }
+    if (rc) {
+        epipe_stage_destroy(st);
+        return rc;
+    }
+    *out = st;
+    return EPIPE_OK;
+}
+
+static void free_lent(struct lent_tensor *lt, unsigned n)
+{
+    for (unsigned i = 0; lt && i < n; i++)
+        free(lt[i].buf);
+    free(lt);
 }
 
 EPIPE_API void epipe_stage_destroy(epipe_stage *st)
 {
     if (!st)
         return;
-    if (st->act_in) {
-        for (unsigned i = 0; i < st->m; i++)
-            free(st->act_in[i].buf);
-        free(st->act_in);
+    for (unsigned i = 0; st->ch && i < st->nch; i++) {
+        struct chunk *c = &st->ch[i];
+        free_lent(c->act_in, st->m);
+        free_lent(c->grad_loc, st->m);
+        free(c->act_out);
+        free(c->act_ready);
+        free(c->grad_ready);
+        free(c->code_in.buf);
+        free(c->code_out.buf);
+        epipe_codec_destroy(c->enc_act);
+        epipe_codec_destroy(c->dec_act);
+        epipe_codec_destroy(c->enc_grad);
+        epipe_codec_destroy(c->dec_grad);
     }
+    free(st->ch);
     epipe_trace_close(st->trace);
     free(st->grad_in.buf);
-    free(st->code_in.buf);
-    free(st->code_out.buf);
+    free(st->scratch);
     free(st->eval_ops);
-    epipe_codec_destroy(st->enc_act);
-    epipe_codec_destroy(st->dec_act);
-    epipe_codec_destroy(st->enc_grad);
-    epipe_codec_destroy(st->dec_grad);
+    free(st->raw_ops);
+    free(st->place_rank);
+    free(st->place_chunk);
     epipe_schedule_destroy(st->sched);
     free(st);
 }
@@ -100,9 +279,10 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
     if (dir != EPIPE_DIR_ACTIVATION && dir != EPIPE_DIR_GRADIENT)
         return fail(st, EPIPE_EINVAL, "direction %d is neither activation (0) nor gradient (1)",
                     (int)dir);
-    if (boundary != EPIPE_ALL_BOUNDARIES && (st->p < 2 || boundary > st->p - 2))
-        return fail(st, EPIPE_EINVAL, "boundary %u does not exist: %u stages have boundaries 0..%d",
-                    boundary, st->p, (int)st->p - 2);
+    if (boundary != EPIPE_ALL_BOUNDARIES && (st->P < 2 || boundary > st->P - 2))
+        return fail(st, EPIPE_EINVAL,
+                    "boundary %u does not exist: %u pipeline stages have boundaries 0..%d",
+                    boundary, st->P, (int)st->P - 2);
     if (st->started)
         return fail(st, EPIPE_ESTATE, "codecs can only be set before the first step");
     epipe_codec *probe;
@@ -127,14 +307,32 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
                     "gradient codec",
                     spec);
     int all = boundary == EPIPE_ALL_BOUNDARIES;
-    int down = st->s + 1 < st->p && (all || boundary == st->s);
-    int up = st->s > 0 && (all || boundary + 1 == st->s);
-    if (down &&
-        (rc = make_codec(st, dir == EPIPE_DIR_ACTIVATION ? &st->enc_act : &st->dec_grad, spec)))
-        return rc;
-    if (up &&
-        (rc = make_codec(st, dir == EPIPE_DIR_ACTIVATION ? &st->dec_act : &st->enc_grad, spec)))
-        return rc;
+    for (unsigned i = 0; i < st->nch; i++) {
+        struct chunk *c = &st->ch[i];
+        if (trainable && !all && c->has_down && c->down_local && boundary == c->g)
+            return fail(st, EPIPE_ENOTSUP,
+                        "'%s' is trainable, and boundary %u joins two chunks of rank %u: a "
+                        "trainable codec runs only between ranks",
+                        spec, boundary, st->s);
+    }
+    for (unsigned i = 0; i < st->nch; i++) {
+        struct chunk *c = &st->ch[i];
+        int down = c->has_down && (all || boundary == c->g);
+        int up = c->has_up && (all || boundary + 1 == c->g);
+        /* with every boundary, a trainable codec leaves the local ones copying */
+        if (trainable && down && c->down_local)
+            down = 0;
+        if (trainable && up && c->up_local)
+            up = 0;
+        if (down &&
+            (rc = make_codec(st, dir == EPIPE_DIR_ACTIVATION ? &c->enc_act : &c->dec_grad, spec)))
+            return rc;
+        if (up &&
+            (rc = make_codec(st, dir == EPIPE_DIR_ACTIVATION ? &c->dec_act : &c->enc_grad, spec)))
+            return rc;
+        if (down && c->down_local)
+            c->local_codec[dir] = 1;
+    }
     return EPIPE_OK;
 }
 
@@ -156,9 +354,12 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
             return fail(st, EPIPE_EINVAL, "EPIPE_STAGE_CODEC_THREADS = %lld is out of range 0..256",
                         (long long)value);
         st->codec_threads = (unsigned)value;
-        epipe_codec *all[4] = {st->enc_act, st->dec_act, st->enc_grad, st->dec_grad};
-        for (int i = 0; i < 4; i++)
-            epipe_codec_set_param(all[i], EPIPE_CODEC_THREADS, value);
+        for (unsigned k = 0; k < st->nch; k++) {
+            struct chunk *c = &st->ch[k];
+            epipe_codec *all[4] = {c->enc_act, c->dec_act, c->enc_grad, c->dec_grad};
+            for (int i = 0; i < 4; i++)
+                epipe_codec_set_param(all[i], EPIPE_CODEC_THREADS, value);
+        }
         return EPIPE_OK;
     }
     case EPIPE_STAGE_BATCH_SIZE:
@@ -211,6 +412,26 @@ EPIPE_API unsigned epipe_stage_count(const epipe_stage *st)
     return st ? st->p : 0;
 }
 
+EPIPE_API unsigned epipe_stage_chunks(const epipe_stage *st)
+{
+    return st ? st->nch : 0;
+}
+
+EPIPE_API int epipe_stage_chunk_stage(const epipe_stage *st, unsigned chunk,
+                                      unsigned *pipeline_stage, unsigned *pipeline_stages)
+{
+    if (!st)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_chunk_stage: stage is NULL");
+    if (chunk >= st->nch)
+        return epipe_fail(EPIPE_EINVAL, "stage %u: chunk %u does not exist: this rank holds %u",
+                          st->s, chunk, st->nch);
+    if (pipeline_stage)
+        *pipeline_stage = st->ch[chunk].g;
+    if (pipeline_stages)
+        *pipeline_stages = st->P;
+    return EPIPE_OK;
+}
+
 EPIPE_API const epipe_schedule *epipe_stage_schedule(const epipe_stage *st)
 {
     return st ? st->sched : NULL;
@@ -226,10 +447,11 @@ EPIPE_API epipe_codec *epipe_stage_codec(epipe_stage *st, epipe_direction dir,
 {
     if (!st || (dir != EPIPE_DIR_ACTIVATION && dir != EPIPE_DIR_GRADIENT))
         return NULL;
-    if (side == EPIPE_SIDE_DOWN && st->s + 1 < st->p)
-        return dir == EPIPE_DIR_ACTIVATION ? st->enc_act : st->dec_grad;
-    if (side == EPIPE_SIDE_UP && st->s > 0)
-        return dir == EPIPE_DIR_ACTIVATION ? st->dec_act : st->enc_grad;
+    const struct chunk *c = &st->ch[0];
+    if (side == EPIPE_SIDE_DOWN && c->has_down)
+        return dir == EPIPE_DIR_ACTIVATION ? c->enc_act : c->dec_grad;
+    if (side == EPIPE_SIDE_UP && c->has_up)
+        return dir == EPIPE_DIR_ACTIVATION ? c->dec_act : c->enc_grad;
     return NULL;
 }
 
@@ -240,15 +462,18 @@ EPIPE_API int epipe_stage_codec_sgd_step(epipe_stage *st, double lr, double mome
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_codec_sgd_step: stage is NULL");
     if (st->in_step)
         return fail(st, EPIPE_ESTATE, "epipe_stage_codec_sgd_step can only run between steps");
-    epipe_codec *mine[2] = {st->s + 1 < st->p ? st->enc_act : NULL, st->s > 0 ? st->dec_act : NULL};
-    for (int i = 0; i < 2; i++) {
-        if (!epipe_codec_trainable(mine[i]))
-            continue;
-        int rc = epipe_codec_sgd_step(mine[i], lr, momentum);
-        if (rc == EPIPE_OK)
-            rc = epipe_codec_zero_grad(mine[i]);
-        if (rc)
-            return fail(st, rc, "%s", epipe_codec_last_error(mine[i]));
+    for (unsigned k = 0; k < st->nch; k++) {
+        const struct chunk *c = &st->ch[k];
+        epipe_codec *mine[2] = {c->has_down ? c->enc_act : NULL, c->has_up ? c->dec_act : NULL};
+        for (int i = 0; i < 2; i++) {
+            if (!epipe_codec_trainable(mine[i]))
+                continue;
+            int rc = epipe_codec_sgd_step(mine[i], lr, momentum);
+            if (rc == EPIPE_OK)
+                rc = epipe_codec_zero_grad(mine[i]);
+            if (rc)
+                return fail(st, rc, "%s", epipe_codec_last_error(mine[i]));
+        }
     }
     return EPIPE_OK;
 }

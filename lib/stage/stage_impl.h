@@ -1,5 +1,5 @@
-/* Internal to lib/stage/: the stage handle and the small helpers that its
- * three files (setup and statistics, the op stream, the callback driver) share. */
+/* Internal to lib/stage/: the stage handle (one rank, all of its chunks) and
+ * the small helpers that its files (setup, op stream, local hand-over, driver) share. */
 #ifndef EPIPE_STAGE_IMPL_H
 #define EPIPE_STAGE_IMPL_H
 
@@ -12,9 +12,10 @@
 
 #include "../comm/comm_impl.h"
 #include "../error.h"
+#include "stage_raw.h"
 #include "trace.h"
 
-/* A tensor the stage decoded and lends to the host. */
+/* A tensor the stage decoded (or was handed locally) and lends to the host. */
 struct lent_tensor {
     DLTensor t;
     int64_t shape[EPIPE_MAX_NDIM];
@@ -22,9 +23,8 @@ struct lent_tensor {
     size_t cap;
 };
 
-/* The shape and dtype the first micro-batch of a step sent one way; the
- * others must match. */
-struct sent_shape {
+/* The shape and dtype of a tensor the stage sent for one micro-batch. */
+struct tensor_meta {
     int set;
     DLDataType dtype;
     int ndim;
@@ -33,22 +33,52 @@ struct sent_shape {
 
 enum { DIR_ACT = EPIPE_DIR_ACTIVATION, DIR_GRAD = EPIPE_DIR_GRADIENT };
 
+/* One of the rank's chunks: one pipeline stage of the model. */
+struct chunk {
+    unsigned g;                    /* its pipeline stage */
+    int has_up, has_down;          /* pipeline stages g-1, g+1 exist */
+    unsigned up_rank, down_rank;   /* the ranks that hold them */
+    int up_local, down_local;      /* ... when that rank is this one */
+    unsigned up_chunk, down_chunk; /* ... and then their chunk index here */
+
+    /* Codecs of the chunk's two boundaries, one per use. */
+    epipe_codec *enc_act;  /* activations to g+1 */
+    epipe_codec *dec_act;  /* activations from g-1 */
+    epipe_codec *enc_grad; /* gradients to g-1 */
+    epipe_codec *dec_grad; /* gradients from g+1 */
+    /* A local boundary down (to g+1) runs its codecs only when the host set
+     * them ([dir]); otherwise tensors are copied. */
+    int local_codec[2];
+
+    struct lent_tensor *act_in;   /* [m]: kept until the micro-batch's backward ends */
+    struct tensor_meta *act_out;  /* [m]: the activation sent down, this step */
+    unsigned char *act_ready;     /* [m]: handed over locally, not yet received */
+    struct lent_tensor *grad_loc; /* [m] when down_local: gradients handed over */
+    unsigned char *grad_ready;    /* [m] */
+    /* Trainable activation codecs: the code gradient received (sender
+     * side) or computed and sent (receiver side). */
+    struct lent_tensor code_in, code_out;
+};
+
 struct epipe_stage {
     epipe_comm *comm;
-    epipe_schedule *sched;
-    const epipe_op *train_ops; /* this stage's list in the schedule */
+    epipe_schedule *sched; /* NULL for raw op lists (tests) */
+    const char *kind;      /* the schedule's kind, or "raw" */
+    unsigned *place_rank, *place_chunk; /* [P]: where each pipeline stage lives */
+    epipe_op *raw_ops;                  /* raw op lists: this rank's, owned */
+    const epipe_op *train_ops; /* this rank's list in the schedule */
     size_t ntrain_ops;
-    epipe_op *eval_ops; /* forwards only, in micro-batch order */
+    epipe_op *eval_ops; /* forwards only, micro-batch by micro-batch, chunks in order */
+    size_t neval_ops;
     int training;
+    int splits; /* the schedule splits the backward (BACKWARD_INPUT, BACKWARD_WEIGHT) */
     const epipe_op *ops; /* the list the current step runs */
     size_t nops;
-    unsigned s, p, m;
-
-    /* Codecs of the two boundaries this stage touches, one per use. */
-    epipe_codec *enc_act;  /* activations to s+1 */
-    epipe_codec *dec_act;  /* activations from s-1 */
-    epipe_codec *enc_grad; /* gradients to s-1 */
-    epipe_codec *dec_grad; /* gradients from s+1 */
+    unsigned s, p, m;   /* rank, ranks, micro-batches */
+    unsigned P;         /* pipeline stages */
+    unsigned nch;       /* chunks on this rank */
+    struct chunk *ch;   /* [nch] */
+    uint32_t tag;       /* schedule fingerprint, on every tensor message */
 
     int64_t timeout_ms;
     unsigned codec_threads;
@@ -67,12 +97,9 @@ struct epipe_stage {
     int need_recv, did_recv, need_send, did_send;
     double step_t0, op_t0, mark;
 
-    struct lent_tensor *act_in; /* [m]: kept until the micro-batch's backward */
-    struct lent_tensor grad_in;
-    /* Trainable activation codecs: the code gradient received (sender
-     * side) or computed and sent (receiver side). */
-    struct lent_tensor code_in, code_out;
-    struct sent_shape sent[2];
+    struct lent_tensor grad_in; /* a gradient received over the transport */
+    void *scratch;              /* a local boundary's encoded tensor */
+    size_t scratch_cap;
 
     epipe_stage_stats st;
     char msg[EPIPE_ERRMSG_MAX];
@@ -110,10 +137,28 @@ static inline int leave(epipe_stage *st, int rc)
     return rc;
 }
 
-static inline const char *op_text(const epipe_op *op, char *buf, size_t cap)
+static inline int is_backward_kind(uint32_t kind)
 {
-    snprintf(buf, cap, "%s of micro-batch %u",
-             op->kind == EPIPE_OP_FORWARD ? "forward" : "backward", op->microbatch);
+    return kind == EPIPE_OP_BACKWARD || kind == EPIPE_OP_BACKWARD_INPUT;
+}
+
+static inline int is_compute_kind(uint32_t kind)
+{
+    return kind == EPIPE_OP_FORWARD || is_backward_kind(kind) || kind == EPIPE_OP_BACKWARD_WEIGHT;
+}
+
+/* "forward of micro-batch 3" (", chunk 1" when the rank holds several). */
+static inline const char *op_text(const epipe_stage *st, const epipe_op *op, char *buf,
+                                  size_t cap)
+{
+    const char *what = op->kind == EPIPE_OP_FORWARD          ? "forward"
+                       : op->kind == EPIPE_OP_BACKWARD       ? "backward"
+                       : op->kind == EPIPE_OP_BACKWARD_INPUT ? "input-gradient backward"
+                                                             : "weight-gradient backward";
+    if (st->nch > 1)
+        snprintf(buf, cap, "%s of micro-batch %u on chunk %u", what, op->microbatch, op->chunk);
+    else
+        snprintf(buf, cap, "%s of micro-batch %u", what, op->microbatch);
     return buf;
 }
 
@@ -129,5 +174,24 @@ static inline int64_t stage_timeout_ms(const epipe_stage *st)
 int epipe_stage_advance(epipe_stage *st, epipe_op *op);
 int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t);
 int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t);
+
+/* Shared by the op stream and the local hand-over (local.c). */
+int epipe_stage_lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim,
+                           const int64_t *shape, DLDataType dtype);
+/* Hands a tensor the current op sends to the chunk on this rank that
+ * receives it (copied, or through the boundary's codecs when the host set
+ * them); `n` elements of dtype `dt`, checked by the caller. */
+int epipe_stage_hand_over(epipe_stage *st, struct chunk *c, unsigned mb, int dir,
+                          const DLTensor *t);
+/* The tensor a local neighbour handed over to chunk c for the current op. */
+int epipe_stage_take_local(epipe_stage *st, struct chunk *c, unsigned mb, int dir,
+                           const DLTensor **t);
+
+/* The kind name a schedule tag names (stage.c). */
+const char *epipe_stage_tag_kind(uint32_t tag);
+
+/* "[2,4] f32" for messages. */
+const char *epipe_stage_shape_text(int ndim, const int64_t *shape, DLDataType dtype, char *buf,
+                                   size_t cap);
 
 #endif

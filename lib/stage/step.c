@@ -1,5 +1,5 @@
 /* The stage's callback driver: epipe_stage_step runs a whole step on the op
- * stream, calling the host's forward, backward and loss callbacks. */
+ * stream, calling the host's forward, backward (or split backward) and loss callbacks. */
 #define _POSIX_C_SOURCE 200809L
 #include <string.h>
 
@@ -19,8 +19,23 @@ EPIPE_API int epipe_stage_set_callbacks(epipe_stage *st, const epipe_stage_callb
                     cb->struct_size, sizeof st->cb);
     epipe_stage_callbacks c = EPIPE_STAGE_CALLBACKS_INIT;
     memcpy(&c, cb, cb->struct_size);
-    if (!c.forward || !c.backward)
-        return fail(st, EPIPE_EINVAL, "the forward and backward callbacks are required");
+    const char *kind = st->kind;
+    int split = c.backward_input || c.backward_weight;
+    if (!c.forward)
+        return fail(st, EPIPE_EINVAL, "the forward callback is required");
+    if (split && (!c.backward_input || !c.backward_weight))
+        return fail(st, EPIPE_EINVAL,
+                    "backward_input and backward_weight come together: set both or neither");
+    if (split && !st->splits)
+        return fail(st, EPIPE_EINVAL,
+                    "schedule '%s' does not split the backward: it never runs backward_input "
+                    "or backward_weight; set backward instead (zb-h1 and zb-v split it)",
+                    kind);
+    if (!c.backward && !split)
+        return fail(st, EPIPE_EINVAL,
+                    "a backward callback is required (or, for schedule '%s', backward_input and "
+                    "backward_weight)",
+                    kind);
     st->cb = c;
     st->has_cb = 1;
     return EPIPE_OK;
@@ -38,13 +53,23 @@ static int run_op(epipe_stage *st, const epipe_op *op)
     unsigned mb = op->microbatch;
     const DLTensor *in = NULL, *out = NULL;
     int rc;
+    int last = !st->ch[op->chunk].has_down;
+    if (op->kind == EPIPE_OP_BACKWARD_WEIGHT) {
+        /* a host without split callbacks ran the whole backward at the
+         * input-gradient op: nothing is left */
+        st->mark = now();
+        if (st->cb.backward_weight && (rc = st->cb.backward_weight(st->cb.user, mb)))
+            return callback_failed(st, "backward_weight", mb, rc);
+        enter(st);
+        return EPIPE_OK;
+    }
     if (op->kind == EPIPE_OP_FORWARD) {
         if (st->need_recv && (rc = epipe_stage_recv_tensor(st, mb, DIR_ACT, &in)))
             return rc;
         st->mark = now();
         if ((rc = st->cb.forward(st->cb.user, mb, in, &out)))
             return callback_failed(st, "forward", mb, rc);
-        if (st->s + 1 == st->p && st->cb.loss) {
+        if (last && st->cb.loss) {
             double v;
             if ((rc = st->cb.loss(st->cb.user, mb, &v)))
                 return callback_failed(st, "loss", mb, rc);
@@ -58,8 +83,11 @@ static int run_op(epipe_stage *st, const epipe_op *op)
         if (st->need_recv && (rc = epipe_stage_recv_tensor(st, mb, DIR_GRAD, &in)))
             return rc;
         st->mark = now();
-        if ((rc = st->cb.backward(st->cb.user, mb, in, &out)))
-            return callback_failed(st, "backward", mb, rc);
+        int input_only = op->kind == EPIPE_OP_BACKWARD_INPUT && st->cb.backward_input;
+        rc = input_only ? st->cb.backward_input(st->cb.user, mb, in, &out)
+                        : st->cb.backward(st->cb.user, mb, in, &out);
+        if (rc)
+            return callback_failed(st, input_only ? "backward_input" : "backward", mb, rc);
         enter(st);
         if (st->need_send && (rc = epipe_stage_send_tensor(st, mb, DIR_GRAD, out)))
             return rc;

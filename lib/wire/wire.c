@@ -35,7 +35,7 @@ enum {
     OFF_EXT = OFF_SHAPE + 8 * EPIPE_MAX_NDIM, /* 184: extension area */
 };
 _Static_assert(OFF_EXT + 8 == EPIPE_WIRE_HEADER_SIZE, "v1 header: 4 extension + 4 CRC bytes");
-_Static_assert(sizeof(epipe_wire_header) == 48 + 8 * EPIPE_MAX_NDIM, "no padding");
+_Static_assert(sizeof(epipe_wire_header) == 56 + 8 * EPIPE_MAX_NDIM, "no padding");
 _Static_assert(EPIPE_WIRE_HEADER_SIZE % 64 == 0, "payloads start cache-line aligned");
 
 static uint16_t get_u16(const uint8_t *p)
@@ -194,6 +194,7 @@ int epipe_wire_encode_header(const epipe_wire_header *h, uint8_t *out, size_t ca
     epipe_put_u32(p + OFF_PCRC, h->payload_crc);
     for (unsigned i = 0; i < h->ndim; i++)
         epipe_put_u64(p + OFF_SHAPE + 8 * i, h->shape[i]);
+    epipe_put_u32(p + OFF_EXT, h->schedule_tag);
     epipe_put_u32(p + EPIPE_WIRE_HEADER_SIZE - 4, epipe_crc32c(0, p, EPIPE_WIRE_HEADER_SIZE - 4));
     return EPIPE_OK;
 }
@@ -258,6 +259,7 @@ int epipe_wire_parse_header(const uint8_t *buf, size_t len, const epipe_wire_lim
         .dst_stage = epipe_get_u32(buf + OFF_DST),
         .payload_len = epipe_get_u64(buf + OFF_PLEN),
         .payload_crc = epipe_get_u32(buf + OFF_PCRC),
+        .schedule_tag = epipe_get_u32(buf + OFF_EXT),
     };
     for (unsigned i = 0; i < EPIPE_MAX_NDIM; i++)
         h.shape[i] = epipe_get_u64(buf + OFF_SHAPE + 8 * i);

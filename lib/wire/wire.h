@@ -49,6 +49,11 @@ typedef struct epipe_wire_header {
     uint32_t src_stage, dst_stage;
     uint64_t payload_len;           /* bytes after the header */
     uint64_t shape[EPIPE_MAX_NDIM]; /* dims [0, ndim); the rest zero */
+    /* Tensor kinds: the sender's schedule tag (bytes 184..187, in the
+     * extension area, so a reader that predates it ignores it): the stage
+     * runtime's fingerprint of the schedule it runs, 0 = not stated. */
+    uint32_t schedule_tag;
+    uint32_t unused; /* not on the wire; 0 (keeps the struct free of padding) */
 } epipe_wire_header;
 
 /* What a receiver accepts. A NULL pointer means the defaults. */

@@ -66,7 +66,9 @@ static void write_wire_corpus(const char *root)
                                .step = 1000 + s,
                                .src_stage = 0,
                                .dst_stage = 1,
-                               .shape = {2, 3}};
+                               .shape = {2, 3},
+                               /* some carry a schedule tag (bytes 184..187) */
+                               .schedule_tag = s % 3 == 1 ? 0x02A1B2C3u : 0};
         if (epipe_wire_frame(&h, payload, plen, msg, sizeof msg, &w) != EPIPE_OK)
             exit(1);
         char name[32];

@@ -69,6 +69,33 @@ void mlp_layer_backward(mlp_layer *l, const float *x, const float *y, const floa
     }
 }
 
+void mlp_layer_backward_input(const mlp_layer *l, const float *y, const float *dy, int rows,
+                              float *dx)
+{
+    for (int r = 0; r < rows; r++) {
+        memset(dx + r * l->in, 0, sizeof(float) * (size_t)l->in);
+        for (int o = 0; o < l->out; o++) {
+            float yo = y[r * l->out + o];
+            float ds = dy[r * l->out + o] * (l->tanh_act ? 1.0f - yo * yo : 1.0f);
+            for (int i = 0; i < l->in; i++)
+                dx[r * l->in + i] += ds * l->w[o * l->in + i];
+        }
+    }
+}
+
+void mlp_layer_backward_weight(mlp_layer *l, const float *x, const float *y, const float *dy,
+                               int rows)
+{
+    for (int r = 0; r < rows; r++)
+        for (int o = 0; o < l->out; o++) {
+            float yo = y[r * l->out + o];
+            float ds = dy[r * l->out + o] * (l->tanh_act ? 1.0f - yo * yo : 1.0f);
+            l->gb[o] += ds;
+            for (int i = 0; i < l->in; i++)
+                l->gw[o * l->in + i] += ds * x[r * l->in + i];
+        }
+}
+
 void mlp_layer_sgd(mlp_layer *l, float lr)
 {
     for (int i = 0; i < l->in * l->out; i++)

@@ -23,6 +23,12 @@ void mlp_layer_forward(const mlp_layer *l, const float *x, int rows, float *y);
  * order and writes dx = dL/dx (dx may be NULL on the first layer). */
 void mlp_layer_backward(mlp_layer *l, const float *x, const float *y, const float *dy, int rows,
                         float *dx);
+/* The same backward split in two, with the same arithmetic (bit-identical
+ * results): the input gradient dx alone, and later the gradients of W and b. */
+void mlp_layer_backward_input(const mlp_layer *l, const float *y, const float *dy, int rows,
+                              float *dx);
+void mlp_layer_backward_weight(mlp_layer *l, const float *x, const float *y, const float *dy,
+                               int rows);
 /* w -= lr * gw, b -= lr * gb, then zeroes the gradients. */
 void mlp_layer_sgd(mlp_layer *l, float lr);
 

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "stage/stage_raw.h"
+
 const int host_dims[] = {6, 12, 12, 12, 12, 3};
 const int host_nlayers = 5;
 
@@ -15,6 +17,17 @@ void host_partition(unsigned s, unsigned p, int *l0, int *l1)
     *l1 = (int)((s + 1) * (unsigned)host_nlayers / p);
 }
 
+int host_create_stage(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg)
+{
+    if (cfg->create)
+        return cfg->create(out, comm, cfg);
+    epipe_schedule_layout layout = EPIPE_SCHEDULE_LAYOUT_INIT;
+    layout.chunks = cfg->chunks;
+    layout.placement = cfg->placement;
+    layout.placement_len = cfg->placement ? cfg->placement_len : 0;
+    return epipe_stage_create_layout(out, comm, cfg->schedule, cfg->microbatches, &layout);
+}
+
 static void init_layers(mlp_layer *layers, int l0, int l1)
 {
     for (int l = l0; l < l1; l++)
@@ -22,21 +35,33 @@ static void init_layers(mlp_layer *layers, int l0, int l1)
                        (uint64_t)l + 1);
 }
 
+/* One of the rank's chunks: pipeline stage g, layers [l0, l1). */
+struct hchunk {
+    unsigned g;
+    int l0, l1, first, last;
+    /* acts[mb][k]: input of layer l0+k (k = 0) or output of layer l0+k-1 */
+    float *acts[HOST_MAX_MB][HOST_MAX_LAYERS + 1];
+    /* split backward: dys[mb][k], the gradient of the output of layer l0+k,
+     * kept from the input-gradient op for the weight-gradient op */
+    float *dys[HOST_MAX_MB][HOST_MAX_LAYERS];
+    float *dy[HOST_MAX_MB]; /* last stage: gradient of the loss */
+    double loss[HOST_MAX_MB];
+    float *dx; /* gradient sent upstream */
+    int64_t out_shape[2], dx_shape[2];
+    DLTensor out, dxt;
+};
+
+#define HOST_MAX_CHUNKS 4
+
 struct host {
     epipe_stage *stage;
     struct host_result *res;
     int nsteps;
-    unsigned s, p, m;
-    int l0, l1, rows, step;
+    unsigned s, p, m, P, nch;
+    int rows, step;
     mlp_layer *layers;
-    /* acts[mb][k]: input of layer l0+k (k = 0) or output of layer l0+k-1 */
-    float *acts[HOST_MAX_MB][HOST_MAX_LAYERS + 1];
-    float *dy[HOST_MAX_MB]; /* last stage: gradient of the loss */
-    double loss[HOST_MAX_MB];
+    struct hchunk ch[HOST_MAX_CHUNKS];
     float *gbuf[2]; /* backward scratch */
-    float *dx;      /* gradient sent upstream */
-    int64_t out_shape[2], dx_shape[2];
-    DLTensor out, dxt;
     double step_loss;
 };
 
@@ -48,12 +73,24 @@ static DLTensor view2d(float *data, int64_t *shape, int rows, int cols)
     return t;
 }
 
+/* The chunk of the op in progress (callbacks and the op stream alike). */
+static struct hchunk *current(struct host *h)
+{
+    epipe_op op;
+    if (epipe_stage_current_op(h->stage, &op) || op.chunk >= h->nch)
+        return NULL;
+    return &h->ch[op.chunk];
+}
+
 static int forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
 {
     struct host *h = user;
-    int in_dim = host_dims[h->l0];
-    float *x = h->acts[mb][0];
-    if (h->s == 0) {
+    struct hchunk *c = current(h);
+    if (!c)
+        return 3;
+    int in_dim = host_dims[c->l0];
+    float *x = c->acts[mb][0];
+    if (c->first) {
         float t[16];
         for (int r = 0; r < h->rows; r++)
             mlp_data(h->step, (int)mb * h->rows + r, in_dim, host_dims[host_nlayers],
@@ -62,28 +99,28 @@ static int forward(void *user, unsigned mb, const DLTensor *in, const DLTensor *
         if (!in || in->ndim != 2 || in->shape[0] != h->rows || in->shape[1] != in_dim)
             return 1;
         memcpy(x, in->data, sizeof(float) * (size_t)(h->rows * in_dim));
-        for (int k = 0; k < 2; k++)
+        for (int k = 0; k < 2 && h->nch == 1; k++)
             if (h->step == (k ? h->nsteps - 1 : 0))
                 memcpy(h->res->act_recv[k] + (size_t)mb * (size_t)(h->rows * in_dim), x,
                        sizeof(float) * (size_t)(h->rows * in_dim));
     }
-    for (int l = h->l0; l < h->l1; l++)
-        mlp_layer_forward(&h->layers[l], h->acts[mb][l - h->l0], h->rows,
-                          h->acts[mb][l - h->l0 + 1]);
-    int out_dim = host_dims[h->l1];
-    float *y = h->acts[mb][h->l1 - h->l0];
-    if (h->s + 1 == h->p) {
+    for (int l = c->l0; l < c->l1; l++)
+        mlp_layer_forward(&h->layers[l], c->acts[mb][l - c->l0], h->rows,
+                          c->acts[mb][l - c->l0 + 1]);
+    int out_dim = host_dims[c->l1];
+    float *y = c->acts[mb][c->l1 - c->l0];
+    if (c->last) {
         float x0[16], t[16 * 8];
         for (int r = 0; r < h->rows; r++)
             mlp_data(h->step, (int)mb * h->rows + r, host_dims[0], out_dim, x0, t + r * out_dim);
-        h->loss[mb] = mlp_mse_loss(y, t, h->rows, out_dim, HOST_BATCH, h->dy[mb]);
+        c->loss[mb] = mlp_mse_loss(y, t, h->rows, out_dim, HOST_BATCH, c->dy[mb]);
     } else {
-        for (int k = 0; k < 2; k++)
+        for (int k = 0; k < 2 && h->nch == 1; k++)
             if (h->step == (k ? h->nsteps - 1 : 0))
                 memcpy(h->res->act_sent[k] + (size_t)mb * (size_t)(h->rows * out_dim), y,
                        sizeof(float) * (size_t)(h->rows * out_dim));
-        h->out = view2d(y, h->out_shape, h->rows, out_dim);
-        *out = &h->out;
+        c->out = view2d(y, c->out_shape, h->rows, out_dim);
+        *out = &c->out;
     }
     return 0;
 }
@@ -91,38 +128,83 @@ static int forward(void *user, unsigned mb, const DLTensor *in, const DLTensor *
 static int loss(void *user, unsigned mb, double *value)
 {
     struct host *h = user;
-    *value = h->loss[mb];
-    h->step_loss += h->loss[mb];
+    struct hchunk *c = current(h);
+    if (!c || !c->last)
+        return 3;
+    *value = c->loss[mb];
+    h->step_loss += c->loss[mb];
+    return 0;
+}
+
+/* The gradient of the chunk's output for mb: the loss's on the last stage. */
+static const float *output_gradient(struct host *h, struct hchunk *c, unsigned mb,
+                                    const DLTensor *gout)
+{
+    if (c->last)
+        return c->dy[mb];
+    if (!gout || gout->ndim != 2 || gout->shape[0] != h->rows ||
+        gout->shape[1] != host_dims[c->l1])
+        return NULL;
+    return gout->data;
+}
+
+/* Whole backward (split = 0), or the input-gradient part only (split = 1:
+ * each layer's output gradient is kept for backward_weight). */
+static int backward_common(struct host *h, unsigned mb, const DLTensor *gout, const DLTensor **gin,
+                           int split)
+{
+    struct hchunk *c = current(h);
+    if (!c)
+        return 3;
+    const float *dy = output_gradient(h, c, mb, gout);
+    if (!dy)
+        return 2;
+    for (int l = c->l1 - 1; l >= c->l0; l--) {
+        size_t n = (size_t)(h->rows * host_dims[l + 1]);
+        float *dx = l == c->l0 ? (c->first ? NULL : c->dx) : h->gbuf[l % 2];
+        const float *x = c->acts[mb][l - c->l0], *y = c->acts[mb][l - c->l0 + 1];
+        if (split) {
+            memcpy(c->dys[mb][l - c->l0], dy, sizeof(float) * n);
+            if (dx)
+                mlp_layer_backward_input(&h->layers[l], y, dy, h->rows, dx);
+        } else {
+            mlp_layer_backward(&h->layers[l], x, y, dy, h->rows, dx);
+        }
+        dy = dx;
+    }
+    if (!c->first) {
+        if (c->l0 == c->l1) /* a chunk without layers passes the gradient on */
+            memcpy(c->dx, dy, sizeof(float) * (size_t)(h->rows * host_dims[c->l0]));
+        c->dxt = view2d(c->dx, c->dx_shape, h->rows, host_dims[c->l0]);
+        *gin = &c->dxt;
+    }
     return 0;
 }
 
 static int backward(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
 {
+    return backward_common(user, mb, gout, gin, 0);
+}
+
+static int backward_input(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
+{
+    return backward_common(user, mb, gout, gin, 1);
+}
+
+static int backward_weight(void *user, unsigned mb)
+{
     struct host *h = user;
-    const float *dy;
-    if (h->s + 1 == h->p) {
-        dy = h->dy[mb];
-    } else {
-        if (!gout || gout->ndim != 2 || gout->shape[0] != h->rows ||
-            gout->shape[1] != host_dims[h->l1])
-            return 2;
-        dy = gout->data;
-    }
-    for (int l = h->l1 - 1; l >= h->l0; l--) {
-        float *dx = l == h->l0 ? (h->s ? h->dx : NULL) : h->gbuf[l % 2];
-        mlp_layer_backward(&h->layers[l], h->acts[mb][l - h->l0], h->acts[mb][l - h->l0 + 1], dy,
-                           h->rows, dx);
-        dy = dx;
-    }
-    if (h->s > 0) {
-        h->dxt = view2d(h->dx, h->dx_shape, h->rows, host_dims[h->l0]);
-        *gin = &h->dxt;
-    }
+    struct hchunk *c = current(h);
+    if (!c)
+        return 3;
+    for (int l = c->l0; l < c->l1; l++)
+        mlp_layer_backward_weight(&h->layers[l], c->acts[mb][l - c->l0],
+                                  c->acts[mb][l - c->l0 + 1], c->dys[mb][l - c->l0], h->rows);
     return 0;
 }
 
 /* The op stream, driven the way a host with its own control flow would. */
-static int step_op_stream(struct host *h)
+static int step_op_stream(struct host *h, int split)
 {
     epipe_op op;
     int rc;
@@ -132,26 +214,77 @@ static int step_op_stream(struct host *h)
         if (op.kind == EPIPE_OP_NONE)
             return EPIPE_OK;
         unsigned mb = op.microbatch;
+        const struct hchunk *c = &h->ch[op.chunk];
         const DLTensor *in = NULL, *out = NULL;
         if (op.kind == EPIPE_OP_FORWARD) {
-            if (h->s > 0 && (rc = epipe_stage_recv_activation(h->stage, mb, &in)))
+            if (!c->first && (rc = epipe_stage_recv_activation(h->stage, mb, &in)))
                 return rc;
             if (forward(h, mb, in, &out))
                 return EPIPE_ECALLBACK;
-            if (h->s + 1 == h->p) {
+            if (c->last) {
                 double v;
                 loss(h, mb, &v);
             } else if ((rc = epipe_stage_send_activation(h->stage, mb, out))) {
                 return rc;
             }
-        } else {
-            if (h->s + 1 < h->p && (rc = epipe_stage_recv_gradient(h->stage, mb, &in)))
-                return rc;
-            if (backward(h, mb, in, &out))
+        } else if (op.kind == EPIPE_OP_BACKWARD_WEIGHT) {
+            if (split && backward_weight(h, mb))
                 return EPIPE_ECALLBACK;
-            if (h->s > 0 && (rc = epipe_stage_send_gradient(h->stage, mb, out)))
+        } else {
+            if (!c->last && (rc = epipe_stage_recv_gradient(h->stage, mb, &in)))
+                return rc;
+            int input_only = split && op.kind == EPIPE_OP_BACKWARD_INPUT;
+            if (backward_common(h, mb, in, &out, input_only))
+                return EPIPE_ECALLBACK;
+            if (!c->first && (rc = epipe_stage_send_gradient(h->stage, mb, out)))
                 return rc;
         }
+    }
+}
+
+static int setup_chunks(struct host *h)
+{
+    h->nch = epipe_stage_chunks(h->stage);
+    if (h->nch > HOST_MAX_CHUNKS)
+        return EPIPE_EINVAL;
+    for (unsigned k = 0; k < h->nch; k++) {
+        struct hchunk *c = &h->ch[k];
+        int rc = epipe_stage_chunk_stage(h->stage, k, &c->g, &h->P);
+        if (rc)
+            return rc;
+        host_partition(c->g, h->P, &c->l0, &c->l1);
+        c->first = c->g == 0;
+        c->last = c->g + 1 == h->P;
+        h->res->holds_last |= c->last;
+        init_layers(h->layers, c->l0, c->l1);
+        for (int l = c->l0; l < c->l1; l++)
+            h->res->owns[l] = 1;
+        size_t n = (size_t)(h->rows * 16);
+        for (unsigned mb = 0; mb < h->m; mb++) {
+            for (int i = 0; i <= c->l1 - c->l0; i++)
+                c->acts[mb][i] = calloc(n, sizeof(float));
+            for (int i = 0; i < c->l1 - c->l0; i++)
+                c->dys[mb][i] = calloc(n, sizeof(float));
+            c->dy[mb] = calloc(n, sizeof(float));
+        }
+        c->dx = calloc(n, sizeof(float));
+    }
+    h->res->l0 = h->ch[0].l0, h->res->l1 = h->ch[0].l1;
+    return EPIPE_OK;
+}
+
+static void free_chunks(struct host *h)
+{
+    for (unsigned k = 0; k < h->nch; k++) {
+        struct hchunk *c = &h->ch[k];
+        for (unsigned mb = 0; mb < h->m; mb++) {
+            for (int i = 0; i <= c->l1 - c->l0; i++)
+                free(c->acts[mb][i]);
+            for (int i = 0; i < c->l1 - c->l0; i++)
+                free(c->dys[mb][i]);
+            free(c->dy[mb]);
+        }
+        free(c->dx);
     }
 }
 
@@ -165,44 +298,42 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
     h.res = res;
     h.nsteps = cfg->steps;
     h.rows = HOST_BATCH / (int)h.m;
-    host_partition(h.s, h.p, &h.l0, &h.l1);
-    res->l0 = h.l0, res->l1 = h.l1;
     h.layers = res->layers;
-    init_layers(h.layers, h.l0, h.l1);
-    for (unsigned mb = 0; mb < h.m; mb++) {
-        for (int k = 0; k <= h.l1 - h.l0; k++)
-            h.acts[mb][k] = calloc((size_t)(h.rows * 16), sizeof(float));
-        h.dy[mb] = calloc((size_t)(h.rows * 16), sizeof(float));
-    }
     h.gbuf[0] = calloc((size_t)(h.rows * 16), sizeof(float));
     h.gbuf[1] = calloc((size_t)(h.rows * 16), sizeof(float));
-    h.dx = calloc((size_t)(h.rows * 16), sizeof(float));
 
-    int rc = epipe_stage_create(&h.stage, comm, cfg->schedule, h.m);
+    int rc = host_create_stage(&h.stage, comm, cfg);
+    if (rc == EPIPE_OK)
+        rc = setup_chunks(&h);
+    unsigned boundary = cfg->one_boundary ? cfg->boundary : EPIPE_ALL_BOUNDARIES;
     if (rc == EPIPE_OK && cfg->act_codec)
-        rc = epipe_stage_set_codec(h.stage, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES,
-                                   cfg->act_codec);
+        rc = epipe_stage_set_codec(h.stage, EPIPE_DIR_ACTIVATION, boundary, cfg->act_codec);
     if (rc == EPIPE_OK && cfg->grad_codec)
-        rc = epipe_stage_set_codec(h.stage, EPIPE_DIR_GRADIENT, EPIPE_ALL_BOUNDARIES,
-                                   cfg->grad_codec);
+        rc = epipe_stage_set_codec(h.stage, EPIPE_DIR_GRADIENT, boundary, cfg->grad_codec);
     if (rc == EPIPE_OK)
         rc = epipe_stage_set_param(h.stage, EPIPE_STAGE_BATCH_SIZE, HOST_BATCH);
     epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
     cb.user = &h;
     cb.forward = forward;
-    cb.backward = backward;
     cb.loss = loss;
+    if (cfg->split) {
+        cb.backward_input = backward_input;
+        cb.backward_weight = backward_weight;
+    } else {
+        cb.backward = backward;
+    }
     if (rc == EPIPE_OK)
         rc = epipe_stage_set_callbacks(h.stage, &cb);
     for (int step = 0; rc == EPIPE_OK && step < cfg->steps; step++) {
         h.step = step;
         h.step_loss = 0;
-        rc = cfg->use_op_stream ? step_op_stream(&h) : epipe_stage_step(h.stage);
+        rc = cfg->use_op_stream ? step_op_stream(&h, cfg->split) : epipe_stage_step(h.stage);
         if (rc == EPIPE_OK && cfg->codec_lr > 0)
             rc = epipe_stage_codec_sgd_step(h.stage, cfg->codec_lr, cfg->codec_momentum);
         if (rc == EPIPE_OK) {
-            for (int l = h.l0; l < h.l1; l++)
-                mlp_layer_sgd(&h.layers[l], HOST_LR);
+            for (int l = 0; l < host_nlayers; l++)
+                if (res->owns[l])
+                    mlp_layer_sgd(&h.layers[l], HOST_LR);
             if (step == 0)
                 res->first_loss = h.step_loss;
             res->last_loss = h.step_loss;
@@ -219,18 +350,15 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
         epipe_stage_get_stats(h.stage, &res->stats);
     epipe_stage_destroy(h.stage);
     epipe_comm_destroy(comm);
-    for (unsigned mb = 0; mb < h.m; mb++) {
-        for (int k = 0; k <= h.l1 - h.l0; k++)
-            free(h.acts[mb][k]);
-        free(h.dy[mb]);
-    }
-    free(h.gbuf[0]), free(h.gbuf[1]), free(h.dx);
+    free_chunks(&h);
+    free(h.gbuf[0]), free(h.gbuf[1]);
 }
 
 void host_result_free(struct host_result *res)
 {
-    for (int l = res->l0; l < res->l1; l++)
-        mlp_layer_free(&res->layers[l]);
+    for (int l = 0; l < host_nlayers; l++)
+        if (res->owns[l])
+            mlp_layer_free(&res->layers[l]);
 }
 
 void host_reference(unsigned microbatches, int steps, mlp_layer *layers, double *first_loss,
@@ -261,4 +389,51 @@ void host_reference(unsigned microbatches, int steps, mlp_layer *layers, double 
             *first_loss = total;
         *last_loss = total;
     }
+}
+
+static int put(struct host_raw_layout *L, unsigned g, uint32_t kind, unsigned mb)
+{
+    unsigned r = L->placement[g], chunk = 0;
+    for (unsigned k = 0; k < g; k++)
+        chunk += L->placement[k] == r;
+    if (r >= HOST_RAW_MAX_RANKS || L->n[r] >= HOST_RAW_MAX_OPS)
+        return -1;
+    L->ops[r][L->n[r]++] = (epipe_op){.kind = kind, .microbatch = mb, .chunk = chunk};
+    return 0;
+}
+
+int host_build_raw(struct host_raw_layout *L)
+{
+    int bad = L->P > HOST_RAW_MAX_STAGES;
+    memset(L->n, 0, sizeof L->n);
+    for (unsigned mb = 0; !bad && mb < L->m; mb++)
+        for (unsigned g = 0; g < L->P; g++) {
+            if (g > 0)
+                bad |= put(L, g, EPIPE_OP_RECV_ACT, mb);
+            bad |= put(L, g, EPIPE_OP_FORWARD, mb);
+            if (g + 1 < L->P)
+                bad |= put(L, g, EPIPE_OP_SEND_ACT, mb);
+        }
+    for (unsigned mb = 0; !bad && mb < L->m; mb++)
+        for (unsigned g = L->P; g-- > 0;) {
+            if (g + 1 < L->P)
+                bad |= put(L, g, EPIPE_OP_RECV_GRAD, mb);
+            bad |= put(L, g, L->split ? EPIPE_OP_BACKWARD_INPUT : EPIPE_OP_BACKWARD, mb);
+            if (g > 0)
+                bad |= put(L, g, EPIPE_OP_SEND_GRAD, mb);
+        }
+    for (unsigned mb = 0; !bad && L->split && mb < L->m; mb++)
+        for (unsigned g = 0; g < L->P; g++)
+            bad |= put(L, g, EPIPE_OP_BACKWARD_WEIGHT, mb);
+    return bad ? -1 : 0;
+}
+
+int host_create_raw(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg)
+{
+    const struct host_raw_layout *L = cfg->create_arg;
+    unsigned r = epipe_comm_rank(comm);
+    if (r >= HOST_RAW_MAX_RANKS)
+        return EPIPE_EINVAL;
+    return epipe_stage_create_raw(out, comm, L->m, L->P, L->placement, L->ops[r], L->n[r],
+                                  L->split);
 }

@@ -21,10 +21,23 @@ struct host_config {
     unsigned microbatches;
     int steps;
     const char *act_codec, *grad_codec; /* NULL = none */
+    int one_boundary;                   /* 1: the codecs go on boundary `boundary` only */
+    unsigned boundary;
     int use_op_stream;
     /* > 0: after each step, the built-in SGD for trainable codecs
      * (epipe_stage_codec_sgd_step) with this lr and momentum. */
     double codec_lr, codec_momentum;
+    /* Layout (epipe_schedule_layout): chunks per rank (0 = the kind's
+     * default) and the rank of each pipeline stage (NULL = the default). */
+    unsigned chunks;
+    const unsigned *placement;
+    unsigned placement_len;
+    /* 1: backward_input and backward_weight (split backward); 0: backward */
+    int split;
+    /* Creates the stage instead of host_create_stage's default (tests that
+     * run raw op lists); arg is theirs. */
+    int (*create)(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg);
+    const void *create_arg;
 };
 
 struct host_result {
@@ -36,12 +49,19 @@ struct host_result {
      * first step, 1: last step, all micro-batches), and of the boundary
      * above it as received (restored by the codec). */
     float act_sent[2][HOST_BATCH * 16], act_recv[2][HOST_BATCH * 16];
-    /* This stage's layers after training, for comparison. */
+    /* This rank's layers after training, for comparison: owns[l] says
+     * which; l0, l1: the range of its first chunk. */
     int l0, l1;
+    unsigned char owns[HOST_MAX_LAYERS];
+    int holds_last; /* this rank holds the last pipeline stage (the loss) */
     mlp_layer layers[HOST_MAX_LAYERS];
 };
 
-/* Layers [*l0, *l1) of the model that stage s of p owns. */
+/* Creates rank epipe_comm_rank(comm)'s stage with cfg's schedule and layout. */
+int host_create_stage(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg);
+
+/* Layers [*l0, *l1) of the model that pipeline stage s of p owns (empty
+ * when p exceeds the layer count: such a stage passes tensors on). */
 void host_partition(unsigned s, unsigned p, int *l0, int *l1);
 
 /* Trains stage `epipe_comm_rank(comm)` for cfg->steps steps; fills res
@@ -49,6 +69,27 @@ void host_partition(unsigned s, unsigned p, int *l0, int *l1);
  * comm and destroys it. */
 void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_result *res);
 void host_result_free(struct host_result *res);
+
+/* Raw op lists (tests of the runtime without a schedule kind) for any
+ * placement, in one global order that respects every dependency: all
+ * forwards by (micro-batch, pipeline stage), then the backwards by
+ * (micro-batch, stage from the last); with split, each backward is an
+ * input-gradient op and every weight-gradient op comes at the end of its
+ * rank's list (the activations must live until then). */
+#define HOST_RAW_MAX_STAGES 16
+#define HOST_RAW_MAX_RANKS 8
+#define HOST_RAW_MAX_OPS 1024
+struct host_raw_layout {
+    unsigned P, ranks, m;                       /* set by the caller */
+    unsigned placement[HOST_RAW_MAX_STAGES];    /* set by the caller */
+    int split;                                  /* set by the caller */
+    epipe_op ops[HOST_RAW_MAX_RANKS][HOST_RAW_MAX_OPS];
+    size_t n[HOST_RAW_MAX_RANKS];
+};
+/* Fills L->ops and L->n; -1 if they do not fit. */
+int host_build_raw(struct host_raw_layout *L);
+/* A host_config.create that runs cfg->create_arg (a host_raw_layout). */
+int host_create_raw(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg);
 
 /* The same training in one process without libepipe: the reference. */
 void host_reference(unsigned microbatches, int steps, mlp_layer *layers, double *first_loss,

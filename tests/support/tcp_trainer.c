@@ -15,27 +15,36 @@
 static void usage(void)
 {
     fprintf(stderr,
-            "usage: tcp_trainer [--schedule gpipe|1f1b] [--micro M] [--steps N] [--codec SPEC]\n"
+            "usage: tcp_trainer [--schedule KIND] [--chunks V] [--placement R,R,...] [--split 0|1]\n"
+            "                   [--raw R,R,...]\n"
+            "                   [--micro M] [--steps N] [--codec SPEC]\n"
             "                   [--options SPEC] [--out PREFIX] [--die-rank R --die-after-ms MS]\n"
-            "       tcp_trainer --reference P [--micro M] [--steps N] [--out PREFIX]\n"
-            "Trains this rank's stage (rank and size from the environment) and writes its\n"
-            "parameters to PREFIX.stageS; --reference writes the one-process result the same way\n"
-            "for P stages. Exit 0, 2 for usage, 3 when training fails.\n");
+            "       tcp_trainer --reference 1 [--micro M] [--steps N] [--out PREFIX]\n"
+            "Trains this rank's chunks (rank and size from the environment) and writes the\n"
+            "parameters of each layer it holds to PREFIX.layerL; --reference writes every\n"
+            "layer of the one-process result the same way. --split 1 uses the split-backward\n"
+            "callbacks. --raw runs the test's raw op lists (pipeline_host.h) over that\n"
+            "placement instead of a schedule kind. Exit 0, 2 for usage, 3 when training fails.\n");
 }
 
-/* Parameters of layers [l0, l1) as raw floats: w then b of each layer. */
-static int write_params(const char *prefix, unsigned s, const mlp_layer *layers, int l0, int l1)
+/* The parameters of each layer l with owns[l] (NULL: all) as raw floats, w
+ * then b, in PREFIX.layerL. */
+static int write_params(const char *prefix, const mlp_layer *layers, const unsigned char *owns)
 {
-    char path[1024];
-    snprintf(path, sizeof path, "%s.stage%u", prefix, s);
-    FILE *f = fopen(path, "wb");
-    if (!f)
-        return -1;
-    for (int l = l0; l < l1; l++) {
+    for (int l = 0; l < host_nlayers; l++) {
+        if (owns && !owns[l])
+            continue;
+        char path[1024];
+        snprintf(path, sizeof path, "%s.layer%d", prefix, l);
+        FILE *f = fopen(path, "wb");
+        if (!f)
+            return -1;
         fwrite(layers[l].w, sizeof(float), (size_t)(layers[l].in * layers[l].out), f);
         fwrite(layers[l].b, sizeof(float), (size_t)layers[l].out, f);
+        if (fclose(f))
+            return -1;
     }
-    return fclose(f);
+    return 0;
 }
 
 static int die_after_ms;
@@ -54,6 +63,9 @@ int main(int argc, char **argv)
     struct host_config cfg = {.schedule = "1f1b", .microbatches = 4, .steps = 20};
     const char *codec = NULL, *options = NULL, *out = NULL;
     int reference = 0, die_rank = -1;
+    unsigned placement[64];
+    static struct host_raw_layout raw;
+    int use_raw = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help")) {
@@ -67,7 +79,35 @@ int main(int argc, char **argv)
         i++;
         if (!strcmp(a, "--schedule"))
             cfg.schedule = v;
-        else if (!strcmp(a, "--micro"))
+        else if (!strcmp(a, "--chunks"))
+            cfg.chunks = (unsigned)atoi(v);
+        else if (!strcmp(a, "--split"))
+            cfg.split = atoi(v);
+        else if (!strcmp(a, "--raw")) {
+            use_raw = 1;
+            raw.P = 0;
+            for (const char *q = v; *q && raw.P < HOST_RAW_MAX_STAGES;) {
+                char *end;
+                raw.placement[raw.P++] = (unsigned)strtoul(q, &end, 10);
+                if (end == q) {
+                    usage();
+                    return 2;
+                }
+                q = *end == ',' ? end + 1 : end;
+            }
+        } else if (!strcmp(a, "--placement")) {
+            cfg.placement_len = 0;
+            for (const char *q = v; *q && cfg.placement_len < 64;) {
+                char *end;
+                placement[cfg.placement_len++] = (unsigned)strtoul(q, &end, 10);
+                if (end == q) {
+                    usage();
+                    return 2;
+                }
+                q = *end == ',' ? end + 1 : end;
+            }
+            cfg.placement = placement;
+        } else if (!strcmp(a, "--micro"))
             cfg.microbatches = (unsigned)atoi(v);
         else if (!strcmp(a, "--steps"))
             cfg.steps = atoi(v);
@@ -93,17 +133,23 @@ int main(int argc, char **argv)
         return 2;
     }
     cfg.act_codec = cfg.grad_codec = codec;
+    if (use_raw) {
+        raw.m = cfg.microbatches;
+        raw.split = cfg.split;
+        if (host_build_raw(&raw)) {
+            usage();
+            return 2;
+        }
+        cfg.create = host_create_raw;
+        cfg.create_arg = &raw;
+    }
 
     if (reference > 0) {
         mlp_layer layers[HOST_MAX_LAYERS];
         double first, last;
         host_reference(cfg.microbatches, cfg.steps, layers, &first, &last);
-        for (unsigned s = 0; out && s < (unsigned)reference; s++) {
-            int l0, l1;
-            host_partition(s, (unsigned)reference, &l0, &l1);
-            if (write_params(out, s, layers, l0, l1))
-                return 3;
-        }
+        if (out && write_params(out, layers, NULL))
+            return 3;
         printf("reference: loss first %.9g last %.9g\n", first, last);
         for (int l = 0; l < host_nlayers; l++)
             mlp_layer_free(&layers[l]);
@@ -116,7 +162,7 @@ int main(int argc, char **argv)
         printf("init FAILED %s: %s\n", epipe_status_name(rc), epipe_last_error());
         return 3;
     }
-    unsigned rank = epipe_comm_rank(comm), size = epipe_comm_size(comm);
+    unsigned rank = epipe_comm_rank(comm);
     if ((int)rank == die_rank) {
         pthread_t th;
         pthread_create(&th, NULL, killer, NULL);
@@ -129,12 +175,12 @@ int main(int argc, char **argv)
         host_result_free(&res);
         return 3;
     }
-    if (rank + 1 == size)
+    if (res.holds_last)
         printf("rank %u: loss first %.9g last %.9g\n", rank, res.first_loss, res.last_loss);
     printf("rank %u: ok, %llu steps, sent %llu wire bytes\n", rank,
            (unsigned long long)res.stats.steps,
            (unsigned long long)(res.stats.act_sent_wire + res.stats.grad_sent_wire));
-    if (out && write_params(out, rank, res.layers, res.l0, res.l1))
+    if (out && write_params(out, res.layers, res.owns))
         rc = 3;
     host_result_free(&res);
     return rc;

@@ -1,0 +1,188 @@
+/* epipe-train's command line: its usage text and the parser that fills the
+ * options (schedule, chunks, placement, codecs, model and training knobs). */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/idx.h"
+#include "cli.h" /* tools/cli.h */
+#include "options.h"
+
+/* ---- command line ---------------------------------------------------------- */
+
+void train_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: epipe-train [options]\n"
+            "  --stages N          ranks (default 3), one pipeline stage each unless --chunks\n"
+            "                      or --placement say otherwise; threads of this process\n"
+            "                      unless started by a launcher (then its world size)\n"
+            "  --microbatches M    micro-batches a step (default 4)\n"
+            "  --schedule KIND     gpipe, 1f1b, interleaved, zb-h1 or zb-v (default 1f1b)\n"
+            "  --chunks V          model chunks (virtual stages) per rank (default: the\n"
+            "                      schedule's: 2 for zb-v, else 1)\n"
+            "  --placement R,R,... the rank of each pipeline stage, in pipeline order\n"
+            "                      (e.g. 0,1,0: rank 0 holds the first and the last layers);\n"
+            "                      the rank count is then the largest rank + 1\n"
+            "  --act-codec SPEC    codec for activations (default sortquant:bits=8)\n"
+            "  --grad-codec SPEC   codec for gradients (default sortquant:bits=8)\n"
+            "  --epochs E          (default 3)   --batch B (default 64)\n"
+            "  --lr LR             (default 0.05) --momentum MU (default 0.9)\n"
+            "  --codec-lr LR       learning rate of trainable codecs (insert; default --lr)\n"
+            "  --hidden W,W,...    hidden layer widths (default 512,256)\n"
+            "  --seed S            (default 1)\n"
+            "  --train-limit N     use only the first N training images\n"
+            "  --data DIR          Fashion-MNIST IDX files (default %s)\n"
+            "  --blas-threads N    threads a BLAS call may use (default 1: the stages\n"
+            "                      already keep the cores busy; libepipe's codecs share it)\n"
+            "  --quiet             no progress bar\n",
+            IDX_FASHION_DIR);
+}
+
+int train_parse_args(int argc, char **argv, struct options *o)
+{
+    enum {
+        O_QUIET = 256,
+        O_STAGES,
+        O_MB,
+        O_SCHEDULE,
+        O_ACT,
+        O_GRAD,
+        O_EPOCHS,
+        O_BATCH,
+        O_LR,
+        O_MOMENTUM,
+        O_CODEC_LR,
+        O_SEED,
+        O_TRAIN_LIMIT,
+        O_DATA,
+        O_BLAS_THREADS,
+        O_HIDDEN,
+        O_CHUNKS,
+        O_PLACEMENT
+    };
+    static const struct option longopts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"quiet", no_argument, NULL, O_QUIET},
+        {"stages", required_argument, NULL, O_STAGES},
+        {"microbatches", required_argument, NULL, O_MB},
+        {"schedule", required_argument, NULL, O_SCHEDULE},
+        {"act-codec", required_argument, NULL, O_ACT},
+        {"grad-codec", required_argument, NULL, O_GRAD},
+        {"epochs", required_argument, NULL, O_EPOCHS},
+        {"batch", required_argument, NULL, O_BATCH},
+        {"lr", required_argument, NULL, O_LR},
+        {"momentum", required_argument, NULL, O_MOMENTUM},
+        {"codec-lr", required_argument, NULL, O_CODEC_LR},
+        {"seed", required_argument, NULL, O_SEED},
+        {"train-limit", required_argument, NULL, O_TRAIN_LIMIT},
+        {"data", required_argument, NULL, O_DATA},
+        {"blas-threads", required_argument, NULL, O_BLAS_THREADS},
+        {"hidden", required_argument, NULL, O_HIDDEN},
+        {"chunks", required_argument, NULL, O_CHUNKS},
+        {"placement", required_argument, NULL, O_PLACEMENT},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int opt, stages_set = 0;
+    while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
+        const char *v = optarg;
+        switch (opt) {
+        case 'h': train_usage(stdout); exit(0);
+        case O_QUIET: o->quiet = 1; break;
+        case O_STAGES:
+            o->stages = (unsigned)atoi(v);
+            stages_set = 1;
+            break;
+        case O_CHUNKS:
+            o->chunks = (unsigned)atoi(v);
+            if (o->chunks < 1 || o->chunks > 8) {
+                fprintf(stderr, "epipe-train: --chunks %s is not in 1..8\n", v);
+                return -1;
+            }
+            break;
+        case O_PLACEMENT:
+            o->nplace = 0;
+            for (const char *p = v; *p;) {
+                char *end;
+                long rk = strtol(p, &end, 10);
+                if (end == p || rk < 0 || rk > 63 || (*end && *end != ',') ||
+                    o->nplace == sizeof o->placement / sizeof o->placement[0]) {
+                    fprintf(stderr,
+                            "epipe-train: bad --placement '%s': ranks 0..63, comma-separated, "
+                            "at most 64 pipeline stages\n",
+                            v);
+                    return -1;
+                }
+                o->placement[o->nplace++] = (unsigned)rk;
+                p = *end ? end + 1 : end;
+            }
+            break;
+        case O_MB: o->microbatches = (unsigned)atoi(v); break;
+        case O_SCHEDULE: o->schedule = v; break;
+        case O_ACT: o->act_codec = v; break;
+        case O_GRAD: o->grad_codec = v; break;
+        case O_EPOCHS: o->epochs = atoi(v); break;
+        case O_BATCH: o->batch = atoi(v); break;
+        case O_LR: o->lr = (float)atof(v); break;
+        case O_MOMENTUM: o->momentum = (float)atof(v); break;
+        case O_CODEC_LR: o->codec_lr = (float)atof(v); break;
+        case O_SEED: o->seed = strtoull(v, NULL, 10); break;
+        case O_TRAIN_LIMIT: o->train_limit = atol(v); break;
+        case O_DATA: o->data_dir = v; break;
+        case O_BLAS_THREADS: o->blas_threads = atoi(v); break;
+        case O_HIDDEN:
+            o->nhidden = 0;
+            for (const char *p = v; *p && o->nhidden < MODEL_MAX_LAYERS - 1;) {
+                char *end;
+                long w = strtol(p, &end, 10);
+                if (end == p || w < 1 || w > 65536) {
+                    fprintf(stderr, "epipe-train: bad --hidden '%s'\n", v);
+                    return -1;
+                }
+                o->hidden[o->nhidden++] = (int)w;
+                p = *end == ',' ? end + 1 : end;
+            }
+            break;
+        default: /* ':' or '?' */ epipe_cli_bad_option("epipe-train", argv, opt); return -1;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "epipe-train: unexpected argument '%s' (options start with --)\n",
+                argv[optind]);
+        return -1;
+    }
+    if (o->microbatches < 1 || o->microbatches > MODEL_MAX_MB || o->batch < 1 ||
+        o->batch % (int)o->microbatches || o->batch / (int)o->microbatches > 1024) {
+        fprintf(stderr,
+                "epipe-train: --batch %d must divide into --microbatches %u (at most %d, "
+                "and at most 1024 rows each)\n",
+                o->batch, o->microbatches, MODEL_MAX_MB);
+        return -1;
+    }
+    if (o->nplace) {
+        unsigned ranks = 0;
+        for (unsigned i = 0; i < o->nplace; i++)
+            ranks = o->placement[i] + 1 > ranks ? o->placement[i] + 1 : ranks;
+        if (stages_set && o->stages != ranks) {
+            fprintf(stderr, "epipe-train: --placement names ranks 0..%u but --stages is %u\n",
+                    ranks - 1, o->stages);
+            return -1;
+        }
+        o->stages = ranks;
+    }
+    if (o->epochs < 1 || o->stages < 1 || o->stages > (unsigned)o->nhidden + 1) {
+        fprintf(stderr,
+                "epipe-train: need --epochs >= 1 and 1 <= --stages <= %d (one layer a "
+                "stage at least)\n",
+                o->nhidden + 1);
+        return -1;
+    }
+    if (o->blas_threads < 1 || o->blas_threads > 256) {
+        fprintf(stderr, "epipe-train: --blas-threads %d is not in 1..256\n", o->blas_threads);
+        return -1;
+    }
+    return 0;
+}
+
