@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../transport/rdma.h"
 #include "../../transport/tcp_impl.h"
 #include "../log.h"
 #include "../parse.h"
@@ -147,7 +148,9 @@ static const char *pick_transport(const char *name, unsigned size, int from_env,
     }
     if (!strcmp(name, "auto")) {
         *why = "auto";
-        name = size > 1 || from_env ? "tcp" : "inproc";
+        /* Across processes: rdma to neighbours where both sides have an
+         * active device, tcp otherwise (epipe_rdma_comm_create decides). */
+        name = size > 1 || from_env ? "auto-net" : "inproc";
     }
     return name;
 }
@@ -211,11 +214,29 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                  n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
                  (long long)s.init_timeout_ms);
         rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
-    } else if (!strcmp(name, "rdma")) {
-        return epipe_fail(EPIPE_ENOTSUP,
-                          "comm: the rdma transport is not built into this "
-                          "libepipe (transport '%s' from %s)",
-                          name, why);
+    } else if (!strcmp(name, "rdma") || !strcmp(name, "auto-net")) {
+        int is_auto = !strcmp(name, "auto-net");
+#ifdef EPIPE_HAVE_RDMA
+        if (s.group[0])
+            return epipe_fail(EPIPE_EINVAL, "rdma: option group is for inproc only");
+        size_t n = strlen(rest);
+        snprintf(rest + n, sizeof rest - n, "%stimeout_ms=%lld,spin_us=%lld,init_timeout_ms=%lld",
+                 n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
+                 (long long)s.init_timeout_ms);
+        rc = epipe_rdma_comm_create(out, rank, size, master_addr, master_port, rest, is_auto);
+#else
+        if (!is_auto)
+            return epipe_fail(EPIPE_ENOTSUP,
+                              "comm: the rdma transport is not built into this "
+                              "libepipe (transport '%s' from %s)",
+                              name, why);
+        epipe_log_info(-1, "comm", "auto: transport tcp (rdma is not built into this libepipe)");
+        size_t n = strlen(rest);
+        snprintf(rest + n, sizeof rest - n, "%stimeout_ms=%lld,spin_us=%lld,init_timeout_ms=%lld",
+                 n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
+                 (long long)s.init_timeout_ms);
+        rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
+#endif
     } else {
         return epipe_fail(EPIPE_EINVAL,
                           "comm: unknown transport '%s' (from %s; known: tcp, "
