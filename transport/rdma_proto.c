@@ -324,8 +324,8 @@ void epipe_rdma_pump(struct rdma_link *l)
                                    .seq = l->next_lseq++ & 0x0fffffffu};
             uint32_t w[4] = {x->seq, 0, (uint32_t)m->len, (uint32_t)((uint64_t)m->len >> 32)};
             memcpy(dst, w, sizeof w);
-            memcpy(dst + sizeof w, m->data, m->hdr.header_len);
-            n = sizeof w + m->hdr.header_len;
+            memcpy(dst + sizeof w, m->data, EPIPE_WIRE_HEADER_SIZE); /* sealed: 192 bytes */
+            n = sizeof w + EPIPE_WIRE_HEADER_SIZE;
             imm = IMM(IMM_RTS, cr.tag);
         } else {
             memcpy(dst, m->data, m->len);
