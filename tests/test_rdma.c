@@ -237,6 +237,187 @@ static void test_messages(void **state)
     expect_no_leaks();
 }
 
+/* ---- protocol attacks ---------------------------------------------------- */
+
+/* A receive on c from peer fails with `status` and a message naming needle. */
+static void expect_recv_fails(epipe_comm *c, unsigned peer, int status, const char *needle)
+{
+    epipe_msg *m = NULL;
+    int rc = epipe_comm_recv(c, peer, EPIPE_WIRE_ACTIVATION, 77, 0, 10000, &m);
+    const char *e = epipe_comm_last_error(c);
+    if (rc != status || (needle && !strstr(e, needle)))
+        print_error("rank %u: got %d (%s), want %d naming '%s'\n", epipe_comm_rank(c), rc, e,
+                    status, needle ? needle : "");
+    assert_int_equal(rc, status);
+    if (needle)
+        assert_non_null(strstr(e, needle));
+}
+
+static void attack(int what, unsigned bad, int send_large, const char *needle)
+{
+    epipe_comm *c[2];
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    unsigned victim = 1 - bad;
+    assert_int_equal(epipe_rdma_debug_inject(c[bad], victim, what), EPIPE_OK);
+    if (send_large) /* the victim sends; the bad rank answers with a short CTS */
+        assert_int_equal(epipe_comm_send(c[victim], bad, make_act(victim, bad, 1, 0, 50000, 1)),
+                         EPIPE_OK);
+    expect_recv_fails(c[victim], bad, EPIPE_EPROTO, needle);
+    /* The bad rank hears that the link was torn down. */
+    expect_recv_fails(c[bad], victim, EPIPE_EPEER, "tore down its rdma link");
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
+static void test_attack_short_cts(void **state)
+{
+    attack(EPIPE_RDMA_INJECT_SHORT_CTS, 1, 1, "clear-to-send names a buffer of 100104 bytes for a 200208-byte message");
+}
+
+static void test_attack_unknown_imm(void **state)
+{
+    attack(EPIPE_RDMA_INJECT_UNKNOWN_IMM, 0, 0, "sequence 11259375, which it never announced");
+}
+
+static void test_attack_unlent_slot(void **state)
+{
+    attack(EPIPE_RDMA_INJECT_UNLENT_SLOT, 0, 0, "eager slot 35, which this rank did not lend");
+}
+
+static void test_attack_bogus_completion(void **state)
+{
+    epipe_comm *c[2];
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    assert_int_equal(epipe_rdma_debug_inject(c[0], 1, EPIPE_RDMA_INJECT_BOGUS_WC), EPIPE_OK);
+    expect_recv_fails(c[0], 1, EPIPE_EPROTO, "which this rank never posted");
+    expect_recv_fails(c[1], 0, EPIPE_EPEER, "tore down its rdma link");
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 10, 1)), EPIPE_EPEER);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
+/* Malformed queue-pair information in the rendezvous: EPIPE_EPROTO naming
+ * the field, at once, on the rank that reads it. */
+static void test_bad_qp_info(void **state)
+{
+    static const char *field[] = {"bad magic", "bad path mtu", "bad queue pair number",
+                                  "bad slot or ring geometry", "bad reason text"};
+    for (int f = 0; f < 5; f++) {
+        epipe_rdma_debug_corrupt_info(f);
+        epipe_comm *c[2];
+        int rc[2];
+        char err[2][256];
+        try_group("rdma", c, 2, "init_timeout_ms=10000", rc, err);
+        for (int r = 0; r < 2; r++) {
+            assert_null(c[r]);
+            if (rc[r] != EPIPE_EPROTO || !strstr(err[r], field[f]))
+                print_error("field %d rank %d: %d %s\n", f, r, rc[r], err[r]);
+            assert_int_equal(rc[r], EPIPE_EPROTO);
+            assert_non_null(strstr(err[r], "malformed queue-pair information"));
+            assert_non_null(strstr(err[r], field[f]));
+        }
+        expect_no_leaks();
+    }
+    epipe_rdma_debug_corrupt_info(-1);
+}
+
+/* ---- faults ------------------------------------------------------------ */
+
+/* The n-th post_send of this process fails and its QP goes to error: both
+ * ranks learn, the one that saw it with the verbs status. */
+static void test_fault_qp_error(void **state)
+{
+    epipe_comm *c[2];
+    setenv("EPIPE_FAKEVERBS_FAIL", "post_send:200", 1); /* after the 2x32 lent slots */
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    int rc = EPIPE_OK;
+    for (uint32_t i = 0; i < 400 && rc == EPIPE_OK; i++)
+        rc = epipe_comm_send(c[i % 2], 1 - i % 2, make_act(i % 2, 1 - i % 2, 2, i, 20, i));
+    int seen = 0;
+    for (int r = 0; r < 2; r++) {
+        epipe_msg *m = NULL;
+        int got;
+        uint32_t i = (uint32_t)(1 - r);
+        while ((got = epipe_comm_recv(c[r], 1 - r, EPIPE_WIRE_ACTIVATION, 2, i, 10000, &m)) ==
+               EPIPE_OK) {
+            epipe_msg_free(m);
+            i += 2;
+        }
+        assert_int_equal(got, EPIPE_EPEER);
+        const char *e = epipe_comm_last_error(c[r]);
+        seen += strstr(e, "transport retry counter exceeded") != NULL ||
+                strstr(e, "Work Request Flushed Error") != NULL;
+    }
+    assert_true(seen >= 1); /* the verbs status is named */
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+    expect_no_leaks();
+}
+
+/* A registration that fails for a large message: EPIPE_EPEER naming it. */
+static void test_fault_registration(void **state)
+{
+    epipe_comm *c[2];
+    setenv("EPIPE_FAKEVERBS_FAIL", "reg_mr:7", 1); /* 3 per rank at setup, then this */
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 50000, 1)), EPIPE_OK);
+    expect_recv_fails(c[0], 1, EPIPE_EPEER, "registering");
+    expect_recv_fails(c[1], 0, EPIPE_EPEER, "registering");
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+    expect_no_leaks();
+}
+
+/* Queue-pair setup failing on one rank fails both creations, promptly. */
+static void test_fault_setup(void **state)
+{
+    static const char *fails[] = {"create_qp:1", "modify_qp:3", "reg_mr:2"};
+    for (int k = 0; k < 3; k++) {
+        setenv("EPIPE_FAKEVERBS_FAIL", fails[k], 1);
+        epipe_comm *c[2];
+        int rc[2];
+        try_group("rdma", c, 2, "init_timeout_ms=10000", rc, NULL);
+        for (int r = 0; r < 2; r++) {
+            assert_int_not_equal(rc[r], EPIPE_OK);
+            assert_null(c[r]);
+        }
+        expect_no_leaks();
+    }
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+}
+
+/* Connect, exchange, fault, tear down, many times: nothing leaks. */
+static void test_leak_cycles(void **state)
+{
+    const char *v = getenv("EPIPE_TEST_RDMA_CYCLES");
+    int cycles = v && *v ? atoi(v) : 40;
+    for (int k = 0; k < cycles; k++) {
+        epipe_comm *c[2];
+        make_group("rdma", c, 2, "timeout_ms=10000");
+        assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 8, 1)), EPIPE_OK);
+        assert_int_equal(epipe_comm_send(c[1], 0, make_act(1, 0, 1, 0, 40000, 2)), EPIPE_OK);
+        recv_act(c[1], 0, 1, 0, 8, 1);
+        switch (k % 4) {
+        case 0: break; /* clean */
+        case 1: /* a fault while a large message waits for its CTS */
+            assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 2, 0, 90000, 3)), EPIPE_OK);
+            epipe_rdma_debug_inject(c[0], 1, EPIPE_RDMA_INJECT_BOGUS_WC);
+            break;
+        case 2: epipe_rdma_debug_inject(c[1], 0, EPIPE_RDMA_INJECT_UNKNOWN_IMM); break;
+        case 3: /* leave without receiving: the message is dropped with the handle */
+            assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 3, 0, 70000, 4)), EPIPE_OK);
+            break;
+        }
+        epipe_comm_destroy(c[(unsigned)k % 2]);
+        epipe_comm_destroy(c[1 - (unsigned)k % 2]);
+        expect_no_leaks();
+    }
+}
+
 int main(void)
 {
     fakeverbs = getenv("EPIPE_TEST_FAKEVERBS");
@@ -249,6 +430,15 @@ int main(void)
         cmocka_unit_test_setup(test_loader_errors, setup_env),
         cmocka_unit_test_setup(test_auto_picks, setup_env),
         cmocka_unit_test_setup(test_messages, setup_env),
+        cmocka_unit_test_setup(test_attack_short_cts, setup_env),
+        cmocka_unit_test_setup(test_attack_unknown_imm, setup_env),
+        cmocka_unit_test_setup(test_attack_unlent_slot, setup_env),
+        cmocka_unit_test_setup(test_attack_bogus_completion, setup_env),
+        cmocka_unit_test_setup(test_bad_qp_info, setup_env),
+        cmocka_unit_test_setup(test_fault_qp_error, setup_env),
+        cmocka_unit_test_setup(test_fault_registration, setup_env),
+        cmocka_unit_test_setup(test_fault_setup, setup_env),
+        cmocka_unit_test_setup(test_leak_cycles, setup_env),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

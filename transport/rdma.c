@@ -286,7 +286,7 @@ int epipe_rdma_debug_inject(epipe_comm *c, unsigned peer, int what)
     switch (what) {
     case EPIPE_RDMA_INJECT_SHORT_CTS: r->inject = 1; break;
     case EPIPE_RDMA_INJECT_UNKNOWN_IMM: rc = epipe_rdma_post_ctl(l, IMM(IMM_DONE, 0x0abcdef)); break;
-    case EPIPE_RDMA_INJECT_UNLENT_SLOT: rc = epipe_rdma_post_ctl(l, IMM(IMM_EAGER, 5)); break;
+    case EPIPE_RDMA_INJECT_UNLENT_SLOT: rc = epipe_rdma_post_ctl(l, IMM(IMM_EAGER, RDMA_SLOTS + 3)); break;
     case EPIPE_RDMA_INJECT_BOGUS_WC: {
         pthread_mutex_unlock(&l->lock);
         struct ibv_wc wc;
@@ -406,6 +406,8 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
     r->links = calloc(npeers ? npeers : 1, sizeof *r->links);
     if (!peer_info || !lfd || !both || !r->links)
         rc = epipe_fail(EPIPE_ENOMEM, "rdma: out of memory");
+    else
+        r->nlinks = npeers; /* free_verbs frees those allocated */
     if (local_ok && rc == EPIPE_OK) {
         errno = 0;
         r->cq = r->v.create_cq(r->dev.ctx, (int)(npeers * (RDMA_SQ_DEPTH + RDMA_RQ_DEPTH) + 16),
