@@ -418,8 +418,72 @@ static void test_leak_cycles(void **state)
     }
 }
 
-int main(void)
+/* ---- a peer process killed mid-transfer ------------------------------- */
+
+/* The peer role (test_rdma --peer PORT DELAY_MS): rank 1 sends a 64 MiB
+ * message to rank 0 and kills itself DELAY_MS later, mid-transfer. */
+static int peer_main(unsigned port, int delay_ms)
 {
+    epipe_comm *c = NULL;
+    if (epipe_comm_create(&c, "rdma", 1, 2, "127.0.0.1", port, "timeout_ms=5000")) {
+        fprintf(stderr, "peer: %s\n", epipe_last_error());
+        return 1;
+    }
+    float *x = calloc((size_t)16 << 20, sizeof *x);
+    epipe_msg *m = x ? test_activation_msg(1, 0, 1, 0, x, (size_t)16 << 20) : NULL;
+    if (!m || epipe_comm_send(c, 0, m))
+        return 1;
+    if (delay_ms)
+        usleep((useconds_t)delay_ms * 1000);
+    raise(SIGKILL);
+    return 1;
+}
+
+static void killed_peer(int delay_ms)
+{
+    unsigned port = free_port();
+    char ports[16], delay[16];
+    snprintf(ports, sizeof ports, "%u", port);
+    snprintf(delay, sizeof delay, "%d", delay_ms);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        execl("/proc/self/exe", "test_rdma", "--peer", ports, delay, (char *)NULL);
+        _exit(127);
+    }
+    epipe_comm *c = NULL;
+    int rc = epipe_comm_create(&c, "rdma", 0, 2, "127.0.0.1", port, "timeout_ms=5000");
+    if (rc)
+        print_error("%s\n", epipe_last_error());
+    assert_int_equal(rc, EPIPE_OK);
+    epipe_msg *m = NULL;
+    rc = epipe_comm_recv(c, 1, EPIPE_WIRE_ACTIVATION, 1, 0, 20000, &m);
+    if (rc == EPIPE_OK) { /* it was whole before the kill: the next one never comes */
+        epipe_msg_free(m);
+        rc = epipe_comm_recv(c, 1, EPIPE_WIRE_ACTIVATION, 2, 0, 20000, &m);
+    }
+    const char *e = epipe_comm_last_error(c);
+    if (rc != EPIPE_EPEER && rc != EPIPE_ETIMEDOUT)
+        print_error("got %d: %s\n", rc, e);
+    assert_true(rc == EPIPE_EPEER || rc == EPIPE_ETIMEDOUT);
+    assert_non_null(strstr(e, "rank 1"));
+    int st;
+    waitpid(pid, &st, 0);
+    assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+    epipe_comm_destroy(c);
+    expect_no_leaks();
+}
+
+static void test_killed_peer(void **state)
+{
+    killed_peer(0);
+    killed_peer(20);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 4 && !strcmp(argv[1], "--peer"))
+        return peer_main((unsigned)atoi(argv[2]), atoi(argv[3]));
     fakeverbs = getenv("EPIPE_TEST_FAKEVERBS");
     if (!fakeverbs || !*fakeverbs) {
         printf("SKIP: EPIPE_TEST_FAKEVERBS (the test verbs provider) is not set\n");
@@ -438,6 +502,7 @@ int main(void)
         cmocka_unit_test_setup(test_fault_qp_error, setup_env),
         cmocka_unit_test_setup(test_fault_registration, setup_env),
         cmocka_unit_test_setup(test_fault_setup, setup_env),
+        cmocka_unit_test_setup(test_killed_peer, setup_env),
         cmocka_unit_test_setup(test_leak_cycles, setup_env),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

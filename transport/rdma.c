@@ -249,8 +249,13 @@ static void rdma_destroy(epipe_comm *c)
         wait_links(r, epipe_rdma_link_idle, patience);
         for (unsigned i = 0; i < r->nlinks; i++) {
             struct rdma_link *l = &r->links[i];
+            pthread_mutex_lock(&c->lock);
+            int up = c->peer_state[l->peer] == EPIPE_PEER_UP;
+            pthread_mutex_unlock(&c->lock);
             pthread_mutex_lock(&l->lock);
-            if (!l->dead)
+            if (!up)
+                epipe_rdma_fail_locked(l, EPIPE_EPEER, NULL); /* gone: quietly */
+            else if (!l->dead)
                 epipe_rdma_post_ctl(l, IMM(IMM_BYE, 0));
             pthread_mutex_unlock(&l->lock);
         }

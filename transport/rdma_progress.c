@@ -92,10 +92,13 @@ void epipe_rdma_handle_wc(struct rdma *r, const struct ibv_wc *wc)
              idx = (unsigned)(wc->wr_id & 0xffffff);
     pthread_mutex_lock(&l->lock);
     if (li != l->idx || !account(l, type, idx)) {
-        if (!l->dead)
-            epipe_rdma_protocol_error(l, "a completion for work request 0x%llx, which this rank never "
-                              "posted",
-                           (unsigned long long)wc->wr_id);
+        if (!l->dead) {
+            char why[EPIPE_ERRMSG_MAX];
+            snprintf(why, sizeof why, "protocol error on the link to rank %u: a completion for "
+                     "work request 0x%llx, which this rank never posted",
+                     l->peer, (unsigned long long)wc->wr_id);
+            epipe_rdma_fail_locked(l, EPIPE_EPROTO, why);
+        }
         pthread_mutex_unlock(&l->lock);
         return;
     }
