@@ -20,9 +20,12 @@
 #define RDMA_LARGE 8
 #define RDMA_RING 64
 #define RDMA_RQ_DEPTH 128 /* zero-length receives for immediates, >= SLOTS+RING+LARGE+2 */
+#define RDMA_RECV_BATCH 16 /* receives re-posted at once; RQ_DEPTH - BATCH still covers the above */
 #define RDMA_SQ_DEPTH 256
 #define RDMA_SQ_DATA (RDMA_SQ_DEPTH - RDMA_SLOTS - RDMA_RING - 8) /* room large writes may use */
 #define RDMA_CHUNK ((size_t)1 << 20)
+#define RDMA_LEND_BATCH 8  /* slots lent back per clear-to-send */
+#define RDMA_SIGNAL_EVERY 16 /* eager writes per signaled one */
 
 /* Immediate values: a 4-bit type, a 28-bit value. */
 enum { IMM_EAGER = 1, IMM_RTS, IMM_CTS, IMM_DONE, IMM_BYE, IMM_BYE_ACK };
@@ -37,7 +40,8 @@ struct rdma_cts {
     uint64_t addr;
     uint32_t rkey, size;
     uint32_t seq;  /* the receiver's CTS count: the sender expects them in order */
-    uint32_t kind; /* 0: eager slot `tag`; 1: the large message of sequence `tag` */
+    uint32_t kind; /* 0: the eager slots in bitmap `tag` (slot i at addr + i * size);
+                      1: the large message of sequence `tag` */
     uint32_t tag, check;
 };
 #define CTS_CHECK 0x45504354u /* "EPCT" */
@@ -92,14 +96,20 @@ struct rdma_link {
     unsigned sq_used, rq_posted, cts_inflight, ctl_inflight;
     /* sending */
     epipe_msg *txq, *txq_tail;
-    struct rdma_cts credit[RDMA_SLOTS]; /* eager slots of the peer I may write */
-    unsigned ncredit;
-    uint32_t stage_busy; /* bit i: staging slot i is being written */
+    /* Eager slot i of the peer may be written (from my staging slot i)
+     * while bit i of credit is set: its CTS lent it, and it is lent again
+     * only after the peer has read what was written there. */
+    uint32_t credit;
+    uint64_t credit_base;
+    uint32_t credit_rkey;
+    unsigned unsignaled; /* eager writes posted since the last signaled one */
+    unsigned eager_signaled; /* signaled eager writes in flight */
     struct rdma_ltx ltx[RDMA_LARGE];
     uint32_t next_lseq;
     uint32_t cts_expect; /* the next CTS sequence from the peer */
     /* receiving */
-    uint32_t slot_lent; /* bit i: a CTS for my slot i is out */
+    uint32_t slot_lent; /* bit i: my slot i is lent to the peer */
+    uint32_t slot_free; /* read, to be lent again (in batches of RDMA_LEND_BATCH) */
     struct rdma_lrx lrx[RDMA_LARGE];
     uint32_t cts_next; /* my next CTS sequence */
     struct rdma_pend *pq, *pq_tail;

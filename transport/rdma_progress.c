@@ -11,6 +11,13 @@
 #include "../lib/log.h"
 #include "rdma_impl.h"
 
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
 static int64_t now_us(void)
 {
     struct timespec ts;
@@ -25,11 +32,12 @@ static int64_t now_us(void)
 static int account(struct rdma_link *l, unsigned type, unsigned idx)
 {
     switch (type) {
-    case WR_EAGER:
-        if (idx >= RDMA_SLOTS || !(l->stage_busy & (1u << idx)))
+    case WR_EAGER: /* a signaled write retiring idx writes (itself and those before) */
+        if (!idx || idx > l->sq_used || !l->eager_signaled)
             return 0;
-        l->stage_busy &= ~(1u << idx);
-        break;
+        l->eager_signaled--;
+        l->sq_used -= idx;
+        return 1;
     case WR_CTS:
         if (!l->cts_inflight)
             return 0;
@@ -91,6 +99,21 @@ void epipe_rdma_handle_wc(struct rdma *r, const struct ibv_wc *wc)
     unsigned type = (unsigned)(wc->wr_id >> 56), li = (unsigned)(wc->wr_id >> 24) & 0xffffffffu,
              idx = (unsigned)(wc->wr_id & 0xffffff);
     pthread_mutex_lock(&l->lock);
+    if (wc->status != IBV_WC_SUCCESS) {
+        /* The QP is in error: everything outstanding is flushed, unsignaled
+         * writes too; account for what can be, and tear the link down. */
+        if (li == l->idx)
+            account(l, type, idx);
+        if (!l->dead && !l->peer_bye) {
+            char why[EPIPE_ERRMSG_MAX], st[64];
+            snprintf(why, sizeof why, "a %s on the queue pair to rank %u completed with %s",
+                     wr_name(type), l->peer, epipe_verbs_status(&r->v, wc->status, st, sizeof st));
+            epipe_rdma_fail_locked(l, EPIPE_EPEER, why);
+        }
+        l->dead = 1;
+        pthread_mutex_unlock(&l->lock);
+        return;
+    }
     if (li != l->idx || !account(l, type, idx)) {
         if (!l->dead) {
             char why[EPIPE_ERRMSG_MAX];
@@ -99,17 +122,6 @@ void epipe_rdma_handle_wc(struct rdma *r, const struct ibv_wc *wc)
                      l->peer, (unsigned long long)wc->wr_id);
             epipe_rdma_fail_locked(l, EPIPE_EPROTO, why);
         }
-        pthread_mutex_unlock(&l->lock);
-        return;
-    }
-    if (wc->status != IBV_WC_SUCCESS) {
-        if (!l->dead && !l->peer_bye) {
-            char why[EPIPE_ERRMSG_MAX], st[64];
-            snprintf(why, sizeof why, "a %s on the queue pair to rank %u completed with %s",
-                     wr_name(type), l->peer, epipe_verbs_status(&r->v, wc->status, st, sizeof st));
-            epipe_rdma_fail_locked(l, EPIPE_EPEER, why);
-        }
-        l->dead = 1;
         pthread_mutex_unlock(&l->lock);
         return;
     }
@@ -148,7 +160,8 @@ void *epipe_rdma_progress(void *arg)
 {
     struct rdma *r = arg;
     struct ibv_wc wc[32];
-    int64_t idle_since = now_us(), last_check = 0;
+    int64_t idle_since = now_us(), last_check = 0, now = idle_since;
+    unsigned empty = 0;
     for (;;) {
         int n = ibv_poll_cq(r->cq, 32, wc);
         if (n < 0) {
@@ -159,8 +172,16 @@ void *epipe_rdma_progress(void *arg)
         }
         for (int i = 0; i < n; i++)
             epipe_rdma_handle_wc(r, &wc[i]);
-        int64_t now = now_us();
-        if (n > 0)
+        if (n > 0) {
+            empty = 0;
+            continue; /* the clock is read only while nothing arrives */
+        }
+        if (empty++ % 16) {
+            cpu_relax();
+            continue;
+        }
+        now = now_us();
+        if (empty == 1)
             idle_since = now;
         if (now - last_check > 20000) {
             check_peers(r);
@@ -168,7 +189,7 @@ void *epipe_rdma_progress(void *arg)
         }
         if (__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE))
             break;
-        if (n > 0 || now - idle_since < __atomic_load_n(&r->c->spin_us, __ATOMIC_RELAXED))
+        if (now - idle_since < __atomic_load_n(&r->c->spin_us, __ATOMIC_RELAXED))
             continue;
         if (ibv_req_notify_cq(r->cq, 0))
             continue;
@@ -176,7 +197,7 @@ void *epipe_rdma_progress(void *arg)
         for (int i = 0; i < n; i++)
             epipe_rdma_handle_wc(r, &wc[i]);
         if (n > 0) {
-            idle_since = now_us();
+            empty = 0;
             continue;
         }
         struct pollfd pf[2] = {{.fd = r->ch->fd, .events = POLLIN},

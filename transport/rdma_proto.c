@@ -161,8 +161,9 @@ void epipe_rdma_link_fail(struct rdma_link *l, int status, const char *why)
     pthread_mutex_unlock(&l->lock);
 }
 
-static int post_write(struct rdma_link *l, uint64_t wrid, const void *src, size_t len,
-                      uint32_t lkey, uint64_t raddr, uint32_t rkey, int imm_on, uint32_t imm)
+static int post_write_sig(struct rdma_link *l, uint64_t wrid, const void *src, size_t len,
+                          uint32_t lkey, uint64_t raddr, uint32_t rkey, int imm_on, uint32_t imm,
+                          int signaled)
 {
     struct ibv_sge sge = {.addr = (uintptr_t)src, .length = (uint32_t)len, .lkey = lkey};
     struct ibv_send_wr wr, *bad = NULL;
@@ -171,7 +172,7 @@ static int post_write(struct rdma_link *l, uint64_t wrid, const void *src, size_
     wr.sg_list = len ? &sge : NULL;
     wr.num_sge = len ? 1 : 0;
     wr.opcode = imm_on ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
-    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
     wr.imm_data = htonl(imm);
     wr.wr.rdma.remote_addr = raddr;
     wr.wr.rdma.rkey = rkey;
@@ -187,12 +188,26 @@ static int post_write(struct rdma_link *l, uint64_t wrid, const void *src, size_
     return EPIPE_OK;
 }
 
+static int post_write(struct rdma_link *l, uint64_t wrid, const void *src, size_t len,
+                      uint32_t lkey, uint64_t raddr, uint32_t rkey, int imm_on, uint32_t imm)
+{
+    return post_write_sig(l, wrid, src, len, lkey, raddr, rkey, imm_on, imm, 1);
+}
+
 int epipe_rdma_post_recv(struct rdma_link *l)
 {
-    struct ibv_recv_wr wr, *bad = NULL;
-    memset(&wr, 0, sizeof wr);
-    wr.wr_id = WRID(WR_RECV, l->idx, 0);
-    int e = ibv_post_recv(l->qp, &wr, &bad);
+    /* Zero-length receives for immediates, posted RDMA_RECV_BATCH at a time
+     * (one call into the provider) once that many were used. */
+    unsigned n = RDMA_RQ_DEPTH - l->rq_posted;
+    if (n < RDMA_RECV_BATCH && l->rq_posted)
+        return EPIPE_OK;
+    struct ibv_recv_wr wr[RDMA_RQ_DEPTH], *bad = NULL;
+    memset(wr, 0, n * sizeof wr[0]);
+    for (unsigned i = 0; i < n; i++) {
+        wr[i].wr_id = WRID(WR_RECV, l->idx, 0);
+        wr[i].next = i + 1 < n ? &wr[i + 1] : NULL;
+    }
+    int e = n ? ibv_post_recv(l->qp, wr, &bad) : 0;
     if (e) {
         char why[160];
         snprintf(why, sizeof why, "posting a receive for rank %u failed (ibv_post_recv: %s)",
@@ -200,7 +215,7 @@ int epipe_rdma_post_recv(struct rdma_link *l)
         epipe_rdma_fail_locked(l, EPIPE_EPEER, why);
         return EPIPE_EPEER;
     }
-    l->rq_posted++;
+    l->rq_posted += n;
     return EPIPE_OK;
 }
 
@@ -222,11 +237,19 @@ static int post_cts(struct rdma_link *l, uint64_t addr, uint64_t size, uint32_t 
     return rc;
 }
 
-static int lend_slot(struct rdma_link *l, unsigned slot)
+/* Slot `slot` was read: lend it again, with others in one CTS once
+ * RDMA_LEND_BATCH are free (or now, with force). The sender always holds or
+ * has in flight at least SLOTS - BATCH + 1 slots, so it never waits on this. */
+static int lend_slot(struct rdma_link *l, int slot, int force)
 {
-    l->slot_lent |= 1u << slot;
-    return post_cts(l, (uintptr_t)(l->slots + (size_t)slot * RDMA_SLOT_SIZE), RDMA_SLOT_SIZE,
-                    l->slots_mr->rkey, 0, slot);
+    if (slot >= 0)
+        l->slot_free |= 1u << slot;
+    if (!l->slot_free || (!force && __builtin_popcount(l->slot_free) < RDMA_LEND_BATCH))
+        return EPIPE_OK;
+    uint32_t bits = l->slot_free;
+    l->slot_free = 0;
+    l->slot_lent |= bits;
+    return post_cts(l, (uintptr_t)l->slots, RDMA_SLOT_SIZE, l->slots_mr->rkey, 0, bits);
 }
 
 int epipe_rdma_post_ctl(struct rdma_link *l, uint32_t imm)
@@ -244,25 +267,22 @@ int epipe_rdma_link_start(struct rdma_link *l)
 {
     int rc = EPIPE_OK;
     pthread_mutex_lock(&l->lock);
-    while (rc == EPIPE_OK && l->rq_posted < RDMA_RQ_DEPTH)
-        rc = epipe_rdma_post_recv(l);
+    rc = epipe_rdma_post_recv(l);
     pthread_mutex_unlock(&l->lock);
     return rc;
 }
 
 int epipe_rdma_link_lend_all(struct rdma_link *l)
 {
-    int rc = EPIPE_OK;
-    for (unsigned s = 0; rc == EPIPE_OK && s < RDMA_SLOTS; s++)
-        rc = lend_slot(l, s);
-    return rc;
+    l->slot_free = (uint32_t)((1ull << RDMA_SLOTS) - 1);
+    return lend_slot(l, -1, 1);
 }
 
 int epipe_rdma_link_idle(struct rdma_link *l)
 {
     if (l->dead || l->peer_bye)
         return 1;
-    if (l->txq || l->stage_busy)
+    if (l->txq)
         return 0;
     for (int i = 0; i < RDMA_LARGE; i++)
         if (l->ltx[i].state)
@@ -292,7 +312,7 @@ static void pump_large(struct rdma_link *l)
 void epipe_rdma_pump(struct rdma_link *l)
 {
     struct rdma *r = l->r;
-    while (!l->dead && l->txq && l->ncredit && l->stage_busy != (1ull << RDMA_SLOTS) - 1) {
+    while (!l->dead && l->txq && l->credit) {
         epipe_msg *m = l->txq;
         int large = m->len > RDMA_SLOT_SIZE, li = -1;
         if (large) {
@@ -302,9 +322,9 @@ void epipe_rdma_pump(struct rdma_link *l)
             if (li < 0)
                 break;
         }
-        unsigned slot = (unsigned)__builtin_ctz(~l->stage_busy);
+        unsigned slot = (unsigned)__builtin_ctz(l->credit);
         uint8_t *dst = l->stage + (size_t)slot * RDMA_SLOT_SIZE;
-        struct rdma_cts cr = l->credit[--l->ncredit];
+        l->credit &= ~(1u << slot);
         uint32_t imm;
         size_t n;
         l->txq = m->next;
@@ -326,17 +346,23 @@ void epipe_rdma_pump(struct rdma_link *l)
             memcpy(dst, w, sizeof w);
             memcpy(dst + sizeof w, m->data, EPIPE_WIRE_HEADER_SIZE); /* sealed: 192 bytes */
             n = sizeof w + EPIPE_WIRE_HEADER_SIZE;
-            imm = IMM(IMM_RTS, cr.tag);
+            imm = IMM(IMM_RTS, slot);
         } else {
             memcpy(dst, m->data, m->len);
             n = m->len;
-            imm = IMM(IMM_EAGER, cr.tag);
+            imm = IMM(IMM_EAGER, slot);
             epipe_msg_free(m);
         }
-        l->stage_busy |= 1u << slot;
-        if (post_write(l, WRID(WR_EAGER, l->idx, slot), dst, n, l->stage_mr->lkey, cr.addr,
-                       cr.rkey, 1, imm))
+        /* Unsignaled but every RDMA_SIGNAL_EVERY-th (or the last of a burst):
+         * staging slot i is free again when the peer lends its slot i back,
+         * and a signaled write's completion retires the writes before it. */
+        int sig = ++l->unsignaled >= RDMA_SIGNAL_EVERY || !l->txq || !l->credit;
+        if (post_write_sig(l, WRID(WR_EAGER, l->idx, sig ? l->unsignaled : 0), dst, n,
+                           l->stage_mr->lkey, l->credit_base + (uint64_t)slot * RDMA_SLOT_SIZE,
+                           l->credit_rkey, 1, imm, sig))
             return;
+        if (sig)
+            l->unsignaled = 0, l->eager_signaled++;
         l->sent++;
     }
     pump_large(l);
@@ -492,7 +518,7 @@ static void got_eager(struct rdma_link *l, unsigned slot, int rts)
             l->r->inject = 0;
             size = len / 2;
         }
-        if (lend_slot(l, slot) || pend(l, NULL, li))
+        if (lend_slot(l, (int)slot, 0) || pend(l, NULL, li))
             return;
         post_cts(l, (uintptr_t)m->data, size, reg->mr->rkey, 1, w[0]);
         return;
@@ -512,7 +538,7 @@ static void got_eager(struct rdma_link *l, unsigned slot, int rts)
     memcpy(m->data, p, len);
     m->len = len;
     m->hdr = h;
-    if (lend_slot(l, slot)) {
+    if (lend_slot(l, (int)slot, 0)) {
         epipe_msg_free(m);
         return;
     }
@@ -570,12 +596,18 @@ static void got_cts(struct rdma_link *l, uint32_t imm_seq)
     }
     l->cts_expect++;
     if (e.kind == 0) {
-        if (e.tag >= RDMA_SLOTS || e.size < RDMA_SLOT_SIZE || l->ncredit >= RDMA_SLOTS) {
-            epipe_rdma_protocol_error(l, "a clear-to-send for eager slot %u of %llu bytes", e.tag,
-                           (unsigned long long)e.size);
+        if ((RDMA_SLOTS < 32 && e.tag >> RDMA_SLOTS) || (e.tag & l->credit) ||
+            e.size != RDMA_SLOT_SIZE ||
+            (l->credit_base && (e.addr != l->credit_base || e.rkey != l->credit_rkey))) {
+            epipe_rdma_protocol_error(l, "a clear-to-send lending eager slots 0x%x of %llu bytes "
+                                         "at 0x%llx (holding 0x%x)",
+                                      e.tag, (unsigned long long)e.size,
+                                      (unsigned long long)e.addr, l->credit);
             return;
         }
-        l->credit[l->ncredit++] = e;
+        l->credit |= e.tag;
+        l->credit_base = e.addr;
+        l->credit_rkey = e.rkey;
     } else if (e.kind == 1) {
         struct rdma_ltx *x = NULL;
         for (int k = 0; k < RDMA_LARGE && !x; k++)
