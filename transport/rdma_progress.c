@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -10,13 +11,6 @@
 
 #include "../lib/log.h"
 #include "rdma_impl.h"
-
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
 
 static int64_t now_us(void)
 {
@@ -177,7 +171,7 @@ void *epipe_rdma_progress(void *arg)
             continue; /* the clock is read only while nothing arrives */
         }
         if (empty++ % 16) {
-            cpu_relax();
+            sched_yield(); /* a spinning thread must not starve the one it waits for */
             continue;
         }
         now = now_us();
