@@ -134,7 +134,7 @@ struct rdma {
     uint32_t inject; /* tests: the next bad thing to send (epipe_rdma_debug_inject) */
 };
 
-/* ---- rdma_proto.c ---- */
+/* ---- rdma_proto.c (links, posting, sending), rdma_recv.c (epipe_rdma_got_imm) ---- */
 int epipe_rdma_link_alloc(struct rdma *r, struct rdma_link *l);
 /* Posts the zero-length receives and lends every slot (after both sides are RTS). */
 int epipe_rdma_link_start(struct rdma_link *l);
@@ -151,6 +151,11 @@ void epipe_rdma_fail_locked(struct rdma_link *l, int status, const char *why);
 void epipe_rdma_protocol_error(struct rdma_link *l, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 int epipe_rdma_post_recv(struct rdma_link *l);
+/* Writes a clear-to-send into the peer's ring (rdma_proto.c). */
+int epipe_rdma_post_cts(struct rdma_link *l, uint64_t addr, uint64_t size, uint32_t rkey,
+                        uint32_t kind, uint32_t tag);
+/* My slot `slot` (-1: none) was read: lend it back, in a batch or (force) now. */
+int epipe_rdma_lend_slot(struct rdma_link *l, int slot, int force);
 void epipe_rdma_got_imm(struct rdma_link *l, uint32_t imm);
 void epipe_rdma_pump(struct rdma_link *l);
 /* Lends the peer every eager slot (under l->lock), once both QPs are ready. */
