@@ -194,6 +194,50 @@ static int post_write(struct rdma_link *l, uint64_t wrid, const void *src, size_
     return post_write_sig(l, wrid, src, len, lkey, raddr, rkey, imm_on, imm, 1);
 }
 
+/* Eager writes gathered by one pump, posted with one call (one doorbell). */
+struct chain {
+    struct ibv_send_wr wr[RDMA_SLOTS];
+    struct ibv_sge sge[RDMA_SLOTS];
+    int n;
+};
+
+static void chain_add(struct chain *ch, uint64_t wrid, const void *src, size_t len, uint32_t lkey,
+                      uint64_t raddr, uint32_t rkey, uint32_t imm, int signaled)
+{
+    int i = ch->n++;
+    struct ibv_send_wr *wr = &ch->wr[i];
+    memset(wr, 0, sizeof *wr);
+    ch->sge[i] = (struct ibv_sge){.addr = (uintptr_t)src, .length = (uint32_t)len, .lkey = lkey};
+    wr->wr_id = wrid;
+    wr->sg_list = &ch->sge[i];
+    wr->num_sge = 1;
+    wr->opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+    wr->send_flags = signaled ? IBV_SEND_SIGNALED : 0;
+    wr->imm_data = htonl(imm);
+    wr->wr.rdma.remote_addr = raddr;
+    wr->wr.rdma.rkey = rkey;
+    if (i)
+        ch->wr[i - 1].next = wr;
+}
+
+static int chain_post(struct rdma_link *l, struct chain *ch)
+{
+    if (!ch->n || l->dead)
+        return EPIPE_OK;
+    struct ibv_send_wr *bad = NULL;
+    int e = ibv_post_send(l->qp, ch->wr, &bad);
+    if (e) {
+        char why[160];
+        snprintf(why, sizeof why, "posting an RDMA write to rank %u failed (ibv_post_send: %s)",
+                 l->peer, strerror(e));
+        epipe_rdma_fail_locked(l, EPIPE_EPEER, why);
+        return EPIPE_EPEER;
+    }
+    l->sq_used += (unsigned)ch->n;
+    ch->n = 0;
+    return EPIPE_OK;
+}
+
 int epipe_rdma_post_recv(struct rdma_link *l)
 {
     /* Zero-length receives for immediates, posted RDMA_RECV_BATCH at a time
@@ -312,6 +356,8 @@ static void pump_large(struct rdma_link *l)
 void epipe_rdma_pump(struct rdma_link *l)
 {
     struct rdma *r = l->r;
+    struct chain ch;
+    ch.n = 0;
     while (!l->dead && l->txq && l->credit) {
         epipe_msg *m = l->txq;
         int large = m->len > RDMA_SLOT_SIZE, li = -1;
@@ -336,7 +382,8 @@ void epipe_rdma_pump(struct rdma_link *l)
                 char why[EPIPE_ERRMSG_MAX];
                 snprintf(why, sizeof why, "sending to rank %u: %s", l->peer, epipe_last_error());
                 epipe_msg_free(m);
-                epipe_rdma_fail_locked(l, EPIPE_EPEER, why);
+                if (chain_post(l, &ch) == EPIPE_OK) /* what went before still goes */
+                    epipe_rdma_fail_locked(l, EPIPE_EPEER, why);
                 return;
             }
             struct rdma_ltx *x = &l->ltx[li];
@@ -357,15 +404,15 @@ void epipe_rdma_pump(struct rdma_link *l)
          * staging slot i is free again when the peer lends its slot i back,
          * and a signaled write's completion retires the writes before it. */
         int sig = ++l->unsignaled >= RDMA_SIGNAL_EVERY || !l->txq || !l->credit;
-        if (post_write_sig(l, WRID(WR_EAGER, l->idx, sig ? l->unsignaled : 0), dst, n,
-                           l->stage_mr->lkey, l->credit_base + (uint64_t)slot * RDMA_SLOT_SIZE,
-                           l->credit_rkey, 1, imm, sig))
-            return;
+        chain_add(&ch, WRID(WR_EAGER, l->idx, sig ? l->unsignaled : 0), dst, n,
+                  l->stage_mr->lkey, l->credit_base + (uint64_t)slot * RDMA_SLOT_SIZE,
+                  l->credit_rkey, imm, sig);
         if (sig)
             l->unsignaled = 0, l->eager_signaled++;
         l->sent++;
     }
-    pump_large(l);
+    if (chain_post(l, &ch) == EPIPE_OK)
+        pump_large(l);
 }
 
 int epipe_rdma_send(struct rdma *r, struct rdma_link *l, epipe_msg *m)
