@@ -193,9 +193,14 @@ static void test_auto_picks(void **state)
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
     setenv("EPIPE_FAKEVERBS_DEVICES", "0", 1);
-    make_group("auto", c, 2, NULL);
-    for (int r = 0; r < 2; r++)
+    int rc[2];
+    char err[2][256];
+    try_group("auto", c, 2, NULL, rc, err);
+    for (int r = 0; r < 2; r++) {
+        assert_int_equal(rc[r], EPIPE_OK);
         assert_string_equal(epipe_comm_transport(c[r]), "tcp");
+        assert_string_equal(err[r], ""); /* no stale "no RDMA device" after success */
+    }
     assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 10, 5)), EPIPE_OK);
     recv_act(c[1], 0, 1, 0, 10, 5);
     epipe_comm_destroy(c[0]);

@@ -383,6 +383,7 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
             free_verbs(r);
             return rc;
         }
+        epipe_clear_error(); /* auto goes on over tcp */
     }
     epipe_tcp_key key = {0};
     if (o.key_file[0] && (rc = epipe_tcp_key_load(&key, o.key_file))) {

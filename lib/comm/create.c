@@ -136,7 +136,8 @@ int epipe_comm_settings_apply(epipe_comm *c, const epipe_comm_settings *s)
 /* ---- creation by name --------------------------------------------------- */
 
 /* The transport `name` asks for: the argument, else EPIPE_TRANSPORT, else
- * "auto"; "auto" is tcp for groups of more than one rank or ranks from the
+ * "auto"; "auto" (why = "auto") is tcp, with rdma where both ends can, for groups
+ * of more than one rank or ranks from the
  * environment, else inproc. */
 static const char *pick_transport(const char *name, unsigned size, int from_env, const char **why)
 {
@@ -148,9 +149,9 @@ static const char *pick_transport(const char *name, unsigned size, int from_env,
     }
     if (!strcmp(name, "auto")) {
         *why = "auto";
-        /* Across processes: rdma to neighbours where both sides have an
-         * active device, tcp otherwise (epipe_rdma_comm_create decides). */
-        name = size > 1 || from_env ? "auto-net" : "inproc";
+        /* Across processes: tcp, with rdma to the neighbours where both
+         * sides have an active device (epipe_rdma_comm_create decides). */
+        name = size > 1 || from_env ? "tcp" : "inproc";
     }
     return name;
 }
@@ -203,7 +204,7 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                               "buffer_cache, trace)",
                               rest);
         rc = epipe_inproc_join(out, rank, size, &s);
-    } else if (!strcmp(name, "tcp")) {
+    } else if (!strcmp(name, "tcp") && strcmp(why, "auto")) {
         if (s.group[0])
             return epipe_fail(EPIPE_EINVAL, "tcp: option group is for inproc only");
         /* tcp needs the resolved values while it is being created: the
@@ -214,15 +215,15 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                  n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
                  (long long)s.init_timeout_ms);
         rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
-    } else if (!strcmp(name, "rdma") || !strcmp(name, "auto-net")) {
-        int is_auto = !strcmp(name, "auto-net");
-#ifdef EPIPE_HAVE_RDMA
+    } else if (!strcmp(name, "rdma") || !strcmp(name, "tcp")) { /* rdma, or auto's tcp */
+        int is_auto = !strcmp(name, "tcp");
         if (s.group[0])
-            return epipe_fail(EPIPE_EINVAL, "rdma: option group is for inproc only");
-        size_t n = strlen(rest);
+            return epipe_fail(EPIPE_EINVAL, "%s: option group is for inproc only", name);
+        size_t n = strlen(rest); /* as for tcp, above */
         snprintf(rest + n, sizeof rest - n, "%stimeout_ms=%lld,spin_us=%lld,init_timeout_ms=%lld",
                  n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
                  (long long)s.init_timeout_ms);
+#ifdef EPIPE_HAVE_RDMA
         rc = epipe_rdma_comm_create(out, rank, size, master_addr, master_port, rest, is_auto);
 #else
         if (!is_auto)
@@ -230,11 +231,7 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                               "comm: the rdma transport is not built into this "
                               "libepipe (transport '%s' from %s)",
                               name, why);
-        epipe_log_info(-1, "comm", "auto: transport tcp (rdma is not built into this libepipe)");
-        size_t n = strlen(rest);
-        snprintf(rest + n, sizeof rest - n, "%stimeout_ms=%lld,spin_us=%lld,init_timeout_ms=%lld",
-                 n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
-                 (long long)s.init_timeout_ms);
+        epipe_log_debug(-1, "comm", "auto: transport tcp (rdma is not built into this libepipe)");
         rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
 #endif
     } else {
