@@ -151,6 +151,8 @@ static void recv_act(epipe_comm *c, unsigned peer, uint64_t step, uint32_t mb, s
     epipe_msg_free(m);
 }
 
+static void expect_recv_fails(epipe_comm *c, unsigned peer, int status, const char *needle);
+
 /* ---- loader and probe errors ------------------------------------------- */
 
 static void expect_enotsup(const char *needle)
@@ -238,6 +240,36 @@ static void test_messages(void **state)
                          EPIPE_OK);
     for (uint32_t i = 0; i < 300; i++)
         recv_act(c[1], 0, 9, i, i % 7 ? 16 : 20000, i);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
+/* Three ranks (pipeline topology: neighbours and rank 0): every joined
+ * pair over its own queue pair; a rank's destroy does not cut the others. */
+static void test_three_ranks(void **state)
+{
+    epipe_comm *c[3];
+    make_group("rdma", c, 3, NULL);
+    assert_int_equal(epipe_rdma_debug_links(c[0]), 2);
+    assert_int_equal(epipe_rdma_debug_links(c[1]), 2);
+    assert_int_equal(epipe_rdma_debug_links(c[2]), 2);
+    for (uint32_t i = 0; i < 20; i++) {
+        size_t n = i % 3 ? 50 : 30000;
+        assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, i, n, i)), EPIPE_OK);
+        assert_int_equal(epipe_comm_send(c[1], 2, make_act(1, 2, 1, i, n, 100 + i)), EPIPE_OK);
+        assert_int_equal(epipe_comm_send(c[2], 0, make_act(2, 0, 1, i, n, 200 + i)), EPIPE_OK);
+    }
+    for (uint32_t i = 0; i < 20; i++) {
+        size_t n = i % 3 ? 50 : 30000;
+        recv_act(c[1], 0, 1, i, n, i);
+        recv_act(c[2], 1, 1, i, n, 100 + i);
+        recv_act(c[0], 2, 1, i, n, 200 + i);
+    }
+    epipe_comm_destroy(c[2]);
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 2, 0, 8, 7)), EPIPE_OK);
+    recv_act(c[1], 0, 2, 0, 8, 7);
+    expect_recv_fails(c[1], 2, EPIPE_EPEER, "left");
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
     expect_no_leaks();
@@ -503,6 +535,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup(test_loader_errors, setup_env),
         cmocka_unit_test_setup(test_auto_picks, setup_env),
         cmocka_unit_test_setup(test_messages, setup_env),
+        cmocka_unit_test_setup(test_three_ranks, setup_env),
         cmocka_unit_test_setup(test_attack_short_cts, setup_env),
         cmocka_unit_test_setup(test_attack_unknown_imm, setup_env),
         cmocka_unit_test_setup(test_attack_unlent_slot, setup_env),
