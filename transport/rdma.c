@@ -438,10 +438,10 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
                 rc = epipe_fail(EPIPE_ENOTSUP, "rdma: rank %u did not offer rdma (it has no "
                                                "active RDMA device, or runs tcp)",
                                 l->peer);
-            else
-                epipe_log_info((int)rank, "rdma", "auto: tcp to rank %u: %s", l->peer,
-                               local_ok ? "it has no active RDMA device (or runs tcp)"
-                                        : local_why);
+            else if (local_ok) /* without a device here, one line says so below */
+                epipe_log_info((int)rank, "rdma",
+                               "auto: tcp to rank %u: it has no active RDMA device (or runs tcp)",
+                               l->peer);
             continue;
         }
         /* Both sides offered: a failure now fails the exchange (the peer
