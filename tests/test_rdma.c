@@ -477,6 +477,56 @@ static int peer_main(unsigned port, int delay_ms)
     return 1;
 }
 
+/* The peer role (test_rdma --auto-peer PORT): rank 1 under auto without a
+ * device; echoes one message back to rank 0. */
+static int auto_peer_main(unsigned port)
+{
+    setenv("EPIPE_FAKEVERBS_DEVICES", "0", 1);
+    epipe_comm *c = NULL;
+    if (epipe_comm_create(&c, "auto", 1, 2, "127.0.0.1", port, "timeout_ms=10000")) {
+        fprintf(stderr, "peer: %s\n", epipe_last_error());
+        return 1;
+    }
+    epipe_msg *m = NULL;
+    int rc = strcmp(epipe_comm_transport(c), "tcp") ? 2 : 0;
+    if (!rc)
+        rc = epipe_comm_recv(c, 0, EPIPE_WIRE_ACTIVATION, 1, 0, 10000, &m);
+    if (!rc) {
+        m->hdr.src_stage = 1, m->hdr.dst_stage = 0;
+        epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE);
+        rc = epipe_comm_send(c, 0, m);
+    }
+    epipe_comm_destroy(c);
+    return rc ? 1 : 0;
+}
+
+/* auto between a rank with a device and one without: that link is tcp. */
+static void test_auto_mixed(void **state)
+{
+    unsigned port = free_port();
+    char ports[16];
+    snprintf(ports, sizeof ports, "%u", port);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        execl(self_exe, "test_rdma", "--auto-peer", ports, (char *)NULL);
+        _exit(127);
+    }
+    epipe_comm *c = NULL;
+    int rc = epipe_comm_create(&c, "auto", 0, 2, "127.0.0.1", port, "timeout_ms=10000");
+    if (rc)
+        print_error("%s\n", epipe_last_error());
+    assert_int_equal(rc, EPIPE_OK);
+    assert_string_equal(epipe_comm_transport(c), "tcp");
+    assert_int_equal(epipe_comm_send(c, 1, make_act(0, 1, 1, 0, 3000, 9)), EPIPE_OK);
+    recv_act(c, 1, 1, 0, 3000, 9);
+    int st;
+    waitpid(pid, &st, 0);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    epipe_comm_destroy(c);
+    expect_no_leaks();
+}
+
 static void killed_peer(int delay_ms)
 {
     unsigned port = free_port();
@@ -522,6 +572,8 @@ int main(int argc, char **argv)
 {
     if (argc == 4 && !strcmp(argv[1], "--peer"))
         return peer_main((unsigned)atoi(argv[2]), atoi(argv[3]));
+    if (argc == 3 && !strcmp(argv[1], "--auto-peer"))
+        return auto_peer_main((unsigned)atoi(argv[2]));
     fakeverbs = getenv("EPIPE_TEST_FAKEVERBS");
     if (!fakeverbs || !*fakeverbs) {
         printf("SKIP: EPIPE_TEST_FAKEVERBS (the test verbs provider) is not set\n");
@@ -544,6 +596,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup(test_fault_qp_error, setup_env),
         cmocka_unit_test_setup(test_fault_registration, setup_env),
         cmocka_unit_test_setup(test_fault_setup, setup_env),
+        cmocka_unit_test_setup(test_auto_mixed, setup_env),
         cmocka_unit_test_setup(test_killed_peer, setup_env),
         cmocka_unit_test_setup(test_leak_cycles, setup_env),
     };
