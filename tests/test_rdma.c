@@ -323,6 +323,19 @@ static void test_attack_unlent_slot(void **state)
     attack(EPIPE_RDMA_INJECT_UNLENT_SLOT, 0, 0, "eager slot 35, which this rank did not lend");
 }
 
+static void test_attack_duplicate_rts(void **state)
+{
+    epipe_comm *c[2];
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    assert_int_equal(epipe_rdma_debug_inject(c[0], 1, EPIPE_RDMA_INJECT_DUP_RTS), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 50000, 1)), EPIPE_OK);
+    expect_recv_fails(c[1], 0, EPIPE_EPROTO, "a second request to send message sequence 0");
+    expect_recv_fails(c[0], 1, EPIPE_EPEER, "tore down its rdma link");
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
 static void test_attack_bogus_completion(void **state)
 {
     epipe_comm *c[2];
@@ -591,6 +604,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup(test_attack_short_cts, setup_env),
         cmocka_unit_test_setup(test_attack_unknown_imm, setup_env),
         cmocka_unit_test_setup(test_attack_unlent_slot, setup_env),
+        cmocka_unit_test_setup(test_attack_duplicate_rts, setup_env),
         cmocka_unit_test_setup(test_attack_bogus_completion, setup_env),
         cmocka_unit_test_setup(test_bad_qp_info, setup_env),
         cmocka_unit_test_setup(test_fault_qp_error, setup_env),

@@ -289,7 +289,8 @@ int epipe_rdma_debug_inject(epipe_comm *c, unsigned peer, int what)
     int rc = EPIPE_OK;
     pthread_mutex_lock(&l->lock);
     switch (what) {
-    case EPIPE_RDMA_INJECT_SHORT_CTS: r->inject = 1; break;
+    case EPIPE_RDMA_INJECT_SHORT_CTS: r->inject = EPIPE_RDMA_INJECT_SHORT_CTS; break;
+    case EPIPE_RDMA_INJECT_DUP_RTS: r->inject = EPIPE_RDMA_INJECT_DUP_RTS; break;
     case EPIPE_RDMA_INJECT_UNKNOWN_IMM: rc = epipe_rdma_post_ctl(l, IMM(IMM_DONE, 0x0abcdef)); break;
     case EPIPE_RDMA_INJECT_UNLENT_SLOT: rc = epipe_rdma_post_ctl(l, IMM(IMM_EAGER, RDMA_SLOTS + 3)); break;
     case EPIPE_RDMA_INJECT_BOGUS_WC: {

@@ -28,6 +28,7 @@ enum {
     EPIPE_RDMA_INJECT_UNKNOWN_IMM,   /* writes an immediate for a sequence never announced */
     EPIPE_RDMA_INJECT_UNLENT_SLOT,   /* writes an immediate naming a slot never lent */
     EPIPE_RDMA_INJECT_BOGUS_WC,      /* feeds c a completion for a request never posted */
+    EPIPE_RDMA_INJECT_DUP_RTS,       /* announces c's next large message to peer twice */
 };
 /* Makes c misbehave towards peer as `what` says; EPIPE_EINVAL if c has no
  * verbs link to peer. */

@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "rdma.h"
 #include "rdma_reg.h"
 #include "rdma_verbs.h"
 #include "tcp_conn.h"

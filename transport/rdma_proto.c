@@ -394,6 +394,16 @@ void epipe_rdma_pump(struct rdma_link *l)
             memcpy(dst + sizeof w, m->data, EPIPE_WIRE_HEADER_SIZE); /* sealed: 192 bytes */
             n = sizeof w + EPIPE_WIRE_HEADER_SIZE;
             imm = IMM(IMM_RTS, slot);
+            if (r->inject == EPIPE_RDMA_INJECT_DUP_RTS && l->credit) { /* tests */
+                r->inject = 0;
+                unsigned s2 = (unsigned)__builtin_ctz(l->credit);
+                l->credit &= ~(1u << s2);
+                memcpy(l->stage + (size_t)s2 * RDMA_SLOT_SIZE, dst, n);
+                chain_add(&ch, WRID(WR_EAGER, l->idx, 0), l->stage + (size_t)s2 * RDMA_SLOT_SIZE,
+                          n, l->stage_mr->lkey, l->credit_base + (uint64_t)s2 * RDMA_SLOT_SIZE,
+                          l->credit_rkey, IMM(IMM_RTS, s2), 0);
+                l->unsignaled++;
+            }
         } else {
             memcpy(dst, m->data, m->len);
             n = m->len;

@@ -111,9 +111,20 @@ static void got_eager(struct rdma_link *l, unsigned slot, int rts)
             return;
         }
         int li = -1;
-        for (int i = 0; i < RDMA_LARGE && li < 0; i++)
-            if (!l->lrx[i].busy)
+        for (int i = 0; i < RDMA_LARGE; i++) {
+            if (l->lrx[i].busy && l->lrx[i].seq == w[0]) {
+                epipe_rdma_protocol_error(l, "a second request to send message sequence %u",
+                                          w[0]);
+                return;
+            }
+            if (!l->lrx[i].busy && li < 0)
                 li = i;
+        }
+        if (w[0] > 0x0fffffffu) {
+            epipe_rdma_protocol_error(l, "a request to send with sequence %u (at most 2^28 - 1)",
+                                      w[0]);
+            return;
+        }
         if (li < 0) {
             epipe_rdma_protocol_error(l, "more than %d large messages at once", RDMA_LARGE);
             return;
@@ -135,7 +146,7 @@ static void got_eager(struct rdma_link *l, unsigned slot, int rts)
         m->len = len;
         l->lrx[li] = (struct rdma_lrx){.busy = 1, .m = m, .reg = reg, .seq = w[0], .len = len};
         uint64_t size = len;
-        if (l->r->inject == 1) { /* tests: a CTS naming a buffer too small */
+        if (l->r->inject == EPIPE_RDMA_INJECT_SHORT_CTS) { /* tests: a CTS naming half */
             l->r->inject = 0;
             size = len / 2;
         }
