@@ -23,6 +23,7 @@
 #include <epipe/comm.h>
 
 #include "../transport/rdma.h"
+#include "../transport/rdma_reg.h"
 #include "comm/comm_impl.h"
 #include "testutil.h"
 
@@ -272,6 +273,80 @@ static void test_three_ranks(void **state)
     expect_recv_fails(c[1], 2, EPIPE_EPEER, "left");
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
+/* The registration cache: one region serves every buffer inside it while
+ * referenced or idle; freeing a message buffer drops what covers it. */
+static void test_registration_cache(void **state)
+{
+    epipe_verbs v;
+    epipe_verbs_dev d;
+    assert_int_equal(epipe_verbs_open(&v), EPIPE_OK);
+    assert_int_equal(epipe_verbs_probe(&v, &d), EPIPE_OK);
+    struct ibv_pd *pd = v.alloc_pd(d.ctx);
+    assert_non_null(pd);
+    epipe_rdma_regcache rc;
+    epipe_rdma_reg_init(&rc, &v, pd, 2);
+    epipe_msg *m = epipe_msg_new(300000);
+    assert_non_null(m);
+    epipe_rdma_reg *a, *b, *x;
+    assert_int_equal(epipe_rdma_reg_get(&rc, m->data, m->cap, &a), EPIPE_OK);
+    assert_int_equal((uintptr_t)a->mr->addr % 4096, 0); /* page-aligned */
+    assert_true((uintptr_t)a->mr->addr <= (uintptr_t)m->data);
+    assert_true((uintptr_t)a->mr->addr + a->mr->length >= (uintptr_t)m->data + m->cap);
+    /* a part of the same buffer: the same region, a second reference */
+    assert_int_equal(epipe_rdma_reg_get(&rc, m->data + 5000, 1000, &b), EPIPE_OK);
+    assert_ptr_equal(a, b);
+    assert_int_equal(a->refs, 2);
+    epipe_rdma_reg_put(&rc, b);
+    epipe_rdma_reg_put(&rc, a);
+    assert_int_equal(rc.count, 1); /* idle, kept for the next message */
+    assert_int_equal(epipe_rdma_reg_get(&rc, m->data, 100, &x), EPIPE_OK);
+    assert_ptr_equal(x, a);
+    assert_int_equal(rc.hits, 2);
+    /* freed while in use: deregistered at the last put, never handed out again */
+    long live = epipe_rdma_live_mrs();
+    epipe_msg_free(m);
+    assert_int_equal(epipe_rdma_live_mrs(), live);
+    epipe_msg *m2 = epipe_msg_new(300000);
+    assert_int_equal(epipe_rdma_reg_get(&rc, m2->data, m2->cap, &b), EPIPE_OK);
+    assert_ptr_not_equal(b, x);
+    epipe_rdma_reg_put(&rc, x);
+    assert_int_equal(epipe_rdma_live_mrs(), live);
+    epipe_rdma_reg_put(&rc, b);
+    /* freed while idle: deregistered at once */
+    epipe_msg_free(m2);
+    assert_int_equal(rc.count, 0);
+    assert_int_equal(epipe_rdma_live_mrs(), 0);
+    /* at most max_idle idle regions */
+    epipe_msg *ms[4];
+    for (int i = 0; i < 4; i++) {
+        ms[i] = epipe_msg_new(100000);
+        assert_int_equal(epipe_rdma_reg_get(&rc, ms[i]->data, ms[i]->cap, &a), EPIPE_OK);
+        epipe_rdma_reg_put(&rc, a);
+    }
+    assert_int_equal(rc.count, 2);
+    for (int i = 0; i < 4; i++)
+        epipe_msg_free(ms[i]);
+    assert_int_equal(rc.count, 0);
+    /* a refused registration names its size */
+    setenv("EPIPE_FAKEVERBS_FAIL", "reg_mr:1", 1);
+    epipe_rdma_reg_fini(&rc);
+    v.dealloc_pd(pd);
+    epipe_verbs_release(&v, &d);
+    assert_int_equal(epipe_verbs_probe(&v, &d), EPIPE_OK); /* re-reads the knob */
+    pd = v.alloc_pd(d.ctx);
+    epipe_rdma_reg_init(&rc, &v, pd, 2);
+    m = epipe_msg_new(5000);
+    assert_int_equal(epipe_rdma_reg_get(&rc, m->data, 5000, &a), EPIPE_EIO);
+    assert_non_null(strstr(epipe_last_error(), "bytes failed (ibv_reg_mr"));
+    epipe_msg_free(m);
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+    epipe_rdma_reg_fini(&rc);
+    v.dealloc_pd(pd);
+    epipe_verbs_release(&v, &d);
+    epipe_verbs_close(&v);
     expect_no_leaks();
 }
 
@@ -601,6 +676,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup(test_auto_picks, setup_env),
         cmocka_unit_test_setup(test_messages, setup_env),
         cmocka_unit_test_setup(test_three_ranks, setup_env),
+        cmocka_unit_test_setup(test_registration_cache, setup_env),
         cmocka_unit_test_setup(test_attack_short_cts, setup_env),
         cmocka_unit_test_setup(test_attack_unknown_imm, setup_env),
         cmocka_unit_test_setup(test_attack_unlent_slot, setup_env),
