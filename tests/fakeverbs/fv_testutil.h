@@ -9,16 +9,16 @@
 int fakeverbs_live(const char *what);
 
 struct fvt_ep {
-  struct ibv_context *ctx;
-  struct ibv_pd *pd;
-  struct ibv_comp_channel *ch;
-  struct ibv_cq *scq, *rcq;
-  struct ibv_qp *qp;
+    struct ibv_context *ctx;
+    struct ibv_pd *pd;
+    struct ibv_comp_channel *ch;
+    struct ibv_cq *scq, *rcq;
+    struct ibv_qp *qp;
 };
 
 struct fvt_info {
-  union ibv_gid gid;
-  uint32_t qpn, psn;
+    union ibv_gid gid;
+    uint32_t qpn, psn;
 };
 
 /* Opens the device and makes a QP in RESET->INIT (0, or -1). */
