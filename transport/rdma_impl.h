@@ -105,6 +105,8 @@ struct rdma_link {
     uint32_t credit_rkey;
     unsigned unsignaled; /* eager writes posted since the last signaled one */
     unsigned eager_signaled; /* signaled eager writes in flight */
+    uint64_t eager_posted, eager_done; /* eager writes posted; completed (signaled or implied) */
+    uint64_t stage_seq[RDMA_SLOTS];    /* the write that last read staging slot i */
     struct rdma_ltx ltx[RDMA_LARGE];
     uint32_t next_lseq;
     uint32_t cts_expect; /* the next CTS sequence from the peer */

@@ -31,6 +31,7 @@ static int account(struct rdma_link *l, unsigned type, unsigned idx)
             return 0;
         l->eager_signaled--;
         l->sq_used -= idx;
+        l->eager_done += idx;
         return 1;
     case WR_CTS:
         if (!l->cts_inflight)

@@ -352,13 +352,54 @@ static void pump_large(struct rdma_link *l)
     }
 }
 
+/* A slot this rank may write now: the peer lent it (credit) and the last
+ * write from its staging slot has completed (a signaled completion covering
+ * it was polled), so the bytes may change. -1: none. */
+static int usable_slot(const struct rdma_link *l)
+{
+    for (uint32_t c = l->credit; c; c &= c - 1) {
+        unsigned s = (unsigned)__builtin_ctz(c);
+        if (l->stage_seq[s] <= l->eager_done)
+            return (int)s;
+    }
+    return -1;
+}
+
+/* Adds an eager write from staging slot `slot` to the peer's slot `slot`;
+ * every RDMA_SIGNAL_EVERY-th is signaled (its completion retires those before it). */
+static void eager_add(struct rdma_link *l, struct chain *ch, unsigned slot, size_t n,
+                      uint32_t imm)
+{
+    l->credit &= ~(1u << slot);
+    l->stage_seq[slot] = ++l->eager_posted;
+    int sig = ++l->unsignaled >= RDMA_SIGNAL_EVERY;
+    chain_add(ch, WRID(WR_EAGER, l->idx, sig ? l->unsignaled : 0),
+              l->stage + (size_t)slot * RDMA_SLOT_SIZE, n, l->stage_mr->lkey,
+              l->credit_base + (uint64_t)slot * RDMA_SLOT_SIZE, l->credit_rkey, imm, sig);
+    if (sig)
+        l->unsignaled = 0, l->eager_signaled++;
+}
+
+/* The last write of a pump is signaled, so that a completion always comes
+ * to free the staging slots behind it. */
+static void eager_close(struct rdma_link *l, struct chain *ch)
+{
+    if (!ch->n || (ch->wr[ch->n - 1].send_flags & IBV_SEND_SIGNALED))
+        return;
+    ch->wr[ch->n - 1].send_flags = IBV_SEND_SIGNALED;
+    ch->wr[ch->n - 1].wr_id = WRID(WR_EAGER, l->idx, l->unsignaled);
+    l->unsignaled = 0;
+    l->eager_signaled++;
+}
+
 /* Starts what the queue holds as credits, staging and large slots allow. */
 void epipe_rdma_pump(struct rdma_link *l)
 {
     struct rdma *r = l->r;
     struct chain ch;
     ch.n = 0;
-    while (!l->dead && l->txq && l->credit) {
+    int slot;
+    while (!l->dead && l->txq && (slot = usable_slot(l)) >= 0) {
         epipe_msg *m = l->txq;
         int large = m->len > RDMA_SLOT_SIZE, li = -1;
         if (large) {
@@ -368,59 +409,44 @@ void epipe_rdma_pump(struct rdma_link *l)
             if (li < 0)
                 break;
         }
-        unsigned slot = (unsigned)__builtin_ctz(l->credit);
         uint8_t *dst = l->stage + (size_t)slot * RDMA_SLOT_SIZE;
-        l->credit &= ~(1u << slot);
-        uint32_t imm;
-        size_t n;
         l->txq = m->next;
         if (!l->txq)
             l->txq_tail = NULL;
-        if (large) {
-            epipe_rdma_reg *reg;
-            if (epipe_rdma_reg_get(&r->cache, m->data, m->len, &reg)) {
-                char why[EPIPE_ERRMSG_MAX];
-                snprintf(why, sizeof why, "sending to rank %u: %s", l->peer, epipe_last_error());
-                epipe_msg_free(m);
-                if (chain_post(l, &ch) == EPIPE_OK) /* what went before still goes */
-                    epipe_rdma_fail_locked(l, EPIPE_EPEER, why);
-                return;
-            }
-            struct rdma_ltx *x = &l->ltx[li];
-            *x = (struct rdma_ltx){.state = 1, .m = m, .reg = reg,
-                                   .seq = l->next_lseq++ & 0x0fffffffu};
-            uint32_t w[4] = {x->seq, 0, (uint32_t)m->len, (uint32_t)((uint64_t)m->len >> 32)};
-            memcpy(dst, w, sizeof w);
-            memcpy(dst + sizeof w, m->data, EPIPE_WIRE_HEADER_SIZE); /* sealed: 192 bytes */
-            n = sizeof w + EPIPE_WIRE_HEADER_SIZE;
-            imm = IMM(IMM_RTS, slot);
-            if (r->inject == EPIPE_RDMA_INJECT_DUP_RTS && l->credit) { /* tests */
-                r->inject = 0;
-                unsigned s2 = (unsigned)__builtin_ctz(l->credit);
-                l->credit &= ~(1u << s2);
-                memcpy(l->stage + (size_t)s2 * RDMA_SLOT_SIZE, dst, n);
-                chain_add(&ch, WRID(WR_EAGER, l->idx, 0), l->stage + (size_t)s2 * RDMA_SLOT_SIZE,
-                          n, l->stage_mr->lkey, l->credit_base + (uint64_t)s2 * RDMA_SLOT_SIZE,
-                          l->credit_rkey, IMM(IMM_RTS, s2), 0);
-                l->unsignaled++;
-            }
-        } else {
+        if (!large) {
             memcpy(dst, m->data, m->len);
-            n = m->len;
-            imm = IMM(IMM_EAGER, slot);
+            eager_add(l, &ch, (unsigned)slot, m->len, IMM(IMM_EAGER, slot));
             epipe_msg_free(m);
+            l->sent++;
+            continue;
         }
-        /* Unsignaled but every RDMA_SIGNAL_EVERY-th (or the last of a burst):
-         * staging slot i is free again when the peer lends its slot i back,
-         * and a signaled write's completion retires the writes before it. */
-        int sig = ++l->unsignaled >= RDMA_SIGNAL_EVERY || !l->txq || !l->credit;
-        chain_add(&ch, WRID(WR_EAGER, l->idx, sig ? l->unsignaled : 0), dst, n,
-                  l->stage_mr->lkey, l->credit_base + (uint64_t)slot * RDMA_SLOT_SIZE,
-                  l->credit_rkey, imm, sig);
-        if (sig)
-            l->unsignaled = 0, l->eager_signaled++;
+        epipe_rdma_reg *reg;
+        if (epipe_rdma_reg_get(&r->cache, m->data, m->len, &reg)) {
+            char why[EPIPE_ERRMSG_MAX];
+            snprintf(why, sizeof why, "sending to rank %u: %s", l->peer, epipe_last_error());
+            epipe_msg_free(m);
+            eager_close(l, &ch);
+            if (chain_post(l, &ch) == EPIPE_OK) /* what went before still goes */
+                epipe_rdma_fail_locked(l, EPIPE_EPEER, why);
+            return;
+        }
+        struct rdma_ltx *x = &l->ltx[li];
+        *x = (struct rdma_ltx){.state = 1, .m = m, .reg = reg,
+                               .seq = l->next_lseq++ & 0x0fffffffu};
+        uint32_t w[4] = {x->seq, 0, (uint32_t)m->len, (uint32_t)((uint64_t)m->len >> 32)};
+        memcpy(dst, w, sizeof w);
+        memcpy(dst + sizeof w, m->data, EPIPE_WIRE_HEADER_SIZE); /* sealed: 192 bytes */
+        size_t n = sizeof w + EPIPE_WIRE_HEADER_SIZE;
+        eager_add(l, &ch, (unsigned)slot, n, IMM(IMM_RTS, slot));
+        int s2;
+        if (r->inject == EPIPE_RDMA_INJECT_DUP_RTS && (s2 = usable_slot(l)) >= 0) { /* tests */
+            r->inject = 0;
+            memcpy(l->stage + (size_t)s2 * RDMA_SLOT_SIZE, dst, n);
+            eager_add(l, &ch, (unsigned)s2, n, IMM(IMM_RTS, s2));
+        }
         l->sent++;
     }
+    eager_close(l, &ch);
     if (chain_post(l, &ch) == EPIPE_OK)
         pump_large(l);
 }
