@@ -2,7 +2,8 @@
 """Checks the libraries the shared libepipe loads against the blas feature:
 usage check_needed.py LIB blas|noblas. Without the feature neither its
 NEEDED entries nor ldd's full list may name a BLAS or LAPACK; with it, the
-NEEDED entries must (so the check cannot pass by looking at nothing)."""
+NEEDED entries must (so the check cannot pass by looking at nothing).
+libibverbs is never NEEDED: the rdma transport opens it at run time."""
 import re
 import subprocess
 import sys
@@ -14,6 +15,10 @@ needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn)
 print("NEEDED:", " ".join(needed))
 if not needed:
     sys.exit(f"{lib}: no NEEDED entries read")
+# The rdma transport opens libibverbs with dlopen: it is never a NEEDED entry.
+if any("ibverbs" in n for n in needed):
+    sys.exit("libepipe must not link libibverbs (the rdma transport dlopens it): " +
+             " ".join(needed))
 blas_needed = [n for n in needed if BLAS.search(n)]
 if feature == "blas":
     if not blas_needed:

@@ -96,8 +96,12 @@ static void names_pick_the_transport(void **state)
     assert_non_null(strstr(epipe_last_error(), "carrier-pigeon"));
     assert_non_null(strstr(epipe_last_error(), "EPIPE_TRANSPORT"));
     unsetenv("EPIPE_TRANSPORT");
+    /* rdma: not built, or (built) no verbs library where this one points */
+    setenv("EPIPE_IBVERBS_LIB", "/nonexistent/libibverbs.so.1", 1);
     assert_int_equal(epipe_comm_create(&c, "rdma", 0, 2, "127.0.0.1", 29600, NULL), EPIPE_ENOTSUP);
-    assert_non_null(strstr(epipe_last_error(), "rdma transport is not built"));
+    assert_true(strstr(epipe_last_error(), "rdma transport is not built") ||
+                strstr(epipe_last_error(), "/nonexistent/libibverbs.so.1"));
+    unsetenv("EPIPE_IBVERBS_LIB");
     assert_int_equal(epipe_comm_create(&c, "udp", 0, 1, NULL, 0, NULL), EPIPE_EINVAL);
     assert_non_null(strstr(epipe_last_error(), "'udp'"));
     /* bad options name themselves */

@@ -1,5 +1,5 @@
-/* epipe-bench transport: TCP transport throughput and one-way latency over
- * loopback, each against a raw-socket stream of the same sizes in one run. */
+/* epipe-bench transport: TCP or RDMA transport throughput and one-way latency
+ * over loopback, each against a raw-socket stream of the same sizes in one run. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,6 +30,7 @@ struct cfg {
     int spin_us;
     const char *options; /* appended to the transport options */
     const char *compare; /* a second communicator's extra options, or NULL */
+    const char *transport; /* tcp (default) or rdma */
 };
 
 struct peer {
@@ -41,7 +43,16 @@ struct peer {
     uint8_t *rawbuf; /* raw socket buffer, largest size */
     uint32_t phase;  /* tags every phase's messages (micro-batch field) */
     int raw_hot;     /* raw sends from one buffer (stays in cache) */
+    double cpu;      /* CPU seconds (user + system, this process) of the last stream */
 };
+
+static double cpu_now(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
+           (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+}
 
 static int parse_size(const char *s, size_t *out)
 {
@@ -62,6 +73,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: epipe-bench transport [--json] [--sizes 4,4K,64K,1M,4M,64M] [--streams N]\n"
+            "                             [--transport tcp|rdma]\n"
             "                             [--spin-us US] [--reps R] [--quick] [--raw-hot]\n"
             "                             [--options SPEC] [--compare SPEC]\n"
             "Two processes on loopback: for each message size (tensor bytes), streaming\n"
@@ -74,7 +86,11 @@ static void usage(FILE *f)
             "(not from one buffer that stays in cache); --raw-hot sends from one buffer.\n"
             "--options adds TCP options (\"key_file=K\"); --compare SPEC also measures a\n"
             "second communicator with SPEC added (\"encrypt=1\"), alternating with the first\n"
-            "in every repetition; its rows say how it compares with the first.\n");
+            "in every repetition; its rows say how it compares with the first.\n"
+            "--transport rdma measures the rdma transport (EPIPE_IBVERBS_LIB picks the verbs\n"
+            "library: the test provider measures protocol overhead); messages_per_s and\n"
+            "cpu_us_per_message (the sending process, progress threads included) come from\n"
+            "the streaming phase.\n");
 }
 
 static int free_port(void)
@@ -204,7 +220,7 @@ static double tcp_stream(struct peer *p, size_t bytes, size_t count)
     if (p->rank == 0 && !ms)
         return -1;
     size_t sent = 0;
-    double t0 = bench_now(), dt = -1;
+    double t0 = bench_now(), dt = -1, c0 = cpu_now();
     if (p->rank == 0) {
         size_t acked = 0;
         for (; sent < count; sent++) {
@@ -234,6 +250,7 @@ static double tcp_stream(struct peer *p, size_t bytes, size_t count)
         }
     }
     dt = bench_now() - t0;
+    p->cpu = cpu_now() - c0;
 out:
     free_msgs(ms, sent + (dt < 0 && sent < count), count);
     return dt;
@@ -342,7 +359,7 @@ static int run(struct peer *p, const struct cfg *c)
                        : ((c->quick ? 16u : 128u) << 20) / s < 4
                            ? 4
                            : ((c->quick ? 16u : 128u) << 20) / s;
-        double ts[2] = {-1, -1}, rs = -1, tl[2] = {-1, -1}, rl = -1;
+        double ts[2] = {-1, -1}, rs = -1, tl[2] = {-1, -1}, rl = -1, cpu[2] = {-1, -1};
         int ncomm = p->comm2 ? 2 : 1;
         /* A warm-up of each, then the repetitions, alternating them. */
         for (int k = 0; k < ncomm; k++, swap_comms(p))
@@ -358,6 +375,7 @@ static int run(struct peer *p, const struct cfg *c)
                 if (b < 0)
                     return -1;
                 ts[k] = best(ts[k], b);
+                cpu[k] = best(cpu[k], p->cpu);
             }
         }
         for (int k = 0; k < ncomm; k++, swap_comms(p))
@@ -383,7 +401,7 @@ static int run(struct peer *p, const struct cfg *c)
             double tput = mb / ts[k], lat = tl[k] / (double)iters / 2 * 1e6;
             double vs_t = ts[0] / ts[k], vs_l = tl[k] / tl[0];
             char name[160];
-            int n = snprintf(name, sizeof name, "tcp");
+            int n = snprintf(name, sizeof name, "%s", c->transport);
             if (c->streams > 1)
                 n += snprintf(name + n, sizeof name - (size_t)n, ":streams=%u", c->streams);
             if (k == 1)
@@ -393,13 +411,16 @@ static int run(struct peer *p, const struct cfg *c)
                 printf("{\"bench\":\"transport\",\"transport\":\"%s\",\"size\":%zu,"
                        "\"messages\":%zu,\"streams\":%u,\"spin_us\":%d,"
                        "\"mbytes_per_s\":%.1f,\"raw_mbytes_per_s\":%.1f,\"throughput_ratio\":%.3f,"
-                       "\"latency_us\":%.2f,\"raw_latency_us\":%.2f,\"latency_ratio\":%.3f%s",
+                       "\"latency_us\":%.2f,\"raw_latency_us\":%.2f,\"latency_ratio\":%.3f,"
+                       "\"messages_per_s\":%.0f,\"cpu_us_per_message\":%.3f%s",
                        name, s, count, c->streams, c->spin_us, tput, rtput, tput / rtput, lat, rlat,
-                       lat / rlat, k ? "" : "}\n");
+                       lat / rlat, (double)count / ts[k], cpu[k] / (double)count * 1e6,
+                       k ? "" : "}\n");
             else
                 printf("%-14s %9zu B  %9.1f MB/s  raw %9.1f MB/s  (%.2fx)   one-way %8.2f us  "
-                       "raw %8.2f us  (%.2fx)%s",
-                       name, s, tput, rtput, tput / rtput, lat, rlat, lat / rlat, k ? "" : "\n");
+                       "raw %8.2f us  (%.2fx)  %.0f msg/s  %.2f us CPU/msg%s",
+                       name, s, tput, rtput, tput / rtput, lat, rlat, lat / rlat,
+                       (double)count / ts[k], cpu[k] / (double)count * 1e6, k ? "" : "\n");
             if (k && c->json)
                 printf(",\"vs_first_throughput\":%.3f,\"vs_first_latency\":%.3f}\n", vs_t, vs_l);
             else if (k)
@@ -412,7 +433,7 @@ static int run(struct peer *p, const struct cfg *c)
 
 int bench_transport_main(int argc, char **argv)
 {
-    struct cfg c = {.reps = 3, .streams = 1, .spin_us = 50};
+    struct cfg c = {.reps = 3, .streams = 1, .spin_us = 50, .transport = "tcp"};
     const char *sizes = "4,4K,16K,64K,256K,1M,4M,16M,64M";
     enum {
         O_JSON = 256,
@@ -423,7 +444,8 @@ int bench_transport_main(int argc, char **argv)
         O_STREAMS,
         O_REPS,
         O_OPTIONS,
-        O_COMPARE
+        O_COMPARE,
+        O_TRANSPORT
     };
     static const struct option longopts[] = {
         {"help", no_argument, NULL, 'h'},
@@ -436,6 +458,7 @@ int bench_transport_main(int argc, char **argv)
         {"reps", required_argument, NULL, O_REPS},
         {"options", required_argument, NULL, O_OPTIONS},
         {"compare", required_argument, NULL, O_COMPARE},
+        {"transport", required_argument, NULL, O_TRANSPORT},
         {NULL, 0, NULL, 0},
     };
     opterr = 0;
@@ -452,6 +475,7 @@ int bench_transport_main(int argc, char **argv)
         case O_REPS: c.reps = atoi(optarg); break;
         case O_OPTIONS: c.options = optarg; break;
         case O_COMPARE: c.compare = optarg; break;
+        case O_TRANSPORT: c.transport = optarg; break;
         default: /* ':' or '?' */
             epipe_cli_bad_option("epipe-bench transport", argv, opt);
             usage(stderr);
@@ -470,6 +494,11 @@ int bench_transport_main(int argc, char **argv)
             fprintf(stderr, "epipe-bench transport: bad size '%s' (4 .. 1G, with K or M)\n", t);
             return 2;
         }
+    }
+    if (strcmp(c.transport, "tcp") && strcmp(c.transport, "rdma")) {
+        fprintf(stderr, "epipe-bench transport: --transport '%s' is not tcp or rdma\n",
+                c.transport);
+        return 2;
     }
     if (c.reps < 1 || c.streams < 1 || c.streams > 8 || !c.nsizes) {
         usage(stderr);
@@ -512,10 +541,11 @@ int bench_transport_main(int argc, char **argv)
         p.src[i] = (float)(i % 1000) * 0.001f;
     int rc = p.src && p.rawbuf ? epipe_codec_create(&p.none, "none") : EPIPE_ENOMEM;
     if (rc == EPIPE_OK)
-        rc = epipe_comm_create_tcp(&p.comm, (unsigned)p.rank, 2, "127.0.0.1", (unsigned)port, opts);
+        rc = epipe_comm_create(&p.comm, c.transport, (unsigned)p.rank, 2, "127.0.0.1",
+                               (unsigned)port, opts);
     if (rc == EPIPE_OK && c.compare)
-        rc = epipe_comm_create_tcp(&p.comm2, (unsigned)p.rank, 2, "127.0.0.1", (unsigned)port2,
-                                   opts2);
+        rc = epipe_comm_create(&p.comm2, c.transport, (unsigned)p.rank, 2, "127.0.0.1",
+                               (unsigned)port2, opts2);
     if (rc) {
         fprintf(stderr, "epipe-bench transport: rank %d: %s\n", p.rank, epipe_last_error());
     } else if (p.rank == 1) {
@@ -535,8 +565,8 @@ int bench_transport_main(int argc, char **argv)
     if (rc == EPIPE_OK) {
         setsockopt(p.raw, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         if (p.rank == 0 && !c.json)
-            printf("transport over loopback: two processes, best of %d, streams %u\n", c.reps,
-                   c.streams);
+            printf("%s transport over loopback: two processes, best of %d, streams %u\n",
+                   c.transport, c.reps, c.streams);
         if (run(&p, &c))
             rc = EPIPE_EIO;
     }

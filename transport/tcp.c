@@ -297,6 +297,15 @@ static int create(epipe_comm **out, unsigned rank, unsigned size, const char *ma
         epipe_tcp_key_wipe(&key);
         return rc;
     }
+    return epipe_tcp_comm_start(out, rank, size, o, &key, links, nlinks);
+}
+
+int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const epipe_tcp_opts *o,
+                         epipe_tcp_key *keyp, epipe_tcp_link *links, unsigned nlinks)
+{
+    epipe_tcp_key key = *keyp;
+    int rc = EPIPE_OK;
+    epipe_tcp_key_wipe(keyp);
     if (nlinks)
         qsort(links, nlinks, sizeof *links, cmp_link);
     epipe_comm *c = epipe_comm_alloc(&tcp_ops, rank, size);

@@ -83,6 +83,7 @@ struct tcp {
     int stop; /* atomic */
     uint8_t *staging;
     size_t record; /* body bytes per sealed record (encrypt=1) */
+    void *upper;   /* the rdma transport's state when it runs on these links */
 };
 
 /* Whether k has bytes to write (under txlock). */

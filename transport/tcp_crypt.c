@@ -128,7 +128,7 @@ int epipe_tcp_crypt_check(const epipe_tcp_opts *o)
 unsigned epipe_tcp_crypt_flags(const epipe_tcp_opts *o)
 {
     if (!o->encrypt || sodium_init() < 0)
-        return 0;
+        return o->offer_rdma ? EPIPE_TCP_HF_RDMA : 0;
     const char *force = getenv("EPIPE_TCP_CIPHER");
     int chacha = force && !strcmp(force, "chacha20-poly1305");
     return EPIPE_TCP_HF_ENCRYPT |
@@ -221,7 +221,7 @@ int epipe_tcp_crypt_check(const epipe_tcp_opts *o)
 
 unsigned epipe_tcp_crypt_flags(const epipe_tcp_opts *o)
 {
-    return 0;
+    return o->offer_rdma ? EPIPE_TCP_HF_RDMA : 0;
 }
 
 epipe_tcp_aead *epipe_tcp_aead_new(const uint8_t key[32], int aes)

@@ -25,6 +25,7 @@ typedef struct epipe_tcp_opts {
     char ifname[EPIPE_TCP_ADDR_MAX];      /* EPIPE_IFNAME */
     char key_file[512];                   /* EPIPE_AUTH_KEY_FILE */
     int encrypt;                          /* encrypt=1 (EPIPE_ENCRYPT); needs key_file */
+    int offer_rdma; /* set by the rdma transport (not an option): hellos carry HF_RDMA */
 } epipe_tcp_opts;
 
 /* Fills *o from defaults, the environment and spec (NULL or "" for none).
@@ -106,6 +107,13 @@ int epipe_tcp_setup(unsigned rank, unsigned size, const char *master_addr, unsig
                     const epipe_tcp_opts *o, const epipe_tcp_key *key, epipe_tcp_link **links,
                     unsigned *nlinks);
 
+/* The communicator over links from epipe_tcp_setup (sorted here): takes
+ * the links (array and fds) and wipes *key in every case. create() runs
+ * setup then this; the rdma transport exchanges queue-pair information on
+ * the links' sockets in between. */
+int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const epipe_tcp_opts *o,
+                         epipe_tcp_key *key, epipe_tcp_link *links, unsigned nlinks);
+
 /* Whether ranks a and b are joined under the topology, and how many streams. */
 unsigned epipe_tcp_streams_between(const epipe_tcp_opts *o, unsigned a, unsigned b);
 
@@ -114,6 +122,7 @@ unsigned epipe_tcp_streams_between(const epipe_tcp_opts *o, unsigned a, unsigned
 /* Hello flags beside tcp_setup.h's HF_AUTH (1): what a side announces. */
 #define EPIPE_TCP_HF_ENCRYPT 2u /* it runs with encrypt=1 */
 #define EPIPE_TCP_HF_AES 4u     /* and can run AES-256-GCM (AES-NI and PCLMUL) */
+#define EPIPE_TCP_HF_RDMA 8u    /* it has an active RDMA device and runs rdma or auto */
 
 /* A record: a 4-byte header (body length, 1 .. EPIPE_TCP_REC_MAX, and a
  * check byte), the body encrypted, a 16-byte tag over body and header. */
@@ -128,7 +137,7 @@ typedef struct epipe_tcp_aead epipe_tcp_aead;
 /* EPIPE_OK if the options can be run: encrypt=1 needs a key (EPIPE_EINVAL)
  * and libsodium (EPIPE_ENOTSUP). */
 int epipe_tcp_crypt_check(const epipe_tcp_opts *o);
-/* The EPIPE_TCP_HF_* flags this rank announces under o. */
+/* The EPIPE_TCP_HF_* flags this rank announces under o (HF_RDMA too). */
 unsigned epipe_tcp_crypt_flags(const epipe_tcp_opts *o);
 /* 1 (and a message in why) if a peer announcing `theirs` cannot talk to a
  * rank running o: one side encrypts and the other does not. */

@@ -33,6 +33,23 @@ struct epipe_msgpool {
     unsigned next;
 };
 
+/* The rdma transport's registration cache must forget a buffer before it
+ * goes back to the system: every message buffer is freed through here. */
+static void (*free_hook)(void *p, size_t cap);
+
+void epipe_msgbuf_free_hook_set(void (*fn)(void *p, size_t cap))
+{
+    __atomic_store_n(&free_hook, fn, __ATOMIC_RELEASE);
+}
+
+static void buf_free(void *p, size_t cap)
+{
+    void (*fn)(void *, size_t) = __atomic_load_n(&free_hook, __ATOMIC_ACQUIRE);
+    if (fn && p)
+        fn(p, cap);
+    free(p);
+}
+
 static epipe_msgpool *pool_new(void)
 {
     epipe_msgpool *pool = calloc(1, sizeof *pool);
@@ -51,7 +68,7 @@ static epipe_msgpool *pool_new(void)
 static void pool_drain(epipe_msgpool *pool)
 {
     for (int i = 0; i < MSGBUF_SLOTS; i++) {
-        free(pool->slot[i].p);
+        buf_free(pool->slot[i].p, pool->slot[i].cap);
         pool->slot[i].p = NULL;
     }
     pool->bytes = 0;
@@ -104,6 +121,7 @@ static void *pool_get(epipe_msgpool *pool, size_t *cap)
 static void pool_put(epipe_msgpool *pool, void *p, size_t cap)
 {
     void *old = NULL;
+    size_t old_cap = 0;
     pthread_mutex_lock(&pool->lock);
     if (p && !pool->closed && cap >= MSGBUF_MIN && cap <= pool->cap / 2) {
         int slot = -1;
@@ -113,12 +131,13 @@ static void pool_put(epipe_msgpool *pool, void *p, size_t cap)
         if (slot < 0) /* full: the oldest-placed slot in turn makes room */
             slot = (int)(pool->next++ % MSGBUF_SLOTS);
         old = pool->slot[slot].p;
+        old_cap = pool->slot[slot].cap;
         if (old)
             pool->bytes -= pool->slot[slot].cap;
         for (int i = 0; i < MSGBUF_SLOTS && pool->bytes + cap > pool->cap; i++)
             if (pool->slot[i].p && i != slot) {
                 pool->bytes -= pool->slot[i].cap;
-                free(pool->slot[i].p);
+                buf_free(pool->slot[i].p, pool->slot[i].cap);
                 pool->slot[i].p = NULL;
             }
         pool->slot[slot].p = p;
@@ -127,8 +146,8 @@ static void pool_put(epipe_msgpool *pool, void *p, size_t cap)
         p = NULL;
     }
     pthread_mutex_unlock(&pool->lock);
-    free(old);
-    free(p);
+    buf_free(old, old_cap);
+    buf_free(p, cap);
 }
 
 void epipe_comm_cache_stats(const epipe_comm *c, uint64_t *hits, uint64_t *misses, uint64_t *bytes)
@@ -181,7 +200,7 @@ void epipe_msg_free(epipe_msg *m)
             pool_put(m->pool, m->data, m->cap);
             pool_unref(m->pool);
         } else {
-            free(m->data);
+            buf_free(m->data, m->cap);
         }
         free(m);
     }

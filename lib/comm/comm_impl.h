@@ -131,6 +131,10 @@ int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m);
 int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
                     uint32_t micro_batch, int64_t timeout_ms, epipe_msg **out);
 
+/* Sets the function called with every message buffer (data, cap) just
+ * before it is freed: the rdma registration cache drops what covers it. */
+void epipe_msgbuf_free_hook_set(void (*fn)(void *p, size_t cap));
+
 /* Buffer-cache counters of c's cache (tests, epipe-bench): buffers reused
  * and freshly allocated for epipe_comm_msg_new(), and the bytes held now. */
 void epipe_comm_cache_stats(const epipe_comm *c, uint64_t *hits, uint64_t *misses, uint64_t *bytes);

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../transport/rdma.h"
 #include "../../transport/tcp_impl.h"
 #include "../log.h"
 #include "../parse.h"
@@ -135,7 +136,8 @@ int epipe_comm_settings_apply(epipe_comm *c, const epipe_comm_settings *s)
 /* ---- creation by name --------------------------------------------------- */
 
 /* The transport `name` asks for: the argument, else EPIPE_TRANSPORT, else
- * "auto"; "auto" is tcp for groups of more than one rank or ranks from the
+ * "auto"; "auto" (why = "auto") is tcp, with rdma where both ends can, for groups
+ * of more than one rank or ranks from the
  * environment, else inproc. */
 static const char *pick_transport(const char *name, unsigned size, int from_env, const char **why)
 {
@@ -147,6 +149,8 @@ static const char *pick_transport(const char *name, unsigned size, int from_env,
     }
     if (!strcmp(name, "auto")) {
         *why = "auto";
+        /* Across processes: tcp, with rdma to the neighbours where both
+         * sides have an active device (epipe_rdma_comm_create decides). */
         name = size > 1 || from_env ? "tcp" : "inproc";
     }
     return name;
@@ -200,7 +204,7 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                               "buffer_cache, trace)",
                               rest);
         rc = epipe_inproc_join(out, rank, size, &s);
-    } else if (!strcmp(name, "tcp")) {
+    } else if (!strcmp(name, "tcp") && strcmp(why, "auto")) {
         if (s.group[0])
             return epipe_fail(EPIPE_EINVAL, "tcp: option group is for inproc only");
         /* tcp needs the resolved values while it is being created: the
@@ -211,11 +215,25 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                  n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
                  (long long)s.init_timeout_ms);
         rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
-    } else if (!strcmp(name, "rdma")) {
-        return epipe_fail(EPIPE_ENOTSUP,
-                          "comm: the rdma transport is not built into this "
-                          "libepipe (transport '%s' from %s)",
-                          name, why);
+    } else if (!strcmp(name, "rdma") || !strcmp(name, "tcp")) { /* rdma, or auto's tcp */
+        int is_auto = !strcmp(name, "tcp");
+        if (s.group[0])
+            return epipe_fail(EPIPE_EINVAL, "%s: option group is for inproc only", name);
+        size_t n = strlen(rest); /* as for tcp, above */
+        snprintf(rest + n, sizeof rest - n, "%stimeout_ms=%lld,spin_us=%lld,init_timeout_ms=%lld",
+                 n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
+                 (long long)s.init_timeout_ms);
+#ifdef EPIPE_HAVE_RDMA
+        rc = epipe_rdma_comm_create(out, rank, size, master_addr, master_port, rest, is_auto);
+#else
+        if (!is_auto)
+            return epipe_fail(EPIPE_ENOTSUP,
+                              "comm: the rdma transport is not built into this "
+                              "libepipe (transport '%s' from %s)",
+                              name, why);
+        epipe_log_debug(-1, "comm", "auto: transport tcp (rdma is not built into this libepipe)");
+        rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
+#endif
     } else {
         return epipe_fail(EPIPE_EINVAL,
                           "comm: unknown transport '%s' (from %s; known: tcp, "

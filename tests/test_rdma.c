@@ -1,0 +1,697 @@
+/* Tests of the rdma transport over the test verbs provider (libfakeverbs):
+ * loader errors, messages, protocol attacks, faults and leak counting. */
+#define _GNU_SOURCE
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <epipe/comm.h>
+
+#include "../transport/rdma.h"
+#include "../transport/rdma_reg.h"
+#include "comm/comm_impl.h"
+#include "testutil.h"
+
+static const char *fakeverbs; /* EPIPE_TEST_FAKEVERBS: the provider's path */
+static char self_exe[4096];   /* this program, for the peer process */
+
+static unsigned free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    getsockname(fd, (struct sockaddr *)&a, &len);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+/* Live objects of a kind in the provider ("mr", "qp", ...), -1 if not loaded. */
+static int provider_live(const char *what)
+{
+    void *h = dlopen(fakeverbs, RTLD_NOW | RTLD_NOLOAD);
+    if (!h)
+        return 0; /* not loaded: nothing lives */
+    int (*f)(const char *) = (int (*)(const char *))dlsym(h, "fakeverbs_live");
+    int n = f ? f(what) : -1;
+    dlclose(h);
+    return n;
+}
+
+static void expect_no_leaks(void)
+{
+    assert_int_equal(epipe_rdma_live_mrs(), 0);
+    assert_int_equal(provider_live("mr"), 0);
+    assert_int_equal(provider_live("qp"), 0);
+    assert_int_equal(provider_live("cq"), 0);
+    assert_int_equal(provider_live("pd"), 0);
+}
+
+static int setup_env(void **state)
+{
+    setenv("EPIPE_IBVERBS_LIB", fakeverbs, 1);
+    unsetenv("EPIPE_FAKEVERBS_DEVICES");
+    unsetenv("EPIPE_FAKEVERBS_PORT");
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+    epipe_rdma_debug_corrupt_info(-1);
+    return 0;
+}
+
+/* ---- ranks as threads ---------------------------------------------------- */
+
+struct rank_arg {
+    pthread_t th;
+    const char *transport;
+    unsigned rank, size, port;
+    const char *opts;
+    epipe_comm *c;
+    int rc;
+    char err[256];
+};
+
+static void *create_thread(void *p)
+{
+    struct rank_arg *a = p;
+    a->rc = epipe_comm_create(&a->c, a->transport, a->rank, a->size, "127.0.0.1", a->port,
+                              a->opts);
+    snprintf(a->err, sizeof a->err, "%s", epipe_last_error());
+    return NULL;
+}
+
+/* Creates `size` ranks; their statuses in rc[], messages in err[][256]. */
+static void try_group(const char *transport, epipe_comm **c, unsigned size, const char *opts,
+                      int *rc, char (*err)[256])
+{
+    struct rank_arg a[4];
+    unsigned port = free_port();
+    for (unsigned r = 0; r < size; r++) {
+        a[r] = (struct rank_arg){.transport = transport, .rank = r, .size = size, .port = port,
+                                 .opts = opts};
+        assert_int_equal(pthread_create(&a[r].th, NULL, create_thread, &a[r]), 0);
+    }
+    for (unsigned r = 0; r < size; r++) {
+        pthread_join(a[r].th, NULL);
+        c[r] = a[r].c;
+        rc[r] = a[r].rc;
+        if (err)
+            snprintf(err[r], 256, "%s", a[r].err);
+    }
+}
+
+static void make_group(const char *transport, epipe_comm **c, unsigned size, const char *opts)
+{
+    int rc[4];
+    char err[4][256];
+    try_group(transport, c, size, opts, rc, err);
+    for (unsigned r = 0; r < size; r++) {
+        if (rc[r])
+            print_error("rank %u: %s\n", r, err[r]);
+        assert_int_equal(rc[r], EPIPE_OK);
+    }
+}
+
+static epipe_msg *make_act(unsigned src, unsigned dst, uint64_t step, uint32_t mb, size_t n,
+                           uint64_t seed)
+{
+    float *x = malloc((n ? n : 1) * sizeof *x);
+    assert_non_null(x);
+    test_fill(x, n, DIST_NORMAL, seed);
+    epipe_msg *m = test_activation_msg(src, dst, step, mb, x, n);
+    free(x);
+    return m;
+}
+
+static void recv_act(epipe_comm *c, unsigned peer, uint64_t step, uint32_t mb, size_t n,
+                     uint64_t seed)
+{
+    epipe_msg *m;
+    int rc = epipe_comm_recv(c, peer, EPIPE_WIRE_ACTIVATION, step, mb, 10000, &m);
+    if (rc)
+        print_error("%s\n", epipe_comm_last_error(c));
+    assert_int_equal(rc, EPIPE_OK);
+    float *want = malloc((n ? n : 1) * sizeof *want);
+    test_fill(want, n, DIST_NORMAL, seed);
+    assert_int_equal(m->hdr.shape[0], n);
+    assert_memory_equal(m->data + m->hdr.header_len + 16, want, n * sizeof *want);
+    free(want);
+    epipe_msg_free(m);
+}
+
+static void expect_recv_fails(epipe_comm *c, unsigned peer, int status, const char *needle);
+
+/* ---- loader and probe errors ------------------------------------------- */
+
+static void expect_enotsup(const char *needle)
+{
+    epipe_comm *c = NULL;
+    int rc = epipe_comm_create(&c, "rdma", 0, 1, NULL, 0, NULL);
+    assert_int_equal(rc, EPIPE_ENOTSUP);
+    assert_null(c);
+    if (!strstr(epipe_last_error(), needle))
+        print_error("'%s' does not name '%s'\n", epipe_last_error(), needle);
+    assert_non_null(strstr(epipe_last_error(), needle));
+}
+
+static void test_loader_errors(void **state)
+{
+    setenv("EPIPE_IBVERBS_LIB", "/nonexistent/libibverbs-missing.so.1", 1);
+    expect_enotsup("/nonexistent/libibverbs-missing.so.1");
+    setenv("EPIPE_IBVERBS_LIB", "libm.so.6", 1); /* a library without verbs */
+    expect_enotsup("ibv_get_device_list@IBVERBS_1.1");
+    setenv("EPIPE_IBVERBS_LIB", fakeverbs, 1);
+    setenv("EPIPE_FAKEVERBS_DEVICES", "0", 1);
+    expect_enotsup("no RDMA device");
+    unsetenv("EPIPE_FAKEVERBS_DEVICES");
+    setenv("EPIPE_FAKEVERBS_PORT", "down", 1);
+    expect_enotsup("port 1 is DOWN");
+    unsetenv("EPIPE_FAKEVERBS_PORT");
+    setenv("EPIPE_RDMA_DEVICE", "mlx5_9", 1);
+    expect_enotsup("mlx5_9");
+    unsetenv("EPIPE_RDMA_DEVICE");
+    expect_no_leaks();
+}
+
+/* auto: rdma where both sides have a device, tcp otherwise. */
+static void test_auto_picks(void **state)
+{
+    epipe_comm *c[2];
+    make_group("auto", c, 2, NULL);
+    for (int r = 0; r < 2; r++)
+        assert_string_equal(epipe_comm_transport(c[r]), "rdma");
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    setenv("EPIPE_FAKEVERBS_DEVICES", "0", 1);
+    int rc[2];
+    char err[2][256];
+    try_group("auto", c, 2, NULL, rc, err);
+    for (int r = 0; r < 2; r++) {
+        assert_int_equal(rc[r], EPIPE_OK);
+        assert_string_equal(epipe_comm_transport(c[r]), "tcp");
+        assert_string_equal(err[r], ""); /* no stale "no RDMA device" after success */
+    }
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 10, 5)), EPIPE_OK);
+    recv_act(c[1], 0, 1, 0, 10, 5);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    unsetenv("EPIPE_FAKEVERBS_DEVICES");
+    expect_no_leaks();
+}
+
+/* Small and large messages in both directions arrive whole and in order. */
+static void test_messages(void **state)
+{
+    epipe_comm *c[2];
+    make_group("rdma", c, 2, NULL);
+    assert_string_equal(epipe_comm_transport(c[0]), "rdma");
+    assert_int_equal(epipe_rdma_debug_links(c[0]), 1);
+    static const size_t sizes[] = {0, 1, 100, 8000, 8100, 20000, 300000, 3 << 20};
+    const size_t ns = sizeof sizes / sizeof sizes[0];
+    for (int round = 0; round < 3; round++) {
+        for (size_t i = 0; i < ns; i++) {
+            assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, (uint64_t)round, (uint32_t)i,
+                                                               sizes[i], 100 + i)),
+                             EPIPE_OK);
+            assert_int_equal(epipe_comm_send(c[1], 0, make_act(1, 0, (uint64_t)round, (uint32_t)i,
+                                                               sizes[ns - 1 - i], 200 + i)),
+                             EPIPE_OK);
+        }
+        for (size_t i = 0; i < ns; i++) {
+            recv_act(c[1], 0, (uint64_t)round, (uint32_t)i, sizes[i], 100 + i);
+            recv_act(c[0], 1, (uint64_t)round, (uint32_t)i, sizes[ns - 1 - i], 200 + i);
+        }
+    }
+    /* Many in flight: more than the eager slots and the large slots. */
+    for (uint32_t i = 0; i < 300; i++)
+        assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 9, i, i % 7 ? 16 : 20000, i)),
+                         EPIPE_OK);
+    for (uint32_t i = 0; i < 300; i++)
+        recv_act(c[1], 0, 9, i, i % 7 ? 16 : 20000, i);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
+/* Three ranks (pipeline topology: neighbours and rank 0): every joined
+ * pair over its own queue pair; a rank's destroy does not cut the others. */
+static void test_three_ranks(void **state)
+{
+    epipe_comm *c[3];
+    make_group("rdma", c, 3, NULL);
+    assert_int_equal(epipe_rdma_debug_links(c[0]), 2);
+    assert_int_equal(epipe_rdma_debug_links(c[1]), 2);
+    assert_int_equal(epipe_rdma_debug_links(c[2]), 2);
+    for (uint32_t i = 0; i < 20; i++) {
+        size_t n = i % 3 ? 50 : 30000;
+        assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, i, n, i)), EPIPE_OK);
+        assert_int_equal(epipe_comm_send(c[1], 2, make_act(1, 2, 1, i, n, 100 + i)), EPIPE_OK);
+        assert_int_equal(epipe_comm_send(c[2], 0, make_act(2, 0, 1, i, n, 200 + i)), EPIPE_OK);
+    }
+    for (uint32_t i = 0; i < 20; i++) {
+        size_t n = i % 3 ? 50 : 30000;
+        recv_act(c[1], 0, 1, i, n, i);
+        recv_act(c[2], 1, 1, i, n, 100 + i);
+        recv_act(c[0], 2, 1, i, n, 200 + i);
+    }
+    epipe_comm_destroy(c[2]);
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 2, 0, 8, 7)), EPIPE_OK);
+    recv_act(c[1], 0, 2, 0, 8, 7);
+    expect_recv_fails(c[1], 2, EPIPE_EPEER, "left");
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
+/* The registration cache: one region serves every buffer inside it while
+ * referenced or idle; freeing a message buffer drops what covers it. */
+static void test_registration_cache(void **state)
+{
+    epipe_verbs v;
+    epipe_verbs_dev d;
+    assert_int_equal(epipe_verbs_open(&v), EPIPE_OK);
+    assert_int_equal(epipe_verbs_probe(&v, &d), EPIPE_OK);
+    struct ibv_pd *pd = v.alloc_pd(d.ctx);
+    assert_non_null(pd);
+    epipe_rdma_regcache rc;
+    epipe_rdma_reg_init(&rc, &v, pd, 2);
+    epipe_msg *m = epipe_msg_new(300000);
+    assert_non_null(m);
+    epipe_rdma_reg *a, *b, *x;
+    assert_int_equal(epipe_rdma_reg_get(&rc, m->data, m->cap, &a), EPIPE_OK);
+    assert_int_equal((uintptr_t)a->mr->addr % 4096, 0); /* page-aligned */
+    assert_true((uintptr_t)a->mr->addr <= (uintptr_t)m->data);
+    assert_true((uintptr_t)a->mr->addr + a->mr->length >= (uintptr_t)m->data + m->cap);
+    /* a part of the same buffer: the same region, a second reference */
+    assert_int_equal(epipe_rdma_reg_get(&rc, m->data + 5000, 1000, &b), EPIPE_OK);
+    assert_ptr_equal(a, b);
+    assert_int_equal(a->refs, 2);
+    epipe_rdma_reg_put(&rc, b);
+    epipe_rdma_reg_put(&rc, a);
+    assert_int_equal(rc.count, 1); /* idle, kept for the next message */
+    assert_int_equal(epipe_rdma_reg_get(&rc, m->data, 100, &x), EPIPE_OK);
+    assert_ptr_equal(x, a);
+    assert_int_equal(rc.hits, 2);
+    /* freed while in use: deregistered at the last put, never handed out again */
+    long live = epipe_rdma_live_mrs();
+    epipe_msg_free(m);
+    assert_int_equal(epipe_rdma_live_mrs(), live);
+    epipe_msg *m2 = epipe_msg_new(300000);
+    assert_int_equal(epipe_rdma_reg_get(&rc, m2->data, m2->cap, &b), EPIPE_OK);
+    assert_ptr_not_equal(b, x);
+    epipe_rdma_reg_put(&rc, x);
+    assert_int_equal(epipe_rdma_live_mrs(), live);
+    epipe_rdma_reg_put(&rc, b);
+    /* freed while idle: deregistered at once */
+    epipe_msg_free(m2);
+    assert_int_equal(rc.count, 0);
+    assert_int_equal(epipe_rdma_live_mrs(), 0);
+    /* at most max_idle idle regions */
+    epipe_msg *ms[4];
+    for (int i = 0; i < 4; i++) {
+        ms[i] = epipe_msg_new(100000);
+        assert_int_equal(epipe_rdma_reg_get(&rc, ms[i]->data, ms[i]->cap, &a), EPIPE_OK);
+        epipe_rdma_reg_put(&rc, a);
+    }
+    assert_int_equal(rc.count, 2);
+    for (int i = 0; i < 4; i++)
+        epipe_msg_free(ms[i]);
+    assert_int_equal(rc.count, 0);
+    /* a refused registration names its size */
+    setenv("EPIPE_FAKEVERBS_FAIL", "reg_mr:1", 1);
+    epipe_rdma_reg_fini(&rc);
+    v.dealloc_pd(pd);
+    epipe_verbs_release(&v, &d);
+    assert_int_equal(epipe_verbs_probe(&v, &d), EPIPE_OK); /* re-reads the knob */
+    pd = v.alloc_pd(d.ctx);
+    epipe_rdma_reg_init(&rc, &v, pd, 2);
+    m = epipe_msg_new(5000);
+    assert_int_equal(epipe_rdma_reg_get(&rc, m->data, 5000, &a), EPIPE_EIO);
+    assert_non_null(strstr(epipe_last_error(), "bytes failed (ibv_reg_mr"));
+    epipe_msg_free(m);
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+    epipe_rdma_reg_fini(&rc);
+    v.dealloc_pd(pd);
+    epipe_verbs_release(&v, &d);
+    epipe_verbs_close(&v);
+    expect_no_leaks();
+}
+
+/* ---- protocol attacks ---------------------------------------------------- */
+
+/* A receive on c from peer fails with `status` and a message naming needle. */
+static void expect_recv_fails(epipe_comm *c, unsigned peer, int status, const char *needle)
+{
+    epipe_msg *m = NULL;
+    int rc = epipe_comm_recv(c, peer, EPIPE_WIRE_ACTIVATION, 77, 0, 10000, &m);
+    const char *e = epipe_comm_last_error(c);
+    if (rc != status || (needle && !strstr(e, needle)))
+        print_error("rank %u: got %d (%s), want %d naming '%s'\n", epipe_comm_rank(c), rc, e,
+                    status, needle ? needle : "");
+    assert_int_equal(rc, status);
+    if (needle)
+        assert_non_null(strstr(e, needle));
+}
+
+static void attack(int what, unsigned bad, int send_large, const char *needle)
+{
+    epipe_comm *c[2];
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    unsigned victim = 1 - bad;
+    assert_int_equal(epipe_rdma_debug_inject(c[bad], victim, what), EPIPE_OK);
+    if (send_large) /* the victim sends; the bad rank answers with a short CTS */
+        assert_int_equal(epipe_comm_send(c[victim], bad, make_act(victim, bad, 1, 0, 50000, 1)),
+                         EPIPE_OK);
+    expect_recv_fails(c[victim], bad, EPIPE_EPROTO, needle);
+    /* The bad rank hears that the link was torn down. */
+    expect_recv_fails(c[bad], victim, EPIPE_EPEER, "tore down its rdma link");
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
+static void test_attack_short_cts(void **state)
+{
+    attack(EPIPE_RDMA_INJECT_SHORT_CTS, 1, 1, "clear-to-send names a buffer of 100104 bytes for a 200208-byte message");
+}
+
+static void test_attack_unknown_imm(void **state)
+{
+    attack(EPIPE_RDMA_INJECT_UNKNOWN_IMM, 0, 0, "sequence 11259375, which it never announced");
+}
+
+static void test_attack_unlent_slot(void **state)
+{
+    attack(EPIPE_RDMA_INJECT_UNLENT_SLOT, 0, 0, "eager slot 35, which this rank did not lend");
+}
+
+static void test_attack_duplicate_rts(void **state)
+{
+    epipe_comm *c[2];
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    assert_int_equal(epipe_rdma_debug_inject(c[0], 1, EPIPE_RDMA_INJECT_DUP_RTS), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 50000, 1)), EPIPE_OK);
+    expect_recv_fails(c[1], 0, EPIPE_EPROTO, "a second request to send message sequence 0");
+    expect_recv_fails(c[0], 1, EPIPE_EPEER, "tore down its rdma link");
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
+static void test_attack_bogus_completion(void **state)
+{
+    epipe_comm *c[2];
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    assert_int_equal(epipe_rdma_debug_inject(c[0], 1, EPIPE_RDMA_INJECT_BOGUS_WC), EPIPE_OK);
+    expect_recv_fails(c[0], 1, EPIPE_EPROTO, "which this rank never posted");
+    expect_recv_fails(c[1], 0, EPIPE_EPEER, "tore down its rdma link");
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 10, 1)), EPIPE_EPEER);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
+/* Malformed queue-pair information in the rendezvous: EPIPE_EPROTO naming
+ * the field, at once, on the rank that reads it. */
+static void test_bad_qp_info(void **state)
+{
+    static const char *field[] = {"bad magic", "bad path mtu", "bad queue pair number",
+                                  "bad slot or ring geometry", "bad reason text"};
+    for (int f = 0; f < 5; f++) {
+        epipe_rdma_debug_corrupt_info(f);
+        epipe_comm *c[2];
+        int rc[2];
+        char err[2][256];
+        try_group("rdma", c, 2, "init_timeout_ms=10000", rc, err);
+        for (int r = 0; r < 2; r++) {
+            assert_null(c[r]);
+            if (rc[r] != EPIPE_EPROTO || !strstr(err[r], field[f]))
+                print_error("field %d rank %d: %d %s\n", f, r, rc[r], err[r]);
+            assert_int_equal(rc[r], EPIPE_EPROTO);
+            assert_non_null(strstr(err[r], "malformed queue-pair information"));
+            assert_non_null(strstr(err[r], field[f]));
+        }
+        expect_no_leaks();
+    }
+    epipe_rdma_debug_corrupt_info(-1);
+}
+
+/* ---- faults ------------------------------------------------------------ */
+
+/* The n-th post_send of this process fails and its QP goes to error: both
+ * ranks learn, the one that saw it with the verbs status. */
+static void test_fault_qp_error(void **state)
+{
+    epipe_comm *c[2];
+    setenv("EPIPE_FAKEVERBS_FAIL", "post_send:200", 1); /* after the 2x32 lent slots */
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    int rc = EPIPE_OK;
+    for (uint32_t i = 0; i < 400 && rc == EPIPE_OK; i++)
+        rc = epipe_comm_send(c[i % 2], 1 - i % 2, make_act(i % 2, 1 - i % 2, 2, i, 20, i));
+    int seen = 0;
+    for (int r = 0; r < 2; r++) {
+        epipe_msg *m = NULL;
+        int got;
+        uint32_t i = (uint32_t)(1 - r);
+        while ((got = epipe_comm_recv(c[r], 1 - r, EPIPE_WIRE_ACTIVATION, 2, i, 10000, &m)) ==
+               EPIPE_OK) {
+            epipe_msg_free(m);
+            i += 2;
+        }
+        assert_int_equal(got, EPIPE_EPEER);
+        const char *e = epipe_comm_last_error(c[r]);
+        seen += strstr(e, "transport retry counter exceeded") != NULL ||
+                strstr(e, "Work Request Flushed Error") != NULL;
+    }
+    assert_true(seen >= 1); /* the verbs status is named */
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+    expect_no_leaks();
+}
+
+/* A registration that fails for a large message: EPIPE_EPEER naming it. */
+static void test_fault_registration(void **state)
+{
+    epipe_comm *c[2];
+    setenv("EPIPE_FAKEVERBS_FAIL", "reg_mr:7", 1); /* 3 per rank at setup, then this */
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 50000, 1)), EPIPE_OK);
+    expect_recv_fails(c[0], 1, EPIPE_EPEER, "registering");
+    expect_recv_fails(c[1], 0, EPIPE_EPEER, "registering");
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+    expect_no_leaks();
+}
+
+/* Queue-pair setup failing on one rank fails both creations, promptly. */
+static void test_fault_setup(void **state)
+{
+    static const char *fails[] = {"create_qp:1", "modify_qp:3", "reg_mr:2"};
+    for (int k = 0; k < 3; k++) {
+        setenv("EPIPE_FAKEVERBS_FAIL", fails[k], 1);
+        epipe_comm *c[2];
+        int rc[2];
+        try_group("rdma", c, 2, "init_timeout_ms=10000", rc, NULL);
+        for (int r = 0; r < 2; r++) {
+            assert_int_not_equal(rc[r], EPIPE_OK);
+            assert_null(c[r]);
+        }
+        expect_no_leaks();
+    }
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+}
+
+/* Connect, exchange, fault, tear down, many times: nothing leaks. */
+static void test_leak_cycles(void **state)
+{
+    const char *v = getenv("EPIPE_TEST_RDMA_CYCLES");
+    int cycles = v && *v ? atoi(v) : 40;
+    for (int k = 0; k < cycles; k++) {
+        epipe_comm *c[2];
+        make_group("rdma", c, 2, "timeout_ms=10000");
+        assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 1, 0, 8, 1)), EPIPE_OK);
+        assert_int_equal(epipe_comm_send(c[1], 0, make_act(1, 0, 1, 0, 40000, 2)), EPIPE_OK);
+        recv_act(c[1], 0, 1, 0, 8, 1);
+        switch (k % 4) {
+        case 0: break; /* clean */
+        case 1: /* a fault while a large message waits for its CTS */
+            assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 2, 0, 90000, 3)), EPIPE_OK);
+            epipe_rdma_debug_inject(c[0], 1, EPIPE_RDMA_INJECT_BOGUS_WC);
+            break;
+        case 2: epipe_rdma_debug_inject(c[1], 0, EPIPE_RDMA_INJECT_UNKNOWN_IMM); break;
+        case 3: /* leave without receiving: the message is dropped with the handle */
+            assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 3, 0, 70000, 4)), EPIPE_OK);
+            break;
+        }
+        epipe_comm_destroy(c[(unsigned)k % 2]);
+        epipe_comm_destroy(c[1 - (unsigned)k % 2]);
+        expect_no_leaks();
+    }
+}
+
+/* ---- a peer process killed mid-transfer ------------------------------- */
+
+/* The peer role (test_rdma --peer PORT DELAY_MS): rank 1 sends a 64 MiB
+ * message to rank 0 and kills itself DELAY_MS later, mid-transfer. */
+static int peer_main(unsigned port, int delay_ms)
+{
+    epipe_comm *c = NULL;
+    if (epipe_comm_create(&c, "rdma", 1, 2, "127.0.0.1", port, "timeout_ms=5000")) {
+        fprintf(stderr, "peer: %s\n", epipe_last_error());
+        return 1;
+    }
+    float *x = calloc((size_t)16 << 20, sizeof *x);
+    epipe_msg *m = x ? test_activation_msg(1, 0, 1, 0, x, (size_t)16 << 20) : NULL;
+    if (!m || epipe_comm_send(c, 0, m))
+        return 1;
+    if (delay_ms)
+        usleep((useconds_t)delay_ms * 1000);
+    raise(SIGKILL);
+    return 1;
+}
+
+/* The peer role (test_rdma --auto-peer PORT): rank 1 under auto without a
+ * device; echoes one message back to rank 0. */
+static int auto_peer_main(unsigned port)
+{
+    setenv("EPIPE_FAKEVERBS_DEVICES", "0", 1);
+    epipe_comm *c = NULL;
+    if (epipe_comm_create(&c, "auto", 1, 2, "127.0.0.1", port, "timeout_ms=10000")) {
+        fprintf(stderr, "peer: %s\n", epipe_last_error());
+        return 1;
+    }
+    epipe_msg *m = NULL;
+    int rc = strcmp(epipe_comm_transport(c), "tcp") ? 2 : 0;
+    if (!rc)
+        rc = epipe_comm_recv(c, 0, EPIPE_WIRE_ACTIVATION, 1, 0, 10000, &m);
+    if (!rc) {
+        m->hdr.src_stage = 1, m->hdr.dst_stage = 0;
+        epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE);
+        rc = epipe_comm_send(c, 0, m);
+    }
+    epipe_comm_destroy(c);
+    return rc ? 1 : 0;
+}
+
+/* auto between a rank with a device and one without: that link is tcp. */
+static void test_auto_mixed(void **state)
+{
+    unsigned port = free_port();
+    char ports[16];
+    snprintf(ports, sizeof ports, "%u", port);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        execl(self_exe, "test_rdma", "--auto-peer", ports, (char *)NULL);
+        _exit(127);
+    }
+    epipe_comm *c = NULL;
+    int rc = epipe_comm_create(&c, "auto", 0, 2, "127.0.0.1", port, "timeout_ms=10000");
+    if (rc)
+        print_error("%s\n", epipe_last_error());
+    assert_int_equal(rc, EPIPE_OK);
+    assert_string_equal(epipe_comm_transport(c), "tcp");
+    assert_int_equal(epipe_comm_send(c, 1, make_act(0, 1, 1, 0, 3000, 9)), EPIPE_OK);
+    recv_act(c, 1, 1, 0, 3000, 9);
+    int st;
+    waitpid(pid, &st, 0);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    epipe_comm_destroy(c);
+    expect_no_leaks();
+}
+
+static void killed_peer(int delay_ms)
+{
+    unsigned port = free_port();
+    char ports[16], delay[16];
+    snprintf(ports, sizeof ports, "%u", port);
+    snprintf(delay, sizeof delay, "%d", delay_ms);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        execl(self_exe, "test_rdma", "--peer", ports, delay, (char *)NULL);
+        _exit(127);
+    }
+    epipe_comm *c = NULL;
+    int rc = epipe_comm_create(&c, "rdma", 0, 2, "127.0.0.1", port, "timeout_ms=5000");
+    if (rc)
+        print_error("%s\n", epipe_last_error());
+    assert_int_equal(rc, EPIPE_OK);
+    epipe_msg *m = NULL;
+    rc = epipe_comm_recv(c, 1, EPIPE_WIRE_ACTIVATION, 1, 0, 20000, &m);
+    if (rc == EPIPE_OK) { /* it was whole before the kill: the next one never comes */
+        epipe_msg_free(m);
+        rc = epipe_comm_recv(c, 1, EPIPE_WIRE_ACTIVATION, 2, 0, 20000, &m);
+    }
+    const char *e = epipe_comm_last_error(c);
+    if (rc != EPIPE_EPEER && rc != EPIPE_ETIMEDOUT)
+        print_error("got %d: %s\n", rc, e);
+    assert_true(rc == EPIPE_EPEER || rc == EPIPE_ETIMEDOUT);
+    assert_non_null(strstr(e, "rank 1"));
+    int st;
+    waitpid(pid, &st, 0);
+    assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+    epipe_comm_destroy(c);
+    expect_no_leaks();
+}
+
+static void test_killed_peer(void **state)
+{
+    killed_peer(0);
+    killed_peer(20);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 4 && !strcmp(argv[1], "--peer"))
+        return peer_main((unsigned)atoi(argv[2]), atoi(argv[3]));
+    if (argc == 3 && !strcmp(argv[1], "--auto-peer"))
+        return auto_peer_main((unsigned)atoi(argv[2]));
+    fakeverbs = getenv("EPIPE_TEST_FAKEVERBS");
+    if (!fakeverbs || !*fakeverbs) {
+        printf("SKIP: EPIPE_TEST_FAKEVERBS (the test verbs provider) is not set\n");
+        return 77;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    ssize_t n = readlink("/proc/self/exe", self_exe, sizeof self_exe - 1);
+    if (n <= 0)
+        snprintf(self_exe, sizeof self_exe, "%s", argv[0]);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup(test_loader_errors, setup_env),
+        cmocka_unit_test_setup(test_auto_picks, setup_env),
+        cmocka_unit_test_setup(test_messages, setup_env),
+        cmocka_unit_test_setup(test_three_ranks, setup_env),
+        cmocka_unit_test_setup(test_registration_cache, setup_env),
+        cmocka_unit_test_setup(test_attack_short_cts, setup_env),
+        cmocka_unit_test_setup(test_attack_unknown_imm, setup_env),
+        cmocka_unit_test_setup(test_attack_unlent_slot, setup_env),
+        cmocka_unit_test_setup(test_attack_duplicate_rts, setup_env),
+        cmocka_unit_test_setup(test_attack_bogus_completion, setup_env),
+        cmocka_unit_test_setup(test_bad_qp_info, setup_env),
+        cmocka_unit_test_setup(test_fault_qp_error, setup_env),
+        cmocka_unit_test_setup(test_fault_registration, setup_env),
+        cmocka_unit_test_setup(test_fault_setup, setup_env),
+        cmocka_unit_test_setup(test_auto_mixed, setup_env),
+        cmocka_unit_test_setup(test_killed_peer, setup_env),
+        cmocka_unit_test_setup(test_leak_cycles, setup_env),
+    };
+    const char *only = getenv("EPIPE_TEST_RDMA_FILTER"); /* e.g. test_leak_cycles */
+    if (only && *only)
+        cmocka_set_test_filter(only);
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
