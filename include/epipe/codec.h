@@ -249,6 +249,34 @@ EPIPE_EXPERIMENTAL int epipe_codec_zero_grad(epipe_codec *codec);
  * lr in [0, 1e6], momentum in [0, 1); EPIPE_EINVAL otherwise. */
 EPIPE_EXPERIMENTAL int epipe_codec_sgd_step(epipe_codec *codec, double lr, double momentum);
 
+/* ---- Activation deltas (spec key delta=1, experimental) ------------------
+ * With delta=1 (docs/codecs.md, "Activation deltas"; AQ-SGD) each row of
+ * dimension 0 of an encoded tensor is one sample: the encoder sends the
+ * change of the sample's row since the sample last crossed (a first
+ * sighting in full), and both encoder and decoder keep, per sample id, the
+ * last row the decoder reconstructs, within delta_mb MiB per handle. */
+
+/* The sample ids of the rows (dimension 0) of the tensor of the next
+ * epipe_codec_encode() on this handle: n must equal that dimension, and
+ * the ids must be distinct. The ids are copied; an encode that reaches
+ * the codec consumes them (even one that fails), so set them before every
+ * encode. EPIPE_EINVAL for NULL ids with n > 0 or a handle without
+ * delta=1. Not thread-safe on one handle. */
+EPIPE_EXPERIMENTAL int epipe_codec_set_samples(epipe_codec *codec, const uint64_t *ids, size_t n);
+
+/* Counters of a delta=1 handle, encoder or decoder (zero for others). */
+typedef struct epipe_codec_delta_info {
+    uint64_t stored_samples; /* rows kept now */
+    uint64_t stored_bytes;   /* their values: stored_samples x row values x 4 */
+    uint64_t full_rows;      /* rows sent in full and kept (first sightings) */
+    uint64_t delta_rows;     /* rows sent as deltas */
+    uint64_t fallback_rows;  /* rows sent in full, not kept: delta_mb was full */
+} epipe_codec_delta_info;
+
+/* Copies the counters into *info. EPIPE_EINVAL for NULL. */
+EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
+                                               epipe_codec_delta_info *info);
+
 #ifdef __cplusplus
 }
 #endif

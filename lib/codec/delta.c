@@ -1,0 +1,788 @@
+/* Activation-delta compression (the core-level spec key delta=1, AQ-SGD):
+ * per sample id, the last reconstructed activation row, on both sides. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "payload.h"
+
+/* Wrapper body (docs/codecs.md, "Activation deltas"): the fixed part. */
+#define DW_MAGIC 0x44 /* 'D' */
+#define DW_VERSION 1
+#define DW_FIXED 12
+/* Per-row kinds, two bits each on the wire. */
+enum { ROW_FULL = 0, ROW_FULL_KEEP = 1, ROW_DELTA = 2 };
+#define EMPTY UINT32_MAX
+
+/* The store: rows of rowlen fp32 values, found by sample id through an
+ * open-addressing table (linear probing; entries are never removed one by
+ * one, only all at once). */
+struct epipe_codec_delta {
+    uint64_t *keys;
+    uint32_t *vals; /* row index, EMPTY for a free entry */
+    size_t tcap;    /* power of two, or 0 */
+    float *rows;
+    size_t nrows, rows_cap;
+    /* What the stored rows are: dtype and the shape past dimension 0. */
+    uint64_t rowlen;
+    enum epipe_dtype dt;
+    int ndim;
+    int64_t shape[EPIPE_CODEC_MAX_NDIM];
+    /* The ids for the next encode. */
+    uint64_t *ids;
+    size_t nids, ids_cap;
+    int ids_set;
+    /* Per call: row kinds, stored-row index per row, work values. */
+    uint8_t *kind;
+    uint32_t *base;
+    uint64_t *sorted;
+    uint64_t *rids; /* the ids a decode read */
+    size_t rcap;
+    float *work;
+    size_t work_cap;
+    epipe_codec_delta_info info;
+};
+
+typedef struct epipe_codec_delta dstate;
+
+static int oom(epipe_codec *c)
+{
+    return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: delta: out of memory", c->ops->name);
+}
+
+static dstate *state(epipe_codec *c)
+{
+    if (!c->delta_state)
+        c->delta_state = calloc(1, sizeof(dstate));
+    return c->delta_state;
+}
+
+static void clear_store(dstate *s)
+{
+    free(s->keys), free(s->vals), free(s->rows);
+    s->keys = NULL, s->vals = NULL, s->rows = NULL;
+    s->tcap = s->nrows = s->rows_cap = 0;
+    s->info.stored_samples = s->info.stored_bytes = 0;
+}
+
+void epipe_codec_delta_release(epipe_codec *c, int all)
+{
+    dstate *s = c->delta_state;
+    if (!s)
+        return;
+    clear_store(s);
+    if (!all)
+        return;
+    free(s->ids), free(s->kind), free(s->base), free(s->sorted), free(s->rids), free(s->work);
+    free(s);
+    c->delta_state = NULL;
+}
+
+/* ---- spec keys --------------------------------------------------------- */
+
+static const char *const dkeys[] = {"delta", "delta_mb", "delta_strict"};
+static const double dmin[] = {0, 1, 0}, dmax[] = {1, 1048576, 1};
+
+static int key_index(const char *k, size_t len)
+{
+    for (int i = 0; i < 3; i++)
+        if (strlen(dkeys[i]) == len && memcmp(dkeys[i], k, len) == 0)
+            return i;
+    return -1;
+}
+
+int epipe_codec_delta_parse(epipe_codec *c, const char *key, size_t klen, const char *v,
+                            size_t vlen)
+{
+    int i = key_index(key, klen);
+    const char *name = c->ops->name;
+    if (i < 0 || epipe_codec_param_index(c->ops, dkeys[i]) >= 0)
+        return 1; /* not ours: the codec's own key, or unknown */
+    if (c->ops == &epipe_codec_none)
+        return epipe_fail(EPIPE_EINVAL, "none: key '%s' does not apply: the codec is lossless",
+                          dkeys[i]);
+    if (!epipe_codec_ef_allowed(c->ops))
+        return epipe_fail(EPIPE_EINVAL,
+                          "%s: key '%s' does not apply to a trainable codec or a chain (the "
+                          "delta of a code is not the code of a delta)",
+                          name, dkeys[i]);
+    if (c->delta_seen & (1u << i))
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' is given twice", name, dkeys[i]);
+    char buf[16];
+    char *end;
+    if (vlen == 0 || vlen >= sizeof buf)
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%.*s' is not an integer in %.0f..%.0f",
+                          name, dkeys[i], (int)(vlen < 32 ? vlen : 32), v, dmin[i], dmax[i]);
+    memcpy(buf, v, vlen);
+    buf[vlen] = '\0';
+    long x = strtol(buf, &end, 10);
+    if (*end || buf[0] < '0' || buf[0] > '9' || x < dmin[i] || x > dmax[i])
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not an integer in %.0f..%.0f",
+                          name, dkeys[i], buf, dmin[i], dmax[i]);
+    c->delta_seen |= 1u << i;
+    if (i == 0)
+        c->delta = (int)x;
+    else if (i == 1)
+        c->delta_mb = (unsigned)x;
+    else
+        c->delta_strict = (int)x;
+    return EPIPE_OK;
+}
+
+int epipe_codec_delta_check(epipe_codec *c)
+{
+    if (!c->delta_mb)
+        c->delta_mb = EPIPE_CODEC_DELTA_MB_DEFAULT;
+    if (!c->delta && (c->delta_seen & 6u))
+        return epipe_fail(EPIPE_EINVAL, "%s: keys delta_mb and delta_strict need delta=1",
+                          c->ops->name);
+    if (c->delta && c->ef)
+        return epipe_fail(EPIPE_EINVAL,
+                          "%s: delta=1 and ef=1 together are not supported: delta is for "
+                          "activations, ef for gradients (use one handle for each)",
+                          c->ops->name);
+    return EPIPE_OK;
+}
+
+void epipe_codec_delta_spec(epipe_codec *c)
+{
+    size_t len = strlen(c->spec);
+    if (!c->delta || len >= sizeof c->spec)
+        return;
+    char extra[64];
+    int m = snprintf(extra, sizeof extra, "delta=1");
+    if (c->delta_mb != EPIPE_CODEC_DELTA_MB_DEFAULT)
+        m += snprintf(extra + m, sizeof extra - (size_t)m, ",delta_mb=%u", c->delta_mb);
+    if (c->delta_strict)
+        snprintf(extra + m, sizeof extra - (size_t)m, ",delta_strict=1");
+    snprintf(c->spec + len, sizeof c->spec - len, "%c%s", strchr(c->spec, ':') ? ',' : ':',
+             extra);
+}
+
+int epipe_codec_delta_key_info(const epipe_codec_ops *ops, const char *key, const epipe_codec *c,
+                               double *value, double *min, double *max)
+{
+    int i = key_index(key, strlen(key));
+    if (i < 0 || !epipe_codec_ef_allowed(ops) || epipe_codec_param_index(ops, key) >= 0)
+        return 0;
+    if (value)
+        *value = i == 0 ? (double)c->delta : i == 1 ? (double)c->delta_mb : (double)c->delta_strict;
+    if (min)
+        *min = dmin[i];
+    if (max)
+        *max = dmax[i];
+    return 1;
+}
+
+/* ---- public calls ------------------------------------------------------ */
+
+EPIPE_EXPERIMENTAL int epipe_codec_set_samples(epipe_codec *c, const uint64_t *ids, size_t n)
+{
+    epipe_clear_error();
+    if (!c)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_set_samples: codec is NULL");
+    if (!c->delta)
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "epipe_codec_set_samples: codec '%s' has no delta=1", c->spec);
+    if (!ids && n)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "epipe_codec_set_samples: ids is NULL");
+    if (n > UINT32_MAX)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "epipe_codec_set_samples: %zu ids; at most 2^32-1",
+                                n);
+    dstate *s = state(c);
+    if (!s)
+        return oom(c);
+    if (s->ids_cap < n) {
+        uint64_t *p = realloc(s->ids, n * sizeof *p);
+        if (!p)
+            return oom(c);
+        s->ids = p, s->ids_cap = n;
+    }
+    if (n)
+        memcpy(s->ids, ids, n * sizeof *ids);
+    s->nids = n;
+    s->ids_set = 1;
+    return EPIPE_OK;
+}
+
+EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *c, epipe_codec_delta_info *info)
+{
+    epipe_clear_error();
+    if (!c || !info)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_delta_stats: codec or info is NULL");
+    const dstate *s = c->delta_state;
+    memset(info, 0, sizeof *info);
+    if (s)
+        *info = s->info;
+    return EPIPE_OK;
+}
+
+/* ---- the store --------------------------------------------------------- */
+
+static uint64_t hash(uint64_t k)
+{
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    return k;
+}
+
+static uint32_t lookup(const dstate *s, uint64_t id)
+{
+    if (!s->tcap)
+        return EMPTY;
+    for (size_t h = hash(id) & (s->tcap - 1);; h = (h + 1) & (s->tcap - 1)) {
+        if (s->vals[h] == EMPTY || s->keys[h] == id)
+            return s->vals[h];
+    }
+}
+
+/* Room for `more` rows beyond those stored (table and pool), so that the
+ * commit after a successful encode or decode cannot fail. */
+static int reserve(epipe_codec *c, dstate *s, size_t more)
+{
+    size_t want = s->nrows + more;
+    uint64_t rowbytes = (s->rowlen ? s->rowlen : 1) * sizeof(float);
+    if (want > s->rows_cap) {
+        size_t cap = s->rows_cap ? s->rows_cap : 16;
+        while (cap < want)
+            cap *= 2;
+        if (cap > ((uint64_t)c->delta_mb << 20) / rowbytes)
+            cap = want; /* never past the budget by doubling */
+        float *p = realloc(s->rows, cap * rowbytes);
+        if (!p)
+            return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: delta: no memory for %zu stored rows",
+                                    c->ops->name, cap);
+        s->rows = p, s->rows_cap = cap;
+    }
+    if (2 * want > s->tcap) {
+        size_t cap = s->tcap ? s->tcap : 64;
+        while (2 * want > cap)
+            cap *= 2;
+        uint64_t *k = malloc(cap * sizeof *k);
+        uint32_t *v = malloc(cap * sizeof *v);
+        if (!k || !v) {
+            free(k), free(v);
+            return oom(c);
+        }
+        for (size_t i = 0; i < cap; i++)
+            v[i] = EMPTY;
+        for (size_t i = 0; i < s->tcap; i++) {
+            if (s->vals[i] == EMPTY)
+                continue;
+            size_t h = hash(s->keys[i]) & (cap - 1);
+            while (v[h] != EMPTY)
+                h = (h + 1) & (cap - 1);
+            k[h] = s->keys[i], v[h] = s->vals[i];
+        }
+        free(s->keys), free(s->vals);
+        s->keys = k, s->vals = v, s->tcap = cap;
+    }
+    return EPIPE_OK;
+}
+
+/* Stores row (rowlen values) for id: over its old row, or as a new one
+ * (room reserved). */
+static void store(dstate *s, uint64_t id, const float *row)
+{
+    size_t h = hash(id) & (s->tcap - 1);
+    while (s->vals[h] != EMPTY && s->keys[h] != id)
+        h = (h + 1) & (s->tcap - 1);
+    if (s->vals[h] == EMPTY) {
+        s->keys[h] = id;
+        s->vals[h] = (uint32_t)s->nrows++;
+        s->info.stored_samples++;
+        s->info.stored_bytes += s->rowlen * sizeof(float);
+    }
+    memcpy(s->rows + (size_t)s->vals[h] * s->rowlen, row, s->rowlen * sizeof(float));
+}
+
+/* Empties the store when its rows are of another dtype or row shape than
+ * the current call's (c->shape), and takes the current ones. */
+static void match_shape(dstate *s, const epipe_codec *c, enum epipe_dtype dt)
+{
+    int same = s->dt == dt && s->ndim == c->ndim;
+    for (int d = 1; same && d < c->ndim; d++)
+        same = s->shape[d] == c->shape[d];
+    if (same && s->nrows)
+        return;
+    clear_store(s);
+    s->dt = dt, s->ndim = c->ndim;
+    memcpy(s->shape, c->shape, sizeof(int64_t) * (size_t)c->ndim);
+    s->rowlen = 1;
+    for (int d = 1; d < c->ndim; d++)
+        s->rowlen *= (uint64_t)c->shape[d];
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The first id that occurs twice in ids[0..r), via s->sorted; 0 if none. */
+static int find_duplicate(dstate *s, const uint64_t *ids, size_t r, uint64_t *dup)
+{
+    if (r < 2)
+        return 0;
+    memcpy(s->sorted, ids, r * sizeof *ids);
+    qsort(s->sorted, r, sizeof *s->sorted, cmp_u64);
+    for (size_t i = 1; i < r; i++)
+        if (s->sorted[i] == s->sorted[i - 1]) {
+            *dup = s->sorted[i];
+            return 1;
+        }
+    return 0;
+}
+
+/* Per-call buffers: r rows, and 2 * n work values. */
+static int per_call(epipe_codec *c, dstate *s, size_t r, uint64_t n)
+{
+    if (s->rcap < r) {
+        uint8_t *k = realloc(s->kind, r);
+        if (k)
+            s->kind = k;
+        uint32_t *b = realloc(s->base, r * sizeof *b);
+        if (b)
+            s->base = b;
+        uint64_t *q = realloc(s->sorted, r * sizeof *q);
+        if (q)
+            s->sorted = q;
+        uint64_t *d = realloc(s->rids, r * sizeof *d);
+        if (d)
+            s->rids = d;
+        if (!k || !b || !q || !d)
+            return oom(c);
+        s->rcap = r;
+    }
+    if (n > SIZE_MAX / 2 / sizeof(float))
+        return oom(c);
+    if (s->work_cap < 2 * n) {
+        float *w = realloc(s->work, 2 * n * sizeof *w);
+        if (!w)
+            return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: delta: no memory for %llu values",
+                                    c->ops->name, (unsigned long long)(2 * n));
+        s->work = w, s->work_cap = 2 * n;
+    }
+    return EPIPE_OK;
+}
+
+/* ---- sizes ------------------------------------------------------------- */
+
+/* The inner codec's body for k rows of the current shape (0 for none). */
+static int inner_size(epipe_codec *c, uint64_t k, uint64_t rowlen, size_t *bytes)
+{
+    *bytes = 0;
+    if (!k)
+        return EPIPE_OK;
+    int64_t rows = c->shape[0];
+    c->shape[0] = (int64_t)k;
+    int rc = c->ops->body_size(c, k * rowlen, bytes);
+    c->shape[0] = rows;
+    if (rc == EPIPE_EOVERFLOW)
+        return epipe_codec_fail(c, rc, "%s: payload for %llu values overflows size_t",
+                                c->ops->name, (unsigned long long)(k * rowlen));
+    return rc;
+}
+
+static uint64_t row_len(const epipe_codec *c)
+{
+    uint64_t len = 1;
+    for (int d = 1; d < c->ndim; d++)
+        len *= (uint64_t)c->shape[d];
+    return len;
+}
+
+static int check_shape(epipe_codec *c)
+{
+    if (c->ndim < 1)
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "%s: delta=1 needs a tensor whose dimension 0 is the samples; "
+                                "this one has 0 dimensions",
+                                c->ops->name);
+    if ((uint64_t)c->shape[0] > UINT32_MAX)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "%s: delta=1: %lld rows; at most 2^32-1",
+                                c->ops->name, (long long)c->shape[0]);
+    return EPIPE_OK;
+}
+
+/* Wrapper bytes before the inner bodies, for r rows with ids of idw bytes. */
+static size_t wrapper_size(uint64_t r, unsigned idw)
+{
+    return DW_FIXED + (size_t)r * idw + (size_t)(r + 3) / 4;
+}
+
+int epipe_codec_delta_max_size(epipe_codec *c, uint64_t n, size_t *bytes)
+{
+    (void)n;
+    int rc = check_shape(c);
+    if (rc)
+        return rc;
+    uint64_t r = (uint64_t)c->shape[0], rowlen = row_len(c);
+    size_t most = 0;
+    for (uint64_t k = 0; k <= r; k++) {
+        size_t a, b;
+        if ((rc = inner_size(c, k, rowlen, &a)) || (rc = inner_size(c, r - k, rowlen, &b)))
+            return rc;
+        if (a > SIZE_MAX / 2 || b > SIZE_MAX / 2)
+            return epipe_codec_fail(c, EPIPE_EOVERFLOW, "%s: payload overflows size_t",
+                                    c->ops->name);
+        if (a + b > most)
+            most = a + b;
+    }
+    size_t w = wrapper_size(r, 8);
+    if (most > SIZE_MAX - w - EPIPE_PAYLOAD_HEADER)
+        return epipe_codec_fail(c, EPIPE_EOVERFLOW, "%s: payload overflows size_t", c->ops->name);
+    *bytes = EPIPE_PAYLOAD_HEADER + w + most;
+    return EPIPE_OK;
+}
+
+/* ---- inner encode and decode ------------------------------------------- */
+
+/* Runs the inner codec's encode (dir 0) or decode (dir 1) on k rows, with
+ * no micro-batch state (poweriter's warm start would see two shapes). */
+static int inner(epipe_codec *c, const epipe_codec_backend *be, int dir, uint64_t k,
+                 uint64_t rowlen, float *vals, uint8_t *body)
+{
+    if (!k)
+        return EPIPE_OK;
+    int64_t rows = c->shape[0], mb = c->microbatch;
+    c->shape[0] = (int64_t)k;
+    c->microbatch = -1;
+    int rc;
+    if (dir == 0)
+        rc = (c->use_reference ? be->encode_ref : be->encode)(c, vals, k * rowlen, body);
+    else
+        rc = (c->use_reference ? be->decode_ref : be->decode)(c, body, k * rowlen, vals);
+    c->shape[0] = rows;
+    c->microbatch = mb;
+    return rc;
+}
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint64_t get_le(const uint8_t *p, unsigned w)
+{
+    uint64_t v = 0;
+    for (unsigned i = 0; i < w; i++)
+        v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+/* ---- encode ------------------------------------------------------------ */
+
+/* Each row's kind and base; *nfull full rows, *nnew of them to keep. */
+static int plan_rows(epipe_codec *c, dstate *s, size_t r, size_t *nfull, size_t *nnew)
+{
+    uint64_t budget = (uint64_t)c->delta_mb << 20, rowbytes = s->rowlen * sizeof(float);
+    uint64_t kept = s->nrows * rowbytes;
+    *nfull = *nnew = 0;
+    for (size_t i = 0; i < r; i++) {
+        uint32_t b = lookup(s, s->ids[i]);
+        s->base[i] = b;
+        if (b != EMPTY) {
+            s->kind[i] = ROW_DELTA;
+            continue;
+        }
+        ++*nfull;
+        if (kept + rowbytes <= budget && s->nrows + *nnew < EMPTY - 1) {
+            s->kind[i] = ROW_FULL_KEEP;
+            kept += rowbytes;
+            ++*nnew;
+        } else if (c->delta_strict) {
+            return epipe_codec_fail(c, EPIPE_ENOMEM,
+                                    "%s: delta: keeping sample id %llu would take the stored "
+                                    "rows past delta_mb=%u MiB (%llu bytes a row); raise "
+                                    "delta_mb, or drop delta_strict=1 to send such samples in "
+                                    "full",
+                                    c->ops->name, (unsigned long long)s->ids[i], c->delta_mb,
+                                    (unsigned long long)rowbytes);
+        } else {
+            s->kind[i] = ROW_FULL;
+        }
+    }
+    return EPIPE_OK;
+}
+
+/* Writes the wrapper and both inner bodies for the planned rows, and the
+ * reconstruction the decoder will make into work[n, 2n) (full rows first,
+ * then delta rows, each in row order). */
+static int encode_rows(epipe_codec *c, const epipe_codec_backend *be, dstate *s, const float *x,
+                       size_t r, size_t nfull, uint8_t *body, size_t *blen)
+{
+    const uint64_t *ids = s->ids;
+    uint64_t rl = s->rowlen, n = r * rl;
+    float *full = s->work, *dl = s->work + nfull * rl, *y = s->work + n;
+    for (size_t i = 0, jf = 0, jd = 0; i < r; i++) {
+        const float *xi = x + i * rl;
+        if (s->kind[i] != ROW_DELTA) {
+            memcpy(full + jf++ * rl, xi, rl * sizeof *xi);
+            continue;
+        }
+        const float *p = s->rows + (size_t)s->base[i] * rl;
+        float *d = dl + jd++ * rl;
+        for (uint64_t v = 0; v < rl; v++)
+            d[v] = xi[v] - p[v];
+        size_t bad = epipe_find_nonfinite(d, rl);
+        if (bad < rl)
+            return epipe_codec_fail(c, EPIPE_EINVAL,
+                                    "%s: delta: row %zu (sample id %llu) value %zu: %g less its "
+                                    "stored %g overflows fp32",
+                                    c->ops->name, i, (unsigned long long)ids[i], bad,
+                                    (double)xi[bad], (double)p[bad]);
+    }
+    unsigned idw = 4;
+    for (size_t i = 0; i < r; i++)
+        if (ids[i] > UINT32_MAX)
+            idw = 8;
+    size_t a, b, wsz = wrapper_size(r, idw);
+    int rc;
+    if ((rc = inner_size(c, nfull, rl, &a)) || (rc = inner_size(c, r - nfull, rl, &b)))
+        return rc;
+    body[0] = DW_MAGIC, body[1] = DW_VERSION, body[2] = (uint8_t)idw, body[3] = 0;
+    put32(body + 4, (uint32_t)r);
+    put32(body + 8, (uint32_t)nfull);
+    uint8_t *p = body + DW_FIXED;
+    for (size_t i = 0; i < r; i++, p += idw)
+        for (unsigned k = 0; k < idw; k++)
+            p[k] = (uint8_t)(ids[i] >> (8 * k));
+    memset(p, 0, (r + 3) / 4);
+    for (size_t i = 0; i < r; i++)
+        p[i / 4] |= (uint8_t)(s->kind[i] << (2 * (i % 4)));
+    uint8_t *bf = body + wsz, *bd = bf + a;
+    if ((rc = inner(c, be, 0, nfull, rl, full, bf)) ||
+        (rc = inner(c, be, 0, r - nfull, rl, dl, bd)))
+        return rc;
+    /* What the decoder will see: decode what was just written. */
+    if ((rc = inner(c, be, 1, nfull, rl, y, bf)) ||
+        (rc = inner(c, be, 1, r - nfull, rl, y + nfull * rl, bd)))
+        return rc;
+    *blen = wsz + a + b;
+    return EPIPE_OK;
+}
+
+/* Adds each delta row's base to its decoded delta in y (full rows first,
+ * then delta rows). */
+static void add_bases(dstate *s, size_t r, size_t nfull, float *y)
+{
+    uint64_t rl = s->rowlen;
+    for (size_t i = 0, jd = nfull; i < r; i++) {
+        if (s->kind[i] != ROW_DELTA)
+            continue;
+        float *row = y + jd++ * rl;
+        const float *q = s->rows + (size_t)s->base[i] * rl;
+        for (uint64_t v = 0; v < rl; v++)
+            row[v] += q[v];
+    }
+}
+
+/* Keeps every reconstructed row of y whose kind says so (the room for new
+ * rows was reserved), and writes the rows in row order into out when it
+ * is not NULL. */
+static void keep(dstate *s, const uint64_t *ids, size_t r, size_t nfull, const float *y,
+                 float *out)
+{
+    uint64_t rl = s->rowlen;
+    for (size_t i = 0, jf = 0, jd = nfull; i < r; i++) {
+        const float *row = y + (s->kind[i] == ROW_DELTA ? jd++ : jf++) * rl;
+        if (out)
+            memcpy(out + i * rl, row, rl * sizeof *row);
+        if (s->kind[i] == ROW_FULL) {
+            s->info.fallback_rows++;
+            continue;
+        }
+        store(s, ids[i], row);
+        if (s->kind[i] == ROW_DELTA)
+            s->info.delta_rows++;
+        else
+            s->info.full_rows++;
+    }
+}
+
+int epipe_codec_delta_encode(epipe_codec *c, const epipe_codec_backend *be, const float *x,
+                             uint64_t n, enum epipe_dtype dt, uint8_t *payload, size_t *written)
+{
+    const char *name = c->ops->name;
+    if (be != c->ops->cpu)
+        return epipe_codec_fail(c, EPIPE_ENOTSUP, "%s: delta=1 runs on the CPU backend only", name);
+    dstate *s = state(c);
+    if (!s)
+        return oom(c);
+    int rc = check_shape(c);
+    if (rc)
+        return rc;
+    size_t r = (size_t)c->shape[0];
+    if (!s->ids_set)
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "%s: delta=1 needs the sample ids of the tensor's %zu rows: call "
+                                "epipe_codec_set_samples() before every encode",
+                                name, r);
+    s->ids_set = 0; /* the ids are for this encode only */
+    if (s->nids != r)
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "%s: delta=1: %zu sample ids were set for a tensor of %zu rows "
+                                "(its dimension 0)",
+                                name, s->nids, r);
+    size_t bad = epipe_find_nonfinite(x, n);
+    if (bad < n)
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "%s: input value at index %zu is %s; delta=1 needs finite values",
+                                name, bad, isnan(x[bad]) ? "NaN" : x[bad] > 0 ? "+inf" : "-inf");
+    if ((rc = per_call(c, s, r, n)))
+        return rc;
+    uint64_t dup;
+    if (find_duplicate(s, s->ids, r, &dup))
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "%s: delta=1: sample id %llu occurs twice in one tensor", name,
+                                (unsigned long long)dup);
+    match_shape(s, c, dt);
+    size_t nfull, nnew, blen = 0;
+    if ((rc = plan_rows(c, s, r, &nfull, &nnew)) || (rc = reserve(c, s, nnew)) ||
+        (rc = encode_rows(c, be, s, x, r, nfull, payload + EPIPE_PAYLOAD_HEADER, &blen)))
+        return rc;
+    add_bases(s, r, nfull, s->work + n);
+    keep(s, s->ids, r, nfull, s->work + n, NULL);
+    *written = EPIPE_PAYLOAD_HEADER + blen;
+    return EPIPE_OK;
+}
+
+/* ---- decode ------------------------------------------------------------ */
+
+static int proto(epipe_codec *c, const char *fmt, const char *what, unsigned long long a,
+                 unsigned long long b)
+{
+    char m[200];
+    snprintf(m, sizeof m, fmt, what, a, b);
+    return epipe_codec_fail(c, EPIPE_EPROTO, "%s: delta payload: %s", c->ops->name, m);
+}
+
+/* Reads and checks the wrapper's rows: ids into s->ids, kinds and bases;
+ * returns the count of new rows to keep in *nnew. */
+static int read_rows(epipe_codec *c, dstate *s, const uint8_t *p, size_t r, unsigned idw,
+                     size_t nfull, size_t *nnew)
+{
+    const uint8_t *kinds = p + r * idw;
+    size_t full = 0;
+    *nnew = 0;
+    for (size_t i = 0; i < r; i++) {
+        s->rids[i] = get_le(p + i * idw, idw);
+        unsigned k = (kinds[i / 4] >> (2 * (i % 4))) & 3u;
+        if (k > ROW_DELTA)
+            return proto(c, "%s %llu has kind %llu (0..2)", "row", i, k);
+        s->kind[i] = (uint8_t)k;
+        full += k != ROW_DELTA;
+    }
+    if ((r % 4) && (kinds[r / 4] >> (2 * (r % 4))))
+        return proto(c, "%s bits after row %llu are 0x%llx, not 0", "padding", r - 1,
+                     (unsigned)kinds[r / 4] >> (2 * (r % 4)));
+    if (full != nfull)
+        return proto(c, "%s says %llu full rows; its row kinds say %llu", "header", nfull, full);
+    uint64_t dup;
+    if (find_duplicate(s, s->rids, r, &dup))
+        return proto(c, "%s %llu occurs twice%.0llu", "sample id", dup, 0);
+    for (size_t i = 0; i < r; i++) {
+        uint32_t b = lookup(s, s->rids[i]);
+        s->base[i] = b;
+        if (s->kind[i] == ROW_DELTA && b == EMPTY)
+            return epipe_codec_fail(c, EPIPE_EPROTO,
+                                    "%s: delta payload: row %zu is a delta for sample id %llu, "
+                                    "for which this decoder holds no stored row (were both "
+                                    "sides reset together, and is this the encoder's stream?)",
+                                    c->ops->name, i, (unsigned long long)s->rids[i]);
+        if (s->kind[i] == ROW_FULL && b != EMPTY)
+            return epipe_codec_fail(c, EPIPE_EPROTO,
+                                    "%s: delta payload: row %zu sends sample id %llu in full "
+                                    "without keeping it, but this decoder holds a stored row for "
+                                    "it: the two sides' stores differ",
+                                    c->ops->name, i, (unsigned long long)s->rids[i]);
+        *nnew += s->kind[i] == ROW_FULL_KEEP && b == EMPTY;
+    }
+    uint64_t rowbytes = s->rowlen * sizeof(float);
+    if ((s->nrows + *nnew) * rowbytes > (uint64_t)c->delta_mb << 20 ||
+        s->nrows + *nnew >= EMPTY - 1)
+        return epipe_codec_fail(c, EPIPE_EPROTO,
+                                "%s: delta payload: keeping its %zu new samples would take this "
+                                "decoder's stored rows past delta_mb=%u MiB: both sides need "
+                                "the same delta_mb, and resets on both sides together",
+                                c->ops->name, *nnew, c->delta_mb);
+    return EPIPE_OK;
+}
+
+int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, const void *src,
+                             size_t len, DLTensor *dst, uint64_t n, enum epipe_dtype dt)
+{
+    const char *name = c->ops->name;
+    if (be != c->ops->cpu)
+        return epipe_codec_fail(c, EPIPE_ENOTSUP, "%s: delta=1 runs on the CPU backend only", name);
+    dstate *s = state(c);
+    if (!s)
+        return oom(c);
+    int rc = check_shape(c);
+    if (rc)
+        return rc;
+    const uint8_t *p = (const uint8_t *)src + EPIPE_PAYLOAD_HEADER;
+    size_t blen = len - EPIPE_PAYLOAD_HEADER, r = (size_t)c->shape[0];
+    if (blen < DW_FIXED)
+        return epipe_codec_fail(c, EPIPE_ETRUNC,
+                                "%s: delta payload: body is %zu bytes; its header alone is %d",
+                                name, blen, DW_FIXED);
+    if (p[0] != DW_MAGIC)
+        return proto(c, "%s byte is 0x%02llx, not 0x%02llx (was it made with delta=1?)",
+                     "first", p[0], DW_MAGIC);
+    if (p[1] != DW_VERSION)
+        return epipe_codec_fail(c, EPIPE_EVERSION,
+                                "%s: delta payload version %u; this library reads %d", name, p[1],
+                                DW_VERSION);
+    if ((p[2] != 4 && p[2] != 8) || p[3])
+        return proto(c, "%s width %llu (4 or 8) or reserved byte %llu (0)", "id", p[2], p[3]);
+    uint64_t rows = get_le(p + 4, 4), nfull = get_le(p + 8, 4);
+    if (rows != r)
+        return proto(c, "%s says %llu rows; dst has %llu (its dimension 0)", "header", rows, r);
+    if (nfull > r)
+        return proto(c, "%s says %llu full rows of %llu", "header", nfull, r);
+    unsigned idw = p[2];
+    size_t a, b, wsz = wrapper_size(r, idw);
+    match_shape(s, c, dt);
+    if ((rc = inner_size(c, nfull, s->rowlen, &a)) ||
+        (rc = inner_size(c, r - nfull, s->rowlen, &b)))
+        return rc;
+    size_t need = wsz + a + b; /* cannot overflow: max_size bounded it */
+    if (blen < need)
+        return epipe_codec_fail(c, EPIPE_ETRUNC,
+                                "%s: delta payload: body is %zu bytes; its rows need %zu", name,
+                                blen, need);
+    if (blen > need)
+        return epipe_codec_fail(c, EPIPE_EPROTO, "%s: delta payload has %zu bytes after its end",
+                                name, blen - need);
+    size_t nnew;
+    if ((rc = per_call(c, s, r, n)) ||
+        (rc = read_rows(c, s, p + DW_FIXED, r, idw, nfull, &nnew)) || (rc = reserve(c, s, nnew)))
+        return rc;
+    float *y = s->work + n, *out;
+    const uint8_t *bf = p + wsz, *bd = bf + a;
+    if ((rc = inner(c, be, 1, nfull, s->rowlen, y, (uint8_t *)bf)) ||
+        (rc = inner(c, be, 1, r - nfull, s->rowlen, y + nfull * s->rowlen, (uint8_t *)bd)))
+        return rc;
+    add_bases(s, r, nfull, y);
+    size_t bad = epipe_find_nonfinite(y, n);
+    if (bad < n)
+        return proto(c, "%s %llu of %llu is not finite once decoded", "value", bad, n);
+    if ((rc = epipe_codec_stage_out(c, dst, n, dt, &out)))
+        return rc;
+    keep(s, s->rids, r, nfull, y, out);
+    epipe_codec_stage_out_done(dst, out, n);
+    return EPIPE_OK;
+}
+
+const float *epipe_codec_delta_row(const epipe_codec *c, uint64_t id)
+{
+    const dstate *s = c->delta_state;
+    uint32_t b = s ? lookup(s, id) : EMPTY;
+    return b == EMPTY ? NULL : s->rows + (size_t)b * s->rowlen;
+}
