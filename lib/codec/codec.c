@@ -172,8 +172,6 @@ static void list_keys(const epipe_codec_ops *ops, char *buf, size_t cap)
     }
     if (epipe_codec_ef_allowed(ops))
         strncat(buf, ops->nparams ? ", ef" : "ef", cap - strlen(buf) - 1);
-    if (epipe_codec_ef_allowed(ops))
-        strncat(buf, ", delta, delta_mb, delta_strict", cap - strlen(buf) - 1);
     if (!buf[0])
         snprintf(buf, cap, "none");
 }
