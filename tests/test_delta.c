@@ -422,6 +422,37 @@ static void test_mismatch(void **st)
     epipe_codec_destroy(fresh), epipe_codec_destroy(plain);
 }
 
+/* A full row the encoder does not keep, for a sample the decoder holds:
+ * the stores differ. And the wrapper's first bytes, by name. */
+static void test_stores_differ(void **st)
+{
+    (void)st;
+    const int64_t cols = 65536;
+    float *x = malloc(4 * (size_t)cols * sizeof *x), *y = malloc(4 * (size_t)cols * sizeof *y);
+    test_fill(x, 4 * (size_t)cols, DIST_NORMAL, 10);
+    uint64_t one = 1, four[4] = {10, 11, 12, 13};
+    epipe_codec *e1 = mk("quant:bits=4,delta=1"), *e2 = mk("quant:bits=4,delta=1,delta_mb=1");
+    epipe_codec *d = mk("quant:bits=4,delta=1,delta_mb=2");
+    test_payload p = enc(e1, x, &one, 1, cols);
+    assert_int_equal(dec(d, &p, y, 1, cols), EPIPE_OK);
+    free(p.buf);
+    p = enc(e2, x, four, 4, cols); /* fills e2's MiB */
+    assert_int_equal(dec(d, &p, y, 4, cols), EPIPE_OK);
+    free(p.buf);
+    p = enc(e2, x, &one, 1, cols); /* sample 1 in full, unkept */
+    assert_int_equal(dec(d, &p, y, 1, cols), EPIPE_EPROTO);
+    assert_non_null(strstr(epipe_codec_last_error(d), "stores differ"));
+    assert_non_null(strstr(epipe_codec_last_error(d), "sample id 1 "));
+    p.buf[16] = 0x45;
+    assert_int_equal(dec(d, &p, y, 1, cols), EPIPE_EPROTO);
+    assert_non_null(strstr(epipe_codec_last_error(d), "made with delta=1"));
+    p.buf[16] = 0x44, p.buf[17] = 2;
+    assert_int_equal(dec(d, &p, y, 1, cols), EPIPE_EVERSION);
+    assert_non_null(strstr(epipe_codec_last_error(d), "version 2"));
+    free(p.buf), free(x), free(y);
+    epipe_codec_destroy(e1), epipe_codec_destroy(e2), epipe_codec_destroy(d);
+}
+
 /* Every truncation and every single-byte change of a payload with full,
  * kept and delta rows: an error with a message, or a valid decode. */
 static void test_hostile(void **st)
@@ -479,7 +510,8 @@ int main(void)
         cmocka_unit_test(test_spec_keys),        cmocka_unit_test(test_premise),
         cmocka_unit_test(test_first_epoch_full), cmocka_unit_test(test_budget),
         cmocka_unit_test(test_bad_calls),        cmocka_unit_test(test_shape_dtype_reset),
-        cmocka_unit_test(test_mismatch),         cmocka_unit_test(test_hostile),
+        cmocka_unit_test(test_mismatch),         cmocka_unit_test(test_stores_differ),
+        cmocka_unit_test(test_hostile),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
