@@ -203,7 +203,7 @@ static void test_premise(void **st)
         const char *spec;
         double bound;
     } specs[] = {
-        {"quant:bits=2", 0.25},   {"sortquant:bits=2", 0.25}, {"quant:bits=4", 0.25},
+        {"quant:bits=2", 0.25},    {"sortquant:bits=2", 0.25}, {"quant:bits=4", 0.25},
         {"topk:ratio=0.25", 0.25}, {"kmeans:bits=2", 0.25},
 #ifdef EPIPE_HAVE_BLAS /* poweriter needs OpenBLAS/LAPACKE (-Dblas) */
         {"poweriter:rank=4", 0.5},
@@ -213,8 +213,8 @@ static void test_premise(void **st)
         char ds[96];
         snprintf(ds, sizeof ds, "%s,delta=1", specs[i].spec);
         double plain = epochs_mse(specs[i].spec, 0), delta = epochs_mse(ds, 1);
-        print_message("%-18s last-epoch MSE plain %.3g, delta %.3g (%.3gx)\n", specs[i].spec,
-                      plain, delta, delta / plain);
+        print_message("%-18s last-epoch MSE plain %.3g, delta %.3g (%.3gx)\n", specs[i].spec, plain,
+                      delta, delta / plain);
         if (!(delta < specs[i].bound * plain))
             fail_msg("%s: delta MSE %g is not below %g x plain %g", specs[i].spec, delta,
                      specs[i].bound, plain);
@@ -250,7 +250,8 @@ static void test_budget(void **st)
     float *x = malloc((size_t)(rows * cols) * sizeof *x), *y = malloc((size_t)(rows * cols) * 4);
     test_fill(x, (size_t)(rows * cols), DIST_NORMAL, 4);
     uint64_t ids[6] = {10, 11, 12, 13, 14, 15};
-    epipe_codec *c = mk("quant:bits=4,delta=1,delta_mb=1"), *d = mk("quant:bits=4,delta=1,delta_mb=1");
+    epipe_codec *c = mk("quant:bits=4,delta=1,delta_mb=1"),
+                *d = mk("quant:bits=4,delta=1,delta_mb=1");
     for (int e = 0; e < 2; e++) {
         test_payload p = enc(c, x, ids, rows, cols);
         assert_int_equal(dec(d, &p, y, rows, cols), EPIPE_OK);
@@ -266,7 +267,8 @@ static void test_budget(void **st)
     same_state(c, d, ids, 6, (size_t)cols);
     assert_null(epipe_codec_delta_row(c, 14));
     /* A decoder with a smaller budget than the encoder's refuses. */
-    epipe_codec *big = mk("quant:bits=4,delta=1,delta_mb=2"), *small = mk("quant:bits=4,delta=1,delta_mb=1");
+    epipe_codec *big = mk("quant:bits=4,delta=1,delta_mb=2"),
+                *small = mk("quant:bits=4,delta=1,delta_mb=1");
     test_payload p = enc(big, x, ids, rows, cols);
     assert_int_equal(dec(small, &p, y, rows, cols), EPIPE_EPROTO);
     assert_non_null(strstr(epipe_codec_last_error(small), "delta_mb"));
@@ -289,8 +291,8 @@ static void test_budget(void **st)
     epipe_codec_destroy(big), epipe_codec_destroy(small);
 }
 
-static void expect_encode_fails(epipe_codec *c, DLTensor *t, int set, const uint64_t *ids,
-                                size_t n, int status, const char *needle)
+static void expect_encode_fails(epipe_codec *c, DLTensor *t, int set, const uint64_t *ids, size_t n,
+                                int status, const char *needle)
 {
     size_t cap = 0, w;
     assert_int_equal(epipe_codec_max_encoded_size(c, t, &cap), EPIPE_OK);
@@ -403,7 +405,7 @@ static void test_mismatch(void **st)
     assert_int_equal(dec(d, &p, y, 4, 16), EPIPE_OK);
     free(p.buf);
     epipe_codec *c2 = mk("sortquant:bits=2,delta=1");
-    p = enc(c2, x, other, 4, 16); /* all full-keep */
+    p = enc(c2, x, other, 4, 16);              /* all full-keep */
     test_payload q = enc(c2, x, other, 4, 16); /* all deltas */
     epipe_codec *fresh = mk("sortquant:bits=2,delta=1");
     assert_int_equal(dec(fresh, &q, y, 4, 16), EPIPE_EPROTO);
@@ -459,8 +461,7 @@ static void test_hostile(void **st)
 {
     (void)st;
     static const char *const specs[] = {"quant:bits=2,delta=1", "sortquant:bits=2,delta=1",
-                                        "topk:ratio=0.5,delta=1",
-                                        "cast:dtype=fp16,delta=1"};
+                                        "topk:ratio=0.5,delta=1", "cast:dtype=fp16,delta=1"};
     enum { R = 6, C = 16 };
     float x[R * C], y[R * C];
     uint64_t first[R] = {1, 2, 3, 4, 5, 6}, second[R] = {3, 1, 70, 5, 1ull << 40, 2};

@@ -123,8 +123,8 @@ int epipe_codec_delta_parse(epipe_codec *c, const char *key, size_t klen, const 
     buf[vlen] = '\0';
     long x = strtol(buf, &end, 10);
     if (*end || buf[0] < '0' || buf[0] > '9' || x < dmin[i] || x > dmax[i])
-        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not an integer in %.0f..%.0f",
-                          name, dkeys[i], buf, dmin[i], dmax[i]);
+        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not an integer in %.0f..%.0f", name,
+                          dkeys[i], buf, dmin[i], dmax[i]);
     c->delta_seen |= 1u << i;
     if (i == 0)
         c->delta = (int)x;
@@ -161,8 +161,7 @@ void epipe_codec_delta_spec(epipe_codec *c)
         m += snprintf(extra + m, sizeof extra - (size_t)m, ",delta_mb=%u", c->delta_mb);
     if (c->delta_strict)
         snprintf(extra + m, sizeof extra - (size_t)m, ",delta_strict=1");
-    snprintf(c->spec + len, sizeof c->spec - len, "%c%s", strchr(c->spec, ':') ? ',' : ':',
-             extra);
+    snprintf(c->spec + len, sizeof c->spec - len, "%c%s", strchr(c->spec, ':') ? ',' : ':', extra);
 }
 
 int epipe_codec_delta_key_info(const epipe_codec_ops *ops, const char *key, const epipe_codec *c,
@@ -386,8 +385,8 @@ static int inner_size(epipe_codec *c, uint64_t k, uint64_t rowlen, size_t *bytes
     int rc = c->ops->body_size(c, k * rowlen, bytes);
     c->shape[0] = rows;
     if (rc == EPIPE_EOVERFLOW)
-        return epipe_codec_fail(c, rc, "%s: payload for %llu values overflows size_t",
-                                c->ops->name, (unsigned long long)(k * rowlen));
+        return epipe_codec_fail(c, rc, "%s: payload for %llu values overflows size_t", c->ops->name,
+                                (unsigned long long)(k * rowlen));
     return rc;
 }
 
@@ -600,8 +599,7 @@ static void add_bases(dstate *s, size_t r, size_t nfull, float *y)
 /* Keeps every reconstructed row of y whose kind says so (the room for new
  * rows was reserved), and writes the rows in row order into out when it
  * is not NULL. */
-static void keep(dstate *s, const uint64_t *ids, size_t r, size_t nfull, const float *y,
-                 float *out)
+static void keep(dstate *s, const uint64_t *ids, size_t r, size_t nfull, const float *y, float *out)
 {
     uint64_t rl = s->rowlen;
     for (size_t i = 0, jf = 0, jd = nfull; i < r; i++) {
@@ -648,7 +646,10 @@ int epipe_codec_delta_encode(epipe_codec *c, const epipe_codec_backend *be, cons
     if (bad < n)
         return epipe_codec_fail(c, EPIPE_EINVAL,
                                 "%s: input value at index %zu is %s; delta=1 needs finite values",
-                                name, bad, isnan(x[bad]) ? "NaN" : x[bad] > 0 ? "+inf" : "-inf");
+                                name, bad,
+                                isnan(x[bad]) ? "NaN"
+                                : x[bad] > 0  ? "+inf"
+                                              : "-inf");
     if ((rc = per_call(c, s, r, n)))
         return rc;
     uint64_t dup;
@@ -748,8 +749,8 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
                                 "%s: delta payload: body is %zu bytes; its header alone is %d",
                                 name, blen, DW_FIXED);
     if (p[0] != DW_MAGIC)
-        return proto(c, "%s byte is 0x%02llx, not 0x%02llx (was it made with delta=1?)",
-                     "first", p[0], DW_MAGIC);
+        return proto(c, "%s byte is 0x%02llx, not 0x%02llx (was it made with delta=1?)", "first",
+                     p[0], DW_MAGIC);
     if (p[1] != DW_VERSION)
         return epipe_codec_fail(c, EPIPE_EVERSION,
                                 "%s: delta payload version %u; this library reads %d", name, p[1],
@@ -776,8 +777,8 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
         return epipe_codec_fail(c, EPIPE_EPROTO, "%s: delta payload has %zu bytes after its end",
                                 name, blen - need);
     size_t nnew;
-    if ((rc = per_call(c, s, r, n)) ||
-        (rc = read_rows(c, s, p + DW_FIXED, r, idw, nfull, &nnew)) || (rc = reserve(c, s, nnew)))
+    if ((rc = per_call(c, s, r, n)) || (rc = read_rows(c, s, p + DW_FIXED, r, idw, nfull, &nnew)) ||
+        (rc = reserve(c, s, nnew)))
         return rc;
     float *y = s->work + n, *out;
     const uint8_t *bf = p + wsz, *bd = bf + a;

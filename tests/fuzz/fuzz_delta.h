@@ -9,7 +9,7 @@
 #include <epipe/epipe.h>
 
 static const char *const fuzz_delta_specs[] = {
-    "quant:bits=2,delta=1",   "sortquant:bits=4,delta=1", "topk:ratio=0.5,delta=1",
+    "quant:bits=2,delta=1",    "sortquant:bits=4,delta=1", "topk:ratio=0.5,delta=1",
     "cast:dtype=bf16,delta=1", "kmeans:bits=2,delta=1",
 };
 #define FUZZ_DELTA_NSPECS (sizeof fuzz_delta_specs / sizeof fuzz_delta_specs[0])
@@ -21,14 +21,14 @@ static const char *const fuzz_delta_specs[] = {
 
 /* Encodes rows x cols deterministic values of epoch e for the samples ids
  * with c: *out is malloc'd. 0 on success. */
-static int fuzz_delta_encode(epipe_codec *c, int64_t rows, int64_t cols, const uint64_t *ids,
-                             int e, uint8_t **out, size_t *len)
+static int fuzz_delta_encode(epipe_codec *c, int64_t rows, int64_t cols, const uint64_t *ids, int e,
+                             uint8_t **out, size_t *len)
 {
     size_t n = (size_t)(rows * cols);
     float *x = malloc(n * sizeof *x + 1);
     int64_t shape[2] = {rows, cols};
-    DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1},
-                  .shape = shape};
+    DLTensor t = {
+        .data = x, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     for (size_t i = 0; i < n; i++)
         x[i] = (float)((int)((i * 2654435761u + (unsigned)e * 40503u) % 2001) - 1000) / 300.0f;
     size_t cap = 0;

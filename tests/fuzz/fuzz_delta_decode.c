@@ -23,8 +23,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t len0;
     float *out = malloc((size_t)(rows * cols) * sizeof *out);
     int64_t shape[2] = {rows, cols};
-    DLTensor t = {.data = out, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1},
-                  .shape = shape};
+    DLTensor t = {
+        .data = out, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     if (fuzz_delta_encode(enc, rows, cols, ids, 0, &p0, &len0) ||
         epipe_codec_decode(dec, p0, len0, &t))
         abort(); /* the priming stream is valid */
