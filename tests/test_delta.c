@@ -118,6 +118,10 @@ static void test_spec_keys(void **st)
         {"quant:bits=2,delta=1,delta_mb=0", "delta_mb"},
         {"quant:bits=2,delta=1,delta_mb=-3", "delta_mb"},
         {"quant:bits=2,delta=x", "delta"},
+#ifdef EPIPE_HAVE_BLAS /* insert needs OpenBLAS/LAPACKE (-Dblas) */
+        {"insert:kind=linear,out=2,delta=1", "trainable codec or a chain"},
+        {"insert:kind=linear,out=2|quant:bits=5,delta=1", "inside a chain"},
+#endif
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         c = NULL;
