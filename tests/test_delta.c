@@ -327,7 +327,6 @@ static void test_bad_calls(void **st)
     expect_encode_fails(c, &m.t, 0, NULL, 0, EPIPE_EINVAL, "before every encode");
     x[9] = NAN;
     expect_encode_fails(c, &m.t, 1, ids, 4, EPIPE_EINVAL, "index 9 is NaN");
-    assert_int_equal(epipe_codec_set_samples(c, NULL, 2), EPIPE_EINVAL);
     int64_t n0 = 5;
     DLTensor scalar = m.t;
     scalar.ndim = 0;
@@ -336,6 +335,48 @@ static void test_bad_calls(void **st)
     assert_int_equal(epipe_codec_max_encoded_size(c, &scalar, &cap), EPIPE_EINVAL);
     assert_non_null(strstr(epipe_codec_last_error(c), "dimension 0 is the samples"));
     epipe_codec_destroy(c);
+}
+
+/* NULL ids: rows sent in full and kept by neither side, between tracked
+ * encodes that go on as before. */
+static void test_untracked(void **st)
+{
+    (void)st;
+    float x[4 * 16], y[4 * 16], z[4 * 16];
+    uint64_t ids[4] = {1, 2, 3, 4};
+    test_fill(x, 64, DIST_NORMAL, 11);
+    epipe_codec *c = mk("quant:bits=2,delta=1"), *d = mk("quant:bits=2,delta=1");
+    test_payload p = enc(c, x, ids, 4, 16);
+    assert_int_equal(dec(d, &p, y, 4, 16), EPIPE_OK);
+    free(p.buf);
+    mat m;
+    mat_init(&m, x, 4, 16);
+    size_t cap, w;
+    assert_int_equal(epipe_codec_max_encoded_size(c, &m.t, &cap), EPIPE_OK);
+    uint8_t *buf = malloc(cap);
+    assert_int_equal(epipe_codec_set_samples(c, NULL, 4), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(c, &m.t, buf, cap, &w), EPIPE_OK);
+    assert_int_equal(w, 16 + 12 + 1 + (w - 29)); /* no ids on the wire */
+    test_payload q = {buf, w};
+    assert_int_equal(dec(d, &q, y, 4, 16), EPIPE_OK);
+    test_payload r = test_encode("quant:bits=2", x, 64, 1, 0); /* the plain codec's values */
+    test_decode("quant:bits=2", &r, z, 64, 1, 0);
+    assert_memory_equal(y, z, sizeof y);
+    assert_memory_equal(buf + 29, r.buf + 16, r.len - 16);
+    free(r.buf), free(buf);
+    epipe_codec_delta_info info;
+    assert_int_equal(epipe_codec_delta_stats(d, &info), EPIPE_OK);
+    assert_int_equal(info.untracked_rows, 4);
+    assert_int_equal(info.full_rows, 4);
+    assert_int_equal(info.fallback_rows, 0);
+    same_state(c, d, ids, 4, 16);
+    p = enc(c, x, ids, 4, 16); /* tracked again: deltas */
+    assert_int_equal(dec(d, &p, y, 4, 16), EPIPE_OK);
+    free(p.buf);
+    assert_int_equal(epipe_codec_delta_stats(d, &info), EPIPE_OK);
+    assert_int_equal(info.delta_rows, 4);
+    same_state(c, d, ids, 4, 16);
+    epipe_codec_destroy(c), epipe_codec_destroy(d);
 }
 
 /* Shape and dtype changes start the store over on both sides; resets. */
@@ -474,7 +515,18 @@ static void test_hostile(void **st)
         test_fill(x, R * C, DIST_NORMAL, 8);
         test_payload p0 = enc(c, x, first, R, C);
         test_fill(x, R * C, DIST_NORMAL, 9);
-        test_payload p = enc(c, x, second, R, C);
+        /* Odd specs: an untracked payload (NULL ids) instead. */
+        test_payload p = {NULL, 0};
+        if (s % 2 == 0) {
+            p = enc(c, x, second, R, C);
+        } else {
+            mat m;
+            mat_init(&m, x, R, C);
+            assert_int_equal(epipe_codec_max_encoded_size(c, &m.t, &p.len), EPIPE_OK);
+            p.buf = malloc(p.len);
+            assert_int_equal(epipe_codec_set_samples(c, NULL, R), EPIPE_OK);
+            assert_int_equal(epipe_codec_encode(c, &m.t, p.buf, p.len, &p.len), EPIPE_OK);
+        }
         unsigned ok = 0, bad = 0;
         /* Trials: every length short of the whole, then four changes of
          * every byte after the core's header (tested elsewhere). */
@@ -516,7 +568,7 @@ int main(void)
         cmocka_unit_test(test_first_epoch_full), cmocka_unit_test(test_budget),
         cmocka_unit_test(test_bad_calls),        cmocka_unit_test(test_shape_dtype_reset),
         cmocka_unit_test(test_mismatch),         cmocka_unit_test(test_stores_differ),
-        cmocka_unit_test(test_hostile),
+        cmocka_unit_test(test_hostile),          cmocka_unit_test(test_untracked),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

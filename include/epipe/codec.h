@@ -266,8 +266,10 @@ EPIPE_EXPERIMENTAL int epipe_codec_sgd_step(epipe_codec *codec, double lr, doubl
  * epipe_codec_encode() on this handle: n must equal that dimension, and
  * the ids must be distinct. The ids are copied; an encode that reaches
  * the codec consumes them (even one that fails), so set them before every
- * encode. EPIPE_EINVAL for NULL ids with n > 0 or a handle without
- * delta=1. Not thread-safe on one handle. */
+ * encode. NULL ids (n still the rows) make the next encode's rows
+ * untracked, for evaluation passes or rows without ids: sent in full and
+ * kept by neither side. EPIPE_EINVAL for a handle without delta=1. Not
+ * thread-safe on one handle. */
 EPIPE_EXPERIMENTAL int epipe_codec_set_samples(epipe_codec *codec, const uint64_t *ids, size_t n);
 
 /* Counters of a delta=1 handle, encoder or decoder (zero for others). */
@@ -277,6 +279,7 @@ typedef struct epipe_codec_delta_info {
     uint64_t full_rows;      /* rows sent in full and kept (first sightings) */
     uint64_t delta_rows;     /* rows sent as deltas */
     uint64_t fallback_rows;  /* rows sent in full, not kept: delta_mb was full */
+    uint64_t untracked_rows; /* rows sent in full, not kept: NULL ids */
 } epipe_codec_delta_info;
 
 /* Copies the counters into *info. EPIPE_EINVAL for NULL. */

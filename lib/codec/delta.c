@@ -34,6 +34,7 @@ struct epipe_codec_delta {
     uint64_t *ids;
     size_t nids, ids_cap;
     int ids_set;
+    int untracked; /* the ids were NULL (set_samples); then per call */
     /* Per call: row kinds, stored-row index per row, work values. */
     uint8_t *kind;
     uint32_t *base;
@@ -189,8 +190,6 @@ EPIPE_EXPERIMENTAL int epipe_codec_set_samples(epipe_codec *c, const uint64_t *i
     if (!c->delta)
         return epipe_codec_fail(c, EPIPE_EINVAL,
                                 "epipe_codec_set_samples: codec '%s' has no delta=1", c->spec);
-    if (!ids && n)
-        return epipe_codec_fail(c, EPIPE_EINVAL, "epipe_codec_set_samples: ids is NULL");
     if (n > UINT32_MAX)
         return epipe_codec_fail(c, EPIPE_EINVAL, "epipe_codec_set_samples: %zu ids; at most 2^32-1",
                                 n);
@@ -203,10 +202,11 @@ EPIPE_EXPERIMENTAL int epipe_codec_set_samples(epipe_codec *c, const uint64_t *i
             return oom(c);
         s->ids = p, s->ids_cap = n;
     }
-    if (n)
+    if (n && ids)
         memcpy(s->ids, ids, n * sizeof *ids);
     s->nids = n;
     s->ids_set = 1;
+    s->untracked = !ids;
     return EPIPE_OK;
 }
 
@@ -498,6 +498,11 @@ static int plan_rows(epipe_codec *c, dstate *s, size_t r, size_t *nfull, size_t 
     uint64_t kept = s->nrows * rowbytes;
     *nfull = *nnew = 0;
     for (size_t i = 0; i < r; i++) {
+        if (s->untracked) { /* full, and kept by neither side */
+            s->base[i] = EMPTY, s->kind[i] = ROW_FULL;
+            ++*nfull;
+            continue;
+        }
         uint32_t b = lookup(s, s->ids[i]);
         s->base[i] = b;
         if (b != EMPTY) {
@@ -551,8 +556,8 @@ static int encode_rows(epipe_codec *c, const epipe_codec_backend *be, dstate *s,
                                     c->ops->name, i, (unsigned long long)ids[i], bad,
                                     (double)xi[bad], (double)p[bad]);
     }
-    unsigned idw = 4;
-    for (size_t i = 0; i < r; i++)
+    unsigned idw = s->untracked ? 0 : 4;
+    for (size_t i = 0; idw && i < r; i++)
         if (ids[i] > UINT32_MAX)
             idw = 8;
     size_t a, b, wsz = wrapper_size(r, idw);
@@ -599,7 +604,8 @@ static void add_bases(dstate *s, size_t r, size_t nfull, float *y)
 /* Keeps every reconstructed row of y whose kind says so (the room for new
  * rows was reserved), and writes the rows in row order into out when it
  * is not NULL. */
-static void keep(dstate *s, const uint64_t *ids, size_t r, size_t nfull, const float *y, float *out)
+static void keep(dstate *s, const uint64_t *ids, size_t r, size_t nfull, const float *y, float *out,
+                 int untracked)
 {
     uint64_t rl = s->rowlen;
     for (size_t i = 0, jf = 0, jd = nfull; i < r; i++) {
@@ -607,7 +613,10 @@ static void keep(dstate *s, const uint64_t *ids, size_t r, size_t nfull, const f
         if (out)
             memcpy(out + i * rl, row, rl * sizeof *row);
         if (s->kind[i] == ROW_FULL) {
-            s->info.fallback_rows++;
+            if (untracked)
+                s->info.untracked_rows++;
+            else
+                s->info.fallback_rows++;
             continue;
         }
         store(s, ids[i], row);
@@ -653,7 +662,7 @@ int epipe_codec_delta_encode(epipe_codec *c, const epipe_codec_backend *be, cons
     if ((rc = per_call(c, s, r, n)))
         return rc;
     uint64_t dup;
-    if (find_duplicate(s, s->ids, r, &dup))
+    if (!s->untracked && find_duplicate(s, s->ids, r, &dup))
         return epipe_codec_fail(c, EPIPE_EINVAL,
                                 "%s: delta=1: sample id %llu occurs twice in one tensor", name,
                                 (unsigned long long)dup);
@@ -663,7 +672,7 @@ int epipe_codec_delta_encode(epipe_codec *c, const epipe_codec_backend *be, cons
         (rc = encode_rows(c, be, s, x, r, nfull, payload + EPIPE_PAYLOAD_HEADER, &blen)))
         return rc;
     add_bases(s, r, nfull, s->work + n);
-    keep(s, s->ids, r, nfull, s->work + n, NULL);
+    keep(s, s->ids, r, nfull, s->work + n, NULL, s->untracked);
     *written = EPIPE_PAYLOAD_HEADER + blen;
     return EPIPE_OK;
 }
@@ -687,10 +696,12 @@ static int read_rows(epipe_codec *c, dstate *s, const uint8_t *p, size_t r, unsi
     size_t full = 0;
     *nnew = 0;
     for (size_t i = 0; i < r; i++) {
-        s->rids[i] = get_le(p + i * idw, idw);
+        s->rids[i] = idw ? get_le(p + i * idw, idw) : 0;
         unsigned k = (kinds[i / 4] >> (2 * (i % 4))) & 3u;
         if (k > ROW_DELTA)
             return proto(c, "%s %llu has kind %llu (0..2)", "row", i, k);
+        if (!idw && k != ROW_FULL)
+            return proto(c, "%s %llu of a payload without ids has kind %llu, not 0", "row", i, k);
         s->kind[i] = (uint8_t)k;
         full += k != ROW_DELTA;
     }
@@ -699,6 +710,8 @@ static int read_rows(epipe_codec *c, dstate *s, const uint8_t *p, size_t r, unsi
                      (unsigned)kinds[r / 4] >> (2 * (r % 4)));
     if (full != nfull)
         return proto(c, "%s says %llu full rows; its row kinds say %llu", "header", nfull, full);
+    if (!idw)
+        return EPIPE_OK; /* untracked rows: nothing to look up or keep */
     uint64_t dup;
     if (find_duplicate(s, s->rids, r, &dup))
         return proto(c, "%s %llu occurs twice%.0llu", "sample id", dup, 0);
@@ -755,8 +768,8 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
         return epipe_codec_fail(c, EPIPE_EVERSION,
                                 "%s: delta payload version %u; this library reads %d", name, p[1],
                                 DW_VERSION);
-    if ((p[2] != 4 && p[2] != 8) || p[3])
-        return proto(c, "%s width %llu (4 or 8) or reserved byte %llu (0)", "id", p[2], p[3]);
+    if ((p[2] != 0 && p[2] != 4 && p[2] != 8) || p[3])
+        return proto(c, "%s width %llu (0, 4 or 8) or reserved byte %llu (0)", "id", p[2], p[3]);
     uint64_t rows = get_le(p + 4, 4), nfull = get_le(p + 8, 4);
     if (rows != r)
         return proto(c, "%s says %llu rows; dst has %llu (its dimension 0)", "header", rows, r);
@@ -791,7 +804,7 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
         return proto(c, "%s %llu of %llu is not finite once decoded", "value", bad, n);
     if ((rc = epipe_codec_stage_out(c, dst, n, dt, &out)))
         return rc;
-    keep(s, s->rids, r, nfull, y, out);
+    keep(s, s->rids, r, nfull, y, out, idw == 0);
     epipe_codec_stage_out_done(dst, out, n);
     return EPIPE_OK;
 }

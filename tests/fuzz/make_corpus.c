@@ -246,7 +246,7 @@ static int write_delta_corpus(const char *root)
     char dir[4096];
     snprintf(dir, sizeof dir, "%s/delta_decode", root);
     mkdir(dir, 0755);
-    const uint8_t shapes[][2] = {{0, 0}, {3, 7}, {5, 63}};
+    const uint8_t shapes[][2] = {{0, 0}, {3, 7}, {5, 63}, {7, 15}}; /* the last: NULL ids */
     for (size_t s = 0; s < FUZZ_DELTA_NSPECS; s++)
         for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
             int64_t rows = 1 + shapes[k][0], cols = 1 + shapes[k][1];
@@ -260,7 +260,7 @@ static int write_delta_corpus(const char *root)
             int rc = fuzz_delta_encode(c, rows, cols, ids, 0, &p0, &len0);
             for (int64_t i = 0; i < rows; i++) /* every other row a new sample */
                 ids[i] = i % 2 ? (uint64_t)(rows - 1 - i) : (uint64_t)(1000 + i) << (20 * k);
-            if (rc || (rc = fuzz_delta_encode(c, rows, cols, ids, 1, &p1, &len1))) {
+            if (rc || (rc = fuzz_delta_encode(c, rows, cols, k == 3 ? NULL : ids, 1, &p1, &len1))) {
                 fprintf(stderr, "%s: %s\n", fuzz_delta_specs[s], epipe_last_error());
                 return 1;
             }
