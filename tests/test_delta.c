@@ -367,11 +367,23 @@ static void test_untracked(void **st)
     epipe_codec_delta_info info;
     assert_int_equal(epipe_codec_delta_stats(d, &info), EPIPE_OK);
     assert_int_equal(info.untracked_rows, 4);
+    const uint64_t *got;
+    size_t ngot;
+    assert_int_equal(epipe_codec_decoded_samples(d, &got, &ngot), EPIPE_OK);
+    assert_null(got);
+    assert_int_equal(ngot, 4);
     assert_int_equal(info.full_rows, 4);
     assert_int_equal(info.fallback_rows, 0);
     same_state(c, d, ids, 4, 16);
     p = enc(c, x, ids, 4, 16); /* tracked again: deltas */
     assert_int_equal(dec(d, &p, y, 4, 16), EPIPE_OK);
+    assert_int_equal(epipe_codec_decoded_samples(d, &got, &ngot), EPIPE_OK);
+    assert_int_equal(ngot, 4);
+    assert_memory_equal(got, ids, sizeof ids);
+    p.buf[16] ^= 1; /* a failed decode: no ids to pass on */
+    assert_int_equal(dec(d, &p, y, 4, 16), EPIPE_EPROTO);
+    assert_int_equal(epipe_codec_decoded_samples(d, &got, &ngot), EPIPE_ESTATE);
+    assert_null(got);
     free(p.buf);
     assert_int_equal(epipe_codec_delta_stats(d, &info), EPIPE_OK);
     assert_int_equal(info.delta_rows, 4);

@@ -272,6 +272,15 @@ EPIPE_EXPERIMENTAL int epipe_codec_sgd_step(epipe_codec *codec, double lr, doubl
  * thread-safe on one handle. */
 EPIPE_EXPERIMENTAL int epipe_codec_set_samples(epipe_codec *codec, const uint64_t *ids, size_t n);
 
+/* The sample ids of the rows of the last successful epipe_codec_decode()
+ * on this delta=1 handle: *ids (NULL for untracked rows) and their count
+ * in *n, owned by the handle and valid until its next decode. A receiving
+ * stage passes them on to the encoder of its own output. EPIPE_ESTATE when
+ * there was none, or the last decode that got past the payload header
+ * failed; EPIPE_EINVAL for NULL. */
+EPIPE_EXPERIMENTAL int epipe_codec_decoded_samples(const epipe_codec *codec, const uint64_t **ids,
+                                                  size_t *n);
+
 /* Counters of a delta=1 handle, encoder or decoder (zero for others). */
 typedef struct epipe_codec_delta_info {
     uint64_t stored_samples; /* rows kept now */

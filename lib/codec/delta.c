@@ -39,7 +39,9 @@ struct epipe_codec_delta {
     uint8_t *kind;
     uint32_t *base;
     uint64_t *sorted;
-    uint64_t *rids; /* the ids a decode read */
+    uint64_t *rids;   /* the ids a decode read */
+    size_t last_rows; /* of the last successful decode, when last_ok */
+    int last_ok, last_untracked;
     size_t rcap;
     float *work;
     size_t work_cap;
@@ -207,6 +209,24 @@ EPIPE_EXPERIMENTAL int epipe_codec_set_samples(epipe_codec *c, const uint64_t *i
     s->nids = n;
     s->ids_set = 1;
     s->untracked = !ids;
+    return EPIPE_OK;
+}
+
+EPIPE_EXPERIMENTAL int epipe_codec_decoded_samples(const epipe_codec *c, const uint64_t **ids,
+                                                   size_t *n)
+{
+    epipe_clear_error();
+    if (!c || !ids || !n)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_decoded_samples: codec, ids or n is NULL");
+    const dstate *s = c->delta_state;
+    *ids = NULL, *n = 0;
+    if (!s || !s->last_ok)
+        return epipe_codec_fail((epipe_codec *)c, EPIPE_ESTATE,
+                                "epipe_codec_decoded_samples: codec '%s' has not decoded a "
+                                "delta payload since its last failed decode (or ever)",
+                                c->spec);
+    *ids = s->last_untracked ? NULL : s->rids;
+    *n = s->last_rows;
     return EPIPE_OK;
 }
 
@@ -752,6 +772,7 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
     dstate *s = state(c);
     if (!s)
         return oom(c);
+    s->last_ok = 0;
     int rc = check_shape(c);
     if (rc)
         return rc;
@@ -805,6 +826,7 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
     if ((rc = epipe_codec_stage_out(c, dst, n, dt, &out)))
         return rc;
     keep(s, s->rids, r, nfull, y, out, idw == 0);
+    s->last_ok = 1, s->last_rows = r, s->last_untracked = idw == 0;
     epipe_codec_stage_out_done(dst, out, n);
     return EPIPE_OK;
 }
