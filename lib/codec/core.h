@@ -38,7 +38,7 @@ int epipe_codec_ef_encode(epipe_codec *c, const epipe_codec_backend *be, const f
 /* Frees every residual slot (epipe_codec_destroy, epipe_codec_reset_feedback). */
 void epipe_codec_ef_release(epipe_codec *c);
 
-/* delta.c: activation deltas for a handle whose spec has delta=1 (AQ-SGD,
+/* delta*.c: activation deltas for a handle whose spec has delta=1 (AQ-SGD,
  * docs/codecs.md "Activation deltas"). parse: 1 if key is not a delta key,
  * else EPIPE_OK or an error (on the thread); check: after all keys. */
 #define EPIPE_CODEC_DELTA_MB_DEFAULT 1024

@@ -5,392 +5,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "delta_impl.h"
 #include "payload.h"
 
 /* Wrapper body (docs/codecs.md, "Activation deltas"): the fixed part. */
 #define DW_MAGIC 0x44 /* 'D' */
 #define DW_VERSION 1
 #define DW_FIXED 12
-/* Per-row kinds, two bits each on the wire. */
-enum { ROW_FULL = 0, ROW_FULL_KEEP = 1, ROW_DELTA = 2 };
-#define EMPTY UINT32_MAX
 
-/* The store: rows of rowlen fp32 values, found by sample id through an
- * open-addressing table (linear probing; entries are never removed one by
- * one, only all at once). */
-struct epipe_codec_delta {
-    uint64_t *keys;
-    uint32_t *vals; /* row index, EMPTY for a free entry */
-    size_t tcap;    /* power of two, or 0 */
-    float *rows;
-    size_t nrows, rows_cap;
-    /* What the stored rows are: dtype and the shape past dimension 0. */
-    uint64_t rowlen;
-    enum epipe_dtype dt;
-    int ndim;
-    int64_t shape[EPIPE_CODEC_MAX_NDIM];
-    /* The ids for the next encode. */
-    uint64_t *ids;
-    size_t nids, ids_cap;
-    int ids_set;
-    int untracked; /* the ids were NULL (set_samples); then per call */
-    /* Per call: row kinds, stored-row index per row, work values. */
-    uint8_t *kind;
-    uint32_t *base;
-    uint64_t *sorted;
-    uint64_t *rids;   /* the ids a decode read */
-    size_t last_rows; /* of the last successful decode, when last_ok */
-    int last_ok, last_untracked;
-    size_t rcap;
-    float *work;
-    size_t work_cap;
-    epipe_codec_delta_info info;
-    /* epipe_codec_delta_max_size()'s last shape (mndim 0: none) and answer. */
-    int mndim;
-    int64_t mshape[EPIPE_CODEC_MAX_NDIM];
-    size_t mbytes;
-};
-
-typedef struct epipe_codec_delta dstate;
-
-static int oom(epipe_codec *c)
-{
-    return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: delta: out of memory", c->ops->name);
-}
-
-static dstate *state(epipe_codec *c)
-{
-    if (!c->delta_state)
-        c->delta_state = calloc(1, sizeof(dstate));
-    return c->delta_state;
-}
-
-static void clear_store(dstate *s)
-{
-    free(s->keys), free(s->vals), free(s->rows);
-    s->keys = NULL, s->vals = NULL, s->rows = NULL;
-    s->tcap = s->nrows = s->rows_cap = 0;
-    s->info.stored_samples = s->info.stored_bytes = 0;
-}
-
-void epipe_codec_delta_release(epipe_codec *c, int all)
-{
-    dstate *s = c->delta_state;
-    if (!s)
-        return;
-    clear_store(s);
-    if (!all)
-        return;
-    free(s->ids), free(s->kind), free(s->base), free(s->sorted), free(s->rids), free(s->work);
-    free(s);
-    c->delta_state = NULL;
-}
-
-/* ---- spec keys --------------------------------------------------------- */
-
-static const char *const dkeys[] = {"delta", "delta_mb", "delta_strict"};
-static const double dmin[] = {0, 1, 0}, dmax[] = {1, 1048576, 1};
-
-static int key_index(const char *k, size_t len)
-{
-    for (int i = 0; i < 3; i++)
-        if (strlen(dkeys[i]) == len && memcmp(dkeys[i], k, len) == 0)
-            return i;
-    return -1;
-}
-
-int epipe_codec_delta_parse(epipe_codec *c, const char *key, size_t klen, const char *v,
-                            size_t vlen)
-{
-    int i = key_index(key, klen);
-    const char *name = c->ops->name;
-    if (i < 0 || epipe_codec_param_index(c->ops, dkeys[i]) >= 0)
-        return 1; /* not ours: the codec's own key, or unknown */
-    if (c->ops == &epipe_codec_none)
-        return epipe_fail(EPIPE_EINVAL, "none: key '%s' does not apply: the codec is lossless",
-                          dkeys[i]);
-    if (!epipe_codec_ef_allowed(c->ops))
-        return epipe_fail(EPIPE_EINVAL,
-                          "%s: key '%s' does not apply to a trainable codec or a chain (the "
-                          "delta of a code is not the code of a delta)",
-                          name, dkeys[i]);
-    if (c->delta_seen & (1u << i))
-        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' is given twice", name, dkeys[i]);
-    char buf[16];
-    char *end;
-    if (vlen == 0 || vlen >= sizeof buf)
-        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%.*s' is not an integer in %.0f..%.0f",
-                          name, dkeys[i], (int)(vlen < 32 ? vlen : 32), v, dmin[i], dmax[i]);
-    memcpy(buf, v, vlen);
-    buf[vlen] = '\0';
-    long x = strtol(buf, &end, 10);
-    if (*end || buf[0] < '0' || buf[0] > '9' || x < dmin[i] || x > dmax[i])
-        return epipe_fail(EPIPE_EINVAL, "%s: key '%s' = '%s' is not an integer in %.0f..%.0f", name,
-                          dkeys[i], buf, dmin[i], dmax[i]);
-    c->delta_seen |= 1u << i;
-    if (i == 0)
-        c->delta = (int)x;
-    else if (i == 1)
-        c->delta_mb = (unsigned)x;
-    else
-        c->delta_strict = (int)x;
-    return EPIPE_OK;
-}
-
-int epipe_codec_delta_check(epipe_codec *c)
-{
-    if (!c->delta_mb)
-        c->delta_mb = EPIPE_CODEC_DELTA_MB_DEFAULT;
-    if (!c->delta && (c->delta_seen & 6u))
-        return epipe_fail(EPIPE_EINVAL, "%s: keys delta_mb and delta_strict need delta=1",
-                          c->ops->name);
-    if (c->delta && c->ef)
-        return epipe_fail(EPIPE_EINVAL,
-                          "%s: delta=1 and ef=1 together are not supported: delta is for "
-                          "activations, ef for gradients (use one handle for each)",
-                          c->ops->name);
-    return EPIPE_OK;
-}
-
-void epipe_codec_delta_spec(epipe_codec *c)
-{
-    size_t len = strlen(c->spec);
-    if (!c->delta || len >= sizeof c->spec)
-        return;
-    char extra[64];
-    int m = snprintf(extra, sizeof extra, "delta=1");
-    if (c->delta_mb != EPIPE_CODEC_DELTA_MB_DEFAULT)
-        m += snprintf(extra + m, sizeof extra - (size_t)m, ",delta_mb=%u", c->delta_mb);
-    if (c->delta_strict)
-        snprintf(extra + m, sizeof extra - (size_t)m, ",delta_strict=1");
-    snprintf(c->spec + len, sizeof c->spec - len, "%c%s", strchr(c->spec, ':') ? ',' : ':', extra);
-}
-
-int epipe_codec_delta_key_info(const epipe_codec_ops *ops, const char *key, const epipe_codec *c,
-                               double *value, double *min, double *max)
-{
-    int i = key_index(key, strlen(key));
-    if (i < 0 || !epipe_codec_ef_allowed(ops) || epipe_codec_param_index(ops, key) >= 0)
-        return 0;
-    if (value)
-        *value = i == 0 ? (double)c->delta : i == 1 ? (double)c->delta_mb : (double)c->delta_strict;
-    if (min)
-        *min = dmin[i];
-    if (max)
-        *max = dmax[i];
-    return 1;
-}
-
-/* ---- public calls ------------------------------------------------------ */
-
-EPIPE_EXPERIMENTAL int epipe_codec_set_samples(epipe_codec *c, const uint64_t *ids, size_t n)
-{
-    epipe_clear_error();
-    if (!c)
-        return epipe_fail(EPIPE_EINVAL, "epipe_codec_set_samples: codec is NULL");
-    if (!c->delta)
-        return epipe_codec_fail(c, EPIPE_EINVAL,
-                                "epipe_codec_set_samples: codec '%s' has no delta=1", c->spec);
-    if (n > UINT32_MAX)
-        return epipe_codec_fail(c, EPIPE_EINVAL, "epipe_codec_set_samples: %zu ids; at most 2^32-1",
-                                n);
-    dstate *s = state(c);
-    if (!s)
-        return oom(c);
-    if (s->ids_cap < n) {
-        uint64_t *p = realloc(s->ids, n * sizeof *p);
-        if (!p)
-            return oom(c);
-        s->ids = p, s->ids_cap = n;
-    }
-    if (n && ids)
-        memcpy(s->ids, ids, n * sizeof *ids);
-    s->nids = n;
-    s->ids_set = 1;
-    s->untracked = !ids;
-    return EPIPE_OK;
-}
-
-EPIPE_EXPERIMENTAL int epipe_codec_decoded_samples(const epipe_codec *c, const uint64_t **ids,
-                                                   size_t *n)
-{
-    epipe_clear_error();
-    if (!c || !ids || !n)
-        return epipe_fail(EPIPE_EINVAL, "epipe_codec_decoded_samples: codec, ids or n is NULL");
-    const dstate *s = c->delta_state;
-    *ids = NULL, *n = 0;
-    if (!s || !s->last_ok)
-        return epipe_codec_fail((epipe_codec *)c, EPIPE_ESTATE,
-                                "epipe_codec_decoded_samples: codec '%s' has not decoded a "
-                                "delta payload since its last failed decode (or ever)",
-                                c->spec);
-    *ids = s->last_untracked ? NULL : s->rids;
-    *n = s->last_rows;
-    return EPIPE_OK;
-}
-
-EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *c, epipe_codec_delta_info *info)
-{
-    epipe_clear_error();
-    if (!c || !info)
-        return epipe_fail(EPIPE_EINVAL, "epipe_codec_delta_stats: codec or info is NULL");
-    const dstate *s = c->delta_state;
-    memset(info, 0, sizeof *info);
-    if (s)
-        *info = s->info;
-    return EPIPE_OK;
-}
-
-/* ---- the store --------------------------------------------------------- */
-
-static uint64_t hash(uint64_t k)
-{
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdULL;
-    k ^= k >> 33;
-    return k;
-}
-
-static uint32_t lookup(const dstate *s, uint64_t id)
-{
-    if (!s->tcap)
-        return EMPTY;
-    for (size_t h = hash(id) & (s->tcap - 1);; h = (h + 1) & (s->tcap - 1)) {
-        if (s->vals[h] == EMPTY || s->keys[h] == id)
-            return s->vals[h];
-    }
-}
-
-/* Room for `more` rows beyond those stored (table and pool), so that the
- * commit after a successful encode or decode cannot fail. */
-static int reserve(epipe_codec *c, dstate *s, size_t more)
-{
-    size_t want = s->nrows + more;
-    uint64_t rowbytes = (s->rowlen ? s->rowlen : 1) * sizeof(float);
-    if (want > s->rows_cap) {
-        size_t cap = s->rows_cap ? s->rows_cap : 16;
-        while (cap < want)
-            cap *= 2;
-        if (cap > ((uint64_t)c->delta_mb << 20) / rowbytes)
-            cap = want; /* never past the budget by doubling */
-        float *p = realloc(s->rows, cap * rowbytes);
-        if (!p)
-            return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: delta: no memory for %zu stored rows",
-                                    c->ops->name, cap);
-        s->rows = p, s->rows_cap = cap;
-    }
-    if (2 * want > s->tcap) {
-        size_t cap = s->tcap ? s->tcap : 64;
-        while (2 * want > cap)
-            cap *= 2;
-        uint64_t *k = malloc(cap * sizeof *k);
-        uint32_t *v = malloc(cap * sizeof *v);
-        if (!k || !v) {
-            free(k), free(v);
-            return oom(c);
-        }
-        for (size_t i = 0; i < cap; i++)
-            v[i] = EMPTY;
-        for (size_t i = 0; i < s->tcap; i++) {
-            if (s->vals[i] == EMPTY)
-                continue;
-            size_t h = hash(s->keys[i]) & (cap - 1);
-            while (v[h] != EMPTY)
-                h = (h + 1) & (cap - 1);
-            k[h] = s->keys[i], v[h] = s->vals[i];
-        }
-        free(s->keys), free(s->vals);
-        s->keys = k, s->vals = v, s->tcap = cap;
-    }
-    return EPIPE_OK;
-}
-
-/* Stores row (rowlen values) for id: over its old row, or as a new one
- * (room reserved). */
-static void store(dstate *s, uint64_t id, const float *row)
-{
-    size_t h = hash(id) & (s->tcap - 1);
-    while (s->vals[h] != EMPTY && s->keys[h] != id)
-        h = (h + 1) & (s->tcap - 1);
-    if (s->vals[h] == EMPTY) {
-        s->keys[h] = id;
-        s->vals[h] = (uint32_t)s->nrows++;
-        s->info.stored_samples++;
-        s->info.stored_bytes += s->rowlen * sizeof(float);
-    }
-    memcpy(s->rows + (size_t)s->vals[h] * s->rowlen, row, s->rowlen * sizeof(float));
-}
-
-/* Empties the store when its rows are of another dtype or row shape than
- * the current call's (c->shape), and takes the current ones. */
-static void match_shape(dstate *s, const epipe_codec *c, enum epipe_dtype dt)
-{
-    int same = s->dt == dt && s->ndim == c->ndim;
-    for (int d = 1; same && d < c->ndim; d++)
-        same = s->shape[d] == c->shape[d];
-    if (same && s->nrows)
-        return;
-    clear_store(s);
-    s->dt = dt, s->ndim = c->ndim;
-    memcpy(s->shape, c->shape, sizeof(int64_t) * (size_t)c->ndim);
-    s->rowlen = 1;
-    for (int d = 1; d < c->ndim; d++)
-        s->rowlen *= (uint64_t)c->shape[d];
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* The first id that occurs twice in ids[0..r), via s->sorted; 0 if none. */
-static int find_duplicate(dstate *s, const uint64_t *ids, size_t r, uint64_t *dup)
-{
-    if (r < 2)
-        return 0;
-    memcpy(s->sorted, ids, r * sizeof *ids);
-    qsort(s->sorted, r, sizeof *s->sorted, cmp_u64);
-    for (size_t i = 1; i < r; i++)
-        if (s->sorted[i] == s->sorted[i - 1]) {
-            *dup = s->sorted[i];
-            return 1;
-        }
-    return 0;
-}
-
-/* Per-call buffers: r rows, and 2 * n work values. */
-static int per_call(epipe_codec *c, dstate *s, size_t r, uint64_t n)
-{
-    if (s->rcap < r) {
-        uint8_t *k = realloc(s->kind, r);
-        if (k)
-            s->kind = k;
-        uint32_t *b = realloc(s->base, r * sizeof *b);
-        if (b)
-            s->base = b;
-        uint64_t *q = realloc(s->sorted, r * sizeof *q);
-        if (q)
-            s->sorted = q;
-        uint64_t *d = realloc(s->rids, r * sizeof *d);
-        if (d)
-            s->rids = d;
-        if (!k || !b || !q || !d)
-            return oom(c);
-        s->rcap = r;
-    }
-    if (n > SIZE_MAX / 2 / sizeof(float))
-        return oom(c);
-    if (s->work_cap < 2 * n) {
-        float *w = realloc(s->work, 2 * n * sizeof *w);
-        if (!w)
-            return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: delta: no memory for %llu values",
-                                    c->ops->name, (unsigned long long)(2 * n));
-        s->work = w, s->work_cap = 2 * n;
-    }
-    return EPIPE_OK;
-}
+#define EMPTY EPIPE_DELTA_EMPTY
 
 /* ---- sizes ------------------------------------------------------------- */
 
@@ -444,7 +67,7 @@ int epipe_codec_delta_max_size(epipe_codec *c, uint64_t n, size_t *bytes)
     if (rc)
         return rc;
     /* The last shape's answer: the loop below calls body_size per split. */
-    dstate *s = state(c);
+    epipe_delta *s = epipe_delta_state(c);
     if (s && s->mndim == c->ndim &&
         memcmp(s->mshape, c->shape, sizeof(int64_t) * (size_t)c->ndim) == 0) {
         *bytes = s->mbytes;
@@ -512,26 +135,26 @@ static uint64_t get_le(const uint8_t *p, unsigned w)
 /* ---- encode ------------------------------------------------------------ */
 
 /* Each row's kind and base; *nfull full rows, *nnew of them to keep. */
-static int plan_rows(epipe_codec *c, dstate *s, size_t r, size_t *nfull, size_t *nnew)
+static int plan_rows(epipe_codec *c, epipe_delta *s, size_t r, size_t *nfull, size_t *nnew)
 {
     uint64_t budget = (uint64_t)c->delta_mb << 20, rowbytes = s->rowlen * sizeof(float);
     uint64_t kept = s->nrows * rowbytes;
     *nfull = *nnew = 0;
     for (size_t i = 0; i < r; i++) {
         if (s->untracked) { /* full, and kept by neither side */
-            s->base[i] = EMPTY, s->kind[i] = ROW_FULL;
+            s->base[i] = EMPTY, s->kind[i] = EPIPE_DELTA_FULL;
             ++*nfull;
             continue;
         }
-        uint32_t b = lookup(s, s->ids[i]);
+        uint32_t b = epipe_delta_lookup(s, s->ids[i]);
         s->base[i] = b;
         if (b != EMPTY) {
-            s->kind[i] = ROW_DELTA;
+            s->kind[i] = EPIPE_DELTA_ROW;
             continue;
         }
         ++*nfull;
         if (kept + rowbytes <= budget && s->nrows + *nnew < EMPTY - 1) {
-            s->kind[i] = ROW_FULL_KEEP;
+            s->kind[i] = EPIPE_DELTA_KEEP;
             kept += rowbytes;
             ++*nnew;
         } else if (c->delta_strict) {
@@ -543,7 +166,7 @@ static int plan_rows(epipe_codec *c, dstate *s, size_t r, size_t *nfull, size_t 
                                     c->ops->name, (unsigned long long)s->ids[i], c->delta_mb,
                                     (unsigned long long)rowbytes);
         } else {
-            s->kind[i] = ROW_FULL;
+            s->kind[i] = EPIPE_DELTA_FULL;
         }
     }
     return EPIPE_OK;
@@ -552,15 +175,15 @@ static int plan_rows(epipe_codec *c, dstate *s, size_t r, size_t *nfull, size_t 
 /* Writes the wrapper and both inner bodies for the planned rows, and the
  * reconstruction the decoder will make into work[n, 2n) (full rows first,
  * then delta rows, each in row order). */
-static int encode_rows(epipe_codec *c, const epipe_codec_backend *be, dstate *s, const float *x,
-                       size_t r, size_t nfull, uint8_t *body, size_t *blen)
+static int encode_rows(epipe_codec *c, const epipe_codec_backend *be, epipe_delta *s,
+                       const float *x, size_t r, size_t nfull, uint8_t *body, size_t *blen)
 {
     const uint64_t *ids = s->ids;
     uint64_t rl = s->rowlen, n = r * rl;
     float *full = s->work, *dl = s->work + nfull * rl, *y = s->work + n;
     for (size_t i = 0, jf = 0, jd = 0; i < r; i++) {
         const float *xi = x + i * rl;
-        if (s->kind[i] != ROW_DELTA) {
+        if (s->kind[i] != EPIPE_DELTA_ROW) {
             memcpy(full + jf++ * rl, xi, rl * sizeof *xi);
             continue;
         }
@@ -608,11 +231,11 @@ static int encode_rows(epipe_codec *c, const epipe_codec_backend *be, dstate *s,
 
 /* Adds each delta row's base to its decoded delta in y (full rows first,
  * then delta rows). */
-static void add_bases(dstate *s, size_t r, size_t nfull, float *y)
+static void add_bases(epipe_delta *s, size_t r, size_t nfull, float *y)
 {
     uint64_t rl = s->rowlen;
     for (size_t i = 0, jd = nfull; i < r; i++) {
-        if (s->kind[i] != ROW_DELTA)
+        if (s->kind[i] != EPIPE_DELTA_ROW)
             continue;
         float *row = y + jd++ * rl;
         const float *q = s->rows + (size_t)s->base[i] * rl;
@@ -624,23 +247,23 @@ static void add_bases(dstate *s, size_t r, size_t nfull, float *y)
 /* Keeps every reconstructed row of y whose kind says so (the room for new
  * rows was reserved), and writes the rows in row order into out when it
  * is not NULL. */
-static void keep(dstate *s, const uint64_t *ids, size_t r, size_t nfull, const float *y, float *out,
-                 int untracked)
+static void keep(epipe_delta *s, const uint64_t *ids, size_t r, size_t nfull, const float *y,
+                 float *out, int untracked)
 {
     uint64_t rl = s->rowlen;
     for (size_t i = 0, jf = 0, jd = nfull; i < r; i++) {
-        const float *row = y + (s->kind[i] == ROW_DELTA ? jd++ : jf++) * rl;
+        const float *row = y + (s->kind[i] == EPIPE_DELTA_ROW ? jd++ : jf++) * rl;
         if (out)
             memcpy(out + i * rl, row, rl * sizeof *row);
-        if (s->kind[i] == ROW_FULL) {
+        if (s->kind[i] == EPIPE_DELTA_FULL) {
             if (untracked)
                 s->info.untracked_rows++;
             else
                 s->info.fallback_rows++;
             continue;
         }
-        store(s, ids[i], row);
-        if (s->kind[i] == ROW_DELTA)
+        epipe_delta_store(s, ids[i], row);
+        if (s->kind[i] == EPIPE_DELTA_ROW)
             s->info.delta_rows++;
         else
             s->info.full_rows++;
@@ -653,9 +276,9 @@ int epipe_codec_delta_encode(epipe_codec *c, const epipe_codec_backend *be, cons
     const char *name = c->ops->name;
     if (be != c->ops->cpu)
         return epipe_codec_fail(c, EPIPE_ENOTSUP, "%s: delta=1 runs on the CPU backend only", name);
-    dstate *s = state(c);
+    epipe_delta *s = epipe_delta_state(c);
     if (!s)
-        return oom(c);
+        return epipe_delta_oom(c);
     int rc = check_shape(c);
     if (rc)
         return rc;
@@ -679,16 +302,16 @@ int epipe_codec_delta_encode(epipe_codec *c, const epipe_codec_backend *be, cons
                                 isnan(x[bad]) ? "NaN"
                                 : x[bad] > 0  ? "+inf"
                                               : "-inf");
-    if ((rc = per_call(c, s, r, n)))
+    if ((rc = epipe_delta_per_call(c, s, r, n)))
         return rc;
     uint64_t dup;
-    if (!s->untracked && find_duplicate(s, s->ids, r, &dup))
+    if (!s->untracked && epipe_delta_find_duplicate(s, s->ids, r, &dup))
         return epipe_codec_fail(c, EPIPE_EINVAL,
                                 "%s: delta=1: sample id %llu occurs twice in one tensor", name,
                                 (unsigned long long)dup);
-    match_shape(s, c, dt);
+    epipe_delta_match_shape(s, c, dt);
     size_t nfull, nnew, blen = 0;
-    if ((rc = plan_rows(c, s, r, &nfull, &nnew)) || (rc = reserve(c, s, nnew)) ||
+    if ((rc = plan_rows(c, s, r, &nfull, &nnew)) || (rc = epipe_delta_reserve(c, s, nnew)) ||
         (rc = encode_rows(c, be, s, x, r, nfull, payload + EPIPE_PAYLOAD_HEADER, &blen)))
         return rc;
     add_bases(s, r, nfull, s->work + n);
@@ -709,7 +332,7 @@ static int proto(epipe_codec *c, const char *fmt, const char *what, unsigned lon
 
 /* Reads and checks the wrapper's rows: ids into s->ids, kinds and bases;
  * returns the count of new rows to keep in *nnew. */
-static int read_rows(epipe_codec *c, dstate *s, const uint8_t *p, size_t r, unsigned idw,
+static int read_rows(epipe_codec *c, epipe_delta *s, const uint8_t *p, size_t r, unsigned idw,
                      size_t nfull, size_t *nnew)
 {
     const uint8_t *kinds = p + r * idw;
@@ -718,12 +341,12 @@ static int read_rows(epipe_codec *c, dstate *s, const uint8_t *p, size_t r, unsi
     for (size_t i = 0; i < r; i++) {
         s->rids[i] = idw ? get_le(p + i * idw, idw) : 0;
         unsigned k = (kinds[i / 4] >> (2 * (i % 4))) & 3u;
-        if (k > ROW_DELTA)
+        if (k > EPIPE_DELTA_ROW)
             return proto(c, "%s %llu has kind %llu (0..2)", "row", i, k);
-        if (!idw && k != ROW_FULL)
+        if (!idw && k != EPIPE_DELTA_FULL)
             return proto(c, "%s %llu of a payload without ids has kind %llu, not 0", "row", i, k);
         s->kind[i] = (uint8_t)k;
-        full += k != ROW_DELTA;
+        full += k != EPIPE_DELTA_ROW;
     }
     if ((r % 4) && (kinds[r / 4] >> (2 * (r % 4))))
         return proto(c, "%s bits after row %llu are 0x%llx, not 0", "padding", r - 1,
@@ -733,24 +356,24 @@ static int read_rows(epipe_codec *c, dstate *s, const uint8_t *p, size_t r, unsi
     if (!idw)
         return EPIPE_OK; /* untracked rows: nothing to look up or keep */
     uint64_t dup;
-    if (find_duplicate(s, s->rids, r, &dup))
+    if (epipe_delta_find_duplicate(s, s->rids, r, &dup))
         return proto(c, "%s %llu occurs twice%.0llu", "sample id", dup, 0);
     for (size_t i = 0; i < r; i++) {
-        uint32_t b = lookup(s, s->rids[i]);
+        uint32_t b = epipe_delta_lookup(s, s->rids[i]);
         s->base[i] = b;
-        if (s->kind[i] == ROW_DELTA && b == EMPTY)
+        if (s->kind[i] == EPIPE_DELTA_ROW && b == EMPTY)
             return epipe_codec_fail(c, EPIPE_EPROTO,
                                     "%s: delta payload: row %zu is a delta for sample id %llu, "
                                     "for which this decoder holds no stored row (were both "
                                     "sides reset together, and is this the encoder's stream?)",
                                     c->ops->name, i, (unsigned long long)s->rids[i]);
-        if (s->kind[i] == ROW_FULL && b != EMPTY)
+        if (s->kind[i] == EPIPE_DELTA_FULL && b != EMPTY)
             return epipe_codec_fail(c, EPIPE_EPROTO,
                                     "%s: delta payload: row %zu sends sample id %llu in full "
                                     "without keeping it, but this decoder holds a stored row for "
                                     "it: the two sides' stores differ",
                                     c->ops->name, i, (unsigned long long)s->rids[i]);
-        *nnew += s->kind[i] == ROW_FULL_KEEP && b == EMPTY;
+        *nnew += s->kind[i] == EPIPE_DELTA_KEEP && b == EMPTY;
     }
     uint64_t rowbytes = s->rowlen * sizeof(float);
     if ((s->nrows + *nnew) * rowbytes > (uint64_t)c->delta_mb << 20 ||
@@ -769,9 +392,9 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
     const char *name = c->ops->name;
     if (be != c->ops->cpu)
         return epipe_codec_fail(c, EPIPE_ENOTSUP, "%s: delta=1 runs on the CPU backend only", name);
-    dstate *s = state(c);
+    epipe_delta *s = epipe_delta_state(c);
     if (!s)
-        return oom(c);
+        return epipe_delta_oom(c);
     s->last_ok = 0;
     int rc = check_shape(c);
     if (rc)
@@ -798,7 +421,7 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
         return proto(c, "%s says %llu full rows of %llu", "header", nfull, r);
     unsigned idw = p[2];
     size_t a, b, wsz = wrapper_size(r, idw);
-    match_shape(s, c, dt);
+    epipe_delta_match_shape(s, c, dt);
     if ((rc = inner_size(c, nfull, s->rowlen, &a)) ||
         (rc = inner_size(c, r - nfull, s->rowlen, &b)))
         return rc;
@@ -811,8 +434,9 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
         return epipe_codec_fail(c, EPIPE_EPROTO, "%s: delta payload has %zu bytes after its end",
                                 name, blen - need);
     size_t nnew;
-    if ((rc = per_call(c, s, r, n)) || (rc = read_rows(c, s, p + DW_FIXED, r, idw, nfull, &nnew)) ||
-        (rc = reserve(c, s, nnew)))
+    if ((rc = epipe_delta_per_call(c, s, r, n)) ||
+        (rc = read_rows(c, s, p + DW_FIXED, r, idw, nfull, &nnew)) ||
+        (rc = epipe_delta_reserve(c, s, nnew)))
         return rc;
     float *y = s->work + n, *out;
     const uint8_t *bf = p + wsz, *bd = bf + a;
@@ -829,11 +453,4 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
     s->last_ok = 1, s->last_rows = r, s->last_untracked = idw == 0;
     epipe_codec_stage_out_done(dst, out, n);
     return EPIPE_OK;
-}
-
-const float *epipe_codec_delta_row(const epipe_codec *c, uint64_t id)
-{
-    const dstate *s = c->delta_state;
-    uint32_t b = s ? lookup(s, id) : EMPTY;
-    return b == EMPTY ? NULL : s->rows + (size_t)b * s->rowlen;
 }
