@@ -54,6 +54,8 @@ typedef struct epipe_codec epipe_codec;
  * or dtype changes; epipe_codec_reset_feedback() clears them all. Memory:
  * one fp32 copy of the tensor per slot, and one more per handle. CPU
  * tensors only.
+ * The same codecs take delta=0|1[,delta_mb=M][,delta_strict=0|1]:
+ * activation deltas per sample (see "Activation deltas" below).
  * The full list, with every default and range, is in docs/codecs.md.
  *
  * Creates a codec in *out. Returns EPIPE_OK, EPIPE_EINVAL for a malformed
@@ -110,8 +112,10 @@ EPIPE_API int epipe_codec_get_param(const epipe_codec *codec, epipe_codec_param 
 /* Clears the error-feedback residuals of every micro-batch slot (spec key
  * ef=1) and frees their memory: the next encode of each slot starts from
  * zero, as after creation. Call it when the gradients stop continuing the
- * previous ones (a new model, a restored checkpoint). A no-op for a codec
- * without ef=1. EPIPE_EINVAL for NULL. Not thread-safe on one handle. */
+ * previous ones (a new model, a restored checkpoint). With delta=1 it
+ * empties the stored rows of every sample instead (reset the encoder and
+ * the decoder of a boundary together). A no-op for a codec with neither.
+ * EPIPE_EINVAL for NULL. Not thread-safe on one handle. */
 EPIPE_API int epipe_codec_reset_feedback(epipe_codec *codec);
 
 /* The value of the spec parameter `key` ("bits") as configured, defaults
@@ -137,7 +141,8 @@ EPIPE_API int epipe_codec_param_bounds(const char *codec, const char *key, doubl
 /* The largest payload epipe_codec_encode() can write for a tensor of src's
  * dtype and shape (src->data is not read). Plan buffers with it once; the
  * bound depends only on the element count, the dtype and the spec (for
- * poweriter also on the shape, which fixes its matrix view).
+ * poweriter also on the shape, which fixes its matrix view; with delta=1
+ * on the rows, dimension 0, and an encode may write less than it).
  * EPIPE_EINVAL if src is not a tensor the codec accepts (the message says
  * why), EPIPE_EOVERFLOW if the size would overflow size_t, EPIPE_ENOTSUP for
  * a CUDA tensor when the CUDA backend is not built. It changes neither the
@@ -169,7 +174,8 @@ EPIPE_API int epipe_codec_encode(epipe_codec *codec, const DLTensor *src, void *
 
 /* Decodes the payload src[0..len) into dst, which the caller allocates and
  * owns: fp32, fp16 or bf16, on the CPU, any strides, with exactly as many
- * elements as were encoded (the shape itself may differ). Every byte of src
+ * elements as were encoded (the shape itself may differ; with delta=1 its
+ * dimension 0 must be the encoded rows). Every byte of src
  * is treated as hostile: EPIPE_EPROTO if the payload was made by another
  * codec or other parameters or is malformed, EPIPE_ETRUNC if it is short,
  * EPIPE_EINVAL if dst's element count, dtype or device does not fit. On
@@ -248,6 +254,46 @@ EPIPE_EXPERIMENTAL int epipe_codec_zero_grad(epipe_codec *codec);
  * gradients are left as they are (call epipe_codec_zero_grad()).
  * lr in [0, 1e6], momentum in [0, 1); EPIPE_EINVAL otherwise. */
 EPIPE_EXPERIMENTAL int epipe_codec_sgd_step(epipe_codec *codec, double lr, double momentum);
+
+/* ---- Activation deltas (spec key delta=1, experimental) ------------------
+ * With delta=1 (docs/codecs.md, "Activation deltas"; AQ-SGD) each row of
+ * dimension 0 of an encoded tensor is one sample: the encoder sends the
+ * change of the sample's row since the sample last crossed (a first
+ * sighting in full), and both encoder and decoder keep, per sample id, the
+ * last row the decoder reconstructs, within delta_mb MiB per handle. */
+
+/* The sample ids of the rows (dimension 0) of the tensor of the next
+ * epipe_codec_encode() on this handle: n must equal that dimension, and
+ * the ids must be distinct. The ids are copied; an encode that reaches
+ * the codec consumes them (even one that fails), so set them before every
+ * encode. NULL ids (n still the rows) make the next encode's rows
+ * untracked, for evaluation passes or rows without ids: sent in full and
+ * kept by neither side. EPIPE_EINVAL for a handle without delta=1. Not
+ * thread-safe on one handle. */
+EPIPE_EXPERIMENTAL int epipe_codec_set_samples(epipe_codec *codec, const uint64_t *ids, size_t n);
+
+/* The sample ids of the rows of the last successful epipe_codec_decode()
+ * on this delta=1 handle: *ids (NULL for untracked rows) and their count
+ * in *n, owned by the handle and valid until its next decode. A receiving
+ * stage passes them on to the encoder of its own output. EPIPE_ESTATE when
+ * there was none, or the last decode that got past the payload header
+ * failed; EPIPE_EINVAL for NULL. */
+EPIPE_EXPERIMENTAL int epipe_codec_decoded_samples(const epipe_codec *codec, const uint64_t **ids,
+                                                  size_t *n);
+
+/* Counters of a delta=1 handle, encoder or decoder (zero for others). */
+typedef struct epipe_codec_delta_info {
+    uint64_t stored_samples; /* rows kept now */
+    uint64_t stored_bytes;   /* their values: stored_samples x row values x 4 */
+    uint64_t full_rows;      /* rows sent in full and kept (first sightings) */
+    uint64_t delta_rows;     /* rows sent as deltas */
+    uint64_t fallback_rows;  /* rows sent in full, not kept: delta_mb was full */
+    uint64_t untracked_rows; /* rows sent in full, not kept: NULL ids */
+} epipe_codec_delta_info;
+
+/* Copies the counters into *info. EPIPE_EINVAL for NULL. */
+EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
+                                               epipe_codec_delta_info *info);
 
 #ifdef __cplusplus
 }

@@ -264,6 +264,11 @@ static int chain_parse(epipe_codec *c, const char *spec)
                           "chain '%s': ef=1 is not supported inside a chain (the residual "
                           "would be the code's, not the gradient's); give it to a single codec",
                           spec);
+    if (ch->b->delta)
+        return epipe_fail(EPIPE_EINVAL,
+                          "chain '%s': delta=1 is not supported inside a chain (the delta "
+                          "would be the code's); give it to a single codec",
+                          spec);
     char canon[2 * EPIPE_SPEC_MAX];
     snprintf(canon, sizeof canon, "%s|%s", ch->a->spec, ch->b->spec);
     if (strlen(canon) >= EPIPE_SPEC_MAX)

@@ -99,6 +99,7 @@ EPIPE_API void epipe_codec_destroy(epipe_codec *c)
     if (c->ops && c->ops->release)
         c->ops->release(c);
     epipe_codec_ef_release(c);
+    epipe_codec_delta_release(c, 1);
     free(c->scratch);
     free(c);
 }
@@ -198,6 +199,8 @@ EPIPE_API int epipe_codec_spec_param(const epipe_codec *c, const char *key, doub
         *value = c->ef;
         return EPIPE_OK;
     }
+    if (epipe_codec_delta_key_info(c->ops, key, c, value, NULL, NULL))
+        return EPIPE_OK;
     int k = epipe_codec_param_index(c->ops, key);
     if (k < 0)
         return unknown_key((epipe_codec *)c, c->ops, "epipe_codec_spec_param", key);
@@ -218,6 +221,8 @@ EPIPE_API int epipe_codec_param_bounds(const char *codec, const char *key, doubl
         *max = 1;
         return EPIPE_OK;
     }
+    if (epipe_codec_delta_key_info(ops, key, NULL, NULL, min, max))
+        return EPIPE_OK;
     int k = epipe_codec_param_index(ops, key);
     if (k < 0)
         return unknown_key(NULL, ops, "epipe_codec_param_bounds", key);
@@ -239,6 +244,8 @@ EPIPE_API int epipe_codec_param_bounds(const char *codec, const char *key, doubl
 
 static int payload_size(epipe_codec *c, uint64_t n, size_t *bytes)
 {
+    if (c->delta)
+        return epipe_codec_delta_max_size(c, n, bytes);
     size_t body;
     int rc = c->ops->body_size(c, n, &body);
     if (rc == EPIPE_EOVERFLOW)
@@ -294,6 +301,8 @@ int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, 
         return rc;
     uint8_t *h = dst;
     epipe_payload_put(h, c->ops->id, dt, c->ops->param_word(c), n);
+    if (c->delta)
+        return epipe_codec_delta_encode(c, be, x, n, dt, h, written);
     if (c->ef)
         rc = epipe_codec_ef_encode(c, be, x, n, dt, h + EPIPE_PAYLOAD_HEADER);
     else
@@ -343,6 +352,8 @@ int epipe_codec_decode_checked(epipe_codec *c, const void *src, size_t len, DLTe
     if (ph.count != n)
         return epipe_codec_fail(c, EPIPE_EINVAL, "%s: payload holds %llu values but dst has %llu",
                                 name, (unsigned long long)ph.count, (unsigned long long)n);
+    if (c->delta)
+        return epipe_codec_delta_decode(c, be, src, len, dst, n, dt);
     if (len < need)
         return epipe_codec_fail(c, EPIPE_ETRUNC, "%s: payload is %zu bytes; %llu values need %zu",
                                 name, len, (unsigned long long)n, need);

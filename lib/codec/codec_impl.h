@@ -159,6 +159,9 @@ struct epipe_codec {
     int use_reference;  /* run encode_ref/decode_ref (tests, bench) */
     int ef;             /* spec key ef=1: error feedback (lib/codec/ef.c) */
     void *ef_state;     /* its residual slots, made on first encode */
+    int delta, delta_strict;       /* spec keys delta=1, delta_strict=1 (lib/codec/delta.c) */
+    unsigned delta_mb, delta_seen; /* spec key delta_mb; the delta keys given */
+    void *delta_state;             /* its stored rows, made on first use */
     void *state;        /* the codec's own */
     float *scratch;     /* fp32 staging for converted tensors */
     size_t scratch_cap;

@@ -38,6 +38,30 @@ int epipe_codec_ef_encode(epipe_codec *c, const epipe_codec_backend *be, const f
 /* Frees every residual slot (epipe_codec_destroy, epipe_codec_reset_feedback). */
 void epipe_codec_ef_release(epipe_codec *c);
 
+/* delta*.c: activation deltas for a handle whose spec has delta=1 (AQ-SGD,
+ * docs/codecs.md "Activation deltas"). parse: 1 if key is not a delta key,
+ * else EPIPE_OK or an error (on the thread); check: after all keys. */
+#define EPIPE_CODEC_DELTA_MB_DEFAULT 1024
+int epipe_codec_delta_parse(epipe_codec *c, const char *key, size_t klen, const char *v,
+                            size_t vlen);
+int epipe_codec_delta_check(epipe_codec *c);
+void epipe_codec_delta_spec(epipe_codec *c); /* appends delta keys to c->spec */
+/* 1 (filling the non-NULL outputs) if key is a delta key of ops, else 0. */
+int epipe_codec_delta_key_info(const epipe_codec_ops *ops, const char *key, const epipe_codec *c,
+                               double *value, double *min, double *max);
+/* The largest payload for c->shape (the split of rows into full and delta
+ * varies); encode writes the payload body and sets *written (header
+ * included); decode checks the body and writes dst. CPU backend only. */
+int epipe_codec_delta_max_size(epipe_codec *c, uint64_t n, size_t *bytes);
+int epipe_codec_delta_encode(epipe_codec *c, const epipe_codec_backend *be, const float *x,
+                             uint64_t n, enum epipe_dtype dt, uint8_t *payload, size_t *written);
+int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, const void *src,
+                             size_t len, DLTensor *dst, uint64_t n, enum epipe_dtype dt);
+/* Frees the stored rows, and with `all` everything (epipe_codec_destroy). */
+void epipe_codec_delta_release(epipe_codec *c, int all);
+/* The stored row of sample id, or NULL (tests). */
+const float *epipe_codec_delta_row(const epipe_codec *c, uint64_t id);
+
 /* codec.c: the backend for a tensor on t's device; EPIPE_ENOTSUP (naming
  * the device and the codec) when this build has none for it. */
 int epipe_codec_backend_for(epipe_codec *c, const DLTensor *t, const char *what,

@@ -156,5 +156,6 @@ EPIPE_API int epipe_codec_reset_feedback(epipe_codec *c)
     if (!c)
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_reset_feedback: codec is NULL");
     epipe_codec_ef_release(c);
+    epipe_codec_delta_release(c, 0);
     return EPIPE_OK;
 }

@@ -114,6 +114,7 @@ static void build_canonical_spec(epipe_codec *c)
     }
     if (c->ef && len < sizeof c->spec) /* ef=0, the default, is left out */
         snprintf(c->spec + len, sizeof c->spec - len, "%cef=1", strchr(c->spec, ':') ? ',' : ':');
+    epipe_codec_delta_spec(c);
 }
 
 static int parse_params(epipe_codec *c, const char *spec)
@@ -157,6 +158,15 @@ static int parse_params(epipe_codec *c, const char *spec)
                 p = comma + 1;
                 continue;
             }
+            int drc = epipe_codec_delta_parse(c, p, klen, eq + 1, ilen - klen - 1);
+            if (drc != 1) {
+                if (drc)
+                    return drc;
+                if (!comma)
+                    break;
+                p = comma + 1;
+                continue;
+            }
             unsigned k = 0;
             while (k < ops->nparams && !(strlen(ops->params[k].key) == klen &&
                                          memcmp(ops->params[k].key, p, klen) == 0))
@@ -183,7 +193,7 @@ static int parse_params(epipe_codec *c, const char *spec)
         if (rc)
             return rc;
     }
-    return EPIPE_OK;
+    return epipe_codec_delta_check(c);
 }
 
 int epipe_codec_parse_spec(epipe_codec *c, const char *spec)

@@ -12,6 +12,7 @@
 
 #include "../../transport/tcp_setup.h"
 #include "codec/payload.h"
+#include "fuzz_delta.h"
 #include "fuzz_specs.h"
 #include "wire/crc32c.h"
 #include "wire/wire.h"
@@ -240,6 +241,48 @@ static void write_tcp_corpus(const char *root)
     }
 }
 
+/* Activation deltas: the second payload of a stream whose first primed
+ * the decoder (fuzz_delta.h), with delta, kept and new rows. */
+static int write_delta_corpus(const char *root)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/delta_decode", root);
+    mkdir(dir, 0755);
+    const uint8_t shapes[][2] = {{0, 0}, {3, 7}, {5, 63}, {7, 15}}; /* the last: NULL ids */
+    for (size_t s = 0; s < FUZZ_DELTA_NSPECS; s++)
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+            int64_t rows = 1 + shapes[k][0], cols = 1 + shapes[k][1];
+            epipe_codec *c;
+            if (epipe_codec_create(&c, fuzz_delta_specs[s]) != EPIPE_OK)
+                return 1;
+            uint64_t ids[16];
+            uint8_t *p0, *p1;
+            size_t len0, len1;
+            fuzz_delta_prime_ids(ids, rows);
+            int rc = fuzz_delta_encode(c, rows, cols, ids, 0, &p0, &len0);
+            for (int64_t i = 0; i < rows; i++) /* every other row a new sample */
+                ids[i] = i % 2 ? (uint64_t)(rows - 1 - i) : (uint64_t)(1000 + i) << (20 * k);
+            if (rc || (rc = fuzz_delta_encode(c, rows, cols, k == 3 ? NULL : ids, 1, &p1, &len1))) {
+                fprintf(stderr, "%s: %s\n", fuzz_delta_specs[s], epipe_last_error());
+                return 1;
+            }
+            uint8_t buf[8192];
+            buf[0] = (uint8_t)s, buf[1] = shapes[k][0], buf[2] = shapes[k][1];
+            memcpy(buf + FUZZ_DELTA_SEL, p1 + 16, len1 - 16);
+            char name[64];
+            snprintf(name, sizeof name, "delta-%zu-%zu", s, k);
+            write_file(dir, name, buf, len1 - 16 + FUZZ_DELTA_SEL);
+            /* The seed must decode as the target builds it: p0's header. */
+            if (memcmp(p0, p1, 16) != 0) {
+                fprintf(stderr, "%s: the two payload headers differ\n", fuzz_delta_specs[s]);
+                return 1;
+            }
+            free(p0), free(p1);
+            epipe_codec_destroy(c);
+        }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -296,5 +339,5 @@ int main(int argc, char **argv)
     }
     write_wire_corpus(argv[1]);
     write_tcp_corpus(argv[1]);
-    return 0;
+    return write_delta_corpus(argv[1]);
 }
