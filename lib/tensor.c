@@ -28,9 +28,17 @@ const char *epipe_dtype_name(enum epipe_dtype d)
 int epipe_tensor_inspect(const DLTensor *t, const char *what, char *handle_msg, uint64_t *numel,
                          enum epipe_dtype *dtype)
 {
+    return epipe_tensor_inspect_on(t, what, handle_msg, numel, dtype, 0);
+}
+
+int epipe_tensor_inspect_on(const DLTensor *t, const char *what, char *handle_msg,
+                            uint64_t *numel, enum epipe_dtype *dtype, int cuda_ok)
+{
     if (!t)
         return epipe_fail_into(handle_msg, EPIPE_EINVAL, "%s is NULL", what);
-    if (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged)
+    if (cuda_ok && (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged))
+        ; /* the codec core's CUDA path: the CUDA module checks the rest */
+    else if (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged)
         return epipe_fail_into(handle_msg, EPIPE_ENOTSUP,
                                "%s is a CUDA tensor, and this build has no CUDA backend", what);
     if (t->device.device_type != kDLCPU && t->device.device_type != kDLCUDAHost)

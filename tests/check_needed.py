@@ -2,7 +2,10 @@
 """Checks the libraries the shared libepipe loads against the blas feature:
 usage check_needed.py LIB blas|noblas. Without the feature neither its
 NEEDED entries nor ldd's full list may name a BLAS or LAPACK; with it, the
-NEEDED entries must (so the check cannot pass by looking at nothing)."""
+NEEDED entries must (so the check cannot pass by looking at nothing).
+Whatever the features, libepipe never loads a CUDA library (libcuda,
+libcudart, libcublas, libcudnn): the CUDA backend is a module it opens
+with dlopen on the first CUDA tensor."""
 import re
 import subprocess
 import sys
@@ -14,6 +17,15 @@ needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn)
 print("NEEDED:", " ".join(needed))
 if not needed:
     sys.exit(f"{lib}: no NEEDED entries read")
+CUDA = re.compile(r"libcuda|libcudart|libcublas|libcudnn|libnvrtc", re.I)
+cuda_needed = [n for n in needed if CUDA.search(n)]
+if cuda_needed:
+    sys.exit("libepipe must not link CUDA libraries, but needs " + ", ".join(cuda_needed))
+ldd_cuda = subprocess.run(["ldd", lib], capture_output=True, text=True)
+if ldd_cuda.returncode == 0:
+    bad = [l.split()[0] for l in ldd_cuda.stdout.splitlines() if l.strip() and CUDA.search(l)]
+    if bad:
+        sys.exit("loading libepipe pulls in CUDA libraries: " + ", ".join(bad))
 blas_needed = [n for n in needed if BLAS.search(n)]
 if feature == "blas":
     if not blas_needed:
