@@ -62,6 +62,7 @@ static const epipe_codec_backend *cuda_backend(unsigned id)
     switch (id) {
     case EPIPE_CODEC_ID_NONE: return &epipe_cuda_none;
     case EPIPE_CODEC_ID_CAST: return &epipe_cuda_cast;
+    case EPIPE_CODEC_ID_QUANT: return &epipe_cuda_quant;
     }
     return NULL;
 }
