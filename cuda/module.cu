@@ -63,6 +63,7 @@ static const epipe_codec_backend *cuda_backend(unsigned id)
     case EPIPE_CODEC_ID_NONE: return &epipe_cuda_none;
     case EPIPE_CODEC_ID_CAST: return &epipe_cuda_cast;
     case EPIPE_CODEC_ID_QUANT: return &epipe_cuda_quant;
+    case EPIPE_CODEC_ID_SORTQUANT: return &epipe_cuda_sortquant;
     }
     return NULL;
 }

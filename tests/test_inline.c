@@ -11,6 +11,7 @@
 #include <cmocka.h>
 
 #include "../codecs/inline/half.h"
+#include "../codecs/sortquant/sortquant.h"
 #include "../codecs/inline/quant.h"
 #include "../lib/bitpack.h"
 #include "../lib/tensor.h"
@@ -80,12 +81,34 @@ static void half_conversions(void **state)
     assert_int_equal(epipe_hd_cast_encode(0, 1e-8f), epipe_f32_to_f16(1e-8f)); /* subnormal */
 }
 
+/* The CUDA kernel draws sortquant's sample position by position; the CPU
+ * walks the strata incrementally. Both must read the same values. */
+static void sample_positions_agree(void **state)
+{
+    (void)state;
+    enum { N = 300007 };
+    static float x[N], a[N], b[N];
+    for (size_t i = 0; i < N; i++)
+        x[i] = (float)i;
+    const uint64_t ns[] = {1, 1024, 1025, 65536, 65537, 100000, N};
+    const uint64_t ms[] = {1, 1024, 4097, 65536};
+    for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++)
+        for (size_t j = 0; j < sizeof ms / sizeof ms[0]; j++) {
+            uint64_t n = ns[i], m = ms[j] < n ? ms[j] : n;
+            sq_sample_gather(x, n, m, a);
+            for (uint64_t k = 0; k < m; k++)
+                b[k] = x[epipe_hd_sq_sample_pos(k, n, m)];
+            assert_memory_equal(a, b, m * sizeof(float));
+        }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(pack8_matches_bitpack),
         cmocka_unit_test(pair_check_rules),
         cmocka_unit_test(half_conversions),
+        cmocka_unit_test(sample_positions_agree),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -246,7 +246,10 @@ int main(void)
         return 77;
     }
     const char *specs[] = {"none", "cast:dtype=fp16", "cast:dtype=bf16", "quant:bits=8",
-                           "quant:bits=4", "quant:bits=13", "quant:bits=1"};
+                           "quant:bits=4", "quant:bits=13", "quant:bits=1",
+                           "sortquant:bits=8,mode=sample", "sortquant:bits=4,split=1,mode=sample",
+                           "sortquant:bits=12,split=8,mode=sample,sample=1024",
+                           "sortquant:bits=16,split=12,mode=sample"};
     const size_t sizes[] = {0, 1, 7, 8, 9, 1000, 4097, 1 << 20, 3000017};
     for (const char *s : specs)
         for (size_t n : sizes)
@@ -257,6 +260,22 @@ int main(void)
         half_tensors(s, 1);
     }
     deferred_nonfinite("quant:bits=8");
+    deferred_nonfinite("sortquant:bits=8,mode=sample");
+    {
+        /* modes without kernels are refused by name, synchronously */
+        epipe_codec *g;
+        epipe_codec_create(&g, "sortquant:bits=8,mode=exact");
+        float *d;
+        CUDA_OK(cudaMalloc((void **)&d, 64));
+        int64_t shape[1] = {16};
+        DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+        uint8_t p[256];
+        size_t w;
+        CHECK(epipe_codec_encode(g, &ds, p, sizeof p, &w) == EPIPE_ENOTSUP, "exact mode");
+        CHECK(strstr(epipe_codec_last_error(g), "mode=exact") != NULL, "%s", epipe_codec_last_error(g));
+        epipe_codec_destroy(g);
+        cudaFree(d);
+    }
     hostile_table();
     mixups();
     if (failures) {
