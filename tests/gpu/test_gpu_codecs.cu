@@ -195,16 +195,28 @@ static void hostile_table(void)
     float *d;
     CUDA_OK(cudaMalloc((void **)&d, n * 4));
     DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat);
-    for (int byte = 16; byte < 24; byte++) {
+    /* min NaN, step NaN, step negative, min + 255 * step past the range */
+    const float bad[4][2] = {{NAN, 0.1f}, {0.0f, NAN}, {0.0f, -1.0f}, {3e38f, 3e36f}};
+    for (int b = 0; b < 4; b++) {
         std::vector<uint8_t> q(p.begin(), p.begin() + w);
-        q[byte] = 0xff; /* min or step becomes NaN */
-        q[byte | 3] = 0xff;
+        memcpy(&q[16], &bad[b][0], 4);
+        memcpy(&q[20], &bad[b][1], 4);
         int rc = epipe_codec_decode(g, q.data(), w, &dd);
-        CHECK(rc == EPIPE_EPROTO, "table byte %d: rc %d", byte, rc);
+        CHECK(rc == EPIPE_EPROTO, "bad table %d: rc %d", b, rc);
     }
-    std::vector<uint8_t> q(p.begin(), p.begin() + w);
-    q[w - 1] |= 0; /* 1000 codes of 8 bits: no padding to corrupt */
-    CHECK(epipe_codec_decode(g, q.data(), w, &dd) == EPIPE_OK, "clean payload");
+    CHECK(epipe_codec_decode(g, p.data(), w, &dd) == EPIPE_OK, "clean payload");
+    /* padding: 999 codes of 4 bits leave 4 bits to corrupt */
+    epipe_codec *g4, *c4;
+    epipe_codec_create(&g4, "quant:bits=4");
+    epipe_codec_create(&c4, "quant:bits=4");
+    int64_t s999[1] = {999};
+    DLTensor h999 = tensor(kDLCPU, x.data(), s999, 32, kDLFloat), d999 = tensor(kDLCUDA, d, s999, 32, kDLFloat);
+    CHECK(epipe_codec_encode(c4, &h999, p.data(), p.size(), &w) == EPIPE_OK, "cpu 4-bit");
+    p[w - 1] |= 0x80;
+    CHECK(epipe_codec_decode(g4, p.data(), w, &d999) == EPIPE_EPROTO, "dirty padding");
+    CHECK(strstr(epipe_codec_last_error(g4), "padding bits") != NULL, "%s", epipe_codec_last_error(g4));
+    epipe_codec_destroy(g4);
+    epipe_codec_destroy(c4);
     CHECK(epipe_codec_synchronize(g) == EPIPE_OK, "sync");
     epipe_codec_destroy(g);
     epipe_codec_destroy(cpu);
