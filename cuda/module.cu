@@ -125,8 +125,10 @@ static int handle_state(epipe_codec *c, int device, epipe_cuda_handle **out)
             return epipe_cuda_fail(c, EPIPE_ENOMEM, "%s: out of memory", c->ops->name);
         h->device = device;
         cudaError_t e = cudaMalloc((void **)&h->status, sizeof *h->status);
+        /* On the handle's stream: a non-blocking stream does not wait for
+         * work on the legacy default stream. */
         if (e == cudaSuccess)
-            e = cudaMemset(h->status, 0xff, sizeof *h->status);
+            e = cudaMemsetAsync(h->status, 0xff, sizeof *h->status, epipe_cuda_stream(c));
         if (e != cudaSuccess) {
             cudaFree(h->status);
             free(h);
@@ -283,7 +285,9 @@ static int cuda_synchronize(epipe_codec *c)
     first = st.ninf < first ? st.ninf : first;
     if (first == ~0ull)
         return EPIPE_OK;
-    if ((rc = epipe_cuda_check(c, cudaMemset(h->status, 0xff, sizeof *h->status),
+    if ((rc = epipe_cuda_check(c,
+                               cudaMemsetAsync(h->status, 0xff, sizeof *h->status,
+                                               epipe_cuda_stream(c)),
                                "clearing the status word")))
         return rc;
     return epipe_cuda_fail(c, EPIPE_EINVAL,
