@@ -93,9 +93,10 @@ static int module_get(epipe_codec *c, const char *what, const epipe_cuda_module 
         snprintf(loaded_path, sizeof loaded_path, "%s", path);
     }
     const epipe_cuda_module *m = loaded;
-    pthread_mutex_unlock(&lock);
     char why[200];
-    if (m->probe(why, sizeof why))
+    int probed = m->probe(why, sizeof why); /* under the lock: it caches */
+    pthread_mutex_unlock(&lock);
+    if (probed)
         return epipe_codec_fail(c, EPIPE_ENOTSUP, "%s is a CUDA tensor, but there is %s", what,
                                 why);
     *out = m;
