@@ -10,6 +10,7 @@
 #include "../lib/codec/codec_impl.h"
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
+#include "inline/half.h"
 #include "quantize_common.h"
 
 enum { CAST_DTYPE };
@@ -45,11 +46,8 @@ static int cast_body_size(const epipe_codec *c, uint64_t n, size_t *bytes)
 
 static void encode_scalar(int bf16, const float *x, size_t n, uint8_t *body)
 {
-    uint16_t inf = bf16 ? BF16_INF : F16_INF, max = bf16 ? BF16_MAX : F16_MAX;
     for (size_t i = 0; i < n; i++) {
-        uint16_t h = bf16 ? epipe_f32_to_bf16(x[i]) : epipe_f32_to_f16(x[i]);
-        if ((h & 0x7fffu) == inf && isfinite(x[i])) /* rounded past the range */
-            h = (uint16_t)((h & 0x8000u) | max);
+        uint16_t h = epipe_hd_cast_encode(bf16, x[i]);
         body[2 * i] = (uint8_t)h;
         body[2 * i + 1] = (uint8_t)(h >> 8);
     }
@@ -57,10 +55,8 @@ static void encode_scalar(int bf16, const float *x, size_t n, uint8_t *body)
 
 static void decode_scalar(int bf16, const uint8_t *body, size_t n, float *y)
 {
-    for (size_t i = 0; i < n; i++) {
-        uint16_t h = (uint16_t)(body[2 * i] | body[2 * i + 1] << 8);
-        y[i] = bf16 ? epipe_bf16_to_f32(h) : epipe_f16_to_f32(h);
-    }
+    for (size_t i = 0; i < n; i++)
+        y[i] = epipe_hd_cast_decode(bf16, (uint16_t)(body[2 * i] | body[2 * i + 1] << 8));
 }
 
 static int cast_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)

@@ -68,19 +68,6 @@ void epipe_qtab_free(epipe_qtab *t)
     t->bnd = t->min = t->step = t->inv = NULL;
 }
 
-float epipe_q_step(float min, float max, float levels)
-{
-    if (!(max > min))
-        return 0.0f;
-    double s = ((double)max - (double)min) / (double)levels;
-    float f = s < (double)FLT_MAX ? (float)s : FLT_MAX;
-    if (f < FLT_MIN)
-        f = FLT_MIN;
-    while (!isfinite(min + levels * f))
-        f = nextafterf(f, 0.0f);
-    return f;
-}
-
 void epipe_q_set_chunk(epipe_qtab *t, unsigned j, float min, float max)
 {
     min += 0.0f; /* -0 becomes +0: the bytes do not depend on which zero won */
@@ -108,19 +95,21 @@ int epipe_q_read_table(epipe_codec *c, epipe_qtab *t, const uint8_t *body, size_
     const char *name = c->ops->name;
     for (unsigned j = 0; j < t->k; j++) {
         float min = epipe_get_f32(body + 8 * j), step = epipe_get_f32(body + 8 * j + 4);
-        if (!isfinite(min))
+        switch (epipe_hd_q_pair_check(min, step, t->levels)) {
+        case 1:
             return epipe_codec_fail(c, EPIPE_EPROTO,
                                     "%s: chunk %u of %u has min %g; it must be finite", name, j,
                                     t->k, (double)min);
-        if (!isfinite(step) || signbit(step))
+        case 2:
             return epipe_codec_fail(c, EPIPE_EPROTO,
                                     "%s: chunk %u of %u has step %g; it must be finite and >= 0",
                                     name, j, t->k, (double)step);
-        if (!isfinite(min + t->levels * step))
+        case 3:
             return epipe_codec_fail(
                 c, EPIPE_EPROTO,
                 "%s: chunk %u of %u (min %g, step %g) decodes past the float range", name, j, t->k,
                 (double)min, (double)step);
+        }
         t->min[j] = min;
         t->step[j] = step;
         t->inv[j] = step > 0.0f ? 1.0f / step : 0.0f;
@@ -150,10 +139,7 @@ void epipe_q_task_range(size_t n, unsigned threads, unsigned task, size_t *begin
 /* Chunk of x for any k: binary search for the count of bnd[1..k) <= x. */
 Q_INLINE unsigned classify_bsearch(const float *bnd, unsigned k, float x)
 {
-    unsigned pos = 0;
-    for (unsigned h = k / 2; h; h /= 2)
-        pos += bnd[pos + h] <= x ? h : 0;
-    return pos;
+    return epipe_hd_q_chunk(bnd, k, x);
 }
 
 /* ---- extent ------------------------------------------------------------ */
@@ -427,8 +413,7 @@ void epipe_q_encode(const epipe_qtab *t, const float *x, size_t n, uint8_t *out,
 static float decode_one(const epipe_qtab *t, uint32_t code)
 {
     unsigned c = code >> t->q;
-    uint32_t level = code & ((1u << t->q) - 1u);
-    return t->min[c] + (float)level * t->step[c];
+    return epipe_hd_q_value(t->min[c], t->step[c], code & ((1u << t->q) - 1u));
 }
 
 void epipe_q_decode_ref(const epipe_qtab *t, const uint8_t *codes, size_t n, float *y)

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "../lib/codec/codec_impl.h"
+#include "inline/quant.h"
 
 /* The largest number of chunks a table holds (sortquant split <= 12). */
 #define EPIPE_Q_MAX_CHUNKS 4096
@@ -32,16 +33,17 @@ void epipe_qtab_free(epipe_qtab *t);
  * max == min, otherwise (max - min) / levels rounded to float, at least
  * FLT_MIN (so 1/step is finite) and small enough that min + levels * step
  * is finite. min and max must be finite. */
-float epipe_q_step(float min, float max, float levels);
+static inline float epipe_q_step(float min, float max, float levels)
+{
+    return epipe_hd_q_step(min, max, levels);
+}
 
 /* The level of x in a chunk: round((x - min) * inv), clamped to [0, levels]
- * (halves round up). Fast kernels compute exactly this expression. */
+ * (halves round up). Fast kernels compute exactly this expression; it is
+ * the CUDA kernels' too (inline/quant.h). */
 static inline uint32_t epipe_q_level(float x, float min, float inv, float levels)
 {
-    float t = (x - min) * inv;
-    t = t > 0.0f ? t : 0.0f;
-    t = t < levels ? t : levels;
-    return (uint32_t)(int32_t)(t + 0.5f);
+    return epipe_hd_q_level(x, min, inv, levels);
 }
 
 /* Sets chunk j from the smallest and largest value it holds (min and max

@@ -8,6 +8,7 @@
 
 #include <epipe/common.h>
 
+#include "../codecs/inline/half.h"
 #include "error.h"
 
 size_t epipe_dtype_size(enum epipe_dtype d)
@@ -28,9 +29,17 @@ const char *epipe_dtype_name(enum epipe_dtype d)
 int epipe_tensor_inspect(const DLTensor *t, const char *what, char *handle_msg, uint64_t *numel,
                          enum epipe_dtype *dtype)
 {
+    return epipe_tensor_inspect_on(t, what, handle_msg, numel, dtype, 0);
+}
+
+int epipe_tensor_inspect_on(const DLTensor *t, const char *what, char *handle_msg,
+                            uint64_t *numel, enum epipe_dtype *dtype, int cuda_ok)
+{
     if (!t)
         return epipe_fail_into(handle_msg, EPIPE_EINVAL, "%s is NULL", what);
-    if (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged)
+    if (cuda_ok && (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged))
+        ; /* the codec core's CUDA path: the CUDA module checks the rest */
+    else if (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged)
         return epipe_fail_into(handle_msg, EPIPE_ENOTSUP,
                                "%s is a CUDA tensor, and this build has no CUDA backend", what);
     if (t->device.device_type != kDLCPU && t->device.device_type != kDLCUDAHost)
@@ -88,73 +97,26 @@ bool epipe_tensor_is_dense(const DLTensor *t)
     return true;
 }
 
+/* One definition of the conversions, shared with the cast codec and the
+ * CUDA kernels (codecs/inline/half.h). */
 uint16_t epipe_f32_to_f16(float f)
 {
-    union {
-        float f;
-        uint32_t u;
-    } c = {.f = f};
-    uint32_t x = c.u, sign = (x >> 16) & 0x8000u, absx = x & 0x7fffffffu;
-    if (absx > 0x7f800000u) /* NaN: keep it quiet and a NaN */
-        return (uint16_t)(sign | 0x7e00u | ((absx >> 13) & 0x3ffu));
-    if (absx >= 0x477ff000u) /* rounds to >= 65520: infinity */
-        return (uint16_t)(sign | 0x7c00u);
-    if (absx < 0x38800000u) { /* below the smallest normal: subnormal or zero */
-        /* Scale so the subnormal's integer mantissa appears, rounding RNE. */
-        float a = fabsf(f) * 16777216.0f; /* 2^24 = 1 / smallest subnormal */
-        return (uint16_t)(sign | (uint16_t)lrintf(a));
-    }
-    uint32_t mant_odd = (absx >> 13) & 1u;
-    absx += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round */
-    return (uint16_t)(sign | (absx >> 13));
+    return epipe_hd_f32_to_f16(f);
 }
 
 float epipe_f16_to_f32(uint16_t h)
 {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-    float mag;
-    if (exp == 0)
-        mag = (float)mant / 16777216.0f;
-    else if (exp == 31) {
-        union {
-            uint32_t u;
-            float f;
-        } c = {.u = 0x7f800000u | (mant << 13)};
-        mag = c.f;
-    } else {
-        union {
-            uint32_t u;
-            float f;
-        } c = {.u = ((exp + 112u) << 23) | (mant << 13)};
-        mag = c.f;
-    }
-    union {
-        float f;
-        uint32_t u;
-    } r = {.f = mag};
-    r.u |= sign;
-    return r.f;
+    return epipe_hd_f16_to_f32(h);
 }
 
 uint16_t epipe_f32_to_bf16(float f)
 {
-    union {
-        float f;
-        uint32_t u;
-    } c = {.f = f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((c.u >> 16) | 0x40u); /* quiet NaN stays NaN */
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);
-    return (uint16_t)(c.u >> 16);
+    return epipe_hd_f32_to_bf16(f);
 }
 
 float epipe_bf16_to_f32(uint16_t h)
 {
-    union {
-        uint32_t u;
-        float f;
-    } c = {.u = (uint32_t)h << 16};
-    return c.f;
+    return epipe_hd_bf16_to_f32(h);
 }
 
 static float load_elem(const char *p, enum epipe_dtype d)

@@ -3,7 +3,10 @@
 usage check_needed.py LIB blas|noblas. Without the feature neither its
 NEEDED entries nor ldd's full list may name a BLAS or LAPACK; with it, the
 NEEDED entries must (so the check cannot pass by looking at nothing).
-libibverbs is never NEEDED: the rdma transport opens it at run time."""
+Whatever the features, libepipe never loads a CUDA library (libcuda,
+libcudart, libcublas, libcudnn): the CUDA backend is a module it opens
+with dlopen on the first CUDA tensor.
+libibverbs is never NEEDED either: the rdma transport opens it at run time."""
 import re
 import subprocess
 import sys
@@ -19,6 +22,15 @@ if not needed:
 if any("ibverbs" in n for n in needed):
     sys.exit("libepipe must not link libibverbs (the rdma transport dlopens it): " +
              " ".join(needed))
+CUDA = re.compile(r"libcuda|libcudart|libcublas|libcudnn|libnvrtc", re.I)
+cuda_needed = [n for n in needed if CUDA.search(n)]
+if cuda_needed:
+    sys.exit("libepipe must not link CUDA libraries, but needs " + ", ".join(cuda_needed))
+ldd_cuda = subprocess.run(["ldd", lib], capture_output=True, text=True)
+if ldd_cuda.returncode == 0:
+    bad = [l.split()[0] for l in ldd_cuda.stdout.splitlines() if l.strip() and CUDA.search(l)]
+    if bad:
+        sys.exit("loading libepipe pulls in CUDA libraries: " + ", ".join(bad))
 blas_needed = [n for n in needed if BLAS.search(n)]
 if feature == "blas":
     if not blas_needed:

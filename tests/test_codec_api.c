@@ -422,7 +422,8 @@ static void getters_and_bounds(void **state)
 }
 
 /* The backend comes from the tensor's device: pinned host memory is the
- * CPU's; a CUDA tensor names the codec that has no CUDA backend. */
+ * CPU's; a CUDA tensor on a CPU-bound handle, or without the module, is
+ * refused. */
 static void backend_follows_the_device(void **state)
 {
     (void)state;
@@ -435,13 +436,22 @@ static void backend_follows_the_device(void **state)
     assert_int_equal(epipe_codec_create(&c, "quant:bits=8"), EPIPE_OK);
     tx.device.device_type = kDLCUDAHost;
     assert_int_equal(epipe_codec_encode(c, &tx, buf, sizeof buf, &n), EPIPE_OK);
+    /* The handle is bound to the CPU now: a CUDA tensor names both. */
     tx.device.device_type = kDLCUDA;
+    assert_int_equal(epipe_codec_max_encoded_size(c, &tx, &n), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_codec_last_error(c), "bound to CPU"));
+    epipe_codec_destroy(c);
+    /* A fresh handle: without the CUDA module (tests/test_cuda_loader.c
+     * covers it) the CUDA tensor is refused as unsupported. */
+    setenv("EPIPE_CUDA_MODULE", "/nonexistent/libepipe-cuda.so", 1);
+    assert_int_equal(epipe_codec_create(&c, "quant:bits=8"), EPIPE_OK);
     assert_int_equal(epipe_codec_max_encoded_size(c, &tx, &n), EPIPE_ENOTSUP);
-    assert_non_null(strstr(epipe_codec_last_error(c), "no CUDA backend for codec 'quant'"));
+    assert_non_null(strstr(epipe_codec_last_error(c), "src is a CUDA tensor"));
     ty.device.device_type = kDLCUDAManaged;
     assert_int_equal(epipe_codec_decode(c, buf, sizeof buf, &ty), EPIPE_ENOTSUP);
     assert_non_null(strstr(epipe_last_error(), "dst is a CUDA tensor"));
     epipe_codec_destroy(c);
+    unsetenv("EPIPE_CUDA_MODULE");
 }
 
 /* The chain is a codec in the registry: its id names it in messages, but

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "../../lib/codec/codec_impl.h"
+#include "../inline/sortquant.h"
 #include "../quantize_common.h"
 #include "fit.h"
 #include "select.h"
@@ -39,22 +40,21 @@ typedef struct sq_state {
  * bounds chunk j in sample mode. */
 static inline uint64_t sq_rank(uint64_t j, uint64_t n, unsigned k)
 {
-    return n / k * j + n % k * j / k;
+    return epipe_hd_sq_rank(j, n, k);
 }
 
 static inline uint64_t sq_mix(uint64_t z)
 {
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+    return epipe_hd_sq_mix(z);
 }
 
 /* Sample mode reads m = min(n, sample) values: sample k is a pseudo-random
  * position in the k-th of m equal strata of [0, n), stratum k being
  * [floor(k n / m), floor((k+1) n / m)), the offset in it
  * ((mix(k) >> 32) * len) >> 32 for a stratum of len values (mix(k) % len
- * past 2^32). With m == n, every value once, in order. */
+ * past 2^32). With m == n, every value once, in order. The CUDA kernel
+ * computes each position directly (epipe_hd_sq_sample_pos); test_inline
+ * checks that both give the same sample. */
 static inline void sq_sample_gather(const float *x, uint64_t n, uint64_t m, float *out)
 {
     /* Positions run PF ahead of the loads, so that many cache and TLB misses

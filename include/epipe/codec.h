@@ -295,6 +295,53 @@ typedef struct epipe_codec_delta_info {
 EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
                                                epipe_codec_delta_info *info);
 
+/* ---- CUDA tensors (experimental) -----------------------------------------
+ *
+ * epipe_codec_encode() and epipe_codec_decode() accept kDLCUDA (and
+ * kDLCUDAManaged) tensors when libepipe finds its CUDA module
+ * (libepipe-cuda.so: $EPIPE_CUDA_MODULE, else epipe/ beside libepipe, else
+ * the install path), the CUDA driver and a device; otherwise EPIPE_ENOTSUP
+ * with a message naming what is missing (no module, no driver, no device,
+ * no kernels for the codec: today none, cast, quant). CUDA tensors must be
+ * dense and aligned to their element size. The payload buffers stay host
+ * memory (pinned, cudaHostAlloc, for the copies to overlap); the 16-byte
+ * header of a payload to decode is read on the host before anything runs.
+ *
+ * Binding: a handle binds to the device of the first tensor it encodes or
+ * decodes (the CPU, or CUDA device i); a tensor on another device later is
+ * EPIPE_EINVAL naming both. Use one handle per device.
+ *
+ * Asynchrony: on a CUDA tensor, encode and decode enqueue their work on
+ * the handle's stream and return; EPIPE_OK means enqueued. *written and the
+ * header are final at return. The source tensor (encode), the destination
+ * tensor (decode) and the payload buffer must stay valid and unchanged
+ * until the stream reaches the work: reuse them only after
+ * epipe_codec_synchronize() or after an event recorded on the stream.
+ * On CPU tensors every call is synchronous, as before.
+ *
+ * Errors: argument, tensor, header, size and capacity errors, and a bad
+ * table in a payload to decode (it is host memory), are returned at once as
+ * on the CPU. Errors that depend on tensor values a kernel sees (a NaN or
+ * infinity given to a quantizer) are recorded on the device and returned,
+ * with the CPU's message, by the next epipe_codec_synchronize(); the payload
+ * of such an encode is garbage and must not be sent. A failed CUDA call is
+ * EPIPE_ENOMEM (allocation) or EPIPE_EIO with the CUDA error's name and
+ * text. A sticky CUDA error (an illegal address, from any kernel of the
+ * process) is reported the same way by every later call: the CUDA context
+ * is lost and only a new process recovers. */
+
+/* Sets the cudaStream_t (passed as void *) the handle's CUDA work is
+ * ordered on; NULL (the default) is the legacy default stream. Work already
+ * enqueued on the previous stream is waited for first, and its deferred
+ * status returned (the stream is set whatever it is). The CPU backend
+ * stores and ignores it. Not thread-safe: one thread per handle. */
+EPIPE_EXPERIMENTAL int epipe_codec_set_stream(epipe_codec *codec, void *stream);
+
+/* Blocks until the work enqueued by the handle on its stream is done and
+ * returns the first deferred error since the last call (then cleared), or
+ * EPIPE_OK. EPIPE_OK at once for a handle that never ran CUDA work. */
+EPIPE_EXPERIMENTAL int epipe_codec_synchronize(epipe_codec *codec);
+
 #ifdef __cplusplus
 }
 #endif

@@ -11,6 +11,7 @@
 #include "../parallel.h"
 #include "codec_internal.h"
 #include "core.h"
+#include "cuda_core.h"
 #include "payload.h"
 
 int epipe_codec_fail(epipe_codec *c, int status, const char *fmt, ...)
@@ -49,16 +50,23 @@ int epipe_codec_backend_for(epipe_codec *c, const DLTensor *t, const char *what,
     epipe_codec_device dev = EPIPE_CODEC_DEV_CPU;
     if (t && (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged))
         dev = EPIPE_CODEC_DEV_CUDA;
+    if (t && c->bound_type) {
+        int rc = epipe_codec_check_binding(c, t, what);
+        if (rc)
+            return rc;
+    }
+    if (dev == EPIPE_CODEC_DEV_CUDA)
+        return epipe_codec_cuda_backend(c, t, what, be);
     *be = epipe_codec_backend_of(c->ops, dev);
     if (*be)
         return EPIPE_OK;
-    if (dev == EPIPE_CODEC_DEV_CUDA)
-        return epipe_codec_fail(c, EPIPE_ENOTSUP,
-                                "%s is a CUDA tensor, and this build has no CUDA backend for "
-                                "codec '%s'",
-                                what, c->ops->name);
     return epipe_codec_fail(c, EPIPE_ENOTSUP, "codec '%s' has no CPU backend in this build",
                             c->ops->name);
+}
+
+static int is_cuda(const DLTensor *t)
+{
+    return t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged;
 }
 
 void epipe_codec_note_shape(epipe_codec *c, const DLTensor *t)
@@ -100,6 +108,7 @@ EPIPE_API void epipe_codec_destroy(epipe_codec *c)
         c->ops->release(c);
     epipe_codec_ef_release(c);
     epipe_codec_delta_release(c, 1);
+    epipe_codec_cuda_release(c);
     free(c->scratch);
     free(c);
 }
@@ -267,7 +276,7 @@ static int inspect_for_call(epipe_codec *c, const DLTensor *t, const char *what,
 {
     const epipe_codec_backend *be = NULL;
     int rc = epipe_codec_backend_for(c, t, what, &be);
-    return rc ? rc : epipe_tensor_inspect(t, what, c->msg, n, dt);
+    return rc ? rc : epipe_tensor_inspect_on(t, what, c->msg, n, dt, is_cuda(t));
 }
 
 int epipe_codec_size_checked(epipe_codec *c, const DLTensor *t, uint64_t n, size_t *bytes)
@@ -296,10 +305,20 @@ int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, 
         return epipe_codec_fail(c, EPIPE_ENOSPC,
                                 "%s: encoding %llu values needs %zu bytes; capacity is %zu",
                                 c->ops->name, (unsigned long long)n, need, dst ? capacity : 0);
+    uint8_t *h = dst;
+    if (is_cuda(src)) {
+        /* The header from the host's knowledge; the body enqueued. */
+        epipe_payload_put(h, c->ops->id, dt, c->ops->param_word(c), n);
+        if ((rc = epipe_codec_cuda_encode(c, be, src, n, dt, h + EPIPE_PAYLOAD_HEADER)))
+            return rc;
+        epipe_codec_bind(c, src);
+        *written = need;
+        return EPIPE_OK;
+    }
+    epipe_codec_bind(c, src);
     const float *x;
     if ((rc = epipe_codec_stage_in(c, src, n, dt, &x)))
         return rc;
-    uint8_t *h = dst;
     epipe_payload_put(h, c->ops->id, dt, c->ops->param_word(c), n);
     if (c->delta)
         return epipe_codec_delta_encode(c, be, x, n, dt, h, written);
@@ -360,10 +379,17 @@ int epipe_codec_decode_checked(epipe_codec *c, const void *src, size_t len, DLTe
     if (len > need)
         return epipe_codec_fail(c, EPIPE_EPROTO, "%s: payload has %zu bytes after its end", name,
                                 len - need);
+    const uint8_t *body = (const uint8_t *)src + EPIPE_PAYLOAD_HEADER;
+    if (is_cuda(dst)) {
+        if ((rc = epipe_codec_cuda_decode(c, be, body, n, dst, dt)))
+            return rc;
+        epipe_codec_bind(c, dst);
+        return EPIPE_OK;
+    }
+    epipe_codec_bind(c, dst);
     float *y;
     if ((rc = epipe_codec_stage_out(c, dst, n, dt, &y)))
         return rc;
-    const uint8_t *body = (const uint8_t *)src + EPIPE_PAYLOAD_HEADER;
     if ((rc = (c->use_reference ? be->decode_ref : be->decode)(c, body, n, y)))
         return rc;
     epipe_codec_stage_out_done(dst, y, n);

@@ -167,6 +167,14 @@ struct epipe_codec {
     size_t scratch_cap;
     char spec[EPIPE_SPEC_MAX];
     char msg[EPIPE_ERRMSG_MAX];
+    /* CUDA (docs/codec-backends.md): the stream the host set (a
+     * cudaStream_t; NULL = the legacy default stream), the CUDA module's
+     * per-handle state, and the device the first encode or decode bound the
+     * handle to: bound_type 0 = none yet, else kDLCPU or kDLCUDA (with
+     * bound_id, the CUDA device index). */
+    void *stream;
+    void *cuda;
+    int bound_type, bound_id;
 };
 
 /* Records an error on the codec (and the thread) and returns status. */

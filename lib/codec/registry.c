@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "cuda_core.h"
 
 static const epipe_codec_ops *const registry[] = {
     &epipe_codec_none,      &epipe_codec_cast,   &epipe_codec_quant,
@@ -40,9 +41,9 @@ const epipe_codec_backend *epipe_codec_backend_of(const epipe_codec_ops *ops,
     switch (dev) {
     case EPIPE_CODEC_DEV_CPU: return ops->cpu;
     case EPIPE_CODEC_DEV_CUDA:
-        /* The CUDA module (next issue) registers its tables here, by
-         * ops->id; this build has none. */
-        return NULL;
+        /* The CUDA module's table for ops->id, once it is loaded
+         * (lib/codec/cuda.c opens it on the first CUDA tensor). */
+        return epipe_codec_cuda_loaded_backend(ops);
     }
     return NULL;
 }

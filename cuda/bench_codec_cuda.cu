@@ -1,0 +1,170 @@
+/* epipe-bench-cuda: encode and decode throughput of a codec on a CUDA
+ * tensor against a device-to-device copy of the same tensor in the same run. */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <epipe/epipe.h>
+
+static void usage(void)
+{
+    fprintf(stderr, "usage: epipe-bench-cuda SPEC [SPEC...] [--n VALUES] [--reps R]\n\n"
+                    "Times epipe_codec_encode and _decode of a dense fp32 CUDA tensor (default\n"
+                    "12.8M normal values) into and from a pinned host payload, each call\n"
+                    "followed by epipe_codec_synchronize, best of R (default 20), beside a\n"
+                    "cudaMemcpyAsync device-to-device copy of the tensor. Exit 77 without a\n"
+                    "CUDA device.\n");
+}
+
+#define CK(e)                                                                                     \
+    do {                                                                                          \
+        cudaError_t err_ = (e);                                                                   \
+        if (err_ != cudaSuccess) {                                                                \
+            fprintf(stderr, "CUDA error: %s (line %d)\n", cudaGetErrorString(err_), __LINE__);    \
+            return 1;                                                                             \
+        }                                                                                         \
+    } while (0)
+
+static double best_of(int reps, cudaEvent_t a, cudaEvent_t b, int (*fn)(void *), void *ctx)
+{
+    float best = INFINITY;
+    for (int r = 0; r < reps; r++) {
+        cudaEventRecord(a, 0);
+        if (fn(ctx))
+            return NAN;
+        cudaEventRecord(b, 0);
+        cudaEventSynchronize(b);
+        float ms;
+        cudaEventElapsedTime(&ms, a, b);
+        best = ms < best ? ms : best;
+    }
+    return best / 1e3;
+}
+
+struct ctx {
+    epipe_codec *c;
+    DLTensor *x, *y;
+    uint8_t *payload;
+    size_t cap, written;
+    float *copy_dst;
+    size_t n;
+};
+
+static int run_copy(void *p)
+{
+    ctx *k = (ctx *)p;
+    return cudaMemcpyAsync(k->copy_dst, k->x->data, k->n * 4, cudaMemcpyDeviceToDevice, 0) !=
+           cudaSuccess;
+}
+
+static int run_encode(void *p)
+{
+    ctx *k = (ctx *)p;
+    if (epipe_codec_encode(k->c, k->x, k->payload, k->cap, &k->written) ||
+        epipe_codec_synchronize(k->c)) {
+        fprintf(stderr, "encode: %s\n", epipe_codec_last_error(k->c));
+        return 1;
+    }
+    return 0;
+}
+
+static int run_decode(void *p)
+{
+    ctx *k = (ctx *)p;
+    if (epipe_codec_decode(k->c, k->payload, k->written, k->y) || epipe_codec_synchronize(k->c)) {
+        fprintf(stderr, "decode: %s\n", epipe_codec_last_error(k->c));
+        return 1;
+    }
+    return 0;
+}
+
+__global__ void fill_normal(float *x, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        unsigned long long z = i * 0x9e3779b97f4a7c15ull + 12345;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        float u1 = ((z >> 40) + 1) / 16777217.0f, u2 = ((z >> 16) & 0xffffff) / 16777216.0f;
+        x[i] = sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    size_t n = 12800000;
+    int reps = 20, nspec = 0;
+    const char *specs[32];
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--n") && i + 1 < argc)
+            n = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
+            reps = atoi(argv[++i]);
+        else if (argv[i][0] == '-' || nspec == 32)
+            return usage(), 2;
+        else
+            specs[nspec++] = argv[i];
+    }
+    if (!nspec || !n || reps < 1)
+        return usage(), 2;
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || !count) {
+        printf("SKIP: no CUDA device: %s\n", e ? cudaGetErrorString(e) : "0 devices");
+        return 77;
+    }
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    float *x, *y, *z;
+    CK(cudaMalloc((void **)&x, n * 4));
+    CK(cudaMalloc((void **)&y, n * 4));
+    CK(cudaMalloc((void **)&z, n * 4));
+    fill_normal<<<1024, 256>>>(x, n);
+    CK(cudaDeviceSynchronize());
+    int64_t shape[1] = {(int64_t)n};
+    DLTensor tx, ty;
+    memset(&tx, 0, sizeof tx);
+    tx.data = x;
+    tx.device.device_type = kDLCUDA;
+    tx.ndim = 1;
+    tx.shape = shape;
+    tx.dtype.code = kDLFloat;
+    tx.dtype.bits = 32;
+    tx.dtype.lanes = 1;
+    ty = tx;
+    ty.data = y;
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    printf("device: %s, %zu fp32 values (%.1f MB), best of %d\n", prop.name, n, n * 4 / 1e6, reps);
+    ctx k = {};
+    k.x = &tx;
+    k.y = &ty;
+    k.n = n;
+    k.copy_dst = z;
+    double tc = best_of(reps, a, b, run_copy, &k);
+    printf("%-40s %9.3f ms %8.1f GB/s (read+write)\n", "cudaMemcpy D2D", tc * 1e3, 8.0 * n / tc / 1e9);
+    for (int s = 0; s < nspec; s++) {
+        if (epipe_codec_create(&k.c, specs[s])) {
+            fprintf(stderr, "%s: %s\n", specs[s], epipe_last_error());
+            return 1;
+        }
+        if (epipe_codec_max_encoded_size(k.c, &tx, &k.cap)) {
+            fprintf(stderr, "%s: %s\n", specs[s], epipe_codec_last_error(k.c));
+            return 1;
+        }
+        CK(cudaHostAlloc((void **)&k.payload, k.cap, cudaHostAllocDefault));
+        double te = best_of(reps, a, b, run_encode, &k), td = best_of(reps, a, b, run_decode, &k);
+        if (isnan(te) || isnan(td))
+            return 1;
+        printf("%-40s encode %8.3f ms %7.1f GB/s in %5.2fx copy | decode %8.3f ms %5.2fx copy | "
+               "%.2f bytes/value\n",
+               specs[s], te * 1e3, 4.0 * n / te / 1e9, tc / te, td * 1e3, tc / td,
+               (double)k.written / (double)n);
+        cudaFreeHost(k.payload);
+        epipe_codec_destroy(k.c);
+    }
+    return 0;
+}

@@ -1,0 +1,296 @@
+/* `sortquant` mode=sample on CUDA: the CPU's sample drawn position by
+ * position, sorted with CUB, the boundaries picked, per-chunk extents, the
+ * table on k threads with the CPU's formulas, then one fused classify +
+ * quantize + pack pass. Byte-identical to the CPU by construction. */
+#include <cub/device/device_radix_sort.cuh>
+
+#include "../codecs/inline/quant.h"
+#include "../codecs/inline/sortquant.h"
+#include "cuda_impl.h"
+
+enum { SQ_BITS, SQ_SPLIT, SQ_MODE, SQ_SAMPLE }; /* as codecs/sortquant/sortquant.h */
+enum { SQ_MODE_SAMPLE = 1 };
+
+__device__ static uint32_t sq_key(float f)
+{
+    uint32_t u = __float_as_uint(f);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+__device__ static float sq_float(uint32_t k)
+{
+    return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k);
+}
+
+__global__ void sq_gather(const float *x, uint64_t n, uint64_t m, float *out)
+{
+    for (uint64_t k = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; k < m;
+         k += (uint64_t)gridDim.x * blockDim.x)
+        out[k] = x[epipe_hd_sq_sample_pos(k, n, m)];
+}
+
+/* Device table: bnd[k + 1], then lo/hi keys [k], then min, step, inv [k]. */
+struct sq_tab {
+    float *bnd, *min, *step, *inv;
+    uint32_t *lo, *hi;
+};
+
+__global__ void sq_bounds(const float *sorted, uint64_t m, unsigned k, sq_tab t)
+{
+    for (unsigned j = threadIdx.x; j <= k; j += blockDim.x) {
+        t.bnd[j] = j == 0 ? -INFINITY
+                   : j == k || !sorted ? INFINITY
+                                       : sorted[epipe_hd_sq_rank(j, m, k)];
+        if (j < k) {
+            t.lo[j] = 0xffffffffu;
+            t.hi[j] = 0;
+        }
+    }
+}
+
+__global__ void sq_extent(const float *x, uint64_t n, unsigned k, sq_tab t, epipe_cuda_status *st)
+{
+    extern __shared__ uint32_t sh[]; /* bnd [k+1] as floats, lo [k], hi [k] */
+    float *bnd = (float *)sh;
+    uint32_t *lo = sh + k + 1, *hi = lo + k;
+    for (unsigned j = threadIdx.x; j <= k; j += blockDim.x) {
+        bnd[j] = t.bnd[j];
+        if (j < k) {
+            lo[j] = 0xffffffffu;
+            hi[j] = 0;
+        }
+    }
+    __syncthreads();
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        float v = x[i];
+        if (!epipe_hd_finite(v)) {
+            atomicMin(v != v ? &st->nan : v > 0 ? &st->pinf : &st->ninf, (unsigned long long)i);
+            continue;
+        }
+        unsigned c = epipe_hd_q_chunk(bnd, k, v);
+        uint32_t key = sq_key(v);
+        atomicMin(&lo[c], key);
+        atomicMax(&hi[c], key);
+    }
+    __syncthreads();
+    for (unsigned j = threadIdx.x; j < k; j += blockDim.x)
+        if (lo[j] <= hi[j]) {
+            atomicMin(&t.lo[j], lo[j]);
+            atomicMax(&t.hi[j], hi[j]);
+        }
+}
+
+/* epipe_q_set_from_extent(): a chunk holding values spans [lo, hi]. */
+__global__ void sq_table(unsigned k, float levels, sq_tab t, uint8_t *body)
+{
+    for (unsigned j = threadIdx.x; j < k; j += blockDim.x) {
+        float min = 0.0f, step = 0.0f, inv = 0.0f;
+        if (t.lo[j] <= t.hi[j]) {
+            min = sq_float(t.lo[j]) + 0.0f;
+            float max = sq_float(t.hi[j]) + 0.0f;
+            step = epipe_hd_q_step(min, max, levels);
+            inv = step > 0.0f ? 1.0f / step : 0.0f;
+        }
+        t.min[j] = min;
+        t.step[j] = step;
+        t.inv[j] = inv;
+        uint32_t a = __float_as_uint(min), b = __float_as_uint(step);
+        for (int i = 0; i < 4; i++) {
+            body[8 * j + i] = (uint8_t)(a >> (8 * i));
+            body[8 * j + 4 + i] = (uint8_t)(b >> (8 * i));
+        }
+    }
+}
+
+__global__ void sq_code_pack(const float *x, uint64_t n, unsigned k, unsigned q, float levels,
+                             unsigned w, sq_tab t, uint8_t *codes, uint64_t code_bytes)
+{
+    extern __shared__ float tab[]; /* bnd [k+1], min [k], inv [k] */
+    float *bnd = tab, *mn = tab + k + 1, *iv = mn + k;
+    for (unsigned j = threadIdx.x; j <= k; j += blockDim.x) {
+        bnd[j] = t.bnd[j];
+        if (j < k) {
+            mn[j] = t.min[j];
+            iv[j] = t.inv[j];
+        }
+    }
+    __syncthreads();
+    uint64_t groups = (n + 7) / 8;
+    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
+         g += (uint64_t)gridDim.x * blockDim.x) {
+        uint32_t c[8];
+        for (unsigned i = 0; i < 8; i++) {
+            uint64_t j = g * 8 + i;
+            if (j < n) {
+                float v = x[j];
+                unsigned ch = epipe_hd_q_chunk(bnd, k, v);
+                c[i] = ch << q | epipe_hd_q_level(v, mn[ch], iv[ch], levels);
+            } else {
+                c[i] = 0;
+            }
+        }
+        uint8_t b[16];
+        epipe_hd_pack8(c, w, b);
+        uint64_t at = g * w, m = code_bytes - at < w ? code_bytes - at : w;
+        for (unsigned i = 0; i < m; i++)
+            codes[at + i] = b[i];
+    }
+}
+
+__global__ void sq_decode(const uint8_t *codes, uint64_t n, unsigned k, unsigned q, unsigned w,
+                          const uint8_t *table, float *y)
+{
+    extern __shared__ float tab[]; /* min [k], step [k] */
+    for (unsigned j = threadIdx.x; j < k; j += blockDim.x) {
+        const uint8_t *p = table + 8 * j;
+        tab[j] = __uint_as_float(p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24);
+        tab[k + j] = __uint_as_float(p[4] | p[5] << 8 | p[6] << 16 | (uint32_t)p[7] << 24);
+    }
+    __syncthreads();
+    uint64_t groups = (n + 7) / 8, bytes = (n * w + 7) / 8;
+    uint32_t mask = (1u << q) - 1u;
+    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
+         g += (uint64_t)gridDim.x * blockDim.x) {
+        uint8_t b[16] = {0};
+        uint64_t at = g * w, m = bytes - at < w ? bytes - at : w;
+        for (unsigned i = 0; i < m; i++)
+            b[i] = codes[at + i];
+        uint32_t c[8];
+        epipe_hd_unpack8(b, w, c);
+        for (unsigned i = 0; i < 8 && g * 8 + i < n; i++) {
+            unsigned ch = c[i] >> q;
+            y[g * 8 + i] = epipe_hd_q_value(tab[ch], tab[k + ch], c[i] & mask);
+        }
+    }
+}
+
+static int sample_only(epipe_codec *c)
+{
+    if ((int)c->p[SQ_MODE] == SQ_MODE_SAMPLE)
+        return EPIPE_OK;
+    return epipe_cuda_fail(c, EPIPE_ENOTSUP,
+                           "sortquant: mode=%s has no CUDA kernels yet (mode=sample has)",
+                           (int)c->p[SQ_MODE] == 0 ? "exact" : "fit");
+}
+
+static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    int rc = sample_only(c);
+    if (rc)
+        return rc;
+    unsigned bits = (unsigned)c->p[SQ_BITS], split = (unsigned)c->p[SQ_SPLIT];
+    unsigned k = 1u << split, q = bits - split;
+    float levels = (float)((1u << q) - 1u);
+    uint64_t m = n < (uint64_t)c->p[SQ_SAMPLE] ? n : (uint64_t)c->p[SQ_SAMPLE];
+    uint64_t cb = (n * bits + 7) / 8, tb = 8ull * k;
+    cudaStream_t s = epipe_cuda_stream(c);
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    void *d, *tw, *sw;
+    size_t sort_bytes = 0;
+    if (m && (rc = epipe_cuda_check(c,
+                                    cub::DeviceRadixSort::SortKeys(NULL, sort_bytes, (float *)NULL,
+                                                                   (float *)NULL, (int64_t)m),
+                                    "sizing the sample sort")))
+        return rc;
+    size_t tab_bytes = sizeof(float) * (4 * (size_t)k + 1) + sizeof(uint32_t) * 2 * k;
+    if ((rc = epipe_cuda_grow(c, &h->body, tb + cb, &d)) ||
+        (rc = epipe_cuda_grow(c, &h->work[0], tab_bytes, &tw)) ||
+        (rc = epipe_cuda_grow(c, &h->work[1], 2 * m * sizeof(float) + sort_bytes + 256, &sw)))
+        return rc;
+    sq_tab t;
+    t.bnd = (float *)tw;
+    t.min = t.bnd + k + 1;
+    t.step = t.min + k;
+    t.inv = t.step + k;
+    t.lo = (uint32_t *)(t.inv + k);
+    t.hi = t.lo + k;
+    unsigned tpb = k < 1024 ? (k < 32 ? 32 : k) : 1024;
+    /* split = 12: the tables take 3 * 4096 + 1 words, past the 48 KiB a
+     * kernel gets without asking. */
+    int shared = (int)(sizeof(float) * (3 * (size_t)k + 1));
+    if (shared > 48 * 1024 &&
+        ((rc = epipe_cuda_check(c, cudaFuncSetAttribute(sq_extent,
+                                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                        shared),
+                                "raising the shared memory limit")) ||
+         (rc = epipe_cuda_check(c, cudaFuncSetAttribute(sq_code_pack,
+                                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                        shared),
+                                "raising the shared memory limit"))))
+        return rc;
+    if (!n) {
+        sq_bounds<<<1, tpb, 0, s>>>(NULL, 0, k, t); /* no sample: every chunk empty */
+    } else {
+        float *smp = (float *)sw, *sorted = smp + m;
+        void *tmp = (char *)sw + ((2 * m * sizeof(float) + 255) & ~(size_t)255);
+        sq_gather<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
+        if ((rc = epipe_cuda_check(c,
+                                   cub::DeviceRadixSort::SortKeys(tmp, sort_bytes, smp, sorted,
+                                                                  (int64_t)m, 0, 32, s),
+                                   "sorting the sample")))
+            return rc;
+        sq_bounds<<<1, tpb, 0, s>>>(sorted, m, k, t);
+        size_t sh = sizeof(uint32_t) * (3 * (size_t)k + 1);
+        sq_extent<<<epipe_cuda_blocks(n, 256 * 8), 256, sh, s>>>(x, n, k, t, h->status);
+    }
+    sq_table<<<1, tpb, 0, s>>>(k, levels, t, (uint8_t *)d);
+    if (n)
+        sq_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * (3 * (size_t)k + 1),
+                       s>>>(x, n, k, q, levels, bits, t, (uint8_t *)d + tb, cb);
+    if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant kernels")))
+        return rc;
+    return epipe_cuda_check(c, cudaMemcpyAsync(body, d, tb + cb, cudaMemcpyDeviceToHost, s),
+                            "copying the body to the host");
+}
+
+static float get_f32(const uint8_t *p)
+{
+    return epipe_hd_u2f((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                        (uint32_t)p[3] << 24);
+}
+
+static int sq_decode_cuda(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    int rc = sample_only(c);
+    if (rc)
+        return rc;
+    unsigned bits = (unsigned)c->p[SQ_BITS], split = (unsigned)c->p[SQ_SPLIT];
+    unsigned k = 1u << split, q = bits - split;
+    float levels = (float)((1u << q) - 1u);
+    const char *name = c->ops->name;
+    for (unsigned j = 0; j < k; j++) { /* the CPU's checks and messages */
+        float min = get_f32(body + 8 * j), step = get_f32(body + 8 * j + 4);
+        switch (epipe_hd_q_pair_check(min, step, levels)) {
+        case 1:
+            return epipe_cuda_fail(c, EPIPE_EPROTO,
+                                   "%s: chunk %u of %u has min %g; it must be finite", name, j, k,
+                                   (double)min);
+        case 2:
+            return epipe_cuda_fail(c, EPIPE_EPROTO,
+                                   "%s: chunk %u of %u has step %g; it must be finite and >= 0",
+                                   name, j, k, (double)step);
+        case 3:
+            return epipe_cuda_fail(
+                c, EPIPE_EPROTO, "%s: chunk %u of %u (min %g, step %g) decodes past the float range",
+                name, j, k, (double)min, (double)step);
+        }
+    }
+    uint64_t cb = (n * bits + 7) / 8, tb = 8ull * k;
+    unsigned used = (unsigned)(n * bits % 8);
+    if (used && (body[tb + cb - 1] >> used))
+        return epipe_cuda_fail(c, EPIPE_EPROTO,
+                               "%s: padding bits after the last code are not zero", name);
+    if (!n)
+        return EPIPE_OK;
+    cudaStream_t s = epipe_cuda_stream(c);
+    void *d;
+    if ((rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->body, tb + cb, &d)) ||
+        (rc = epipe_cuda_check(c, cudaMemcpyAsync(d, body, tb + cb, cudaMemcpyHostToDevice, s),
+                               "copying the body to the device")))
+        return rc;
+    sq_decode<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * 2 * (size_t)k, s>>>(
+        (const uint8_t *)d + tb, n, k, q, bits, (const uint8_t *)d, y);
+    return epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant decode kernel");
+}
+
+const epipe_codec_backend epipe_cuda_sortquant = {sq_encode, sq_decode_cuda, NULL, NULL, 0, NULL};

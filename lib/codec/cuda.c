@@ -1,0 +1,225 @@
+/* The core's side of the CUDA backend: finding and opening the CUDA module
+ * (dlopen, on the first CUDA tensor), handle binding and the stream calls. */
+#define _GNU_SOURCE /* dladdr */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <epipe/codec.h>
+
+#include "core.h"
+#include "cuda_api.h"
+#include "cuda_core.h"
+
+#ifndef EPIPE_CUDA_MODULE_PATH
+#define EPIPE_CUDA_MODULE_PATH "libepipe-cuda.so"
+#endif
+
+static int core_vfail(epipe_codec *c, int status, const char *fmt, va_list ap)
+{
+    return epipe_vfail_into(c ? c->msg : NULL, status, fmt, ap);
+}
+
+static const epipe_cuda_core core_fns = {
+    .abi = EPIPE_CUDA_ABI,
+    .codec_size = sizeof(struct epipe_codec),
+    .vfail = core_vfail,
+};
+
+/* One module per process: the path it came from and its table. A failed
+ * load is not remembered, so a host (or a test) may fix EPIPE_CUDA_MODULE
+ * and try again; a loaded module is never closed. */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static const epipe_cuda_module *loaded;
+static char loaded_path[1024];
+
+/* EPIPE_CUDA_MODULE, else epipe/libepipe-cuda.so beside libepipe itself
+ * (the install layout), else the configured install path. */
+static void module_path(char *out, size_t cap)
+{
+    const char *env = getenv("EPIPE_CUDA_MODULE");
+    if (env && *env) {
+        snprintf(out, cap, "%s", env);
+        return;
+    }
+    Dl_info info;
+    if (dladdr((void *)module_path, &info) && info.dli_fname) {
+        const char *slash = strrchr(info.dli_fname, '/');
+        if (slash) {
+            snprintf(out, cap, "%.*s/epipe/libepipe-cuda.so", (int)(slash - info.dli_fname),
+                     info.dli_fname);
+            if (access(out, R_OK) == 0)
+                return;
+        }
+    }
+    snprintf(out, cap, "%s", EPIPE_CUDA_MODULE_PATH);
+}
+
+/* The module, loaded now if need be; EPIPE_ENOTSUP naming what is missing. */
+static int module_get(epipe_codec *c, const char *what, const epipe_cuda_module **out)
+{
+    char path[1024];
+    module_path(path, sizeof path);
+    pthread_mutex_lock(&lock);
+    if (!loaded || strcmp(path, loaded_path) != 0) {
+        dlerror();
+        void *so = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+        if (!so) {
+            const char *e = dlerror();
+            pthread_mutex_unlock(&lock);
+            return epipe_codec_fail(c, EPIPE_ENOTSUP,
+                                    "%s is a CUDA tensor, but the CUDA module %s could not be "
+                                    "loaded (no module): %s",
+                                    what, path, e ? e : "dlopen failed");
+        }
+        epipe_cuda_init_fn init;
+        *(void **)&init = dlsym(so, EPIPE_CUDA_INIT_SYMBOL);
+        const epipe_cuda_module *m = NULL;
+        int rc = init ? init(&core_fns, &m) : EPIPE_ENOTSUP;
+        if (rc || !m || m->abi != EPIPE_CUDA_ABI) {
+            dlclose(so);
+            pthread_mutex_unlock(&lock);
+            return epipe_codec_fail(c, EPIPE_ENOTSUP,
+                                    "%s is a CUDA tensor, but %s is not a CUDA module of this "
+                                    "libepipe build (%s)",
+                                    what, path, init ? "its interface version differs" :
+                                                       "no " EPIPE_CUDA_INIT_SYMBOL);
+        }
+        loaded = m;
+        snprintf(loaded_path, sizeof loaded_path, "%s", path);
+    }
+    const epipe_cuda_module *m = loaded;
+    char why[200];
+    int probed = m->probe(why, sizeof why); /* under the lock: it caches */
+    pthread_mutex_unlock(&lock);
+    if (probed)
+        return epipe_codec_fail(c, EPIPE_ENOTSUP, "%s is a CUDA tensor, but there is %s", what,
+                                why);
+    *out = m;
+    return EPIPE_OK;
+}
+
+const epipe_codec_backend *epipe_codec_cuda_loaded_backend(const epipe_codec_ops *ops)
+{
+    pthread_mutex_lock(&lock);
+    const epipe_cuda_module *m = loaded;
+    pthread_mutex_unlock(&lock);
+    return m ? m->backend((unsigned)ops->id) : NULL;
+}
+
+static const char *device_name(int type)
+{
+    return type == kDLCUDA ? "CUDA" : "CPU";
+}
+
+int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what,
+                             const epipe_codec_backend **be)
+{
+    const epipe_cuda_module *m;
+    int rc = module_get(c, what, &m);
+    if (rc)
+        return rc;
+    if (!(*be = m->backend((unsigned)c->ops->id)))
+        return epipe_codec_fail(c, EPIPE_ENOTSUP,
+                                "%s is a CUDA tensor, and the CUDA backend has no kernels for "
+                                "codec '%s' yet",
+                                what, c->ops->name);
+    if (c->ef)
+        return epipe_codec_fail(c, EPIPE_ENOTSUP,
+                                "%s is a CUDA tensor; error feedback (ef=1) runs on the CPU "
+                                "backend only",
+                                what);
+    if (c->delta)
+        return epipe_codec_fail(c, EPIPE_ENOTSUP,
+                                "%s is a CUDA tensor; activation deltas (delta=1) run on the "
+                                "CPU backend only",
+                                what);
+    return EPIPE_OK;
+}
+
+int epipe_codec_check_binding(epipe_codec *c, const DLTensor *t, const char *what)
+{
+    int type = t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged
+                   ? kDLCUDA
+                   : kDLCPU;
+    int id = type == kDLCUDA ? t->device.device_id : 0;
+    if (!c->bound_type || (c->bound_type == type && c->bound_id == id))
+        return EPIPE_OK;
+    return epipe_codec_fail(c, EPIPE_EINVAL,
+                            "%s: %s is a %s tensor (device %d), but this handle is bound to %s "
+                            "device %d by its first tensor; use one handle per device",
+                            c->ops->name, what, device_name(type), id, device_name(c->bound_type),
+                            c->bound_id);
+}
+
+void epipe_codec_bind(epipe_codec *c, const DLTensor *t)
+{
+    if (c->bound_type)
+        return;
+    int cuda = t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged;
+    c->bound_type = cuda ? kDLCUDA : kDLCPU;
+    c->bound_id = cuda ? t->device.device_id : 0;
+}
+
+int epipe_codec_cuda_encode(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src,
+                            uint64_t n, enum epipe_dtype dt, uint8_t *body)
+{
+    const epipe_cuda_module *m;
+    int dev, rc = module_get(c, "src", &m);
+    if (rc || (rc = m->check(c, src, "src", &dev)))
+        return rc;
+    return m->encode(c, be, src, n, dt, body);
+}
+
+int epipe_codec_cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *body,
+                            uint64_t n, DLTensor *dst, enum epipe_dtype dt)
+{
+    const epipe_cuda_module *m;
+    int dev, rc = module_get(c, "dst", &m);
+    if (rc || (rc = m->check(c, dst, "dst", &dev)))
+        return rc;
+    return m->decode(c, be, body, n, dst, dt);
+}
+
+void epipe_codec_cuda_release(epipe_codec *c)
+{
+    if (!c->cuda)
+        return;
+    pthread_mutex_lock(&lock);
+    const epipe_cuda_module *m = loaded;
+    pthread_mutex_unlock(&lock);
+    if (m) /* c->cuda exists only if a module made it */
+        m->release(c);
+}
+
+static int synchronize(epipe_codec *c)
+{
+    if (!c->cuda)
+        return EPIPE_OK; /* CPU work is done when its call returns */
+    pthread_mutex_lock(&lock);
+    const epipe_cuda_module *m = loaded;
+    pthread_mutex_unlock(&lock);
+    return m ? m->synchronize(c) : EPIPE_OK;
+}
+
+EPIPE_EXPERIMENTAL int epipe_codec_set_stream(epipe_codec *c, void *stream)
+{
+    epipe_clear_error();
+    if (!c)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_set_stream: codec is NULL");
+    int rc = synchronize(c); /* the scratch was ordered on the old stream */
+    c->stream = stream;
+    return rc;
+}
+
+EPIPE_EXPERIMENTAL int epipe_codec_synchronize(epipe_codec *c)
+{
+    epipe_clear_error();
+    if (!c)
+        return epipe_fail(EPIPE_EINVAL, "epipe_codec_synchronize: codec is NULL");
+    return synchronize(c);
+}

@@ -1,0 +1,67 @@
+/* The interface between the codec core and the CUDA module (cuda/), which
+ * libepipe opens with dlopen on the first CUDA tensor: what each gives the other. */
+#ifndef EPIPE_LIB_CODEC_CUDA_API_H
+#define EPIPE_LIB_CODEC_CUDA_API_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../tensor.h"
+#include "codec_impl.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever a field below or struct epipe_codec changes: a module
+ * from another build is refused rather than misread. */
+#define EPIPE_CUDA_ABI 1
+
+/* The name of the function the module exports (default visibility). */
+#define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
+
+/* What the core lends the module: the library's symbols are hidden, so
+ * the few helpers the module needs come as pointers. */
+typedef struct epipe_cuda_core {
+    unsigned abi;       /* EPIPE_CUDA_ABI */
+    size_t codec_size;  /* sizeof(struct epipe_codec) as the core sees it */
+    /* epipe_codec_fail() with a va_list: the message on the handle and the
+     * calling thread; returns status. */
+    int (*vfail)(epipe_codec *c, int status, const char *fmt, va_list ap);
+} epipe_cuda_core;
+
+/* What the module gives the core. Every function runs on the caller's
+ * thread; the handle's stream is c->stream (NULL: the legacy default). */
+typedef struct epipe_cuda_module {
+    unsigned abi;
+    /* EPIPE_OK when a CUDA device is usable; else EPIPE_ENOTSUP with `why`
+     * ("no CUDA driver: <cuda error>", "no CUDA device: ..."). Cached. */
+    int (*probe)(char *why, size_t cap);
+    /* The CUDA backend of codec `id`, or NULL when the module has none. */
+    const epipe_codec_backend *(*backend)(unsigned id);
+    /* Checks a CUDA tensor of the call (dense, aligned, on a device that
+     * exists) before anything is enqueued; the core checked dtype and shape.
+     * *device receives its device index. */
+    int (*check)(epipe_codec *c, const DLTensor *t, const char *what, int *device);
+    /* Stages src (n values of dt, dense, device memory) to dense fp32 on
+     * the device, runs be->encode into the host body `body` and returns
+     * once the work is enqueued. */
+    int (*encode)(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src, uint64_t n,
+                  enum epipe_dtype dt, uint8_t *body);
+    /* The reverse: body is host memory whose length the core checked. */
+    int (*decode)(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *body, uint64_t n,
+                  DLTensor *dst, enum epipe_dtype dt);
+    /* Waits for the handle's stream; the first deferred error since the
+     * last call, or a CUDA error, as a status with the message on c. */
+    int (*synchronize)(epipe_codec *c);
+    /* Frees c->cuda (device scratch, the status word). */
+    void (*release)(epipe_codec *c);
+} epipe_cuda_module;
+
+typedef int (*epipe_cuda_init_fn)(const epipe_cuda_core *core, const epipe_cuda_module **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

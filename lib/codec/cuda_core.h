@@ -1,0 +1,29 @@
+/* The codec core's calls into lib/codec/cuda.c: the CUDA module's backends,
+ * handle binding and the encode and decode of CUDA tensors. */
+#ifndef EPIPE_LIB_CODEC_CUDA_CORE_H
+#define EPIPE_LIB_CODEC_CUDA_CORE_H
+
+#include "../tensor.h"
+#include "codec_impl.h"
+
+/* The backend of the CUDA module for c's codec, loading the module on first
+ * use: EPIPE_ENOTSUP naming what is missing (no module, no driver, no
+ * device, no kernels for the codec, ef=1). */
+int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what,
+                             const epipe_codec_backend **be);
+/* The loaded module's table for ops, or NULL (loads nothing). */
+const epipe_codec_backend *epipe_codec_cuda_loaded_backend(const epipe_codec_ops *ops);
+/* EPIPE_EINVAL naming both devices when t is not on the device the handle
+ * is bound to; epipe_codec_bind() binds an unbound handle to t's device. */
+int epipe_codec_check_binding(epipe_codec *c, const DLTensor *t, const char *what);
+void epipe_codec_bind(epipe_codec *c, const DLTensor *t);
+/* The module's checks of a CUDA tensor, then its encode or decode (body is
+ * host memory after the header). */
+int epipe_codec_cuda_encode(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src,
+                            uint64_t n, enum epipe_dtype dt, uint8_t *body);
+int epipe_codec_cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *body,
+                            uint64_t n, DLTensor *dst, enum epipe_dtype dt);
+/* Frees the module's per-handle state (epipe_codec_destroy). */
+void epipe_codec_cuda_release(epipe_codec *c);
+
+#endif

@@ -1,0 +1,299 @@
+/* The gpu suite: CUDA tensors through the public codec API, checked against
+ * the CPU backend's bytes (none, cast, quant), round trips, deferred errors,
+ * hostile payloads and host/device mix-ups. Exit 77 without a device. */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+#include <epipe/epipe.h>
+
+static int failures;
+#define CHECK(cond, ...)                                                                          \
+    do {                                                                                          \
+        if (!(cond)) {                                                                            \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                       \
+            fprintf(stderr, __VA_ARGS__);                                                         \
+            fprintf(stderr, "\n");                                                                \
+            failures++;                                                                           \
+        }                                                                                         \
+    } while (0)
+#define CUDA_OK(e)                                                                                \
+    do {                                                                                          \
+        cudaError_t err_ = (e);                                                                   \
+        if (err_ != cudaSuccess) {                                                                \
+            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));    \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+
+static DLTensor tensor(int type, void *data, int64_t *shape, int bits, int code)
+{
+    DLTensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.device.device_type = (DLDeviceType)type;
+    t.device.device_id = 0;
+    t.ndim = 1;
+    t.shape = shape;
+    t.dtype.code = (uint8_t)code;
+    t.dtype.bits = (uint8_t)bits;
+    t.dtype.lanes = 1;
+    return t;
+}
+
+static void fill(std::vector<float> &x, unsigned seed)
+{
+    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (size_t i = 0; i < x.size(); i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        double u = (double)(s >> 11) / 9007199254740992.0;
+        x[i] = (float)((u - 0.5) * 8.0 * (1.0 + (double)(i % 7)));
+    }
+}
+
+/* Encodes x on the CPU and on the GPU (pinned payload) and compares the
+ * bytes; decodes each payload on the other side and compares the floats. */
+static void byte_identity(const char *spec, size_t n, size_t offset)
+{
+    std::vector<float> x(n + offset);
+    fill(x, (unsigned)n);
+    int64_t shape[1] = {(int64_t)n};
+    epipe_codec *cpu, *gpu;
+    CHECK(epipe_codec_create(&cpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    DLTensor hs = tensor(kDLCPU, x.data() + offset, shape, 32, kDLFloat);
+    size_t cap = 0;
+    CHECK(epipe_codec_max_encoded_size(cpu, &hs, &cap) == EPIPE_OK, "size");
+    std::vector<uint8_t> pc(cap);
+    uint8_t *pg;
+    CUDA_OK(cudaHostAlloc((void **)&pg, cap ? cap : 1, cudaHostAllocDefault));
+    size_t wc = 0, wg = 0;
+    CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "%s",
+          epipe_codec_last_error(cpu));
+    float *dx, *dy;
+    CUDA_OK(cudaMalloc((void **)&dx, (n + offset) * 4 + 4));
+    CUDA_OK(cudaMalloc((void **)&dy, (n + offset) * 4 + 4));
+    CUDA_OK(cudaMemcpy(dx, x.data(), (n + offset) * 4, cudaMemcpyHostToDevice));
+    DLTensor ds = tensor(kDLCUDA, dx + offset, shape, 32, kDLFloat);
+    int rc = epipe_codec_encode(gpu, &ds, pg, cap, &wg);
+    CHECK(rc == EPIPE_OK, "%s: gpu encode: %s", spec, epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    CHECK(wc == wg, "%s: sizes %zu vs %zu", spec, wc, wg);
+    size_t diff = wc;
+    for (size_t i = 0; i < wc && i < wg; i++)
+        if (pc[i] != pg[i]) {
+            diff = i;
+            break;
+        }
+    CHECK(diff == wc, "%s n=%zu offset=%zu: payloads differ first at byte %zu", spec, n, offset,
+          diff);
+    /* the GPU decodes the CPU's payload as the CPU does */
+    std::vector<float> yc(n + 1), yg(n + 1);
+    DLTensor hd = tensor(kDLCPU, yc.data(), shape, 32, kDLFloat);
+    DLTensor dd = tensor(kDLCUDA, dy + offset, shape, 32, kDLFloat);
+    CHECK(epipe_codec_decode(cpu, pc.data(), wc, &hd) == EPIPE_OK, "cpu decode");
+    CHECK(epipe_codec_decode(gpu, pc.data(), wc, &dd) == EPIPE_OK, "%s: gpu decode: %s", spec,
+          epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    CUDA_OK(cudaMemcpy(yg.data(), dy + offset, n * 4, cudaMemcpyDeviceToHost));
+    CHECK(n == 0 || memcmp(yc.data(), yg.data(), n * 4) == 0, "%s: decoded floats differ", spec);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+    cudaFree(dx);
+    cudaFree(dy);
+    cudaFreeHost(pg);
+}
+
+/* fp16 and bf16 device tensors: staged on the device as the CPU stages. */
+static void half_tensors(const char *spec, int bf16)
+{
+    size_t n = 10007;
+    std::vector<float> x(n);
+    fill(x, 7);
+    std::vector<uint16_t> h(n);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        h[i] = (uint16_t)(u >> 16); /* a bf16 (or some fp16) bit pattern */
+        if (!bf16 && (h[i] & 0x7c00u) == 0x7c00u)
+            h[i] &= 0xbfffu;
+    }
+    int64_t shape[1] = {(int64_t)n};
+    int code = bf16 ? kDLBfloat : kDLFloat;
+    epipe_codec *cpu, *gpu;
+    epipe_codec_create(&cpu, spec);
+    epipe_codec_create(&gpu, spec);
+    uint16_t *d;
+    CUDA_OK(cudaMalloc((void **)&d, n * 2));
+    CUDA_OK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+    DLTensor hs = tensor(kDLCPU, h.data(), shape, 16, code), ds = tensor(kDLCUDA, d, shape, 16, code);
+    size_t cap = 0, wc, wg;
+    epipe_codec_max_encoded_size(cpu, &hs, &cap);
+    std::vector<uint8_t> pc(cap), pg(cap);
+    CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "cpu");
+    CHECK(epipe_codec_encode(gpu, &ds, pg.data(), cap, &wg) == EPIPE_OK, "%s",
+          epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "sync");
+    CHECK(memcmp(pc.data(), pg.data(), cap) == 0, "%s %s: payloads differ", spec,
+          bf16 ? "bf16" : "fp16");
+    std::vector<uint16_t> yc(n), yg(n);
+    DLTensor hd = tensor(kDLCPU, yc.data(), shape, 16, code), dd = tensor(kDLCUDA, d, shape, 16, code);
+    CHECK(epipe_codec_decode(cpu, pc.data(), wc, &hd) == EPIPE_OK, "cpu decode");
+    CHECK(epipe_codec_decode(gpu, pc.data(), wc, &dd) == EPIPE_OK, "gpu decode");
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "sync");
+    CUDA_OK(cudaMemcpy(yg.data(), d, n * 2, cudaMemcpyDeviceToHost));
+    CHECK(memcmp(yc.data(), yg.data(), n * 2) == 0, "%s: decoded halves differ", spec);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+    cudaFree(d);
+}
+
+/* A NaN surfaces at synchronize with the CPU's message. */
+static void deferred_nonfinite(const char *spec)
+{
+    size_t n = 5000;
+    std::vector<float> x(n, 1.0f);
+    x[3001] = NAN;
+    x[4000] = INFINITY;
+    int64_t shape[1] = {(int64_t)n};
+    epipe_codec *g;
+    epipe_codec_create(&g, spec);
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&d, n * 4));
+    CUDA_OK(cudaMemcpy(d, x.data(), n * 4, cudaMemcpyHostToDevice));
+    DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+    std::vector<uint8_t> p(n * 4 + 64);
+    size_t w;
+    CHECK(epipe_codec_encode(g, &ds, p.data(), p.size(), &w) == EPIPE_OK, "enqueue");
+    CHECK(epipe_codec_synchronize(g) == EPIPE_EINVAL, "%s: deferred NaN not reported", spec);
+    CHECK(strstr(epipe_codec_last_error(g), "index 3001 is NaN") != NULL, "%s: message '%s'", spec,
+          epipe_codec_last_error(g));
+    CHECK(epipe_codec_synchronize(g) == EPIPE_OK, "status not cleared");
+    epipe_codec_destroy(g);
+    cudaFree(d);
+}
+
+/* A corrupt table is refused before any kernel runs (the body is host
+ * memory), with the CPU's status. */
+static void hostile_table(void)
+{
+    size_t n = 1000;
+    std::vector<float> x(n);
+    fill(x, 3);
+    int64_t shape[1] = {(int64_t)n};
+    epipe_codec *g;
+    epipe_codec_create(&g, "quant:bits=8");
+    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
+    std::vector<uint8_t> p(n + 64);
+    size_t w;
+    epipe_codec *cpu;
+    epipe_codec_create(&cpu, "quant:bits=8");
+    epipe_codec_encode(cpu, &hs, p.data(), p.size(), &w);
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&d, n * 4));
+    DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+    /* min NaN, step NaN, step negative, min + 255 * step past the range */
+    const float bad[4][2] = {{NAN, 0.1f}, {0.0f, NAN}, {0.0f, -1.0f}, {3e38f, 3e36f}};
+    for (int b = 0; b < 4; b++) {
+        std::vector<uint8_t> q(p.begin(), p.begin() + w);
+        memcpy(&q[16], &bad[b][0], 4);
+        memcpy(&q[20], &bad[b][1], 4);
+        int rc = epipe_codec_decode(g, q.data(), w, &dd);
+        CHECK(rc == EPIPE_EPROTO, "bad table %d: rc %d", b, rc);
+    }
+    CHECK(epipe_codec_decode(g, p.data(), w, &dd) == EPIPE_OK, "clean payload");
+    /* padding: 999 codes of 4 bits leave 4 bits to corrupt */
+    epipe_codec *g4, *c4;
+    epipe_codec_create(&g4, "quant:bits=4");
+    epipe_codec_create(&c4, "quant:bits=4");
+    int64_t s999[1] = {999};
+    DLTensor h999 = tensor(kDLCPU, x.data(), s999, 32, kDLFloat), d999 = tensor(kDLCUDA, d, s999, 32, kDLFloat);
+    CHECK(epipe_codec_encode(c4, &h999, p.data(), p.size(), &w) == EPIPE_OK, "cpu 4-bit");
+    p[w - 1] |= 0x80;
+    CHECK(epipe_codec_decode(g4, p.data(), w, &d999) == EPIPE_EPROTO, "dirty padding");
+    CHECK(strstr(epipe_codec_last_error(g4), "padding bits") != NULL, "%s", epipe_codec_last_error(g4));
+    epipe_codec_destroy(g4);
+    epipe_codec_destroy(c4);
+    CHECK(epipe_codec_synchronize(g) == EPIPE_OK, "sync");
+    epipe_codec_destroy(g);
+    epipe_codec_destroy(cpu);
+    cudaFree(d);
+}
+
+/* Host memory labelled kDLCUDA, and a CPU tensor to a CUDA-bound handle. */
+static void mixups(void)
+{
+    int64_t shape[1] = {16};
+    static float host[16];
+    epipe_codec *g;
+    epipe_codec_create(&g, "none");
+    DLTensor lie = tensor(kDLCUDA, host, shape, 32, kDLFloat);
+    uint8_t p[256];
+    size_t w;
+    CHECK(epipe_codec_encode(g, &lie, p, sizeof p, &w) == EPIPE_EINVAL, "host memory as kDLCUDA");
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&d, 64));
+    DLTensor dev = tensor(kDLCUDA, d, shape, 32, kDLFloat), cpu = tensor(kDLCPU, host, shape, 32, kDLFloat);
+    CHECK(epipe_codec_encode(g, &dev, p, sizeof p, &w) == EPIPE_OK, "%s", epipe_codec_last_error(g));
+    CHECK(epipe_codec_encode(g, &cpu, p, sizeof p, &w) == EPIPE_EINVAL, "cpu tensor, cuda handle");
+    CHECK(strstr(epipe_codec_last_error(g), "bound to CUDA") != NULL, "%s", epipe_codec_last_error(g));
+    DLTensor misaligned = tensor(kDLCUDA, (char *)d + 2, shape, 32, kDLFloat);
+    misaligned.shape[0] = 8;
+    CHECK(epipe_codec_encode(g, &misaligned, p, sizeof p, &w) == EPIPE_EINVAL, "misaligned");
+    epipe_codec_synchronize(g);
+    epipe_codec_destroy(g);
+    cudaFree(d);
+}
+
+int main(void)
+{
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0) {
+        printf("SKIP: no CUDA device: %s\n",
+               e != cudaSuccess ? cudaGetErrorString(e) : "the driver reports 0 devices");
+        return 77;
+    }
+    const char *specs[] = {"none", "cast:dtype=fp16", "cast:dtype=bf16", "quant:bits=8",
+                           "quant:bits=4", "quant:bits=13", "quant:bits=1",
+                           "sortquant:bits=8,mode=sample", "sortquant:bits=4,split=1,mode=sample",
+                           "sortquant:bits=12,split=8,mode=sample,sample=1024",
+                           "sortquant:bits=16,split=12,mode=sample"};
+    const size_t sizes[] = {0, 1, 7, 8, 9, 1000, 4097, 1 << 20, 3000017};
+    for (const char *s : specs)
+        for (size_t n : sizes)
+            for (size_t off : {0, 1})
+                byte_identity(s, n, off);
+    for (const char *s : specs) {
+        half_tensors(s, 0);
+        half_tensors(s, 1);
+    }
+    deferred_nonfinite("quant:bits=8");
+    deferred_nonfinite("sortquant:bits=8,mode=sample");
+    {
+        /* modes without kernels are refused by name, synchronously */
+        epipe_codec *g;
+        epipe_codec_create(&g, "sortquant:bits=8,mode=exact");
+        float *d;
+        CUDA_OK(cudaMalloc((void **)&d, 64));
+        int64_t shape[1] = {16};
+        DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+        uint8_t p[256];
+        size_t w;
+        CHECK(epipe_codec_encode(g, &ds, p, sizeof p, &w) == EPIPE_ENOTSUP, "exact mode");
+        CHECK(strstr(epipe_codec_last_error(g), "mode=exact") != NULL, "%s", epipe_codec_last_error(g));
+        epipe_codec_destroy(g);
+        cudaFree(d);
+    }
+    hostile_table();
+    mixups();
+    if (failures) {
+        fprintf(stderr, "%d failures\n", failures);
+        return 1;
+    }
+    printf("ok\n");
+    return 0;
+}
