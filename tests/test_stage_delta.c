@@ -28,6 +28,7 @@ struct run {
     int delta;         /* spec has delta=1: the host passes ids on stage 0 */
     unsigned ranks, P; /* P pipeline stages on `ranks` ranks */
     const unsigned *placement; /* NULL: one stage per rank */
+    int boundary;              /* the coded boundary, or -1: all of them */
     /* ids[step][mb][row]: the samples of each micro-batch, known to all */
     uint64_t ids[STEPS + 1][M][R];
     /* Boundary b (stage b to b+1), per step and micro-batch: the activation
@@ -108,7 +109,9 @@ static void *rank_main(void *p)
     lay.placement = r->placement;
     lay.placement_len = r->placement ? r->P : 0;
     CHECK(epipe_stage_create_layout(&st, r->comm[a->rank], "gpipe", M, &lay));
-    CHECK(epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, r->spec));
+    CHECK(epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION,
+                                r->boundary < 0 ? EPIPE_ALL_BOUNDARIES : (unsigned)r->boundary,
+                                r->spec));
     CHECK(epipe_stage_set_param(st, EPIPE_STAGE_TIMEOUT_MS, 20000));
     for (unsigned g = 0; g < r->P; g++) {
         int in = g == 0 ? IN : W, out = g + 1 == r->P ? OUT : W;
@@ -116,7 +119,7 @@ static void *rank_main(void *p)
             snprintf(r->err[a->rank], sizeof r->err[0], "mlp_layer_init failed");
             goto out;
         }
-        if (g + 1 < r->P) {
+        if (g + 1 < r->P && (r->boundary < 0 || (unsigned)r->boundary == g)) {
             CHECK(epipe_codec_create(&senc[g], r->spec));
             CHECK(epipe_codec_create(&sdec[g], r->spec));
         }
@@ -162,10 +165,14 @@ static void *rank_main(void *p)
                 o.data = r->shadow[g][s][mb];
                 size_t len;
                 memcpy(r->truth[g][s][mb], yout[g][mb], sizeof(float) * R * W);
-                if (r->delta)
-                    CHECK(epipe_codec_set_samples(senc[g], eval ? NULL : ids, R));
-                CHECK(epipe_codec_encode(senc[g], &t, payload, sizeof payload, &len));
-                CHECK(epipe_codec_decode(sdec[g], payload, len, &o));
+                if (!senc[g]) { /* an uncoded boundary copies */
+                    memcpy(o.data, yout[g][mb], sizeof(float) * R * W);
+                } else {
+                    if (r->delta)
+                        CHECK(epipe_codec_set_samples(senc[g], eval ? NULL : ids, R));
+                    CHECK(epipe_codec_encode(senc[g], &t, payload, sizeof payload, &len));
+                    CHECK(epipe_codec_decode(sdec[g], payload, len, &o));
+                }
                 CHECK(epipe_stage_send_activation(st, mb, &t));
             } else {
                 const float *gy = dy;
@@ -273,6 +280,7 @@ static void check_pipeline(unsigned ranks, unsigned P, const unsigned *placement
     with.ranks = without.ranks = ranks;
     with.P = without.P = P;
     with.placement = without.placement = placement;
+    with.boundary = without.boundary = -1;
     run_pipeline(&with);
     run_pipeline(&without);
     for (unsigned b = 0; b + 1 < P; b++) {
@@ -319,6 +327,26 @@ static void local_boundaries_pass_the_ids_on(void **state)
     (void)state;
     static const unsigned placement[4] = {0, 0, 1, 1};
     check_pipeline(2, 4, placement);
+}
+
+/* Only the boundary between the ranks has delta=1; the ids cross the
+ * uncoded boundary between chunks 0 and 1 of rank 0 with the tensor. */
+static void local_copies_pass_the_ids_on(void **state)
+{
+    (void)state;
+    static const unsigned placement[4] = {0, 0, 1, 1};
+    static struct run r;
+    memset(&r, 0, sizeof r);
+    r.spec = "quant:bits=2,delta=1", r.delta = 1, r.ranks = 2, r.P = 4;
+    r.placement = placement, r.boundary = 1;
+    run_pipeline(&r);
+    for (unsigned b = 0; b < 3; b++)
+        for (int s = 0; s <= STEPS; s++)
+            for (int m = 0; m < M; m++)
+                if (memcmp(r.recv[b][s][m], r.shadow[b][s][m], sizeof(float) * R * W))
+                    fail_msg("boundary %u, step %d, micro-batch %d differs", b, s, m);
+    assert_int_equal(r.dec_info[1].full_rows, N); /* rank 1's chunk 0 is stage 2 */
+    assert_int_equal(r.dec_info[1].delta_rows, N * (EPOCHS - 1));
 }
 
 static void expect_error(const char *msg, int rc, int want, const char *needle)
@@ -390,6 +418,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(three_ranks_train_with_deltas),
         cmocka_unit_test(local_boundaries_pass_the_ids_on),
+        cmocka_unit_test(local_copies_pass_the_ids_on),
         cmocka_unit_test(bad_use_is_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -94,14 +94,15 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *stage, epipe_direction dir, uns
  * sends micro-batch `microbatch`'s activation, epipe_stage_set_samples()
  * with the rows' ids (distinct, typically the data set indices). The ids
  * are copied at the call; they go with the next send of that micro-batch's
- * activation and are then forgotten, so set them every step (before the
- * step or in the forward, before the send). n must equal the activation's
- * dimension 0: the send refuses another count with EPIPE_EINVAL naming
- * both. NULL ids (n still the rows) send the rows untracked (in full, kept
+ * activation and are then forgotten (even by a send that fails), so set
+ * them every step (before the step or in the forward, before the send).
+ * n must equal the activation's dimension 0: the send refuses another
+ * count with EPIPE_EINVAL naming both. NULL ids (n still the rows) send the rows untracked (in full, kept
  * by neither side). Later stages need nothing: the ids come with each
  * decoded activation and go on with the activation the stage sends for the
  * same micro-batch (also across boundaries between chunks of one rank).
- * delta=1 on a boundary therefore needs it on every boundary before it. A
+ * delta=1 on a boundary therefore needs it on every boundary between ranks
+ * before it (a boundary within a rank passes them on in any case). A
  * training send on a delta=1 boundary without ids fails with EPIPE_EINVAL
  * saying what to call; steps with EPIPE_STAGE_TRAINING = 0 send every row
  * untracked, ids or not. Without delta=1 the ids are checked and ignored.

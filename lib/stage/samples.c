@@ -70,7 +70,7 @@ int epipe_stage_samples_before_encode(epipe_stage *st, struct chunk *c, epipe_co
         return fail(st, EPIPE_EINVAL,
                     "the activation codec '%s' of boundary %u has delta=1, but the activation "
                     "of micro-batch %u received from boundary %u carried no sample ids: set "
-                    "delta=1 on every boundary before it",
+                    "delta=1 on every boundary between ranks before it",
                     epipe_codec_spec(enc), c->g, mb, c->g - 1);
     else
         rc = epipe_codec_set_samples(enc, s->ids, rows);
