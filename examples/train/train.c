@@ -225,6 +225,20 @@ static void shuffle(uint32_t *order, uint32_t n, uint64_t seed)
     }
 }
 
+/* Activation deltas (delta=1): the first stage names each micro-batch's
+ * rows by their data set indices. */
+static int pass_sample_ids(struct rank *r, const uint32_t *order, long start)
+{
+    uint64_t ids[1024]; /* rows: at most 1024 (options.c) */
+    int rc = EPIPE_OK;
+    for (unsigned mb = 0; !rc && mb < r->o->microbatches; mb++) {
+        for (int k = 0; k < r->rows; k++)
+            ids[k] = order[start + (long)mb * r->rows + k];
+        rc = epipe_stage_set_samples(r->stage, mb, ids, (size_t)r->rows);
+    }
+    return rc;
+}
+
 static void progress(const struct rank *r, int epoch, long done, long total, double t0, double loss,
                      int final)
 {
@@ -307,6 +321,12 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
                                                                          : (long)d->ntrain;
     long steps = ntrain / o->batch;
     int last = r.has_last && !o->quiet;
+    double deltas = 0; /* the activation codec has delta=1 */
+    epipe_codec *probe = NULL;
+    if (r.has_first && (epipe_codec_create(&probe, o->act_codec) ||
+                        epipe_codec_spec_param(probe, "delta", &deltas)))
+        deltas = 0; /* a bad spec: set_codec said so */
+    epipe_codec_destroy(probe);
     double t_start = now();
     for (int e = 0; !rc && e < o->epochs; e++) {
         shuffle(order, d->ntrain, o->seed + (uint64_t)e);
@@ -314,6 +334,8 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
         for (long b = 0; !rc && b < steps; b++) {
             load_batch(&r, d->train_x, d->train_y, order, b * o->batch);
             r.loss = 0;
+            if (deltas == 1 && (rc = pass_sample_ids(&r, order, b * o->batch)))
+                break;
             if ((rc = epipe_stage_step(r.stage)))
                 break;
             for (unsigned k = 0; k < r.nch; k++)

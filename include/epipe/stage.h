@@ -79,9 +79,38 @@ typedef enum epipe_direction {
  * the first step. Boundaries that do not touch this stage are checked and
  * ignored, so every rank may run the same configuration code. The spec key
  * ef=1 (error feedback) is for the gradient direction only: EPIPE_EINVAL
- * on the activation direction; the decoding side ignores it. */
+ * on the activation direction; the decoding side ignores it. The spec key
+ * delta=1 (activation deltas, see epipe_stage_set_samples()) is for the
+ * activation direction only: EPIPE_EINVAL on the gradient direction. */
 EPIPE_API int epipe_stage_set_codec(epipe_stage *stage, epipe_direction dir, unsigned boundary,
                                     const char *spec);
+
+/* ---- Activation deltas (experimental) -----------------------------------
+ *
+ * With an activation codec spec that has delta=1 (epipe/codec.h, "Activation
+ * deltas"), each row of dimension 0 of an activation is one sample, and the
+ * boundary sends the change of each sample's row since it last crossed.
+ * The host names the samples on the first pipeline stage only: before it
+ * sends micro-batch `microbatch`'s activation, epipe_stage_set_samples()
+ * with the rows' ids (distinct, typically the data set indices). The ids
+ * are copied at the call; they go with the next send of that micro-batch's
+ * activation and are then forgotten (even by a send that fails), so set
+ * them every step (before the step or in the forward, before the send).
+ * n must equal the activation's dimension 0: the send refuses another
+ * count with EPIPE_EINVAL naming both. NULL ids (n still the rows) send the rows untracked (in full, kept
+ * by neither side). Later stages need nothing: the ids come with each
+ * decoded activation and go on with the activation the stage sends for the
+ * same micro-batch (also across boundaries between chunks of one rank).
+ * delta=1 on a boundary therefore needs it on every boundary between ranks
+ * before it (a boundary within a rank passes them on in any case). A
+ * training send on a delta=1 boundary without ids fails with EPIPE_EINVAL
+ * saying what to call; steps with EPIPE_STAGE_TRAINING = 0 send every row
+ * untracked, ids or not. Without delta=1 the ids are checked and ignored.
+ * EPIPE_EINVAL for a NULL stage, a micro-batch out of range, or a rank that
+ * does not hold the first pipeline stage; EPIPE_ENOMEM. Never blocks; same
+ * thread rules as every call on the stage. */
+EPIPE_EXPERIMENTAL int epipe_stage_set_samples(epipe_stage *stage, unsigned microbatch,
+                                               const uint64_t *ids, size_t n);
 
 /* Knobs, set with epipe_stage_set_param(). */
 typedef enum epipe_stage_param {

@@ -58,13 +58,19 @@ int epipe_stage_hand_over(epipe_stage *st, struct chunk *c, unsigned mb, int dir
     int rc = epipe_stage_lend_shape(st, slot, t->ndim, t->shape, t->dtype);
     if (rc)
         return rc;
+    /* sample ids (delta=1) go through delta codecs, else along with the tensor */
+    int delta = dir == DIR_ACT && codec && c->delta_enc;
+    if (dir == DIR_ACT && (rc = delta ? epipe_stage_samples_before_encode(st, c, enc, mb, t)
+                                      : epipe_stage_samples_move(st, c, to, mb)))
+        return rc;
     if (!codec && epipe_tensor_is_dense(t)) {
         size_t bytes = (size_t)(t->dtype.bits / 8);
         for (int d = 0; d < t->ndim; d++)
             bytes *= (size_t)t->shape[d];
         if (bytes)
             memcpy(slot->buf, (const char *)t->data + t->byte_offset, bytes);
-    } else if ((rc = through_codecs(st, enc, dec, mb, t, slot, what))) {
+    } else if ((rc = through_codecs(st, enc, dec, mb, t, slot, what)) ||
+               (delta && (rc = epipe_stage_samples_after_decode(st, to, dec, mb)))) {
         slot->t.data = NULL;
         return rc;
     }

@@ -301,6 +301,10 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
                     dir == DIR_ACT ? "activation" : "gradient", mb, peer,
                     epipe_codec_last_error(codec));
     }
+    if (dir == DIR_ACT && (rc = epipe_stage_samples_after_decode(st, c, codec, mb))) {
+        lt->t.data = NULL;
+        return rc;
+    }
     uint64_t raw = n * esz;
     if (code_grad) { /* raw: the gradient of the activation sent, as the host sees it */
         raw = sent->dtype.bits / 8u;
@@ -435,6 +439,8 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
     unsigned peer = dir == DIR_ACT ? c->down_rank : c->up_rank;
     size_t cap, len;
+    if (dir == DIR_ACT && (rc = epipe_stage_samples_before_encode(st, c, codec, mb, t)))
+        return rc;
     /* t was checked above: the codec checks it no more (codec_internal.h). */
     if ((rc = epipe_codec_size_checked(codec, t, n, &cap)))
         return fail(st, rc, "%s", epipe_codec_last_error(codec));

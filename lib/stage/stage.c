@@ -90,7 +90,8 @@ static int setup_chunks(epipe_stage *st)
         c->act_in = calloc(st->m, sizeof *c->act_in);
         c->act_out = calloc(st->m, sizeof *c->act_out);
         c->act_ready = calloc(st->m, 1);
-        if (!c->act_in || !c->act_out || !c->act_ready)
+        c->samples = calloc(st->m, sizeof *c->samples);
+        if (!c->act_in || !c->act_out || !c->act_ready || !c->samples)
             return epipe_fail(EPIPE_ENOMEM, "out of memory");
         if (c->down_local) {
             c->grad_loc = calloc(st->m, sizeof *c->grad_loc);
@@ -248,6 +249,9 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
         free_lent(c->grad_loc, st->m);
         free(c->act_out);
         free(c->act_ready);
+        for (unsigned k = 0; c->samples && k < st->m; k++)
+            free(c->samples[k].ids);
+        free(c->samples);
         free(c->grad_ready);
         free(c->code_in.buf);
         free(c->code_out.buf);
@@ -290,15 +294,22 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
     if (rc)
         return fail(st, rc, "%s", epipe_last_error());
     int trainable = epipe_codec_trainable(probe);
-    double ef = 0;
+    double ef = 0, delta = 0;
     if (epipe_codec_spec_param(probe, "ef", &ef) != EPIPE_OK)
         ef = 0; /* a codec without the key */
+    if (epipe_codec_spec_param(probe, "delta", &delta) != EPIPE_OK)
+        delta = 0;
     epipe_codec_destroy(probe);
     epipe_clear_error();
     if (ef == 1 && dir == EPIPE_DIR_ACTIVATION)
         return fail(st, EPIPE_EINVAL,
                     "'%s': ef=1 (error feedback) is for gradients, whose sum over steps is "
                     "what training uses; one step's activations do not continue the last's",
+                    spec);
+    if (delta == 1 && dir == EPIPE_DIR_GRADIENT)
+        return fail(st, EPIPE_EINVAL,
+                    "'%s': delta=1 (activation deltas) is for activations, whose rows are "
+                    "samples that cross again each epoch; for gradients use ef=1",
                     spec);
     if (trainable && dir == EPIPE_DIR_GRADIENT)
         return fail(st, EPIPE_ENOTSUP,
@@ -332,6 +343,10 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
             return rc;
         if (down && c->down_local)
             c->local_codec[dir] = 1;
+        if (down && dir == EPIPE_DIR_ACTIVATION)
+            c->delta_enc = delta == 1;
+        if (up && dir == EPIPE_DIR_ACTIVATION)
+            c->delta_dec = delta == 1;
     }
     return EPIPE_OK;
 }

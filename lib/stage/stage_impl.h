@@ -31,6 +31,14 @@ struct tensor_meta {
     int64_t shape[EPIPE_MAX_NDIM];
 };
 
+/* The sample ids of one micro-batch's activation (delta=1, samples.c). */
+struct sample_ids {
+    int set;       /* given for the next send of the micro-batch */
+    int untracked; /* NULL ids: the rows are sent in full, kept by neither side */
+    size_t n, cap;
+    uint64_t *ids;
+};
+
 enum { DIR_ACT = EPIPE_DIR_ACTIVATION, DIR_GRAD = EPIPE_DIR_GRADIENT };
 
 /* One of the rank's chunks: one pipeline stage of the model. */
@@ -49,6 +57,9 @@ struct chunk {
     /* A local boundary down (to g+1) runs its codecs only when the host set
      * them ([dir]); otherwise tensors are copied. */
     int local_codec[2];
+    /* enc_act / dec_act have delta=1 (activation deltas). */
+    int delta_enc, delta_dec;
+    struct sample_ids *samples; /* [m]: the ids that go with the activation sent down */
 
     struct lent_tensor *act_in;   /* [m]: kept until the micro-batch's backward ends */
     struct tensor_meta *act_out;  /* [m]: the activation sent down, this step */
@@ -186,6 +197,17 @@ int epipe_stage_hand_over(epipe_stage *st, struct chunk *c, unsigned mb, int dir
 /* The tensor a local neighbour handed over to chunk c for the current op. */
 int epipe_stage_take_local(epipe_stage *st, struct chunk *c, unsigned mb, int dir,
                            const DLTensor **t);
+
+/* Sample ids (samples.c). Before encoding the activation of mb on chunk c:
+ * checks and consumes its ids, and hands them (or NULL ids, when not
+ * training) to enc if it has delta=1. After decoding one into chunk c:
+ * keeps the ids the payload carried for c's own send. A local hand-over
+ * without delta codecs moves them from chunk to chunk. */
+int epipe_stage_samples_before_encode(epipe_stage *st, struct chunk *c, epipe_codec *enc,
+                                      unsigned mb, const DLTensor *t);
+int epipe_stage_samples_after_decode(epipe_stage *st, struct chunk *c, epipe_codec *dec,
+                                     unsigned mb);
+int epipe_stage_samples_move(epipe_stage *st, struct chunk *from, struct chunk *to, unsigned mb);
 
 /* The kind name a schedule tag names (stage.c). */
 const char *epipe_stage_tag_kind(uint32_t tag);
