@@ -66,8 +66,12 @@ static int train_rank(epipe_comm *c, unsigned rank, unsigned size, void *p)
     host_run(c, &a->cfg, &res); /* destroys c */
     int ok = 1;
     if (a->victim >= 0) {
-        /* Every surviving stage stops with the dead peer's status. */
-        ok = res.rc == EPIPE_EPEER || res.rc == EPIPE_ETIMEDOUT;
+        /* Every surviving stage stops with the dead peer's status, and
+         * its error names the rank that died, not only a neighbour that
+         * relayed the failure or aborted because of it. */
+        char victim[32];
+        snprintf(victim, sizeof victim, "rank %d", a->victim);
+        ok = (res.rc == EPIPE_EPEER || res.rc == EPIPE_ETIMEDOUT) && strstr(res.error, victim);
         printf("rank %u: training %s: %s\n", rank, epipe_status_name(res.rc), res.error);
     } else if (res.rc != EPIPE_OK) {
         fprintf(stderr, "FAIL: stage %u: %s: %s\n", rank, epipe_status_name(res.rc), res.error);
@@ -140,8 +144,8 @@ static int test_train_codec(void)
 }
 
 /* kill -9 of a stage mid-step (the middle of 3, the last of 4): every
- * other stage stops with EPIPE_EPEER or EPIPE_ETIMEDOUT, well within the
- * harness's limit. */
+ * other stage stops with EPIPE_EPEER or EPIPE_ETIMEDOUT naming the dead
+ * rank, well within the harness's limit. */
 static int test_train_dead_peer(void)
 {
     static const unsigned sizes[] = {3, 4}, victims[] = {1, 3};
