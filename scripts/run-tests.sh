@@ -1,7 +1,7 @@
 #!/bin/sh
 # Sets up, builds and runs the whole test suite: the .clang-format check, a
 # -Werror build, a build without the BLAS codecs that is also a static+shared
-# build, the unit and fuzz suites under ASan+UBSan, the unit tests under
+# build, the unit, fuzz and transport conformance suites under ASan+UBSan, the unit tests under
 # valgrind, and the libFuzzer targets for a few seconds each when clang is
 # present. Safe to run twice.
 set -eu
@@ -34,7 +34,8 @@ echo "== AddressSanitizer + UndefinedBehaviorSanitizer"
 configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Doptimization=1
 ninja -C build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-    meson test -C build-asan --print-errorlogs --num-processes 2 --suite unit --suite fuzz
+    meson test -C build-asan --print-errorlogs --num-processes 2 --suite unit --suite fuzz \
+    --suite conformance
 
 echo "== valgrind (memcheck)"
 meson test -C build-test --print-errorlogs --num-processes 2 --suite unit --suite fuzz \
