@@ -26,32 +26,32 @@ extern struct conf_transport conf_tp;
 
 /* Fails the calling rank (returns CONF_FAIL from the enclosing function)
  * with the condition, the place and the communicator's last error. */
-#define CHECK(cond)                                                                            \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);                    \
-            return CONF_FAIL;                                                                  \
-        }                                                                                      \
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);                        \
+            return CONF_FAIL;                                                                      \
+        }                                                                                          \
     } while (0)
 /* rc == want, else fails naming both statuses and c's last error. */
-#define CHECK_RC(c, rc, want)                                                                  \
-    do {                                                                                       \
-        int rc_ = (rc), want_ = (want);                                                        \
-        if (rc_ != want_) {                                                                    \
-            fprintf(stderr, "FAIL %s:%d: %s is %s, want %s (%s)\n", __FILE__, __LINE__, #rc,   \
-                    epipe_status_name(rc_), epipe_status_name(want_),                          \
-                    (c) ? epipe_comm_last_error(c) : epipe_last_error());                      \
-            return CONF_FAIL;                                                                  \
-        }                                                                                      \
+#define CHECK_RC(c, rc, want)                                                                      \
+    do {                                                                                           \
+        int rc_ = (rc), want_ = (want);                                                            \
+        if (rc_ != want_) {                                                                        \
+            fprintf(stderr, "FAIL %s:%d: %s is %s, want %s (%s)\n", __FILE__, __LINE__, #rc,       \
+                    epipe_status_name(rc_), epipe_status_name(want_),                              \
+                    (c) ? epipe_comm_last_error(c) : epipe_last_error());                          \
+            return CONF_FAIL;                                                                      \
+        }                                                                                          \
     } while (0)
 /* The communicator's last error contains s. */
-#define CHECK_MSG(c, s)                                                                        \
-    do {                                                                                       \
-        if (!strstr(epipe_comm_last_error(c), (s))) {                                          \
-            fprintf(stderr, "FAIL %s:%d: error '%s' does not say '%s'\n", __FILE__, __LINE__,  \
-                    epipe_comm_last_error(c), (s));                                            \
-            return CONF_FAIL;                                                                  \
-        }                                                                                      \
+#define CHECK_MSG(c, s)                                                                            \
+    do {                                                                                           \
+        if (!strstr(epipe_comm_last_error(c), (s))) {                                              \
+            fprintf(stderr, "FAIL %s:%d: error '%s' does not say '%s'\n", __FILE__, __LINE__,      \
+                    epipe_comm_last_error(c), (s));                                                \
+            return CONF_FAIL;                                                                      \
+        }                                                                                          \
     } while (0)
 
 /* One rank's part of a test. It owns c and destroys it (or leaves it to
@@ -71,14 +71,14 @@ int conf_run(unsigned size, const char *options, conf_rank_fn fn, void *arg, uns
 /* ---- messages ----------------------------------------------------------- */
 
 /* An activation or gradient of n floats made from seed, codec none. */
-epipe_msg *conf_msg(unsigned kind, unsigned src, unsigned dst, uint64_t step, uint32_t mb,
-                    size_t n, uint64_t seed);
+epipe_msg *conf_msg(unsigned kind, unsigned src, unsigned dst, uint64_t step, uint32_t mb, size_t n,
+                    uint64_t seed);
 /* 1 when m is the message conf_msg made with n and seed. */
 int conf_msg_is(const epipe_msg *m, size_t n, uint64_t seed);
 /* Receives (kind, step, mb) from peer within timeout_ms and checks it is
  * conf_msg's (n, seed): CONF_PASS or CONF_FAIL, saying which. */
-int conf_expect(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step, uint32_t mb,
-                size_t n, uint64_t seed, int64_t timeout_ms);
+int conf_expect(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step, uint32_t mb, size_t n,
+                uint64_t seed, int64_t timeout_ms);
 
 double conf_now(void);
 int conf_is(const char *transport); /* conf_tp.arg starts with transport */

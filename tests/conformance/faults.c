@@ -13,14 +13,14 @@
 #define LONG_MS 20000
 
 /* rc is a dead-peer status: EPIPE_EPEER or EPIPE_ETIMEDOUT. */
-#define CHECK_DEAD(c, rc)                                                                      \
-    do {                                                                                       \
-        int r_ = (rc);                                                                         \
-        if (r_ != EPIPE_EPEER && r_ != EPIPE_ETIMEDOUT) {                                      \
-            fprintf(stderr, "FAIL %s:%d: %s is %s, want EPIPE_EPEER or EPIPE_ETIMEDOUT (%s)\n", \
-                    __FILE__, __LINE__, #rc, epipe_status_name(r_), epipe_comm_last_error(c)); \
-            return CONF_FAIL;                                                                  \
-        }                                                                                      \
+#define CHECK_DEAD(c, rc)                                                                          \
+    do {                                                                                           \
+        int r_ = (rc);                                                                             \
+        if (r_ != EPIPE_EPEER && r_ != EPIPE_ETIMEDOUT) {                                          \
+            fprintf(stderr, "FAIL %s:%d: %s is %s, want EPIPE_EPEER or EPIPE_ETIMEDOUT (%s)\n",    \
+                    __FILE__, __LINE__, #rc, epipe_status_name(r_), epipe_comm_last_error(c));     \
+            return CONF_FAIL;                                                                      \
+        }                                                                                          \
     } while (0)
 
 /* ---- peer abort --------------------------------------------------------- */

@@ -37,13 +37,14 @@ int conf_is(const char *transport)
 
 static float value_of(uint64_t seed, size_t i)
 {
-    uint64_t x = (seed + 1) * UINT64_C(0x9E3779B97F4A7C15) ^ (uint64_t)i * UINT64_C(0xBF58476D1CE4E5B9);
+    uint64_t x = (seed + 1) * UINT64_C(0x9E3779B97F4A7C15) ^
+                 (uint64_t)i * UINT64_C(0xBF58476D1CE4E5B9);
     x ^= x >> 29;
     return (float)(int64_t)(x % 20001) * 1e-3f - 10.0f;
 }
 
-epipe_msg *conf_msg(unsigned kind, unsigned src, unsigned dst, uint64_t step, uint32_t mb,
-                    size_t n, uint64_t seed)
+epipe_msg *conf_msg(unsigned kind, unsigned src, unsigned dst, uint64_t step, uint32_t mb, size_t n,
+                    uint64_t seed)
 {
     epipe_msg *m = epipe_msg_new(EPIPE_PAYLOAD_HEADER + n * sizeof(float));
     if (!m) {
@@ -87,15 +88,15 @@ int conf_msg_is(const epipe_msg *m, size_t n, uint64_t seed)
     return 1;
 }
 
-int conf_expect(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step, uint32_t mb,
-                size_t n, uint64_t seed, int64_t timeout_ms)
+int conf_expect(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step, uint32_t mb, size_t n,
+                uint64_t seed, int64_t timeout_ms)
 {
     epipe_msg *m;
     int rc = epipe_comm_recv(c, peer, kind, step, mb, timeout_ms, &m);
     if (rc) {
         fprintf(stderr, "FAIL: rank %u: %s of step %llu mb %u from rank %u: %s: %s\n",
-                epipe_comm_rank(c), epipe_wire_kind_name(kind), (unsigned long long)step, mb,
-                peer, epipe_status_name(rc), epipe_comm_last_error(c));
+                epipe_comm_rank(c), epipe_wire_kind_name(kind), (unsigned long long)step, mb, peer,
+                epipe_status_name(rc), epipe_comm_last_error(c));
         return CONF_FAIL;
     }
     int ok = conf_msg_is(m, n, seed);
@@ -172,8 +173,8 @@ static int run_threads(struct rank_job *jobs, unsigned size, const char *options
 {
     static unsigned groups;
     char opts[512];
-    snprintf(opts, sizeof opts, "%s%sgroup=conf%d-%u", options, *options ? "," : "",
-             (int)getpid(), groups++);
+    snprintf(opts, sizeof opts, "%s%sgroup=conf%d-%u", options, *options ? "," : "", (int)getpid(),
+             groups++);
     alarm((unsigned)limit_s); /* a hang ends the program (SIGALRM) instead of the CI */
     for (unsigned r = 0; r < size; r++) {
         jobs[r].options = opts;

@@ -145,7 +145,8 @@ static int flight_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
     (void)arg;
     for (unsigned peer = rank ? rank - 1 : 1; peer <= rank + 1 && peer < size; peer += 2)
         for (unsigned i = 0; i < FLIGHT_N; i++)
-            SEND(c, peer, i % 2 ? GRAD : ACT, 1, i, flight_len(i), rank * 100000 + peer * 10000 + i);
+            SEND(c, peer, i % 2 ? GRAD : ACT, 1, i, flight_len(i),
+                 rank * 100000 + peer * 10000 + i);
     for (unsigned peer = rank ? rank - 1 : 1; peer <= rank + 1 && peer < size; peer += 2)
         for (unsigned i = FLIGHT_N; i-- > 0;)
             EXPECT(c, peer, i % 2 ? GRAD : ACT, 1, i, flight_len(i),

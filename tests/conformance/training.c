@@ -112,8 +112,8 @@ static int test_train_equal(void)
                     a.cfg.use_op_stream = stream;
                     result = conf_run(p, "timeout_ms=10000", train_rank, &a, 0, 60);
                     if (result != CONF_PASS)
-                        fprintf(stderr, "  (p=%u %s, %u micro-batches, %s)\n", p, kinds[k],
-                                mbs[mi], stream ? "op stream" : "callbacks");
+                        fprintf(stderr, "  (p=%u %s, %u micro-batches, %s)\n", p, kinds[k], mbs[mi],
+                                stream ? "op stream" : "callbacks");
                 }
         for (int l = 0; l < host_nlayers; l++)
             mlp_layer_free(&ref[l]);
@@ -150,9 +150,8 @@ static int test_train_dead_peer(void)
 {
     static const unsigned sizes[] = {3, 4}, victims[] = {1, 3};
     for (int i = 0; i < 2; i++) {
-        struct train_arg a = {
-            .cfg = {.schedule = "1f1b", .microbatches = 4, .steps = 1000000},
-            .victim = (int)victims[i]};
+        struct train_arg a = {.cfg = {.schedule = "1f1b", .microbatches = 4, .steps = 1000000},
+                              .victim = (int)victims[i]};
         int rc = conf_run(sizes[i], "timeout_ms=3000", train_rank, &a, 1u << victims[i], 15);
         if (rc != CONF_PASS)
             return rc;
