@@ -1,8 +1,8 @@
 #!/bin/sh
 # Sets up, builds and runs the whole test suite: the .clang-format check, a
 # -Werror build, a build without the BLAS codecs that is also a static+shared
-# build, the unit, fuzz and transport conformance suites under ASan+UBSan, the unit tests under
-# valgrind, and the libFuzzer targets for a few seconds each when clang is
+# build, the unit, fuzz and transport conformance suites under ASan+UBSan
+# and valgrind, and the libFuzzer targets for a few seconds each when clang is
 # present. Safe to run twice.
 set -eu
 cd "$(dirname "$0")/.."
@@ -39,6 +39,11 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print
 
 echo "== valgrind (memcheck)"
 meson test -C build-test --print-errorlogs --num-processes 2 --suite unit --suite fuzz \
+    --wrapper 'valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite -q' \
+    --timeout-multiplier 10
+# The conformance programs (not main-job, a Python driver): "at once" bounds x5.
+EPIPE_CONF_TIME_SCALE=5 meson test -C build-test --print-errorlogs --num-processes 2 \
+    --suite conformance --no-suite examples \
     --wrapper 'valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite -q' \
     --timeout-multiplier 10
 

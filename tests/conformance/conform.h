@@ -54,6 +54,21 @@ extern struct conf_transport conf_tp;
         }                                                                                          \
     } while (0)
 
+/* Seconds elapsed (dt) below limit_s times conf_time_scale(): the bounds
+ * that tell "at once" from "after the timeout". */
+#define CHECK_WITHIN(dt, limit_s)                                                                  \
+    do {                                                                                           \
+        double dt_ = (dt), lim_ = (limit_s)*conf_time_scale();                                     \
+        if (!(dt_ < lim_)) {                                                                       \
+            fprintf(stderr, "FAIL %s:%d: %s took %.3f s, limit %.3f s\n", __FILE__, __LINE__, #dt, \
+                    dt_, lim_);                                                                    \
+            return CONF_FAIL;                                                                      \
+        }                                                                                          \
+    } while (0)
+/* EPIPE_CONF_TIME_SCALE (1..5, default 1) for slow runs (valgrind); at most
+ * 5, so a bound stays below the 20 s receives it tells apart. */
+double conf_time_scale(void);
+
 /* One rank's part of a test. It owns c and destroys it (or leaves it to
  * the harness by returning without doing so: the harness never does, so
  * every body destroys its handle). Returns CONF_PASS or CONF_FAIL. */

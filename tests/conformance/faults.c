@@ -43,7 +43,7 @@ static int abort_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
         CHECK(pthread_create(&th, NULL, abort_later, c) == 0);
         CHECK_RC(c, epipe_comm_recv(c, 1, ACT, 1, 0, LONG_MS, &m), EPIPE_EPEER);
         pthread_join(th, NULL);
-        CHECK(conf_now() - t0 < 3.0);
+        CHECK_WITHIN(conf_now() - t0, 3.0);
         CHECK_MSG(c, "rank 2 was aborted");
         CHECK_RC(c, epipe_comm_send(c, 1, conf_msg(GRAD, 2, 1, 1, 0, 4, 1)), EPIPE_EPEER);
         CHECK_MSG(c, "aborted");
@@ -51,7 +51,7 @@ static int abort_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
     } else {
         /* Its neighbour and a rank further away both hear of it. */
         CHECK_RC(c, epipe_comm_recv(c, 2, GRAD, 1, 0, LONG_MS, &m), EPIPE_EPEER);
-        CHECK(conf_now() - t0 < 5.0);
+        CHECK_WITHIN(conf_now() - t0, 5.0);
         CHECK_MSG(c, "rank 2 failed");
         if (rank == 1 && conf_is("tcp"))
             CHECK_MSG(c, "aborted");
@@ -119,7 +119,7 @@ static int dead_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
             CHECK_RC(c, rc, EPIPE_EPEER);
         }
         CHECK_RC(c, epipe_comm_recv(c, 1, GRAD, 3, 0, LONG_MS, &m), EPIPE_EPEER);
-        CHECK(conf_now() - t0 < 3.0); /* at once, not after the timeout */
+        CHECK_WITHIN(conf_now() - t0, 3.0); /* at once, not after the timeout */
         CHECK_MSG(c, "rank 1");
         if (conf_is("tcp"))
             CHECK_MSG(c, "without a goodbye");
@@ -163,7 +163,7 @@ static int stopped_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
     CHECK_MSG(c, "rank 1");
     if (conf_is("tcp"))
         CHECK_MSG(c, "nothing heard");
-    CHECK(dt < 3.0); /* within the 600 ms timeout, not the receive's 20 s */
+    CHECK_WITHIN(dt, 3.0); /* within the 600 ms timeout, not the receive's 20 s */
     epipe_comm_destroy(c);
     return CONF_PASS;
 }

@@ -28,6 +28,13 @@ double conf_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+double conf_time_scale(void)
+{
+    const char *v = getenv("EPIPE_CONF_TIME_SCALE");
+    double x = v ? atof(v) : 1.0;
+    return x < 1.0 ? 1.0 : x > 5.0 ? 5.0 : x;
+}
+
 int conf_is(const char *transport)
 {
     return !strncmp(conf_tp.arg, transport, strlen(transport));

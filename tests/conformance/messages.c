@@ -185,7 +185,7 @@ static int leave_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
     epipe_msg *m;
     double t0 = conf_now();
     CHECK_RC(c, epipe_comm_recv(c, 1, ACT, 11, 0, LONG_MS, &m), EPIPE_EPEER);
-    CHECK(conf_now() - t0 < 3.0); /* at once, not after the timeout */
+    CHECK_WITHIN(conf_now() - t0, 3.0); /* at once, not after the timeout */
     CHECK_MSG(c, "rank 1 left");
     CHECK_RC(c, epipe_comm_send(c, 1, conf_msg(ACT, 0, 1, 11, 0, 4, 1)), EPIPE_EPEER);
     CHECK_MSG(c, "rank 1");
@@ -213,7 +213,7 @@ static int overlap_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
         CHECK_RC(c, epipe_comm_send(c, 1, m), EPIPE_OK);
         double send_s = conf_now() - t0;
         printf("32 MiB: send returned in %.3f ms\n", send_s * 1e3);
-        CHECK(send_s < 0.1);
+        CHECK_WITHIN(send_s, 0.1);
         EXPECT(c, 1, GRAD, 1, 0, 1, 41, LONG_MS);
     } else {
         usleep(1500000); /* the receiving host "computes" */
@@ -226,7 +226,7 @@ static int overlap_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
         printf("32 MiB: receive after compute in %.3f ms\n", recv_s * 1e3);
         CHECK(same);
         /* the whole transfer takes ~10 ms on loopback; the call a small part */
-        CHECK(recv_s < 0.1);
+        CHECK_WITHIN(recv_s, 0.1);
         SEND(c, 0, GRAD, 1, 0, 1, 41);
     }
     epipe_comm_destroy(c);
@@ -235,6 +235,11 @@ static int overlap_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
 
 static int test_overlap(void)
 {
+    if (conf_time_scale() > 1.0) {
+        printf("SKIP: overlap is a matter of time, not measured at EPIPE_CONF_TIME_SCALE > 1 "
+               "(valgrind)\n");
+        return CONF_SKIP;
+    }
     return conf_run(2, "timeout_ms=10000", overlap_rank, NULL, 0, 60);
 }
 
