@@ -97,9 +97,14 @@ static int train_rank(epipe_comm *c, unsigned rank, unsigned size, void *p)
 static int test_train_equal(void)
 {
     static const char *kinds[] = {"gpipe", "1f1b"};
-    static const unsigned mbs[] = {1, 4, 8};
+    static const unsigned mbs[] = {4, 1, 8};
+    /* Slow tools (valgrind) check memory, not arithmetic: 4 micro-batches
+     * only, a third of the runs. */
+    unsigned nmb = conf_time_scale() > 1.0 ? 1 : 3;
+    if (nmb < 3)
+        printf("EPIPE_CONF_TIME_SCALE > 1: 4 micro-batches only\n");
     int result = CONF_PASS;
-    for (unsigned mi = 0; mi < 3 && result == CONF_PASS; mi++) {
+    for (unsigned mi = 0; mi < nmb && result == CONF_PASS; mi++) {
         struct train_arg a = {.cfg = {.microbatches = mbs[mi], .steps = 6}, .victim = -1};
         mlp_layer ref[HOST_MAX_LAYERS];
         double ref_first;
