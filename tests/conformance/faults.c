@@ -240,6 +240,38 @@ static int test_corrupt(void)
     return conf_run(2, "timeout_ms=10000", corrupt_rank, &in_header, 0, 60);
 }
 
+/* ---- a message over the receiver's max_message -------------------------- *
+ * Refused with EPIPE_ETOOBIG naming the sender and the limit, before the
+ * receiver takes the payload in; the sender is cut off. */
+
+static int too_big_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
+{
+    (void)size, (void)arg;
+    epipe_msg *m;
+    if (rank == 1) {
+        int rc = epipe_comm_send(c, 0, conf_msg(ACT, 1, 0, 3, 0, 1u << 19, 7)); /* 2 MiB */
+        if (rc != EPIPE_OK) /* inproc checks at once: the sender hears why */
+            CHECK_RC(c, rc, EPIPE_ETOOBIG);
+        CHECK_RC(c, epipe_comm_recv(c, 0, GRAD, 3, 0, LONG_MS, &m), EPIPE_EPEER);
+    } else {
+        int rc = epipe_comm_recv(c, 1, ACT, 3, 0, LONG_MS, &m);
+        CHECK_MSG(c, "rank 1");
+        if (conf_is("inproc")) { /* the known gap of corrupt, above */
+            CHECK_RC(c, rc, EPIPE_EPEER);
+        } else {
+            CHECK_RC(c, rc, EPIPE_ETOOBIG);
+            CHECK_MSG(c, "exceeds the limit 1048576");
+        }
+    }
+    epipe_comm_destroy(c);
+    return CONF_PASS;
+}
+
+static int test_too_big(void)
+{
+    return conf_run(2, "timeout_ms=10000,max_message=1048576", too_big_rank, NULL, 0, 60);
+}
+
 #define NOT_PROCS "ranks of inproc are threads of one process: none can be killed or stopped alone"
 
 const struct conf_test conf_fault_tests[] = {
@@ -247,5 +279,6 @@ const struct conf_test conf_fault_tests[] = {
     {"dead-peer", test_dead_peer, NOT_PROCS},
     {"stopped-peer", test_stopped_peer, NOT_PROCS},
     {"corrupt", test_corrupt, NULL},
+    {"too-big", test_too_big, NULL},
     {NULL, NULL, NULL},
 };
