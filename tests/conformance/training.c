@@ -110,6 +110,11 @@ static int test_train_equal(void)
         double ref_first;
         host_reference(mbs[mi], 6, ref, &ref_first, &a.ref_last);
         a.ref = ref;
+        if (!(a.ref_last < ref_first)) { /* the reference itself learns */
+            fprintf(stderr, "FAIL: the reference's loss did not fall: %g -> %g\n", ref_first,
+                    a.ref_last);
+            result = CONF_FAIL;
+        }
         for (unsigned p = 2; p <= 4 && result == CONF_PASS; p++)
             for (int k = 0; k < 2 && result == CONF_PASS; k++)
                 for (int stream = 0; stream < 2 && result == CONF_PASS; stream++) {
