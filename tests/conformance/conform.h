@@ -68,6 +68,9 @@ extern struct conf_transport conf_tp;
 /* EPIPE_CONF_TIME_SCALE (1..5, default 1) for slow runs (valgrind); at most
  * 5, so a bound stays below the 20 s receives it tells apart. */
 double conf_time_scale(void);
+/* ms times conf_time_scale(): liveness timeouts and the waits that outlast
+ * them, so a slow tool does not make a live peer look dead. */
+int64_t conf_ms(int64_t ms);
 
 /* One rank's part of a test. It owns c and destroys it (or leaves it to
  * the harness by returning without doing so: the harness never does, so

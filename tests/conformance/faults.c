@@ -151,9 +151,11 @@ static int stopped_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
     pid_t pid;
     epipe_msg *m;
     CHECK(recv_pid(c, 1, &pid) == CONF_PASS);
-    /* Alive and idle: still up after the 600 ms liveness timeout. */
-    CHECK_RC(c, epipe_comm_recv(c, 1, ACT, 1, 0, 1500, &m), EPIPE_ETIMEDOUT);
-    CHECK_MSG(c, "within 1500 ms");
+    /* Alive and idle: still up after the liveness timeout (600 ms). */
+    char within[64];
+    snprintf(within, sizeof within, "within %lld ms", (long long)conf_ms(1500));
+    CHECK_RC(c, epipe_comm_recv(c, 1, ACT, 1, 0, conf_ms(1500), &m), EPIPE_ETIMEDOUT);
+    CHECK_MSG(c, within);
     kill(pid, SIGSTOP);
     double t0 = conf_now();
     int rc = epipe_comm_recv(c, 1, ACT, 1, 0, LONG_MS, &m);
@@ -170,7 +172,9 @@ static int stopped_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
 
 static int test_stopped_peer(void)
 {
-    return conf_run(2, "timeout_ms=600", stopped_rank, NULL, 1u << 1, 60);
+    char opts[64];
+    snprintf(opts, sizeof opts, "timeout_ms=%lld", (long long)conf_ms(600));
+    return conf_run(2, opts, stopped_rank, NULL, 1u << 1, 60);
 }
 
 /* ---- corrupt bytes ------------------------------------------------------ *

@@ -35,6 +35,11 @@ double conf_time_scale(void)
     return x < 1.0 ? 1.0 : x > 5.0 ? 5.0 : x;
 }
 
+int64_t conf_ms(int64_t ms)
+{
+    return (int64_t)((double)ms * conf_time_scale());
+}
+
 int conf_is(const char *transport)
 {
     return !strncmp(conf_tp.arg, transport, strlen(transport));

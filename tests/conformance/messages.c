@@ -254,8 +254,10 @@ static int timeout_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
         CHECK_MSG(c, "within 50 ms");
         /* Longer than the communicator's timeout_ms (600): the peer is
          * idle but alive, so still a timeout, not a dead peer. */
-        CHECK_RC(c, epipe_comm_recv(c, 1, ACT, 0, 0, 1500, &m), EPIPE_ETIMEDOUT);
-        CHECK_MSG(c, "within 1500 ms");
+        char within[64];
+        snprintf(within, sizeof within, "within %lld ms", (long long)conf_ms(1500));
+        CHECK_RC(c, epipe_comm_recv(c, 1, ACT, 0, 0, conf_ms(1500), &m), EPIPE_ETIMEDOUT);
+        CHECK_MSG(c, within);
         CHECK_MSG(c, "rank 1");
         SEND(c, 1, ACT, 1, 0, 3, 5); /* still up both ways */
         EXPECT(c, 1, GRAD, 1, 0, 3, 6, LONG_MS);
@@ -269,7 +271,9 @@ static int timeout_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
 
 static int test_timeout(void)
 {
-    return conf_run(2, "timeout_ms=600", timeout_rank, NULL, 0, 60);
+    char opts[64];
+    snprintf(opts, sizeof opts, "timeout_ms=%lld", (long long)conf_ms(600));
+    return conf_run(2, opts, timeout_rank, NULL, 0, 60);
 }
 
 const struct conf_test conf_message_tests[] = {
