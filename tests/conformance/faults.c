@@ -47,7 +47,8 @@ static int abort_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
         CHECK_MSG(c, "rank 2 was aborted");
         CHECK_RC(c, epipe_comm_send(c, 1, conf_msg(GRAD, 2, 1, 1, 0, 4, 1)), EPIPE_EPEER);
         CHECK_MSG(c, "aborted");
-        usleep(1000000); /* let the failure reach the others before this rank leaves */
+        /* let the failure reach the others before this rank leaves */
+        usleep((useconds_t)conf_ms(1000) * 1000);
     } else {
         /* Its neighbour and a rank further away both hear of it. */
         CHECK_RC(c, epipe_comm_recv(c, 2, GRAD, 1, 0, LONG_MS, &m), EPIPE_EPEER);
