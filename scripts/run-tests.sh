@@ -1,8 +1,8 @@
 #!/bin/sh
 # Sets up, builds and runs the whole test suite: the .clang-format check, a
 # -Werror build, a build without the BLAS codecs that is also a static+shared
-# build, the unit, fuzz and rdma suites under ASan+UBSan, the unit tests and the
-# rdma C tests under valgrind, and the libFuzzer targets for a few seconds each when clang is
+# build, the unit, fuzz, rdma and transport conformance suites under
+# ASan+UBSan and valgrind, and the libFuzzer targets for a few seconds each when clang is
 # present. Safe to run twice.
 set -eu
 cd "$(dirname "$0")/.."
@@ -34,7 +34,8 @@ echo "== AddressSanitizer + UndefinedBehaviorSanitizer"
 configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Doptimization=1
 ninja -C build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-    meson test -C build-asan --print-errorlogs --num-processes 2 --suite unit --suite fuzz --suite rdma
+    meson test -C build-asan --print-errorlogs --num-processes 2 --suite unit --suite fuzz \
+    --suite rdma --suite conformance
 
 echo "== valgrind (memcheck)"
 meson test -C build-test --print-errorlogs --num-processes 2 --suite unit --suite fuzz \
@@ -43,6 +44,11 @@ meson test -C build-test --print-errorlogs --num-processes 2 --suite unit --suit
 # The test verbs provider and the rdma transport's own tests (both C).
 # (4 connect/fault/teardown cycles, not 40: valgrind is slow; ASan runs all 40)
 EPIPE_TEST_RDMA_CYCLES=4 meson test -C build-test --print-errorlogs --num-processes 2 fakeverbs rdma \
+    --wrapper 'valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite -q' \
+    --timeout-multiplier 10
+# The conformance programs (not main-job, a Python driver): "at once" bounds x5.
+EPIPE_CONF_TIME_SCALE=5 meson test -C build-test --print-errorlogs --num-processes 2 \
+    --suite conformance --no-suite examples \
     --wrapper 'valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite -q' \
     --timeout-multiplier 10
 

@@ -2,9 +2,9 @@
 """Failures during and after the TCP rendezvous, across real processes on
 loopback: a rank that dies after registering is reported to every rank at
 once (no waiting for the init timeout), with its reason whole; a rank that
-leaves before the table may register again; a rank killed mid-training is
-named as the origin on every rank. Usage: check_rdv_failures.py EPIPE_RUN
-TCP_TRAINER."""
+leaves before the table may register again. (A rank killed mid-training,
+named as the origin on every rank: the conformance suite's train-dead-peer.)
+Usage: check_rdv_failures.py EPIPE_RUN TCP_TRAINER."""
 import os
 import socket
 import subprocess
@@ -91,15 +91,4 @@ if not good:
     fail("the group did not train after rank 2 registered again:\n" +
          "\n".join(r.text() for r in [r0] + rest))
 
-# 3. kill -9 of rank 3 of 4 mid-training: every rank's error names rank 3,
-# the origin, not only the neighbour that relayed or aborted.
-r = subprocess.run([run, "-n", "4", "--", trainer, "--steps", "1000000", "--die-rank", "3",
-                    "--die-after-ms", "400", "--options", "timeout_ms=3000"],
-                   capture_output=True, text=True, timeout=60)
-for k in range(3):
-    line = next((l for l in r.stdout.splitlines()
-                 if l.startswith("[rank %d] rank %d: training FAILED" % (k, k))), None)
-    print("kill -9 of rank 3: " + (line or "rank %d: no FAILED line" % k)[:300])
-    if not line or "rank 3" not in line:
-        fail("rank %d's error does not name rank 3:\n%s%s" % (k, r.stdout, r.stderr))
 sys.exit(0 if ok else 1)

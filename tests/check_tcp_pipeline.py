@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""The test MLP trained by 2-4 processes over TCP (started by epipe-run)
-equals the one-process reference (GPipe and 1F1B, and the schedules with
-chunks and split backward, codec none), and trains (loss falls) with
-sortquant:bits=8."""
+"""The test MLP trained by 2-4 processes over TCP (started by epipe-run) with
+the schedules that have chunks and split backward equals the one-process
+reference (codec none). GPipe and 1F1B, and sortquant:bits=8, over every
+transport: the conformance suite's train-equal and train-codec."""
 import os
 import struct
 import subprocess
@@ -50,9 +50,8 @@ def compare(tag, out, ref):
 
 
 # (ranks, schedule, extra arguments)
-RUNS = [(p, k, []) for p in (2, 3, 4) for k in ("gpipe", "1f1b")]
 # zero-bubble (split backward, by the split callbacks) and interleaved chunks
-RUNS += [(p, k, ["--split", "1"]) for p in (2, 4) for k in ("zb-h1", "zb-v")]
+RUNS = [(p, k, ["--split", "1"]) for p in (2, 4) for k in ("zb-h1", "zb-v")]
 RUNS += [(p, "interleaved", ["--chunks", "2"]) for p in (2, 3)]
 # the client-server split: rank 0 holds the first and the last layers
 RUNS += [(2, k, ["--placement", "0,1,0"]) for k in ("gpipe", "1f1b")]
@@ -80,23 +79,4 @@ with tempfile.TemporaryDirectory() as d:
             if not r.stdout.count("[rank %d] rank %d: ok" % (s, s)):
                 fail("%s: no ok line from rank %d:\n%s" % (tag, s, r.stdout))
         compare(tag, out, ref)
-    for p, sched in ((2, "1f1b"), (3, "gpipe"), (4, "1f1b")):
-        r, dt = launch(p, "--schedule", sched, "--micro", MICRO, "--steps", "40",
-                       "--codec", "sortquant:bits=8")
-        print("p=%d %s sortquant:bits=8: exit %d in %.2f s" % (p, sched, r.returncode, dt))
-        if r.returncode:
-            if "unknown codec" in r.stdout + r.stderr:
-                print("  sortquant is not registered: skipped")
-                continue
-            fail("sortquant p=%d:\n%s%s" % (p, r.stdout, r.stderr))
-            continue
-        line = [l for l in r.stdout.splitlines() if "loss first" in l]
-        if not line:
-            fail("sortquant p=%d: no loss line:\n%s" % (p, r.stdout))
-            continue
-        words = line[0].split()
-        first, last = float(words[-3]), float(words[-1])
-        print("  loss %.5f -> %.5f" % (first, last))
-        if not last < 0.7 * first:
-            fail("sortquant p=%d: loss did not fall enough: %g -> %g" % (p, first, last))
 sys.exit(0 if ok else 1)

@@ -1,6 +1,6 @@
-/* The stage runtime over the in-process transport: pipelined training of
- * the test MLP equals single-process training, codecs train comparably,
- * statistics add up, the trace is written, and bad use gets clear errors. */
+/* The stage runtime over the in-process transport: codecs train comparably,
+ * statistics add up, the trace is written, and bad use gets clear errors
+ * (training equal to one process, over every transport: tests/conformance). */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <pthread.h>
@@ -77,39 +77,6 @@ static void check_ok(const struct host_result *res, unsigned p, const char *what
         if (res[s].rc != EPIPE_OK)
             fail_msg("%s: stage %u failed with %s: %s", what, s, epipe_status_name(res[s].rc),
                      res[s].error);
-}
-
-/* Pipelined training over 2, 3 and 4 stages, with both schedules, driven
- * by callbacks and by the op stream, with codec none: the parameters equal
- * those of single-process training (within 1e-6 relative). */
-static void pipelined_equals_single_process(void **state)
-{
-    (void)state;
-    const char *kinds[] = {"gpipe", "1f1b"};
-    const unsigned mbs[] = {1, 4, 8};
-    for (unsigned mi = 0; mi < 3; mi++) {
-        mlp_layer ref[HOST_MAX_LAYERS];
-        double ref_first, ref_last;
-        host_reference(mbs[mi], STEPS, ref, &ref_first, &ref_last);
-        assert_true(ref_last < ref_first);
-        for (unsigned p = 2; p <= MAX_P; p++)
-            for (int k = 0; k < 2; k++)
-                for (int stream = 0; stream < 2; stream++) {
-                    struct host_config cfg = {.schedule = kinds[k],
-                                              .microbatches = mbs[mi],
-                                              .steps = STEPS,
-                                              .use_op_stream = stream};
-                    struct host_result res[MAX_P];
-                    run_pipeline(p, &cfg, res);
-                    check_ok(res, p, kinds[k]);
-                    assert_params_match(res, p, ref, 1e-6);
-                    assert_true(fabs(res[p - 1].last_loss - ref_last) <= 1e-6 * ref_last);
-                    for (unsigned s = 0; s < p; s++)
-                        host_result_free(&res[s]);
-                }
-        for (int l = 0; l < host_nlayers; l++)
-            mlp_layer_free(&ref[l]);
-    }
 }
 
 /* With sortquant:bits=8 on activations and gradients, the loss falls about
@@ -845,7 +812,6 @@ static void forward_only_steps(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(pipelined_equals_single_process),
         cmocka_unit_test(sortquant_trains_comparably),
         cmocka_unit_test(error_feedback_on_gradients),
         cmocka_unit_test(statistics_add_up),

@@ -44,8 +44,11 @@ static int inproc_send(epipe_comm *c, unsigned peer, epipe_msg *m)
         rc = epipe_fail(EPIPE_EPROTO, "wire: message from rank %u to %u claims %u to %u", c->rank,
                         peer, m->hdr.src_stage, m->hdr.dst_stage);
     if (rc != EPIPE_OK) {
-        epipe_fail_into(c->msg, rc, "%s", epipe_last_error());
-        epipe_comm_peer_down(dst, c->rank, EPIPE_PEER_FAILED, c->msg);
+        /* Copied first: the thread's error buffer is where fail_into writes. */
+        char why[EPIPE_ERRMSG_MAX];
+        snprintf(why, sizeof why, "%s", epipe_last_error());
+        epipe_fail_into(c->msg, rc, "%s", why);
+        epipe_comm_peer_failed(dst, c->rank, rc, why);
         pthread_mutex_unlock(&hub->lock);
         epipe_msg_free(m);
         return rc;

@@ -29,7 +29,12 @@ static int parse_header(struct rdma_link *l, const uint8_t *p, size_t cap, epipe
     epipe_wire_limits lim = {.max_payload = __atomic_load_n(&c->max_message, __ATOMIC_RELAXED)};
     int rc = epipe_wire_parse_header(p, cap, &lim, h);
     if (rc) {
-        epipe_rdma_protocol_error(l, "%s", epipe_last_error());
+        /* The wire check's own status (EPIPE_ECHECKSUM, EPIPE_ETOOBIG, ...)
+         * reaches the receivers, as over tcp. */
+        char why[EPIPE_ERRMSG_MAX];
+        snprintf(why, sizeof why, "%s from rank %u: %.180s", epipe_status_name(rc), l->peer,
+                 epipe_last_error());
+        epipe_rdma_fail_locked(l, rc, why);
         return rc;
     }
     if (h->kind != EPIPE_WIRE_ACTIVATION && h->kind != EPIPE_WIRE_GRADIENT) {
@@ -38,7 +43,7 @@ static int parse_header(struct rdma_link *l, const uint8_t *p, size_t cap, epipe
     }
     if (h->src_stage != l->peer || h->dst_stage != c->rank) {
         epipe_rdma_protocol_error(l, "a message from rank %u to rank %u on its link", h->src_stage,
-                       h->dst_stage);
+                                  h->dst_stage);
         return EPIPE_EPROTO;
     }
     return EPIPE_OK;
@@ -91,8 +96,8 @@ static void got_eager(struct rdma_link *l, unsigned slot, int rts)
 {
     epipe_comm *c = l->r->c;
     if (slot >= RDMA_SLOTS || !(l->slot_lent & (1u << slot))) {
-        epipe_rdma_protocol_error(l, "an immediate names eager slot %u, which this rank did not lend it",
-                       slot);
+        epipe_rdma_protocol_error(
+            l, "an immediate names eager slot %u, which this rank did not lend it", slot);
         return;
     }
     l->slot_lent &= ~(1u << slot);
@@ -106,15 +111,14 @@ static void got_eager(struct rdma_link *l, unsigned slot, int rts)
         uint64_t len = w[2] | (uint64_t)w[3] << 32;
         if (len != h.header_len + h.payload_len) {
             epipe_rdma_protocol_error(l, "a request to send %llu bytes for a %llu-byte message",
-                           (unsigned long long)len,
-                           (unsigned long long)(h.header_len + h.payload_len));
+                                      (unsigned long long)len,
+                                      (unsigned long long)(h.header_len + h.payload_len));
             return;
         }
         int li = -1;
         for (int i = 0; i < RDMA_LARGE; i++) {
             if (l->lrx[i].busy && l->lrx[i].seq == w[0]) {
-                epipe_rdma_protocol_error(l, "a second request to send message sequence %u",
-                                          w[0]);
+                epipe_rdma_protocol_error(l, "a second request to send message sequence %u", w[0]);
                 return;
             }
             if (!l->lrx[i].busy && li < 0)
@@ -159,7 +163,8 @@ static void got_eager(struct rdma_link *l, unsigned slot, int rts)
         return;
     size_t len = h.header_len + (size_t)h.payload_len;
     if (len > RDMA_SLOT_SIZE) {
-        epipe_rdma_protocol_error(l, "a %zu-byte message in a %d-byte eager slot", len, RDMA_SLOT_SIZE);
+        epipe_rdma_protocol_error(l, "a %zu-byte message in a %d-byte eager slot", len,
+                                  RDMA_SLOT_SIZE);
         return;
     }
     epipe_msg *m = epipe_comm_msg_new(c, len - EPIPE_WIRE_HEADER_SIZE);
@@ -189,7 +194,8 @@ static void got_done(struct rdma_link *l, uint32_t seq)
         if (l->lrx[i].busy && l->lrx[i].seq == seq)
             li = i;
     if (li < 0) {
-        epipe_rdma_protocol_error(l, "an immediate for message sequence %u, which it never announced", seq);
+        epipe_rdma_protocol_error(
+            l, "an immediate for message sequence %u, which it never announced", seq);
         return;
     }
     struct rdma_lrx *x = &l->lrx[li];
@@ -198,7 +204,7 @@ static void got_done(struct rdma_link *l, uint32_t seq)
         return;
     if (h.header_len + h.payload_len != x->len) {
         epipe_rdma_protocol_error(l, "a %llu-byte message where it announced %zu bytes",
-                       (unsigned long long)(h.header_len + h.payload_len), x->len);
+                                  (unsigned long long)(h.header_len + h.payload_len), x->len);
         return;
     }
     epipe_msg *m = x->m;
@@ -223,7 +229,7 @@ static void got_cts(struct rdma_link *l, uint32_t imm_seq)
     struct rdma_cts e = l->ring[i];
     if (imm_seq != (l->cts_expect & 0x0fffffffu) || e.seq != l->cts_expect) {
         epipe_rdma_protocol_error(l, "a clear-to-send out of sequence (%u, expected %u)", e.seq,
-                       l->cts_expect);
+                                  l->cts_expect);
         return;
     }
     l->cts_expect++;
@@ -231,10 +237,11 @@ static void got_cts(struct rdma_link *l, uint32_t imm_seq)
         if ((RDMA_SLOTS < 32 && e.tag >> RDMA_SLOTS) || (e.tag & l->credit) ||
             e.size != RDMA_SLOT_SIZE ||
             (l->credit_base && (e.addr != l->credit_base || e.rkey != l->credit_rkey))) {
-            epipe_rdma_protocol_error(l, "a clear-to-send lending eager slots 0x%x of %llu bytes "
-                                         "at 0x%llx (holding 0x%x)",
-                                      e.tag, (unsigned long long)e.size,
-                                      (unsigned long long)e.addr, l->credit);
+            epipe_rdma_protocol_error(l,
+                                      "a clear-to-send lending eager slots 0x%x of %llu bytes "
+                                      "at 0x%llx (holding 0x%x)",
+                                      e.tag, (unsigned long long)e.size, (unsigned long long)e.addr,
+                                      l->credit);
             return;
         }
         l->credit |= e.tag;
@@ -246,14 +253,15 @@ static void got_cts(struct rdma_link *l, uint32_t imm_seq)
             if (l->ltx[k].state == 1 && l->ltx[k].seq == e.tag)
                 x = &l->ltx[k];
         if (!x) {
-            epipe_rdma_protocol_error(l, "a clear-to-send for message sequence %u, which is not waiting",
-                           e.tag);
+            epipe_rdma_protocol_error(
+                l, "a clear-to-send for message sequence %u, which is not waiting", e.tag);
             return;
         }
         if (e.size < x->m->len) {
-            epipe_rdma_protocol_error(l, "a clear-to-send names a buffer of %llu bytes for a %zu-byte "
-                              "message",
-                           (unsigned long long)e.size, x->m->len);
+            epipe_rdma_protocol_error(l,
+                                      "a clear-to-send names a buffer of %llu bytes for a %zu-byte "
+                                      "message",
+                                      (unsigned long long)e.size, x->m->len);
             return;
         }
         x->state = 2;
@@ -282,4 +290,3 @@ void epipe_rdma_got_imm(struct rdma_link *l, uint32_t imm)
     }
     epipe_rdma_protocol_error(l, "an immediate of unknown type %u", type);
 }
-

@@ -475,14 +475,15 @@ static int launched_as_rank(void)
     return 0;
 }
 
-/* One rank of a multi-process run: joins the others over TCP, trains its
- * stage, and prints its own row of the table (the last stage adds the
- * accuracy). Rows of different ranks arrive in any order, each prefixed by
+/* One rank of a multi-process run: joins the others (over TCP, or the
+ * transport EPIPE_TRANSPORT names), trains its stage, and prints its own
+ * row of the table (the last stage adds the accuracy). Rows of different ranks arrive in any order, each prefixed by
  * the launcher. */
 static int main_rank(struct options *o, const struct dataset *d)
 {
     epipe_comm *comm;
-    if (epipe_comm_create_from_env(&comm, NULL)) {
+    /* "auto": tcp unless EPIPE_TRANSPORT names another (docs/transport.md) */
+    if (epipe_comm_create(&comm, "auto", EPIPE_COMM_FROM_ENV, EPIPE_COMM_FROM_ENV, NULL, 0, NULL)) {
         fprintf(stderr, "epipe-train: %s\n", epipe_last_error());
         return 1;
     }
