@@ -30,17 +30,6 @@
 static const char *fakeverbs; /* EPIPE_TEST_FAKEVERBS: the provider's path */
 static char self_exe[4096];   /* this program, for the peer process */
 
-static unsigned free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-    getsockname(fd, (struct sockaddr *)&a, &len);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 /* Live objects of a kind in the provider ("mr", "qp", ...), -1 if not loaded. */
 static int provider_live(const char *what)
 {
@@ -87,8 +76,7 @@ struct rank_arg {
 static void *create_thread(void *p)
 {
     struct rank_arg *a = p;
-    a->rc = epipe_comm_create(&a->c, a->transport, a->rank, a->size, "127.0.0.1", a->port,
-                              a->opts);
+    a->rc = epipe_comm_create(&a->c, a->transport, a->rank, a->size, "127.0.0.1", a->port, a->opts);
     snprintf(a->err, sizeof a->err, "%s", epipe_last_error());
     return NULL;
 }
@@ -98,10 +86,10 @@ static void try_group(const char *transport, epipe_comm **c, unsigned size, cons
                       int *rc, char (*err)[256])
 {
     struct rank_arg a[4];
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     for (unsigned r = 0; r < size; r++) {
-        a[r] = (struct rank_arg){.transport = transport, .rank = r, .size = size, .port = port,
-                                 .opts = opts};
+        a[r] = (struct rank_arg){
+            .transport = transport, .rank = r, .size = size, .port = port, .opts = opts};
         assert_int_equal(pthread_create(&a[r].th, NULL, create_thread, &a[r]), 0);
     }
     for (unsigned r = 0; r < size; r++) {
@@ -223,11 +211,13 @@ static void test_messages(void **state)
     const size_t ns = sizeof sizes / sizeof sizes[0];
     for (int round = 0; round < 3; round++) {
         for (size_t i = 0; i < ns; i++) {
-            assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, (uint64_t)round, (uint32_t)i,
-                                                               sizes[i], 100 + i)),
-                             EPIPE_OK);
-            assert_int_equal(epipe_comm_send(c[1], 0, make_act(1, 0, (uint64_t)round, (uint32_t)i,
-                                                               sizes[ns - 1 - i], 200 + i)),
+            assert_int_equal(
+                epipe_comm_send(c[0], 1,
+                                make_act(0, 1, (uint64_t)round, (uint32_t)i, sizes[i], 100 + i)),
+                EPIPE_OK);
+            assert_int_equal(epipe_comm_send(c[1], 0,
+                                             make_act(1, 0, (uint64_t)round, (uint32_t)i,
+                                                      sizes[ns - 1 - i], 200 + i)),
                              EPIPE_OK);
         }
         for (size_t i = 0; i < ns; i++) {
@@ -385,7 +375,8 @@ static void attack(int what, unsigned bad, int send_large, const char *needle)
 
 static void test_attack_short_cts(void **state)
 {
-    attack(EPIPE_RDMA_INJECT_SHORT_CTS, 1, 1, "clear-to-send names a buffer of 100104 bytes for a 200208-byte message");
+    attack(EPIPE_RDMA_INJECT_SHORT_CTS, 1, 1,
+           "clear-to-send names a buffer of 100104 bytes for a 200208-byte message");
 }
 
 static void test_attack_unknown_imm(void **state)
@@ -529,7 +520,7 @@ static void test_leak_cycles(void **state)
         recv_act(c[1], 0, 1, 0, 8, 1);
         switch (k % 4) {
         case 0: break; /* clean */
-        case 1: /* a fault while a large message waits for its CTS */
+        case 1:        /* a fault while a large message waits for its CTS */
             assert_int_equal(epipe_comm_send(c[0], 1, make_act(0, 1, 2, 0, 90000, 3)), EPIPE_OK);
             epipe_rdma_debug_inject(c[0], 1, EPIPE_RDMA_INJECT_BOGUS_WC);
             break;
@@ -591,7 +582,7 @@ static int auto_peer_main(unsigned port)
 /* auto between a rank with a device and one without: that link is tcp. */
 static void test_auto_mixed(void **state)
 {
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     char ports[16];
     snprintf(ports, sizeof ports, "%u", port);
     pid_t pid = fork();
@@ -617,7 +608,7 @@ static void test_auto_mixed(void **state)
 
 static void killed_peer(int delay_ms)
 {
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     char ports[16], delay[16];
     snprintf(ports, sizeof ports, "%u", port);
     snprintf(delay, sizeof delay, "%d", delay_ms);

@@ -38,17 +38,6 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static unsigned free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-    getsockname(fd, (struct sockaddr *)&a, &len);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 /* ---- groups of ranks as threads ----------------------------------------- */
 
 struct rank_arg {
@@ -82,7 +71,7 @@ static void start_rank(struct rank_arg *a, unsigned rank, unsigned size, unsigne
 static void make_group(epipe_comm **comms, unsigned size, const char *opts)
 {
     struct rank_arg a[8];
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     for (unsigned r = 0; r < size; r++)
         start_rank(&a[r], r, size, port, opts);
     for (unsigned r = 0; r < size; r++) {
@@ -390,7 +379,7 @@ static void test_from_env(void **state)
     (void)state;
     clear_env();
     char port[16];
-    snprintf(port, sizeof port, "%u", free_port());
+    snprintf(port, sizeof port, "%u", test_free_port());
     setenv("EPIPE_MASTER_PORT", port, 1);
     setenv("EPIPE_WORLD_SIZE", "1", 1);
     setenv("EPIPE_RANK", "0", 1);
@@ -470,13 +459,13 @@ static void test_listen_choice(void **state)
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
     epipe_comm *x = NULL;
-    int rc = epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", free_port(),
+    int rc = epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", test_free_port(),
                                    "ifname=nosuch9,init_timeout_ms=500");
     assert_int_equal(rc, EPIPE_EINVAL);
     assert_null(x);
     assert_non_null(strstr(epipe_last_error(), "nosuch9"));
     setenv("EPIPE_IFNAME", "nosuch8", 1);
-    rc = epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", free_port(), "init_timeout_ms=500");
+    rc = epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", test_free_port(), "init_timeout_ms=500");
     assert_int_equal(rc, EPIPE_EINVAL);
     assert_non_null(strstr(epipe_last_error(), "nosuch8"));
     clear_env();
@@ -505,7 +494,7 @@ static void test_unreachable_master(void **state)
     (void)state;
     epipe_comm *c;
     double t0 = now_s();
-    int rc = epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", free_port(), "init_timeout_ms=400");
+    int rc = epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", test_free_port(), "init_timeout_ms=400");
     print_message("%s\n", epipe_last_error());
     assert_int_equal(rc, EPIPE_ETIMEDOUT);
     assert_true(now_s() - t0 < 3.0);
@@ -517,7 +506,7 @@ static void test_world_size_mismatch(void **state)
 {
     (void)state;
     struct rank_arg a0, a1;
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     start_rank(&a0, 0, 2, port, "init_timeout_ms=3000");
     start_rank(&a1, 1, 3, port, "init_timeout_ms=3000");
     pthread_join(a0.th, NULL);
@@ -576,7 +565,7 @@ static void test_garbage_and_version(void **state)
     (void)state;
     capture_begin();
     struct rank_arg a0, a1;
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     start_rank(&a0, 0, 2, port, "init_timeout_ms=5000");
     /* Garbage, then a message of another wire version, then silence. */
     int g = connect_to(port);
@@ -688,7 +677,7 @@ static void test_auth(void **state)
     /* A wrong key: refused on both sides, and rank 0 says why. */
     capture_begin();
     struct rank_arg a0, a1;
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     start_rank(&a0, 0, 2, port, oa);
     start_rank(&a1, 1, 2, port, ob);
     pthread_join(a0.th, NULL);
@@ -701,7 +690,7 @@ static void test_auth(void **state)
     assert_non_null(strstr(log, "refused"));
 
     /* No key against a keyed rank 0. */
-    port = free_port();
+    port = test_free_port();
     start_rank(&a0, 0, 2, port, oa);
     start_rank(&a1, 1, 2, port, "init_timeout_ms=1500");
     pthread_join(a0.th, NULL);
@@ -713,10 +702,12 @@ static void test_auth(void **state)
     /* A key file too short to be a key. */
     write_key(kb, "short");
     epipe_comm *x;
-    assert_int_equal(epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", free_port(), ob), EPIPE_EINVAL);
+    assert_int_equal(epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", test_free_port(), ob),
+                     EPIPE_EINVAL);
 #else
     epipe_comm *x;
-    assert_int_equal(epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", free_port(), oa), EPIPE_ENOTSUP);
+    assert_int_equal(epipe_comm_create_tcp(&x, 0, 2, "127.0.0.1", test_free_port(), oa),
+                     EPIPE_ENOTSUP);
     assert_non_null(strstr(epipe_last_error(), "libsodium"));
 #endif
     unlink(ka);

@@ -57,17 +57,6 @@ static int remove_keys(void **state)
     return 0;
 }
 
-static unsigned free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-    getsockname(fd, (struct sockaddr *)&a, &len);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 #ifdef EPIPE_HAVE_SODIUM /* what the end-to-end tests share */
 /* ---- ranks as threads ----------------------------------------------------- */
 
@@ -267,7 +256,7 @@ static void test_options(void **state)
     /* encrypt without a key: refused before any connection, naming both. */
     epipe_comm *c = NULL;
 #ifdef EPIPE_HAVE_SODIUM
-    assert_int_equal(epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", free_port(), "encrypt=1"),
+    assert_int_equal(epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", test_free_port(), "encrypt=1"),
                      EPIPE_EINVAL);
     assert_non_null(strstr(epipe_last_error(), "encrypt"));
     assert_non_null(strstr(epipe_last_error(), "key_file"));
@@ -275,7 +264,7 @@ static void test_options(void **state)
 #else
     char opts[128];
     snprintf(opts, sizeof opts, "encrypt=1,key_file=%s", key_a);
-    assert_int_equal(epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", free_port(), opts),
+    assert_int_equal(epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", test_free_port(), opts),
                      EPIPE_ENOTSUP);
     assert_non_null(strstr(epipe_last_error(), "libsodium"));
 #endif
@@ -402,7 +391,7 @@ static void pipeline_with(const char *extra)
 {
     char opts[256];
     snprintf(opts, sizeof opts, "timeout_ms=10000,encrypt=1,key_file=%s%s", key_a, extra);
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     epipe_comm *c[2];
     make_pair(c, port, port, opts, opts);
     /* One float, a small message, one cut into many records, both ways. */
@@ -459,7 +448,7 @@ static void test_tampered_bit(void **state)
     (void)state;
     char opts[256];
     snprintf(opts, sizeof opts, "timeout_ms=10000,encrypt=1,key_file=%s", key_a);
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     struct proxy p;
     proxy_start(&p, port, 2000000); /* inside the 4 MiB message's records */
     epipe_comm *c[2];
@@ -495,7 +484,7 @@ static int canary_seen(const char *extra)
 {
     char opts[256];
     snprintf(opts, sizeof opts, "timeout_ms=10000,key_file=%s%s", key_a, extra);
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     struct proxy p;
     proxy_start(&p, port, -1);
     epipe_comm *c[2];
@@ -539,7 +528,7 @@ static void test_mismatch(void **state)
     snprintf(on, sizeof on, "init_timeout_ms=1500,encrypt=1,key_file=%s", key_a);
     snprintf(off, sizeof off, "init_timeout_ms=1500,key_file=%s", key_a);
     for (int which = 0; which < 2; which++) {
-        unsigned port = free_port();
+        unsigned port = test_free_port();
         struct rank_arg a[2];
         start_rank(&a[0], 0, port, which ? off : on);
         start_rank(&a[1], 1, port, which ? on : off);
@@ -555,7 +544,7 @@ static void test_mismatch(void **state)
     }
     /* Encrypted with different keys: refused by the key check, as before. */
     snprintf(off, sizeof off, "init_timeout_ms=1500,encrypt=1,key_file=%s", key_b);
-    unsigned port = free_port();
+    unsigned port = test_free_port();
     struct rank_arg a[2];
     start_rank(&a[0], 0, port, on);
     start_rank(&a[1], 1, port, off);

@@ -1,11 +1,15 @@
 /* Shared test helpers: deterministic random data and DLTensor views. */
 #include "testutil.h"
 
+#include <arpa/inet.h>
 #include <math.h>
+#include <netinet/in.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 #include <epipe/epipe.h>
@@ -167,4 +171,15 @@ epipe_msg *test_activation_msg(unsigned src, unsigned dst, uint64_t step, uint32
     m->hdr.dst_stage = dst;
     assert_int_equal(epipe_msg_seal(m, len), EPIPE_OK);
     return m;
+}
+
+unsigned test_free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    getsockname(fd, (struct sockaddr *)&a, &len);
+    close(fd);
+    return ntohs(a.sin_port);
 }

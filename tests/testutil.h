@@ -53,4 +53,7 @@ void test_expect_proto(const char *spec, const test_payload *p, size_t n, const 
 struct epipe_msg *test_activation_msg(unsigned src, unsigned dst, uint64_t step, uint32_t mb,
                                       const float *x, size_t n);
 
+/* A TCP port on 127.0.0.1 that was free a moment ago (bound, read, closed). */
+unsigned test_free_port(void);
+
 #endif
