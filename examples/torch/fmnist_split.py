@@ -19,7 +19,12 @@ torchrun, mpirun and srun work too (docs/transport.md). Each rank drives its
 stage through the op stream with torch autograd: a forward saves its input
 and output per micro-batch; a backward calls torch.autograd.backward with
 the gradient received from the next stage and sends the input's gradient to
-the previous one. Every rank reads the data set and shuffles it with the same
+the previous one. With --schedule zb-h1 the backward is split: the
+input-gradient op computes only the input's gradient (torch.autograd.grad,
+graph kept) and sends it at once; the weight-gradient op later accumulates
+the weight gradients. With --schedule interleaved --chunks 2 the model is cut
+into 6 pipeline stages and each rank holds two of them (round-robin: rank r
+holds stages r and r+3). Every rank reads the data set and shuffles it with the same
 seed, so stage 0 has the images and stage 2 the labels of each batch.
 
 At the end the last rank prints the test accuracy, and every rank a line
@@ -73,53 +78,96 @@ def load(data_dir, split):
     return x, y
 
 
-def build_parts(seed):
+# The model as a flat list of layers, and where to cut it into n pipeline
+# stages: 3 is the research's client/server/client split; 6 (3 ranks x 2
+# chunks, interleaved) halves each of its parts.
+CUTS = {3: (0, 3, 9, 10), 6: (0, 2, 3, 5, 7, 9, 10)}
+
+
+def build_parts(seed, n=3):
     """The whole model, made on every rank with the same seed (so a split run
-    starts from the same weights as an unsplit one), cut into 3 parts."""
+    starts from the same weights as an unsplit one), cut into n parts."""
+    if n not in CUTS:
+        raise ValueError(f"the model cuts into {sorted(CUTS)} pipeline stages, not {n}")
     torch.manual_seed(seed)
-    head = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
-    server = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                           nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU())
-    tail = nn.Linear(128, 10)
-    return [head, server, tail]
+    layers = [nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+              nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+              nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(),
+              nn.Linear(128, 10)]
+    c = CUTS[n]
+    return [nn.Sequential(*layers[c[i]:c[i + 1]]) for i in range(n)]
 
 
-def train_step(stage, model, xs, ys, m):
-    """One mini-batch through the op stream. Returns the summed loss (last stage)."""
+def stage_parts(stage, parts):
+    """This rank's model chunks: chunk c is pipeline stage chunk_stage(c)
+    (round-robin for interleaved: c * ranks + rank). Returns a list of
+    (module, is_first, is_last) per chunk."""
+    out = []
+    for c in range(stage.chunks):
+        ps, n = stage.chunk_stage(c)
+        if n != len(parts):
+            raise ValueError(f"the schedule has {n} pipeline stages, the model {len(parts)}")
+        out.append((parts[ps], ps == 0, ps + 1 == n))
+    return out
+
+
+def train_step(stage, chunks, xs, ys, m):
+    """One mini-batch through the op stream; chunks as stage_parts() gives.
+    BACKWARD runs the whole backward; a split schedule (zb-h1) gives
+    BACKWARD_INPUT (the input's gradient only, sent upstream at once, the
+    graph kept) and later BACKWARD_WEIGHT (the weight gradients, accumulated
+    into .grad). Returns the summed loss (the rank of the last stage)."""
     saved, loss_sum = {}, 0.0
     for op in stage.ops():
-        mb = op.microbatch
+        mb, key = op.microbatch, (op.chunk, op.microbatch)
+        model, first, last = chunks[op.chunk]
         if op.kind == epipe.OP_FORWARD:
             # the received activation is lent by the stage until this
             # micro-batch's backward is over: autograd may keep it, no copy
-            x = xs[mb] if stage.is_first else stage.recv_activation(mb).requires_grad_()
+            x = xs[mb] if first else stage.recv_activation(mb).requires_grad_()
             out = model(x)
-            if stage.is_last:
+            if last:
                 out = F.cross_entropy(out, ys[mb]) / m  # mean over the whole batch
                 loss_sum += out.item()
             else:
                 stage.send_activation(mb, out)
-            saved[mb] = (x, out)
-        else:
-            x, out = saved.pop(mb)
-            if stage.is_last:
+            saved[key] = (x, out)
+        elif op.kind == epipe.OP_BACKWARD:
+            x, out = saved.pop(key)
+            if last:
                 out.backward()
             else:
                 torch.autograd.backward(out, stage.recv_gradient(mb))
-            if not stage.is_first:
+            if not first:
                 stage.send_gradient(mb, x.grad)
+        elif op.kind == epipe.OP_BACKWARD_INPUT:
+            x, out = saved[key]
+            # the received gradient is lent until the next op: keep a copy for W
+            g = None if last else stage.recv_gradient(mb, copy=True)
+            if not first:
+                gx, = torch.autograd.grad(out, x, g, retain_graph=True)
+                stage.send_gradient(mb, gx)
+            saved[key] = (x, out, g)
+        elif op.kind == epipe.OP_BACKWARD_WEIGHT:
+            x, out, g = saved.pop(key)
+            params = [p for p in model.parameters() if p.requires_grad]
+            if params:  # accumulates into each parameter's .grad
+                torch.autograd.backward(out, g, inputs=params)
+        else:
+            raise RuntimeError(f"fmnist_split: unknown op kind {op.kind}")
     return loss_sum
 
 
 @torch.no_grad()
-def eval_step(stage, model, xs, ys):
+def eval_step(stage, chunks, xs, ys):
     """A forward-only step (stage.training is False). Returns correct count."""
     correct = 0
     for op in stage.ops():
         mb = op.microbatch
-        x = xs[mb] if stage.is_first else stage.recv_activation(mb)
+        model, first, last = chunks[op.chunk]
+        x = xs[mb] if first else stage.recv_activation(mb)
         out = model(x)
-        if stage.is_last:
+        if last:
             correct += int((out.argmax(1) == ys[mb]).sum())
         else:
             stage.send_activation(mb, out)
@@ -133,7 +181,10 @@ def parse_args(argv=None):
     ap.add_argument("--grad-codec", default="none",
                     help="codec spec for gradients; A+B as for --act-codec")
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    ap.add_argument("--schedule", default="1f1b",
+                    choices=["gpipe", "1f1b", "zb-h1", "interleaved"])
+    ap.add_argument("--chunks", type=int, default=1,
+                    help="model chunks per rank (interleaved: 2, the model then cuts in 6)")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.05)
@@ -155,9 +206,11 @@ def main():
     if comm.size != 3:
         sys.exit(f"fmnist_split runs as 3 ranks (head, server, tail), not {comm.size}")
     s = comm.rank
-    model = build_parts(a.seed)[s]
+    stage = epipe.Stage(comm, a.schedule, a.microbatches, chunks=a.chunks, batch_size=a.batch)
+    chunks = stage_parts(stage, build_parts(a.seed, comm.size * stage.chunks))
+    model = nn.ModuleList([c[0] for c in chunks])  # this rank's chunks
+    holds_last = any(c[2] for c in chunks)  # this rank computes the loss
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
-    stage = epipe.Stage(comm, a.schedule, a.microbatches, batch_size=a.batch)
     # "A" sets codec A on both boundaries; "A+B" sets A on boundary 0->1 and
     # B on 1->2 (their tensors differ: [n,16,14,14] and [n,128]).
     for direction, specs in ((epipe.ACTIVATION, a.act_codec), (epipe.GRADIENT, a.grad_codec)):
@@ -183,13 +236,12 @@ def main():
         run_loss, te = None, time.time()
         for b in range(steps):
             idx = order[b * a.batch : (b + 1) * a.batch]
-            xs = train_x[idx].chunk(m) if stage.is_first else None
-            ys = train_y[idx].chunk(m) if stage.is_last else None
+            xs, ys = train_x[idx].chunk(m), train_y[idx].chunk(m)
             opt.zero_grad(set_to_none=True)
-            loss = train_step(stage, model, xs, ys, m)
+            loss = train_step(stage, chunks, xs, ys, m)
             opt.step()
             stage.codec_sgd_step(a.lr, a.momentum)  # trainable codecs (insert) learn too
-            if stage.is_last:
+            if holds_last:
                 run_loss = loss if run_loss is None else 0.98 * run_loss + 0.02 * loss
                 if (b + 1) % max(1, steps // 5) == 0 or b + 1 == steps:
                     print(f"epoch {epoch + 1}/{a.epochs} step {b + 1}/{steps} "
@@ -206,9 +258,8 @@ def main():
     for start in range(0, ntest - ntest % m, eb):
         n = min(eb, ntest - start)
         n -= n % m
-        xs = test_x[start : start + n].chunk(m) if stage.is_first else None
-        ys = test_y[start : start + n].chunk(m) if stage.is_last else None
-        correct += eval_step(stage, model, xs, ys)
+        xs, ys = test_x[start : start + n].chunk(m), test_y[start : start + n].chunk(m)
+        correct += eval_step(stage, chunks, xs, ys)
         seen += n
 
     raw_down = st["act_sent_raw"] + st["grad_recv_raw"]
@@ -218,7 +269,7 @@ def main():
     result = {"rank": s, "act_codec": a.act_codec, "grad_codec": a.grad_codec,
               "seed": a.seed, "train_seconds": round(train_seconds, 3),
               "raw_down": raw_down, "wire_down": wire_down, "raw_up": raw_up, "wire_up": wire_up}
-    if stage.is_last:
+    if holds_last:
         acc = correct / seen if seen else 0.0
         result.update(accuracy=acc, test_images=seen)
         print(f"test accuracy {100 * acc:.2f}% on {seen} images  (train {ntrain} images x "

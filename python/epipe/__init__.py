@@ -16,6 +16,8 @@ from ._core import (
     COMM_TIMEOUT_MS,
     GRADIENT,
     OP_BACKWARD,
+    OP_BACKWARD_INPUT,
+    OP_BACKWARD_WEIGHT,
     OP_FORWARD,
     OP_NONE,
     STAGE_BATCH_SIZE,
@@ -35,7 +37,8 @@ from ._lib import Error, library_path, status_name, strerror
 __all__ = [
     "__version__",
     "ACTIVATION", "ALL_BOUNDARIES", "CODEC_THREADS", "COMM_MAX_MESSAGE", "COMM_SPIN_US",
-    "COMM_TIMEOUT_MS", "GRADIENT", "OP_BACKWARD", "OP_FORWARD", "OP_NONE", "STAGE_BATCH_SIZE",
+    "COMM_TIMEOUT_MS", "GRADIENT", "OP_BACKWARD", "OP_BACKWARD_INPUT",
+    "OP_BACKWARD_WEIGHT", "OP_FORWARD", "OP_NONE", "STAGE_BATCH_SIZE",
     "STAGE_CODEC_THREADS", "STAGE_TIMEOUT_MS", "STAGE_TRAINING", "Codec", "Comm", "Error", "Op",
     "Stage", "library_path", "status_name", "strerror", "version", "version_number",
 ]

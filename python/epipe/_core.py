@@ -13,6 +13,8 @@ _C = _abi.C
 # epipe_op_kind (schedule.h) values the op stream returns
 OP_NONE, OP_FORWARD, OP_BACKWARD = (
     _C["EPIPE_OP_NONE"], _C["EPIPE_OP_FORWARD"], _C["EPIPE_OP_BACKWARD"])
+OP_BACKWARD_INPUT, OP_BACKWARD_WEIGHT = (
+    _C["EPIPE_OP_BACKWARD_INPUT"], _C["EPIPE_OP_BACKWARD_WEIGHT"])
 ACTIVATION, GRADIENT = _C["EPIPE_DIR_ACTIVATION"], _C["EPIPE_DIR_GRADIENT"]  # epipe_direction
 ALL_BOUNDARIES = _C["EPIPE_ALL_BOUNDARIES"]
 
@@ -281,8 +283,10 @@ class Comm(_Handle):
 
 # ---- stages -----------------------------------------------------------------
 
-Op = namedtuple("Op", "kind microbatch")
-Op.__doc__ = "One compute op: kind is OP_FORWARD, OP_BACKWARD or OP_NONE."
+Op = namedtuple("Op", "kind microbatch chunk", defaults=(0,))
+Op.__doc__ = ("One compute op: kind is OP_FORWARD, OP_BACKWARD, OP_BACKWARD_INPUT, "
+              "OP_BACKWARD_WEIGHT or OP_NONE; chunk is which of the rank's model chunks "
+              "runs it (0 with one chunk per rank).")
 
 _STAT_FIELDS = [f for f, _ in _lib.StageStats._fields_ if f != "struct_size"]
 
@@ -298,13 +302,31 @@ class Stage(_Handle):
     copy=True for a tensor that owns its data.
     """
 
-    def __init__(self, comm, schedule="1f1b", microbatches=4, *, act_codec=None,
-                 grad_codec=None, batch_size=None, timeout_ms=None, codec_threads=None):
+    def __init__(self, comm, schedule="1f1b", microbatches=4, *, chunks=None, placement=None,
+                 act_codec=None, grad_codec=None, batch_size=None, timeout_ms=None,
+                 codec_threads=None):
         super().__init__()
         self.comm = comm  # the stage borrows the comm: keep it alive
         h = ctypes.c_void_p()
-        check(lib.epipe_stage_create(ctypes.byref(h), comm._handle(), _enc(schedule),
-                                     int(microbatches)), "epipe_stage_create")
+        if chunks is None and placement is None:
+            check(lib.epipe_stage_create(ctypes.byref(h), comm._handle(), _enc(schedule),
+                                         int(microbatches)), "epipe_stage_create")
+        else:
+            # chunks per rank (None/0: the schedule's default) and placement
+            # (the rank of each pipeline stage; None: the schedule's default)
+            lay = _lib.ScheduleLayout()
+            lay.struct_size = ctypes.sizeof(lay)
+            lay.chunks = int(chunks or 0)
+            if placement is not None:
+                if isinstance(placement, str):
+                    placement = [int(x) for x in placement.split(",")]
+                arr = (ctypes.c_uint * len(placement))(*[int(x) for x in placement])
+                lay.placement = ctypes.cast(arr, ctypes.POINTER(ctypes.c_uint))
+                lay.placement_len = len(placement)
+            check(lib.epipe_stage_create_layout(ctypes.byref(h), comm._handle(),
+                                                _enc(schedule), int(microbatches),
+                                                ctypes.byref(lay)),
+                  "epipe_stage_create_layout")
         self._h = h.value
         self.microbatches = int(microbatches)
         self.schedule = schedule
@@ -341,6 +363,19 @@ class Stage(_Handle):
         return int(lib.epipe_stage_count(self._handle()))
 
     @property
+    def chunks(self):
+        """The model chunks (virtual stages) this rank holds."""
+        return int(lib.epipe_stage_chunks(self._handle()))
+
+    def chunk_stage(self, chunk):
+        """The pipeline stage that chunk `chunk` of this rank is, and the
+        pipeline's stage count, as (stage, stages)."""
+        st, n = ctypes.c_uint(), ctypes.c_uint()
+        check(lib.epipe_stage_chunk_stage(self._handle(), int(chunk), ctypes.byref(st),
+                                          ctypes.byref(n)), "epipe_stage_chunk_stage")
+        return int(st.value), int(n.value)
+
+    @property
     def is_first(self):
         return self.index == 0
 
@@ -373,7 +408,15 @@ class Stage(_Handle):
         op = _lib.Op()
         self._check(lib.epipe_stage_next_op(self._handle(), ctypes.byref(op)),
                     "epipe_stage_next_op")
-        return Op(int(op.kind), int(op.microbatch))
+        return Op(int(op.kind), int(op.microbatch), int(op.chunk))
+
+    def current_op(self):
+        """The op in progress (the last next_op() returned); Error
+        (EPIPE_ESTATE) when none is."""
+        op = _lib.Op()
+        check(lib.epipe_stage_current_op(self._handle(), ctypes.byref(op)),
+              "epipe_stage_current_op")
+        return Op(int(op.kind), int(op.microbatch), int(op.chunk))
 
     def ops(self):
         """Iterates one step's compute ops; ends after OP_NONE."""

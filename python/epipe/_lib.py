@@ -193,6 +193,17 @@ class Op(ctypes.Structure):
     ]
 
 
+class ScheduleLayout(ctypes.Structure):
+    """epipe_schedule_layout (schedule.h)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("chunks", ctypes.c_uint),
+        ("placement", ctypes.POINTER(ctypes.c_uint)),
+        ("placement_len", ctypes.c_uint),
+    ]
+
+
 class StageStats(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
@@ -270,7 +281,11 @@ _PROTOS = {
     "epipe_comm_get_param": (_int, [_vp, _int, ctypes.POINTER(ctypes.c_int64)]),
     # stage.h
     "epipe_stage_create": (_int, [_pp, _vp, _cs, _uint]),
+    "epipe_stage_create_layout": (_int, [_pp, _vp, _cs, _uint, ctypes.POINTER(ScheduleLayout)]),
     "epipe_stage_destroy": (None, [_vp]),
+    "epipe_stage_chunks": (_uint, [_vp]),
+    "epipe_stage_chunk_stage": (_int, [_vp, _uint, ctypes.POINTER(_uint), ctypes.POINTER(_uint)]),
+    "epipe_stage_current_op": (_int, [_vp, ctypes.POINTER(Op)]),
     "epipe_stage_set_codec": (_int, [_vp, _int, _uint, _cs]),
     "epipe_stage_set_param": (_int, [_vp, _int, ctypes.c_int64]),
     "epipe_stage_index": (_uint, [_vp]),

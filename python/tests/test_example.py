@@ -38,3 +38,26 @@ def test_fmnist_split_trains_over_tcp():
     assert res[1]["raw_down"] == res[2]["raw_up"] and res[1]["wire_down"] == res[2]["wire_up"]
     assert res[0]["wire_down"] < 0.35 * res[0]["raw_down"]  # 8-bit codes on fp32
     assert "test accuracy" in p.stdout and "wire ratio" in p.stdout
+
+
+def _run_schedule(schedule, chunks):
+    cmd = [LAUNCHER, "-n", "3", "--", sys.executable,
+           os.path.join(ROOT, "examples", "torch", "fmnist_split.py"),
+           "--train-limit", "640", "--test-limit", "500", "--schedule", schedule,
+           "--chunks", str(chunks), "--microbatches", "4"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:]
+    loss = [ln.split("loss ", 1)[1].split()[0] for ln in p.stdout.splitlines()
+            if "step 10/10 loss" in ln]
+    acc = [ln.split("RESULT ", 1)[1] for ln in p.stdout.splitlines() if '"accuracy"' in ln]
+    assert len(loss) == 1 and len(acc) == 1, p.stdout[-3000:]
+    return loss[0], json.loads(acc[0])["accuracy"]
+
+
+@pytest.mark.skipif(not os.path.exists(LAUNCHER), reason=f"no launcher at {LAUNCHER}")
+@pytest.mark.skipif(not os.path.exists(DATA), reason="dataset-fashion-mnist is not installed")
+def test_fmnist_split_zb_h1_and_interleaved_match_1f1b_over_tcp():
+    ref = _run_schedule("1f1b", 1)
+    assert _run_schedule("zb-h1", 1) == ref
+    assert _run_schedule("interleaved", 2) == ref

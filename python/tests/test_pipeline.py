@@ -188,7 +188,7 @@ def test_op_stream_order_errors():
             st.set_codec(epipe.ACTIVATION, "sortquant:bits=99")
         assert ei.value.name == "EPIPE_EINVAL" and "bits" in ei.value.message
         op = st.next_op()
-        assert op == (epipe.OP_FORWARD, 0)
+        assert op == (epipe.OP_FORWARD, 0, 0)  # kind, micro-batch, chunk
         with pytest.raises(epipe.Error) as ei:
             st.send_activation(1, torch.ones(2, 2))  # wrong micro-batch
         assert ei.value.name == "EPIPE_ESTATE" and ei.value.message
