@@ -27,11 +27,11 @@ struct epipe_cuda_buf {
 /* c->cuda: one per handle, on the device it is bound to. */
 struct epipe_cuda_handle {
     int device;
-    epipe_cuda_status *status;   /* device */
-    epipe_cuda_buf stage;        /* fp32 view of a fp16/bf16 tensor */
-    epipe_cuda_buf body;         /* the body before it is copied out */
-    epipe_cuda_buf work[3];      /* per-codec work arrays */
-    void *host;                  /* per-codec host scratch (malloc) */
+    epipe_cuda_status *status; /* device */
+    epipe_cuda_buf stage;      /* fp32 view of a fp16/bf16 tensor */
+    epipe_cuda_buf body;       /* the body before it is copied out */
+    epipe_cuda_buf work[3];    /* per-codec work arrays */
+    void *host;                /* per-codec host scratch (malloc) */
     size_t host_cap;
 };
 

@@ -32,8 +32,8 @@ int epipe_tensor_inspect(const DLTensor *t, const char *what, char *handle_msg, 
     return epipe_tensor_inspect_on(t, what, handle_msg, numel, dtype, 0);
 }
 
-int epipe_tensor_inspect_on(const DLTensor *t, const char *what, char *handle_msg,
-                            uint64_t *numel, enum epipe_dtype *dtype, int cuda_ok)
+int epipe_tensor_inspect_on(const DLTensor *t, const char *what, char *handle_msg, uint64_t *numel,
+                            enum epipe_dtype *dtype, int cuda_ok)
 {
     if (!t)
         return epipe_fail_into(handle_msg, EPIPE_EINVAL, "%s is NULL", what);

@@ -20,8 +20,8 @@ int epipe_tensor_inspect(const DLTensor *t, const char *what, char *handle_msg, 
                          enum epipe_dtype *dtype);
 /* The same; with cuda_ok a CUDA tensor (kDLCUDA, kDLCUDAManaged) passes the
  * device check (the codec core's CUDA path; its module checks the memory). */
-int epipe_tensor_inspect_on(const DLTensor *t, const char *what, char *handle_msg,
-                            uint64_t *numel, enum epipe_dtype *dtype, int cuda_ok);
+int epipe_tensor_inspect_on(const DLTensor *t, const char *what, char *handle_msg, uint64_t *numel,
+                            enum epipe_dtype *dtype, int cuda_ok);
 
 /* Bytes per element of a dtype. */
 size_t epipe_dtype_size(enum epipe_dtype d);

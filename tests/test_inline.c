@@ -3,18 +3,18 @@
  * lib/bitpack's reference, the table check, the cast conversions. */
 #include <epipe/epipe.h>
 #include <math.h>
-#include <stdlib.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
 
 #include "../codecs/inline/half.h"
-#include "../codecs/sortquant/sortquant.h"
 #include "../codecs/inline/quant.h"
+#include "../codecs/sortquant/sortquant.h"
 #include "../lib/bitpack.h"
 #include "../lib/tensor.h"
 #include "testutil.h"
@@ -196,7 +196,10 @@ static void gpu_algorithm_matches_cpu(void **state)
             epipe_codec *c;
             assert_int_equal(epipe_codec_create(&c, cases[ci].spec), EPIPE_OK);
             int64_t shape[1] = {(int64_t)n};
-            DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = 1, .shape = shape,
+            DLTensor t = {.data = x,
+                          .device = {kDLCPU, 0},
+                          .ndim = 1,
+                          .shape = shape,
                           .dtype = {kDLFloat, 32, 1}};
             size_t w;
             assert_int_equal(epipe_codec_encode(c, &t, cpu, 300000, &w), EPIPE_OK);
@@ -214,10 +217,8 @@ static void gpu_algorithm_matches_cpu(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(pack8_matches_bitpack),
-        cmocka_unit_test(pair_check_rules),
-        cmocka_unit_test(half_conversions),
-        cmocka_unit_test(sample_positions_agree),
+        cmocka_unit_test(pack8_matches_bitpack),     cmocka_unit_test(pair_check_rules),
+        cmocka_unit_test(half_conversions),          cmocka_unit_test(sample_positions_agree),
         cmocka_unit_test(gpu_algorithm_matches_cpu),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -220,8 +220,11 @@ static void chunks_and_split_backward_equal_one_process(void **state)
     static const struct {
         unsigned ranks, P, placement[HOST_RAW_MAX_STAGES];
     } layouts[] = {
-        {2, 3, {0, 1, 0}},       {2, 3, {0, 0, 1}},          {2, 4, {0, 1, 0, 1}},
-        {3, 6, {0, 1, 2, 2, 1, 0}}, {4, 8, {0, 1, 2, 3, 0, 1, 2, 3}},
+        {2, 3, {0, 1, 0}},
+        {2, 3, {0, 0, 1}},
+        {2, 4, {0, 1, 0, 1}},
+        {3, 6, {0, 1, 2, 2, 1, 0}},
+        {4, 8, {0, 1, 2, 3, 0, 1, 2, 3}},
     };
     enum { M = 4 };
     mlp_layer ref[HOST_MAX_LAYERS];
@@ -269,8 +272,8 @@ static void schedule_layouts_equal_one_process(void **state)
         unsigned ranks, chunks;
         const unsigned *placement;
         unsigned len;
-    } layouts[] = {{2, 0, cs, 3},     {3, 0, oab, 5},   {2, 2, NULL, 0}, {3, 2, NULL, 0},
-                   {2, 0, NULL, 0},   {4, 0, NULL, 0},  {4, 2, NULL, 0}};
+    } layouts[] = {{2, 0, cs, 3},   {3, 0, oab, 5},  {2, 2, NULL, 0}, {3, 2, NULL, 0},
+                   {2, 0, NULL, 0}, {4, 0, NULL, 0}, {4, 2, NULL, 0}};
     enum { M = 4 };
     mlp_layer ref[HOST_MAX_LAYERS];
     double first, last;
@@ -352,7 +355,8 @@ static void plain_backward_runs_a_split_list(void **state)
     mlp_layer ref[HOST_MAX_LAYERS];
     double f, last;
     host_reference(M, STEPS, ref, &f, &last);
-    static struct host_raw_layout L = {.P = 3, .ranks = 2, .m = M, .split = 1, .placement = {0, 1, 0}};
+    static struct host_raw_layout L = {
+        .P = 3, .ranks = 2, .m = M, .split = 1, .placement = {0, 1, 0}};
     assert_int_equal(host_build_raw(&L), 0);
     struct host_config cfg = {
         .microbatches = M, .steps = STEPS, .split = 0, .create = host_create_raw, .create_arg = &L};
@@ -426,8 +430,8 @@ static void local_boundary_uses_its_codec_only_when_set(void **state)
     assert_int_equal(epipe_stage_create_raw(&st, c[0], M, L.P, L.placement, L.ops[0], L.n[0], 0),
                      EPIPE_OK);
     expect_error(epipe_stage_last_error(st),
-                 epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, 0, "insert:kind=linear,out=8"), EPIPE_ENOTSUP,
-                 "boundary 0 joins two chunks of rank 0");
+                 epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, 0, "insert:kind=linear,out=8"),
+                 EPIPE_ENOTSUP, "boundary 0 joins two chunks of rank 0");
     assert_int_equal(epipe_stage_chunks(st), 2);
     unsigned g, P;
     assert_int_equal(epipe_stage_chunk_stage(st, 1, &g, &P), EPIPE_OK);

@@ -433,10 +433,8 @@ static void split_backward_rules(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(every_size_holds),
-        cmocka_unit_test(bad_arguments_are_named),
-        cmocka_unit_test(broken_lists_are_caught),
-        cmocka_unit_test(costs_per_op_and_boundary),
+        cmocka_unit_test(every_size_holds),        cmocka_unit_test(bad_arguments_are_named),
+        cmocka_unit_test(broken_lists_are_caught), cmocka_unit_test(costs_per_op_and_boundary),
         cmocka_unit_test(split_backward_rules),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

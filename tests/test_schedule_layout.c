@@ -34,8 +34,8 @@ static size_t find(const epipe_schedule *sc, unsigned s, uint32_t kind, unsigned
     return SIZE_MAX;
 }
 
-static void times(const epipe_sim *sim, const epipe_schedule *sc, unsigned s, size_t k,
-                  double *t0, double *t1)
+static void times(const epipe_sim *sim, const epipe_schedule *sc, unsigned s, size_t k, double *t0,
+                  double *t1)
 {
     unsigned r;
     assert_int_equal(epipe_schedule_placement(sc, s, &r, NULL), EPIPE_OK);
@@ -74,9 +74,15 @@ static void check(const epipe_schedule *sc, const epipe_sim *sim, struct costs c
             double d = t1 - t0;
             switch (ops[k].kind) {
             case EPIPE_OP_FORWARD: assert_true(fabs(d - c.f) < eps); break;
-            case EPIPE_OP_BACKWARD: assert_false(split), assert_true(fabs(d - c.b - c.w) < eps); break;
-            case EPIPE_OP_BACKWARD_INPUT: assert_true(split), assert_true(fabs(d - c.b) < eps); break;
-            case EPIPE_OP_BACKWARD_WEIGHT: assert_true(split), assert_true(fabs(d - c.w) < eps); break;
+            case EPIPE_OP_BACKWARD:
+                assert_false(split), assert_true(fabs(d - c.b - c.w) < eps);
+                break;
+            case EPIPE_OP_BACKWARD_INPUT:
+                assert_true(split), assert_true(fabs(d - c.b) < eps);
+                break;
+            case EPIPE_OP_BACKWARD_WEIGHT:
+                assert_true(split), assert_true(fabs(d - c.w) < eps);
+                break;
             default: break;
             }
         }
@@ -451,12 +457,9 @@ static void bad_layouts_are_named(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(every_kind_every_size),
-        cmocka_unit_test(client_server_map),
-        cmocka_unit_test(random_placements),
-        cmocka_unit_test(bubbles_match_the_papers),
-        cmocka_unit_test(split_backward_kinds),
-        cmocka_unit_test(bad_layouts_are_named),
+        cmocka_unit_test(every_kind_every_size), cmocka_unit_test(client_server_map),
+        cmocka_unit_test(random_placements),     cmocka_unit_test(bubbles_match_the_papers),
+        cmocka_unit_test(split_backward_kinds),  cmocka_unit_test(bad_layouts_are_named),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -24,9 +24,9 @@ enum { N = 32, R = 4, M = 2, SPE = N / (R * M), EPOCHS = 6, STEPS = SPE * EPOCHS
 enum { IN = 8, W = 16, OUT = 4, MAX_P = 4, MAX_RANKS = 3 };
 
 struct run {
-    const char *spec;  /* the activation codec on every boundary */
-    int delta;         /* spec has delta=1: the host passes ids on stage 0 */
-    unsigned ranks, P; /* P pipeline stages on `ranks` ranks */
+    const char *spec;          /* the activation codec on every boundary */
+    int delta;                 /* spec has delta=1: the host passes ids on stage 0 */
+    unsigned ranks, P;         /* P pipeline stages on `ranks` ranks */
     const unsigned *placement; /* NULL: one stage per rank */
     int boundary;              /* the coded boundary, or -1: all of them */
     /* ids[step][mb][row]: the samples of each micro-batch, known to all */
@@ -88,7 +88,7 @@ static const char *err_text(const epipe_stage *st)
 #define CHECK(call)                                                                                \
     do {                                                                                           \
         if ((rc = (call)) != EPIPE_OK) {                                                           \
-            snprintf(r->err[a->rank], sizeof r->err[0], "%s: %s", #call, err_text(st));           \
+            snprintf(r->err[a->rank], sizeof r->err[0], "%s: %s", #call, err_text(st));            \
             goto out;                                                                              \
         }                                                                                          \
     } while (0)
@@ -159,8 +159,11 @@ static void *rank_main(void *p)
                 }
                 /* the shadow: the same codec, fed the same ids */
                 int64_t shape[2] = {R, W};
-                DLTensor t = {.data = yout[g][mb], .device = {kDLCPU, 0}, .ndim = 2,
-                              .dtype = {kDLFloat, 32, 1}, .shape = shape};
+                DLTensor t = {.data = yout[g][mb],
+                              .device = {kDLCPU, 0},
+                              .ndim = 2,
+                              .dtype = {kDLFloat, 32, 1},
+                              .shape = shape};
                 DLTensor o = t;
                 o.data = r->shadow[g][s][mb];
                 size_t len;
@@ -190,8 +193,11 @@ static void *rank_main(void *p)
                 mlp_layer_backward(&layer[g], xin[g][mb], yout[g][mb], dy, R, first ? NULL : dx);
                 if (!first) {
                     int64_t shape[2] = {R, W};
-                    DLTensor t = {.data = dx, .device = {kDLCPU, 0}, .ndim = 2,
-                                  .dtype = {kDLFloat, 32, 1}, .shape = shape};
+                    DLTensor t = {.data = dx,
+                                  .device = {kDLCPU, 0},
+                                  .ndim = 2,
+                                  .dtype = {kDLFloat, 32, 1},
+                                  .shape = shape};
                     CHECK(epipe_stage_send_gradient(st, mb, &t));
                 }
             }
@@ -367,17 +373,17 @@ static void bad_use_is_refused(void **state)
     float x[5 * W] = {0};
     uint64_t ids[5] = {1, 2, 3, 4, 5};
     int64_t shape[2] = {4, W};
-    DLTensor t = {.data = x, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1},
-                  .shape = shape};
+    DLTensor t = {
+        .data = x, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
     assert_int_equal(epipe_stage_create(&s0, c[0], "gpipe", 1), EPIPE_OK);
     assert_int_equal(epipe_stage_create(&s1, c[1], "gpipe", 1), EPIPE_OK);
     int rc = epipe_stage_set_codec(s0, EPIPE_DIR_GRADIENT, 0, "quant:bits=2,delta=1");
     expect_error(epipe_stage_last_error(s0), rc, EPIPE_EINVAL, "delta=1");
-    assert_int_equal(
-        epipe_stage_set_codec(s0, EPIPE_DIR_ACTIVATION, 0, "quant:bits=2,delta=1"), EPIPE_OK);
-    assert_int_equal(
-        epipe_stage_set_codec(s1, EPIPE_DIR_ACTIVATION, 0, "quant:bits=2,delta=1"), EPIPE_OK);
+    assert_int_equal(epipe_stage_set_codec(s0, EPIPE_DIR_ACTIVATION, 0, "quant:bits=2,delta=1"),
+                     EPIPE_OK);
+    assert_int_equal(epipe_stage_set_codec(s1, EPIPE_DIR_ACTIVATION, 0, "quant:bits=2,delta=1"),
+                     EPIPE_OK);
     rc = epipe_stage_set_samples(s1, 0, ids, 4);
     expect_error(epipe_stage_last_error(s1), rc, EPIPE_EINVAL, "first pipeline stage");
     rc = epipe_stage_set_samples(s0, 1, ids, 4);
@@ -385,7 +391,8 @@ static void bad_use_is_refused(void **state)
     assert_int_equal(epipe_stage_next_op(s0, &op), EPIPE_OK);
     assert_int_equal(op.kind, EPIPE_OP_FORWARD);
     rc = epipe_stage_send_activation(s0, 0, &t);
-    expect_error(epipe_stage_last_error(s0), rc, EPIPE_EINVAL, "epipe_stage_set_samples(0, ids, 4)");
+    expect_error(epipe_stage_last_error(s0), rc, EPIPE_EINVAL,
+                 "epipe_stage_set_samples(0, ids, 4)");
     assert_int_equal(epipe_stage_set_samples(s0, 0, ids, 5), EPIPE_OK);
     rc = epipe_stage_send_activation(s0, 0, &t);
     expect_error(epipe_stage_last_error(s0), rc, EPIPE_EINVAL, "has 4 rows (dimension 0), but 5");

@@ -18,7 +18,7 @@ struct bench_opts {
     unsigned p, m, chunks; /* chunks: per rank, 0 = the kind's default */
     int steps, json, spin, compare;
     double fwd_ms, bwd_ms; /* 0: empty callbacks (overhead mode) */
-    double w_ms; /* weight-gradient part: its own op when the kind splits the
+    double w_ms;           /* weight-gradient part: its own op when the kind splits the
                     backward, else added to the backward */
     int elems;
     long spin_us; /* EPIPE_COMM_SPIN_US on every stage's communicator; -1: the default */
@@ -308,23 +308,24 @@ static int compare(const struct bench_opts *base)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: epipe-bench pipeline [--kind KIND] [--chunks V] [-p RANKS] [-m MICROBATCHES]\n"
-               "       [--steps N] [--fwd-ms F --bwd-ms B [--w-ms W] [--spin]] [--elems N]\n"
-               "       [--codec SPEC] [--spin-us US] [--compare] [--json]\n\n"
-               "Runs a pipeline of in-process stages (threads). Without --fwd-ms/--bwd-ms the\n"
-               "callbacks do nothing and the result is the runtime's overhead per op\n"
-               "(one op = a forward or backward with its receive and send). With them, each\n"
-               "callback sleeps that long (standing for device compute; --spin busy-waits\n"
-               "instead, standing for CPU compute) and the measured step time is compared\n"
-               "with the simulator's makespan for the same costs. --spin-us sets\n"
-               "EPIPE_COMM_SPIN_US (receives busy-wait, yielding, before they sleep;\n"
-               "inproc default 50). --w-ms is the weight-gradient part of the backward:\n"
-               "an op of its own on kinds that split the backward (zb-h1, zb-v), else\n"
-               "added to the backward. Costs are per op of one chunk.\n"
-               "--compare runs 1f1b, zb-h1, interleaved (2 chunks) and zb-v with the\n"
-               "given costs per micro-batch and rank (default F = B = W = 2 ms; a rank\n"
-               "with v chunks takes 1/v of each per chunk), and prints each step time\n"
-               "relative to 1f1b beside the simulator's, and the runtime's overhead per op.\n");
+    fprintf(f,
+            "usage: epipe-bench pipeline [--kind KIND] [--chunks V] [-p RANKS] [-m MICROBATCHES]\n"
+            "       [--steps N] [--fwd-ms F --bwd-ms B [--w-ms W] [--spin]] [--elems N]\n"
+            "       [--codec SPEC] [--spin-us US] [--compare] [--json]\n\n"
+            "Runs a pipeline of in-process stages (threads). Without --fwd-ms/--bwd-ms the\n"
+            "callbacks do nothing and the result is the runtime's overhead per op\n"
+            "(one op = a forward or backward with its receive and send). With them, each\n"
+            "callback sleeps that long (standing for device compute; --spin busy-waits\n"
+            "instead, standing for CPU compute) and the measured step time is compared\n"
+            "with the simulator's makespan for the same costs. --spin-us sets\n"
+            "EPIPE_COMM_SPIN_US (receives busy-wait, yielding, before they sleep;\n"
+            "inproc default 50). --w-ms is the weight-gradient part of the backward:\n"
+            "an op of its own on kinds that split the backward (zb-h1, zb-v), else\n"
+            "added to the backward. Costs are per op of one chunk.\n"
+            "--compare runs 1f1b, zb-h1, interleaved (2 chunks) and zb-v with the\n"
+            "given costs per micro-batch and rank (default F = B = W = 2 ms; a rank\n"
+            "with v chunks takes 1/v of each per chunk), and prints each step time\n"
+            "relative to 1f1b beside the simulator's, and the runtime's overhead per op.\n");
 }
 
 int bench_pipeline_main(int argc, char **argv)
@@ -416,7 +417,7 @@ int bench_pipeline_main(int argc, char **argv)
         double sim_unused;
         size_t ops;
         if (simulate(&o, &sim_unused, &ops) || !ops)
-            ops = 2 * o.m; /* one chunk: m forwards, m backwards */
+            ops = 2 * o.m;                              /* one chunk: m forwards, m backwards */
         double us_per_op = step_ms * 1e3 / (double)ops; /* rank 0's compute ops */
         /* CPU the stage threads spent per op, whatever the scheduler did with the waits */
         double cpu_us_per_op = cpu * 1e6 / ((double)ops * o.p * o.steps);
@@ -443,14 +444,14 @@ int bench_pipeline_main(int argc, char **argv)
     }
     double ideal = (o.m + o.p - 1.0) / o.m * o.m * (o.fwd_ms + o.bwd_ms + o.w_ms);
     if (o.json)
-        printf(
-            "{\"bench\": \"pipeline-step\", \"kind\": \"%s\", \"stages\": %u, "
-            "\"microbatches\": %u, \"steps\": %d, \"fwd_ms\": %g, \"bwd_ms\": %g, "
-            "\"w_ms\": %g, \"chunks\": %u, \"compute\": \"%s\", \"spin_us\": %s, \"codec\": \"%s\", \"measured_step_ms\": %.3f, "
-            "\"simulated_step_ms\": %.3f, \"ratio\": %.4f, \"compute_only_ideal_ms\": %.3f}\n",
-            o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.w_ms, o.chunks,
-            o.spin ? "spin" : "sleep", spin_text,
-            o.codec, step_ms, sim_ms, step_ms / sim_ms, ideal);
+        printf("{\"bench\": \"pipeline-step\", \"kind\": \"%s\", \"stages\": %u, "
+               "\"microbatches\": %u, \"steps\": %d, \"fwd_ms\": %g, \"bwd_ms\": %g, "
+               "\"w_ms\": %g, \"chunks\": %u, \"compute\": \"%s\", \"spin_us\": %s, \"codec\": "
+               "\"%s\", \"measured_step_ms\": %.3f, "
+               "\"simulated_step_ms\": %.3f, \"ratio\": %.4f, \"compute_only_ideal_ms\": %.3f}\n",
+               o.kind, o.p, o.m, o.steps, o.fwd_ms, o.bwd_ms, o.w_ms, o.chunks,
+               o.spin ? "spin" : "sleep", spin_text, o.codec, step_ms, sim_ms, step_ms / sim_ms,
+               ideal);
     else
         printf("%s, %u ranks, %u micro-batches, forward %g ms, backward %g ms, weight %g ms, "
                "codec %s:\n"

@@ -25,23 +25,22 @@ struct sopts {
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: epipe-bench schedule [--kind KIND] [-p RANKS] [-m MICROBATCHES]\n"
-            "       [--chunks V] [--placement R,R,...] [--forward-cost X] [--backward-cost X]\n"
-            "       [--weight-cost X] [--comm-cost X] [--codec-cost X] [--json]\n\n"
-            "Simulates one training step of the schedule (default 1f1b, p=4, m=8; kinds:\n"
-            "gpipe, 1f1b, interleaved, zb-h1, zb-v) and prints each rank's compute ops on a\n"
-            "timeline (F3 / B3 / Bi3 / W3: forward / backward / input-gradient / weight-\n"
-            "gradient backward of micro-batch 3, F3.1 on chunk 1; dots: idle), the makespan,\n"
-            "the bubble (idle over the step, and idle over the ideal compute beside the\n"
-            "published formula), and the peak live activations per rank.\n"
-            "--chunks: model chunks per rank (round-robin; a V for zb-v); --placement: the\n"
-            "rank of each pipeline stage, e.g. 0,1,0 (then -p defaults to the ranks named).\n"
-            "Costs are per op of one chunk: forward 1, backward 1, weight 0 (a schedule that\n"
-            "does not split the backward pays backward + weight), links 0 (--comm-cost sets\n"
-            "both directions of every link between ranks; chunks on one rank hand over for\n"
-            "free), codec 0 (encode and decode of each message between ranks).\n"
-            "--json prints one JSON object instead.\n");
+    fprintf(f, "usage: epipe-bench schedule [--kind KIND] [-p RANKS] [-m MICROBATCHES]\n"
+               "       [--chunks V] [--placement R,R,...] [--forward-cost X] [--backward-cost X]\n"
+               "       [--weight-cost X] [--comm-cost X] [--codec-cost X] [--json]\n\n"
+               "Simulates one training step of the schedule (default 1f1b, p=4, m=8; kinds:\n"
+               "gpipe, 1f1b, interleaved, zb-h1, zb-v) and prints each rank's compute ops on a\n"
+               "timeline (F3 / B3 / Bi3 / W3: forward / backward / input-gradient / weight-\n"
+               "gradient backward of micro-batch 3, F3.1 on chunk 1; dots: idle), the makespan,\n"
+               "the bubble (idle over the step, and idle over the ideal compute beside the\n"
+               "published formula), and the peak live activations per rank.\n"
+               "--chunks: model chunks per rank (round-robin; a V for zb-v); --placement: the\n"
+               "rank of each pipeline stage, e.g. 0,1,0 (then -p defaults to the ranks named).\n"
+               "Costs are per op of one chunk: forward 1, backward 1, weight 0 (a schedule that\n"
+               "does not split the backward pays backward + weight), links 0 (--comm-cost sets\n"
+               "both directions of every link between ranks; chunks on one rank hand over for\n"
+               "free), codec 0 (encode and decode of each message between ranks).\n"
+               "--json prints one JSON object instead.\n");
 }
 
 /* Reads a placement "0,1,0": up to MAX_PLACEMENT ranks, each a whole number
@@ -278,7 +277,8 @@ static void print_timeline(const epipe_schedule *sc, const epipe_sim *sim, const
     double makespan = epipe_sim_makespan(sim);
     char label[48];
     epipe_op widest = {.kind = split ? EPIPE_OP_BACKWARD_INPUT : EPIPE_OP_FORWARD,
-                       .microbatch = m - 1, .chunk = P / p};
+                       .microbatch = m - 1,
+                       .chunk = P / p};
     int lw = op_label(label, sizeof label, &widest, ch);
     /* The cheapest compute op gets its label and one space. */
     double costs[3] = {o->fwd, split ? o->bwd : o->bwd + o->wgt, split ? o->wgt : 0}, unit = 0;

@@ -28,8 +28,8 @@ struct cfg {
     int json, quick, reps, raw_hot;
     unsigned streams;
     int spin_us;
-    const char *options; /* appended to the transport options */
-    const char *compare; /* a second communicator's extra options, or NULL */
+    const char *options;   /* appended to the transport options */
+    const char *compare;   /* a second communicator's extra options, or NULL */
     const char *transport; /* tcp (default) or rdma */
 };
 

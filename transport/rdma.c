@@ -56,11 +56,11 @@ static void info_encode(const struct info *in, uint8_t p[INFO_SIZE])
     epipe_tcp_put_u16(p + 54, RDMA_LARGE);
     memcpy(p + 56, in->why, strnlen(in->why, sizeof in->why - 1));
     switch (corrupt_field) {
-    case 0: p[0] = 'X'; break;              /* magic */
-    case 1: p[7] = 9; break;                /* path mtu */
-    case 2: epipe_put_u32(p + 8, 0); break; /* qp number */
+    case 0: p[0] = 'X'; break;               /* magic */
+    case 1: p[7] = 9; break;                 /* path mtu */
+    case 2: epipe_put_u32(p + 8, 0); break;  /* qp number */
     case 3: epipe_put_u32(p + 36, 7); break; /* slot size */
-    case 4: memset(p + 56, 'x', 40); break; /* text without its end */
+    case 4: memset(p + 56, 'x', 40); break;  /* text without its end */
     default: break;
     }
 }
@@ -75,8 +75,9 @@ static int info_decode(const uint8_t *p, size_t len, struct info *out, unsigned 
     else if (memcmp(p, "EPRD", 4))
         bad = "magic";
     else if (epipe_tcp_get_u16(p + 4) != INFO_VERSION)
-        return epipe_fail(EPIPE_EVERSION, "rdma: rank %u speaks queue-pair information version "
-                                          "%u, this rank %d",
+        return epipe_fail(EPIPE_EVERSION,
+                          "rdma: rank %u speaks queue-pair information version "
+                          "%u, this rank %d",
                           peer, epipe_tcp_get_u16(p + 4), INFO_VERSION);
     else if (p[6] > 1)
         bad = "usable flag";
@@ -97,15 +98,17 @@ static int info_decode(const uint8_t *p, size_t len, struct info *out, unsigned 
             bad = "queue pair number";
         else if (out->psn > 0xffffff)
             bad = "packet sequence number";
-        else if (epipe_tcp_get_u16(p + 34) != RDMA_SLOTS || epipe_get_u32(p + 36) != RDMA_SLOT_SIZE ||
+        else if (epipe_tcp_get_u16(p + 34) != RDMA_SLOTS ||
+                 epipe_get_u32(p + 36) != RDMA_SLOT_SIZE ||
                  epipe_tcp_get_u16(p + 52) != RDMA_RING || epipe_tcp_get_u16(p + 54) != RDMA_LARGE)
             bad = "slot or ring geometry";
         else if (!out->ring)
             bad = "ring address";
     }
     if (bad)
-        return epipe_fail(EPIPE_EPROTO, "rdma: rank %u sent malformed queue-pair information: "
-                                        "bad %s",
+        return epipe_fail(EPIPE_EPROTO,
+                          "rdma: rank %u sent malformed queue-pair information: "
+                          "bad %s",
                           peer, bad);
     memcpy(out->why, p + 56, 40);
     return EPIPE_OK;
@@ -124,8 +127,9 @@ static int read_hello(int fd, struct epipe_tcp_reader *rd, int64_t deadline, uns
     }
     if (rd->h.kind != EPIPE_WIRE_HELLO ||
         epipe_wire_check_payload_crc(&rd->h, rd->payload, (size_t)rd->h.payload_len, NULL))
-        return epipe_fail(EPIPE_EPROTO, "rdma: rank %u sent a message of kind %u, not its "
-                                        "queue-pair information",
+        return epipe_fail(EPIPE_EPROTO,
+                          "rdma: rank %u sent a message of kind %u, not its "
+                          "queue-pair information",
                           peer, rd->h.kind);
     return EPIPE_OK;
 }
@@ -135,8 +139,8 @@ static int to_rts(struct rdma *r, struct rdma_link *l, const struct info *pi)
     struct ibv_qp_attr a;
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_RTR;
-    a.path_mtu = (enum ibv_mtu)(pi->mtu < r->dev.port_attr.active_mtu ? pi->mtu
-                                                                       : r->dev.port_attr.active_mtu);
+    a.path_mtu = (enum ibv_mtu)(
+        pi->mtu < r->dev.port_attr.active_mtu ? pi->mtu : r->dev.port_attr.active_mtu);
     a.dest_qp_num = pi->qpn;
     a.rq_psn = pi->psn;
     a.max_dest_rd_atomic = 1;
@@ -164,8 +168,8 @@ static int to_rts(struct rdma *r, struct rdma_link *l, const struct info *pi)
                        IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                            IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
     if (e)
-        return epipe_fail(EPIPE_EPEER, "rdma: queue pair to rank %u: RTR->RTS failed (%s)",
-                          l->peer, strerror(e));
+        return epipe_fail(EPIPE_EPEER, "rdma: queue pair to rank %u: RTR->RTS failed (%s)", l->peer,
+                          strerror(e));
     l->peer_ring = pi->ring;
     l->peer_ring_rkey = pi->ring_rkey;
     return EPIPE_OK;
@@ -291,8 +295,12 @@ int epipe_rdma_debug_inject(epipe_comm *c, unsigned peer, int what)
     switch (what) {
     case EPIPE_RDMA_INJECT_SHORT_CTS: r->inject = EPIPE_RDMA_INJECT_SHORT_CTS; break;
     case EPIPE_RDMA_INJECT_DUP_RTS: r->inject = EPIPE_RDMA_INJECT_DUP_RTS; break;
-    case EPIPE_RDMA_INJECT_UNKNOWN_IMM: rc = epipe_rdma_post_ctl(l, IMM(IMM_DONE, 0x0abcdef)); break;
-    case EPIPE_RDMA_INJECT_UNLENT_SLOT: rc = epipe_rdma_post_ctl(l, IMM(IMM_EAGER, RDMA_SLOTS + 3)); break;
+    case EPIPE_RDMA_INJECT_UNKNOWN_IMM:
+        rc = epipe_rdma_post_ctl(l, IMM(IMM_DONE, 0x0abcdef));
+        break;
+    case EPIPE_RDMA_INJECT_UNLENT_SLOT:
+        rc = epipe_rdma_post_ctl(l, IMM(IMM_EAGER, RDMA_SLOTS + 3));
+        break;
     case EPIPE_RDMA_INJECT_BOGUS_WC: {
         pthread_mutex_unlock(&l->lock);
         struct ibv_wc wc;
@@ -420,8 +428,9 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
         r->cq = r->v.create_cq(r->dev.ctx, (int)(npeers * (RDMA_SQ_DEPTH + RDMA_RQ_DEPTH) + 16),
                                NULL, r->ch, 0);
         if (!r->cq)
-            rc = epipe_fail(EPIPE_ENOTSUP, "rdma: device %s: cannot create a completion queue "
-                                           "(%s)",
+            rc = epipe_fail(EPIPE_ENOTSUP,
+                            "rdma: device %s: cannot create a completion queue "
+                            "(%s)",
                             r->dev.name, errno ? strerror(errno) : "no reason given");
     }
     for (unsigned i = 0, k = 0; rc == EPIPE_OK && i < nlinks; i++) {
@@ -436,8 +445,9 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
         k++;
         if (!both[k - 1]) {
             if (!is_auto)
-                rc = epipe_fail(EPIPE_ENOTSUP, "rdma: rank %u did not offer rdma (it has no "
-                                               "active RDMA device, or runs tcp)",
+                rc = epipe_fail(EPIPE_ENOTSUP,
+                                "rdma: rank %u did not offer rdma (it has no "
+                                "active RDMA device, or runs tcp)",
                                 l->peer);
             else if (local_ok) /* without a device here, one line says so below */
                 epipe_log_info((int)rank, "rdma",
@@ -477,8 +487,7 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
         struct epipe_tcp_reader rd = {0};
         rc = read_hello(lfd[k], &rd, deadline, r->links[k].peer);
         if (rc == EPIPE_OK)
-            rc = info_decode(rd.payload, (size_t)rd.h.payload_len, &peer_info[k],
-                             r->links[k].peer);
+            rc = info_decode(rd.payload, (size_t)rd.h.payload_len, &peer_info[k], r->links[k].peer);
         epipe_tcp_reader_reset(&rd);
     }
     for (unsigned k = 0; rc == EPIPE_OK && k < npeers; k++) {
@@ -579,8 +588,8 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
         return rc;
     }
     epipe_log_info((int)rank, "comm",
-                   "%stransport rdma: device %s port %u, %u verbs link(s), %u over tcp", is_auto ? "auto: " : "",
-                   r->dev.name, r->dev.port, kept, npeers - kept);
+                   "%stransport rdma: device %s port %u, %u verbs link(s), %u over tcp",
+                   is_auto ? "auto: " : "", r->dev.name, r->dev.port, kept, npeers - kept);
     *out = c;
     return EPIPE_OK;
 }

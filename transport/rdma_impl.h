@@ -20,17 +20,17 @@
 #define RDMA_SLOT_SIZE (32 * 1024)
 #define RDMA_LARGE 8
 #define RDMA_RING 64
-#define RDMA_RQ_DEPTH 128 /* zero-length receives for immediates, >= SLOTS+RING+LARGE+2 */
+#define RDMA_RQ_DEPTH 128  /* zero-length receives for immediates, >= SLOTS+RING+LARGE+2 */
 #define RDMA_RECV_BATCH 16 /* receives re-posted at once; RQ_DEPTH - BATCH still covers the above */
 #define RDMA_SQ_DEPTH 256
 #define RDMA_SQ_DATA (RDMA_SQ_DEPTH - RDMA_SLOTS - RDMA_RING - 8) /* room large writes may use */
 #define RDMA_CHUNK ((size_t)1 << 20)
-#define RDMA_LEND_BATCH 8  /* slots lent back per clear-to-send */
+#define RDMA_LEND_BATCH 8    /* slots lent back per clear-to-send */
 #define RDMA_SIGNAL_EVERY 16 /* eager writes per signaled one */
 
 /* Immediate values: a 4-bit type, a 28-bit value. */
 enum { IMM_EAGER = 1, IMM_RTS, IMM_CTS, IMM_DONE, IMM_BYE, IMM_BYE_ACK };
-#define IMM(type, v) (((uint32_t)(type) << 28) | ((uint32_t)(v) & 0x0fffffffu))
+#define IMM(type, v) (((uint32_t)(type) << 28) | ((uint32_t)(v)&0x0fffffffu))
 
 /* Work-request ids: type, link, index. */
 enum { WR_EAGER = 1, WR_CTS, WR_CHUNK, WR_DONE, WR_CTL, WR_RECV };
@@ -91,9 +91,9 @@ struct rdma_link {
     uint32_t peer_ring_rkey;
 
     pthread_mutex_t lock; /* everything below */
-    int dead;       /* torn down: QP in ERR, nothing more posted */
-    int peer_bye;   /* the peer said goodbye over verbs */
-    int bye_acked;  /* the peer acknowledged this rank's goodbye */
+    int dead;             /* torn down: QP in ERR, nothing more posted */
+    int peer_bye;         /* the peer said goodbye over verbs */
+    int bye_acked;        /* the peer acknowledged this rank's goodbye */
     unsigned sq_used, rq_posted, cts_inflight, ctl_inflight;
     /* sending */
     epipe_msg *txq, *txq_tail;
@@ -103,8 +103,8 @@ struct rdma_link {
     uint32_t credit;
     uint64_t credit_base;
     uint32_t credit_rkey;
-    unsigned unsignaled; /* eager writes posted since the last signaled one */
-    unsigned eager_signaled; /* signaled eager writes in flight */
+    unsigned unsignaled;               /* eager writes posted since the last signaled one */
+    unsigned eager_signaled;           /* signaled eager writes in flight */
     uint64_t eager_posted, eager_done; /* eager writes posted; completed (signaled or implied) */
     uint64_t stage_seq[RDMA_SLOTS];    /* the write that last read staging slot i */
     struct rdma_ltx ltx[RDMA_LARGE];

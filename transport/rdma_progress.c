@@ -112,7 +112,8 @@ void epipe_rdma_handle_wc(struct rdma *r, const struct ibv_wc *wc)
     if (li != l->idx || !account(l, type, idx)) {
         if (!l->dead) {
             char why[EPIPE_ERRMSG_MAX];
-            snprintf(why, sizeof why, "protocol error on the link to rank %u: a completion for "
+            snprintf(why, sizeof why,
+                     "protocol error on the link to rank %u: a completion for "
                      "work request 0x%llx, which this rank never posted",
                      l->peer, (unsigned long long)wc->wr_id);
             epipe_rdma_fail_locked(l, EPIPE_EPROTO, why);
@@ -123,7 +124,7 @@ void epipe_rdma_handle_wc(struct rdma *r, const struct ibv_wc *wc)
     if (!l->dead && type == WR_RECV) {
         if (!(wc->wc_flags & IBV_WC_WITH_IMM))
             epipe_rdma_protocol_error(l, "a receive completed without an immediate (opcode %d)",
-                           (int)wc->opcode);
+                                      (int)wc->opcode);
         else if (epipe_rdma_post_recv(l) == EPIPE_OK)
             epipe_rdma_got_imm(l, ntohl(wc->imm_data));
     }

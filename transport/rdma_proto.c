@@ -31,12 +31,13 @@ int epipe_rdma_link_alloc(struct rdma *r, struct rdma_link *l)
     l->ring_mr = l->slots_mr ? epipe_rdma_mr_new(&r->v, r->pd, l->ring,
                                                  RDMA_RING * sizeof(struct rdma_cts), rw)
                              : NULL;
-    l->stage_mr = l->ring_mr ? epipe_rdma_mr_new(&r->v, r->pd, l->stage, stsz,
-                                                 IBV_ACCESS_LOCAL_WRITE)
-                             : NULL;
+    l->stage_mr = l->ring_mr
+                      ? epipe_rdma_mr_new(&r->v, r->pd, l->stage, stsz, IBV_ACCESS_LOCAL_WRITE)
+                      : NULL;
     if (!l->stage_mr)
-        return epipe_fail(EPIPE_ENOTSUP, "rdma: registering the %zu-byte slots for rank %u "
-                                         "failed (ibv_reg_mr: %s)",
+        return epipe_fail(EPIPE_ENOTSUP,
+                          "rdma: registering the %zu-byte slots for rank %u "
+                          "failed (ibv_reg_mr: %s)",
                           ssz, l->peer, errno ? strerror(errno) : "no reason given");
     struct ibv_qp_init_attr qa;
     memset(&qa, 0, sizeof qa);
@@ -50,8 +51,9 @@ int epipe_rdma_link_alloc(struct rdma *r, struct rdma_link *l)
     errno = 0;
     l->qp = r->v.create_qp(r->pd, &qa);
     if (!l->qp)
-        return epipe_fail(EPIPE_ENOTSUP, "rdma: creating a queue pair for rank %u failed "
-                                         "(ibv_create_qp: %s)",
+        return epipe_fail(EPIPE_ENOTSUP,
+                          "rdma: creating a queue pair for rank %u failed "
+                          "(ibv_create_qp: %s)",
                           l->peer, errno ? strerror(errno) : "no reason given");
     struct ibv_qp_attr a;
     memset(&a, 0, sizeof a);
@@ -149,8 +151,8 @@ void epipe_rdma_fail_locked(struct rdma_link *l, int status, const char *why)
     epipe_log_warn((int)c->rank, "rdma", "rank %u: %s", l->peer, text);
     epipe_comm_peer_failed(c, l->peer, status, text);
     char told[EPIPE_ERRMSG_MAX];
-    snprintf(told, sizeof told, "rank %u tore down its rdma link to rank %u: %s", c->rank,
-             l->peer, why);
+    snprintf(told, sizeof told, "rank %u tore down its rdma link to rank %u: %s", c->rank, l->peer,
+             why);
     epipe_tcp_queue_error(r->t, l->peer, c->rank, status, told);
 }
 
@@ -265,17 +267,15 @@ int epipe_rdma_post_recv(struct rdma_link *l)
 
 /* Writes a clear-to-send into the peer's ring. */
 int epipe_rdma_post_cts(struct rdma_link *l, uint64_t addr, uint64_t size, uint32_t rkey,
-                    uint32_t kind, uint32_t tag)
+                        uint32_t kind, uint32_t tag)
 {
     uint32_t seq = l->cts_next++;
     unsigned i = seq % RDMA_RING;
-    struct rdma_cts *src =
-        (struct rdma_cts *)(l->stage + (size_t)RDMA_SLOTS * RDMA_SLOT_SIZE) + i;
-    *src = (struct rdma_cts){.addr = addr, .size = size, .rkey = rkey, .seq = seq, .kind = kind,
-                             .tag = tag};
+    struct rdma_cts *src = (struct rdma_cts *)(l->stage + (size_t)RDMA_SLOTS * RDMA_SLOT_SIZE) + i;
+    *src = (struct rdma_cts){
+        .addr = addr, .size = size, .rkey = rkey, .seq = seq, .kind = kind, .tag = tag};
     int rc = post_write(l, WRID(WR_CTS, l->idx, 0), src, sizeof *src, l->stage_mr->lkey,
-                        l->peer_ring + i * sizeof *src, l->peer_ring_rkey, 1,
-                        IMM(IMM_CTS, seq));
+                        l->peer_ring + i * sizeof *src, l->peer_ring_rkey, 1, IMM(IMM_CTS, seq));
     if (rc == EPIPE_OK)
         l->cts_inflight++;
     return rc;
@@ -300,8 +300,8 @@ int epipe_rdma_post_ctl(struct rdma_link *l, uint32_t imm)
 {
     if (l->dead)
         return EPIPE_EPEER;
-    int rc = post_write(l, WRID(WR_CTL, l->idx, 0), NULL, 0, 0, l->peer_ring,
-                        l->peer_ring_rkey, 1, imm);
+    int rc = post_write(l, WRID(WR_CTL, l->idx, 0), NULL, 0, 0, l->peer_ring, l->peer_ring_rkey, 1,
+                        imm);
     if (rc == EPIPE_OK)
         l->ctl_inflight++;
     return rc;
@@ -367,8 +367,7 @@ static int usable_slot(const struct rdma_link *l)
 
 /* Adds an eager write from staging slot `slot` to the peer's slot `slot`;
  * every RDMA_SIGNAL_EVERY-th is signaled (its completion retires those before it). */
-static void eager_add(struct rdma_link *l, struct chain *ch, unsigned slot, size_t n,
-                      uint32_t imm)
+static void eager_add(struct rdma_link *l, struct chain *ch, unsigned slot, size_t n, uint32_t imm)
 {
     l->credit &= ~(1u << slot);
     l->stage_seq[slot] = ++l->eager_posted;
@@ -431,8 +430,7 @@ void epipe_rdma_pump(struct rdma_link *l)
             return;
         }
         struct rdma_ltx *x = &l->ltx[li];
-        *x = (struct rdma_ltx){.state = 1, .m = m, .reg = reg,
-                               .seq = l->next_lseq++ & 0x0fffffffu};
+        *x = (struct rdma_ltx){.state = 1, .m = m, .reg = reg, .seq = l->next_lseq++ & 0x0fffffffu};
         uint32_t w[4] = {x->seq, 0, (uint32_t)m->len, (uint32_t)((uint64_t)m->len >> 32)};
         memcpy(dst, w, sizeof w);
         memcpy(dst + sizeof w, m->data, EPIPE_WIRE_HEADER_SIZE); /* sealed: 192 bytes */

@@ -18,7 +18,10 @@ static const struct {
     const char *name, *version;
     size_t off;
 } syms[] = {
-#define S(n, ver) {"ibv_" #n, ver, offsetof(epipe_verbs, n)}
+#define S(n, ver)                                                                                  \
+    {                                                                                              \
+        "ibv_" #n, ver, offsetof(epipe_verbs, n)                                                   \
+    }
     S(get_device_list, "IBVERBS_1.1"),
     S(free_device_list, "IBVERBS_1.1"),
     S(get_device_name, "IBVERBS_1.1"),
@@ -55,8 +58,7 @@ int epipe_verbs_open(epipe_verbs *v)
     if (!v->lib) {
         const char *e = dlerror();
         return epipe_fail(EPIPE_ENOTSUP, "rdma: cannot load the verbs library %s%s (%s)", path,
-                          env && *env ? " (from EPIPE_IBVERBS_LIB)" : "",
-                          e ? e : "dlopen failed");
+                          env && *env ? " (from EPIPE_IBVERBS_LIB)" : "", e ? e : "dlopen failed");
     }
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
         void *f = dlvsym(v->lib, syms[i].name, syms[i].version);
@@ -135,8 +137,8 @@ int epipe_verbs_probe(const epipe_verbs *v, epipe_verbs_dev *d)
     if (v->query_port(d->ctx, d->port, &d->port_attr))
         rc = epipe_fail(EPIPE_ENOTSUP, "rdma: device %s has no port %d", d->name, port);
     else if (d->port_attr.state != IBV_PORT_ACTIVE)
-        rc = epipe_fail(EPIPE_ENOTSUP, "rdma: device %s port %d is %s, not ACTIVE", d->name,
-                        port, port_state(d->port_attr.state));
+        rc = epipe_fail(EPIPE_ENOTSUP, "rdma: device %s port %d is %s, not ACTIVE", d->name, port,
+                        port_state(d->port_attr.state));
     else if (v->query_gid(d->ctx, d->port, 0, &d->gid))
         rc = epipe_fail(EPIPE_ENOTSUP, "rdma: device %s port %d has no GID 0", d->name, port);
     if (rc) {

@@ -61,7 +61,6 @@ int epipe_verbs_probe(const epipe_verbs *v, epipe_verbs_dev *d);
 void epipe_verbs_release(const epipe_verbs *v, epipe_verbs_dev *d);
 
 /* The text of a completion status (the library's, or the enum number). */
-const char *epipe_verbs_status(const epipe_verbs *v, enum ibv_wc_status s, char *buf,
-                               size_t cap);
+const char *epipe_verbs_status(const epipe_verbs *v, enum ibv_wc_status s, char *buf, size_t cap);
 
 #endif

@@ -136,8 +136,7 @@ int model_enable_split(stage_model *m)
     for (int mb = 0; mb < m->mbs; mb++)
         for (int k = 0; k < m->nlayers; k++)
             if (!m->g[mb][k] &&
-                !(m->g[mb][k] = malloc(sizeof(float) * (size_t)m->rows *
-                                       (size_t)m->layers[k].out)))
+                !(m->g[mb][k] = malloc(sizeof(float) * (size_t)m->rows * (size_t)m->layers[k].out)))
                 return -1;
     return 0;
 }

@@ -185,4 +185,3 @@ int train_parse_args(int argc, char **argv, struct options *o)
     }
     return 0;
 }
-

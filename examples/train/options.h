@@ -10,7 +10,7 @@
 
 struct options {
     unsigned stages, microbatches;
-    unsigned chunks;               /* --chunks: per rank (0 = the schedule's default) */
+    unsigned chunks;                /* --chunks: per rank (0 = the schedule's default) */
     unsigned placement[64], nplace; /* --placement: rank of each pipeline stage */
     const char *schedule, *act_codec, *grad_codec, *data_dir;
     int epochs, batch, hidden[MODEL_MAX_LAYERS], nhidden;

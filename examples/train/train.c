@@ -177,7 +177,8 @@ static int create_stage(struct rank *r, epipe_comm *comm)
         snprintf(r->err, sizeof r->err,
                  "%u pipeline stages need at least as many layers; the model has %d (widen "
                  "--hidden)%s",
-                 r->P, r->nlayers, r->nch > MAX_CHUNKS ? ", and a rank holds at most 8 chunks" : "");
+                 r->P, r->nlayers,
+                 r->nch > MAX_CHUNKS ? ", and a rank holds at most 8 chunks" : "");
         return EPIPE_EINVAL;
     }
     int split = epipe_schedule_splits_backward(sc) == 1;
@@ -191,8 +192,8 @@ static int create_stage(struct rank *r, epipe_comm *comm)
         c->last = c->g + 1 == r->P;
         r->has_first |= c->first;
         r->has_last |= c->last;
-        if (model_init(&c->model, r->dims, r->nlayers, c->l0, c->l1, r->rows,
-                       (int)o->microbatches, o->seed) ||
+        if (model_init(&c->model, r->dims, r->nlayers, c->l0, c->l1, r->rows, (int)o->microbatches,
+                       o->seed) ||
             (split && model_enable_split(&c->model)))
             return EPIPE_ENOMEM;
     }
@@ -518,8 +519,8 @@ static int main_rank(struct options *o, const struct dataset *d)
     if (o->chunks > 1 || o->nplace) {
         double raw = (double)(st->act_sent_raw + st->grad_recv_raw);
         double w = (double)(st->act_sent_wire + st->grad_recv_wire);
-        snprintf(wire, sizeof wire, "its boundaries to other ranks raw %.2f MB wire %.2f MB", raw / 1e6,
-                 w / 1e6);
+        snprintf(wire, sizeof wire, "its boundaries to other ranks raw %.2f MB wire %.2f MB",
+                 raw / 1e6, w / 1e6);
     } else if (s + 1 < p) {
         double raw = (double)(st->act_sent_raw + st->grad_recv_raw);
         double w = (double)(st->act_sent_wire + st->grad_recv_wire);

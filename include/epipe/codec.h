@@ -279,7 +279,7 @@ EPIPE_EXPERIMENTAL int epipe_codec_set_samples(epipe_codec *codec, const uint64_
  * there was none, or the last decode that got past the payload header
  * failed; EPIPE_EINVAL for NULL. */
 EPIPE_EXPERIMENTAL int epipe_codec_decoded_samples(const epipe_codec *codec, const uint64_t **ids,
-                                                  size_t *n);
+                                                   size_t *n);
 
 /* Counters of a delta=1 handle, encoder or decoder (zero for others). */
 typedef struct epipe_codec_delta_info {

@@ -36,12 +36,12 @@ typedef struct epipe_schedule epipe_schedule;
  * BACKWARD_WEIGHT (epipe_schedule_splits_backward()). New kinds may be
  * added; skip kinds you do not know only if you can afford to. */
 typedef enum epipe_op_kind {
-    EPIPE_OP_FORWARD = 1,   /* forward of the micro-batch on this stage */
-    EPIPE_OP_BACKWARD = 2,  /* backward; frees the micro-batch's activations */
-    EPIPE_OP_RECV_ACT = 3,  /* receive its activation from stage s-1 */
-    EPIPE_OP_SEND_ACT = 4,  /* send its activation (forward output) to s+1 */
-    EPIPE_OP_RECV_GRAD = 5, /* receive the gradient of its output from s+1 */
-    EPIPE_OP_SEND_GRAD = 6, /* send the gradient of its input to s-1 */
+    EPIPE_OP_FORWARD = 1,        /* forward of the micro-batch on this stage */
+    EPIPE_OP_BACKWARD = 2,       /* backward; frees the micro-batch's activations */
+    EPIPE_OP_RECV_ACT = 3,       /* receive its activation from stage s-1 */
+    EPIPE_OP_SEND_ACT = 4,       /* send its activation (forward output) to s+1 */
+    EPIPE_OP_RECV_GRAD = 5,      /* receive the gradient of its output from s+1 */
+    EPIPE_OP_SEND_GRAD = 6,      /* send the gradient of its input to s-1 */
     EPIPE_OP_BACKWARD_INPUT = 7, /* "Bi": the input gradient only; SEND_GRAD follows at once */
     EPIPE_OP_BACKWARD_WEIGHT = 8 /* "W": the weight gradients of a micro-batch whose Bi ran;
                                     frees the micro-batch's activations on this chunk */
@@ -70,13 +70,16 @@ typedef struct epipe_schedule_layout {
                                   (stage s on rank s for s < ranks, else 2*ranks-1-s) */
     unsigned placement_len;    /* pipeline stage count when placement is set, else 0 */
 } epipe_schedule_layout;
-#define EPIPE_SCHEDULE_LAYOUT_INIT { sizeof(epipe_schedule_layout), 0, NULL, 0 }
+#define EPIPE_SCHEDULE_LAYOUT_INIT                                                                 \
+    {                                                                                              \
+        sizeof(epipe_schedule_layout), 0, NULL, 0                                                  \
+    }
 
 /* Limits on the arguments of epipe_schedule_create(). */
 #define EPIPE_SCHEDULE_MAX_STAGES 1024u /* ranks, and pipeline stages */
 #define EPIPE_SCHEDULE_MAX_MICROBATCHES 65536u
 #define EPIPE_SCHEDULE_MAX_PRODUCT (1u << 20) /* pipeline stages * microbatches */
-#define EPIPE_SCHEDULE_MAX_CHUNKS 64u          /* chunks on one rank */
+#define EPIPE_SCHEDULE_MAX_CHUNKS 64u         /* chunks on one rank */
 
 /* Kinds (the names are what epipe_schedule_create() takes). Every kind is
  * built for any placement: each rank's list is what a greedy run at costs
@@ -154,8 +157,8 @@ EPIPE_API unsigned epipe_schedule_chunks(const epipe_schedule *sched, unsigned r
  * stage out of range (the message gives the range). Thread-safe. */
 EPIPE_API int epipe_schedule_stage_of(const epipe_schedule *sched, unsigned rank, unsigned chunk,
                                       unsigned *stage);
-EPIPE_API int epipe_schedule_placement(const epipe_schedule *sched, unsigned stage,
-                                       unsigned *rank, unsigned *chunk);
+EPIPE_API int epipe_schedule_placement(const epipe_schedule *sched, unsigned stage, unsigned *rank,
+                                       unsigned *chunk);
 
 /* 1 when the lists use BACKWARD_INPUT and BACKWARD_WEIGHT instead of
  * BACKWARD, 0 when not or for NULL. */

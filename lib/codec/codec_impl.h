@@ -154,16 +154,16 @@ struct epipe_codec {
      * or patches (insert) read it; the others need only the count. */
     int ndim;
     int64_t shape[16];
-    unsigned threads;   /* EPIPE_CODEC_THREADS */
-    int64_t microbatch; /* EPIPE_CODEC_MICROBATCH: -1 = keep nothing */
-    int use_reference;  /* run encode_ref/decode_ref (tests, bench) */
-    int ef;             /* spec key ef=1: error feedback (lib/codec/ef.c) */
-    void *ef_state;     /* its residual slots, made on first encode */
+    unsigned threads;              /* EPIPE_CODEC_THREADS */
+    int64_t microbatch;            /* EPIPE_CODEC_MICROBATCH: -1 = keep nothing */
+    int use_reference;             /* run encode_ref/decode_ref (tests, bench) */
+    int ef;                        /* spec key ef=1: error feedback (lib/codec/ef.c) */
+    void *ef_state;                /* its residual slots, made on first encode */
     int delta, delta_strict;       /* spec keys delta=1, delta_strict=1 (lib/codec/delta.c) */
     unsigned delta_mb, delta_seen; /* spec key delta_mb; the delta keys given */
     void *delta_state;             /* its stored rows, made on first use */
-    void *state;        /* the codec's own */
-    float *scratch;     /* fp32 staging for converted tensors */
+    void *state;                   /* the codec's own */
+    float *scratch;                /* fp32 staging for converted tensors */
     size_t scratch_cap;
     char spec[EPIPE_SPEC_MAX];
     char msg[EPIPE_ERRMSG_MAX];

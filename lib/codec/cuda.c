@@ -83,11 +83,11 @@ static int module_get(epipe_codec *c, const char *what, const epipe_cuda_module 
         if (rc || !m || m->abi != EPIPE_CUDA_ABI) {
             dlclose(so);
             pthread_mutex_unlock(&lock);
-            return epipe_codec_fail(c, EPIPE_ENOTSUP,
-                                    "%s is a CUDA tensor, but %s is not a CUDA module of this "
-                                    "libepipe build (%s)",
-                                    what, path, init ? "its interface version differs" :
-                                                       "no " EPIPE_CUDA_INIT_SYMBOL);
+            return epipe_codec_fail(
+                c, EPIPE_ENOTSUP,
+                "%s is a CUDA tensor, but %s is not a CUDA module of this "
+                "libepipe build (%s)",
+                what, path, init ? "its interface version differs" : "no " EPIPE_CUDA_INIT_SYMBOL);
         }
         loaded = m;
         snprintf(loaded_path, sizeof loaded_path, "%s", path);
@@ -143,9 +143,8 @@ int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what
 
 int epipe_codec_check_binding(epipe_codec *c, const DLTensor *t, const char *what)
 {
-    int type = t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged
-                   ? kDLCUDA
-                   : kDLCPU;
+    int type = t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged ? kDLCUDA
+                                                                                           : kDLCPU;
     int id = type == kDLCUDA ? t->device.device_id : 0;
     if (!c->bound_type || (c->bound_type == type && c->bound_id == id))
         return EPIPE_OK;

@@ -24,8 +24,8 @@ extern "C" {
 /* What the core lends the module: the library's symbols are hidden, so
  * the few helpers the module needs come as pointers. */
 typedef struct epipe_cuda_core {
-    unsigned abi;       /* EPIPE_CUDA_ABI */
-    size_t codec_size;  /* sizeof(struct epipe_codec) as the core sees it */
+    unsigned abi;      /* EPIPE_CUDA_ABI */
+    size_t codec_size; /* sizeof(struct epipe_codec) as the core sees it */
     /* epipe_codec_fail() with a va_list: the message on the handle and the
      * calling thread; returns status. */
     int (*vfail)(epipe_codec *c, int status, const char *fmt, va_list ap);

@@ -26,8 +26,8 @@ struct bstate {
 
 static void put(struct bstate *b, unsigned r, epipe_op_kind kind, unsigned mb, unsigned chunk)
 {
-    b->ops[r][b->counts[r]++] =
-        (epipe_op){.kind = (uint32_t)kind, .microbatch = mb, .chunk = chunk};
+    b->ops[r][b->counts[r]++] = (epipe_op){
+        .kind = (uint32_t)kind, .microbatch = mb, .chunk = chunk};
 }
 
 /* Priority of an op of a stage (lower runs first). */

@@ -20,7 +20,8 @@ struct epipe_schedule {
 
 /* Rules of each kind over a layout; the limits arrays are allocated by the
  * caller (zeroed: no limit). */
-static void rules_gpipe(const struct epipe_sched_layout *l, unsigned m, struct epipe_sched_policy *p)
+static void rules_gpipe(const struct epipe_sched_layout *l, unsigned m,
+                        struct epipe_sched_policy *p)
 {
     (void)l, (void)m;
     p->flush_forwards = 1;
@@ -40,7 +41,8 @@ static void rules_1f1b(const struct epipe_sched_layout *l, unsigned m, struct ep
  * reversed, each in that order only; a forward first when both may run;
  * rank r runs 2(R-r-1) + (v-1)g forwards ahead of its first backward
  * (Megatron's warm-up with g = R when R divides m), so it holds one more. */
-static void rules_interleaved(const struct epipe_sched_layout *l, unsigned m, struct epipe_sched_policy *p)
+static void rules_interleaved(const struct epipe_sched_layout *l, unsigned m,
+                              struct epipe_sched_policy *p)
 {
     unsigned R = l->ranks, g = epipe_sched_group_size(m, R);
     p->depth_first = p->in_order = p->f_first = 1;
@@ -155,9 +157,8 @@ int epipe_sched_layout_init(struct epipe_sched_layout *l, unsigned ranks, unsign
         return epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
     for (unsigned s = 0; s < nstages; s++) {
         if (rank_of[s] >= ranks)
-            return epipe_fail(EPIPE_EINVAL,
-                              "placement[%u] = %u: rank out of range 0..%u", s, rank_of[s],
-                              ranks - 1);
+            return epipe_fail(EPIPE_EINVAL, "placement[%u] = %u: rank out of range 0..%u", s,
+                              rank_of[s], ranks - 1);
         l->chunk_of[s] = l->nchunks[rank_of[s]]++;
     }
     unsigned total = 0;
@@ -232,8 +233,8 @@ static int make_layout(epipe_schedule *sc, const struct kind *k, unsigned ranks,
                               "%s schedule: rank %u holds %u chunks, over the limit of %u", kn, r,
                               c, EPIPE_SCHEDULE_MAX_CHUNKS);
         if (k->need_chunks && c != k->need_chunks)
-            return epipe_fail(EPIPE_EINVAL, "%s schedule: rank %u holds %u chunks; %s needs %u",
-                              kn, r, c, kn, k->need_chunks);
+            return epipe_fail(EPIPE_EINVAL, "%s schedule: rank %u holds %u chunks; %s needs %u", kn,
+                              r, c, kn, k->need_chunks);
     }
     /* Megatron's order is deadlock-free on the round-robin placement only. */
     if (k->round_robin && n > ranks)
@@ -305,8 +306,8 @@ EPIPE_API int epipe_schedule_create_layout(epipe_schedule **out, const char *kin
         return unknown_kind(kind);
     const struct kind *k = &kinds[ki];
     if (ranks < 1 || ranks > EPIPE_SCHEDULE_MAX_STAGES)
-        return epipe_fail(EPIPE_EINVAL, "%s schedule: %u stages is out of range 1..%u", kind,
-                          ranks, EPIPE_SCHEDULE_MAX_STAGES);
+        return epipe_fail(EPIPE_EINVAL, "%s schedule: %u stages is out of range 1..%u", kind, ranks,
+                          EPIPE_SCHEDULE_MAX_STAGES);
     if (microbatches < 1 || microbatches > EPIPE_SCHEDULE_MAX_MICROBATCHES)
         return epipe_fail(EPIPE_EINVAL, "%s schedule: %u micro-batches is out of range 1..%u", kind,
                           microbatches, EPIPE_SCHEDULE_MAX_MICROBATCHES);
@@ -362,8 +363,9 @@ EPIPE_API int epipe_schedule_create_layout(epipe_schedule **out, const char *kin
             return rc;
         char why[EPIPE_ERRMSG_MAX];
         snprintf(why, sizeof why, "%s", epipe_last_error());
-        return epipe_fail(EPIPE_EINTERNAL, "%s schedule ranks=%u stages=%u m=%u failed its proof: %s",
-                          kind, ranks, P, microbatches, why);
+        return epipe_fail(EPIPE_EINTERNAL,
+                          "%s schedule ranks=%u stages=%u m=%u failed its proof: %s", kind, ranks,
+                          P, microbatches, why);
     }
     epipe_sim_destroy(sim);
     *out = sc;
@@ -398,8 +400,8 @@ EPIPE_API int epipe_schedule_stage_of(const epipe_schedule *sched, unsigned rank
         return epipe_fail(EPIPE_EINVAL, "epipe_schedule_stage_of: NULL argument");
     const struct epipe_sched_layout *l = &sched->layout;
     if (rank >= l->ranks)
-        return epipe_fail(EPIPE_EINVAL, "%s schedule: rank %u is out of range 0..%u",
-                          sched->kind, rank, l->ranks - 1);
+        return epipe_fail(EPIPE_EINVAL, "%s schedule: rank %u is out of range 0..%u", sched->kind,
+                          rank, l->ranks - 1);
     if (chunk >= l->nchunks[rank])
         return epipe_fail(EPIPE_EINVAL, "%s schedule: chunk %u of rank %u is out of range 0..%u",
                           sched->kind, chunk, rank, l->nchunks[rank] - 1);
@@ -407,8 +409,8 @@ EPIPE_API int epipe_schedule_stage_of(const epipe_schedule *sched, unsigned rank
     return EPIPE_OK;
 }
 
-EPIPE_API int epipe_schedule_placement(const epipe_schedule *sched, unsigned stage,
-                                       unsigned *rank, unsigned *chunk)
+EPIPE_API int epipe_schedule_placement(const epipe_schedule *sched, unsigned stage, unsigned *rank,
+                                       unsigned *chunk)
 {
     epipe_clear_error();
     if (!sched)

@@ -44,8 +44,7 @@ static int through_codecs(epipe_stage *st, epipe_codec *enc, epipe_codec *dec, u
     return EPIPE_OK;
 }
 
-int epipe_stage_hand_over(epipe_stage *st, struct chunk *c, unsigned mb, int dir,
-                          const DLTensor *t)
+int epipe_stage_hand_over(epipe_stage *st, struct chunk *c, unsigned mb, int dir, const DLTensor *t)
 {
     const char *what = dir == DIR_ACT ? "activation" : "gradient";
     struct chunk *to = &st->ch[dir == DIR_ACT ? c->down_chunk : c->up_chunk];

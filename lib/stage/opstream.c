@@ -68,8 +68,8 @@ int epipe_stage_advance(epipe_stage *st, epipe_op *op)
      * that ends now gives its received activation back to the stage; an
      * input-gradient backward keeps it for its weight-gradient backward. */
     uint32_t k = st->cur.kind;
-    int releases = st->cur_valid && (k == EPIPE_OP_BACKWARD || k == EPIPE_OP_BACKWARD_WEIGHT ||
-                                     !st->training);
+    int releases = st->cur_valid &&
+                   (k == EPIPE_OP_BACKWARD || k == EPIPE_OP_BACKWARD_WEIGHT || !st->training);
     epipe_op ended = st->cur;
     int rc = finish_current_op(st);
     if (rc)
@@ -138,7 +138,8 @@ static int expect(epipe_stage *st, unsigned mb, int is_recv, int dir)
                     call, mb);
         /* the op's text is formatted only for an error: this runs for every send and receive */
 #define WHAT op_text(st, &st->cur, what, sizeof what)
-    int kind_ok = dir == DIR_ACT ? st->cur.kind == EPIPE_OP_FORWARD : is_backward_kind(st->cur.kind);
+    int kind_ok = dir == DIR_ACT ? st->cur.kind == EPIPE_OP_FORWARD
+                                 : is_backward_kind(st->cur.kind);
     if (!kind_ok || st->cur.microbatch != mb)
         return fail(st, EPIPE_ESTATE, "%s(%u) called during the %s%s", call, mb, WHAT,
                     st->cur.kind == EPIPE_OP_BACKWARD_WEIGHT
@@ -146,9 +147,8 @@ static int expect(epipe_stage *st, unsigned mb, int is_recv, int dir)
                           "when the input-gradient backward ended)"
                         : "");
     if (is_recv ? !st->need_recv : !st->need_send)
-        return fail(st, EPIPE_ESTATE,
-                    "%s(%u): the %s of pipeline stage %u of %u has nothing to %s", call, mb,
-                    WHAT, st->ch[st->cur.chunk].g, st->P, is_recv ? "receive" : "send");
+        return fail(st, EPIPE_ESTATE, "%s(%u): the %s of pipeline stage %u of %u has nothing to %s",
+                    call, mb, WHAT, st->ch[st->cur.chunk].g, st->P, is_recv ? "receive" : "send");
     if (is_recv ? st->did_recv : st->did_send)
         return fail(st, EPIPE_ESTATE, "%s(%u) called twice in the %s", call, mb, WHAT);
     if (is_recv && st->need_send && st->did_send)
@@ -166,7 +166,9 @@ const char *epipe_stage_shape_text(int ndim, const int64_t *shape, DLDataType dt
         n += (size_t)snprintf(buf + n, cap - n, "%s%lld", d ? "," : "", (long long)shape[d]);
     if (n < cap)
         snprintf(buf + n, cap - n, "] %s%u",
-                 dtype.code == kDLBfloat ? "bf" : dtype.code == kDLFloat ? "f" : "code",
+                 dtype.code == kDLBfloat  ? "bf"
+                 : dtype.code == kDLFloat ? "f"
+                                          : "code",
                  dtype.bits);
     return buf;
 }
@@ -237,8 +239,8 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     epipe_msg *msg;
     double t0 = now();
     int rc = epipe_comm_recv(st->comm, peer,
-                             dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT,
-                             st->step, mb, stage_timeout_ms(st), &msg);
+                             dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT, st->step,
+                             mb, stage_timeout_ms(st), &msg);
     double t1 = now();
     st->st.wait_seconds += t1 - t0;
     if (st->tracing)
@@ -253,7 +255,9 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     /* A gradient for a trainable activation codec is the code's: decode it
      * aside, then back-propagate it through the compress into grad_in. */
     int code_grad = dir == DIR_GRAD && trains(st, c->enc_act);
-    struct lent_tensor *lt = dir == DIR_ACT ? &c->act_in[mb] : code_grad ? &c->code_in : &st->grad_in;
+    struct lent_tensor *lt = dir == DIR_ACT ? &c->act_in[mb]
+                             : code_grad    ? &c->code_in
+                                            : &st->grad_in;
     const struct tensor_meta *sent = &c->act_out[mb];
     uint64_t n;
     size_t esz = epipe_dtype_size((enum epipe_dtype)h->dtype);

@@ -62,8 +62,7 @@ static int setup_chunks(epipe_stage *st)
     for (unsigned g = 0; g < st->P; g++)
         st->nch += st->place_rank[g] == st->s;
     if (st->nch == 0)
-        return epipe_fail(EPIPE_EINVAL, "rank %u holds no pipeline stage in this placement",
-                          st->s);
+        return epipe_fail(EPIPE_EINVAL, "rank %u holds no pipeline stage in this placement", st->s);
     st->ch = calloc(st->nch, sizeof *st->ch);
     if (!st->ch)
         return epipe_fail(EPIPE_ENOMEM, "out of memory");
@@ -110,8 +109,8 @@ static int setup_chunks(epipe_stage *st)
         return epipe_fail(EPIPE_ENOMEM, "out of memory");
     for (unsigned i = 0; i < st->m; i++)
         for (unsigned k = 0; k < st->nch; k++)
-            st->eval_ops[(size_t)i * st->nch + k] =
-                (epipe_op){.kind = EPIPE_OP_FORWARD, .microbatch = i, .chunk = k};
+            st->eval_ops[(size_t)i * st->nch + k] = (epipe_op){
+                .kind = EPIPE_OP_FORWARD, .microbatch = i, .chunk = k};
     return EPIPE_OK;
 }
 
@@ -148,8 +147,7 @@ static int placement_arrays(epipe_stage *st)
 {
     st->place_rank = calloc(st->P ? st->P : 1, sizeof *st->place_rank);
     st->place_chunk = calloc(st->P ? st->P : 1, sizeof *st->place_chunk);
-    return st->place_rank && st->place_chunk ? EPIPE_OK
-                                             : epipe_fail(EPIPE_ENOMEM, "out of memory");
+    return st->place_rank && st->place_chunk ? EPIPE_OK : epipe_fail(EPIPE_ENOMEM, "out of memory");
 }
 
 EPIPE_API int epipe_stage_create_layout(epipe_stage **out, epipe_comm *comm, const char *schedule,

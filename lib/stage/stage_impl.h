@@ -73,23 +73,23 @@ struct chunk {
 
 struct epipe_stage {
     epipe_comm *comm;
-    epipe_schedule *sched; /* NULL for raw op lists (tests) */
-    const char *kind;      /* the schedule's kind, or "raw" */
+    epipe_schedule *sched;              /* NULL for raw op lists (tests) */
+    const char *kind;                   /* the schedule's kind, or "raw" */
     unsigned *place_rank, *place_chunk; /* [P]: where each pipeline stage lives */
     epipe_op *raw_ops;                  /* raw op lists: this rank's, owned */
-    const epipe_op *train_ops; /* this rank's list in the schedule */
+    const epipe_op *train_ops;          /* this rank's list in the schedule */
     size_t ntrain_ops;
     epipe_op *eval_ops; /* forwards only, micro-batch by micro-batch, chunks in order */
     size_t neval_ops;
     int training;
-    int splits; /* the schedule splits the backward (BACKWARD_INPUT, BACKWARD_WEIGHT) */
+    int splits;          /* the schedule splits the backward (BACKWARD_INPUT, BACKWARD_WEIGHT) */
     const epipe_op *ops; /* the list the current step runs */
     size_t nops;
-    unsigned s, p, m;   /* rank, ranks, micro-batches */
-    unsigned P;         /* pipeline stages */
-    unsigned nch;       /* chunks on this rank */
-    struct chunk *ch;   /* [nch] */
-    uint32_t tag;       /* schedule fingerprint, on every tensor message */
+    unsigned s, p, m; /* rank, ranks, micro-batches */
+    unsigned P;       /* pipeline stages */
+    unsigned nch;     /* chunks on this rank */
+    struct chunk *ch; /* [nch] */
+    uint32_t tag;     /* schedule fingerprint, on every tensor message */
 
     int64_t timeout_ms;
     unsigned codec_threads;
@@ -159,8 +159,7 @@ static inline int is_compute_kind(uint32_t kind)
 }
 
 /* "forward of micro-batch 3" (", chunk 1" when the rank holds several). */
-static inline const char *op_text(const epipe_stage *st, const epipe_op *op, char *buf,
-                                  size_t cap)
+static inline const char *op_text(const epipe_stage *st, const epipe_op *op, char *buf, size_t cap)
 {
     const char *what = op->kind == EPIPE_OP_FORWARD          ? "forward"
                        : op->kind == EPIPE_OP_BACKWARD       ? "backward"
@@ -187,8 +186,8 @@ int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
 int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t);
 
 /* Shared by the op stream and the local hand-over (local.c). */
-int epipe_stage_lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim,
-                           const int64_t *shape, DLDataType dtype);
+int epipe_stage_lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim, const int64_t *shape,
+                           DLDataType dtype);
 /* Hands a tensor the current op sends to the chunk on this rank that
  * receives it (copied, or through the boundary's codecs when the host set
  * them); `n` elements of dtype `dt`, checked by the caller. */

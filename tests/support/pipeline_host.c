@@ -142,8 +142,7 @@ static const float *output_gradient(struct host *h, struct hchunk *c, unsigned m
 {
     if (c->last)
         return c->dy[mb];
-    if (!gout || gout->ndim != 2 || gout->shape[0] != h->rows ||
-        gout->shape[1] != host_dims[c->l1])
+    if (!gout || gout->ndim != 2 || gout->shape[0] != h->rows || gout->shape[1] != host_dims[c->l1])
         return NULL;
     return gout->data;
 }
@@ -198,8 +197,8 @@ static int backward_weight(void *user, unsigned mb)
     if (!c)
         return 3;
     for (int l = c->l0; l < c->l1; l++)
-        mlp_layer_backward_weight(&h->layers[l], c->acts[mb][l - c->l0],
-                                  c->acts[mb][l - c->l0 + 1], c->dys[mb][l - c->l0], h->rows);
+        mlp_layer_backward_weight(&h->layers[l], c->acts[mb][l - c->l0], c->acts[mb][l - c->l0 + 1],
+                                  c->dys[mb][l - c->l0], h->rows);
     return 0;
 }
 

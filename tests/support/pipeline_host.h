@@ -80,9 +80,9 @@ void host_result_free(struct host_result *res);
 #define HOST_RAW_MAX_RANKS 8
 #define HOST_RAW_MAX_OPS 1024
 struct host_raw_layout {
-    unsigned P, ranks, m;                       /* set by the caller */
-    unsigned placement[HOST_RAW_MAX_STAGES];    /* set by the caller */
-    int split;                                  /* set by the caller */
+    unsigned P, ranks, m;                    /* set by the caller */
+    unsigned placement[HOST_RAW_MAX_STAGES]; /* set by the caller */
+    int split;                               /* set by the caller */
     epipe_op ops[HOST_RAW_MAX_RANKS][HOST_RAW_MAX_OPS];
     size_t n[HOST_RAW_MAX_RANKS];
 };

@@ -14,17 +14,18 @@
 
 static void usage(void)
 {
-    fprintf(stderr,
-            "usage: tcp_trainer [--schedule KIND] [--chunks V] [--placement R,R,...] [--split 0|1]\n"
-            "                   [--raw R,R,...]\n"
-            "                   [--micro M] [--steps N] [--codec SPEC]\n"
-            "                   [--options SPEC] [--out PREFIX] [--die-rank R --die-after-ms MS]\n"
-            "       tcp_trainer --reference 1 [--micro M] [--steps N] [--out PREFIX]\n"
-            "Trains this rank's chunks (rank and size from the environment) and writes the\n"
-            "parameters of each layer it holds to PREFIX.layerL; --reference writes every\n"
-            "layer of the one-process result the same way. --split 1 uses the split-backward\n"
-            "callbacks. --raw runs the test's raw op lists (pipeline_host.h) over that\n"
-            "placement instead of a schedule kind. Exit 0, 2 for usage, 3 when training fails.\n");
+    fprintf(
+        stderr,
+        "usage: tcp_trainer [--schedule KIND] [--chunks V] [--placement R,R,...] [--split 0|1]\n"
+        "                   [--raw R,R,...]\n"
+        "                   [--micro M] [--steps N] [--codec SPEC]\n"
+        "                   [--options SPEC] [--out PREFIX] [--die-rank R --die-after-ms MS]\n"
+        "       tcp_trainer --reference 1 [--micro M] [--steps N] [--out PREFIX]\n"
+        "Trains this rank's chunks (rank and size from the environment) and writes the\n"
+        "parameters of each layer it holds to PREFIX.layerL; --reference writes every\n"
+        "layer of the one-process result the same way. --split 1 uses the split-backward\n"
+        "callbacks. --raw runs the test's raw op lists (pipeline_host.h) over that\n"
+        "placement instead of a schedule kind. Exit 0, 2 for usage, 3 when training fails.\n");
 }
 
 /* The parameters of each layer l with owns[l] (NULL: all) as raw floats, w
