@@ -100,7 +100,10 @@ def timed_run(train, codec, micro, args):
     for r, p in enumerate(procs):
         if p.returncode:
             raise RuntimeError("rank %d of %s failed:\n%s" % (r, codec, outs[r]))
-    m = re.search(r"test accuracy ([0-9.]+)%.*\), ([0-9.]+) samples/s", outs[1])
+    # The last stage prints the result: rank 1, or rank 0 under --placement
+    # 0,1,0 (the client holds the last layers).
+    m = (re.search(r"test accuracy ([0-9.]+)%.*\), ([0-9.]+) samples/s", outs[1]) or
+         re.search(r"test accuracy ([0-9.]+)%.*\), ([0-9.]+) samples/s", outs[0]))
     if not m:
         raise RuntimeError("no result line from %s:\n%s" % (codec, outs[1]))
     sps = float(m.group(2))
@@ -108,7 +111,8 @@ def timed_run(train, codec, micro, args):
     # compute a step; the measured step is the slowest rank's.
     steps = [tuple(map(float, x)) for o in outs for x in
              re.findall(r"step ([0-9.]+) ms, compute ([0-9.]+) ms a step", o)]
-    ideal = (micro + 1) / micro * max(c for _, c in steps)
+    nstages = getattr(timed_run, "stages", 2)
+    ideal = (micro + nstages - 1) / micro * max(c for _, c in steps)
     efficiency = ideal / max(t for t, _ in steps)
     # Peak over 200 ms windows; the average over the stretch where the link
     # carried traffic (training and evaluation).
@@ -168,6 +172,13 @@ def main():
     ap.add_argument("--out", help="markdown table here (default stdout); avg and peak "
                     "bandwidth count both directions of the link")
     ap.add_argument("--json", help="one JSON object a run here")
+    ap.add_argument("--placement", help="epipe-train --placement for the timed runs, e.g. "
+                    "0,1,0: the client-server split on the 2 namespaces (the client's two "
+                    "boundaries share its link)")
+    ap.add_argument("--schedules", default="1f1b",
+                    help="comma-separated epipe-train --schedule values for the timed runs")
+    ap.add_argument("--no-accuracy", action="store_true",
+                    help="skip the full accuracy runs (the table then shows n/a)")
     ap.add_argument("--plot", help="PNG plot here (needs matplotlib)")
     ap.add_argument("--from-json", help="no runs: rebuild the table and plot from these "
                     "JSON lines (written by an earlier --json)")
@@ -195,41 +206,51 @@ def main():
         else:
             usable.append(c)
     limit = ["--train-limit", str(a.accuracy_samples)] if a.accuracy_samples else []
-    acc = {c: accuracy(train, c, common + limit + ["--epochs", str(a.epochs)]) for c in usable}
+    acc = {c: (None if a.no_accuracy else
+               accuracy(train, c, common + limit + ["--epochs", str(a.epochs)]))
+           for c in usable}
+    place = ["--placement", a.placement] if a.placement else []
+    timed_run.stages = len(a.placement.split(",")) if a.placement else 2
     rows = []
+    if a.json:
+        open(a.json, "w").close()
     try:
         for rate in a.rates.split(","):
             setup(rate)
-            for c in usable:
+            for sched in a.schedules.split(","):
+              for c in usable:
                 for m in (int(x) for x in a.micro.split(",")):
-                    sps, avg, peak, eff = timed_run(train, c, m, common + [
+                    sps, avg, peak, eff = timed_run(train, c, m, common + place + [
+                        "--schedule", sched,
                         "--epochs", "1", "--train-limit", str(a.timed_samples)])
-                    row = {"rate": rate, "codec": c, "microbatches": m,
+                    row = {"rate": rate, "schedule": sched, "placement": a.placement or "0,1",
+                           "codec": c, "microbatches": m,
                            "s_per_batch": a.batch / sps, "avg_mbit": avg, "peak_mbit": peak,
                            "accuracy": acc[c], "ideal_fraction": eff}
                     rows.append(row)
-                    print(json.dumps(row), file=sys.stderr)
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+                    if a.json:
+                        with open(a.json, "a") as f:
+                            f.write(json.dumps(row) + "\n")
     finally:
         teardown()
-    if a.json:
-        with open(a.json, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
     report(a, rows, usable)
 
 
 def report(a, rows, usable):
     ref = "none" if "none" in usable else usable[0]
-    table = ["| link | codec | micro-batches | s / batch | speed-up vs %s | avg Mbit/s " % ref +
+    table = ["| link | schedule | codec | micro-batches | s / batch | speed-up vs %s | avg Mbit/s " % ref +
              "| peak Mbit/s | of ideal | test accuracy |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         base = next(x for x in rows if x["rate"] == r["rate"] and x["codec"] == ref
-                    and x["microbatches"] == r["microbatches"])
-        table.append("| %s | `%s` | %d | %.4f | %.2fx | %.0f | %.0f | %.0f%% | %.2f%% |" % (
-            r["rate"], r["codec"].replace("|", "\\|"), r["microbatches"], r["s_per_batch"],
+                    and x["microbatches"] == r["microbatches"]
+                    and x.get("schedule") == r.get("schedule"))
+        acc = "n/a" if r["accuracy"] is None else "%.2f%%" % r["accuracy"]
+        table.append("| %s | %s | `%s` | %d | %.4f | %.2fx | %.0f | %.0f | %.0f%% | %s |" % (
+            r["rate"], r.get("schedule", "1f1b"), r["codec"].replace("|", "\\|"), r["microbatches"], r["s_per_batch"],
             base["s_per_batch"] / r["s_per_batch"], r["avg_mbit"], r["peak_mbit"],
-            100 * r["ideal_fraction"], r["accuracy"]))
+            100 * r["ideal_fraction"], acc))
     text = "\n".join(table) + "\n"
     if a.out:
         open(a.out, "w").write(text)
