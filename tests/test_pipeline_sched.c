@@ -429,9 +429,11 @@ static void local_boundary_uses_its_codec_only_when_set(void **state)
     assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
     assert_int_equal(epipe_stage_create_raw(&st, c[0], M, L.P, L.placement, L.ops[0], L.n[0], 0),
                      EPIPE_OK);
+#ifdef EPIPE_HAVE_BLAS /* without -Dblas, creating insert fails first (EPIPE_ENOTSUP) */
     expect_error(epipe_stage_last_error(st),
                  epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, 0, "insert:kind=linear,out=8"),
                  EPIPE_ENOTSUP, "boundary 0 joins two chunks of rank 0");
+#endif
     assert_int_equal(epipe_stage_chunks(st), 2);
     unsigned g, P;
     assert_int_equal(epipe_stage_chunk_stage(st, 1, &g, &P), EPIPE_OK);
