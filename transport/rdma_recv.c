@@ -22,21 +22,25 @@ void epipe_rdma_protocol_error(struct rdma_link *l, const char *fmt, ...)
     epipe_rdma_fail_locked(l, EPIPE_EPROTO, why);
 }
 
+/* Tears the link down with a wire check's own status (EPIPE_ECHECKSUM,
+ * EPIPE_ETOOBIG, ...) and message, so receivers see what tcp would show. */
+static int fail_wire_check(struct rdma_link *l, int rc)
+{
+    char why[EPIPE_ERRMSG_MAX];
+    snprintf(why, sizeof why, "%s from rank %u: %.180s", epipe_status_name(rc), l->peer,
+             epipe_last_error());
+    epipe_rdma_fail_locked(l, rc, why);
+    return rc;
+}
+
 /* Parses and checks a wire header at p (at most cap bytes of message). */
 static int parse_header(struct rdma_link *l, const uint8_t *p, size_t cap, epipe_wire_header *h)
 {
     epipe_comm *c = l->r->c;
     epipe_wire_limits lim = {.max_payload = __atomic_load_n(&c->max_message, __ATOMIC_RELAXED)};
     int rc = epipe_wire_parse_header(p, cap, &lim, h);
-    if (rc) {
-        /* The wire check's own status (EPIPE_ECHECKSUM, EPIPE_ETOOBIG, ...)
-         * reaches the receivers, as over tcp. */
-        char why[EPIPE_ERRMSG_MAX];
-        snprintf(why, sizeof why, "%s from rank %u: %.180s", epipe_status_name(rc), l->peer,
-                 epipe_last_error());
-        epipe_rdma_fail_locked(l, rc, why);
-        return rc;
-    }
+    if (rc)
+        return fail_wire_check(l, rc);
     if (h->kind != EPIPE_WIRE_ACTIVATION && h->kind != EPIPE_WIRE_GRADIENT) {
         epipe_rdma_protocol_error(l, "a message of kind %u over verbs", h->kind);
         return EPIPE_EPROTO;
@@ -53,13 +57,7 @@ static int check_payload(struct rdma_link *l, epipe_msg *m)
 {
     int rc = epipe_wire_check_payload_crc(&m->hdr, m->data + m->hdr.header_len,
                                           (size_t)m->hdr.payload_len, NULL);
-    if (rc) {
-        char why[EPIPE_ERRMSG_MAX];
-        snprintf(why, sizeof why, "%s from rank %u: %.180s", epipe_status_name(rc), l->peer,
-                 epipe_last_error());
-        epipe_rdma_fail_locked(l, rc, why);
-    }
-    return rc;
+    return rc ? fail_wire_check(l, rc) : EPIPE_OK;
 }
 
 static void flush_pending(struct rdma_link *l)
