@@ -28,7 +28,9 @@ meson test -C build-test --print-errorlogs --num-processes 2
 echo "== without BLAS (-Dblas=disabled; poweriter/insert tests skip) and default_library=both"
 configure build-noblas -Dwerror=true -Dblas=disabled -Ddefault_library=both -Dcuda=disabled
 ninja -C build-noblas
-meson test -C build-noblas --print-errorlogs --num-processes 2
+# The transport conformance suite does not touch the BLAS codecs; it runs in
+# the -Werror and sanitizer builds.
+meson test -C build-noblas --print-errorlogs --num-processes 2 --no-suite conformance
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer"
 configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Doptimization=1 -Dcuda=disabled
@@ -38,7 +40,9 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print
     --suite rdma --suite conformance
 
 echo "== valgrind (memcheck)"
-meson test -C build-test --print-errorlogs --num-processes 2 --suite unit --suite fuzz \
+# The 'compute' tests (large tensors, wide schedule sweeps) run under
+# ASan+UBSan above; under valgrind they cost five minutes.
+meson test -C build-test --print-errorlogs --num-processes 2 --suite unit --suite fuzz --no-suite compute \
     --wrapper 'valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite -q' \
     --timeout-multiplier 10
 # The test verbs provider (C; the rdma transport's own test runs under ASan only:
