@@ -1,15 +1,19 @@
-/* `sortquant` mode=sample on CUDA: the CPU's sample drawn position by
+/* `sortquant` on CUDA. mode=sample: the CPU's sample drawn position by
  * position, sorted with CUB, the boundaries picked, per-chunk extents, the
  * table on k threads with the CPU's formulas, then one fused classify +
- * quantize + pack pass. Byte-identical to the CPU by construction. */
+ * quantize + pack pass. mode=fit: the tensor's extent and the same sample
+ * on the GPU, the plan on the host by the CPU's own code (a few hundred
+ * KiB cross PCIe, and the stream is waited for once), then the same pack
+ * pass. Byte-identical to the CPU by construction. */
 #include <cub/device/device_radix_sort.cuh>
+#include <string.h>
 
 #include "../codecs/inline/quant.h"
 #include "../codecs/inline/sortquant.h"
 #include "cuda_impl.h"
 
 enum { SQ_BITS, SQ_SPLIT, SQ_MODE, SQ_SAMPLE }; /* as codecs/sortquant/sortquant.h */
-enum { SQ_MODE_SAMPLE = 1 };
+enum { SQ_MODE_EXACT, SQ_MODE_SAMPLE, SQ_MODE_FIT };
 
 __device__ static uint32_t sq_key(float f)
 {
@@ -164,20 +168,155 @@ __global__ void sq_decode(const uint8_t *codes, uint64_t n, unsigned k, unsigned
     }
 }
 
-static int sample_only(epipe_codec *c)
+/* The tensor's extent as order keys: ext[0] the smallest, ext[1] the
+ * largest finite value (ext[0] > ext[1]: none); non-finite values go to the
+ * deferred status word. */
+__global__ void sq_minmax(const float *x, uint64_t n, uint32_t *ext, epipe_cuda_status *st)
 {
-    if ((int)c->p[SQ_MODE] == SQ_MODE_SAMPLE)
+    uint32_t lo = 0xffffffffu, hi = 0;
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        float v = x[i];
+        if (!epipe_hd_finite(v)) {
+            atomicMin(v != v ? &st->nan : v > 0 ? &st->pinf : &st->ninf, (unsigned long long)i);
+            continue;
+        }
+        uint32_t key = sq_key(v);
+        lo = key < lo ? key : lo;
+        hi = key > hi ? key : hi;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        uint32_t a = __shfl_down_sync(0xffffffffu, lo, o), b = __shfl_down_sync(0xffffffffu, hi, o);
+        lo = a < lo ? a : lo;
+        hi = b > hi ? b : hi;
+    }
+    if ((threadIdx.x & 31u) == 0) {
+        atomicMin(&ext[0], lo);
+        atomicMax(&ext[1], hi);
+    }
+}
+
+__global__ void sq_minmax_init(uint32_t *ext)
+{
+    ext[0] = 0xffffffffu;
+    ext[1] = 0;
+}
+
+static float key_float(uint32_t k)
+{
+    uint32_t u = k & 0x80000000u ? k & 0x7fffffffu : ~k;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* mode=fit: body is host memory of sq_body_size() bytes. */
+static int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    epipe_cuda_qtab t;
+    if (!n)
+        return epipe_cuda_core_fns->sq_fit_encode(c, NULL, 0, 0, 0.0f, 0.0f, body, &t);
+    unsigned bits = (unsigned)c->p[SQ_BITS];
+    uint64_t m = n < (uint64_t)c->p[SQ_SAMPLE] ? n : (uint64_t)c->p[SQ_SAMPLE];
+    uint64_t cb = (n * bits + 7) / 8;
+    cudaStream_t s = epipe_cuda_stream(c);
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    void *d, *tw, *sw, *hw;
+    size_t tab_bytes = sizeof(float) * (3 * 16 + 1), ext_at = (tab_bytes + 15) & ~(size_t)15;
+    int rc;
+    if ((rc = epipe_cuda_grow(c, &h->body, cb, &d)) ||
+        (rc = epipe_cuda_grow(c, &h->work[0], ext_at + 2 * sizeof(uint32_t), &tw)) ||
+        (rc = epipe_cuda_grow(c, &h->work[1], m * sizeof(float), &sw)) ||
+        (rc = epipe_cuda_host(c, 2 * sizeof(uint32_t) + m * sizeof(float), &hw)))
+        return rc;
+    uint32_t *ext = (uint32_t *)((char *)tw + ext_at), *hext = (uint32_t *)hw;
+    float *smp = (float *)sw, *hsmp = (float *)(hext + 2);
+    sq_minmax_init<<<1, 1, 0, s>>>(ext);
+    sq_minmax<<<epipe_cuda_blocks(n, 256 * 8), 256, 0, s>>>(x, n, ext, h->status);
+    if (m < n)
+        sq_gather<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
+    if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the extent kernels")) ||
+        (rc = epipe_cuda_check(c,
+                               cudaMemcpyAsync(hext, ext, 2 * sizeof(uint32_t),
+                                               cudaMemcpyDeviceToHost, s),
+                               "copying the extent to the host")) ||
+        (rc = epipe_cuda_check(c,
+                               cudaMemcpyAsync(hsmp, m < n ? smp : x, m * sizeof(float),
+                                               cudaMemcpyDeviceToHost, s),
+                               "copying the sample to the host")) ||
+        (rc = epipe_cuda_check(c, cudaStreamSynchronize(s), "waiting for the sample")))
+        return rc;
+    /* No finite value: the deferred status reports the first non-finite
+     * one at synchronisation; the plan only needs finite ends meanwhile. */
+    float lo = hext[0] <= hext[1] ? key_float(hext[0]) : 0.0f;
+    float hi = hext[0] <= hext[1] ? key_float(hext[1]) : 0.0f;
+    if ((rc = epipe_cuda_core_fns->sq_fit_encode(c, hsmp, m, n, lo, hi, body, &t)))
+        return rc;
+    sq_tab dt;
+    dt.bnd = (float *)tw;
+    dt.min = dt.bnd + t.k + 1;
+    dt.inv = dt.min + t.k;
+    dt.step = NULL;
+    dt.lo = dt.hi = NULL;
+    /* From pageable memory: each copy has read t's arrays when it returns. */
+    if ((rc = epipe_cuda_check(c,
+                               cudaMemcpyAsync(dt.bnd, t.bnd, sizeof(float) * (t.k + 1),
+                                               cudaMemcpyHostToDevice, s),
+                               "copying the table to the device")) ||
+        (rc = epipe_cuda_check(c,
+                               cudaMemcpyAsync(dt.min, t.min, sizeof(float) * t.k,
+                                               cudaMemcpyHostToDevice, s),
+                               "copying the table to the device")) ||
+        (rc = epipe_cuda_check(c,
+                               cudaMemcpyAsync(dt.inv, t.inv, sizeof(float) * t.k,
+                                               cudaMemcpyHostToDevice, s),
+                               "copying the table to the device")))
+        return rc;
+    sq_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * (3 * (size_t)t.k + 1),
+                   s>>>(x, n, t.k, t.q, t.levels, bits, dt, (uint8_t *)d, cb);
+    if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant pack kernel")))
+        return rc;
+    return epipe_cuda_check(c,
+                            cudaMemcpyAsync(body + 4 + 8ull * t.k, d, cb, cudaMemcpyDeviceToHost,
+                                            s),
+                            "copying the codes to the host");
+}
+
+static int sq_decode_fit(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    epipe_cuda_qtab t;
+    int rc = epipe_cuda_core_fns->sq_fit_decode(c, body, n, &t);
+    if (rc || !n)
+        return rc;
+    unsigned bits = (unsigned)c->p[SQ_BITS];
+    uint64_t cb = (n * bits + 7) / 8, tb = 8ull * t.k;
+    cudaStream_t s = epipe_cuda_stream(c);
+    void *d;
+    if ((rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->body, tb + cb, &d)) ||
+        (rc = epipe_cuda_check(c, cudaMemcpyAsync(d, body + 4, tb + cb, cudaMemcpyHostToDevice, s),
+                               "copying the body to the device")))
+        return rc;
+    sq_decode<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * 2 * (size_t)t.k, s>>>(
+        (const uint8_t *)d + tb, n, t.k, t.q, bits, (const uint8_t *)d, y);
+    return epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant decode kernel");
+}
+
+static int sample_or_fit(epipe_codec *c)
+{
+    if ((int)c->p[SQ_MODE] != SQ_MODE_EXACT)
         return EPIPE_OK;
     return epipe_cuda_fail(c, EPIPE_ENOTSUP,
-                           "sortquant: mode=%s has no CUDA kernels yet (mode=sample has)",
-                           (int)c->p[SQ_MODE] == 0 ? "exact" : "fit");
+                           "sortquant: mode=exact has no CUDA kernels yet (mode=sample and "
+                           "mode=fit have)");
 }
 
 static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
-    int rc = sample_only(c);
+    int rc = sample_or_fit(c);
     if (rc)
         return rc;
+    if ((int)c->p[SQ_MODE] == SQ_MODE_FIT)
+        return sq_encode_fit(c, x, n, body);
     unsigned bits = (unsigned)c->p[SQ_BITS], split = (unsigned)c->p[SQ_SPLIT];
     unsigned k = 1u << split, q = bits - split;
     float levels = (float)((1u << q) - 1u);
@@ -251,9 +390,11 @@ static float get_f32(const uint8_t *p)
 
 static int sq_decode_cuda(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
-    int rc = sample_only(c);
+    int rc = sample_or_fit(c);
     if (rc)
         return rc;
+    if ((int)c->p[SQ_MODE] == SQ_MODE_FIT)
+        return sq_decode_fit(c, body, n, y);
     unsigned bits = (unsigned)c->p[SQ_BITS], split = (unsigned)c->p[SQ_SPLIT];
     unsigned k = 1u << split, q = bits - split;
     float levels = (float)((1u << q) - 1u);

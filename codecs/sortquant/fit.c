@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "../../lib/bitpack.h"
+#include "../../lib/codec/cuda_api.h"
 #include "sortquant.h"
 
 /* Buckets are merged into bins of at most 1/BIN_DIV of the sample's count
@@ -27,6 +28,9 @@ void epipe_sq_fit_free(sq_fit *f)
 {
     free(f->hist);
     f->hist = NULL;
+    free(f->sample);
+    f->sample = NULL;
+    f->sample_cap = 0;
     free(f->mem);
     f->mem = NULL;
     f->cap = 0;
@@ -208,49 +212,75 @@ void epipe_sq_fit_finish(const sq_state *st, unsigned S, size_t n, uint8_t *body
     memset(body + 4 + epipe_q_table_bytes(t) + epipe_bitpack_bytes(n, t->bits), 0, pad);
 }
 
-int epipe_sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+int epipe_sq_fit_host(epipe_codec *c, const float *s, size_t m, size_t n, float lo, float hi,
+                      uint8_t *body, epipe_qtab **tp)
 {
     sq_state *st = c->state;
     sq_plan pl = {.S = st->fit_fixed >= 0 ? (unsigned)st->fit_fixed : 0, .used = 1};
+    /* -0 and +0 are one end: which of them an extent pass met first (it
+     * depends on the thread count, or on a GPU's atomics) must not move the
+     * histogram's first bucket. */
+    const float ends[2] = {lo + 0.0f, hi + 0.0f};
     if (n) {
-        size_t m = (size_t)sq_sample_count(n, c->p[SQ_SAMPLE]);
         size_t nbk = m + 2 < 65536 ? m + 2 : 65536;
-        size_t need = sizeof(sq_bucket) * nbk + sizeof(float) * (2u << SQ_FIT_SMAX) +
-                      (m < n ? sizeof(float) * m : 0);
-        uint8_t *w = grow(&st->work, &st->work_cap, need);
+        sq_bucket *bk = grow(&st->work, &st->work_cap, sizeof(sq_bucket) * nbk);
         if (!st->fit.hist)
             st->fit.hist = calloc(65536, sizeof(uint32_t));
-        if (!w || !st->fit.hist)
+        if (!bk || !st->fit.hist)
             return epipe_codec_fail(c, EPIPE_ENOMEM, "sortquant: out of memory for scratch");
-        uint32_t *hist = st->fit.hist;
-        sq_bucket *bk = (sq_bucket *)w;
-        float *lo = (float *)(bk + nbk), *hi = lo + (1u << SQ_FIT_SMAX),
-              *smp = hi + (1u << SQ_FIT_SMAX);
-        /* The tensor's extent first (and its finiteness): the outer chunks'
-         * ends, and two more points for the histogram, so that the fit sees
-         * the tails the sample missed. */
-        unsigned threads = epipe_codec_workers(c, n);
-        size_t bad = epipe_q_extent(&st->ftab[0], x, n, lo, hi, threads);
-        if (bad < n)
-            return epipe_q_reject_nonfinite(c, x, n, bad);
-        const float *s = x, ends[2] = {lo[0], hi[0]};
-        if (m < n) {
-            sq_sample_gather(x, n, m, smp);
-            s = smp;
-        }
-        size_t nb = hist_buckets(hist, s, m, ends, bk);
+        size_t nb = hist_buckets(st->fit.hist, s, m, ends, bk);
         unsigned bits = (unsigned)c->p[SQ_BITS];
         if (epipe_sq_fit_plan(&st->fit, bk, nb, bits, st->fit_fixed, sq_fit_smax_for(st, bits, n),
                               &pl))
             return epipe_codec_fail(c, EPIPE_ENOMEM, "sortquant: out of memory for scratch");
-        epipe_qtab *t = &st->ftab[pl.S];
-        epipe_sq_fit_set_chunks(t, &pl, n, ends[0], ends[1]);
-        epipe_q_encode(t, x, n, body + 4 + epipe_q_table_bytes(t), threads, NULL, NULL);
-    } else {
-        epipe_sq_fit_set_chunks(&st->ftab[pl.S], &pl, 0, 0.0f, 0.0f);
     }
+    epipe_qtab *t = &st->ftab[pl.S];
+    epipe_sq_fit_set_chunks(t, &pl, n, ends[0], ends[1]);
     epipe_sq_fit_finish(st, pl.S, n, body);
+    *tp = t;
     return EPIPE_OK;
+}
+
+int epipe_sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    sq_state *st = c->state;
+    epipe_qtab *t;
+    if (!n)
+        return epipe_sq_fit_host(c, x, 0, 0, 0.0f, 0.0f, body, &t);
+    size_t m = (size_t)sq_sample_count(n, c->p[SQ_SAMPLE]);
+    float *smp = m < n ? epipe_sq_fit_sample_buf(st, m) : NULL;
+    if (m < n && !smp)
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "sortquant: out of memory for scratch");
+    /* The tensor's extent first (and its finiteness): the outer chunks'
+     * ends, and two more points for the histogram, so that the fit sees
+     * the tails the sample missed. */
+    float lo[1u << SQ_FIT_SMAX], hi[1u << SQ_FIT_SMAX];
+    unsigned threads = epipe_codec_workers(c, n);
+    size_t bad = epipe_q_extent(&st->ftab[0], x, n, lo, hi, threads);
+    if (bad < n)
+        return epipe_q_reject_nonfinite(c, x, n, bad);
+    const float *s = x;
+    if (m < n) {
+        sq_sample_gather(x, n, m, smp);
+        s = smp;
+    }
+    int rc = epipe_sq_fit_host(c, s, m, n, lo[0], hi[0], body, &t);
+    if (rc)
+        return rc;
+    epipe_q_encode(t, x, n, body + 4 + epipe_q_table_bytes(t), threads, NULL, NULL);
+    return EPIPE_OK;
+}
+
+float *epipe_sq_fit_sample_buf(sq_state *st, size_t m)
+{
+    if (st->fit.sample_cap < m) {
+        free(st->fit.sample);
+        st->fit.sample_cap = 0;
+        if (!(st->fit.sample = malloc(sizeof(float) * m)))
+            return NULL;
+        st->fit.sample_cap = m;
+    }
+    return st->fit.sample;
 }
 
 /* ---- reading a fit body ---------------------------------------------------- */
@@ -293,4 +323,30 @@ int epipe_sq_fit_read(epipe_codec *c, const uint8_t *body, size_t n, epipe_qtab 
                                     "sortquant: fit payload has non-zero bytes after its codes");
     *tp = t;
     return EPIPE_OK;
+}
+
+/* ---- for the CUDA module ------------------------------------------------ */
+
+static void cuda_table(const epipe_qtab *t, epipe_cuda_qtab *out)
+{
+    *out = (epipe_cuda_qtab){t->k, t->q, t->levels, t->bnd, t->min, t->step, t->inv};
+}
+
+int epipe_sq_fit_cuda_encode(epipe_codec *c, const float *s, size_t m, size_t n, float lo, float hi,
+                             uint8_t *body, epipe_cuda_qtab *out)
+{
+    epipe_qtab *t;
+    int rc = epipe_sq_fit_host(c, s, m, n, lo, hi, body, &t);
+    if (rc == EPIPE_OK)
+        cuda_table(t, out);
+    return rc;
+}
+
+int epipe_sq_fit_cuda_decode(epipe_codec *c, const uint8_t *body, size_t n, epipe_cuda_qtab *out)
+{
+    epipe_qtab *t;
+    int rc = epipe_sq_fit_read(c, body, n, &t);
+    if (rc == EPIPE_OK)
+        cuda_table(t, out);
+    return rc;
 }

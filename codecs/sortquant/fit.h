@@ -34,6 +34,8 @@ typedef struct sq_fit {
     void *mem;
     size_t cap;
     uint32_t *hist; /* the fast path's 65536 bucket counts, kept zero */
+    float *sample;  /* the drawn sample, when it is not the whole tensor */
+    size_t sample_cap;
 } sq_fit;
 void epipe_sq_fit_free(sq_fit *f);
 

@@ -103,6 +103,15 @@ static inline unsigned sq_fit_smax_for(const sq_state *st, unsigned bits, uint64
     return S;
 }
 int epipe_sq_fit_read(epipe_codec *c, const uint8_t *body, size_t n, epipe_qtab **t);
+/* The host's part of a fit encode, shared by the CPU encoder and the CUDA
+ * module: from the sample s[0..m) of the n values, whose extent is
+ * [lo, hi] (finite), the plan and its table (*t, in the handle's state),
+ * and every byte of the body but the codes: the fit word, the table and
+ * the padding after the codes. n = 0 writes the empty body. */
+int epipe_sq_fit_host(epipe_codec *c, const float *s, size_t m, size_t n, float lo, float hi,
+                      uint8_t *body, epipe_qtab **t);
+/* Room for an m-value sample in the handle's fit scratch; NULL if none. */
+float *epipe_sq_fit_sample_buf(sq_state *st, size_t m);
 void epipe_sq_fit_set_chunks(epipe_qtab *t, const sq_plan *pl, size_t n, float min, float max);
 void epipe_sq_fit_finish(const sq_state *st, unsigned S, size_t n, uint8_t *body);
 

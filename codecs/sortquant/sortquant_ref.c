@@ -133,6 +133,8 @@ static int ref_fit(sq_state *st, const float *x, size_t n, double sample, unsign
             min = x[i] < min ? x[i] : min;
             max = x[i] > max ? x[i] : max;
         }
+        min += 0.0f; /* one zero, whichever the scan met first (as the fast path) */
+        max += 0.0f;
         sq_sample_gather(x, n, m, s);
         for (size_t i = 0; i < m; i++)
             key[i] = sq_key(s[i]);

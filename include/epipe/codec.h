@@ -317,6 +317,9 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * tensor (decode) and the payload buffer must stay valid and unchanged
  * until the stream reaches the work: reuse them only after
  * epipe_codec_synchronize() or after an event recorded on the stream.
+ * One exception: `sortquant` mode=fit (its default) plans its chunks on the
+ * host from the tensor's extent and a sample, so its encode waits for the
+ * stream once, mid-call, before it enqueues the codes.
  * On CPU tensors every call is synchronous, as before.
  *
  * Errors: argument, tensor, header, size and capacity errors, and a bad

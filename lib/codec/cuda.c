@@ -28,6 +28,8 @@ static const epipe_cuda_core core_fns = {
     .abi = EPIPE_CUDA_ABI,
     .codec_size = sizeof(struct epipe_codec),
     .vfail = core_vfail,
+    .sq_fit_encode = epipe_sq_fit_cuda_encode,
+    .sq_fit_decode = epipe_sq_fit_cuda_decode,
 };
 
 /* One module per process: the path it came from and its table. A failed

@@ -16,10 +16,18 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 1
+#define EPIPE_CUDA_ABI 2
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
+
+/* A quantisation table as the kernels take it: k chunks of q level bits;
+ * bnd [k + 1] (bnd[0] = -inf, bnd[k] = +inf), min, step and inv [k]. */
+typedef struct epipe_cuda_qtab {
+    unsigned k, q;
+    float levels;
+    const float *bnd, *min, *step, *inv;
+} epipe_cuda_qtab;
 
 /* What the core lends the module: the library's symbols are hidden, so
  * the few helpers the module needs come as pointers. */
@@ -29,6 +37,18 @@ typedef struct epipe_cuda_core {
     /* epipe_codec_fail() with a va_list: the message on the handle and the
      * calling thread; returns status. */
     int (*vfail)(epipe_codec *c, int status, const char *fmt, va_list ap);
+    /* sortquant mode=fit, the host's part (codecs/sortquant/fit.c): the
+     * plan from a sample s[0..m) (host memory) of the n values, whose
+     * extent is [lo, hi]; every byte of the host body but the codes (fit
+     * word, table, padding after the codes); and in *t the table the pack
+     * kernel needs, in host memory of the handle (valid until its next
+     * call). */
+    int (*sq_fit_encode)(epipe_codec *c, const float *s, size_t m, size_t n, float lo, float hi,
+                         uint8_t *body, struct epipe_cuda_qtab *t);
+    /* The CPU decoder's checks of a fit body (fit word, table, padding
+     * after the codes, the codes' tail bits) with its messages; *t the
+     * table the decode kernel needs. */
+    int (*sq_fit_decode)(epipe_codec *c, const uint8_t *body, size_t n, struct epipe_cuda_qtab *t);
 } epipe_cuda_core;
 
 /* What the module gives the core. Every function runs on the caller's
@@ -58,6 +78,11 @@ typedef struct epipe_cuda_module {
     /* Frees c->cuda (device scratch, the status word). */
     void (*release)(epipe_codec *c);
 } epipe_cuda_module;
+
+/* The core's sq_fit_encode and sq_fit_decode (codecs/sortquant/fit.c). */
+int epipe_sq_fit_cuda_encode(epipe_codec *c, const float *s, size_t m, size_t n, float lo, float hi,
+                             uint8_t *body, epipe_cuda_qtab *t);
+int epipe_sq_fit_cuda_decode(epipe_codec *c, const uint8_t *body, size_t n, epipe_cuda_qtab *t);
 
 typedef int (*epipe_cuda_init_fn)(const epipe_cuda_core *core, const epipe_cuda_module **out);
 

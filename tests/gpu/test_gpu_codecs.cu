@@ -56,10 +56,15 @@ static void fill(std::vector<float> &x, unsigned seed)
 
 /* Encodes x on the CPU and on the GPU (pinned payload) and compares the
  * bytes; decodes each payload on the other side and compares the floats. */
-static void byte_identity(const char *spec, size_t n, size_t offset)
+static void byte_identity(const char *spec, size_t n, size_t offset, int relu = 0)
 {
     std::vector<float> x(n + offset);
     fill(x, (unsigned)n);
+    /* relu: half zeros, a third of them -0 (the fit's extent must not care
+     * which zero it met first) */
+    for (size_t i = 0; relu && i < x.size(); i++)
+        if (x[i] <= 0.0f)
+            x[i] = i % 3 ? 0.0f : -0.0f;
     int64_t shape[1] = {(int64_t)n};
     epipe_codec *cpu, *gpu;
     CHECK(epipe_codec_create(&cpu, spec) == EPIPE_OK, "%s", epipe_last_error());
@@ -217,6 +222,22 @@ static void hostile_table(void)
     CHECK(strstr(epipe_codec_last_error(g4), "padding bits") != NULL, "%s", epipe_codec_last_error(g4));
     epipe_codec_destroy(g4);
     epipe_codec_destroy(c4);
+    /* sortquant mode=fit: the fit word is checked by the CPU's code */
+    epipe_codec *gf, *cf;
+    epipe_codec_create(&gf, "sortquant:bits=8,mode=fit");
+    epipe_codec_create(&cf, "sortquant:bits=8,mode=fit");
+    CHECK(epipe_codec_encode(cf, &hs, p.data(), p.size(), &w) == EPIPE_OK, "cpu fit");
+    CHECK(epipe_codec_decode(gf, p.data(), w, &dd) == EPIPE_OK, "%s", epipe_codec_last_error(gf));
+    const size_t hdr = 16; /* the payload header; the body's fit word follows */
+    for (int b = 0; b < 2; b++) {
+        std::vector<uint8_t> q(p.begin(), p.begin() + w);
+        q[hdr + (b ? 0 : 1)] = b ? 7 : 1; /* split 7 past the largest; a reserved byte */
+        CHECK(epipe_codec_decode(gf, q.data(), w, &dd) == EPIPE_EPROTO, "fit word %d", b);
+        CHECK(strstr(epipe_codec_last_error(gf), b ? "split" : "reserved") != NULL, "%s",
+              epipe_codec_last_error(gf));
+    }
+    epipe_codec_destroy(gf);
+    epipe_codec_destroy(cf);
     CHECK(epipe_codec_synchronize(g) == EPIPE_OK, "sync");
     epipe_codec_destroy(g);
     epipe_codec_destroy(cpu);
@@ -261,20 +282,27 @@ int main(void)
                            "quant:bits=4", "quant:bits=13", "quant:bits=1",
                            "sortquant:bits=8,mode=sample", "sortquant:bits=4,split=1,mode=sample",
                            "sortquant:bits=12,split=8,mode=sample,sample=1024",
-                           "sortquant:bits=16,split=12,mode=sample"};
+                           "sortquant:bits=16,split=12,mode=sample",
+                           "sortquant:bits=8", /* mode=fit, the default, split chosen */
+                           "sortquant:bits=4,mode=fit", "sortquant:bits=2,mode=fit",
+                           "sortquant:bits=8,mode=fit,split=3",
+                           "sortquant:bits=12,mode=fit,sample=1024"};
     const size_t sizes[] = {0, 1, 7, 8, 9, 1000, 4097, 1 << 20, 3000017};
     for (const char *s : specs)
         for (size_t n : sizes)
             for (size_t off : {0, 1})
-                byte_identity(s, n, off);
+                byte_identity(s, n, off, strstr(s, "mode=sample") || !strstr(s, "sortquant") ? 0 : 1);
+    for (size_t n : sizes)
+        byte_identity("sortquant:bits=8,mode=fit", n, 0, 0);
     for (const char *s : specs) {
         half_tensors(s, 0);
         half_tensors(s, 1);
     }
     deferred_nonfinite("quant:bits=8");
     deferred_nonfinite("sortquant:bits=8,mode=sample");
+    deferred_nonfinite("sortquant:bits=8,mode=fit");
     {
-        /* modes without kernels are refused by name, synchronously */
+        /* a mode without kernels is refused by name, synchronously */
         epipe_codec *g;
         epipe_codec_create(&g, "sortquant:bits=8,mode=exact");
         float *d;
