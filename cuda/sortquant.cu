@@ -301,22 +301,152 @@ static int sq_decode_fit(epipe_codec *c, const uint8_t *body, size_t n, float *y
     return epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant decode kernel");
 }
 
-static int sample_or_fit(epipe_codec *c)
+/* ---- mode=exact: a stable radix sort of (key, index) pairs ---------------- */
+
+/* x + 0: both zeros one key, so that equal values keep index order as the
+ * CPU's ties by index do (tests/test_inline.c writes this out). */
+__global__ void sqx_keys(const float *x, uint64_t n, uint32_t *key, uint32_t *idx,
+                         epipe_cuda_status *st)
 {
-    if ((int)c->p[SQ_MODE] != SQ_MODE_EXACT)
-        return EPIPE_OK;
-    return epipe_cuda_fail(c, EPIPE_ENOTSUP,
-                           "sortquant: mode=exact has no CUDA kernels yet (mode=sample and "
-                           "mode=fit have)");
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        float v = x[i];
+        if (!epipe_hd_finite(v))
+            atomicMin(v != v ? &st->nan : v > 0 ? &st->pinf : &st->ninf, (unsigned long long)i);
+        key[i] = sq_key(v + 0.0f);
+        idx[i] = (uint32_t)i;
+    }
+}
+
+/* The chunk of every value, by its sorted position (epipe_hd_sq_chunk_at
+ * over ranks kept in shared memory). */
+__global__ void sqx_chunks(const uint32_t *idx, uint64_t n, unsigned k, uint16_t *chunk)
+{
+    extern __shared__ uint64_t rank[]; /* [k + 1] */
+    for (unsigned j = threadIdx.x; j <= k; j += blockDim.x)
+        rank[j] = epipe_hd_sq_rank(j, n, k);
+    __syncthreads();
+    for (uint64_t p = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; p < n;
+         p += (uint64_t)gridDim.x * blockDim.x) {
+        unsigned lo = 0, hi = k - 1;
+        while (lo < hi) {
+            unsigned mid = lo + (hi - lo + 1) / 2;
+            if (rank[mid] <= p)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        chunk[idx[p]] = (uint16_t)lo;
+    }
+}
+
+/* Chunk j spans sorted positions [rank(j), rank(j + 1)): its extent is
+ * their first and last key. */
+__global__ void sqx_extent(const uint32_t *key, uint64_t n, unsigned k, sq_tab t)
+{
+    for (unsigned j = threadIdx.x; j < k; j += blockDim.x) {
+        uint64_t a = epipe_hd_sq_rank(j, n, k), b = epipe_hd_sq_rank(j + 1, n, k);
+        t.lo[j] = a < b ? key[a] : 0xffffffffu;
+        t.hi[j] = a < b ? key[b - 1] : 0;
+    }
+}
+
+__global__ void sqx_pack(const float *x, const uint16_t *chunk, uint64_t n, unsigned k, unsigned q,
+                         float levels, unsigned w, sq_tab t, uint8_t *codes, uint64_t code_bytes)
+{
+    extern __shared__ float tab[]; /* min [k], inv [k] */
+    float *mn = tab, *iv = tab + k;
+    for (unsigned j = threadIdx.x; j < k; j += blockDim.x) {
+        mn[j] = t.min[j];
+        iv[j] = t.inv[j];
+    }
+    __syncthreads();
+    uint64_t groups = (n + 7) / 8;
+    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
+         g += (uint64_t)gridDim.x * blockDim.x) {
+        uint32_t c[8];
+        for (unsigned i = 0; i < 8; i++) {
+            uint64_t j = g * 8 + i;
+            unsigned ch = j < n ? chunk[j] : 0;
+            c[i] = j < n ? ch << q | epipe_hd_q_level(x[j], mn[ch], iv[ch], levels) : 0;
+        }
+        uint8_t b[16];
+        epipe_hd_pack8(c, w, b);
+        uint64_t at = g * w, m = code_bytes - at < w ? code_bytes - at : w;
+        for (unsigned i = 0; i < m; i++)
+            codes[at + i] = b[i];
+    }
+}
+
+static int sq_encode_exact(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    if (n > 0xffffffffull)
+        return epipe_cuda_fail(c, EPIPE_ENOTSUP,
+                               "sortquant: mode=exact on a CUDA tensor takes at most 2^32 - 1 "
+                               "values (this one has %zu); use mode=fit or mode=sample",
+                               n);
+    unsigned bits = (unsigned)c->p[SQ_BITS], split = (unsigned)c->p[SQ_SPLIT];
+    unsigned k = 1u << split, q = bits - split;
+    float levels = (float)((1u << q) - 1u);
+    uint64_t cb = (n * bits + 7) / 8, tb = 8ull * k;
+    cudaStream_t s = epipe_cuda_stream(c);
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    size_t sort_bytes = 0;
+    int rc;
+    if (n && (rc = epipe_cuda_check(c,
+                                    cub::DeviceRadixSort::SortPairs(
+                                        NULL, sort_bytes, (uint32_t *)NULL, (uint32_t *)NULL,
+                                        (uint32_t *)NULL, (uint32_t *)NULL, (int64_t)n),
+                                    "sizing the sort")))
+        return rc;
+    size_t arrays = (16 * (size_t)n + 255) & ~(size_t)255;
+    size_t tab_bytes = sizeof(float) * (4 * (size_t)k + 1) + sizeof(uint32_t) * 2 * k;
+    void *d, *tw, *sw, *cw;
+    if ((rc = epipe_cuda_grow(c, &h->body, tb + cb, &d)) ||
+        (rc = epipe_cuda_grow(c, &h->work[0], tab_bytes, &tw)) ||
+        (rc = epipe_cuda_grow(c, &h->work[1], arrays + sort_bytes + 256, &sw)) ||
+        (rc = epipe_cuda_grow(c, &h->work[2], 2 * (size_t)n + 16, &cw)))
+        return rc;
+    sq_tab t;
+    t.bnd = (float *)tw;
+    t.min = t.bnd + k + 1;
+    t.step = t.min + k;
+    t.inv = t.step + k;
+    t.lo = (uint32_t *)(t.inv + k);
+    t.hi = t.lo + k;
+    unsigned tpb = k < 1024 ? (k < 32 ? 32 : k) : 1024;
+    if (!n) {
+        sq_bounds<<<1, tpb, 0, s>>>(NULL, 0, k, t); /* every chunk empty */
+    } else {
+        uint32_t *key = (uint32_t *)sw, *idx = key + n, *skey = idx + n, *sidx = skey + n;
+        sqx_keys<<<epipe_cuda_blocks(n, 256), 256, 0, s>>>(x, n, key, idx, h->status);
+        if ((rc = epipe_cuda_check(c,
+                                   cub::DeviceRadixSort::SortPairs((char *)sw + arrays, sort_bytes,
+                                                                   key, skey, idx, sidx,
+                                                                   (int64_t)n, 0, 32, s),
+                                   "sorting the values")))
+            return rc;
+        sqx_chunks<<<epipe_cuda_blocks(n, 256), 256, sizeof(uint64_t) * (k + 1), s>>>(
+            sidx, n, k, (uint16_t *)cw);
+        sqx_extent<<<1, tpb, 0, s>>>(skey, n, k, t);
+    }
+    sq_table<<<1, tpb, 0, s>>>(k, levels, t, (uint8_t *)d);
+    if (n)
+        sqx_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * 2 * (size_t)k, s>>>(
+            x, (const uint16_t *)cw, n, k, q, levels, bits, t, (uint8_t *)d + tb, cb);
+    if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant kernels")))
+        return rc;
+    return epipe_cuda_check(c, cudaMemcpyAsync(body, d, tb + cb, cudaMemcpyDeviceToHost, s),
+                            "copying the body to the host");
 }
 
 static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
-    int rc = sample_or_fit(c);
-    if (rc)
-        return rc;
+    int rc;
     if ((int)c->p[SQ_MODE] == SQ_MODE_FIT)
         return sq_encode_fit(c, x, n, body);
+    if ((int)c->p[SQ_MODE] == SQ_MODE_EXACT)
+        return sq_encode_exact(c, x, n, body);
     unsigned bits = (unsigned)c->p[SQ_BITS], split = (unsigned)c->p[SQ_SPLIT];
     unsigned k = 1u << split, q = bits - split;
     float levels = (float)((1u << q) - 1u);
@@ -390,11 +520,10 @@ static float get_f32(const uint8_t *p)
 
 static int sq_decode_cuda(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
-    int rc = sample_or_fit(c);
-    if (rc)
-        return rc;
+    int rc;
     if ((int)c->p[SQ_MODE] == SQ_MODE_FIT)
         return sq_decode_fit(c, body, n, y);
+    /* exact and sample bodies are one format: a table, then the codes */
     unsigned bits = (unsigned)c->p[SQ_BITS], split = (unsigned)c->p[SQ_SPLIT];
     unsigned k = 1u << split, q = bits - split;
     float levels = (float)((1u << q) - 1u);

@@ -169,6 +169,121 @@ static size_t gpu_algorithm(unsigned bits, unsigned split, uint64_t sample, cons
     return 8 * k + cb;
 }
 
+/* The CUDA kernels' algorithm for sortquant mode=exact (cuda/sortquant.cu):
+ * a stable sort of (order key of x + 0, index) pairs, so that equal values
+ * (both zeros one value) keep index order, as the CPU's ties by index; the
+ * chunk of each sorted position; per-chunk extents from the sorted ends;
+ * the table; 8-code packing. */
+struct key_index {
+    uint32_t key, index;
+};
+
+static int cmp_key_index(const void *a, const void *b)
+{
+    const struct key_index *x = a, *y = b;
+    if (x->key != y->key)
+        return x->key < y->key ? -1 : 1;
+    return x->index < y->index ? -1 : x->index > y->index;
+}
+
+static uint32_t order_key(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+static size_t gpu_exact_algorithm(unsigned bits, unsigned split, const float *x, size_t n,
+                                  uint8_t *body)
+{
+    unsigned k = 1u << split, q = bits - split;
+    float levels = (float)((1u << q) - 1u), mn[4096], iv[4096];
+    struct key_index *s = malloc(sizeof *s * (n + 1));
+    uint16_t *chunk = malloc(sizeof *chunk * (n + 1));
+    assert_true(s && chunk);
+    for (size_t i = 0; i < n; i++)
+        s[i] = (struct key_index){order_key(x[i] + 0.0f), (uint32_t)i};
+    qsort(s, n, sizeof *s, cmp_key_index);
+    for (size_t p = 0; p < n; p++)
+        chunk[s[p].index] = (uint16_t)epipe_hd_sq_chunk_at(p, n, k);
+    for (unsigned j = 0; j < k; j++) {
+        uint64_t a = epipe_hd_sq_rank(j, n, k), b = epipe_hd_sq_rank(j + 1, n, k);
+        float st = 0.0f;
+        mn[j] = iv[j] = 0.0f;
+        if (a < b) {
+            mn[j] = x[s[a].index] + 0.0f;
+            st = epipe_hd_q_step(mn[j], x[s[b - 1].index] + 0.0f, levels);
+            iv[j] = st > 0.0f ? 1.0f / st : 0.0f;
+        }
+        memcpy(body + 8 * j, &mn[j], 4);
+        memcpy(body + 8 * j + 4, &st, 4);
+    }
+    uint8_t *codes = body + 8 * k;
+    size_t cb = epipe_bitpack_bytes(n, bits);
+    for (size_t g = 0; g < (n + 7) / 8; g++) {
+        uint32_t c[8];
+        for (unsigned i = 0; i < 8; i++) {
+            size_t j = g * 8 + i;
+            c[i] = j < n ? (uint32_t)chunk[j] << q |
+                               epipe_hd_q_level(x[j], mn[chunk[j]], iv[chunk[j]], levels)
+                         : 0;
+        }
+        uint8_t b[16];
+        epipe_hd_pack8(c, bits, b);
+        size_t at = g * bits, cnt = cb - at < bits ? cb - at : bits;
+        memcpy(codes + at, b, cnt);
+    }
+    free(s);
+    free(chunk);
+    return 8 * k + cb;
+}
+
+static void gpu_exact_algorithm_matches_cpu(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *spec;
+        unsigned bits, split;
+    } cases[] = {
+        {"sortquant:bits=8,mode=exact", 8, 2},
+        {"sortquant:bits=4,split=1,mode=exact", 4, 1},
+        {"sortquant:bits=12,split=8,mode=exact", 12, 8},
+        {"sortquant:bits=16,split=12,mode=exact", 16, 12},
+    };
+    const size_t sizes[] = {1, 3, 9, 4097, 100003};
+    float *x = malloc(sizeof(float) * 100003);
+    uint8_t *cpu = malloc(300000), *mine = malloc(300000);
+    assert_true(x && cpu && mine);
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)
+        for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++)
+            for (int ties = 0; ties < 2; ties++) {
+                size_t n = sizes[si];
+                test_fill(x, n, si % 2 ? DIST_RELU : DIST_NORMAL, 7 + si);
+                /* ties: few distinct values, so boundaries cut through runs of
+                 * equal values; -0 among the zeros */
+                for (size_t i = 0; ties && i < n; i++)
+                    x[i] = x[i] == 0.0f ? (i % 3 ? 0.0f : -0.0f) : (float)(int)(x[i] * 2.0f);
+                epipe_codec *c;
+                assert_int_equal(epipe_codec_create(&c, cases[ci].spec), EPIPE_OK);
+                int64_t shape[1] = {(int64_t)n};
+                DLTensor t = {.data = x,
+                              .device = {kDLCPU, 0},
+                              .ndim = 1,
+                              .shape = shape,
+                              .dtype = {kDLFloat, 32, 1}};
+                size_t w;
+                assert_int_equal(epipe_codec_encode(c, &t, cpu, 300000, &w), EPIPE_OK);
+                size_t body = gpu_exact_algorithm(cases[ci].bits, cases[ci].split, x, n, mine);
+                assert_int_equal(body + 16, w);
+                if (memcmp(cpu + 16, mine, body) != 0)
+                    fail_msg("%s n=%zu ties=%d: bytes differ", cases[ci].spec, n, ties);
+                epipe_codec_destroy(c);
+            }
+    free(x);
+    free(cpu);
+    free(mine);
+}
+
 static void gpu_algorithm_matches_cpu(void **state)
 {
     (void)state;
@@ -217,9 +332,12 @@ static void gpu_algorithm_matches_cpu(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(pack8_matches_bitpack),     cmocka_unit_test(pair_check_rules),
-        cmocka_unit_test(half_conversions),          cmocka_unit_test(sample_positions_agree),
+        cmocka_unit_test(pack8_matches_bitpack),
+        cmocka_unit_test(pair_check_rules),
+        cmocka_unit_test(half_conversions),
+        cmocka_unit_test(sample_positions_agree),
         cmocka_unit_test(gpu_algorithm_matches_cpu),
+        cmocka_unit_test(gpu_exact_algorithm_matches_cpu),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

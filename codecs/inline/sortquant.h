@@ -19,6 +19,22 @@ EPIPE_HD uint64_t epipe_hd_sq_mix(uint64_t z)
     return z ^ (z >> 31);
 }
 
+/* Exact mode: the chunk of sorted position p < n, the largest j < k with
+ * rank(j) <= p (chunks are [rank(j), rank(j + 1)); with n < k some are
+ * empty). */
+EPIPE_HD unsigned epipe_hd_sq_chunk_at(uint64_t p, uint64_t n, unsigned k)
+{
+    unsigned lo = 0, hi = k - 1;
+    while (lo < hi) {
+        unsigned mid = lo + (hi - lo + 1) / 2;
+        if (epipe_hd_sq_rank(mid, n, k) <= p)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Sample k of m drawn from n values: a pseudo-random position in stratum
  * k, [floor(k n / m), floor((k+1) n / m)), at ((mix(k) >> 32) * len) >> 32
  * for a stratum of len values (mix(k) % len past 2^32). */

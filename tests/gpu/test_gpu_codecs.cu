@@ -65,6 +65,11 @@ static void byte_identity(const char *spec, size_t n, size_t offset, int relu = 
     for (size_t i = 0; relu && i < x.size(); i++)
         if (x[i] <= 0.0f)
             x[i] = i % 3 ? 0.0f : -0.0f;
+    /* relu == 2: also few distinct values, so that exact mode's boundaries
+     * cut through runs of equal values (ties by index) */
+    for (size_t i = 0; relu == 2 && i < x.size(); i++)
+        if (x[i] != 0.0f)
+            x[i] = (float)(int)(x[i] * 2.0f);
     int64_t shape[1] = {(int64_t)n};
     epipe_codec *cpu, *gpu;
     CHECK(epipe_codec_create(&cpu, spec) == EPIPE_OK, "%s", epipe_last_error());
@@ -286,14 +291,22 @@ int main(void)
                            "sortquant:bits=8", /* mode=fit, the default, split chosen */
                            "sortquant:bits=4,mode=fit", "sortquant:bits=2,mode=fit",
                            "sortquant:bits=8,mode=fit,split=3",
-                           "sortquant:bits=12,mode=fit,sample=1024"};
+                           "sortquant:bits=12,mode=fit,sample=1024",
+                           "sortquant:bits=8,mode=exact", "sortquant:bits=4,split=1,mode=exact",
+                           "sortquant:bits=12,split=8,mode=exact",
+                           "sortquant:bits=16,split=12,mode=exact"};
     const size_t sizes[] = {0, 1, 7, 8, 9, 1000, 4097, 1 << 20, 3000017};
     for (const char *s : specs)
         for (size_t n : sizes)
             for (size_t off : {0, 1})
-                byte_identity(s, n, off, strstr(s, "mode=sample") || !strstr(s, "sortquant") ? 0 : 1);
-    for (size_t n : sizes)
+                byte_identity(s, n, off,
+                              !strstr(s, "sortquant") || strstr(s, "mode=sample") ? 0
+                              : strstr(s, "mode=exact")                           ? 2
+                                                                                  : 1);
+    for (size_t n : sizes) { /* the other data for fit and exact */
         byte_identity("sortquant:bits=8,mode=fit", n, 0, 0);
+        byte_identity("sortquant:bits=8,mode=exact", n, 0, 0);
+    }
     for (const char *s : specs) {
         half_tensors(s, 0);
         half_tensors(s, 1);
@@ -301,18 +314,19 @@ int main(void)
     deferred_nonfinite("quant:bits=8");
     deferred_nonfinite("sortquant:bits=8,mode=sample");
     deferred_nonfinite("sortquant:bits=8,mode=fit");
+    deferred_nonfinite("sortquant:bits=8,mode=exact");
     {
-        /* a mode without kernels is refused by name, synchronously */
+        /* a codec without kernels is refused by name, synchronously */
         epipe_codec *g;
-        epipe_codec_create(&g, "sortquant:bits=8,mode=exact");
+        epipe_codec_create(&g, "topk:ratio=0.1");
         float *d;
         CUDA_OK(cudaMalloc((void **)&d, 64));
         int64_t shape[1] = {16};
         DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
         uint8_t p[256];
         size_t w;
-        CHECK(epipe_codec_encode(g, &ds, p, sizeof p, &w) == EPIPE_ENOTSUP, "exact mode");
-        CHECK(strstr(epipe_codec_last_error(g), "mode=exact") != NULL, "%s", epipe_codec_last_error(g));
+        CHECK(epipe_codec_encode(g, &ds, p, sizeof p, &w) == EPIPE_ENOTSUP, "topk");
+        CHECK(strstr(epipe_codec_last_error(g), "'topk'") != NULL, "%s", epipe_codec_last_error(g));
         epipe_codec_destroy(g);
         cudaFree(d);
     }
