@@ -22,7 +22,8 @@ def run(*args):
 
 
 KEYS = {"kind", "stages", "pipeline_stages", "microbatches", "splits_backward", "makespan",
-        "bubble_fraction", "bubble_over_ideal", "published_bubble", "placement", "peak_live", "ops"}
+        "bubble_fraction", "bubble_over_ideal", "published_bubble", "placement", "peak_live", "ops",
+        "steps", "weight_versions"}
 for kind in ("gpipe", "1f1b"):
     for p, m in ((1, 1), (2, 3), (4, 8), (6, 16), (5, 2)):
         r = run("--kind", kind, "-p", str(p), "-m", str(m), "--json")
@@ -40,6 +41,7 @@ for kind in ("gpipe", "1f1b"):
         checks = [
             (o["kind"], kind), (o["stages"], p), (o["microbatches"], m),
             (o["makespan"], 2 * (m + p - 1)), (o["peak_live"], want_peak), (len(o["ops"]), p),
+            (o["steps"], 1), (o["weight_versions"], [1] * p),
         ]
         for got, want in checks:
             if got != want:
@@ -52,6 +54,22 @@ for kind in ("gpipe", "1f1b"):
             for i in range(m):
                 if ops.index(f"F{i}") > ops.index(f"B{i}"):
                     fail(f"{kind} p={p} m={m} stage {s}: B{i} before F{i}")
+
+# without a flush: 4 steps back to back and the drain, one fill and one
+# drain of 2(p-1); rank s holds p-s versions (async) or 2 (2bw)
+for kind, versions in (("1f1b-async", [4, 3, 2, 1]), ("1f1b-2bw", [2, 2, 2, 1])):
+    o = json.loads(run("--kind", kind, "-p", "4", "-m", "8", "--json").stdout)
+    steps = o["steps"]
+    for got, want in ((steps, 4), (o["makespan"], steps * 8 * 2 + 2 * 3),
+                      (o["weight_versions"], versions), (len(o["ops"][0]), steps * 8 * 2)):
+        if got != want:
+            fail(f"{kind}: got {got!r}, want {want!r}")
+    r = run("--kind", kind, "-p", "4", "-m", "4")
+    if r.returncode != 0 or "a step over the run" not in r.stdout or "weight versions" not in r.stdout:
+        fail(f"{kind} timeline: exit {r.returncode}\n{r.stdout}{r.stderr}")
+    r = run("--kind", kind, "-p", "4", "-m", "3")
+    if r.returncode == 0 or "needs m >= 4" not in r.stderr:
+        fail(f"{kind} m < p: exit {r.returncode}, {r.stderr!r}")
 
 o = json.loads(run("--kind", "1f1b", "-p", "4", "-m", "8", "--json").stdout)
 if o["ops"][0][:6] != ["F0", "F1", "F2", "F3", "B0", "F4"]:
@@ -72,7 +90,7 @@ for args, needle in ((["--kind", "zb"], "'zb'"), (["-p", "0"], "0 stages"),
     if r.returncode == 0 or needle not in r.stderr:
         fail(f"{args}: exit {r.returncode}, stderr {r.stderr!r}")
 r = run("--kind", "zb")
-for k in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
+for k in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "1f1b-async", "1f1b-2bw"):
     if k not in r.stderr:
         fail(f"unknown kind does not list {k}: {r.stderr!r}")
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The test MLP trained by 2-4 processes over TCP (started by epipe-run) with
 the schedules that have chunks and split backward equals the one-process
-reference (codec none). GPipe and 1F1B, and sortquant:bits=8, over every
+reference (codec none); 1f1b-async and 1f1b-2bw equal their stale-weights
+reference. GPipe and 1F1B, and sortquant:bits=8, over every
 transport: the conformance suite's train-equal and train-codec."""
 import os
 import struct
@@ -60,6 +61,11 @@ RUNS += [(3, "1f1b", ["--placement", "0,1,2,1,0"]), (2, "gpipe", ["--chunks", "2
 RUNS += [(p, "raw", ["--raw", pl, "--split", sp]) for p, pl in
          ((2, "0,1,0"), (2, "0,0,1"), (3, "0,1,2,2,1,0")) for sp in ("0", "1")]
 
+# 1f1b-async and 1f1b-2bw against their stale-weights reference (its own,
+# per rank count), by callbacks and by the op stream
+ASYNC = [(p, k, extra) for p in (2, 3) for k in ("1f1b-async", "1f1b-2bw")
+         for extra in ([], ["--stream", "1"])]
+
 with tempfile.TemporaryDirectory() as d:
     ref = os.path.join(d, "ref")
     r = subprocess.run([trainer, "--reference", "1", "--micro", MICRO, "--steps", STEPS,
@@ -79,4 +85,29 @@ with tempfile.TemporaryDirectory() as d:
             if not r.stdout.count("[rank %d] rank %d: ok" % (s, s)):
                 fail("%s: no ok line from rank %d:\n%s" % (tag, s, r.stdout))
         compare(tag, out, ref)
+    for i, (p, sched, extra) in enumerate(ASYNC):
+        tag = "p=%d %s %s" % (p, sched, " ".join(extra))
+        aref = os.path.join(d, "aref%d" % i)
+        r = subprocess.run([trainer, "--reference", str(p), "--schedule", sched, "--micro", MICRO,
+                            "--steps", STEPS, "--out", aref], capture_output=True, text=True,
+                           timeout=20)
+        if r.returncode:
+            fail("%s reference: %s %s" % (tag, r.stdout, r.stderr))
+            continue
+        out = os.path.join(d, "async%d" % i)
+        r, dt = launch(p, "--schedule", sched, "--micro", MICRO, "--steps", STEPS, "--out", out,
+                       *extra)
+        print("%s: exit %d in %.3f s" % (tag, r.returncode, dt))
+        if r.returncode:
+            fail("%s:\n%s%s" % (tag, r.stdout, r.stderr))
+            continue
+        for s in range(p):
+            if not r.stdout.count("[rank %d] rank %d: ok" % (s, s)):
+                fail("%s: no ok line from rank %d:\n%s" % (tag, s, r.stdout))
+        compare(tag, out, aref)
+        # the flush reference differs: the run really used stale weights
+        same = all(open("%s.layer%d" % (out, l), "rb").read() ==
+                   open("%s.layer%d" % (ref, l), "rb").read() for l in range(5))
+        if same:
+            fail("%s: equals the flush reference" % tag)
 sys.exit(0 if ok else 1)

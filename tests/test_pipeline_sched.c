@@ -290,7 +290,10 @@ static void schedule_layouts_equal_one_process(void **state)
             if (epipe_schedule_create_layout(&sc, kind, layouts[l].ranks, M, &lay) != EPIPE_OK)
                 continue; /* a layout this kind does not take */
             int split = epipe_schedule_splits_backward(sc);
+            int flush = epipe_schedule_weights(sc) == EPIPE_WEIGHTS_FLUSH;
             epipe_schedule_destroy(sc);
+            if (!flush)
+                continue; /* stale weights by design: test_pipeline_async.c */
             for (int stream = 0; stream < 2; stream++) {
                 struct host_config cfg = {.schedule = kind,
                                           .microbatches = M,

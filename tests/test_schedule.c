@@ -211,7 +211,9 @@ static void bad_arguments_are_named(void **state)
     assert_string_equal(epipe_schedule_kind_name(2), "interleaved");
     assert_string_equal(epipe_schedule_kind_name(3), "zb-h1");
     assert_string_equal(epipe_schedule_kind_name(4), "zb-v");
-    assert_null(epipe_schedule_kind_name(5));
+    assert_string_equal(epipe_schedule_kind_name(5), "1f1b-async");
+    assert_string_equal(epipe_schedule_kind_name(6), "1f1b-2bw");
+    assert_null(epipe_schedule_kind_name(7));
     assert_string_equal(epipe_op_kind_name(EPIPE_OP_FORWARD), "F");
     assert_string_equal(epipe_op_kind_name(99), "?");
 

@@ -29,7 +29,8 @@ static void usage(FILE *f)
                "       [--chunks V] [--placement R,R,...] [--forward-cost X] [--backward-cost X]\n"
                "       [--weight-cost X] [--comm-cost X] [--codec-cost X] [--json]\n\n"
                "Simulates one training step of the schedule (default 1f1b, p=4, m=8; kinds:\n"
-               "gpipe, 1f1b, interleaved, zb-h1, zb-v) and prints each rank's compute ops on a\n"
+               "gpipe, 1f1b, interleaved, zb-h1, zb-v; 1f1b-async and 1f1b-2bw run 4 steps\n"
+               "back to back and their drain) and prints each rank's compute ops on a\n"
                "timeline (F3 / B3 / Bi3 / W3: forward / backward / input-gradient / weight-\n"
                "gradient backward of micro-batch 3, F3.1 on chunk 1; dots: idle), the makespan,\n"
                "the bubble (idle over the step, and idle over the ideal compute beside the\n"
@@ -183,6 +184,37 @@ static int chunked(const epipe_schedule *sc)
     return epipe_schedule_pipeline_stages(sc) != epipe_schedule_stages(sc);
 }
 
+/* The ops the simulator ran for a rank: the one list, or for a schedule
+ * without a flush its EPIPE_SIM_ASYNC_STEPS steps and the drain, in order
+ * (micro-batch ids stay those of each step). Caller frees; NULL on error. */
+static epipe_op *run_ops(const epipe_schedule *sc, unsigned rank, size_t *n)
+{
+    int async = epipe_schedule_weights(sc) != EPIPE_WEIGHTS_FLUSH;
+    unsigned steps = async ? EPIPE_SIM_ASYNC_STEPS : 1;
+    size_t total = 0;
+    for (unsigned t = 0; t <= steps; t++) {
+        const epipe_op *ops;
+        size_t c;
+        int ph = t == 0 ? EPIPE_PHASE_FIRST : t < steps ? EPIPE_PHASE_STEADY : EPIPE_PHASE_DRAIN;
+        if (epipe_schedule_phase_ops(sc, rank, ph, &ops, &c))
+            return NULL;
+        total += c;
+    }
+    epipe_op *out = malloc(sizeof *out * (total ? total : 1));
+    if (!out)
+        return NULL;
+    *n = 0;
+    for (unsigned t = 0; t <= steps; t++) {
+        const epipe_op *ops;
+        size_t c;
+        int ph = t == 0 ? EPIPE_PHASE_FIRST : t < steps ? EPIPE_PHASE_STEADY : EPIPE_PHASE_DRAIN;
+        epipe_schedule_phase_ops(sc, rank, ph, &ops, &c);
+        memcpy(out + *n, ops, sizeof *ops * c);
+        *n += c;
+    }
+    return out;
+}
+
 /* The published bubble (idle over ideal compute, at equal costs) of the
  * kind on its default layout, its formula in words, or NAN when none. */
 static double published(const epipe_schedule *sc, char *what, size_t cap)
@@ -246,18 +278,22 @@ static void print_json(const epipe_schedule *sc, const epipe_sim *sim)
     }
     printf("], \"ops\": [");
     for (unsigned s = 0; s < p; s++) {
-        const epipe_op *ops;
-        size_t n, j = 0;
-        epipe_schedule_ops(sc, s, &ops, &n);
+        size_t n = 0, j = 0;
+        epipe_op *ops = run_ops(sc, s, &n);
         printf("%s[", s ? ", " : "");
-        for (size_t k = 0; k < n; k++)
+        for (size_t k = 0; ops && k < n; k++)
             if (is_compute(ops[k].kind)) {
                 char label[48];
                 op_label(label, sizeof label, &ops[k], chunked(sc));
                 printf("%s\"%s\"", j++ ? ", " : "", label);
             }
         printf("]");
+        free(ops);
     }
+    printf("], \"steps\": %u, \"weight_versions\": [",
+           epipe_schedule_weights(sc) != EPIPE_WEIGHTS_FLUSH ? EPIPE_SIM_ASYNC_STEPS : 1);
+    for (unsigned s = 0; s < p; s++)
+        printf("%s%u", s ? ", " : "", epipe_schedule_weight_versions(sc, s));
     printf("]}\n");
 }
 
@@ -318,12 +354,11 @@ static void print_timeline(const epipe_schedule *sc, const epipe_sim *sim, const
         row[end] = '\0';
         printf("time    %s\n", row);
         for (unsigned s = 0; s < p; s++) {
-            const epipe_op *ops;
-            size_t n;
-            epipe_schedule_ops(sc, s, &ops, &n);
+            size_t n = 0;
+            epipe_op *ops = run_ops(sc, s, &n);
             memset(row, '.', width);
             row[width] = '\0';
-            for (size_t k = 0; k < n; k++) {
+            for (size_t k = 0; ops && k < n; k++) {
                 if (!is_compute(ops[k].kind))
                     continue;
                 double t0, t1;
@@ -337,6 +372,7 @@ static void print_timeline(const epipe_schedule *sc, const epipe_sim *sim, const
                 memset(row + a, ' ', b - a);
                 memcpy(row + a, label, (size_t)len < b - a ? (size_t)len : b - a);
             }
+            free(ops);
             printf("rank %-3u%s\n", s, row);
         }
         printf("\n");
@@ -346,7 +382,22 @@ static void print_timeline(const epipe_schedule *sc, const epipe_sim *sim, const
     double bub = epipe_sim_bubble_fraction(sim), ideal = bub < 1 ? bub / (1 - bub) : 0;
     char what[96];
     double pub = published(sc, what, sizeof what);
-    printf("makespan         %g\n", makespan);
+    if (epipe_schedule_weights(sc) != EPIPE_WEIGHTS_FLUSH) {
+        printf("steps            %u back to back, no flush, then the drain (micro-batch ids "
+               "per step)\n",
+               EPIPE_SIM_ASYNC_STEPS);
+        printf("makespan         %g  (%g a step over the run)\n", makespan,
+               makespan / EPIPE_SIM_ASYNC_STEPS);
+        printf("weight versions ");
+        for (unsigned s = 0; s < p; s++)
+            printf(" %u", epipe_schedule_weight_versions(sc, s));
+        printf("  (held at once on ranks 0..%u: %s)\n", p - 1,
+               epipe_schedule_weights(sc) == EPIPE_WEIGHTS_STASHED
+                   ? "an update after every backward, one version per in-flight micro-batch"
+                   : "an update after every step, double-buffered");
+    } else {
+        printf("makespan         %g\n", makespan);
+    }
     printf("bubble fraction  %.4f  (idle over ranks x makespan)\n", bub);
     if (isnan(pub))
         printf("bubble / ideal   %.4f  (idle over compute; %s)\n", ideal, what);

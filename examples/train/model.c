@@ -227,3 +227,35 @@ void model_set_blas_threads(int n)
     (void)n;
 #endif
 }
+
+int model_stash_keep(const stage_model *m, weight_stash *st, uint64_t version)
+{
+    for (int l = 0; l < m->nlayers; l++) {
+        const dense_layer *L = &m->layers[l];
+        size_t nw = sizeof(float) * (size_t)L->in * (size_t)L->out;
+        size_t nb = sizeof(float) * (size_t)L->out;
+        if (!st->w[l] && (!(st->w[l] = malloc(nw)) || !(st->b[l] = malloc(nb))))
+            return -1;
+        memcpy(st->w[l], L->w, nw);
+        memcpy(st->b[l], L->b, nb);
+    }
+    st->set = 1, st->version = version;
+    return 0;
+}
+
+void model_stash_swap(stage_model *m, weight_stash *st)
+{
+    for (int l = 0; l < m->nlayers; l++) {
+        dense_layer *L = &m->layers[l];
+        float *w = L->w, *b = L->b;
+        L->w = st->w[l], L->b = st->b[l];
+        st->w[l] = w, st->b[l] = b;
+    }
+}
+
+void model_stash_free(weight_stash *st)
+{
+    for (int l = 0; l < MODEL_MAX_LAYERS; l++)
+        free(st->w[l]), free(st->b[l]);
+    memset(st, 0, sizeof *st);
+}

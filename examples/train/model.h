@@ -53,6 +53,19 @@ const float *model_backward_input(stage_model *m, int mb, const float *dy, int r
 void model_backward_weight(stage_model *m, int mb, int rows);
 /* SGD with momentum over the summed gradients, which are then zeroed. */
 void model_sgd(stage_model *m, float lr, float momentum);
+/* One kept version of a stage's weights (weight stashing, for the
+ * schedules without a flush): model_stash_keep() copies the current
+ * weights in (0, or -1 when out of memory); model_stash_swap() exchanges
+ * them with the model's, so that a second call undoes the first. */
+typedef struct weight_stash {
+    int set;
+    uint64_t version;
+    float *w[MODEL_MAX_LAYERS], *b[MODEL_MAX_LAYERS];
+} weight_stash;
+int model_stash_keep(const stage_model *m, weight_stash *st, uint64_t version);
+void model_stash_swap(stage_model *m, weight_stash *st);
+void model_stash_free(weight_stash *st);
+
 /* Threads the BLAS may use for each call (OpenBLAS; a no-op elsewhere).
  * Stages already run side by side, one thread or process each: BLAS
  * threads on top of them oversubscribe the cores. */

@@ -45,6 +45,11 @@ static double now(void)
 
 #define MAX_CHUNKS 8
 
+/* Weight versions a chunk can keep for 1f1b-async and 1f1b-2bw. A rank
+ * keeps those of epipe_schedule_weight_versions() at once, a contiguous
+ * run below the current one, so slot = version modulo that count. */
+#define STASH 16
+
 /* One of the rank's chunks: pipeline stage g, layers [l0, l1). */
 struct chunk {
     unsigned g;
@@ -52,12 +57,18 @@ struct chunk {
     stage_model model;
     int64_t out_shape[2], dx_shape[2];
     DLTensor out, dx;
+    /* Schedules without a flush: the weights' version (updates applied)
+     * and the versions kept for in-flight micro-batches' backwards. */
+    uint64_t version;
+    weight_stash stash[STASH];
 };
 
 struct rank {
     const struct options *o;
     const struct dataset *d;
     epipe_stage *stage;
+    int weights;     /* epipe_weight_mode of the schedule */
+    unsigned nstash; /* weight versions kept at once (slots used) */
     unsigned s, p, P, nch;
     int dims[MODEL_MAX_LAYERS + 2], nlayers, rows;
     struct chunk ch[MAX_CHUNKS];
@@ -83,12 +94,65 @@ static struct chunk *current(struct rank *r)
     return &r->ch[op.chunk];
 }
 
+/* ---- weight stashing (1f1b-async, 1f1b-2bw) ------------------------------ */
+
+/* A forward uses the current weights: they are kept as their version for
+ * the micro-batch's backward. 0, or nonzero (r->err says why). */
+static int stash_forward(struct rank *r, struct chunk *c)
+{
+    epipe_op op;
+    if (!r->weights)
+        return 0;
+    if (epipe_stage_current_op(r->stage, &op) || op.weight_version != (uint32_t)c->version) {
+        snprintf(r->err, sizeof r->err, "a forward wants weight version %u; the chunk has %llu",
+                 op.weight_version, (unsigned long long)c->version);
+        return 4;
+    }
+    weight_stash *st = &c->stash[c->version % r->nstash];
+    if (st->set && st->version == c->version)
+        return 0;
+    if (model_stash_keep(&c->model, st, c->version)) {
+        snprintf(r->err, sizeof r->err, "out of memory for a weight version");
+        return 4;
+    }
+    return 0;
+}
+
+/* Swaps the chunk's weights with the stashed version of the backward in
+ * progress, if it is not the current one (a second call swaps back). */
+static int stash_swap(struct rank *r, struct chunk *c)
+{
+    epipe_op op;
+    if (!r->weights)
+        return 0;
+    if (epipe_stage_current_op(r->stage, &op))
+        return 4;
+    if (op.weight_version == (uint32_t)c->version)
+        return 0;
+    weight_stash *st = &c->stash[op.weight_version % r->nstash];
+    if (!st->set || (uint32_t)st->version != op.weight_version) {
+        snprintf(r->err, sizeof r->err, "a backward wants weight version %u, which was not kept",
+                 op.weight_version);
+        return 4;
+    }
+    model_stash_swap(&c->model, st);
+    return 0;
+}
+
+static void chunk_sgd(struct rank *r, struct chunk *c)
+{
+    model_sgd(&c->model, r->o->lr, r->o->momentum);
+    c->version++;
+}
+
 static int cb_forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
 {
     struct rank *r = user;
     struct chunk *c = current(r);
     if (!c)
         return 3;
+    if (stash_forward(r, c))
+        return 4;
     int rows = r->rows, in_dim = r->dims[c->l0];
     const float *x;
     if (c->first) {
@@ -139,7 +203,16 @@ static int backward_common(struct rank *r, unsigned mb, const DLTensor *gout, co
 
 static int cb_backward(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
 {
-    return backward_common(user, mb, gout, gin, 0);
+    struct rank *r = user;
+    struct chunk *c = current(r);
+    if (!c || stash_swap(r, c))
+        return 4;
+    int rc = backward_common(user, mb, gout, gin, 0);
+    stash_swap(r, c);
+    /* 1f1b-async: PipeDream's update after every backward */
+    if (rc == 0 && r->weights == EPIPE_WEIGHTS_STASHED)
+        chunk_sgd(r, c);
+    return rc;
 }
 
 static int cb_backward_input(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
@@ -318,6 +391,17 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
     }
     if (!rc)
         rc = epipe_stage_set_callbacks(r.stage, &cb);
+    if (!rc) {
+        const epipe_schedule *sc = epipe_stage_schedule(r.stage);
+        r.weights = epipe_schedule_weights(sc);
+        r.nstash = epipe_schedule_weight_versions(sc, r.s);
+        if (r.nstash > STASH) {
+            snprintf(r.err, sizeof r.err,
+                     "%s keeps %u weight versions on rank %u; this trainer keeps at most %d",
+                     o->schedule, r.nstash, r.s, STASH);
+            rc = EPIPE_ENOTSUP;
+        }
+    }
     long ntrain = o->train_limit > 0 && o->train_limit < (long)d->ntrain ? o->train_limit
                                                                          : (long)d->ntrain;
     long steps = ntrain / o->batch;
@@ -339,8 +423,8 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
                 break;
             if ((rc = epipe_stage_step(r.stage)))
                 break;
-            for (unsigned k = 0; k < r.nch; k++)
-                model_sgd(&r.ch[k].model, o->lr, o->momentum);
+            for (unsigned k = 0; k < r.nch && r.weights != EPIPE_WEIGHTS_STASHED; k++)
+                chunk_sgd(&r, &r.ch[k]);
             /* Trainable codecs (insert) learn with the model: the built-in
              * SGD steps this stage's compress and restore parameters. */
             if ((rc = epipe_stage_codec_sgd_step(r.stage, o->codec_lr, o->momentum)))
@@ -350,6 +434,13 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
                 progress(&r, e, b + 1, steps, t0, run_loss, b + 1 == steps);
         }
         res->final_loss = run_loss;
+    }
+    /* The backwards still in flight (1f1b-async, 1f1b-2bw), before the
+     * statistics and the evaluation; 1f1b-2bw updates after them. */
+    if (!rc && r.weights) {
+        rc = epipe_stage_drain(r.stage);
+        for (unsigned k = 0; !rc && k < r.nch && r.weights == EPIPE_WEIGHTS_DOUBLE; k++)
+            chunk_sgd(&r, &r.ch[k]);
     }
     res->seconds = now() - t_start;
     res->samples_per_s = res->seconds > 0 ? (double)(steps * o->batch * o->epochs) / res->seconds
@@ -369,8 +460,11 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
         epipe_comm_abort(comm);
     }
     epipe_stage_destroy(r.stage);
-    for (unsigned k = 0; k < r.nch; k++)
+    for (unsigned k = 0; k < r.nch; k++) {
         model_free(&r.ch[k].model);
+        for (int i = 0; i < STASH; i++)
+            model_stash_free(&r.ch[k].stash[i]);
+    }
     for (unsigned mb = 0; mb < o->microbatches; mb++)
         free(r.dlogits[mb]);
     free(order);

@@ -49,8 +49,14 @@ typedef enum epipe_op_kind {
 
 /* One op. Its size is fixed for good (16 bytes): arrays of it cross the
  * API. Every op names its chunk (0 with one chunk per rank).
- * `weight_version` is the weight version the host must use (asynchronous
- * schedules); 0 for every schedule this version makes. */
+ * `weight_version` is 0 for the schedules that flush (every kind but
+ * 1f1b-async and 1f1b-2bw). For those two it is the version of the
+ * weights the op must use, as an offset (32-bit two's complement: -1 is
+ * UINT32_MAX) from the version current when the op's list began, in the
+ * steady state (from the third step on; the first list's always). A
+ * stage (epipe_stage_current_op(), the op stream) gives the absolute
+ * version instead: the number of updates the host had applied to this
+ * chunk when the micro-batch's forward ran. */
 typedef struct epipe_op {
     uint32_t kind;           /* an epipe_op_kind */
     uint32_t microbatch;     /* 0 .. microbatches-1 */
@@ -109,6 +115,19 @@ typedef struct epipe_schedule_layout {
  *   zb-v   zero bubble V: splits the backward; 2 chunks per rank (any
  *          other count is refused), placed in a V by default (stage s on
  *          rank s, then back). Each rank holds at most 2p chunk activations.
+ *   1f1b-async  PipeDream's 1F1B without a flush: steps run back to back
+ *          as one stream (the first step's list warms up, every later
+ *          step's is steady 1F1B whose first p-s-1 backwards are the
+ *          previous step's last micro-batches, and a drain list runs the
+ *          backwards still in flight before an evaluation, a checkpoint or
+ *          the end: epipe_schedule_phase_ops(), epipe_stage_drain()). The
+ *          host updates a stage's weights after every backward and keeps
+ *          each in-flight micro-batch's version until its backward (weight
+ *          stashing, EPIPE_WEIGHTS_STASHED): stage s holds up to p-s
+ *          versions. One chunk per rank; m >= p.
+ *   1f1b-2bw  the same lists, with PipeDream-2BW's double buffering: the
+ *          host updates once per step, after the step's list (and after the
+ *          drain), so at most two versions live (EPIPE_WEIGHTS_DOUBLE).
  * With one chunk per rank gpipe and 1f1b give the lists of earlier
  * releases. docs/schedules.md has the rules and the simulated bubbles.
  * Around the compute ops, on every pipeline stage that has the neighbour:
@@ -164,6 +183,39 @@ EPIPE_API int epipe_schedule_placement(const epipe_schedule *sched, unsigned sta
  * BACKWARD, 0 when not or for NULL. */
 EPIPE_API int epipe_schedule_splits_backward(const epipe_schedule *sched);
 
+/* How a schedule's weights advance (epipe_schedule_weights()). */
+typedef enum epipe_weight_mode {
+    EPIPE_WEIGHTS_FLUSH = 0,   /* one update after each step, which ends with a flush */
+    EPIPE_WEIGHTS_STASHED = 1, /* 1f1b-async: an update after every backward of the chunk;
+                                  each micro-batch uses its forward's version (stashed) */
+    EPIPE_WEIGHTS_DOUBLE = 2   /* 1f1b-2bw: an update after each step's list and after the
+                                  drain; at most two versions live */
+} epipe_weight_mode;
+
+/* The schedule's epipe_weight_mode; EPIPE_WEIGHTS_FLUSH for NULL.
+ * Experimental (docs/api.md), as the two calls below. */
+EPIPE_EXPERIMENTAL int epipe_schedule_weights(const epipe_schedule *sched);
+
+/* The phases of a schedule without a flush (epipe_schedule_phase_ops()). */
+typedef enum epipe_schedule_phase {
+    EPIPE_PHASE_FIRST = 0,  /* the first step after the start or a drain */
+    EPIPE_PHASE_STEADY = 1, /* every later step */
+    EPIPE_PHASE_DRAIN = 2   /* the backwards still in flight, run to stop the stream */
+} epipe_schedule_phase;
+
+/* Rank `stage`'s list for one phase, as epipe_schedule_ops() (which gives
+ * the FIRST list). For the schedules that flush, FIRST and STEADY are the
+ * one list and DRAIN is empty (*count 0). EPIPE_EINVAL for a NULL
+ * argument, a rank out of range or an unknown phase. */
+EPIPE_EXPERIMENTAL int epipe_schedule_phase_ops(const epipe_schedule *sched, unsigned stage,
+                                                int phase, const epipe_op **ops, size_t *count);
+
+/* The most weight versions rank `stage` holds at once in a run of the
+ * schedule (the current one and those of in-flight micro-batches): 1 for
+ * the schedules that flush, 0 for NULL or a rank out of range. */
+EPIPE_EXPERIMENTAL unsigned epipe_schedule_weight_versions(const epipe_schedule *sched,
+                                                           unsigned stage);
+
 /* Frees the schedule. NULL is a no-op. Any epipe_sim made from it must be
  * destroyed first. */
 EPIPE_API void epipe_schedule_destroy(epipe_schedule *sched);
@@ -205,6 +257,12 @@ EPIPE_API const char *epipe_op_kind_name(uint32_t kind);
  * and of the receiving rank's time to decode (at the receive). Times are in
  * whatever unit the costs are in.
  *
+ * For 1f1b-async and 1f1b-2bw the simulator runs EPIPE_SIM_ASYNC_STEPS
+ * steps back to back (the first list, then steady ones, then the drain),
+ * micro-batches numbered across the run (step t's micro-batch j is
+ * t*m + j); the makespan, bubble, peak and op times are of that run, and
+ * op indices count through it in that order.
+ *
  * Default costs: forward 1, backward 1, weight 0, links 0, codec 0. With
  * costs the same on every stage (any forward and backward costs) and free
  * links, both gpipe and 1f1b over one chunk per rank take
@@ -241,6 +299,9 @@ typedef enum epipe_sim_cost {
     EPIPE_SIM_CODEC = 6      /* encoding, and decoding, one message the stage sends to
                                 another rank; default 0 */
 } epipe_sim_cost;
+
+/* Steps the simulator runs for a schedule without a flush. */
+#define EPIPE_SIM_ASYNC_STEPS 4u
 
 /* The `stage` argument of epipe_sim_set_cost() that means every stage. */
 #define EPIPE_SIM_ALL_STAGES (~0u)

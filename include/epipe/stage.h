@@ -252,7 +252,12 @@ EPIPE_API int epipe_stage_recv_gradient(epipe_stage *stage, unsigned microbatch,
 EPIPE_API int epipe_stage_send_gradient(epipe_stage *stage, unsigned microbatch,
                                         const DLTensor *grad_input);
 /* The op in progress (the last one next_op returned, or the one whose
- * callback runs now): callbacks learn their chunk (op->chunk) from it.
+ * callback runs now): callbacks learn their chunk (op->chunk) from it,
+ * and, with 1f1b-async or 1f1b-2bw, the weights to use: op->weight_version
+ * is then the number of updates the host had applied to the chunk when the
+ * micro-batch's forward ran (a forward: the current weights; a backward:
+ * the ones its forward used, which the host stashed). next_op gives the
+ * same version.
  * EPIPE_ESTATE when no op is in progress (*op is then zeroed), EPIPE_EINVAL
  * for NULL; the message goes to epipe_last_error() (the handle is const).
  * Never blocks; same thread rules as every call on the stage. */
@@ -313,6 +318,24 @@ EPIPE_API int epipe_stage_set_callbacks(epipe_stage *stage, const epipe_stage_ca
  * those of the calls above, EPIPE_ESTATE if no callbacks are set or the
  * op stream is mid-step, EPIPE_EPEER / EPIPE_ETIMEDOUT from the transport. */
 EPIPE_API int epipe_stage_step(epipe_stage *stage);
+
+/* Schedules without a flush (1f1b-async, 1f1b-2bw; epipe/schedule.h):
+ * steps leave the last micro-batches' backwards in flight, to run in the
+ * next step's list. epipe_stage_drain() runs them now (the DRAIN list),
+ * so that every weight gradient has reached the host: call it on every
+ * stage before an evaluation (EPIPE_STAGE_TRAINING = 0 is refused while
+ * micro-batches are in flight), a checkpoint, or the end of training. With
+ * callbacks it runs the drain like epipe_stage_step() and returns when it
+ * is over; without them the host runs it through the op stream
+ * (epipe_stage_next_op() until EPIPE_OP_NONE). The step after a drain
+ * starts the stream afresh (the FIRST list). The host's update rule:
+ * 1f1b-async, one update of a chunk after each of its backwards;
+ * 1f1b-2bw, one after each step and after the drain. A step that fails
+ * loses the micro-batches in flight. EPIPE_OK at once for other schedules
+ * or with nothing in flight; EPIPE_ESTATE mid-step; errors as
+ * epipe_stage_step(). Experimental (docs/api.md), as the schedules it
+ * serves. */
+EPIPE_EXPERIMENTAL int epipe_stage_drain(epipe_stage *stage);
 
 /* ---- Statistics ---------------------------------------------------------
  *

@@ -1,5 +1,6 @@
 /* Schedules as data: the kinds, their layouts (placement of pipeline stages on
  * ranks) and the public schedule API (create proves the lists by simulation). */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,9 +14,18 @@ struct epipe_schedule {
     const char *kind;
     unsigned microbatches;
     int split;
+    int weights; /* epipe_weight_mode */
     struct epipe_sched_layout layout;
-    epipe_op **ops; /* ops[r]: rank r's list */
+    epipe_op **ops; /* ops[r]: rank r's list (an async kind's FIRST list) */
     size_t *counts; /* counts[r]: its length */
+    /* Async kinds: the STEADY and DRAIN lists (FIRST is ops), the run of
+     * EPIPE_SIM_ASYNC_STEPS steps the simulator proves, and the versions
+     * each rank holds. */
+    epipe_op **phase_ops[3];
+    size_t *phase_counts[3];
+    epipe_op **run;
+    size_t *run_counts;
+    unsigned *versions;
 };
 
 /* Rules of each kind over a layout; the limits arrays are allocated by the
@@ -97,12 +107,15 @@ static const struct kind {
     int v_shape;                          /* default placement a V, else round-robin */
     int round_robin; /* needs the round-robin placement when a rank holds several chunks */
     void (*rules)(const struct epipe_sched_layout *l, unsigned m, struct epipe_sched_policy *p);
+    int weights; /* epipe_weight_mode: not FLUSH for the kinds built by async.c */
 } kinds[] = {
-    {"gpipe", 0, 1, 0, 0, 0, rules_gpipe},
-    {"1f1b", 0, 1, 0, 0, 0, rules_1f1b},
-    {"interleaved", 0, 1, 0, 0, 1, rules_interleaved},
-    {"zb-h1", 1, 1, 0, 0, 0, rules_zbh1},
-    {"zb-v", 0, 2, 2, 1, 0, rules_zbv},
+    {"gpipe", 0, 1, 0, 0, 0, rules_gpipe, EPIPE_WEIGHTS_FLUSH},
+    {"1f1b", 0, 1, 0, 0, 0, rules_1f1b, EPIPE_WEIGHTS_FLUSH},
+    {"interleaved", 0, 1, 0, 0, 1, rules_interleaved, EPIPE_WEIGHTS_FLUSH},
+    {"zb-h1", 1, 1, 0, 0, 0, rules_zbh1, EPIPE_WEIGHTS_FLUSH},
+    {"zb-v", 0, 2, 2, 1, 0, rules_zbv, EPIPE_WEIGHTS_FLUSH},
+    {"1f1b-async", 0, 1, 1, 0, 0, NULL, EPIPE_WEIGHTS_STASHED},
+    {"1f1b-2bw", 0, 1, 1, 0, 0, NULL, EPIPE_WEIGHTS_DOUBLE},
 };
 #define NKINDS (sizeof kinds / sizeof kinds[0])
 
@@ -113,7 +126,7 @@ EPIPE_API const char *epipe_schedule_kind_name(size_t i)
 
 static int unknown_kind(const char *kind)
 {
-    char known[128] = "";
+    char known[160] = "";
     for (size_t i = 0; i < NKINDS; i++) {
         if (i)
             strcat(known, ", ");
@@ -126,11 +139,24 @@ EPIPE_API void epipe_schedule_destroy(epipe_schedule *sched)
 {
     if (!sched)
         return;
-    if (sched->ops)
-        for (unsigned r = 0; r < sched->layout.ranks; r++)
+    for (unsigned r = 0; r < sched->layout.ranks; r++) {
+        if (sched->ops)
             free(sched->ops[r]);
+        for (int ph = 1; ph < 3; ph++)
+            if (sched->phase_ops[ph])
+                free(sched->phase_ops[ph][r]);
+        if (sched->run)
+            free(sched->run[r]);
+    }
     free(sched->ops);
     free(sched->counts);
+    for (int ph = 1; ph < 3; ph++) {
+        free(sched->phase_ops[ph]);
+        free(sched->phase_counts[ph]);
+    }
+    free(sched->run);
+    free(sched->run_counts);
+    free(sched->versions);
     epipe_sched_layout_free(&sched->layout);
     free(sched);
 }
@@ -283,6 +309,74 @@ out:
     return rc;
 }
 
+/* Proves raw lists with the simulator; a failure is a bug of the builder. */
+static int prove(const epipe_schedule *sc, unsigned m, const epipe_op *const *ops,
+                 const size_t *counts)
+{
+    epipe_sim *sim;
+    int rc = epipe_sim_create_layout_raw(&sim, &sc->layout, m, ops, counts);
+    if (rc == EPIPE_OK) {
+        epipe_sim_destroy(sim);
+        return EPIPE_OK;
+    }
+    if (rc == EPIPE_ENOMEM)
+        return rc;
+    char why[EPIPE_ERRMSG_MAX];
+    snprintf(why, sizeof why, "%s", epipe_last_error());
+    return epipe_fail(EPIPE_EINTERNAL, "%s schedule ranks=%u stages=%u m=%u failed its proof: %s",
+                      sc->kind, sc->layout.ranks, sc->layout.nstages, sc->microbatches, why);
+}
+
+/* 1f1b-async and 1f1b-2bw (async.c): one chunk per rank, m >= P; the three
+ * phase lists, the run the simulator proves, the versions replayed. */
+static int build_async(epipe_schedule *sc, const struct kind *k)
+{
+    const struct epipe_sched_layout *l = &sc->layout;
+    unsigned R = l->ranks, P = l->nstages, m = sc->microbatches;
+    if (P != R)
+        return epipe_fail(EPIPE_EINVAL,
+                          "%s schedule: %u pipeline stages on %u ranks; it takes one chunk per "
+                          "rank",
+                          k->name, P, R);
+    if (m < P)
+        return epipe_fail(EPIPE_EINVAL,
+                          "%s schedule: %u micro-batches a step for %u pipeline stages; it needs "
+                          "m >= %u, so that each micro-batch's backward ends before the next "
+                          "step reuses its id",
+                          k->name, m, P, P);
+    if ((uint64_t)P * m * EPIPE_SIM_ASYNC_STEPS > EPIPE_SCHEDULE_MAX_PRODUCT)
+        return epipe_fail(EPIPE_EINVAL,
+                          "%s schedule: %u stages x %u micro-batches x %u proven steps exceeds "
+                          "the limit of %u",
+                          k->name, P, m, EPIPE_SIM_ASYNC_STEPS, EPIPE_SCHEDULE_MAX_PRODUCT);
+    sc->weights = k->weights;
+    sc->ops = calloc(R, sizeof *sc->ops);
+    sc->counts = calloc(R, sizeof *sc->counts);
+    for (int ph = 1; ph < 3; ph++) {
+        sc->phase_ops[ph] = calloc(R, sizeof *sc->phase_ops[ph]);
+        sc->phase_counts[ph] = calloc(R, sizeof *sc->phase_counts[ph]);
+    }
+    sc->run = calloc(R, sizeof *sc->run);
+    sc->run_counts = calloc(R, sizeof *sc->run_counts);
+    sc->versions = calloc(R, sizeof *sc->versions);
+    if (!sc->ops || !sc->counts || !sc->phase_ops[1] || !sc->phase_ops[2] || !sc->phase_counts[1] ||
+        !sc->phase_counts[2] || !sc->run || !sc->run_counts || !sc->versions)
+        return epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
+    sc->phase_ops[0] = sc->ops;
+    sc->phase_counts[0] = sc->counts;
+    int rc = epipe_sched_build_async(l, m, k->weights, sc->phase_ops, sc->phase_counts);
+    epipe_op *const *po[3] = {sc->phase_ops[0], sc->phase_ops[1], sc->phase_ops[2]};
+    const size_t *pc[3] = {sc->phase_counts[0], sc->phase_counts[1], sc->phase_counts[2]};
+    if (!rc)
+        rc = epipe_sched_async_run(l, m, EPIPE_SIM_ASYNC_STEPS, po, pc, sc->run, sc->run_counts);
+    if (!rc)
+        rc = epipe_sched_async_versions(l, m, k->weights, EPIPE_SIM_ASYNC_STEPS, po, pc,
+                                        sc->versions);
+    if (!rc)
+        rc = prove(sc, m * EPIPE_SIM_ASYNC_STEPS, (const epipe_op *const *)sc->run, sc->run_counts);
+    return rc;
+}
+
 EPIPE_API int epipe_schedule_create(epipe_schedule **out, const char *kind, unsigned stages,
                                     unsigned microbatches)
 {
@@ -336,6 +430,15 @@ EPIPE_API int epipe_schedule_create_layout(epipe_schedule **out, const char *kin
                           "%s schedule: %u stages x %u micro-batches exceeds the limit of %u", kind,
                           P, microbatches, EPIPE_SCHEDULE_MAX_PRODUCT);
     }
+    if (k->weights != EPIPE_WEIGHTS_FLUSH) {
+        rc = build_async(sc, k);
+        if (rc) {
+            epipe_schedule_destroy(sc);
+            return rc;
+        }
+        *out = sc;
+        return EPIPE_OK;
+    }
     struct epipe_sched_policy pol = {0};
     pol.stage_limit = calloc(P, sizeof *pol.stage_limit);
     pol.rank_limit = calloc(ranks, sizeof *pol.rank_limit);
@@ -354,20 +457,10 @@ EPIPE_API int epipe_schedule_create_layout(epipe_schedule **out, const char *kin
     }
 
     /* Prove it: a schedule that deadlocks or breaks a dependency is a bug. */
-    epipe_sim *sim;
-    rc = epipe_sim_create_layout_raw(&sim, &sc->layout, microbatches,
-                                     (const epipe_op *const *)sc->ops, sc->counts);
-    if (rc != EPIPE_OK) {
+    if ((rc = prove(sc, microbatches, (const epipe_op *const *)sc->ops, sc->counts))) {
         epipe_schedule_destroy(sc);
-        if (rc == EPIPE_ENOMEM)
-            return rc;
-        char why[EPIPE_ERRMSG_MAX];
-        snprintf(why, sizeof why, "%s", epipe_last_error());
-        return epipe_fail(EPIPE_EINTERNAL,
-                          "%s schedule ranks=%u stages=%u m=%u failed its proof: %s", kind, ranks,
-                          P, microbatches, why);
+        return rc;
     }
-    epipe_sim_destroy(sim);
     *out = sc;
     return EPIPE_OK;
 }
@@ -430,6 +523,42 @@ EPIPE_API int epipe_schedule_splits_backward(const epipe_schedule *sched)
     return sched ? sched->split : 0;
 }
 
+EPIPE_API int epipe_schedule_weights(const epipe_schedule *sched)
+{
+    return sched ? sched->weights : EPIPE_WEIGHTS_FLUSH;
+}
+
+EPIPE_API unsigned epipe_schedule_weight_versions(const epipe_schedule *sched, unsigned stage)
+{
+    if (!sched || stage >= sched->layout.ranks)
+        return 0;
+    return sched->versions ? sched->versions[stage] : 1;
+}
+
+EPIPE_API int epipe_schedule_phase_ops(const epipe_schedule *sched, unsigned stage, int phase,
+                                       const epipe_op **ops, size_t *count)
+{
+    epipe_clear_error();
+    if (!sched || !ops || !count)
+        return epipe_fail(EPIPE_EINVAL, "epipe_schedule_phase_ops: NULL argument");
+    if (stage >= sched->layout.ranks)
+        return epipe_fail(EPIPE_EINVAL, "%s schedule: stage %u is out of range 0..%u", sched->kind,
+                          stage, sched->layout.ranks - 1);
+    if (phase < EPIPE_PHASE_FIRST || phase > EPIPE_PHASE_DRAIN)
+        return epipe_fail(EPIPE_EINVAL,
+                          "epipe_schedule_phase_ops: phase %d is not FIRST (0), STEADY (1) or "
+                          "DRAIN (2)",
+                          phase);
+    if (sched->weights == EPIPE_WEIGHTS_FLUSH) {
+        *ops = sched->ops[stage];
+        *count = phase == EPIPE_PHASE_DRAIN ? 0 : sched->counts[stage];
+        return EPIPE_OK;
+    }
+    *ops = sched->phase_ops[phase][stage];
+    *count = sched->phase_counts[phase][stage];
+    return EPIPE_OK;
+}
+
 EPIPE_API unsigned epipe_schedule_microbatches(const epipe_schedule *sched)
 {
     return sched ? sched->microbatches : 0;
@@ -465,10 +594,12 @@ EPIPE_API const char *epipe_op_kind_name(uint32_t kind)
 }
 
 void epipe_schedule_lists(const epipe_schedule *sched, const epipe_op *const **ops,
-                          const size_t **counts)
+                          const size_t **counts, unsigned *microbatches)
 {
-    *ops = (const epipe_op *const *)sched->ops;
-    *counts = sched->counts;
+    int run = sched->weights != EPIPE_WEIGHTS_FLUSH;
+    *ops = (const epipe_op *const *)(run ? sched->run : sched->ops);
+    *counts = run ? sched->run_counts : sched->counts;
+    *microbatches = sched->microbatches * (run ? EPIPE_SIM_ASYNC_STEPS : 1);
 }
 
 const struct epipe_sched_layout *epipe_schedule_layout_of(const epipe_schedule *sched)

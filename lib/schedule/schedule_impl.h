@@ -75,9 +75,25 @@ int epipe_sim_create_layout_raw(epipe_sim **out, const struct epipe_sched_layout
 int epipe_sim_create_raw(epipe_sim **out, unsigned stages, unsigned microbatches,
                          const epipe_op *const *ops, const size_t *counts);
 
-/* The schedule's lists and layout, for epipe_sim_create(). */
+/* The async kinds (async.c): each rank's FIRST, STEADY and DRAIN lists
+ * (phase_ops[phase][rank], allocated here) for mode EPIPE_WEIGHTS_STASHED
+ * or EPIPE_WEIGHTS_DOUBLE, one chunk per rank and m > every stage's
+ * warm-up; the run of `steps` steps with micro-batches numbered across it
+ * (run[r], allocated here); and the replay that checks the ops' versions
+ * and counts the versions each rank holds. */
+int epipe_sched_build_async(const struct epipe_sched_layout *l, unsigned m, int mode,
+                            epipe_op **phase_ops[3], size_t *phase_counts[3]);
+int epipe_sched_async_run(const struct epipe_sched_layout *l, unsigned m, unsigned steps,
+                          epipe_op *const *phase_ops[3], const size_t *phase_counts[3],
+                          epipe_op **run, size_t *run_n);
+int epipe_sched_async_versions(const struct epipe_sched_layout *l, unsigned m, int mode,
+                               unsigned steps, epipe_op *const *phase_ops[3],
+                               const size_t *phase_counts[3], unsigned *versions);
+
+/* The lists the simulator runs and their micro-batch count, for
+ * epipe_sim_create(): the one list per rank, or an async kind's run. */
 void epipe_schedule_lists(const epipe_schedule *sched, const epipe_op *const **ops,
-                          const size_t **counts);
+                          const size_t **counts, unsigned *microbatches);
 const struct epipe_sched_layout *epipe_schedule_layout_of(const epipe_schedule *sched);
 
 #endif

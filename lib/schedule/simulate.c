@@ -408,9 +408,9 @@ EPIPE_API int epipe_sim_create(epipe_sim **out, const epipe_schedule *sched)
     }
     const epipe_op *const *ops;
     const size_t *counts;
-    epipe_schedule_lists(sched, &ops, &counts);
-    return epipe_sim_create_layout_raw(out, epipe_schedule_layout_of(sched),
-                                       epipe_schedule_microbatches(sched), ops, counts);
+    unsigned m;
+    epipe_schedule_lists(sched, &ops, &counts, &m);
+    return epipe_sim_create_layout_raw(out, epipe_schedule_layout_of(sched), m, ops, counts);
 }
 
 EPIPE_API int epipe_sim_set_cost(epipe_sim *sim, epipe_sim_cost what, unsigned stage, double value)

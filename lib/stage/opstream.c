@@ -46,13 +46,30 @@ static int finish_current_op(epipe_stage *st)
     return EPIPE_OK;
 }
 
-static void start_step(epipe_stage *st)
+/* Picks the step's list: forward-only, the drain, a later step of a
+ * schedule without a flush, or the first (every step of the others). */
+static int start_step(epipe_stage *st)
 {
+    if (!st->training && st->flowing)
+        return fail(st, EPIPE_ESTATE,
+                    "a forward-only step while micro-batches of schedule '%s' are in flight: "
+                    "call epipe_stage_drain() first",
+                    st->kind);
     st->in_step = st->started = 1;
     st->pc = 0;
-    st->ops = st->training ? st->train_ops : st->eval_ops;
-    st->nops = st->training ? st->ntrain_ops : st->neval_ops;
+    st->running_drain = st->training && st->draining;
+    st->draining = 0;
+    if (!st->training)
+        st->ops = st->eval_ops, st->nops = st->neval_ops;
+    else if (st->running_drain)
+        st->ops = st->drain_ops, st->nops = st->ndrain_ops;
+    else if (st->flowing)
+        st->ops = st->steady_ops, st->nops = st->nsteady_ops;
+    else
+        st->ops = st->train_ops, st->nops = st->ntrain_ops;
     st->step_t0 = st->mark = now();
+    if (st->flowing) /* the last step's micro-batches still need their state */
+        return EPIPE_OK;
     for (unsigned k = 0; k < st->nch; k++) {
         struct chunk *c = &st->ch[k];
         memset(c->act_out, 0, sizeof *c->act_out * st->m);
@@ -60,6 +77,20 @@ static void start_step(epipe_stage *st)
         if (c->grad_ready)
             memset(c->grad_ready, 0, st->m);
     }
+    return EPIPE_OK;
+}
+
+/* The end of a step's list: a schedule without a flush now has
+ * micro-batches in flight, or none after its drain; with per-step updates
+ * the host updates every chunk now. */
+static void end_step(epipe_stage *st)
+{
+    if (!st->weights || !st->training)
+        return;
+    st->flowing = !st->running_drain;
+    if (st->weights == EPIPE_WEIGHTS_DOUBLE)
+        for (unsigned k = 0; k < st->nch; k++)
+            st->ch[k].updates++;
 }
 
 int epipe_stage_advance(epipe_stage *st, epipe_op *op)
@@ -76,11 +107,15 @@ int epipe_stage_advance(epipe_stage *st, epipe_op *op)
         return rc;
     if (releases)
         st->ch[ended.chunk].act_in[ended.microbatch].t.data = NULL;
-    if (!st->in_step)
-        start_step(st);
+    /* 1f1b-async: the host updated the chunk's weights after the backward */
+    if (ended.kind == EPIPE_OP_BACKWARD && releases && st->weights == EPIPE_WEIGHTS_STASHED)
+        st->ch[ended.chunk].updates++;
+    if (!st->in_step && (rc = start_step(st)))
+        return rc;
     while (st->pc < st->nops && !is_compute_kind(st->ops[st->pc].kind))
         st->pc++;
     if (st->pc == st->nops) {
+        end_step(st);
         st->in_step = 0;
         st->st.steps++;
         st->st.step_seconds += now() - st->step_t0;
@@ -94,8 +129,16 @@ int epipe_stage_advance(epipe_stage *st, epipe_op *op)
         return fail(st, EPIPE_EINTERNAL, "op %zu names chunk %u, micro-batch %u (of %u, %u)",
                     st->pc - 1, st->cur.chunk, st->cur.microbatch, st->nch, st->m);
     st->cur_valid = 1;
-    const struct chunk *c = &st->ch[st->cur.chunk];
+    struct chunk *c = &st->ch[st->cur.chunk];
     k = st->cur.kind;
+    if (k == EPIPE_OP_FORWARD) {
+        c->fstep[st->cur.microbatch] = st->step;
+        c->fversion[st->cur.microbatch] = c->updates;
+    }
+    /* Schedules without a flush: the absolute version, for the host's
+     * weight stashing (a backward uses its forward's). */
+    if (st->weights)
+        st->cur.weight_version = (uint32_t)c->fversion[st->cur.microbatch];
     st->need_recv = k == EPIPE_OP_FORWARD ? c->has_up : is_backward_kind(k) ? c->has_down : 0;
     st->need_send = k == EPIPE_OP_FORWARD ? c->has_down : is_backward_kind(k) ? c->has_up : 0;
     st->did_recv = st->did_send = 0;
@@ -239,8 +282,8 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     epipe_msg *msg;
     double t0 = now();
     int rc = epipe_comm_recv(st->comm, peer,
-                             dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT, st->step,
-                             mb, stage_timeout_ms(st), &msg);
+                             dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT,
+                             msg_step(st, c, mb, dir), mb, stage_timeout_ms(st), &msg);
     double t1 = now();
     st->st.wait_seconds += t1 - t0;
     if (st->tracing)
@@ -297,7 +340,7 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     if (st->tracing)
         epipe_trace_span(st->trace, "decode", "decode", t1, t2);
     uint64_t wire = msg->len;
-    epipe_trace_args(st->trace, st->step, mb, dir, wire, epipe_codec_spec(codec));
+    epipe_trace_args(st->trace, msg_step(st, c, mb, dir), mb, dir, wire, epipe_codec_spec(codec));
     epipe_msg_free(msg);
     if (rc) {
         lt->t.data = NULL;
@@ -474,7 +517,7 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     h->codec_id = ph.codec_id;
     h->codec_param = ph.param_word;
     h->micro_batch = mb;
-    h->step = st->step;
+    h->step = msg_step(st, c, mb, dir);
     h->src_stage = st->s;
     h->dst_stage = peer;
     h->schedule_tag = st->tag;
@@ -483,7 +526,7 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         return fail(st, rc, "framing: %s", epipe_last_error());
     }
     uint64_t wire = msg->len;
-    epipe_trace_args(st->trace, st->step, mb, dir, wire, epipe_codec_spec(codec));
+    epipe_trace_args(st->trace, h->step, mb, dir, wire, epipe_codec_spec(codec));
     if ((rc = epipe_comm_send(st->comm, peer, msg)))
         return fail(st, rc, "%s", epipe_comm_last_error(st->comm));
     if (dir == DIR_ACT)

@@ -90,7 +90,9 @@ static int setup_chunks(epipe_stage *st)
         c->act_out = calloc(st->m, sizeof *c->act_out);
         c->act_ready = calloc(st->m, 1);
         c->samples = calloc(st->m, sizeof *c->samples);
-        if (!c->act_in || !c->act_out || !c->act_ready || !c->samples)
+        c->fstep = calloc(st->m, sizeof *c->fstep);
+        c->fversion = calloc(st->m, sizeof *c->fversion);
+        if (!c->act_in || !c->act_out || !c->act_ready || !c->samples || !c->fstep || !c->fversion)
             return epipe_fail(EPIPE_ENOMEM, "out of memory");
         if (c->down_local) {
             c->grad_loc = calloc(st->m, sizeof *c->grad_loc);
@@ -165,6 +167,13 @@ EPIPE_API int epipe_stage_create_layout(epipe_stage **out, epipe_comm *comm, con
     int rc = epipe_schedule_create_layout(&st->sched, schedule, st->p, microbatches, layout);
     if (rc == EPIPE_OK)
         rc = epipe_schedule_ops(st->sched, st->s, &st->train_ops, &st->ntrain_ops);
+    if (rc == EPIPE_OK && (st->weights = epipe_schedule_weights(st->sched))) {
+        rc = epipe_schedule_phase_ops(st->sched, st->s, EPIPE_PHASE_STEADY, &st->steady_ops,
+                                      &st->nsteady_ops);
+        if (rc == EPIPE_OK)
+            rc = epipe_schedule_phase_ops(st->sched, st->s, EPIPE_PHASE_DRAIN, &st->drain_ops,
+                                          &st->ndrain_ops);
+    }
     if (rc == EPIPE_OK) {
         st->kind = epipe_schedule_kind(st->sched);
         st->splits = epipe_schedule_splits_backward(st->sched) == 1;
@@ -250,6 +259,8 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
         for (unsigned k = 0; c->samples && k < st->m; k++)
             free(c->samples[k].ids);
         free(c->samples);
+        free(c->fstep);
+        free(c->fversion);
         free(c->grad_ready);
         free(c->code_in.buf);
         free(c->code_out.buf);
@@ -392,6 +403,11 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
                         (long long)value);
         if (st->in_step)
             return fail(st, EPIPE_ESTATE, "EPIPE_STAGE_TRAINING can only change between steps");
+        if (!value && st->flowing)
+            return fail(st, EPIPE_ESTATE,
+                        "EPIPE_STAGE_TRAINING = 0 while micro-batches of schedule '%s' are in "
+                        "flight: call epipe_stage_drain() first",
+                        st->kind);
         st->training = (int)value;
         return EPIPE_OK;
     }

@@ -61,6 +61,13 @@ struct chunk {
     int delta_enc, delta_dec;
     struct sample_ids *samples; /* [m]: the ids that go with the activation sent down */
 
+    /* The step of each micro-batch's forward (its messages carry it; a
+     * schedule without a flush runs a backward in the next step's list) and
+     * the weight version the forward used; updates: the host's updates to
+     * this chunk so far (epipe_weight_mode). */
+    uint64_t *fstep, *fversion; /* [m] */
+    uint64_t updates;
+
     struct lent_tensor *act_in;   /* [m]: kept until the micro-batch's backward ends */
     struct tensor_meta *act_out;  /* [m]: the activation sent down, this step */
     unsigned char *act_ready;     /* [m]: handed over locally, not yet received */
@@ -85,6 +92,13 @@ struct epipe_stage {
     int splits;          /* the schedule splits the backward (BACKWARD_INPUT, BACKWARD_WEIGHT) */
     const epipe_op *ops; /* the list the current step runs */
     size_t nops;
+    /* Schedules without a flush (1f1b-async, 1f1b-2bw): the lists of later
+     * steps and of the drain; flowing: micro-batches are in flight between
+     * steps; draining: the next step runs the drain list. */
+    int weights; /* epipe_weight_mode */
+    const epipe_op *steady_ops, *drain_ops;
+    size_t nsteady_ops, ndrain_ops;
+    int flowing, draining, running_drain;
     unsigned s, p, m; /* rank, ranks, micro-batches */
     unsigned P;       /* pipeline stages */
     unsigned nch;     /* chunks on this rank */
@@ -178,6 +192,13 @@ static inline int64_t stage_timeout_ms(const epipe_stage *st)
 {
     return st->timeout_ms ? st->timeout_ms
                           : __atomic_load_n(&st->comm->timeout_ms, __ATOMIC_RELAXED);
+}
+
+/* The step a message for micro-batch mb carries: an activation the
+ * current step's, a gradient that of the micro-batch's forward. */
+static inline uint64_t msg_step(const epipe_stage *st, const struct chunk *c, unsigned mb, int dir)
+{
+    return dir == DIR_ACT ? st->step : c->fstep[mb];
 }
 
 /* The op stream (opstream.c), which the callback driver (step.c) runs. */

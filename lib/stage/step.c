@@ -113,8 +113,24 @@ EPIPE_API int epipe_stage_step(epipe_stage *st)
         if (rc == EPIPE_OK)
             rc = run_op(st, &op);
         if (rc) {
-            st->in_step = st->cur_valid = 0; /* the step is lost; the next one starts afresh */
+            /* the step is lost, and any micro-batches in flight: the next
+             * step starts afresh */
+            st->in_step = st->cur_valid = 0;
+            st->flowing = st->draining = 0;
             return rc;
         }
     }
+}
+
+EPIPE_API int epipe_stage_drain(epipe_stage *st)
+{
+    epipe_clear_error();
+    if (!st)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_drain: stage is NULL");
+    if (st->in_step)
+        return fail(st, EPIPE_ESTATE, "epipe_stage_drain called in the middle of a step");
+    if (!st->flowing)
+        return EPIPE_OK; /* a schedule that flushes, or nothing in flight */
+    st->draining = 1;
+    return st->has_cb ? epipe_stage_step(st) : EPIPE_OK;
 }

@@ -52,6 +52,15 @@ struct hchunk {
 };
 
 #define HOST_MAX_CHUNKS 4
+/* Weight versions kept for 1f1b-async and 1f1b-2bw (by version % this). */
+#define HOST_STASH 16
+
+/* One stashed version of this rank's weights (the owned layers'). */
+struct stash {
+    int set;
+    uint64_t version;
+    float *w[HOST_MAX_LAYERS], *b[HOST_MAX_LAYERS];
+};
 
 struct host {
     epipe_stage *stage;
@@ -63,6 +72,11 @@ struct host {
     struct hchunk ch[HOST_MAX_CHUNKS];
     float *gbuf[2]; /* backward scratch */
     double step_loss;
+    /* Schedules without a flush: the weights' version (updates applied)
+     * and the versions in-flight micro-batches still use. */
+    int weights;
+    uint64_t version;
+    struct stash stash[HOST_STASH];
 };
 
 static DLTensor view2d(float *data, int64_t *shape, int rows, int cols)
@@ -82,12 +96,90 @@ static struct hchunk *current(struct host *h)
     return &h->ch[op.chunk];
 }
 
+/* ---- weight stashing (1f1b-async, 1f1b-2bw) ------------------------------ */
+
+static int stash_copy(struct host *h, struct stash *st)
+{
+    for (int l = 0; l < host_nlayers; l++) {
+        if (!h->res->owns[l])
+            continue;
+        mlp_layer *L = &h->layers[l];
+        size_t nw = sizeof(float) * (size_t)(L->in * L->out), nb = sizeof(float) * (size_t)L->out;
+        if (!st->w[l])
+            st->w[l] = malloc(nw), st->b[l] = malloc(nb);
+        if (!st->w[l] || !st->b[l])
+            return -1;
+        memcpy(st->w[l], L->w, nw);
+        memcpy(st->b[l], L->b, nb);
+    }
+    return 0;
+}
+
+/* Swaps the current weights with stashed version v (twice: back again). */
+static void stash_swap(struct host *h, struct stash *st)
+{
+    for (int l = 0; l < host_nlayers; l++) {
+        if (!h->res->owns[l])
+            continue;
+        float *w = h->layers[l].w, *b = h->layers[l].b;
+        h->layers[l].w = st->w[l], h->layers[l].b = st->b[l];
+        st->w[l] = w, st->b[l] = b;
+    }
+}
+
+/* The forward of a schedule without a flush must use the current weights;
+ * they are kept as that version for its backward. 0, or 4. */
+static int stash_forward(struct host *h)
+{
+    epipe_op op;
+    if (!h->weights)
+        return 0;
+    if (epipe_stage_current_op(h->stage, &op) || op.weight_version != (uint32_t)h->version)
+        return 4;
+    struct stash *st = &h->stash[h->version % HOST_STASH];
+    if (!st->set || st->version != h->version) {
+        if (stash_copy(h, st))
+            return 4;
+        st->set = 1, st->version = h->version;
+    }
+    return 0;
+}
+
+/* The stashed version a backward must use, or NULL for the current
+ * weights; *bad when the version is unknown. */
+static struct stash *stash_backward(struct host *h, int *bad)
+{
+    epipe_op op;
+    *bad = 0;
+    if (!h->weights)
+        return NULL;
+    if (epipe_stage_current_op(h->stage, &op)) {
+        *bad = 1;
+        return NULL;
+    }
+    if (op.weight_version == (uint32_t)h->version)
+        return NULL;
+    struct stash *st = &h->stash[op.weight_version % HOST_STASH];
+    *bad = !st->set || (uint32_t)st->version != op.weight_version;
+    return *bad ? NULL : st;
+}
+
+static void host_sgd(struct host *h)
+{
+    for (int l = 0; l < host_nlayers; l++)
+        if (h->res->owns[l])
+            mlp_layer_sgd(&h->layers[l], HOST_LR);
+    h->version++;
+}
+
 static int forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
 {
     struct host *h = user;
     struct hchunk *c = current(h);
     if (!c)
         return 3;
+    if (stash_forward(h))
+        return 4;
     int in_dim = host_dims[c->l0];
     float *x = c->acts[mb][0];
     if (c->first) {
@@ -182,7 +274,20 @@ static int backward_common(struct host *h, unsigned mb, const DLTensor *gout, co
 
 static int backward(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
 {
-    return backward_common(user, mb, gout, gin, 0);
+    struct host *h = user;
+    int bad;
+    struct stash *st = stash_backward(h, &bad);
+    if (bad)
+        return 5;
+    if (st)
+        stash_swap(h, st);
+    int rc = backward_common(user, mb, gout, gin, 0);
+    if (st)
+        stash_swap(h, st);
+    /* 1f1b-async: PipeDream's update after every backward */
+    if (rc == 0 && h->weights == EPIPE_WEIGHTS_STASHED)
+        host_sgd(h);
+    return rc;
 }
 
 static int backward_input(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
@@ -233,7 +338,7 @@ static int step_op_stream(struct host *h, int split)
             if (!c->last && (rc = epipe_stage_recv_gradient(h->stage, mb, &in)))
                 return rc;
             int input_only = split && op.kind == EPIPE_OP_BACKWARD_INPUT;
-            if (backward_common(h, mb, in, &out, input_only))
+            if (input_only ? backward_common(h, mb, in, &out, 1) : backward(h, mb, in, &out))
                 return EPIPE_ECALLBACK;
             if (!c->first && (rc = epipe_stage_send_gradient(h->stage, mb, out)))
                 return rc;
@@ -321,8 +426,12 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
     } else {
         cb.backward = backward;
     }
-    if (rc == EPIPE_OK)
+    /* the op-stream host calls its functions itself (and so runs the drain
+     * through the op stream too) */
+    if (rc == EPIPE_OK && !cfg->use_op_stream)
         rc = epipe_stage_set_callbacks(h.stage, &cb);
+    if (rc == EPIPE_OK)
+        h.weights = epipe_schedule_weights(epipe_stage_schedule(h.stage));
     for (int step = 0; rc == EPIPE_OK && step < cfg->steps; step++) {
         h.step = step;
         h.step_loss = 0;
@@ -330,13 +439,22 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
         if (rc == EPIPE_OK && cfg->codec_lr > 0)
             rc = epipe_stage_codec_sgd_step(h.stage, cfg->codec_lr, cfg->codec_momentum);
         if (rc == EPIPE_OK) {
-            for (int l = 0; l < host_nlayers; l++)
-                if (res->owns[l])
-                    mlp_layer_sgd(&h.layers[l], HOST_LR);
+            /* 1f1b-async updated after each backward already */
+            if (h.weights != EPIPE_WEIGHTS_STASHED)
+                host_sgd(&h);
             if (step == 0)
                 res->first_loss = h.step_loss;
             res->last_loss = h.step_loss;
         }
+    }
+    /* The backwards still in flight (schedules without a flush), and for
+     * 1f1b-2bw the update after them. */
+    if (rc == EPIPE_OK && h.weights) {
+        rc = epipe_stage_drain(h.stage);
+        if (rc == EPIPE_OK && cfg->use_op_stream)
+            rc = step_op_stream(&h, cfg->split);
+        if (rc == EPIPE_OK && h.weights == EPIPE_WEIGHTS_DOUBLE)
+            host_sgd(&h);
     }
     res->rc = rc;
     if (rc) {
@@ -351,6 +469,9 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
     epipe_comm_destroy(comm);
     free_chunks(&h);
     free(h.gbuf[0]), free(h.gbuf[1]);
+    for (int i = 0; i < HOST_STASH; i++)
+        for (int l = 0; l < HOST_MAX_LAYERS; l++)
+            free(h.stash[i].w[l]), free(h.stash[i].b[l]);
 }
 
 void host_result_free(struct host_result *res)
@@ -388,6 +509,163 @@ void host_reference(unsigned microbatches, int steps, mlp_layer *layers, double 
             *first_loss = total;
         *last_loss = total;
     }
+}
+
+/* Layers [l0, l1) of a stage as weight version v of a small ring. */
+#define REF_RING 8
+struct ref_stage {
+    int l0, l1, w; /* layers, warm-up forwards (stages - s - 1) */
+    uint64_t version;
+    float *ring_w[REF_RING][HOST_MAX_LAYERS], *ring_b[REF_RING][HOST_MAX_LAYERS];
+    float *acc_w[2][HOST_MAX_LAYERS], *acc_b[2][HOST_MAX_LAYERS]; /* 2bw: per list */
+};
+
+static void ref_keep(struct ref_stage *rs, const mlp_layer *layers)
+{
+    unsigned k = (unsigned)(rs->version % REF_RING);
+    for (int l = rs->l0; l < rs->l1; l++) {
+        memcpy(rs->ring_w[k][l], layers[l].w,
+               sizeof(float) * (size_t)(layers[l].in * layers[l].out));
+        memcpy(rs->ring_b[k][l], layers[l].b, sizeof(float) * (size_t)layers[l].out);
+    }
+}
+
+/* Points the stage's layers at version v's weights (or back at the
+ * current ones, with cur): a swap of pointers, undone by a second call. */
+static void ref_swap(struct ref_stage *rs, mlp_layer *layers, uint64_t v)
+{
+    if (v == rs->version)
+        return;
+    unsigned k = (unsigned)(v % REF_RING);
+    for (int l = rs->l0; l < rs->l1; l++) {
+        float *w = layers[l].w, *b = layers[l].b;
+        layers[l].w = rs->ring_w[k][l], layers[l].b = rs->ring_b[k][l];
+        rs->ring_w[k][l] = w, rs->ring_b[k][l] = b;
+    }
+}
+
+static void ref_update(struct ref_stage *rs, mlp_layer *layers)
+{
+    for (int l = rs->l0; l < rs->l1; l++)
+        mlp_layer_sgd(&layers[l], HOST_LR);
+    rs->version++;
+    ref_keep(rs, layers);
+}
+
+void host_reference_async(int weights, unsigned stages, unsigned microbatches, int steps,
+                          mlp_layer *layers, double *first_loss, double *last_loss)
+{
+    int rows = HOST_BATCH / (int)microbatches, out_dim = host_dims[host_nlayers];
+    unsigned m = microbatches, P = stages;
+    init_layers(layers, 0, host_nlayers);
+    struct ref_stage rs[HOST_RAW_MAX_STAGES];
+    memset(rs, 0, sizeof rs);
+    for (unsigned s = 0; s < P; s++) {
+        host_partition(s, P, &rs[s].l0, &rs[s].l1);
+        rs[s].w = (int)(P - s - 1);
+        for (int l = rs[s].l0; l < rs[s].l1; l++) {
+            size_t nw = (size_t)(layers[l].in * layers[l].out), nb = (size_t)layers[l].out;
+            for (int k = 0; k < REF_RING; k++)
+                rs[s].ring_w[k][l] = malloc(sizeof(float) * nw),
+                rs[s].ring_b[k][l] = malloc(sizeof(float) * nb);
+            for (int k = 0; k < 2; k++)
+                rs[s].acc_w[k][l] = calloc(nw, sizeof(float)),
+                rs[s].acc_b[k][l] = calloc(nb, sizeof(float));
+        }
+        ref_keep(&rs[s], layers);
+    }
+    float act[HOST_MAX_LAYERS + 1][16 * 16], g[2][16 * 16], t[16 * 8], dy[16 * 8];
+    uint64_t fv[HOST_RAW_MAX_STAGES];
+    double total = 0;
+    for (uint64_t gm = 0; gm < (uint64_t)steps * m; gm++) {
+        int step = (int)(gm / m);
+        unsigned j = (unsigned)(gm % m);
+        for (int r = 0; r < rows; r++)
+            mlp_data(step, (int)j * rows + r, host_dims[0], out_dim, act[0] + r * host_dims[0],
+                     t + r * out_dim);
+        for (unsigned s = 0; s < P; s++) {
+            /* async: one update per backward before this forward in the
+             * stage's stream; 2bw: one per earlier step */
+            uint64_t v = weights == EPIPE_WEIGHTS_STASHED
+                             ? (gm >= (uint64_t)rs[s].w ? gm - (uint64_t)rs[s].w : 0)
+                             : (uint64_t)step;
+            fv[s] = v;
+            ref_swap(&rs[s], layers, v);
+            for (int l = rs[s].l0; l < rs[s].l1; l++)
+                mlp_layer_forward(&layers[l], act[l], rows, act[l + 1]);
+            ref_swap(&rs[s], layers, v);
+        }
+        total += mlp_mse_loss(act[host_nlayers], t, rows, out_dim, HOST_BATCH, dy);
+        const float *d = dy;
+        for (unsigned s = P; s-- > 0;) {
+            struct ref_stage *q = &rs[s];
+            /* 2bw: the list this backward runs in, and its accumulator */
+            unsigned list = (unsigned)step + (j >= m - (unsigned)q->w);
+            if (weights == EPIPE_WEIGHTS_DOUBLE)
+                for (int l = q->l0; l < q->l1; l++) {
+                    float *w = layers[l].gw, *b = layers[l].gb;
+                    layers[l].gw = q->acc_w[list % 2][l], layers[l].gb = q->acc_b[list % 2][l];
+                    q->acc_w[list % 2][l] = w, q->acc_b[list % 2][l] = b;
+                }
+            ref_swap(q, layers, fv[s]);
+            for (int l = q->l1 - 1; l >= q->l0; l--) {
+                float *dx = l ? g[l % 2] : NULL;
+                mlp_layer_backward(&layers[l], act[l], act[l + 1], d, rows, dx);
+                d = dx;
+            }
+            ref_swap(q, layers, fv[s]);
+            if (weights == EPIPE_WEIGHTS_DOUBLE)
+                for (int l = q->l0; l < q->l1; l++) { /* the accumulators back */
+                    float *w = layers[l].gw, *b = layers[l].gb;
+                    layers[l].gw = q->acc_w[list % 2][l], layers[l].gb = q->acc_b[list % 2][l];
+                    q->acc_w[list % 2][l] = w, q->acc_b[list % 2][l] = b;
+                }
+            if (weights == EPIPE_WEIGHTS_STASHED) {
+                ref_update(q, layers);
+            } else if (j == m - (unsigned)q->w - 1) {
+                /* the last backward of list `step`: its update, from its accumulator */
+                for (int l = q->l0; l < q->l1; l++) {
+                    float *w = layers[l].gw, *b = layers[l].gb;
+                    layers[l].gw = q->acc_w[step % 2][l], layers[l].gb = q->acc_b[step % 2][l];
+                    q->acc_w[step % 2][l] = w, q->acc_b[step % 2][l] = b;
+                }
+                ref_update(q, layers);
+                for (int l = q->l0; l < q->l1; l++) {
+                    float *w = layers[l].gw, *b = layers[l].gb;
+                    layers[l].gw = q->acc_w[step % 2][l], layers[l].gb = q->acc_b[step % 2][l];
+                    q->acc_w[step % 2][l] = w, q->acc_b[step % 2][l] = b;
+                }
+            }
+        }
+        if (j == m - 1) {
+            if (step == 0)
+                *first_loss = total;
+            *last_loss = total;
+            total = 0;
+        }
+    }
+    /* 2bw: the update after the drain (the last step's tail) */
+    for (unsigned s = 0; weights == EPIPE_WEIGHTS_DOUBLE && s < P; s++) {
+        struct ref_stage *q = &rs[s];
+        for (int l = q->l0; l < q->l1; l++) {
+            float *w = layers[l].gw, *b = layers[l].gb;
+            layers[l].gw = q->acc_w[steps % 2][l], layers[l].gb = q->acc_b[steps % 2][l];
+            q->acc_w[steps % 2][l] = w, q->acc_b[steps % 2][l] = b;
+        }
+        ref_update(q, layers);
+        for (int l = q->l0; l < q->l1; l++) {
+            float *w = layers[l].gw, *b = layers[l].gb;
+            layers[l].gw = q->acc_w[steps % 2][l], layers[l].gb = q->acc_b[steps % 2][l];
+            q->acc_w[steps % 2][l] = w, q->acc_b[steps % 2][l] = b;
+        }
+    }
+    for (unsigned s = 0; s < P; s++)
+        for (int l = rs[s].l0; l < rs[s].l1; l++) {
+            for (int k = 0; k < REF_RING; k++)
+                free(rs[s].ring_w[k][l]), free(rs[s].ring_b[k][l]);
+            for (int k = 0; k < 2; k++)
+                free(rs[s].acc_w[k][l]), free(rs[s].acc_b[k][l]);
+        }
 }
 
 static int put(struct host_raw_layout *L, unsigned g, uint32_t kind, unsigned mb)

@@ -95,4 +95,14 @@ int host_create_raw(epipe_stage **out, epipe_comm *comm, const struct host_confi
 void host_reference(unsigned microbatches, int steps, mlp_layer *layers, double *first_loss,
                     double *last_loss);
 
+/* The reference for 1f1b-async (weights = EPIPE_WEIGHTS_STASHED) and
+ * 1f1b-2bw (EPIPE_WEIGHTS_DOUBLE) over `stages` pipeline stages, one
+ * process, micro-batch after micro-batch: each stage's forward of global
+ * micro-batch g uses the weights the pipeline's would (async: after
+ * g - (stages-s-1) updates of stage s, one per backward; 2bw: after one
+ * update per earlier step), its backward the same version, and each stage
+ * applies its updates when the pipeline's host does, over the drain too. */
+void host_reference_async(int weights, unsigned stages, unsigned microbatches, int steps,
+                          mlp_layer *layers, double *first_loss, double *last_loss);
+
 #endif

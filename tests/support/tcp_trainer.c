@@ -17,14 +17,19 @@ static void usage(void)
     fprintf(
         stderr,
         "usage: tcp_trainer [--schedule KIND] [--chunks V] [--placement R,R,...] [--split 0|1]\n"
+        "                   [--stream 0|1]\n"
         "                   [--raw R,R,...]\n"
         "                   [--micro M] [--steps N] [--codec SPEC]\n"
         "                   [--options SPEC] [--out PREFIX] [--die-rank R --die-after-ms MS]\n"
-        "       tcp_trainer --reference 1 [--micro M] [--steps N] [--out PREFIX]\n"
+        "       tcp_trainer --reference P [--schedule KIND] [--micro M] [--steps N] [--out "
+        "PREFIX]\n"
         "Trains this rank's chunks (rank and size from the environment) and writes the\n"
         "parameters of each layer it holds to PREFIX.layerL; --reference writes every\n"
-        "layer of the one-process result the same way. --split 1 uses the split-backward\n"
-        "callbacks. --raw runs the test's raw op lists (pipeline_host.h) over that\n"
+        "layer of the one-process result the same way (for 1f1b-async and 1f1b-2bw, the\n"
+        "stale-weights reference of P stages; P is ignored for the others). --split 1 uses the "
+        "split-backward\n"
+        "callbacks; --stream 1 drives the stage by the op stream. --raw runs the test's raw op "
+        "lists (pipeline_host.h) over that\n"
         "placement instead of a schedule kind. Exit 0, 2 for usage, 3 when training fails.\n");
 }
 
@@ -116,6 +121,8 @@ int main(int argc, char **argv)
             codec = v;
         else if (!strcmp(a, "--options"))
             options = v;
+        else if (!strcmp(a, "--stream"))
+            cfg.use_op_stream = atoi(v);
         else if (!strcmp(a, "--out"))
             out = v;
         else if (!strcmp(a, "--reference"))
@@ -148,7 +155,19 @@ int main(int argc, char **argv)
     if (reference > 0) {
         mlp_layer layers[HOST_MAX_LAYERS];
         double first, last;
-        host_reference(cfg.microbatches, cfg.steps, layers, &first, &last);
+        /* --schedule 1f1b-async or 1f1b-2bw: the stale-weights reference
+         * over `reference` stages */
+        epipe_schedule *sc = NULL;
+        int weights = EPIPE_WEIGHTS_FLUSH;
+        if (epipe_schedule_create(&sc, cfg.schedule, (unsigned)reference, cfg.microbatches) ==
+            EPIPE_OK)
+            weights = epipe_schedule_weights(sc);
+        epipe_schedule_destroy(sc);
+        if (weights != EPIPE_WEIGHTS_FLUSH)
+            host_reference_async(weights, (unsigned)reference, cfg.microbatches, cfg.steps, layers,
+                                 &first, &last);
+        else
+            host_reference(cfg.microbatches, cfg.steps, layers, &first, &last);
         if (out && write_params(out, layers, NULL))
             return 3;
         printf("reference: loss first %.9g last %.9g\n", first, last);
