@@ -98,9 +98,10 @@ static void equals_the_stale_weights_reference(void **state)
             host_reference_async(weights, p, m, STEPS, ref, &first, &last);
             host_reference(m, STEPS, flush, &ffirst, &flast);
             for (int stream = 0; stream < 2; stream++) {
-                struct host_config cfg = {
-                    .schedule = kinds[k], .microbatches = m, .steps = STEPS,
-                    .use_op_stream = stream};
+                struct host_config cfg = {.schedule = kinds[k],
+                                          .microbatches = m,
+                                          .steps = STEPS,
+                                          .use_op_stream = stream};
                 struct rank_arg a[MAX_P];
                 run_ranks(p, &cfg, a);
                 char what[96];
@@ -141,8 +142,8 @@ static float buf[64];
 static int fwd(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
 {
     static int64_t shape[2] = {2, 4};
-    static DLTensor t = {.data = buf, .device = {kDLCPU, 0}, .ndim = 2,
-                         .dtype = {kDLFloat, 32, 1}, .shape = shape};
+    static DLTensor t = {
+        .data = buf, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     (void)user, (void)mb, (void)in;
     *out = &t;
     return 0;
@@ -153,11 +154,11 @@ static int bwd(void *user, unsigned mb, const DLTensor *g, const DLTensor **gin)
     return fwd(user, mb, g, gin);
 }
 
-#define RECORD(m, st, call)                                                                       \
-    do {                                                                                          \
-        (m)->rc[(m)->n] = (call);                                                                 \
-        snprintf((m)->err[(m)->n], sizeof (m)->err[0], "%s", epipe_stage_last_error(st));        \
-        (m)->n++;                                                                                 \
+#define RECORD(m, st, call)                                                                        \
+    do {                                                                                           \
+        (m)->rc[(m)->n] = (call);                                                                  \
+        snprintf((m)->err[(m)->n], sizeof(m)->err[0], "%s", epipe_stage_last_error(st));           \
+        (m)->n++;                                                                                  \
     } while (0)
 
 static void *manual_rank(void *p)
@@ -173,14 +174,14 @@ static void *manual_rank(void *p)
     cb.forward = fwd;
     cb.backward = bwd;
     epipe_stage_set_callbacks(st, &cb);
-    RECORD(m, st, epipe_stage_drain(st));                                  /* 0: nothing yet */
-    RECORD(m, st, epipe_stage_step(st));                                   /* 1 */
-    RECORD(m, st, epipe_stage_set_param(st, EPIPE_STAGE_TRAINING, 0));     /* 2 */
-    RECORD(m, st, epipe_stage_step(st));                                   /* 3: steady */
-    RECORD(m, st, epipe_stage_drain(st));                                  /* 4 */
-    RECORD(m, st, epipe_stage_drain(st));                                  /* 5: again: no-op */
-    RECORD(m, st, epipe_stage_set_param(st, EPIPE_STAGE_TRAINING, 0));     /* 6 */
-    RECORD(m, st, epipe_stage_step(st));                                   /* 7: forward only */
+    RECORD(m, st, epipe_stage_drain(st));                              /* 0: nothing yet */
+    RECORD(m, st, epipe_stage_step(st));                               /* 1 */
+    RECORD(m, st, epipe_stage_set_param(st, EPIPE_STAGE_TRAINING, 0)); /* 2 */
+    RECORD(m, st, epipe_stage_step(st));                               /* 3: steady */
+    RECORD(m, st, epipe_stage_drain(st));                              /* 4 */
+    RECORD(m, st, epipe_stage_drain(st));                              /* 5: again: no-op */
+    RECORD(m, st, epipe_stage_set_param(st, EPIPE_STAGE_TRAINING, 0)); /* 6 */
+    RECORD(m, st, epipe_stage_step(st));                               /* 7: forward only */
     epipe_stage_destroy(st);
     epipe_comm_destroy(m->comm);
     return NULL;

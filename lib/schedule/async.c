@@ -22,8 +22,8 @@ struct list {
 
 static void put(struct list *l, uint32_t kind, unsigned mb, uint32_t version)
 {
-    l->ops[l->n++] = (epipe_op){.kind = kind, .microbatch = mb, .chunk = 0,
-                                .weight_version = version};
+    l->ops[l->n++] = (epipe_op){
+        .kind = kind, .microbatch = mb, .chunk = 0, .weight_version = version};
 }
 
 static void put_forward(struct list *l, unsigned s, unsigned P, unsigned mb, uint32_t v)
@@ -112,16 +112,17 @@ int epipe_sched_async_run(const struct epipe_sched_layout *l, unsigned m, unsign
         uint64_t nf = 0, nb = 0;
         size_t k = 0;
         for (unsigned t = 0; t <= steps; t++) {
-            int ph = t == 0 ? EPIPE_PHASE_FIRST : t < steps ? EPIPE_PHASE_STEADY : EPIPE_PHASE_DRAIN;
+            int ph = t == 0      ? EPIPE_PHASE_FIRST
+                     : t < steps ? EPIPE_PHASE_STEADY
+                                 : EPIPE_PHASE_DRAIN;
             const epipe_op *ops = phase_ops[ph][r];
             for (size_t i = 0; i < phase_counts[ph][r]; i++) {
                 epipe_op op = ops[i];
                 /* a send follows the compute op it sends for */
-                uint64_t g = op.kind == EPIPE_OP_SEND_ACT    ? nf - 1
-                             : op.kind == EPIPE_OP_SEND_GRAD ? nb - 1
-                             : op.kind == EPIPE_OP_FORWARD || op.kind == EPIPE_OP_RECV_ACT
-                                 ? nf
-                                 : nb;
+                uint64_t g = op.kind == EPIPE_OP_SEND_ACT                                  ? nf - 1
+                             : op.kind == EPIPE_OP_SEND_GRAD                               ? nb - 1
+                             : op.kind == EPIPE_OP_FORWARD || op.kind == EPIPE_OP_RECV_ACT ? nf
+                                                                                           : nb;
                 if (g % m != op.microbatch)
                     return epipe_fail(EPIPE_EINTERNAL,
                                       "async schedule: rank %u, step %u, op %zu names micro-batch "
@@ -169,7 +170,9 @@ int epipe_sched_async_versions(const struct epipe_sched_layout *l, unsigned m, i
         unsigned most = 1;
         memset(live, 0, m);
         for (unsigned t = 0; t <= steps && rc == EPIPE_OK; t++) {
-            int ph = t == 0 ? EPIPE_PHASE_FIRST : t < steps ? EPIPE_PHASE_STEADY : EPIPE_PHASE_DRAIN;
+            int ph = t == 0      ? EPIPE_PHASE_FIRST
+                     : t < steps ? EPIPE_PHASE_STEADY
+                                 : EPIPE_PHASE_DRAIN;
             uint64_t base = upd;
             for (size_t i = 0; i < phase_counts[ph][r]; i++) {
                 const epipe_op *op = &phase_ops[ph][r][i];
