@@ -328,9 +328,27 @@ static void progress(const struct rank *r, int epoch, long done, long total, dou
     for (int i = 0; i < 30; i++)
         bar[i] = i < fill ? '#' : '.';
     bar[30] = '\0';
-    printf("%sepoch %d/%d [%s] %3d%% %ld/%ld  loss %.4f  %s %.0fs%s", tty ? "\r" : "", epoch + 1,
+    /* The stage's live statistics: this rank's view (its steps and its
+     * boundaries to other ranks), the research's bandwidth log in a line. */
+    epipe_stage_stats s = {.struct_size = sizeof s};
+    char live[256] = "";
+    if (epipe_stage_get_stats(r->stage, &s) == EPIPE_OK) {
+        int n = snprintf(live, sizeof live,
+                         " | %.0f samples/s, bubble %.2f, step p50 %.1f ms p99 %.1f ms",
+                         s.samples_per_second, s.bubble_fraction, 1e3 * s.step_p50_seconds,
+                         1e3 * s.step_p99_seconds);
+        for (uint32_t i = 0; i < s.boundaries && n > 0 && (size_t)n < sizeof live; i++) {
+            epipe_boundary_stats b = {.struct_size = sizeof b};
+            if (epipe_stage_get_boundary_stats(r->stage, i, &b) == EPIPE_OK)
+                n += snprintf(live + n, sizeof live - (size_t)n,
+                              " | %u->%u MB/s act %.1f (peak %.1f) grad %.1f (peak %.1f)",
+                              b.boundary, b.boundary + 1, b.act_mbps, b.act_peak_mbps, b.grad_mbps,
+                              b.grad_peak_mbps);
+        }
+    }
+    printf("%sepoch %d/%d [%s] %3d%% %ld/%ld  loss %.4f  %s %.0fs%s%s", tty ? "\r" : "", epoch + 1,
            r->o->epochs, bar, (int)(100 * done / total), done, total, loss, final ? "took" : "ETA",
-           final ? el : eta, tty && !final ? "" : "\n");
+           final ? el : eta, live, tty && !final ? "" : "\n");
     fflush(stdout);
 }
 

@@ -341,9 +341,16 @@ EPIPE_EXPERIMENTAL int epipe_stage_drain(epipe_stage *stage);
  *
  * Totals since the stage was created (or last reset). Set struct_size to
  * sizeof(epipe_stage_stats) before the call; a later library fills only
- * the fields your struct has. "down" is the boundary to the next stage,
- * "up" the one to the previous stage; raw bytes are the tensors' own
- * (elements x element size), wire bytes the messages' (framing included). */
+ * the fields your struct has, so a host built against an older header
+ * (a smaller struct) keeps working. "down" is the boundary to the next
+ * stage, "up" the one to the previous stage (with several chunks, the sum
+ * over the rank's boundaries to other ranks); raw bytes are the tensors'
+ * own (elements x element size), wire bytes the messages' (framing
+ * included). MB is 10^6 bytes.
+ *
+ * Live: both getters may be called from any thread while another thread
+ * runs the stage (a monitor, a progress bar); they see the totals as of
+ * the last op boundary or message, never a torn value. */
 typedef struct epipe_stage_stats {
     size_t struct_size;
     uint64_t steps;
@@ -357,10 +364,44 @@ typedef struct epipe_stage_stats {
     uint64_t grad_sent_raw, grad_sent_wire; /* up */
     double loss_sum;                        /* last stage: sum of loss() values */
     uint64_t loss_count;
+    /* Since the fields above (issue 15). */
+    uint64_t samples;          /* rows of the training steps: EPIPE_STAGE_BATCH_SIZE a step
+                                    that runs forwards (0 while it is unset) */
+    double samples_per_second; /* samples over the training steps' wall time */
+    double bubble_fraction;    /* wait_seconds / step_seconds: the share of the steps spent
+                                    waiting for a neighbour */
+    double step_p50_seconds;   /* median and 99th percentile of the last */
+    double step_p99_seconds;   /* EPIPE_STAGE_STATS_STEPS training steps' wall times */
+    uint32_t boundaries;       /* records epipe_stage_get_boundary_stats() gives */
 } epipe_stage_stats;
+
+/* Steps the percentiles look back over. */
+#define EPIPE_STAGE_STATS_STEPS 256u
 
 EPIPE_API int epipe_stage_get_stats(const epipe_stage *stage, epipe_stage_stats *stats);
 EPIPE_API void epipe_stage_reset_stats(epipe_stage *stage);
+
+/* One boundary between this rank and another (boundaries between two
+ * chunks of this rank move no bytes and have no record), both directions. */
+typedef struct epipe_boundary_stats {
+    size_t struct_size;           /* sizeof(epipe_boundary_stats), set by the caller */
+    uint32_t boundary;            /* b: it joins pipeline stages b and b+1 */
+    uint32_t peer;                /* the rank across it */
+    uint32_t sends_activations;   /* 1: this rank holds stage b (sends activations,
+                                      receives gradients); 0: it holds stage b+1 */
+    uint64_t act_raw, act_wire;   /* activations across it, sent or received */
+    uint64_t grad_raw, grad_wire; /* gradients across it */
+    double act_mbps, grad_mbps;   /* wire MB/s over the steps' wall time */
+    double act_peak_mbps;         /* the most wire bytes that crossed in any one-second */
+    double grad_peak_mbps;        /*   window (in 100 ms buckets), per second */
+} epipe_boundary_stats;
+
+/* Record `index` (0 .. stats.boundaries-1, in pipeline order) into *out;
+ * struct_size as for epipe_stage_get_stats(). EPIPE_EINVAL for NULL, a
+ * struct_size below sizeof(size_t), or an index out of range (the message
+ * gives the count); the message goes to epipe_last_error(). */
+EPIPE_API int epipe_stage_get_boundary_stats(const epipe_stage *stage, uint32_t index,
+                                             epipe_boundary_stats *out);
 
 #ifdef __cplusplus
 }

@@ -93,7 +93,17 @@ static void end_step(epipe_stage *st)
             st->ch[k].updates++;
 }
 
+static int advance(epipe_stage *st, epipe_op *op);
+
+/* Every op boundary: the statistics other threads see catch up. */
 int epipe_stage_advance(epipe_stage *st, epipe_op *op)
+{
+    int rc = advance(st, op);
+    epipe_stage_stats_publish(st);
+    return rc;
+}
+
+static int advance(epipe_stage *st, epipe_op *op)
 {
     /* A backward or weight-gradient backward (or, forward-only, a forward)
      * that ends now gives its received activation back to the stage; an
@@ -118,7 +128,9 @@ int epipe_stage_advance(epipe_stage *st, epipe_op *op)
         end_step(st);
         st->in_step = 0;
         st->st.steps++;
-        st->st.step_seconds += now() - st->step_t0;
+        double took = now() - st->step_t0;
+        st->st.step_seconds += took;
+        epipe_stage_stats_step_end(st, took, !st->running_drain);
         st->step++;
         memset(op, 0, sizeof *op);
         op->kind = EPIPE_OP_NONE;
@@ -362,6 +374,7 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         st->st.act_recv_raw += raw, st->st.act_recv_wire += wire;
     else
         st->st.grad_recv_raw += raw, st->st.grad_recv_wire += wire;
+    epipe_stage_stats_count(st, c, dir, 0, raw, wire);
     if (code_grad) {
         /* The gradient of the activation this chunk sent for mb. */
         if (!sent->set)
@@ -533,6 +546,7 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         st->st.act_sent_raw += raw, st->st.act_sent_wire += wire;
     else
         st->st.grad_sent_raw += raw, st->st.grad_sent_wire += wire;
+    epipe_stage_stats_count(st, c, dir, 1, raw, wire);
     return EPIPE_OK;
 }
 

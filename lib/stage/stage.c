@@ -135,7 +135,7 @@ static epipe_stage *stage_new(epipe_comm *comm, unsigned microbatches)
 static int stage_finish(epipe_stage *st)
 {
     int rc = setup_chunks(st);
-    if (rc)
+    if (rc || (rc = epipe_stage_stats_init(st)))
         return rc;
     st->tag = schedule_tag(st);
     st->trace = epipe_trace_open(st->comm->trace, st->s,
@@ -278,6 +278,7 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
     free(st->place_rank);
     free(st->place_chunk);
     epipe_schedule_destroy(st->sched);
+    epipe_stage_stats_fini(st);
     free(st);
 }
 
@@ -505,31 +506,4 @@ EPIPE_API int epipe_stage_codec_sgd_step(epipe_stage *st, double lr, double mome
         }
     }
     return EPIPE_OK;
-}
-
-/* ---- statistics --------------------------------------------------------- */
-
-EPIPE_API int epipe_stage_get_stats(const epipe_stage *st, epipe_stage_stats *out)
-{
-    epipe_clear_error();
-    if (!st || !out)
-        return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_stats: stage or stats is NULL");
-    size_t n = out->struct_size;
-    if (n < sizeof(size_t))
-        return epipe_fail(
-            EPIPE_EINVAL,
-            "epipe_stage_get_stats: set stats->struct_size = sizeof(epipe_stage_stats)");
-    if (n > sizeof st->st)
-        n = sizeof st->st;
-    memcpy((char *)out + sizeof(size_t), (const char *)&st->st + sizeof(size_t),
-           n - sizeof(size_t));
-    return EPIPE_OK;
-}
-
-EPIPE_API void epipe_stage_reset_stats(epipe_stage *st)
-{
-    if (!st)
-        return;
-    memset(&st->st, 0, sizeof st->st);
-    st->st.struct_size = sizeof st->st;
 }

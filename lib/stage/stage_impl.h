@@ -6,6 +6,7 @@
 #include <epipe/codec.h>
 #include <epipe/stage.h>
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <time.h>
@@ -40,6 +41,24 @@ struct sample_ids {
 };
 
 enum { DIR_ACT = EPIPE_DIR_ACTIVATION, DIR_GRAD = EPIPE_DIR_GRADIENT };
+
+/* Bytes of one direction of a boundary, and the peak rate over a sliding
+ * one-second window kept as ten 100 ms buckets (stats.c). */
+#define STATS_BUCKETS 10
+struct byte_count {
+    uint64_t raw, wire;
+    uint64_t bucket[STATS_BUCKETS];
+    int64_t bucket_id[STATS_BUCKETS]; /* the 100 ms tick the bucket counts, or -1 */
+    double peak_mbps;
+};
+
+/* A boundary between one of the rank's chunks and another rank. */
+struct boundary_rec {
+    int used;
+    unsigned boundary, peer;
+    int sends_act;
+    struct byte_count act, grad;
+};
 
 /* One of the rank's chunks: one pipeline stage of the model. */
 struct chunk {
@@ -76,6 +95,8 @@ struct chunk {
     /* Trainable activation codecs: the code gradient received (sender
      * side) or computed and sent (receiver side). */
     struct lent_tensor code_in, code_out;
+    /* Its boundaries to other ranks: [0] down, [1] up (stats.c). */
+    struct boundary_rec brec[2];
 };
 
 struct epipe_stage {
@@ -127,6 +148,14 @@ struct epipe_stage {
     size_t scratch_cap;
 
     epipe_stage_stats st;
+    /* Live statistics (stats.c): the copy other threads read, under
+     * stats_lock with the boundary records; the training steps' time and
+     * the last steps' wall times for the percentiles. */
+    pthread_mutex_t stats_lock;
+    int stats_lock_ok;
+    epipe_stage_stats pub;
+    double train_seconds, step_ring[EPIPE_STAGE_STATS_STEPS], t_origin;
+    unsigned ring_n, ring_pos;
     char msg[EPIPE_ERRMSG_MAX];
 };
 
@@ -200,6 +229,17 @@ static inline uint64_t msg_step(const epipe_stage *st, const struct chunk *c, un
 {
     return dir == DIR_ACT ? st->step : c->fstep[mb];
 }
+
+/* Statistics (stats.c): set up once the chunks are; the bytes of one
+ * message (sending or received) across chunk c's boundary in direction
+ * dir; a step's end (training: its wall time counts for samples/s); the
+ * copy other threads read, made at every op boundary. */
+int epipe_stage_stats_init(epipe_stage *st);
+void epipe_stage_stats_fini(epipe_stage *st);
+void epipe_stage_stats_count(epipe_stage *st, struct chunk *c, int dir, int sending, uint64_t raw,
+                             uint64_t wire);
+void epipe_stage_stats_step_end(epipe_stage *st, double seconds, int with_forwards);
+void epipe_stage_stats_publish(epipe_stage *st);
 
 /* The op stream (opstream.c), which the callback driver (step.c) runs. */
 int epipe_stage_advance(epipe_stage *st, epipe_op *op);

@@ -289,6 +289,7 @@ Op.__doc__ = ("One compute op: kind is OP_FORWARD, OP_BACKWARD, OP_BACKWARD_INPU
               "runs it (0 with one chunk per rank).")
 
 _STAT_FIELDS = [f for f, _ in _lib.StageStats._fields_ if f != "struct_size"]
+_BOUNDARY_FIELDS = [f for f, _ in _lib.BoundaryStats._fields_ if f != "struct_size"]
 
 
 class Stage(_Handle):
@@ -459,6 +460,20 @@ class Stage(_Handle):
         self._check(lib.epipe_stage_get_stats(self._handle(), ctypes.byref(s)),
                     "epipe_stage_get_stats")
         return {f: getattr(s, f) for f in _STAT_FIELDS}
+
+    def boundary_stats(self):
+        """One dict per boundary to another rank (stage.h's
+        epipe_boundary_stats names): bytes raw and on the wire each way,
+        average and peak (one-second window) wire MB/s. Like stats(), safe
+        to call from another thread while this stage runs."""
+        out = []
+        for i in range(self.stats()["boundaries"]):
+            b = _lib.BoundaryStats()
+            b.struct_size = ctypes.sizeof(b)
+            self._check(lib.epipe_stage_get_boundary_stats(self._handle(), i, ctypes.byref(b)),
+                        "epipe_stage_get_boundary_stats")
+            out.append({f: getattr(b, f) for f in _BOUNDARY_FIELDS})
+        return out
 
     def reset_stats(self):
         lib.epipe_stage_reset_stats(self._handle())

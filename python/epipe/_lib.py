@@ -223,6 +223,29 @@ class StageStats(ctypes.Structure):
         ("grad_sent_wire", ctypes.c_uint64),
         ("loss_sum", ctypes.c_double),
         ("loss_count", ctypes.c_uint64),
+        ("samples", ctypes.c_uint64),
+        ("samples_per_second", ctypes.c_double),
+        ("bubble_fraction", ctypes.c_double),
+        ("step_p50_seconds", ctypes.c_double),
+        ("step_p99_seconds", ctypes.c_double),
+        ("boundaries", ctypes.c_uint32),
+    ]
+
+
+class BoundaryStats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("boundary", ctypes.c_uint32),
+        ("peer", ctypes.c_uint32),
+        ("sends_activations", ctypes.c_uint32),
+        ("act_raw", ctypes.c_uint64),
+        ("act_wire", ctypes.c_uint64),
+        ("grad_raw", ctypes.c_uint64),
+        ("grad_wire", ctypes.c_uint64),
+        ("act_mbps", ctypes.c_double),
+        ("grad_mbps", ctypes.c_double),
+        ("act_peak_mbps", ctypes.c_double),
+        ("grad_peak_mbps", ctypes.c_double),
     ]
 
 
@@ -298,6 +321,8 @@ _PROTOS = {
     "epipe_stage_send_gradient": (_int, [_vp, _uint, _dlp]),
     "epipe_stage_get_stats": (_int, [_vp, ctypes.POINTER(StageStats)]),
     "epipe_stage_reset_stats": (None, [_vp]),
+    "epipe_stage_get_boundary_stats": (_int, [_vp, ctypes.c_uint32,
+                                              ctypes.POINTER(BoundaryStats)]),
     "epipe_stage_codec_sgd_step": (_int, [_vp, ctypes.c_double, ctypes.c_double]),
     "epipe_op_kind_name": (_cs, [ctypes.c_uint32]),
 }

@@ -88,6 +88,7 @@ def test_mirrored_enums_are_complete():
 STRUCTS = [
     ("epipe_op", _lib.Op),
     ("epipe_stage_stats", _lib.StageStats),
+    ("epipe_boundary_stats", _lib.BoundaryStats),
     ("epipe_schedule_layout", _lib.ScheduleLayout),
     ("DLDevice", _lib.DLDevice),
     ("DLDataType", _lib.DLDataType),

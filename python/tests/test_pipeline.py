@@ -101,6 +101,7 @@ def run_pipeline(parts, schedule, act="none", grad="none", steps=1):
             for _ in range(steps):
                 drive(st, parts[s], xs, ts, losses)
             stats[s] = st.stats()
+            stats[s]["boundary_stats"] = st.boundary_stats()
 
     raise_first(run_threads(comms, body))
     return losses, stats
@@ -138,6 +139,15 @@ def test_pipeline_matches_torch(schedule, nstages):
     assert st0["steps"] == 1
     assert st0["act_sent_raw"] == BATCH * HID * 4
     assert st0["act_sent_wire"] > st0["act_sent_raw"]
+    # live statistics: one record per boundary to another rank, matching the totals
+    assert st0["samples"] == BATCH and st0["samples_per_second"] > 0
+    assert 0 <= st0["bubble_fraction"] <= 1
+    assert 0 < st0["step_p50_seconds"] <= st0["step_p99_seconds"]
+    (b0,) = st0["boundary_stats"]
+    assert (b0["boundary"], b0["peer"], b0["sends_activations"]) == (0, 1, 1)
+    assert (b0["act_raw"], b0["act_wire"]) == (st0["act_sent_raw"], st0["act_sent_wire"])
+    assert b0["act_peak_mbps"] > 0 and b0["act_mbps"] > 0
+    assert len(stats[1]["boundary_stats"]) == (2 if nstages == 3 else 1)
     assert st0["grad_recv_raw"] == BATCH * HID * 4
     assert stats[1]["act_recv_raw"] == BATCH * HID * 4
 
