@@ -106,6 +106,18 @@ __global__ void sq_table(unsigned k, float levels, sq_tab t, uint8_t *body)
     }
 }
 
+/* The 8 codes of group g, packed to w bits each, at their place (the last
+ * group only as far as code_bytes). */
+__device__ static void sq_store8(const uint32_t c[8], unsigned w, uint64_t g, uint8_t *codes,
+                                 uint64_t code_bytes)
+{
+    uint8_t b[16];
+    epipe_hd_pack8(c, w, b);
+    uint64_t at = g * w, m = code_bytes - at < w ? code_bytes - at : w;
+    for (unsigned i = 0; i < m; i++)
+        codes[at + i] = b[i];
+}
+
 __global__ void sq_code_pack(const float *x, uint64_t n, unsigned k, unsigned q, float levels,
                              unsigned w, sq_tab t, uint8_t *codes, uint64_t code_bytes)
 {
@@ -133,11 +145,7 @@ __global__ void sq_code_pack(const float *x, uint64_t n, unsigned k, unsigned q,
                 c[i] = 0;
             }
         }
-        uint8_t b[16];
-        epipe_hd_pack8(c, w, b);
-        uint64_t at = g * w, m = code_bytes - at < w ? code_bytes - at : w;
-        for (unsigned i = 0; i < m; i++)
-            codes[at + i] = b[i];
+        sq_store8(c, w, g, codes, code_bytes);
     }
 }
 
@@ -370,11 +378,7 @@ __global__ void sqx_pack(const float *x, const uint16_t *chunk, uint64_t n, unsi
             unsigned ch = j < n ? chunk[j] : 0;
             c[i] = j < n ? ch << q | epipe_hd_q_level(x[j], mn[ch], iv[ch], levels) : 0;
         }
-        uint8_t b[16];
-        epipe_hd_pack8(c, w, b);
-        uint64_t at = g * w, m = code_bytes - at < w ? code_bytes - at : w;
-        for (unsigned i = 0; i < m; i++)
-            codes[at + i] = b[i];
+        sq_store8(c, w, g, codes, code_bytes);
     }
 }
 

@@ -66,6 +66,20 @@ RUNS += [(p, "raw", ["--raw", pl, "--split", sp]) for p, pl in
 ASYNC = [(p, k, extra) for p in (2, 3) for k in ("1f1b-async", "1f1b-2bw")
          for extra in ([], ["--stream", "1"])]
 
+def train(tag, p, sched, out, extra):
+    """Runs p ranks; True when every rank exited 0 and said ok."""
+    r, dt = launch(p, "--schedule", sched, "--micro", MICRO, "--steps", STEPS, "--out", out,
+                   *extra)
+    print("%s: exit %d in %.3f s" % (tag, r.returncode, dt))
+    if r.returncode:
+        fail("%s:\n%s%s" % (tag, r.stdout, r.stderr))
+        return False
+    for s in range(p):
+        if not r.stdout.count("[rank %d] rank %d: ok" % (s, s)):
+            fail("%s: no ok line from rank %d:\n%s" % (tag, s, r.stdout))
+    return True
+
+
 with tempfile.TemporaryDirectory() as d:
     ref = os.path.join(d, "ref")
     r = subprocess.run([trainer, "--reference", "1", "--micro", MICRO, "--steps", STEPS,
@@ -75,16 +89,8 @@ with tempfile.TemporaryDirectory() as d:
     for i, (p, sched, extra) in enumerate(RUNS if not r.returncode else []):
         tag = "p=%d %s %s" % (p, sched, " ".join(extra))
         out = os.path.join(d, "run%d" % i)
-        r, dt = launch(p, "--schedule", sched, "--micro", MICRO, "--steps", STEPS,
-                       "--out", out, *extra)
-        print("%s: exit %d in %.3f s" % (tag, r.returncode, dt))
-        if r.returncode:
-            fail("%s:\n%s%s" % (tag, r.stdout, r.stderr))
-            continue
-        for s in range(p):
-            if not r.stdout.count("[rank %d] rank %d: ok" % (s, s)):
-                fail("%s: no ok line from rank %d:\n%s" % (tag, s, r.stdout))
-        compare(tag, out, ref)
+        if train(tag, p, sched, out, extra):
+            compare(tag, out, ref)
     for i, (p, sched, extra) in enumerate(ASYNC):
         tag = "p=%d %s %s" % (p, sched, " ".join(extra))
         aref = os.path.join(d, "aref%d" % i)
@@ -95,15 +101,8 @@ with tempfile.TemporaryDirectory() as d:
             fail("%s reference: %s %s" % (tag, r.stdout, r.stderr))
             continue
         out = os.path.join(d, "async%d" % i)
-        r, dt = launch(p, "--schedule", sched, "--micro", MICRO, "--steps", STEPS, "--out", out,
-                       *extra)
-        print("%s: exit %d in %.3f s" % (tag, r.returncode, dt))
-        if r.returncode:
-            fail("%s:\n%s%s" % (tag, r.stdout, r.stderr))
+        if not train(tag, p, sched, out, extra):
             continue
-        for s in range(p):
-            if not r.stdout.count("[rank %d] rank %d: ok" % (s, s)):
-                fail("%s: no ok line from rank %d:\n%s" % (tag, s, r.stdout))
         compare(tag, out, aref)
         # the flush reference differs: the run really used stale weights
         same = all(open("%s.layer%d" % (out, l), "rb").read() ==

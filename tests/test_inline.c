@@ -238,6 +238,27 @@ static size_t gpu_exact_algorithm(unsigned bits, unsigned split, const float *x,
     return 8 * k + cb;
 }
 
+/* The CPU codec's body for x[0..n) (after its 16-byte payload header) must
+ * be the body the written-out algorithm made, mine[0..body). */
+static void body_is_the_cpus(const char *spec, const float *x, size_t n, const uint8_t *mine,
+                             size_t body, uint8_t *cpu)
+{
+    epipe_codec *c;
+    assert_int_equal(epipe_codec_create(&c, spec), EPIPE_OK);
+    int64_t shape[1] = {(int64_t)n};
+    DLTensor t = {.data = (void *)x,
+                  .device = {kDLCPU, 0},
+                  .ndim = 1,
+                  .shape = shape,
+                  .dtype = {kDLFloat, 32, 1}};
+    size_t w;
+    assert_int_equal(epipe_codec_encode(c, &t, cpu, 300000, &w), EPIPE_OK);
+    assert_int_equal(body + 16, w);
+    if (memcmp(cpu + 16, mine, body) != 0)
+        fail_msg("%s n=%zu: bytes differ", spec, n);
+    epipe_codec_destroy(c);
+}
+
 static void gpu_exact_algorithm_matches_cpu(void **state)
 {
     (void)state;
@@ -263,21 +284,8 @@ static void gpu_exact_algorithm_matches_cpu(void **state)
                  * equal values; -0 among the zeros */
                 for (size_t i = 0; ties && i < n; i++)
                     x[i] = x[i] == 0.0f ? (i % 3 ? 0.0f : -0.0f) : (float)(int)(x[i] * 2.0f);
-                epipe_codec *c;
-                assert_int_equal(epipe_codec_create(&c, cases[ci].spec), EPIPE_OK);
-                int64_t shape[1] = {(int64_t)n};
-                DLTensor t = {.data = x,
-                              .device = {kDLCPU, 0},
-                              .ndim = 1,
-                              .shape = shape,
-                              .dtype = {kDLFloat, 32, 1}};
-                size_t w;
-                assert_int_equal(epipe_codec_encode(c, &t, cpu, 300000, &w), EPIPE_OK);
                 size_t body = gpu_exact_algorithm(cases[ci].bits, cases[ci].split, x, n, mine);
-                assert_int_equal(body + 16, w);
-                if (memcmp(cpu + 16, mine, body) != 0)
-                    fail_msg("%s n=%zu ties=%d: bytes differ", cases[ci].spec, n, ties);
-                epipe_codec_destroy(c);
+                body_is_the_cpus(cases[ci].spec, x, n, mine, body, cpu);
             }
     free(x);
     free(cpu);
@@ -308,21 +316,9 @@ static void gpu_algorithm_matches_cpu(void **state)
         for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
             size_t n = sizes[si];
             test_fill(x, n, si % 2 ? DIST_RELU : DIST_NORMAL, 5 + si);
-            epipe_codec *c;
-            assert_int_equal(epipe_codec_create(&c, cases[ci].spec), EPIPE_OK);
-            int64_t shape[1] = {(int64_t)n};
-            DLTensor t = {.data = x,
-                          .device = {kDLCPU, 0},
-                          .ndim = 1,
-                          .shape = shape,
-                          .dtype = {kDLFloat, 32, 1}};
-            size_t w;
-            assert_int_equal(epipe_codec_encode(c, &t, cpu, 300000, &w), EPIPE_OK);
             size_t body = gpu_algorithm(cases[ci].bits, cases[ci].split, cases[ci].sample, x, n,
                                         mine);
-            assert_int_equal(body + 16, w);
-            assert_memory_equal(cpu + 16, mine, body);
-            epipe_codec_destroy(c);
+            body_is_the_cpus(cases[ci].spec, x, n, mine, body, cpu);
         }
     free(x);
     free(cpu);

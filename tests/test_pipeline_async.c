@@ -19,42 +19,13 @@
 #define STEPS 5
 #define MAX_P 4
 
-struct rank_arg {
-    epipe_comm *comm;
-    struct host_config cfg;
-    struct host_result res;
-};
-
-static void *rank_thread(void *p)
+static void run_ranks(unsigned p, const struct host_config *cfg, struct host_rank *a)
 {
-    struct rank_arg *a = p;
-    host_run(a->comm, &a->cfg, &a->res);
-    return NULL;
-}
-
-static void run_ranks(unsigned p, const struct host_config *cfg, struct rank_arg *a)
-{
-    epipe_comm *c[MAX_P];
-    pthread_t tid[MAX_P];
-    assert_int_equal(epipe_comm_create_inproc(c, p), EPIPE_OK);
-    for (unsigned r = 0; r < p; r++) {
-        memset(&a[r], 0, sizeof a[r]);
-        a[r].comm = c[r];
-        a[r].cfg = *cfg;
-        assert_int_equal(pthread_create(&tid[r], NULL, rank_thread, &a[r]), 0);
-    }
-    for (unsigned r = 0; r < p; r++)
-        pthread_join(tid[r], NULL);
-}
-
-static double rel_diff(float a, float b)
-{
-    double d = fabs((double)a - (double)b), m = fmax(fabs((double)a), fabs((double)b));
-    return m > 1e-30 ? d / m : d;
+    assert_int_equal(host_run_threads(p, cfg, a), 0);
 }
 
 /* The worst relative difference of the ranks' layers from ref. */
-static double worst_diff(struct rank_arg *a, unsigned p, const mlp_layer *ref, const char *what)
+static double worst_diff(struct host_rank *a, unsigned p, const mlp_layer *ref, const char *what)
 {
     double worst = 0;
     int held[HOST_MAX_LAYERS] = {0};
@@ -68,9 +39,9 @@ static double worst_diff(struct rank_arg *a, unsigned p, const mlp_layer *ref, c
             held[l]++;
             const mlp_layer *x = &a[r].res.layers[l], *y = &ref[l];
             for (int i = 0; i < x->in * x->out; i++)
-                worst = fmax(worst, rel_diff(x->w[i], y->w[i]));
+                worst = fmax(worst, host_rel_diff(x->w[i], y->w[i]));
             for (int o = 0; o < x->out; o++)
-                worst = fmax(worst, rel_diff(x->b[o], y->b[o]));
+                worst = fmax(worst, host_rel_diff(x->b[o], y->b[o]));
         }
     }
     for (int l = 0; l < host_nlayers; l++)
@@ -102,7 +73,7 @@ static void equals_the_stale_weights_reference(void **state)
                                           .microbatches = m,
                                           .steps = STEPS,
                                           .use_op_stream = stream};
-                struct rank_arg a[MAX_P];
+                struct host_rank a[MAX_P];
                 run_ranks(p, &cfg, a);
                 char what[96];
                 snprintf(what, sizeof what, "%s p=%u m=%u %s", kinds[k], p, m,
@@ -227,7 +198,7 @@ static void mismatched_with_a_flushing_kind(void **state)
 {
     (void)state;
     epipe_comm *c[2];
-    struct rank_arg a[2];
+    struct host_rank a[2];
     pthread_t tid[2];
     assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
     static const char *const kinds[] = {"1f1b", "1f1b-async"};
@@ -235,7 +206,7 @@ static void mismatched_with_a_flushing_kind(void **state)
         memset(&a[r], 0, sizeof a[r]);
         a[r].comm = c[r];
         a[r].cfg = (struct host_config){.schedule = kinds[r], .microbatches = 2, .steps = 2};
-        assert_int_equal(pthread_create(&tid[r], NULL, rank_thread, &a[r]), 0);
+        assert_int_equal(pthread_create(&tid[r], NULL, host_rank_thread, &a[r]), 0);
     }
     for (int r = 0; r < 2; r++)
         pthread_join(tid[r], NULL);

@@ -104,19 +104,6 @@ static void each_microbatch_has_its_shape(void **state)
 
 /* ---- the schedule fingerprint ------------------------------------------- */
 
-struct rank_arg {
-    epipe_comm *comm;
-    struct host_config cfg;
-    struct host_result res;
-};
-
-static void *rank_thread(void *p)
-{
-    struct rank_arg *a = p;
-    host_run(a->comm, &a->cfg, &a->res);
-    return NULL;
-}
-
 /* Ranks that run different schedules (or the same kind with another
  * micro-batch count) fail at the first message, naming both, and nobody
  * hangs: the failing rank aborts its communicator. */
@@ -134,7 +121,7 @@ static void mismatched_schedules_fail_at_the_first_message(void **state)
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         epipe_comm *c[2];
-        struct rank_arg a[2];
+        struct host_rank a[2];
         pthread_t tid[2];
         assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
         for (int r = 0; r < 2; r++) {
@@ -143,7 +130,7 @@ static void mismatched_schedules_fail_at_the_first_message(void **state)
             a[r].cfg.schedule = r ? cases[k].k1 : cases[k].k0;
             a[r].cfg.microbatches = r ? cases[k].m1 : cases[k].m0;
             a[r].cfg.steps = 2;
-            assert_int_equal(pthread_create(&tid[r], NULL, rank_thread, &a[r]), 0);
+            assert_int_equal(pthread_create(&tid[r], NULL, host_rank_thread, &a[r]), 0);
         }
         for (int r = 0; r < 2; r++)
             pthread_join(tid[r], NULL);
@@ -156,29 +143,13 @@ static void mismatched_schedules_fail_at_the_first_message(void **state)
 
 /* ---- chunks and split backward on raw op lists ---------------------------- */
 
-static void run_ranks(unsigned p, const struct host_config *cfg, struct rank_arg *a)
+static void run_ranks(unsigned p, const struct host_config *cfg, struct host_rank *a)
 {
-    epipe_comm *c[MAX_P];
-    pthread_t tid[MAX_P];
-    assert_int_equal(epipe_comm_create_inproc(c, p), EPIPE_OK);
-    for (unsigned r = 0; r < p; r++) {
-        memset(&a[r], 0, sizeof a[r]);
-        a[r].comm = c[r];
-        a[r].cfg = *cfg;
-        assert_int_equal(pthread_create(&tid[r], NULL, rank_thread, &a[r]), 0);
-    }
-    for (unsigned r = 0; r < p; r++)
-        pthread_join(tid[r], NULL);
-}
-
-static double rel_diff(float a, float b)
-{
-    double d = fabs((double)a - (double)b), m = fmax(fabs((double)a), fabs((double)b));
-    return m > 1e-30 ? d / m : d;
+    assert_int_equal(host_run_threads(p, cfg, a), 0);
 }
 
 /* Every layer is held by exactly one rank and equals the reference's. */
-static void assert_equal_to_reference(struct rank_arg *a, unsigned p, const mlp_layer *ref,
+static void assert_equal_to_reference(struct host_rank *a, unsigned p, const mlp_layer *ref,
                                       double ref_last, const char *what)
 {
     int held[HOST_MAX_LAYERS] = {0};
@@ -193,11 +164,11 @@ static void assert_equal_to_reference(struct rank_arg *a, unsigned p, const mlp_
             held[l]++;
             const mlp_layer *x = &a[r].res.layers[l], *y = &ref[l];
             for (int i = 0; i < x->in * x->out; i++)
-                if (rel_diff(x->w[i], y->w[i]) > 1e-6)
+                if (host_rel_diff(x->w[i], y->w[i]) > 1e-6)
                     fail_msg("%s: rank %u layer %d w[%d]: %.9g vs %.9g", what, r, l, i, x->w[i],
                              y->w[i]);
             for (int o = 0; o < x->out; o++)
-                if (rel_diff(x->b[o], y->b[o]) > 1e-6)
+                if (host_rel_diff(x->b[o], y->b[o]) > 1e-6)
                     fail_msg("%s: rank %u layer %d b[%d]", what, r, l, o);
         }
         if (a[r].res.holds_last) {
@@ -246,7 +217,7 @@ static void chunks_and_split_backward_equal_one_process(void **state)
                                           .split = split,
                                           .create = host_create_raw,
                                           .create_arg = &L};
-                struct rank_arg a[MAX_P];
+                struct host_rank a[MAX_P];
                 run_ranks(L.ranks, &cfg, a);
                 char what[96];
                 snprintf(what, sizeof what, "layout %zu, split %d, %s", k, split,
@@ -303,7 +274,7 @@ static void schedule_layouts_equal_one_process(void **state)
                                           .chunks = layouts[l].chunks,
                                           .placement = layouts[l].placement,
                                           .placement_len = layouts[l].len};
-                struct rank_arg a[MAX_P];
+                struct host_rank a[MAX_P];
                 run_ranks(layouts[l].ranks, &cfg, a);
                 char what[96];
                 snprintf(what, sizeof what, "%s, layout %zu, %s", kind, l,
@@ -328,7 +299,7 @@ static void mismatched_placement_fails_at_the_first_message(void **state)
     (void)state;
     static const unsigned cs[] = {0, 1, 0}, other[] = {0, 1, 1};
     epipe_comm *c[2];
-    struct rank_arg a[2];
+    struct host_rank a[2];
     pthread_t tid[2];
     assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
     for (int r = 0; r < 2; r++) {
@@ -339,7 +310,7 @@ static void mismatched_placement_fails_at_the_first_message(void **state)
                                         .steps = 2,
                                         .placement = r ? other : cs,
                                         .placement_len = 3};
-        assert_int_equal(pthread_create(&tid[r], NULL, rank_thread, &a[r]), 0);
+        assert_int_equal(pthread_create(&tid[r], NULL, host_rank_thread, &a[r]), 0);
     }
     for (int r = 0; r < 2; r++)
         pthread_join(tid[r], NULL);
@@ -363,7 +334,7 @@ static void plain_backward_runs_a_split_list(void **state)
     assert_int_equal(host_build_raw(&L), 0);
     struct host_config cfg = {
         .microbatches = M, .steps = STEPS, .split = 0, .create = host_create_raw, .create_arg = &L};
-    struct rank_arg a[2];
+    struct host_rank a[2];
     run_ranks(2, &cfg, a);
     assert_equal_to_reference(a, 2, ref, last, "plain backward on a split list");
     for (unsigned r = 0; r < 2; r++)
@@ -372,13 +343,13 @@ static void plain_backward_runs_a_split_list(void **state)
         mlp_layer_free(&ref[l]);
 }
 
-static double max_rel_diff(struct rank_arg *a, unsigned p, const mlp_layer *ref)
+static double max_rel_diff(struct host_rank *a, unsigned p, const mlp_layer *ref)
 {
     double worst = 0;
     for (unsigned r = 0; r < p; r++)
         for (int l = 0; l < host_nlayers; l++)
             for (int i = 0; a[r].res.owns[l] && i < ref[l].in * ref[l].out; i++)
-                worst = fmax(worst, rel_diff(a[r].res.layers[l].w[i], ref[l].w[i]));
+                worst = fmax(worst, host_rel_diff(a[r].res.layers[l].w[i], ref[l].w[i]));
     return worst;
 }
 
@@ -402,7 +373,7 @@ static void local_boundary_uses_its_codec_only_when_set(void **state)
                               .act_codec = "cast:dtype=bf16",
                               .one_boundary = 1,
                               .boundary = 1}; /* between the ranks: not the local one */
-    struct rank_arg a[2];
+    struct host_rank a[2];
     run_ranks(2, &cfg, a);
     double remote = max_rel_diff(a, 2, ref);
     for (unsigned r = 0; r < 2; r++)

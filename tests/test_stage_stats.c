@@ -44,8 +44,11 @@ static void *rank_main(void *p)
 {
     struct rank *r = p;
     r->shape[0] = ROWS, r->shape[1] = COLS;
-    r->t = (DLTensor){.data = r->buf, .device = {kDLCPU, 0}, .ndim = 2,
-                      .dtype = {kDLFloat, 32, 1}, .shape = r->shape};
+    r->t = (DLTensor){.data = r->buf,
+                      .device = {kDLCPU, 0},
+                      .ndim = 2,
+                      .dtype = {kDLFloat, 32, 1},
+                      .shape = r->shape};
     epipe_stage *st;
     r->rc = epipe_stage_create(&st, r->comm, "1f1b", M);
     epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
@@ -178,8 +181,7 @@ static void *reader(void *p)
             a->bad = 1;
             break;
         }
-        if (s.act_sent_raw % msg || b.act_raw % msg || s.act_sent_raw < last ||
-            s.boundaries != 1)
+        if (s.act_sent_raw % msg || b.act_raw % msg || s.act_sent_raw < last || s.boundaries != 1)
             a->bad = 1;
         last = s.act_sent_raw;
         a->reads++;

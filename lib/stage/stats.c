@@ -148,8 +148,7 @@ static int copy_sized(void *out, const void *src, size_t have, const char *call)
         return epipe_fail(EPIPE_EINVAL, "%s: set struct_size to the size of the struct", call);
     if (n > have)
         n = have;
-    memcpy((char *)out + sizeof(size_t), (const char *)src + sizeof(size_t),
-           n - sizeof(size_t));
+    memcpy((char *)out + sizeof(size_t), (const char *)src + sizeof(size_t), n - sizeof(size_t));
     return EPIPE_OK;
 }
 
@@ -162,8 +161,7 @@ EPIPE_API int epipe_stage_get_stats(const epipe_stage *st, epipe_stage_stats *ou
     pthread_mutex_lock(&w->stats_lock);
     epipe_stage_stats copy = st->pub;
     pthread_mutex_unlock(&w->stats_lock);
-    return copy_sized(out, &copy, sizeof copy,
-                      "epipe_stage_get_stats (sizeof(epipe_stage_stats))");
+    return copy_sized(out, &copy, sizeof copy, "epipe_stage_get_stats (sizeof(epipe_stage_stats))");
 }
 
 EPIPE_API int epipe_stage_get_boundary_stats(const epipe_stage *st, uint32_t index,
@@ -185,7 +183,8 @@ EPIPE_API int epipe_stage_get_boundary_stats(const epipe_stage *st, uint32_t ind
             if (!r->used || n++ != index)
                 continue;
             found = 1;
-            b.boundary = r->boundary, b.peer = r->peer, b.sends_activations = (uint32_t)r->sends_act;
+            b.boundary = r->boundary, b.peer = r->peer,
+            b.sends_activations = (uint32_t)r->sends_act;
             b.act_raw = r->act.raw, b.act_wire = r->act.wire;
             b.grad_raw = r->grad.raw, b.grad_wire = r->grad.wire;
             b.act_mbps = secs > 0 ? (double)r->act.wire / 1e6 / secs : 0;

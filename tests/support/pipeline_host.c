@@ -2,6 +2,8 @@
  * callbacks or by the op stream, plus the single-process reference. */
 #include "pipeline_host.h"
 
+#include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -474,6 +476,41 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
             free(h.stash[i].w[l]), free(h.stash[i].b[l]);
 }
 
+void *host_rank_thread(void *p)
+{
+    struct host_rank *a = p;
+    host_run(a->comm, &a->cfg, &a->res);
+    return NULL;
+}
+
+int host_run_threads(unsigned p, const struct host_config *cfg, struct host_rank *a)
+{
+    epipe_comm *c[HOST_RAW_MAX_RANKS];
+    pthread_t tid[HOST_RAW_MAX_RANKS];
+    if (p > HOST_RAW_MAX_RANKS || epipe_comm_create_inproc(c, p) != EPIPE_OK)
+        return -1;
+    unsigned made = 0;
+    for (; made < p; made++) {
+        memset(&a[made], 0, sizeof a[made]);
+        a[made].comm = c[made];
+        a[made].cfg = *cfg;
+        if (pthread_create(&tid[made], NULL, host_rank_thread, &a[made]))
+            break;
+    }
+    if (made < p) /* the ranks that run give up at their first receive */
+        for (unsigned r = made; r < p; r++)
+            epipe_comm_abort(c[r]), epipe_comm_destroy(c[r]);
+    for (unsigned r = 0; r < made; r++)
+        pthread_join(tid[r], NULL);
+    return made == p ? 0 : -1;
+}
+
+double host_rel_diff(float a, float b)
+{
+    double d = fabs((double)a - (double)b), m = fmax(fabs((double)a), fabs((double)b));
+    return m > 1e-30 ? d / m : d;
+}
+
 void host_result_free(struct host_result *res)
 {
     for (int l = 0; l < host_nlayers; l++)
@@ -552,6 +589,25 @@ static void ref_update(struct ref_stage *rs, mlp_layer *layers)
     ref_keep(rs, layers);
 }
 
+/* 2bw: exchanges the layers' gradient buffers with list k's accumulators
+ * (a second call exchanges them back). */
+static void ref_swap_acc(struct ref_stage *q, mlp_layer *layers, unsigned k)
+{
+    for (int l = q->l0; l < q->l1; l++) {
+        float *w = layers[l].gw, *b = layers[l].gb;
+        layers[l].gw = q->acc_w[k % 2][l], layers[l].gb = q->acc_b[k % 2][l];
+        q->acc_w[k % 2][l] = w, q->acc_b[k % 2][l] = b;
+    }
+}
+
+/* 2bw: list k's update, from its accumulated gradients. */
+static void ref_update_list(struct ref_stage *q, mlp_layer *layers, unsigned k)
+{
+    ref_swap_acc(q, layers, k);
+    ref_update(q, layers);
+    ref_swap_acc(q, layers, k);
+}
+
 void host_reference_async(int weights, unsigned stages, unsigned microbatches, int steps,
                           mlp_layer *layers, double *first_loss, double *last_loss)
 {
@@ -602,11 +658,7 @@ void host_reference_async(int weights, unsigned stages, unsigned microbatches, i
             /* 2bw: the list this backward runs in, and its accumulator */
             unsigned list = (unsigned)step + (j >= m - (unsigned)q->w);
             if (weights == EPIPE_WEIGHTS_DOUBLE)
-                for (int l = q->l0; l < q->l1; l++) {
-                    float *w = layers[l].gw, *b = layers[l].gb;
-                    layers[l].gw = q->acc_w[list % 2][l], layers[l].gb = q->acc_b[list % 2][l];
-                    q->acc_w[list % 2][l] = w, q->acc_b[list % 2][l] = b;
-                }
+                ref_swap_acc(q, layers, list);
             ref_swap(q, layers, fv[s]);
             for (int l = q->l1 - 1; l >= q->l0; l--) {
                 float *dx = l ? g[l % 2] : NULL;
@@ -615,27 +667,11 @@ void host_reference_async(int weights, unsigned stages, unsigned microbatches, i
             }
             ref_swap(q, layers, fv[s]);
             if (weights == EPIPE_WEIGHTS_DOUBLE)
-                for (int l = q->l0; l < q->l1; l++) { /* the accumulators back */
-                    float *w = layers[l].gw, *b = layers[l].gb;
-                    layers[l].gw = q->acc_w[list % 2][l], layers[l].gb = q->acc_b[list % 2][l];
-                    q->acc_w[list % 2][l] = w, q->acc_b[list % 2][l] = b;
-                }
-            if (weights == EPIPE_WEIGHTS_STASHED) {
+                ref_swap_acc(q, layers, list); /* the accumulators back */
+            if (weights == EPIPE_WEIGHTS_STASHED)
                 ref_update(q, layers);
-            } else if (j == m - (unsigned)q->w - 1) {
-                /* the last backward of list `step`: its update, from its accumulator */
-                for (int l = q->l0; l < q->l1; l++) {
-                    float *w = layers[l].gw, *b = layers[l].gb;
-                    layers[l].gw = q->acc_w[step % 2][l], layers[l].gb = q->acc_b[step % 2][l];
-                    q->acc_w[step % 2][l] = w, q->acc_b[step % 2][l] = b;
-                }
-                ref_update(q, layers);
-                for (int l = q->l0; l < q->l1; l++) {
-                    float *w = layers[l].gw, *b = layers[l].gb;
-                    layers[l].gw = q->acc_w[step % 2][l], layers[l].gb = q->acc_b[step % 2][l];
-                    q->acc_w[step % 2][l] = w, q->acc_b[step % 2][l] = b;
-                }
-            }
+            else if (j == m - (unsigned)q->w - 1) /* the last backward of list `step` */
+                ref_update_list(q, layers, (unsigned)step);
         }
         if (j == m - 1) {
             if (step == 0)
@@ -645,20 +681,8 @@ void host_reference_async(int weights, unsigned stages, unsigned microbatches, i
         }
     }
     /* 2bw: the update after the drain (the last step's tail) */
-    for (unsigned s = 0; weights == EPIPE_WEIGHTS_DOUBLE && s < P; s++) {
-        struct ref_stage *q = &rs[s];
-        for (int l = q->l0; l < q->l1; l++) {
-            float *w = layers[l].gw, *b = layers[l].gb;
-            layers[l].gw = q->acc_w[steps % 2][l], layers[l].gb = q->acc_b[steps % 2][l];
-            q->acc_w[steps % 2][l] = w, q->acc_b[steps % 2][l] = b;
-        }
-        ref_update(q, layers);
-        for (int l = q->l0; l < q->l1; l++) {
-            float *w = layers[l].gw, *b = layers[l].gb;
-            layers[l].gw = q->acc_w[steps % 2][l], layers[l].gb = q->acc_b[steps % 2][l];
-            q->acc_w[steps % 2][l] = w, q->acc_b[steps % 2][l] = b;
-        }
-    }
+    for (unsigned s = 0; weights == EPIPE_WEIGHTS_DOUBLE && s < P; s++)
+        ref_update_list(&rs[s], layers, (unsigned)steps);
     for (unsigned s = 0; s < P; s++)
         for (int l = rs[s].l0; l < rs[s].l1; l++) {
             for (int k = 0; k < REF_RING; k++)

@@ -57,6 +57,21 @@ struct host_result {
     mlp_layer layers[HOST_MAX_LAYERS];
 };
 
+/* One rank run by host_rank_thread(): its communicator and config (set by
+ * the caller) and its result. */
+struct host_rank {
+    epipe_comm *comm;
+    struct host_config cfg;
+    struct host_result res;
+};
+/* A pthread body: host_run(a->comm, &a->cfg, &a->res). */
+void *host_rank_thread(void *a);
+/* cfg on p ranks of a fresh in-process communicator, a thread each, a[r]
+ * filled; 0, or -1 when the communicator or a thread could not be made. */
+int host_run_threads(unsigned p, const struct host_config *cfg, struct host_rank *a);
+/* |a-b| / max(|a|,|b|), or |a-b| where both are tiny. */
+double host_rel_diff(float a, float b);
+
 /* Creates rank epipe_comm_rank(comm)'s stage with cfg's schedule and layout. */
 int host_create_stage(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg);
 
