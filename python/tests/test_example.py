@@ -61,3 +61,21 @@ def test_fmnist_split_zb_h1_and_interleaved_match_1f1b_over_tcp():
     ref = _run_schedule("1f1b", 1)
     assert _run_schedule("zb-h1", 1) == ref
     assert _run_schedule("interleaved", 2) == ref
+
+
+@pytest.mark.skipif(not os.path.exists(LAUNCHER), reason=f"no launcher at {LAUNCHER}")
+@pytest.mark.skipif(not os.path.exists(DATA), reason="dataset-fashion-mnist is not installed")
+def test_fmnist_schedule_trains_with_the_torch_front_end():
+    """examples/torch/fmnist_schedule.py: PipelineStage + Schedule1F1B.step()
+    over three TCP processes learns (chance is 10%) and reports samples/s."""
+    cmd = [LAUNCHER, "-n", "3", "--", sys.executable,
+           os.path.join(ROOT, "examples", "torch", "fmnist_schedule.py"),
+           "--train-limit", "1920", "--test-limit", "500"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:]
+    line = [ln for ln in p.stdout.splitlines() if "test accuracy" in ln]
+    assert len(line) == 1, p.stdout[-3000:]
+    acc = float(line[0].split("test accuracy ", 1)[1].split("%")[0])
+    sps = float(line[0].split("; ", 1)[1].split()[0])
+    assert acc > 40 and sps > 0, line[0]

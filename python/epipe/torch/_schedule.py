@@ -1,0 +1,236 @@
+"""Schedules with step(): one training step of a pipeline stage's rank,
+driven through the stage's op stream with torch autograd."""
+import torch
+
+from .. import _core as core
+
+
+class PipelineSchedule:
+    """The schedule `kind` over the PipelineStage(s) this rank holds.
+
+    stages: one PipelineStage, or a list of them for the schedules with
+    several model chunks per rank (interleaved: stage r, r+p, ...; zb-v:
+    stage r and 2p-1-r). n_microbatches: micro-batches a step (the batch is
+    cut along dimension 0). loss_fn(output, target): on the last stage,
+    called per micro-batch; its value is appended to step()'s `losses` and
+    its gradient scaled by 1/n_microbatches, so a mean-reduced loss gives the
+    gradient of the whole batch's mean, as one process would. Gradients
+    accumulate in .grad, as torch does: zero them and step the optimizer
+    yourself. Every rank must build the same schedule (kind, micro-batches,
+    codecs); a rank that does not is refused at the first message.
+    batch_size: rows a step, for the stage's shape checks and samples/s;
+    the first and last stages learn it from step()'s tensors, a middle
+    stage counts no samples unless told.
+    """
+
+    kind = None
+
+    def __init__(self, stages, n_microbatches, loss_fn=None, *, batch_size=None,
+                 timeout_ms=None):
+        self.stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        if not self.stages:
+            raise ValueError(f"{type(self).__name__}: no stage given")
+        num = {s.num_stages for s in self.stages}
+        if len(num) != 1:
+            raise ValueError(f"{type(self).__name__}: the stages disagree on num_stages: "
+                             f"{sorted(num)}")
+        self.n_microbatches = int(n_microbatches)
+        self.loss_fn = loss_fn
+        first = self.stages[0]
+        self.comm = first.comm if first.comm is not None else core.Comm.from_env()
+        chunks = len(self.stages)
+        self._stage = core.Stage(self.comm, self.kind, self.n_microbatches,
+                                 chunks=chunks if chunks > 1 or self.kind == "zb-v" else None,
+                                 batch_size=batch_size, timeout_ms=timeout_ms)
+        self._batch = batch_size
+        try:
+            self._place()
+            self._codecs(first)
+        except Exception:
+            self._stage.close()
+            raise
+
+    def _place(self):
+        """Matches the epipe stage's chunks with the PipelineStages given."""
+        by_index = {s.stage_index: s for s in self.stages}
+        self._chunks = []
+        for k in range(self._stage.chunks):
+            g, total = self._stage.chunk_stage(k)
+            if total != self.stages[0].num_stages:
+                raise ValueError(f"{type(self).__name__}: the schedule has {total} pipeline "
+                                 f"stages over {self.comm.size} ranks; the stages say "
+                                 f"{self.stages[0].num_stages}")
+            if g not in by_index:
+                raise ValueError(f"{type(self).__name__}: rank {self.comm.rank} runs pipeline "
+                                 f"stage {g} here, but was given stages "
+                                 f"{sorted(by_index)}")
+            self._chunks.append(by_index[g])
+        if len(self._chunks) != len(self.stages):
+            raise ValueError(f"{type(self).__name__}: {len(self.stages)} stages given; this "
+                             f"rank holds {len(self._chunks)}")
+
+    def _codecs(self, s):
+        for direction, spec in ((core.ACTIVATION, s.act_codec), (core.GRADIENT, s.grad_codec)):
+            if spec is None:
+                continue
+            if isinstance(spec, dict):  # per boundary
+                for b, one in spec.items():
+                    self._stage.set_codec(direction, one, boundary=int(b))
+            else:
+                self._stage.set_codec(direction, spec)
+
+    # -- helpers
+    def _learn_batch(self, *tensors):
+        """The batch size for the stage's checks and samples/s: given, or
+        the inputs' (first stage) or the target's (last stage); a middle
+        stage that is not told counts no samples."""
+        for t in tensors:
+            if t is not None and t.dim() and t.shape[0] != self._batch:
+                self._batch = int(t.shape[0])
+                self._stage.set_param(core.STAGE_BATCH_SIZE, self._batch)
+                return
+
+    def _split(self, tensor):
+        parts = torch.tensor_split(tensor, self.n_microbatches)
+        if any(p.shape[0] == 0 for p in parts):
+            raise ValueError(f"{type(self).__name__}: a batch of {tensor.shape[0]} cannot be "
+                             f"cut into {self.n_microbatches} micro-batches")
+        return parts
+
+    @staticmethod
+    def _to_host(t):
+        t = t.detach()
+        return t if t.device.type == "cpu" else t.cpu()
+
+    def _recv_act(self, ps, mb, copy):
+        x = self._stage.recv_activation(mb, copy=copy or ps.device.type != "cpu")
+        return x.to(ps.device).requires_grad_(torch.is_grad_enabled())
+
+    def _recv_grad(self, ps, mb, copy):
+        return self._stage.recv_gradient(mb, copy=copy or ps.device.type != "cpu").to(ps.device)
+
+    # -- the step
+    def step(self, *args, target=None, losses=None):
+        """One training step (under torch.no_grad(): a forward-only one, as
+        eval()). The first stage's rank passes the batch's inputs, the last
+        stage's the target; other ranks pass nothing. Returns the last
+        stage's output (the micro-batches' outputs concatenated) on its rank,
+        None elsewhere."""
+        if not torch.is_grad_enabled():
+            return self.eval(*args, target=target, losses=losses)
+        st, m = self._stage, self.n_microbatches
+        xs = self._split(args[0]) if any(c.is_first for c in self._chunks) else None
+        holds_last = any(c.is_last for c in self._chunks)
+        if holds_last and (self.loss_fn is None or target is None):
+            raise ValueError(f"{type(self).__name__}.step: the last stage needs loss_fn and "
+                             f"target to train (use eval() to run forwards only)")
+        ts = self._split(target) if holds_last else None
+        self._learn_batch(args[0] if xs is not None else None, target if holds_last else None)
+        outputs, saved = [None] * m, {}
+        for op in st.ops():
+            mb, ps = op.microbatch, self._chunks[op.chunk]
+            key = (op.chunk, mb)
+            if op.kind == core.OP_FORWARD:
+                x = xs[mb].to(ps.device) if ps.is_first else self._recv_act(ps, mb, False)
+                out = ps.submod(x)
+                if ps.is_last:
+                    outputs[mb] = out.detach()
+                    loss = self.loss_fn(out, ts[mb].to(ps.device))
+                    if losses is not None:
+                        losses.append(loss.detach())
+                    out = loss / m
+                else:
+                    st.send_activation(mb, self._to_host(out))
+                saved[key] = (x, out)
+            elif op.kind == core.OP_BACKWARD:
+                x, out = saved.pop(key)
+                g = None if ps.is_last else self._recv_grad(ps, mb, False)
+                torch.autograd.backward(out, g)
+                if not ps.is_first:
+                    st.send_gradient(mb, self._to_host(x.grad))
+            elif op.kind == core.OP_BACKWARD_INPUT:
+                x, out = saved[key]
+                # the received gradient is lent until the next op: W needs a copy
+                g = None if ps.is_last else self._recv_grad(ps, mb, True)
+                if not ps.is_first:
+                    gx, = torch.autograd.grad(out, x, g, retain_graph=True)
+                    st.send_gradient(mb, self._to_host(gx))
+                saved[key] = (x, out, g)
+            elif op.kind == core.OP_BACKWARD_WEIGHT:
+                x, out, g = saved.pop(key)
+                params = [p for p in ps.submod.parameters() if p.requires_grad]
+                if params:
+                    torch.autograd.backward(out, g, inputs=params)
+            else:
+                raise RuntimeError(f"{type(self).__name__}: unknown op kind {op.kind}")
+        return torch.cat(outputs) if holds_last else None
+
+    @torch.no_grad()
+    def eval(self, *args, target=None, losses=None):
+        """A forward-only step (evaluation): no gradient crosses. Returns the
+        last stage's output on its rank (and appends loss_fn's values to
+        `losses` when target is given), None elsewhere."""
+        st, m = self._stage, self.n_microbatches
+        xs = self._split(args[0]) if any(c.is_first for c in self._chunks) else None
+        holds_last = any(c.is_last for c in self._chunks)
+        ts = self._split(target) if holds_last and target is not None else None
+        outputs = [None] * m
+        st.training = False
+        st.set_param(core.STAGE_BATCH_SIZE, 0)  # evaluation batches have their own size
+        try:
+            for op in st.ops():
+                mb, ps = op.microbatch, self._chunks[op.chunk]
+                x = xs[mb].to(ps.device) if ps.is_first else self._recv_act(ps, mb, False)
+                out = ps.submod(x)
+                if ps.is_last:
+                    outputs[mb] = out
+                    if ts is not None and losses is not None and self.loss_fn is not None:
+                        losses.append(self.loss_fn(out, ts[mb].to(ps.device)))
+                else:
+                    st.send_activation(mb, self._to_host(out))
+        finally:
+            st.training = True
+            st.set_param(core.STAGE_BATCH_SIZE, self._batch or 0)
+        return torch.cat(outputs) if holds_last else None
+
+    def stats(self):
+        """The stage's statistics (epipe.Stage.stats()) and its boundaries'."""
+        s = self._stage.stats()
+        s["boundary_stats"] = self._stage.boundary_stats()
+        return s
+
+    def close(self):
+        self._stage.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ScheduleGPipe(PipelineSchedule):
+    """GPipe: every forward, then every backward."""
+    kind = "gpipe"
+
+
+class Schedule1F1B(PipelineSchedule):
+    """1F1B (PipeDream-flush): at most p-s micro-batches alive on stage s."""
+    kind = "1f1b"
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Megatron's interleaved 1F1B: each rank holds several model chunks
+    (a list of PipelineStages, round-robin: stage r, r+p, ...)."""
+    kind = "interleaved"
+
+
+class ScheduleZBH1(PipelineSchedule):
+    """Zero-bubble H1: the backward split into the input gradient (sent at
+    once, torch.autograd.grad) and the weight gradient (deferred)."""
+    kind = "zb-h1"
+
+
+class ScheduleZBV(PipelineSchedule):
+    """Zero-bubble V: two chunks per rank in a V (stage r and 2p-1-r)."""
+    kind = "zb-v"

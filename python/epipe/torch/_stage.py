@@ -1,0 +1,44 @@
+"""PipelineStage: one pipeline stage's module, its place in the pipeline, and
+the codecs of the boundaries it sends across."""
+import torch
+
+
+class PipelineStage:
+    """Module `module` as pipeline stage `stage_index` of `num_stages`.
+
+    comm: the epipe.Comm its rank runs on (epipe.Comm.from_env() when None,
+    as torchrun or epipe-run start it). act_codec / grad_codec: codec specs
+    for the activations this stage sends and the gradients it sends back
+    (None: the schedule's, "none" by default). device: where the module's
+    parameters and the tensors it computes live; the boundary tensors cross
+    through host memory (the C stage takes CPU tensors today), so on "cuda"
+    each received tensor is copied to the device and each sent one to the
+    host.
+    """
+
+    def __init__(self, module, stage_index, num_stages, device="cpu", *, comm=None,
+                 act_codec=None, grad_codec=None):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"PipelineStage: module must be a torch.nn.Module, not "
+                            f"{type(module).__name__}")
+        if not 0 <= int(stage_index) < int(num_stages):
+            raise ValueError(f"PipelineStage: stage_index {stage_index} is out of range "
+                             f"0..{int(num_stages) - 1} (num_stages {num_stages})")
+        self.submod = module
+        self.stage_index = int(stage_index)
+        self.num_stages = int(num_stages)
+        self.device = torch.device(device)
+        self.comm = comm
+        self.act_codec = act_codec
+        self.grad_codec = grad_codec
+
+    @property
+    def is_first(self):
+        return self.stage_index == 0
+
+    @property
+    def is_last(self):
+        return self.stage_index == self.num_stages - 1
+
+    def __repr__(self):
+        return f"PipelineStage({self.stage_index} of {self.num_stages}, {self.device})"

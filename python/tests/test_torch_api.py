@@ -1,0 +1,141 @@
+"""epipe.torch: PipelineStage and the schedules' step() train a split MLP to
+the same weights as one process (codec none, CPU, threads over inproc) for
+GPipe, 1F1B, ZB-H1 and interleaved; eval() runs forwards only; splitting by
+index, by parameters and by given boundaries; bad input raises."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import epipe  # noqa: E402
+import epipe.torch as ept  # noqa: E402
+from test_pipeline import raise_first, run_threads  # noqa: E402
+
+BATCH, MB, STEPS, LR = 16, 4, 3, 0.1
+
+
+def make_model():
+    g = torch.Generator().manual_seed(11)
+    layers = []
+    dims = [8, 16, 16, 16, 16, 4]
+    for i in range(len(dims) - 1):
+        lin = torch.nn.Linear(dims[i], dims[i + 1])
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.3)
+            lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
+        layers += [lin, torch.nn.Tanh()] if i + 2 < len(dims) else [lin]
+    return torch.nn.Sequential(*layers)
+
+
+def batches():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g))
+            for _ in range(STEPS)]
+
+
+def mse(out, t):
+    return torch.nn.functional.mse_loss(out, t)
+
+
+def one_process(model):
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x, t in batches():
+        opt.zero_grad()
+        for xm, tm in zip(torch.tensor_split(x, MB), torch.tensor_split(t, MB)):
+            loss = mse(model(xm), tm)
+            losses.append(loss.item())
+            (loss / MB).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), losses
+
+
+def pipelined(schedule_cls, ranks, chunks):
+    """Trains on `ranks` threads; returns the flat weights in model order and
+    the last stage's losses."""
+    n = ranks * chunks
+    parts_all = [ept.split_sequential(make_model(), n, by="index") for _ in range(ranks)]
+    comms = epipe.Comm.inproc(ranks)
+    data = batches()
+    got, losses = {}, []
+
+    def body(r):
+        parts = parts_all[r]
+        if schedule_cls is ept.ScheduleZBV:
+            mine = [r, 2 * ranks - 1 - r]
+        else:
+            mine = list(range(r, n, ranks))
+        stages = [ept.PipelineStage(parts[g], g, n, comm=comms[r]) for g in mine]
+        params = [p for s in stages for p in s.submod.parameters()]
+        opt = torch.optim.SGD(params, lr=LR)
+        with schedule_cls(stages if chunks > 1 else stages[0], MB, loss_fn=mse,
+                          timeout_ms=20000) as sched:
+            for x, t in data:
+                opt.zero_grad()
+                out = sched.step(x, target=t, losses=losses if (n - 1) in mine else None)
+                assert (out is not None) == ((n - 1) in mine)
+                if out is not None:
+                    assert out.shape == (BATCH, 4)
+                opt.step()
+            # forward-only, under no_grad: the output of the trained model
+            with torch.no_grad():
+                ev = sched.step(data[0][0])
+            if ev is not None:
+                got["eval"] = ev
+        for g in mine:
+            got[g] = parts[g]
+
+    raise_first(run_threads(comms, body))
+    flat = torch.cat([p.detach().reshape(-1) for g in range(n) for p in got[g].parameters()])
+    return flat, [x.item() for x in losses], got["eval"], [got[g] for g in range(n)]
+
+
+@pytest.mark.parametrize("schedule_cls,ranks,chunks", [
+    (ept.ScheduleGPipe, 2, 1), (ept.Schedule1F1B, 3, 1), (ept.ScheduleZBH1, 3, 1),
+    (ept.ScheduleInterleaved1F1B, 2, 2), (ept.ScheduleZBV, 2, 2)])
+def test_step_equals_one_process(schedule_cls, ranks, chunks):
+    ref, ref_losses = one_process(make_model())
+    got, losses, ev, parts = pipelined(schedule_cls, ranks, chunks)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    with torch.no_grad():
+        model = torch.nn.Sequential(*parts)
+        want = torch.cat([model(xm) for xm in torch.tensor_split(batches()[0][0], MB)])
+        torch.testing.assert_close(ev, want, rtol=1e-6, atol=1e-7)
+
+
+def test_split_sequential():
+    model = make_model()  # 9 modules: Linear, Tanh, ... Linear
+    assert [len(p) for p in ept.split_sequential(model, 3, by="index")] == [3, 3, 3]
+    assert [len(p) for p in ept.split_sequential(model, 2, boundaries=[4])] == [4, 5]
+    big = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 2),
+                              torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    # by parameters: the big layer alone, the three small ones together
+    assert [len(p) for p in ept.split_sequential(big, 2)] == [1, 3]
+    with pytest.raises(ValueError, match="at least one"):
+        ept.split_sequential(model, 10)
+    with pytest.raises(ValueError, match="increasing"):
+        ept.split_sequential(model, 3, boundaries=[5, 2])
+    with pytest.raises(ValueError, match="by="):
+        ept.split_sequential(model, 2, by="time")
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="out of range"):
+        ept.PipelineStage(torch.nn.Linear(2, 2), 3, 3)
+    with pytest.raises(TypeError, match="nn.Module"):
+        ept.PipelineStage(lambda x: x, 0, 1)
+    comms = epipe.Comm.inproc(1)
+    try:
+        st = ept.PipelineStage(torch.nn.Linear(2, 2), 0, 1, comm=comms[0])
+        # interleaved with one chunk on one rank is the library's to refuse
+        with ept.Schedule1F1B(st, 2, loss_fn=mse) as s:
+            with pytest.raises(ValueError, match="loss_fn and target"):
+                s.step(torch.zeros(4, 2))
+            with pytest.raises(ValueError, match="cannot be cut"):
+                s.step(torch.zeros(1, 2), target=torch.zeros(1, 2))
+        wrong = ept.PipelineStage(torch.nn.Linear(2, 2), 0, 2, comm=comms[0])
+        with pytest.raises(ValueError, match="pipeline stages"):
+            ept.Schedule1F1B(wrong, 2, loss_fn=mse)
+    finally:
+        comms[0].close()
