@@ -37,12 +37,13 @@ int epipe_tensor_inspect_on(const DLTensor *t, const char *what, char *handle_ms
 {
     if (!t)
         return epipe_fail_into(handle_msg, EPIPE_EINVAL, "%s is NULL", what);
-    if (cuda_ok && (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged))
-        ; /* the codec core's CUDA path: the CUDA module checks the rest */
-    else if (t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged)
+    int cuda = t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged;
+    /* cuda_ok: the codec core's CUDA path, where the CUDA module checks
+     * the memory itself */
+    if (cuda && !cuda_ok)
         return epipe_fail_into(handle_msg, EPIPE_ENOTSUP,
                                "%s is a CUDA tensor, and this build has no CUDA backend", what);
-    if (t->device.device_type != kDLCPU && t->device.device_type != kDLCUDAHost)
+    if (!cuda && t->device.device_type != kDLCPU && t->device.device_type != kDLCUDAHost)
         return epipe_fail_into(handle_msg, EPIPE_EINVAL,
                                "%s is on device type %d; only CPU tensors are supported", what,
                                (int)t->device.device_type);

@@ -454,6 +454,37 @@ static void backend_follows_the_device(void **state)
     unsetenv("EPIPE_CUDA_MODULE");
 }
 
+/* The tensor check the CUDA path uses: a CUDA tensor passes it when the
+ * caller says CUDA is handled (its shape and dtype checked as a CPU
+ * tensor's), and is refused as unsupported when not. The first GPU run
+ * found every CUDA tensor refused here, which no CPU test had looked at. */
+static void inspect_lets_cuda_through_when_asked(void **state)
+{
+    (void)state;
+    float x[6];
+    int64_t s;
+    DLTensor t = test_view_f32(x, &s, 6);
+    char msg[256] = "";
+    uint64_t n = 0;
+    enum epipe_dtype dt;
+    t.device.device_type = kDLCUDA;
+    assert_int_equal(epipe_tensor_inspect_on(&t, "src", msg, &n, &dt, 1), EPIPE_OK);
+    assert_int_equal(n, 6);
+    assert_int_equal(dt, EPIPE_DTYPE_F32);
+    t.device.device_type = kDLCUDAManaged;
+    assert_int_equal(epipe_tensor_inspect_on(&t, "src", msg, &n, &dt, 1), EPIPE_OK);
+    assert_int_equal(epipe_tensor_inspect_on(&t, "src", msg, &n, &dt, 0), EPIPE_ENOTSUP);
+    assert_non_null(strstr(msg, "src is a CUDA tensor"));
+    t.device.device_type = kDLCUDA;
+    t.dtype.bits = 64; /* the CPU's checks still apply */
+    assert_int_equal(epipe_tensor_inspect_on(&t, "src", msg, &n, &dt, 1), EPIPE_EINVAL);
+    assert_non_null(strstr(msg, "64 bits"));
+    t.dtype.bits = 32;
+    t.device.device_type = kDLOpenCL; /* another device stays refused */
+    assert_int_equal(epipe_tensor_inspect_on(&t, "src", msg, &n, &dt, 1), EPIPE_EINVAL);
+    assert_non_null(strstr(msg, "device type 4"));
+}
+
 /* The chain is a codec in the registry: its id names it in messages, but
  * a spec names it only by its syntax, "a|b". */
 static void chain_is_a_registered_codec(void **state)
@@ -517,6 +548,7 @@ int main(void)
         cmocka_unit_test(cast_saturates_out_of_range),
         cmocka_unit_test(getters_and_bounds),
         cmocka_unit_test(backend_follows_the_device),
+        cmocka_unit_test(inspect_lets_cuda_through_when_asked),
         cmocka_unit_test(chain_is_a_registered_codec),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,0 +1,43 @@
+#!/bin/sh
+# The GPU checks in one call, for a machine with a CUDA device: the gpu
+# suite's program (byte identity with the CPU, hostile payloads, mix-ups),
+# the codec benchmark against a device-to-device copy, the PyTorch
+# prototype-style sort quantization, and compute-sanitizer's memcheck and
+# racecheck over the kernels. Each step has its own time limit, so one that
+# hangs costs its limit and not the rest; each writes its log to OUTDIR.
+#
+# usage: scripts/device/gpu-check.sh BUILD OUTDIR
+#   BUILD holds lib/libepipe.so.0, cuda/libepipe-cuda.so,
+#   cuda/epipe-bench-cuda and tests/gpu/test_gpu_codecs (a meson build
+#   folder, or the same files copied: the device machine needs no meson).
+set -u
+export PATH="$PATH:/usr/local/cuda/bin"
+B=$(cd "$1" && pwd)
+O=$2
+mkdir -p "$O"
+export LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export EPIPE_CUDA_MODULE="$B/cuda/libepipe-cuda.so"
+step() { # step NAME SECONDS command...
+    name=$1 limit=$2
+    shift 2
+    t0=$(date +%s)
+    timeout "$limit" "$@" >"$O/$name.log" 2>&1
+    rc=$?
+    echo "== $name: exit $rc in $(($(date +%s) - t0)) s"
+    tail -n 25 "$O/$name.log"
+}
+nvidia-smi -L 2>&1 | head -2
+step gpu-codecs "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_codecs"
+step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" none cast:dtype=fp16 \
+    cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:bits=8,mode=sample sortquant:bits=8 \
+    sortquant:bits=4 sortquant:bits=8,mode=exact
+step bench-prototype "${GPU_CHECK_PROTO_S:-60}" python3 tools/torch/bench_sortquant_prototype.py
+if command -v compute-sanitizer >/dev/null; then
+    export EPIPE_GPU_TEST_QUICK=1
+    for tool in memcheck racecheck; do
+        step "sanitizer-$tool" "${GPU_CHECK_SANITIZER_S:-75}" compute-sanitizer --tool "$tool" \
+            --error-exitcode 1 "$B/tests/gpu/test_gpu_codecs"
+    done
+else
+    echo "== compute-sanitizer: not on PATH"
+fi
