@@ -10,21 +10,22 @@
 
 static void usage(void)
 {
-    fprintf(stderr, "usage: epipe-bench-cuda SPEC [SPEC...] [--n VALUES] [--reps R]\n\n"
+    fprintf(stderr, "usage: epipe-bench-cuda SPEC [SPEC...] [--n VALUES] [--reps R]\n"
+                    "                        [--payload device|host]\n\n"
                     "Times epipe_codec_encode and _decode of a dense fp32 CUDA tensor (default\n"
-                    "12.8M normal values) into and from a pinned host payload, each call\n"
-                    "followed by epipe_codec_synchronize, best of R (default 20), beside a\n"
-                    "cudaMemcpyAsync device-to-device copy of the tensor. Exit 77 without a\n"
-                    "CUDA device.\n");
+                    "12.8M normal values) into and from a payload in device memory (default)\n"
+                    "or pinned host memory, each call followed by epipe_codec_synchronize,\n"
+                    "best of R (default 20), beside a cudaMemcpyAsync device-to-device copy\n"
+                    "of the tensor. Exit 77 without a CUDA device.\n");
 }
 
-#define CK(e)                                                                                     \
-    do {                                                                                          \
-        cudaError_t err_ = (e);                                                                   \
-        if (err_ != cudaSuccess) {                                                                \
-            fprintf(stderr, "CUDA error: %s (line %d)\n", cudaGetErrorString(err_), __LINE__);    \
-            return 1;                                                                             \
-        }                                                                                         \
+#define CK(e)                                                                                      \
+    do {                                                                                           \
+        cudaError_t err_ = (e);                                                                    \
+        if (err_ != cudaSuccess) {                                                                 \
+            fprintf(stderr, "CUDA error: %s (line %d)\n", cudaGetErrorString(err_), __LINE__);     \
+            return 1;                                                                              \
+        }                                                                                          \
     } while (0)
 
 static double best_of(int reps, cudaEvent_t a, cudaEvent_t b, int (*fn)(void *), void *ctx)
@@ -95,13 +96,16 @@ __global__ void fill_normal(float *x, size_t n)
 int main(int argc, char **argv)
 {
     size_t n = 12800000;
-    int reps = 20, nspec = 0;
+    int reps = 20, nspec = 0, host_payload = 0;
     const char *specs[32];
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--n") && i + 1 < argc)
             n = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
             reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--payload") && i + 1 < argc &&
+                 (!strcmp(argv[i + 1], "host") || !strcmp(argv[i + 1], "device")))
+            host_payload = !strcmp(argv[++i], "host");
         else if (argv[i][0] == '-' || nspec == 32)
             return usage(), 2;
         else
@@ -138,14 +142,16 @@ int main(int argc, char **argv)
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
     CK(cudaEventCreate(&b));
-    printf("device: %s, %zu fp32 values (%.1f MB), best of %d\n", prop.name, n, n * 4 / 1e6, reps);
+    printf("device: %s, %zu fp32 values (%.1f MB), payload in %s memory, best of %d\n", prop.name,
+           n, n * 4 / 1e6, host_payload ? "pinned host" : "device", reps);
     ctx k = {};
     k.x = &tx;
     k.y = &ty;
     k.n = n;
     k.copy_dst = z;
     double tc = best_of(reps, a, b, run_copy, &k);
-    printf("%-40s %9.3f ms %8.1f GB/s (read+write)\n", "cudaMemcpy D2D", tc * 1e3, 8.0 * n / tc / 1e9);
+    printf("%-40s %9.3f ms %8.1f GB/s (read+write)\n", "cudaMemcpy D2D", tc * 1e3,
+           8.0 * n / tc / 1e9);
     for (int s = 0; s < nspec; s++) {
         if (epipe_codec_create(&k.c, specs[s])) {
             fprintf(stderr, "%s: %s\n", specs[s], epipe_last_error());
@@ -155,7 +161,10 @@ int main(int argc, char **argv)
             fprintf(stderr, "%s: %s\n", specs[s], epipe_codec_last_error(k.c));
             return 1;
         }
-        CK(cudaHostAlloc((void **)&k.payload, k.cap, cudaHostAllocDefault));
+        if (host_payload)
+            CK(cudaHostAlloc((void **)&k.payload, k.cap, cudaHostAllocDefault));
+        else
+            CK(cudaMalloc((void **)&k.payload, k.cap));
         double te = best_of(reps, a, b, run_encode, &k), td = best_of(reps, a, b, run_decode, &k);
         if (isnan(te) || isnan(td))
             return 1;
@@ -163,7 +172,10 @@ int main(int argc, char **argv)
                "%.2f bytes/value\n",
                specs[s], te * 1e3, 4.0 * n / te / 1e9, tc / te, td * 1e3, tc / td,
                (double)k.written / (double)n);
-        cudaFreeHost(k.payload);
+        if (host_payload)
+            cudaFreeHost(k.payload);
+        else
+            cudaFree(k.payload);
         epipe_codec_destroy(k.c);
     }
     return 0;

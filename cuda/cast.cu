@@ -51,11 +51,6 @@ __global__ void cast_decode1(const uint16_t *in, uint64_t b, uint64_t n, int bf1
         y[i] = epipe_hd_cast_decode(bf16, in[i]);
 }
 
-static int aligned16(const void *p)
-{
-    return ((uintptr_t)p & 15u) == 0;
-}
-
 static int cast_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     if (!n)
@@ -63,19 +58,18 @@ static int cast_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     int bf16 = (int)c->p[0] == CAST_BF16, rc;
     cudaStream_t s = epipe_cuda_stream(c);
     void *d;
-    if ((rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->body, n * 2, &d)))
+    if ((rc = epipe_cuda_body_out(c, 0, n * 2, &d)))
         return rc;
-    uint64_t groups = aligned16(x) ? n / 8 : 0; /* the scratch is 256-byte aligned */
+    uint64_t groups = epipe_cuda_aligned16(x) && epipe_cuda_aligned16(d) ? n / 8 : 0;
     if (groups)
         cast_encode8<<<epipe_cuda_blocks(groups, 256), 256, 0, s>>>((const float4 *)x, groups, bf16,
-                                                                     (uint4 *)d);
+                                                                    (uint4 *)d);
     if (groups * 8 < n)
         cast_encode1<<<epipe_cuda_blocks(n - groups * 8, 256), 256, 0, s>>>(x, groups * 8, n, bf16,
-                                                                             (uint16_t *)d);
+                                                                            (uint16_t *)d);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the cast kernel")))
         return rc;
-    return epipe_cuda_check(c, cudaMemcpyAsync(body, d, n * 2, cudaMemcpyDeviceToHost, s),
-                            "copying the body to the host");
+    return epipe_cuda_body_flush(c, body, 0, d, n * 2);
 }
 
 static int cast_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
@@ -84,19 +78,16 @@ static int cast_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
         return EPIPE_OK;
     int bf16 = (int)c->p[0] == CAST_BF16, rc;
     cudaStream_t s = epipe_cuda_stream(c);
-    void *d;
-    if ((rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->body, n * 2, &d)))
+    const void *d;
+    if ((rc = epipe_cuda_body_in(c, body, 0, n * 2, &d)))
         return rc;
-    if ((rc = epipe_cuda_check(c, cudaMemcpyAsync(d, body, n * 2, cudaMemcpyHostToDevice, s),
-                               "copying the body to the device")))
-        return rc;
-    uint64_t groups = aligned16(y) ? n / 8 : 0;
+    uint64_t groups = epipe_cuda_aligned16(y) && epipe_cuda_aligned16(d) ? n / 8 : 0;
     if (groups)
         cast_decode8<<<epipe_cuda_blocks(groups, 256), 256, 0, s>>>((const uint4 *)d, groups, bf16,
-                                                                     (float4 *)y);
+                                                                    (float4 *)y);
     if (groups * 8 < n)
-        cast_decode1<<<epipe_cuda_blocks(n - groups * 8, 256), 256, 0, s>>>(
-            (const uint16_t *)d, groups * 8, n, bf16, y);
+        cast_decode1<<<epipe_cuda_blocks(n - groups * 8, 256), 256, 0, s>>>((const uint16_t *)d,
+                                                                            groups * 8, n, bf16, y);
     return epipe_cuda_check(c, cudaGetLastError(), "launching the cast kernel");
 }
 

@@ -33,6 +33,21 @@ struct epipe_cuda_handle {
     epipe_cuda_buf work[3];    /* per-codec work arrays */
     void *host;                /* per-codec host scratch (malloc) */
     size_t host_cap;
+    /* The call's payload, when it is device memory: the kernels read and
+     * write its body in place (dev_body), and the backends' host reads
+     * and writes (tables, checks) go to `mirror`, a host image of the body
+     * of which only those bytes are ever touched. NULL for host payloads. */
+    uint8_t *dev_body;
+    size_t body_len;
+    uint8_t *mirror;
+    size_t mirror_cap;
+    uint8_t *pinned; /* staging for the bytes copied into the mirror */
+    size_t pinned_cap;
+    /* The device payload whose header and host-read bytes the last peek
+     * put into the mirror (NULL: none). */
+    const uint8_t *peeked;
+    size_t peeked_len;
+    epipe_cuda_status *status_host; /* pinned: where synchronize reads it */
 };
 
 /* The core's helpers, set at init. */
@@ -57,6 +72,20 @@ int epipe_cuda_grow(epipe_codec *c, epipe_cuda_buf *b, size_t bytes, void **p);
 /* At least `bytes` of host scratch in the handle. */
 int epipe_cuda_host(epipe_codec *c, size_t bytes, void **p);
 
+/* The body of the call, as the backends see it: `body` is host memory
+ * (the payload itself, or the mirror of a device payload). The kernels
+ * write body bytes [off, off + bytes) to *d: the device payload in place,
+ * or the handle's scratch, which epipe_cuda_body_flush() then copies into
+ * a host payload. Reads are the same: *d is the device payload in place,
+ * or the scratch the host bytes were copied to. */
+int epipe_cuda_body_out(epipe_codec *c, size_t off, size_t bytes, void **d);
+int epipe_cuda_body_flush(epipe_codec *c, uint8_t *body, size_t off, const void *d, size_t bytes);
+int epipe_cuda_body_in(epipe_codec *c, const uint8_t *body, size_t off, size_t bytes,
+                       const void **d);
+/* Bytes the host wrote into the body ([off, off + bytes)): copied into a
+ * device payload (a host payload holds them already). */
+int epipe_cuda_body_push(epipe_codec *c, const uint8_t *body, size_t off, size_t bytes);
+
 /* Blocks for n items at `threads` per block, capped so that a grid-stride
  * loop covers the rest. */
 static inline unsigned epipe_cuda_blocks(uint64_t n, unsigned threads)
@@ -66,6 +95,108 @@ static inline unsigned epipe_cuda_blocks(uint64_t n, unsigned threads)
         b = 65535u * 4u;
     return b ? (unsigned)b : 1u;
 }
+
+/* ---- device helpers: eight values or eight codes per thread ------------ */
+
+#ifdef __CUDACC__
+#include "../codecs/inline/quant.h"
+
+/* Values g*8 .. g*8+7 of x (zeros past n): two 16-byte loads where x is
+ * aligned (`vec`, checked once per launch) and the group is whole. */
+__device__ static inline void epipe_cuda_load8f(const float *x, uint64_t n, uint64_t g, int vec,
+                                                float v[8])
+{
+    uint64_t j = g * 8;
+    if (vec && j + 8 <= n) {
+        float4 a = ((const float4 *)x)[2 * g], b = ((const float4 *)x)[2 * g + 1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+        v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        return;
+    }
+    for (unsigned i = 0; i < 8; i++)
+        v[i] = j + i < n ? x[j + i] : 0.0f;
+}
+
+__device__ static inline void epipe_cuda_store8f(float *y, uint64_t n, uint64_t g, int vec,
+                                                 const float v[8])
+{
+    uint64_t j = g * 8;
+    if (vec && j + 8 <= n) {
+        ((float4 *)y)[2 * g] = make_float4(v[0], v[1], v[2], v[3]);
+        ((float4 *)y)[2 * g + 1] = make_float4(v[4], v[5], v[6], v[7]);
+        return;
+    }
+    for (unsigned i = 0; i < 8 && j + i < n; i++)
+        y[j + i] = v[i];
+}
+
+/* Group g of w-bit codes (w <= 16) at byte g*w of `codes` (code_bytes
+ * long), as epipe_hd_pack8 lays it out: in 8-, 4- or 2-byte words where w
+ * and the address allow, bytes otherwise and for the last group. */
+__device__ static inline void epipe_cuda_store_codes(const uint32_t c[8], unsigned w, uint64_t g,
+                                                     uint8_t *codes, uint64_t code_bytes)
+{
+    uint64_t lo, hi, at = g * w;
+    epipe_hd_pack8_words(c, w, &lo, &hi);
+    uint8_t *p = codes + at;
+    uintptr_t a = (uintptr_t)p;
+    if (at + w <= code_bytes) {
+        if (w % 8 == 0 && a % 8 == 0) {
+            ((uint64_t *)p)[0] = lo;
+            if (w == 16)
+                ((uint64_t *)p)[1] = hi;
+            return;
+        }
+        if (w % 4 == 0 && a % 4 == 0) {
+            for (unsigned j = 0; j < w / 4; j++)
+                ((uint32_t *)p)[j] = (uint32_t)(j < 2 ? lo >> (32 * j) : hi >> (32 * (j - 2)));
+            return;
+        }
+        if (w % 2 == 0 && a % 2 == 0) {
+            for (unsigned j = 0; j < w / 2; j++)
+                ((uint16_t *)p)[j] = (uint16_t)(j < 4 ? lo >> (16 * j) : hi >> (16 * (j - 4)));
+            return;
+        }
+    }
+    uint64_t m = code_bytes - at < w ? code_bytes - at : w;
+    for (unsigned j = 0; j < m; j++)
+        p[j] = (uint8_t)(j < 8 ? lo >> (8 * j) : hi >> (8 * (j - 8)));
+}
+
+__device__ static inline void epipe_cuda_load_codes(const uint8_t *codes, uint64_t code_bytes,
+                                                    unsigned w, uint64_t g, uint32_t c[8])
+{
+    uint64_t lo = 0, hi = 0, at = g * w;
+    const uint8_t *p = codes + at;
+    uintptr_t a = (uintptr_t)p;
+    if (at + w <= code_bytes && w % 8 == 0 && a % 8 == 0) {
+        lo = ((const uint64_t *)p)[0];
+        hi = w == 16 ? ((const uint64_t *)p)[1] : 0;
+    } else if (at + w <= code_bytes && w % 4 == 0 && a % 4 == 0) {
+        for (unsigned j = 0; j < w / 4; j++) {
+            uint64_t v = ((const uint32_t *)p)[j];
+            if (j < 2)
+                lo |= v << (32 * j);
+            else
+                hi |= v << (32 * (j - 2));
+        }
+    } else {
+        uint64_t m = code_bytes - at < w ? code_bytes - at : w;
+        for (unsigned j = 0; j < m; j++) {
+            if (j < 8)
+                lo |= (uint64_t)p[j] << (8 * j);
+            else
+                hi |= (uint64_t)p[j] << (8 * (j - 8));
+        }
+    }
+    epipe_hd_unpack8_words(lo, hi, w, c);
+}
+
+static inline int epipe_cuda_aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15u) == 0;
+}
+#endif
 
 /* The backends, by codec. */
 extern const epipe_codec_backend epipe_cuda_none;

@@ -7,6 +7,9 @@
 
 #include "../codecs/inline/half.h"
 #include "cuda_impl.h"
+extern "C" {
+#include "../lib/codec/payload.h"
+}
 
 const epipe_cuda_core *epipe_cuda_core_fns;
 
@@ -92,13 +95,14 @@ static int cuda_check(epipe_codec *c, const DLTensor *t, const char *what, int *
     size_t esize = t->dtype.bits / 8;
     uintptr_t p = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
     if (p % esize)
-        return epipe_cuda_fail(c, EPIPE_EINVAL,
-                               "%s: %s's data (offset %llu) is not aligned to its %zu-byte elements",
-                               name, what, (unsigned long long)t->byte_offset, esize);
+        return epipe_cuda_fail(
+            c, EPIPE_EINVAL, "%s: %s's data (offset %llu) is not aligned to its %zu-byte elements",
+            name, what, (unsigned long long)t->byte_offset, esize);
     if (t->device.device_type == kDLCUDA) {
         cudaPointerAttributes a;
         cudaError_t e = cudaPointerGetAttributes(&a, (const void *)p);
-        if (e != cudaSuccess || (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
+        if (e != cudaSuccess ||
+            (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
             cudaGetLastError(); /* not sticky: clear it */
             return epipe_cuda_fail(c, EPIPE_EINVAL,
                                    "%s: %s says kDLCUDA, but its data %p is not CUDA device memory",
@@ -125,12 +129,16 @@ static int handle_state(epipe_codec *c, int device, epipe_cuda_handle **out)
             return epipe_cuda_fail(c, EPIPE_ENOMEM, "%s: out of memory", c->ops->name);
         h->device = device;
         cudaError_t e = cudaMalloc((void **)&h->status, sizeof *h->status);
+        if (e == cudaSuccess)
+            e = cudaHostAlloc((void **)&h->status_host, sizeof *h->status, cudaHostAllocDefault);
         /* On the handle's stream: a non-blocking stream does not wait for
          * work on the legacy default stream. */
         if (e == cudaSuccess)
             e = cudaMemsetAsync(h->status, 0xff, sizeof *h->status, epipe_cuda_stream(c));
         if (e != cudaSuccess) {
             cudaFree(h->status);
+            if (h->status_host)
+                cudaFreeHost(h->status_host);
             free(h);
             return epipe_cuda_check(c, e, "allocating the status word");
         }
@@ -172,6 +180,193 @@ int epipe_cuda_host(epipe_codec *c, size_t bytes, void **p)
     return EPIPE_OK;
 }
 
+/* ---- the body: host payload, or device payload and its host mirror -------- */
+
+int epipe_cuda_body_out(epipe_codec *c, size_t off, size_t bytes, void **d)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (h->dev_body) {
+        *d = h->dev_body + off;
+        return EPIPE_OK;
+    }
+    return epipe_cuda_grow(c, &h->body, bytes, d);
+}
+
+int epipe_cuda_body_flush(epipe_codec *c, uint8_t *body, size_t off, const void *d, size_t bytes)
+{
+    if (epipe_cuda_h(c)->dev_body || !bytes)
+        return EPIPE_OK; /* written in place */
+    return epipe_cuda_check(
+        c, cudaMemcpyAsync(body + off, d, bytes, cudaMemcpyDeviceToHost, epipe_cuda_stream(c)),
+        "copying the body to the host");
+}
+
+int epipe_cuda_body_in(epipe_codec *c, const uint8_t *body, size_t off, size_t bytes,
+                       const void **d)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (h->dev_body) {
+        *d = h->dev_body + off;
+        return EPIPE_OK;
+    }
+    void *p = NULL;
+    int rc = epipe_cuda_grow(c, &h->body, bytes, &p);
+    if (rc || !bytes)
+        return *d = p, rc;
+    *d = p;
+    return epipe_cuda_check(
+        c, cudaMemcpyAsync(p, body + off, bytes, cudaMemcpyHostToDevice, epipe_cuda_stream(c)),
+        "copying the body to the device");
+}
+
+int epipe_cuda_body_push(epipe_codec *c, const uint8_t *body, size_t off, size_t bytes)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (!h->dev_body || !bytes)
+        return EPIPE_OK;
+    /* From pageable memory: the copy has read the mirror when it returns. */
+    return epipe_cuda_check(c,
+                            cudaMemcpyAsync(h->dev_body + off, body + off, bytes,
+                                            cudaMemcpyHostToDevice, epipe_cuda_stream(c)),
+                            "copying the host's part of the body to the device");
+}
+
+/* A host image of a body of `len` bytes. Plain malloc, never cleared: the
+ * pages the backends do not touch are never made resident. */
+static int mirror_get(epipe_codec *c, size_t len, uint8_t **out)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (h->mirror_cap < len || !h->mirror) {
+        free(h->mirror);
+        h->mirror_cap = 0;
+        if (!(h->mirror = (uint8_t *)malloc(len ? len : 1)))
+            return epipe_cuda_fail(c, EPIPE_ENOMEM, "%s: out of host memory", c->ops->name);
+        h->mirror_cap = len;
+    }
+    *out = h->mirror;
+    return EPIPE_OK;
+}
+
+static int pinned_get(epipe_codec *c, size_t bytes, uint8_t **out)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (h->pinned_cap < bytes) {
+        if (h->pinned)
+            cudaFreeHost(h->pinned);
+        h->pinned = NULL;
+        h->pinned_cap = 0;
+        int rc = epipe_cuda_check(c,
+                                  cudaHostAlloc((void **)&h->pinned, bytes, cudaHostAllocDefault),
+                                  "allocating pinned staging");
+        if (rc)
+            return rc;
+        h->pinned_cap = bytes;
+    }
+    *out = h->pinned;
+    return EPIPE_OK;
+}
+
+/* The bytes of a body that the host reads while decoding: everything but
+ * the codes (the tables, a fit word), and the end from the last code byte
+ * on (its padding bits, the padding after the codes). `none` and `cast`
+ * read nothing. */
+static void host_read_span(const epipe_codec *c, uint64_t n, size_t len, size_t *head, size_t *tail)
+{
+    *head = *tail = 0;
+    unsigned bits = 0;
+    if (c->ops->id == EPIPE_CODEC_ID_QUANT || c->ops->id == EPIPE_CODEC_ID_SORTQUANT)
+        bits = (unsigned)c->p[0]; /* bits is the first parameter of both */
+    if (!bits)
+        return;
+    uint64_t cb = (n * bits + 7) / 8;
+    size_t meta = cb <= len ? len - (size_t)cb : len;
+    *head = meta;
+    *tail = meta + 1 < len ? meta + 1 : len;
+}
+
+static int locate(const void *p, int *device)
+{
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError(); /* not sticky: clear it */
+        return 0;
+    }
+    if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) {
+        *device = a.device;
+        return 1;
+    }
+    return 0;
+}
+
+/* The header and the body's host-read spans of a device payload into
+ * pinned staging in one wait; the spans go on to the mirror. */
+static int fetch_host_bytes(epipe_codec *c, const uint8_t *payload, size_t len, uint64_t n,
+                            void *hdr)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    cudaStream_t s = epipe_cuda_stream(c);
+    size_t blen = len - EPIPE_PAYLOAD_HEADER, head, tail;
+    host_read_span(c, n, blen, &head, &tail);
+    const size_t H = EPIPE_PAYLOAD_HEADER;
+    uint8_t *m = NULL, *pin = NULL;
+    int rc;
+    if ((rc = mirror_get(c, blen, &m)) || (rc = pinned_get(c, H + head + tail, &pin)))
+        return rc;
+    const uint8_t *body = payload + H;
+    if ((rc = epipe_cuda_check(c,
+                               cudaMemcpyAsync(pin, payload, H + head, cudaMemcpyDeviceToHost, s),
+                               "reading the payload's header and tables")) ||
+        (tail && (rc = epipe_cuda_check(c,
+                                        cudaMemcpyAsync(pin + H + head, body + blen - tail, tail,
+                                                        cudaMemcpyDeviceToHost, s),
+                                        "reading the payload's end"))) ||
+        (rc = epipe_cuda_check(c, cudaStreamSynchronize(s), "reading the payload's header")))
+        return rc;
+    memcpy(hdr, pin, H);
+    memcpy(m, pin + H, head);
+    memcpy(m + blen - tail, pin + H + head, tail);
+    h->peeked = payload;
+    h->peeked_len = len;
+    return EPIPE_OK;
+}
+
+static int cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr)
+{
+    int dev = -1;
+    locate(payload, &dev);
+    if (dev < 0)
+        return epipe_cuda_fail(c, EPIPE_EINVAL, "%s: the payload is not CUDA memory", c->ops->name);
+    int prev = -1;
+    cudaGetDevice(&prev);
+    epipe_cuda_handle *h = NULL;
+    int rc = handle_state(c, dev, &h);
+    if (rc == EPIPE_OK)
+        rc = fetch_host_bytes(c, (const uint8_t *)payload, len, n, hdr);
+    if (prev >= 0)
+        cudaSetDevice(prev);
+    return rc;
+}
+
+/* Points the handle at the call's payload: device memory on the tensor's
+ * device, or host memory. */
+static int payload_bind(epipe_codec *c, const DLTensor *t, const uint8_t *payload, size_t len,
+                        int *on_device)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    int dev = -1;
+    *on_device = locate(payload, &dev);
+    h->dev_body = NULL;
+    h->body_len = len - EPIPE_PAYLOAD_HEADER;
+    if (!*on_device)
+        return EPIPE_OK;
+    if (dev != t->device.device_id)
+        return epipe_cuda_fail(c, EPIPE_EINVAL,
+                               "%s: the payload is on CUDA device %d, the tensor on device %d",
+                               c->ops->name, dev, (int)t->device.device_id);
+    h->dev_body = (uint8_t *)payload + EPIPE_PAYLOAD_HEADER;
+    return EPIPE_OK;
+}
+
 /* ---- staging ------------------------------------------------------------- */
 
 __global__ void stage_in_kernel(const uint16_t *in, uint64_t n, int bf16, float *out)
@@ -195,19 +390,31 @@ static void *tensor_ptr(const DLTensor *t)
     return (char *)t->data + t->byte_offset;
 }
 
-static int encode_on(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src,
-                     uint64_t n, enum epipe_dtype dt, uint8_t *body)
+static int encode_on(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src, uint64_t n,
+                     enum epipe_dtype dt, uint8_t *payload, const uint8_t *hdr, size_t len)
 {
     epipe_cuda_handle *h = NULL;
-    int rc = handle_state(c, src->device.device_id, &h);
-    if (rc)
+    int on_device, rc = handle_state(c, src->device.device_id, &h);
+    if (rc || (rc = payload_bind(c, src, payload, len, &on_device)))
         return rc;
+    cudaStream_t s = epipe_cuda_stream(c);
+    uint8_t *body = payload + EPIPE_PAYLOAD_HEADER;
+    if (on_device) {
+        /* From pageable memory: hdr has been read when the copy returns. */
+        if ((rc = epipe_cuda_check(
+                 c, cudaMemcpyAsync(payload, hdr, EPIPE_PAYLOAD_HEADER, cudaMemcpyHostToDevice, s),
+                 "writing the payload header")) ||
+            (rc = mirror_get(c, len - EPIPE_PAYLOAD_HEADER, &body)))
+            return rc;
+    } else {
+        memcpy(payload, hdr, EPIPE_PAYLOAD_HEADER);
+    }
     const float *x = (const float *)tensor_ptr(src);
     if (dt != EPIPE_DTYPE_F32 && n) {
         void *p;
         if ((rc = epipe_cuda_grow(c, &h->stage, n * sizeof(float), &p)))
             return rc;
-        stage_in_kernel<<<epipe_cuda_blocks(n, 256), 256, 0, epipe_cuda_stream(c)>>>(
+        stage_in_kernel<<<epipe_cuda_blocks(n, 256), 256, 0, s>>>(
             (const uint16_t *)x, n, dt == EPIPE_DTYPE_BF16, (float *)p);
         if ((rc = epipe_cuda_check(c, cudaGetLastError(), "staging the input")))
             return rc;
@@ -216,13 +423,24 @@ static int encode_on(epipe_codec *c, const epipe_codec_backend *be, const DLTens
     return be->encode(c, x, (size_t)n, body);
 }
 
-static int decode_on(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *body,
-                     uint64_t n, DLTensor *dst, enum epipe_dtype dt)
+static int decode_on(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload,
+                     size_t len, uint64_t n, DLTensor *dst, enum epipe_dtype dt)
 {
     epipe_cuda_handle *h = NULL;
-    int rc = handle_state(c, dst->device.device_id, &h);
-    if (rc)
+    int on_device, rc = handle_state(c, dst->device.device_id, &h);
+    if (rc || (rc = payload_bind(c, dst, payload, len, &on_device)))
         return rc;
+    cudaStream_t s = epipe_cuda_stream(c);
+    const uint8_t *body = payload + EPIPE_PAYLOAD_HEADER;
+    if (on_device) {
+        /* What the host checks: in the mirror since the core's peek. */
+        uint8_t hdr[EPIPE_PAYLOAD_HEADER];
+        if ((h->peeked != payload || h->peeked_len != len) &&
+            (rc = fetch_host_bytes(c, payload, len, n, hdr)))
+            return rc;
+        h->peeked = NULL;
+        body = h->mirror;
+    }
     float *y = (float *)tensor_ptr(dst);
     if (dt != EPIPE_DTYPE_F32 && n) {
         void *p;
@@ -233,8 +451,8 @@ static int decode_on(epipe_codec *c, const epipe_codec_backend *be, const uint8_
     if ((rc = be->decode(c, body, (size_t)n, y)))
         return rc;
     if (dt != EPIPE_DTYPE_F32 && n) {
-        stage_out_kernel<<<epipe_cuda_blocks(n, 256), 256, 0, epipe_cuda_stream(c)>>>(
-            y, n, dt == EPIPE_DTYPE_BF16, (uint16_t *)tensor_ptr(dst));
+        stage_out_kernel<<<epipe_cuda_blocks(n, 256), 256, 0, s>>>(y, n, dt == EPIPE_DTYPE_BF16,
+                                                                   (uint16_t *)tensor_ptr(dst));
         return epipe_cuda_check(c, cudaGetLastError(), "converting the output");
     }
     return EPIPE_OK;
@@ -243,22 +461,27 @@ static int decode_on(epipe_codec *c, const epipe_codec_backend *be, const uint8_
 /* The calls select the tensor's device and give the caller's thread its
  * current device back, as a library should. */
 static int cuda_encode(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src,
-                       uint64_t n, enum epipe_dtype dt, uint8_t *body)
+                       uint64_t n, enum epipe_dtype dt, uint8_t *payload, const uint8_t *hdr,
+                       size_t len)
 {
     int prev = -1;
     cudaGetDevice(&prev);
-    int rc = encode_on(c, be, src, n, dt, body);
+    int rc = encode_on(c, be, src, n, dt, payload, hdr, len);
+    if (c->cuda)
+        epipe_cuda_h(c)->dev_body = NULL;
     if (prev >= 0)
         cudaSetDevice(prev);
     return rc;
 }
 
-static int cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *body,
-                       uint64_t n, DLTensor *dst, enum epipe_dtype dt)
+static int cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload,
+                       size_t len, uint64_t n, DLTensor *dst, enum epipe_dtype dt)
 {
     int prev = -1;
     cudaGetDevice(&prev);
-    int rc = decode_on(c, be, body, n, dst, dt);
+    int rc = decode_on(c, be, payload, len, n, dst, dt);
+    if (c->cuda)
+        epipe_cuda_h(c)->dev_body = NULL;
     if (prev >= 0)
         cudaSetDevice(prev);
     return rc;
@@ -274,21 +497,22 @@ static int cuda_synchronize(epipe_codec *c)
     int rc = epipe_cuda_check(c, cudaSetDevice(h->device), "selecting the handle's device");
     if (rc)
         return rc;
-    if ((rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
+    /* The status word rides on the stream: one wait for both. */
+    if ((rc = epipe_cuda_check(c,
+                               cudaMemcpyAsync(h->status_host, h->status, sizeof *h->status,
+                                               cudaMemcpyDeviceToHost, epipe_cuda_stream(c)),
+                               "reading the status word")) ||
+        (rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
                                "waiting for the handle's stream")))
         return rc;
-    epipe_cuda_status st;
-    if ((rc = epipe_cuda_check(c, cudaMemcpy(&st, h->status, sizeof st, cudaMemcpyDeviceToHost),
-                               "reading the status word")))
-        return rc;
+    epipe_cuda_status st = *h->status_host;
     unsigned long long first = st.nan < st.pinf ? st.nan : st.pinf;
     first = st.ninf < first ? st.ninf : first;
     if (first == ~0ull)
         return EPIPE_OK;
-    if ((rc = epipe_cuda_check(c,
-                               cudaMemsetAsync(h->status, 0xff, sizeof *h->status,
-                                               epipe_cuda_stream(c)),
-                               "clearing the status word")))
+    if ((rc = epipe_cuda_check(
+             c, cudaMemsetAsync(h->status, 0xff, sizeof *h->status, epipe_cuda_stream(c)),
+             "clearing the status word")))
         return rc;
     return epipe_cuda_fail(c, EPIPE_EINVAL,
                            "%s: input value at index %llu is %s; quantizers need finite values",
@@ -312,13 +536,17 @@ static void cuda_release(epipe_codec *c)
     for (int i = 0; i < 3; i++)
         cudaFree(h->work[i].p);
     free(h->host);
+    free(h->mirror);
+    if (h->pinned)
+        cudaFreeHost(h->pinned);
+    cudaFreeHost(h->status_host);
     free(h);
     c->cuda = NULL;
 }
 
 static const epipe_cuda_module module = {
-    EPIPE_CUDA_ABI, cuda_probe,  cuda_backend,      cuda_check,
-    cuda_encode,    cuda_decode, cuda_synchronize, cuda_release,
+    EPIPE_CUDA_ABI, cuda_probe,  cuda_backend, cuda_check,       locate,
+    cuda_peek,      cuda_encode, cuda_decode,  cuda_synchronize, cuda_release,
 };
 
 extern "C" __attribute__((visibility("default"))) int

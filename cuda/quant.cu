@@ -3,7 +3,6 @@
  * byte-identical to the CPU by construction (codecs/inline/quant.h). */
 #include <stdio.h>
 
-#include "../codecs/inline/quant.h"
 #include "cuda_impl.h"
 
 /* Order-preserving keys of finite floats, for atomicMin/atomicMax. */
@@ -99,41 +98,41 @@ __global__ void q_finalize(q_dev *t, float levels, uint8_t *body)
 }
 
 /* One thread per 8 codes: level, pack, w bytes out (fewer for the last). */
-__global__ void q_code_pack(const float *x, uint64_t n, const q_dev *t, float levels, unsigned w,
-                            uint8_t *codes, uint64_t code_bytes)
+__global__ void q_code_pack(const float *x, uint64_t n, int vec, const q_dev *t, float levels,
+                            unsigned w, uint8_t *codes, uint64_t code_bytes)
 {
     float min = t->min, inv = t->inv;
     uint64_t groups = (n + 7) / 8;
     for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
          g += (uint64_t)gridDim.x * blockDim.x) {
+        float v[8];
         uint32_t c[8];
-        for (unsigned i = 0; i < 8; i++) {
-            uint64_t j = g * 8 + i;
-            c[i] = j < n ? epipe_hd_q_level(x[j], min, inv, levels) : 0u;
-        }
-        uint8_t b[16];
-        epipe_hd_pack8(c, w, b);
-        uint64_t at = g * w, m = code_bytes - at < w ? code_bytes - at : w;
-        for (unsigned k = 0; k < m; k++)
-            codes[at + k] = b[k];
+        epipe_cuda_load8f(x, n, g, vec, v);
+        for (unsigned i = 0; i < 8; i++)
+            c[i] = g * 8 + i < n ? epipe_hd_q_level(v[i], min, inv, levels) : 0u;
+        epipe_cuda_store_codes(c, w, g, codes, code_bytes);
     }
 }
 
 __global__ void q_decode(const uint8_t *codes, uint64_t n, float min, float step, unsigned w,
-                         float *y)
+                         int vec, float *y)
 {
     uint64_t groups = (n + 7) / 8, bytes = (n * w + 7) / 8;
     for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
          g += (uint64_t)gridDim.x * blockDim.x) {
-        uint8_t b[16] = {0};
-        uint64_t at = g * w, m = bytes - at < w ? bytes - at : w;
-        for (unsigned k = 0; k < m; k++)
-            b[k] = codes[at + k];
         uint32_t c[8];
-        epipe_hd_unpack8(b, w, c);
-        for (unsigned i = 0; i < 8 && g * 8 + i < n; i++)
-            y[g * 8 + i] = epipe_hd_q_value(min, step, c[i]);
+        float v[8];
+        epipe_cuda_load_codes(codes, bytes, w, g, c);
+        for (unsigned i = 0; i < 8; i++)
+            v[i] = epipe_hd_q_value(min, step, c[i]);
+        epipe_cuda_store8f(y, n, g, vec, v);
     }
+}
+
+__global__ void q_init(q_dev *t)
+{
+    t->lo = 0xffffffffu;
+    t->hi = 0;
 }
 
 static uint64_t code_bytes(uint64_t n, unsigned w)
@@ -150,23 +149,19 @@ static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     uint64_t cb = code_bytes(n, w);
     void *d, *tw;
     int rc;
-    if ((rc = epipe_cuda_grow(c, &h->body, 8 + cb, &d)) ||
+    if ((rc = epipe_cuda_body_out(c, 0, 8 + cb, &d)) ||
         (rc = epipe_cuda_grow(c, &h->work[0], sizeof(q_dev), &tw)))
         return rc;
-    q_dev init = {0xffffffffu, 0, 0, 0, 0};
-    if ((rc = epipe_cuda_check(c, cudaMemcpyAsync(tw, &init, sizeof init, cudaMemcpyHostToDevice, s),
-                               "initialising the extent")))
-        return rc;
+    q_init<<<1, 1, 0, s>>>((q_dev *)tw);
     if (n)
         q_extent<<<epipe_cuda_blocks(n, 256 * 8), 256, 0, s>>>(x, n, (q_dev *)tw, h->status);
     q_finalize<<<1, 1, 0, s>>>((q_dev *)tw, levels, (uint8_t *)d);
     if (n)
         q_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, 0, s>>>(
-            x, n, (const q_dev *)tw, levels, w, (uint8_t *)d + 8, cb);
+            x, n, epipe_cuda_aligned16(x), (const q_dev *)tw, levels, w, (uint8_t *)d + 8, cb);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the quant kernels")))
         return rc;
-    return epipe_cuda_check(c, cudaMemcpyAsync(body, d, 8 + cb, cudaMemcpyDeviceToHost, s),
-                            "copying the body to the host");
+    return epipe_cuda_body_flush(c, body, 0, d, 8 + cb);
 }
 
 static float get_f32(const uint8_t *p)
@@ -199,20 +194,17 @@ static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     uint64_t cb = code_bytes(n, w);
     unsigned used = (unsigned)(n * w % 8);
     if (used && (body[8 + cb - 1] >> used))
-        return epipe_cuda_fail(c, EPIPE_EPROTO,
-                               "%s: padding bits after the last code are not zero", name);
+        return epipe_cuda_fail(c, EPIPE_EPROTO, "%s: padding bits after the last code are not zero",
+                               name);
     if (!n)
         return EPIPE_OK;
     cudaStream_t s = epipe_cuda_stream(c);
-    void *d;
+    const void *d;
     int rc;
-    if ((rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->body, cb, &d)))
-        return rc;
-    if ((rc = epipe_cuda_check(c, cudaMemcpyAsync(d, body + 8, cb, cudaMemcpyHostToDevice, s),
-                               "copying the body to the device")))
+    if ((rc = epipe_cuda_body_in(c, body, 8, cb, &d)))
         return rc;
     q_decode<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, 0, s>>>((const uint8_t *)d, n, min, step,
-                                                                  w, y);
+                                                                 w, epipe_cuda_aligned16(y), y);
     return epipe_cuda_check(c, cudaGetLastError(), "launching the quant decode kernel");
 }
 

@@ -41,7 +41,7 @@ struct sq_tab {
 __global__ void sq_bounds(const float *sorted, uint64_t m, unsigned k, sq_tab t)
 {
     for (unsigned j = threadIdx.x; j <= k; j += blockDim.x) {
-        t.bnd[j] = j == 0 ? -INFINITY
+        t.bnd[j] = j == 0              ? -INFINITY
                    : j == k || !sorted ? INFINITY
                                        : sorted[epipe_hd_sq_rank(j, m, k)];
         if (j < k) {
@@ -108,18 +108,9 @@ __global__ void sq_table(unsigned k, float levels, sq_tab t, uint8_t *body)
 
 /* The 8 codes of group g, packed to w bits each, at their place (the last
  * group only as far as code_bytes). */
-__device__ static void sq_store8(const uint32_t c[8], unsigned w, uint64_t g, uint8_t *codes,
-                                 uint64_t code_bytes)
-{
-    uint8_t b[16];
-    epipe_hd_pack8(c, w, b);
-    uint64_t at = g * w, m = code_bytes - at < w ? code_bytes - at : w;
-    for (unsigned i = 0; i < m; i++)
-        codes[at + i] = b[i];
-}
-
-__global__ void sq_code_pack(const float *x, uint64_t n, unsigned k, unsigned q, float levels,
-                             unsigned w, sq_tab t, uint8_t *codes, uint64_t code_bytes)
+__global__ void sq_code_pack(const float *x, uint64_t n, int vec, unsigned k, unsigned q,
+                             float levels, unsigned w, sq_tab t, uint8_t *codes,
+                             uint64_t code_bytes)
 {
     extern __shared__ float tab[]; /* bnd [k+1], min [k], inv [k] */
     float *bnd = tab, *mn = tab + k + 1, *iv = mn + k;
@@ -134,23 +125,23 @@ __global__ void sq_code_pack(const float *x, uint64_t n, unsigned k, unsigned q,
     uint64_t groups = (n + 7) / 8;
     for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
          g += (uint64_t)gridDim.x * blockDim.x) {
+        float v[8];
         uint32_t c[8];
+        epipe_cuda_load8f(x, n, g, vec, v);
         for (unsigned i = 0; i < 8; i++) {
-            uint64_t j = g * 8 + i;
-            if (j < n) {
-                float v = x[j];
-                unsigned ch = epipe_hd_q_chunk(bnd, k, v);
-                c[i] = ch << q | epipe_hd_q_level(v, mn[ch], iv[ch], levels);
+            if (g * 8 + i < n) {
+                unsigned ch = epipe_hd_q_chunk(bnd, k, v[i]);
+                c[i] = ch << q | epipe_hd_q_level(v[i], mn[ch], iv[ch], levels);
             } else {
                 c[i] = 0;
             }
         }
-        sq_store8(c, w, g, codes, code_bytes);
+        epipe_cuda_store_codes(c, w, g, codes, code_bytes);
     }
 }
 
 __global__ void sq_decode(const uint8_t *codes, uint64_t n, unsigned k, unsigned q, unsigned w,
-                          const uint8_t *table, float *y)
+                          const uint8_t *table, int vec, float *y)
 {
     extern __shared__ float tab[]; /* min [k], step [k] */
     for (unsigned j = threadIdx.x; j < k; j += blockDim.x) {
@@ -163,16 +154,14 @@ __global__ void sq_decode(const uint8_t *codes, uint64_t n, unsigned k, unsigned
     uint32_t mask = (1u << q) - 1u;
     for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
          g += (uint64_t)gridDim.x * blockDim.x) {
-        uint8_t b[16] = {0};
-        uint64_t at = g * w, m = bytes - at < w ? bytes - at : w;
-        for (unsigned i = 0; i < m; i++)
-            b[i] = codes[at + i];
         uint32_t c[8];
-        epipe_hd_unpack8(b, w, c);
-        for (unsigned i = 0; i < 8 && g * 8 + i < n; i++) {
-            unsigned ch = c[i] >> q;
-            y[g * 8 + i] = epipe_hd_q_value(tab[ch], tab[k + ch], c[i] & mask);
+        float v[8];
+        epipe_cuda_load_codes(codes, bytes, w, g, c);
+        for (unsigned i = 0; i < 8; i++) {
+            unsigned ch = c[i] >> q; /* < k: a code has bits = q + split bits */
+            v[i] = epipe_hd_q_value(tab[ch], tab[k + ch], c[i] & mask);
         }
+        epipe_cuda_store8f(y, n, g, vec, v);
     }
 }
 
@@ -222,8 +211,10 @@ static float key_float(uint32_t k)
 static int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     epipe_cuda_qtab t;
-    if (!n)
-        return epipe_cuda_core_fns->sq_fit_encode(c, NULL, 0, 0, 0.0f, 0.0f, body, &t);
+    if (!n) {
+        int rc = epipe_cuda_core_fns->sq_fit_encode(c, NULL, 0, 0, 0.0f, 0.0f, body, &t);
+        return rc ? rc : epipe_cuda_body_push(c, body, 0, epipe_cuda_h(c)->body_len);
+    }
     unsigned bits = (unsigned)c->p[SQ_BITS];
     uint64_t m = n < (uint64_t)c->p[SQ_SAMPLE] ? n : (uint64_t)c->p[SQ_SAMPLE];
     uint64_t cb = (n * bits + 7) / 8;
@@ -232,8 +223,7 @@ static int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body
     void *d, *tw, *sw, *hw;
     size_t tab_bytes = sizeof(float) * (3 * 16 + 1), ext_at = (tab_bytes + 15) & ~(size_t)15;
     int rc;
-    if ((rc = epipe_cuda_grow(c, &h->body, cb, &d)) ||
-        (rc = epipe_cuda_grow(c, &h->work[0], ext_at + 2 * sizeof(uint32_t), &tw)) ||
+    if ((rc = epipe_cuda_grow(c, &h->work[0], ext_at + 2 * sizeof(uint32_t), &tw)) ||
         (rc = epipe_cuda_grow(c, &h->work[1], m * sizeof(float), &sw)) ||
         (rc = epipe_cuda_host(c, 2 * sizeof(uint32_t) + m * sizeof(float), &hw)))
         return rc;
@@ -244,14 +234,13 @@ static int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body
     if (m < n)
         sq_gather<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the extent kernels")) ||
-        (rc = epipe_cuda_check(c,
-                               cudaMemcpyAsync(hext, ext, 2 * sizeof(uint32_t),
-                                               cudaMemcpyDeviceToHost, s),
-                               "copying the extent to the host")) ||
-        (rc = epipe_cuda_check(c,
-                               cudaMemcpyAsync(hsmp, m < n ? smp : x, m * sizeof(float),
-                                               cudaMemcpyDeviceToHost, s),
-                               "copying the sample to the host")) ||
+        (rc = epipe_cuda_check(
+             c, cudaMemcpyAsync(hext, ext, 2 * sizeof(uint32_t), cudaMemcpyDeviceToHost, s),
+             "copying the extent to the host")) ||
+        (rc = epipe_cuda_check(
+             c,
+             cudaMemcpyAsync(hsmp, m < n ? smp : x, m * sizeof(float), cudaMemcpyDeviceToHost, s),
+             "copying the sample to the host")) ||
         (rc = epipe_cuda_check(c, cudaStreamSynchronize(s), "waiting for the sample")))
         return rc;
     /* No finite value: the deferred status reports the first non-finite
@@ -260,6 +249,13 @@ static int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body
     float hi = hext[0] <= hext[1] ? key_float(hext[1]) : 0.0f;
     if ((rc = epipe_cuda_core_fns->sq_fit_encode(c, hsmp, m, n, lo, hi, body, &t)))
         return rc;
+    /* The host wrote the fit word, the table and the padding after the
+     * codes; the kernel writes the codes between them. */
+    size_t codes_at = 4 + 8ull * t.k;
+    if ((rc = epipe_cuda_body_out(c, codes_at, cb, &d)) ||
+        (rc = epipe_cuda_body_push(c, body, 0, codes_at)) ||
+        (rc = epipe_cuda_body_push(c, body, codes_at + cb, h->body_len - codes_at - cb)))
+        return rc;
     sq_tab dt;
     dt.bnd = (float *)tw;
     dt.min = dt.bnd + t.k + 1;
@@ -267,27 +263,23 @@ static int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body
     dt.step = NULL;
     dt.lo = dt.hi = NULL;
     /* From pageable memory: each copy has read t's arrays when it returns. */
-    if ((rc = epipe_cuda_check(c,
-                               cudaMemcpyAsync(dt.bnd, t.bnd, sizeof(float) * (t.k + 1),
-                                               cudaMemcpyHostToDevice, s),
-                               "copying the table to the device")) ||
-        (rc = epipe_cuda_check(c,
-                               cudaMemcpyAsync(dt.min, t.min, sizeof(float) * t.k,
-                                               cudaMemcpyHostToDevice, s),
-                               "copying the table to the device")) ||
-        (rc = epipe_cuda_check(c,
-                               cudaMemcpyAsync(dt.inv, t.inv, sizeof(float) * t.k,
-                                               cudaMemcpyHostToDevice, s),
-                               "copying the table to the device")))
+    if ((rc = epipe_cuda_check(
+             c,
+             cudaMemcpyAsync(dt.bnd, t.bnd, sizeof(float) * (t.k + 1), cudaMemcpyHostToDevice, s),
+             "copying the table to the device")) ||
+        (rc = epipe_cuda_check(
+             c, cudaMemcpyAsync(dt.min, t.min, sizeof(float) * t.k, cudaMemcpyHostToDevice, s),
+             "copying the table to the device")) ||
+        (rc = epipe_cuda_check(
+             c, cudaMemcpyAsync(dt.inv, t.inv, sizeof(float) * t.k, cudaMemcpyHostToDevice, s),
+             "copying the table to the device")))
         return rc;
     sq_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * (3 * (size_t)t.k + 1),
-                   s>>>(x, n, t.k, t.q, t.levels, bits, dt, (uint8_t *)d, cb);
+                   s>>>(x, n, epipe_cuda_aligned16(x), t.k, t.q, t.levels, bits, dt, (uint8_t *)d,
+                        cb);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant pack kernel")))
         return rc;
-    return epipe_cuda_check(c,
-                            cudaMemcpyAsync(body + 4 + 8ull * t.k, d, cb, cudaMemcpyDeviceToHost,
-                                            s),
-                            "copying the codes to the host");
+    return epipe_cuda_body_flush(c, body, codes_at, d, cb);
 }
 
 static int sq_decode_fit(epipe_codec *c, const uint8_t *body, size_t n, float *y)
@@ -299,13 +291,11 @@ static int sq_decode_fit(epipe_codec *c, const uint8_t *body, size_t n, float *y
     unsigned bits = (unsigned)c->p[SQ_BITS];
     uint64_t cb = (n * bits + 7) / 8, tb = 8ull * t.k;
     cudaStream_t s = epipe_cuda_stream(c);
-    void *d;
-    if ((rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->body, tb + cb, &d)) ||
-        (rc = epipe_cuda_check(c, cudaMemcpyAsync(d, body + 4, tb + cb, cudaMemcpyHostToDevice, s),
-                               "copying the body to the device")))
+    const void *d;
+    if ((rc = epipe_cuda_body_in(c, body, 4, tb + cb, &d)))
         return rc;
     sq_decode<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * 2 * (size_t)t.k, s>>>(
-        (const uint8_t *)d + tb, n, t.k, t.q, bits, (const uint8_t *)d, y);
+        (const uint8_t *)d + tb, n, t.k, t.q, bits, (const uint8_t *)d, epipe_cuda_aligned16(y), y);
     return epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant decode kernel");
 }
 
@@ -359,8 +349,9 @@ __global__ void sqx_extent(const uint32_t *key, uint64_t n, unsigned k, sq_tab t
     }
 }
 
-__global__ void sqx_pack(const float *x, const uint16_t *chunk, uint64_t n, unsigned k, unsigned q,
-                         float levels, unsigned w, sq_tab t, uint8_t *codes, uint64_t code_bytes)
+__global__ void sqx_pack(const float *x, const uint16_t *chunk, uint64_t n, int vec, unsigned k,
+                         unsigned q, float levels, unsigned w, sq_tab t, uint8_t *codes,
+                         uint64_t code_bytes)
 {
     extern __shared__ float tab[]; /* min [k], inv [k] */
     float *mn = tab, *iv = tab + k;
@@ -372,13 +363,15 @@ __global__ void sqx_pack(const float *x, const uint16_t *chunk, uint64_t n, unsi
     uint64_t groups = (n + 7) / 8;
     for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
          g += (uint64_t)gridDim.x * blockDim.x) {
+        float v[8];
         uint32_t c[8];
+        epipe_cuda_load8f(x, n, g, vec, v);
         for (unsigned i = 0; i < 8; i++) {
             uint64_t j = g * 8 + i;
             unsigned ch = j < n ? chunk[j] : 0;
-            c[i] = j < n ? ch << q | epipe_hd_q_level(x[j], mn[ch], iv[ch], levels) : 0;
+            c[i] = j < n ? ch << q | epipe_hd_q_level(v[i], mn[ch], iv[ch], levels) : 0;
         }
-        sq_store8(c, w, g, codes, code_bytes);
+        epipe_cuda_store_codes(c, w, g, codes, code_bytes);
     }
 }
 
@@ -406,7 +399,7 @@ static int sq_encode_exact(epipe_codec *c, const float *x, size_t n, uint8_t *bo
     size_t arrays = (16 * (size_t)n + 255) & ~(size_t)255;
     size_t tab_bytes = sizeof(float) * (4 * (size_t)k + 1) + sizeof(uint32_t) * 2 * k;
     void *d, *tw, *sw, *cw;
-    if ((rc = epipe_cuda_grow(c, &h->body, tb + cb, &d)) ||
+    if ((rc = epipe_cuda_body_out(c, 0, tb + cb, &d)) ||
         (rc = epipe_cuda_grow(c, &h->work[0], tab_bytes, &tw)) ||
         (rc = epipe_cuda_grow(c, &h->work[1], arrays + sort_bytes + 256, &sw)) ||
         (rc = epipe_cuda_grow(c, &h->work[2], 2 * (size_t)n + 16, &cw)))
@@ -426,8 +419,8 @@ static int sq_encode_exact(epipe_codec *c, const float *x, size_t n, uint8_t *bo
         sqx_keys<<<epipe_cuda_blocks(n, 256), 256, 0, s>>>(x, n, key, idx, h->status);
         if ((rc = epipe_cuda_check(c,
                                    cub::DeviceRadixSort::SortPairs((char *)sw + arrays, sort_bytes,
-                                                                   key, skey, idx, sidx,
-                                                                   (int64_t)n, 0, 32, s),
+                                                                   key, skey, idx, sidx, (int64_t)n,
+                                                                   0, 32, s),
                                    "sorting the values")))
             return rc;
         sqx_chunks<<<epipe_cuda_blocks(n, 256), 256, sizeof(uint64_t) * (k + 1), s>>>(
@@ -437,11 +430,11 @@ static int sq_encode_exact(epipe_codec *c, const float *x, size_t n, uint8_t *bo
     sq_table<<<1, tpb, 0, s>>>(k, levels, t, (uint8_t *)d);
     if (n)
         sqx_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * 2 * (size_t)k, s>>>(
-            x, (const uint16_t *)cw, n, k, q, levels, bits, t, (uint8_t *)d + tb, cb);
+            x, (const uint16_t *)cw, n, epipe_cuda_aligned16(x), k, q, levels, bits, t,
+            (uint8_t *)d + tb, cb);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant kernels")))
         return rc;
-    return epipe_cuda_check(c, cudaMemcpyAsync(body, d, tb + cb, cudaMemcpyDeviceToHost, s),
-                            "copying the body to the host");
+    return epipe_cuda_body_flush(c, body, 0, d, tb + cb);
 }
 
 static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
@@ -466,7 +459,7 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
                                     "sizing the sample sort")))
         return rc;
     size_t tab_bytes = sizeof(float) * (4 * (size_t)k + 1) + sizeof(uint32_t) * 2 * k;
-    if ((rc = epipe_cuda_grow(c, &h->body, tb + cb, &d)) ||
+    if ((rc = epipe_cuda_body_out(c, 0, tb + cb, &d)) ||
         (rc = epipe_cuda_grow(c, &h->work[0], tab_bytes, &tw)) ||
         (rc = epipe_cuda_grow(c, &h->work[1], 2 * m * sizeof(float) + sort_bytes + 256, &sw)))
         return rc;
@@ -482,13 +475,14 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
      * kernel gets without asking. */
     int shared = (int)(sizeof(float) * (3 * (size_t)k + 1));
     if (shared > 48 * 1024 &&
-        ((rc = epipe_cuda_check(c, cudaFuncSetAttribute(sq_extent,
-                                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                        shared),
-                                "raising the shared memory limit")) ||
-         (rc = epipe_cuda_check(c, cudaFuncSetAttribute(sq_code_pack,
-                                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                        shared),
+        ((rc = epipe_cuda_check(
+              c,
+              cudaFuncSetAttribute(sq_extent, cudaFuncAttributeMaxDynamicSharedMemorySize, shared),
+              "raising the shared memory limit")) ||
+         (rc = epipe_cuda_check(c,
+                                cudaFuncSetAttribute(sq_code_pack,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     shared),
                                 "raising the shared memory limit"))))
         return rc;
     if (!n) {
@@ -497,10 +491,10 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         float *smp = (float *)sw, *sorted = smp + m;
         void *tmp = (char *)sw + ((2 * m * sizeof(float) + 255) & ~(size_t)255);
         sq_gather<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
-        if ((rc = epipe_cuda_check(c,
-                                   cub::DeviceRadixSort::SortKeys(tmp, sort_bytes, smp, sorted,
-                                                                  (int64_t)m, 0, 32, s),
-                                   "sorting the sample")))
+        if ((rc = epipe_cuda_check(
+                 c,
+                 cub::DeviceRadixSort::SortKeys(tmp, sort_bytes, smp, sorted, (int64_t)m, 0, 32, s),
+                 "sorting the sample")))
             return rc;
         sq_bounds<<<1, tpb, 0, s>>>(sorted, m, k, t);
         size_t sh = sizeof(uint32_t) * (3 * (size_t)k + 1);
@@ -508,12 +502,12 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     }
     sq_table<<<1, tpb, 0, s>>>(k, levels, t, (uint8_t *)d);
     if (n)
-        sq_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * (3 * (size_t)k + 1),
-                       s>>>(x, n, k, q, levels, bits, t, (uint8_t *)d + tb, cb);
+        sq_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256,
+                       sizeof(float) * (3 * (size_t)k + 1), s>>>(
+            x, n, epipe_cuda_aligned16(x), k, q, levels, bits, t, (uint8_t *)d + tb, cb);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant kernels")))
         return rc;
-    return epipe_cuda_check(c, cudaMemcpyAsync(body, d, tb + cb, cudaMemcpyDeviceToHost, s),
-                            "copying the body to the host");
+    return epipe_cuda_body_flush(c, body, 0, d, tb + cb);
 }
 
 static float get_f32(const uint8_t *p)
@@ -545,25 +539,24 @@ static int sq_decode_cuda(epipe_codec *c, const uint8_t *body, size_t n, float *
                                    name, j, k, (double)step);
         case 3:
             return epipe_cuda_fail(
-                c, EPIPE_EPROTO, "%s: chunk %u of %u (min %g, step %g) decodes past the float range",
-                name, j, k, (double)min, (double)step);
+                c, EPIPE_EPROTO,
+                "%s: chunk %u of %u (min %g, step %g) decodes past the float range", name, j, k,
+                (double)min, (double)step);
         }
     }
     uint64_t cb = (n * bits + 7) / 8, tb = 8ull * k;
     unsigned used = (unsigned)(n * bits % 8);
     if (used && (body[tb + cb - 1] >> used))
-        return epipe_cuda_fail(c, EPIPE_EPROTO,
-                               "%s: padding bits after the last code are not zero", name);
+        return epipe_cuda_fail(c, EPIPE_EPROTO, "%s: padding bits after the last code are not zero",
+                               name);
     if (!n)
         return EPIPE_OK;
     cudaStream_t s = epipe_cuda_stream(c);
-    void *d;
-    if ((rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->body, tb + cb, &d)) ||
-        (rc = epipe_cuda_check(c, cudaMemcpyAsync(d, body, tb + cb, cudaMemcpyHostToDevice, s),
-                               "copying the body to the device")))
+    const void *d;
+    if ((rc = epipe_cuda_body_in(c, body, 0, tb + cb, &d)))
         return rc;
     sq_decode<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * 2 * (size_t)k, s>>>(
-        (const uint8_t *)d + tb, n, k, q, bits, (const uint8_t *)d, y);
+        (const uint8_t *)d + tb, n, k, q, bits, (const uint8_t *)d, epipe_cuda_aligned16(y), y);
     return epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant decode kernel");
 }
 

@@ -67,20 +67,42 @@ EPIPE_HD float epipe_hd_q_value(float min, float step, uint32_t level)
 
 /* Eight codes of w bits (1..16) packed into exactly w bytes, code i at bits
  * [i*w, (i+1)*w) little-endian: the layout of lib/bitpack.h. */
-EPIPE_HD void epipe_hd_pack8(const uint32_t code[8], unsigned w, uint8_t *out)
+/* Eight w-bit codes (w <= 16) as 8w bits, little-endian: bits 0..63 in
+ * *lo, 64..127 in *hi; byte j of the packed group is byte j of lo, hi. */
+EPIPE_HD void epipe_hd_pack8_words(const uint32_t code[8], unsigned w, uint64_t *lo, uint64_t *hi)
 {
-    uint64_t lo = 0, hi = 0; /* bits 0..63 and 64..127 */
+    uint64_t a = 0, b = 0;
     for (unsigned i = 0; i < 8; i++) {
-        unsigned b = i * w;
+        unsigned at = i * w;
         uint64_t v = code[i];
-        if (b < 64) {
-            lo |= v << b;
-            if (b + w > 64)
-                hi |= v >> (64 - b);
+        if (at < 64) {
+            a |= v << at;
+            if (at + w > 64)
+                b |= v >> (64 - at);
         } else {
-            hi |= v << (b - 64);
+            b |= v << (at - 64);
         }
     }
+    *lo = a;
+    *hi = b;
+}
+
+EPIPE_HD void epipe_hd_unpack8_words(uint64_t lo, uint64_t hi, unsigned w, uint32_t code[8])
+{
+    uint64_t mask = (1ull << w) - 1;
+    for (unsigned i = 0; i < 8; i++) {
+        unsigned at = i * w;
+        uint64_t v = at < 64 ? lo >> at : hi >> (at - 64);
+        if (at < 64 && at + w > 64)
+            v |= hi << (64 - at);
+        code[i] = (uint32_t)(v & mask);
+    }
+}
+
+EPIPE_HD void epipe_hd_pack8(const uint32_t code[8], unsigned w, uint8_t *out)
+{
+    uint64_t lo, hi;
+    epipe_hd_pack8_words(code, w, &lo, &hi);
     for (unsigned j = 0; j < w; j++)
         out[j] = (uint8_t)(j < 8 ? lo >> (8 * j) : hi >> (8 * (j - 8)));
 }
@@ -94,14 +116,7 @@ EPIPE_HD void epipe_hd_unpack8(const uint8_t *in, unsigned w, uint32_t code[8])
         else
             hi |= (uint64_t)in[j] << (8 * (j - 8));
     }
-    uint64_t mask = (1ull << w) - 1;
-    for (unsigned i = 0; i < 8; i++) {
-        unsigned b = i * w;
-        uint64_t v = b < 64 ? lo >> b : hi >> (b - 64);
-        if (b < 64 && b + w > 64)
-            v |= hi << (64 - b);
-        code[i] = (uint32_t)(v & mask);
-    }
+    epipe_hd_unpack8_words(lo, hi, w, code);
 }
 
 #endif

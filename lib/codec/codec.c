@@ -307,14 +307,21 @@ int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, 
                                 c->ops->name, (unsigned long long)n, need, dst ? capacity : 0);
     uint8_t *h = dst;
     if (is_cuda(src)) {
-        /* The header from the host's knowledge; the body enqueued. */
-        epipe_payload_put(h, c->ops->id, dt, c->ops->param_word(c), n);
-        if ((rc = epipe_codec_cuda_encode(c, be, src, n, dt, h + EPIPE_PAYLOAD_HEADER)))
+        /* The header from the host's knowledge; the module writes it and
+         * enqueues the body, into host or device memory. */
+        uint8_t hdr[EPIPE_PAYLOAD_HEADER];
+        epipe_payload_put(hdr, c->ops->id, dt, c->ops->param_word(c), n);
+        if ((rc = epipe_codec_cuda_encode(c, be, src, n, dt, h, hdr, need)))
             return rc;
         epipe_codec_bind(c, src);
         *written = need;
         return EPIPE_OK;
     }
+    if (epipe_codec_cuda_is_device_memory(dst))
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "%s: dst is CUDA device memory, but src is a CPU tensor; encode a "
+                                "CPU tensor into host memory",
+                                c->ops->name);
     epipe_codec_bind(c, src);
     const float *x;
     if ((rc = epipe_codec_stage_in(c, src, n, dt, &x)))
@@ -343,8 +350,22 @@ int epipe_codec_decode_checked(epipe_codec *c, const void *src, size_t len, DLTe
     if (!src && len)
         return epipe_codec_fail(c, EPIPE_EINVAL, "%s: src is NULL", c->ops->name);
     const char *name = c->ops->name;
+    /* A CUDA tensor may take its payload from device memory: the header is
+     * read from a copy. A CPU tensor needs a host payload. */
+    uint8_t hdr[EPIPE_PAYLOAD_HEADER];
+    const void *hp = src;
+    if (is_cuda(dst) && len >= EPIPE_PAYLOAD_HEADER) {
+        if ((rc = epipe_codec_cuda_peek(c, src, len, n, hdr)))
+            return rc;
+        hp = hdr;
+    } else if (!is_cuda(dst) && epipe_codec_cuda_is_device_memory(src)) {
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "%s: src is CUDA device memory, but dst is a CPU tensor; decode a "
+                                "device payload into a CUDA tensor",
+                                name);
+    }
     epipe_payload_header ph;
-    if (epipe_payload_get(src, len, &ph))
+    if (epipe_payload_get(hp, len, &ph))
         return epipe_codec_fail(c, EPIPE_ETRUNC, "%s: payload is %zu bytes; its header alone is %d",
                                 name, len, EPIPE_PAYLOAD_HEADER);
     if (ph.codec_id != (unsigned)c->ops->id)
@@ -379,9 +400,8 @@ int epipe_codec_decode_checked(epipe_codec *c, const void *src, size_t len, DLTe
     if (len > need)
         return epipe_codec_fail(c, EPIPE_EPROTO, "%s: payload has %zu bytes after its end", name,
                                 len - need);
-    const uint8_t *body = (const uint8_t *)src + EPIPE_PAYLOAD_HEADER;
     if (is_cuda(dst)) {
-        if ((rc = epipe_codec_cuda_decode(c, be, body, n, dst, dt)))
+        if ((rc = epipe_codec_cuda_decode(c, be, src, len, n, dst, dt)))
             return rc;
         epipe_codec_bind(c, dst);
         return EPIPE_OK;
@@ -390,6 +410,7 @@ int epipe_codec_decode_checked(epipe_codec *c, const void *src, size_t len, DLTe
     float *y;
     if ((rc = epipe_codec_stage_out(c, dst, n, dt, &y)))
         return rc;
+    const uint8_t *body = (const uint8_t *)src + EPIPE_PAYLOAD_HEADER;
     if ((rc = (c->use_reference ? be->decode_ref : be->decode)(c, body, n, y)))
         return rc;
     epipe_codec_stage_out_done(dst, y, n);

@@ -14,6 +14,7 @@
 #include "core.h"
 #include "cuda_api.h"
 #include "cuda_core.h"
+#include "payload.h"
 
 #ifndef EPIPE_CUDA_MODULE_PATH
 #define EPIPE_CUDA_MODULE_PATH "libepipe-cuda.so"
@@ -167,23 +168,46 @@ void epipe_codec_bind(epipe_codec *c, const DLTensor *t)
 }
 
 int epipe_codec_cuda_encode(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src,
-                            uint64_t n, enum epipe_dtype dt, uint8_t *body)
+                            uint64_t n, enum epipe_dtype dt, uint8_t *payload, const uint8_t *hdr,
+                            size_t len)
 {
     const epipe_cuda_module *m;
     int dev, rc = module_get(c, "src", &m);
     if (rc || (rc = m->check(c, src, "src", &dev)))
         return rc;
-    return m->encode(c, be, src, n, dt, body);
+    return m->encode(c, be, src, n, dt, payload, hdr, len);
 }
 
-int epipe_codec_cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *body,
-                            uint64_t n, DLTensor *dst, enum epipe_dtype dt)
+int epipe_codec_cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload,
+                            size_t len, uint64_t n, DLTensor *dst, enum epipe_dtype dt)
 {
     const epipe_cuda_module *m;
     int dev, rc = module_get(c, "dst", &m);
     if (rc || (rc = m->check(c, dst, "dst", &dev)))
         return rc;
-    return m->decode(c, be, body, n, dst, dt);
+    return m->decode(c, be, payload, len, n, dst, dt);
+}
+
+int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr)
+{
+    const epipe_cuda_module *m;
+    int dev, rc = module_get(c, "dst", &m);
+    if (rc)
+        return rc;
+    if (m->locate(payload, &dev) != 1) {
+        memcpy(hdr, payload, EPIPE_PAYLOAD_HEADER);
+        return EPIPE_OK;
+    }
+    return m->peek(c, payload, len, n, hdr);
+}
+
+int epipe_codec_cuda_is_device_memory(const void *p)
+{
+    pthread_mutex_lock(&lock);
+    const epipe_cuda_module *m = loaded;
+    pthread_mutex_unlock(&lock);
+    int dev;
+    return m && p && m->locate(p, &dev) == 1;
 }
 
 void epipe_codec_cuda_release(epipe_codec *c)

@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 2
+#define EPIPE_CUDA_ABI 3
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
@@ -64,14 +64,25 @@ typedef struct epipe_cuda_module {
      * exists) before anything is enqueued; the core checked dtype and shape.
      * *device receives its device index. */
     int (*check)(epipe_codec *c, const DLTensor *t, const char *what, int *device);
+    /* Where p points: 1 CUDA device (or managed) memory, with its device
+     * in *device; 0 host memory (pageable or pinned). */
+    int (*locate)(const void *p, int *device);
+    /* The header of a device payload of len (>= 16) bytes into hdr, copied
+     * after the work already on the handle's stream (which may be what
+     * wrote it); synchronous. In the same wait it reads the bytes of the
+     * body the host checks when decoding n values (tables, padding), for
+     * the decode of this payload that follows on the handle. */
+    int (*peek)(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr);
     /* Stages src (n values of dt, dense, device memory) to dense fp32 on
-     * the device, runs be->encode into the host body `body` and returns
-     * once the work is enqueued. */
+     * the device, writes the header `hdr` and runs be->encode into the
+     * payload (len bytes, host or device memory) and returns once the work
+     * is enqueued. */
     int (*encode)(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src, uint64_t n,
-                  enum epipe_dtype dt, uint8_t *body);
-    /* The reverse: body is host memory whose length the core checked. */
-    int (*decode)(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *body, uint64_t n,
-                  DLTensor *dst, enum epipe_dtype dt);
+                  enum epipe_dtype dt, uint8_t *payload, const uint8_t *hdr, size_t len);
+    /* The reverse: the payload's header was checked by the core (from a
+     * peek where the payload is device memory) and its length is exact. */
+    int (*decode)(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload,
+                  size_t len, uint64_t n, DLTensor *dst, enum epipe_dtype dt);
     /* Waits for the handle's stream; the first deferred error since the
      * last call, or a CUDA error, as a status with the message on c. */
     int (*synchronize)(epipe_codec *c);

@@ -17,12 +17,19 @@ const epipe_codec_backend *epipe_codec_cuda_loaded_backend(const epipe_codec_ops
  * is bound to; epipe_codec_bind() binds an unbound handle to t's device. */
 int epipe_codec_check_binding(epipe_codec *c, const DLTensor *t, const char *what);
 void epipe_codec_bind(epipe_codec *c, const DLTensor *t);
-/* The module's checks of a CUDA tensor, then its encode or decode (body is
- * host memory after the header). */
+/* The module's checks of a CUDA tensor, then its encode or decode of a
+ * whole payload (header included) in host or CUDA device memory. */
 int epipe_codec_cuda_encode(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src,
-                            uint64_t n, enum epipe_dtype dt, uint8_t *body);
-int epipe_codec_cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *body,
-                            uint64_t n, DLTensor *dst, enum epipe_dtype dt);
+                            uint64_t n, enum epipe_dtype dt, uint8_t *payload, const uint8_t *hdr,
+                            size_t len);
+int epipe_codec_cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload,
+                            size_t len, uint64_t n, DLTensor *dst, enum epipe_dtype dt);
+/* The payload's header (len >= EPIPE_PAYLOAD_HEADER) into hdr: copied
+ * from the device, with what the decode of n values reads on the host,
+ * when the payload is CUDA memory. */
+int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr);
+/* 1 when a CUDA module is loaded and says p is device memory. */
+int epipe_codec_cuda_is_device_memory(const void *p);
 /* Frees the module's per-handle state (epipe_codec_destroy). */
 void epipe_codec_cuda_release(epipe_codec *c);
 

@@ -28,9 +28,12 @@ step() { # step NAME SECONDS command...
 }
 nvidia-smi -L 2>&1 | head -2
 step gpu-codecs "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_codecs"
-step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" none cast:dtype=fp16 \
-    cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:bits=8,mode=sample sortquant:bits=8 \
-    sortquant:bits=4 sortquant:bits=8,mode=exact
+specs="none cast:dtype=fp16 cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:bits=8,mode=sample
+       sortquant:bits=8 sortquant:bits=4 sortquant:bits=8,mode=exact"
+# shellcheck disable=SC2086
+step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
+# shellcheck disable=SC2086
+step bench-codec-host "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --payload host $specs
 step bench-prototype "${GPU_CHECK_PROTO_S:-60}" python3 tools/torch/bench_sortquant_prototype.py
 if command -v compute-sanitizer >/dev/null; then
     export EPIPE_GPU_TEST_QUICK=1

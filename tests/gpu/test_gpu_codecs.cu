@@ -11,22 +11,22 @@
 #include <epipe/epipe.h>
 
 static int failures;
-#define CHECK(cond, ...)                                                                          \
-    do {                                                                                          \
-        if (!(cond)) {                                                                            \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                       \
-            fprintf(stderr, __VA_ARGS__);                                                         \
-            fprintf(stderr, "\n");                                                                \
-            failures++;                                                                           \
-        }                                                                                         \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+            failures++;                                                                            \
+        }                                                                                          \
     } while (0)
-#define CUDA_OK(e)                                                                                \
-    do {                                                                                          \
-        cudaError_t err_ = (e);                                                                   \
-        if (err_ != cudaSuccess) {                                                                \
-            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));    \
-            exit(1);                                                                              \
-        }                                                                                         \
+#define CUDA_OK(e)                                                                                 \
+    do {                                                                                           \
+        cudaError_t err_ = (e);                                                                    \
+        if (err_ != cudaSuccess) {                                                                 \
+            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));     \
+            exit(1);                                                                               \
+        }                                                                                          \
     } while (0)
 
 static DLTensor tensor(int type, void *data, int64_t *shape, int bits, int code)
@@ -110,11 +110,98 @@ static void byte_identity(const char *spec, size_t n, size_t offset, int relu = 
     CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
     CUDA_OK(cudaMemcpy(yg.data(), dy + offset, n * 4, cudaMemcpyDeviceToHost));
     CHECK(n == 0 || memcmp(yc.data(), yg.data(), n * 4) == 0, "%s: decoded floats differ", spec);
+    /* The same through a payload in device memory, at an offset that is
+     * not 16-byte aligned (offset 1) so the vector paths must notice. */
+    uint8_t *dp;
+    CUDA_OK(cudaMalloc((void **)&dp, cap + 16));
+    uint8_t *dpo = dp + (offset ? 4 : 0);
+    size_t wd = 0;
+    rc = epipe_codec_encode(gpu, &ds, dpo, cap, &wd);
+    CHECK(rc == EPIPE_OK, "%s: gpu encode to device memory: %s", spec, epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    CHECK(wd == wc, "%s: device payload sizes %zu vs %zu", spec, wd, wc);
+    std::vector<uint8_t> back(wd);
+    CUDA_OK(cudaMemcpy(back.data(), dpo, wd, cudaMemcpyDeviceToHost));
+    CHECK(wd != wc || memcmp(back.data(), pc.data(), wc) == 0,
+          "%s n=%zu offset=%zu: device payload differs from the CPU's", spec, n, offset);
+    CUDA_OK(cudaMemcpy(dpo, pc.data(), wc, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(dy, 0, (n + offset) * 4 + 4));
+    CHECK(epipe_codec_decode(gpu, dpo, wc, &dd) == EPIPE_OK,
+          "%s: gpu decode from device memory: %s", spec, epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    CUDA_OK(cudaMemcpy(yg.data(), dy + offset, n * 4, cudaMemcpyDeviceToHost));
+    CHECK(n == 0 || memcmp(yc.data(), yg.data(), n * 4) == 0,
+          "%s: decoded floats from a device payload differ", spec);
+    cudaFree(dp);
     epipe_codec_destroy(cpu);
     epipe_codec_destroy(gpu);
     cudaFree(dx);
     cudaFree(dy);
     cudaFreeHost(pg);
+}
+
+/* Hostile bytes in a device payload: the tables and padding the host
+ * checks are read back first, so a corrupt payload is refused with the
+ * CPU's status before any kernel runs; a payload in device memory with a
+ * CPU tensor (either way) is refused by name. */
+static void hostile_device_payload(void)
+{
+    size_t n = 999;
+    std::vector<float> x(n);
+    fill(x, 5);
+    int64_t shape[1] = {(int64_t)n};
+    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
+    float *d;
+    uint8_t *dp;
+    CUDA_OK(cudaMalloc((void **)&d, n * 4));
+    CUDA_OK(cudaMalloc((void **)&dp, n * 4 + 1024));
+    DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+    const char *specs[] = {"quant:bits=4", "sortquant:bits=4,mode=sample",
+                           "sortquant:bits=4,mode=fit", "sortquant:bits=4,mode=exact"};
+    for (const char *spec : specs) {
+        epipe_codec *cpu, *gpu;
+        epipe_codec_create(&cpu, spec);
+        epipe_codec_create(&gpu, spec);
+        std::vector<uint8_t> p(n * 4 + 1024);
+        size_t w = 0;
+        CHECK(epipe_codec_encode(cpu, &hs, p.data(), p.size(), &w) == EPIPE_OK, "%s", spec);
+        /* the first chunk's min made NaN (its two high bytes), the padding
+         * bits after the last 4-bit code, a header byte */
+        size_t min_at = 16 + (strstr(spec, "fit") ? 4 : 0) + 2;
+        size_t at[3] = {min_at, w - 1, 5};
+        for (size_t b = 0; b < 3; b++) {
+            std::vector<uint8_t> q(p.begin(), p.begin() + w);
+            if (b == 0)
+                q[at[b]] = q[at[b] + 1] = 0xff;
+            else
+                q[at[b]] ^= b == 1 ? 0x80 : 0x5a;
+            CUDA_OK(cudaMemcpy(dp, q.data(), w, cudaMemcpyHostToDevice));
+            int rc = epipe_codec_decode(gpu, dp, w, &dd);
+            CHECK(rc == EPIPE_EPROTO || (b == 2 && (rc == EPIPE_EVERSION || rc == EPIPE_EINVAL)),
+                  "%s: corrupt byte %zu of a device payload: rc %d (%s)", spec, at[b], rc,
+                  epipe_codec_last_error(gpu));
+        }
+        CUDA_OK(cudaMemcpy(dp, p.data(), w, cudaMemcpyHostToDevice));
+        CHECK(epipe_codec_decode(gpu, dp, w, &dd) == EPIPE_OK, "%s: %s", spec,
+              epipe_codec_last_error(gpu));
+        CHECK(epipe_codec_decode(gpu, dp, w - 1, &dd) == EPIPE_ETRUNC, "%s: truncated", spec);
+        CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+        /* device memory with a CPU tensor */
+        CHECK(epipe_codec_encode(cpu, &hs, dp, n * 4 + 1024, &w) == EPIPE_EINVAL,
+              "%s: cpu into device", spec);
+        CHECK(strstr(epipe_codec_last_error(cpu), "dst is CUDA device memory") != NULL, "%s",
+              epipe_codec_last_error(cpu));
+        std::vector<float> y(n);
+        DLTensor hy = tensor(kDLCPU, y.data(), shape, 32, kDLFloat);
+        CHECK(epipe_codec_decode(cpu, dp, w, &hy) == EPIPE_EINVAL, "%s: device payload to cpu",
+              spec);
+        CHECK(strstr(epipe_codec_last_error(cpu), "src is CUDA device memory") != NULL, "%s",
+              epipe_codec_last_error(cpu));
+        epipe_codec_destroy(cpu);
+        epipe_codec_destroy(gpu);
+    }
+    cudaFree(dp);
+    cudaFree(d);
 }
 
 /* fp16 and bf16 device tensors: staged on the device as the CPU stages. */
@@ -139,7 +226,8 @@ static void half_tensors(const char *spec, int bf16)
     uint16_t *d;
     CUDA_OK(cudaMalloc((void **)&d, n * 2));
     CUDA_OK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
-    DLTensor hs = tensor(kDLCPU, h.data(), shape, 16, code), ds = tensor(kDLCUDA, d, shape, 16, code);
+    DLTensor hs = tensor(kDLCPU, h.data(), shape, 16, code),
+             ds = tensor(kDLCUDA, d, shape, 16, code);
     size_t cap = 0, wc, wg;
     epipe_codec_max_encoded_size(cpu, &hs, &cap);
     std::vector<uint8_t> pc(cap), pg(cap);
@@ -150,7 +238,8 @@ static void half_tensors(const char *spec, int bf16)
     CHECK(memcmp(pc.data(), pg.data(), cap) == 0, "%s %s: payloads differ", spec,
           bf16 ? "bf16" : "fp16");
     std::vector<uint16_t> yc(n), yg(n);
-    DLTensor hd = tensor(kDLCPU, yc.data(), shape, 16, code), dd = tensor(kDLCUDA, d, shape, 16, code);
+    DLTensor hd = tensor(kDLCPU, yc.data(), shape, 16, code),
+             dd = tensor(kDLCUDA, d, shape, 16, code);
     CHECK(epipe_codec_decode(cpu, pc.data(), wc, &hd) == EPIPE_OK, "cpu decode");
     CHECK(epipe_codec_decode(gpu, pc.data(), wc, &dd) == EPIPE_OK, "gpu decode");
     CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "sync");
@@ -220,11 +309,13 @@ static void hostile_table(void)
     epipe_codec_create(&g4, "quant:bits=4");
     epipe_codec_create(&c4, "quant:bits=4");
     int64_t s999[1] = {999};
-    DLTensor h999 = tensor(kDLCPU, x.data(), s999, 32, kDLFloat), d999 = tensor(kDLCUDA, d, s999, 32, kDLFloat);
+    DLTensor h999 = tensor(kDLCPU, x.data(), s999, 32, kDLFloat),
+             d999 = tensor(kDLCUDA, d, s999, 32, kDLFloat);
     CHECK(epipe_codec_encode(c4, &h999, p.data(), p.size(), &w) == EPIPE_OK, "cpu 4-bit");
     p[w - 1] |= 0x80;
     CHECK(epipe_codec_decode(g4, p.data(), w, &d999) == EPIPE_EPROTO, "dirty padding");
-    CHECK(strstr(epipe_codec_last_error(g4), "padding bits") != NULL, "%s", epipe_codec_last_error(g4));
+    CHECK(strstr(epipe_codec_last_error(g4), "padding bits") != NULL, "%s",
+          epipe_codec_last_error(g4));
     epipe_codec_destroy(g4);
     epipe_codec_destroy(c4);
     /* sortquant mode=fit: the fit word is checked by the CPU's code */
@@ -262,10 +353,13 @@ static void mixups(void)
     CHECK(epipe_codec_encode(g, &lie, p, sizeof p, &w) == EPIPE_EINVAL, "host memory as kDLCUDA");
     float *d;
     CUDA_OK(cudaMalloc((void **)&d, 64));
-    DLTensor dev = tensor(kDLCUDA, d, shape, 32, kDLFloat), cpu = tensor(kDLCPU, host, shape, 32, kDLFloat);
-    CHECK(epipe_codec_encode(g, &dev, p, sizeof p, &w) == EPIPE_OK, "%s", epipe_codec_last_error(g));
+    DLTensor dev = tensor(kDLCUDA, d, shape, 32, kDLFloat),
+             cpu = tensor(kDLCPU, host, shape, 32, kDLFloat);
+    CHECK(epipe_codec_encode(g, &dev, p, sizeof p, &w) == EPIPE_OK, "%s",
+          epipe_codec_last_error(g));
     CHECK(epipe_codec_encode(g, &cpu, p, sizeof p, &w) == EPIPE_EINVAL, "cpu tensor, cuda handle");
-    CHECK(strstr(epipe_codec_last_error(g), "bound to CUDA") != NULL, "%s", epipe_codec_last_error(g));
+    CHECK(strstr(epipe_codec_last_error(g), "bound to CUDA") != NULL, "%s",
+          epipe_codec_last_error(g));
     DLTensor misaligned = tensor(kDLCUDA, (char *)d + 2, shape, 32, kDLFloat);
     misaligned.shape[0] = 8;
     CHECK(epipe_codec_encode(g, &misaligned, p, sizeof p, &w) == EPIPE_EINVAL, "misaligned");
@@ -283,16 +377,24 @@ int main(void)
                e != cudaSuccess ? cudaGetErrorString(e) : "the driver reports 0 devices");
         return 77;
     }
-    const char *specs[] = {"none", "cast:dtype=fp16", "cast:dtype=bf16", "quant:bits=8",
-                           "quant:bits=4", "quant:bits=13", "quant:bits=1",
-                           "sortquant:bits=8,mode=sample", "sortquant:bits=4,split=1,mode=sample",
+    const char *specs[] = {"none",
+                           "cast:dtype=fp16",
+                           "cast:dtype=bf16",
+                           "quant:bits=8",
+                           "quant:bits=4",
+                           "quant:bits=13",
+                           "quant:bits=1",
+                           "sortquant:bits=8,mode=sample",
+                           "sortquant:bits=4,split=1,mode=sample",
                            "sortquant:bits=12,split=8,mode=sample,sample=1024",
                            "sortquant:bits=16,split=12,mode=sample",
                            "sortquant:bits=8", /* mode=fit, the default, split chosen */
-                           "sortquant:bits=4,mode=fit", "sortquant:bits=2,mode=fit",
+                           "sortquant:bits=4,mode=fit",
+                           "sortquant:bits=2,mode=fit",
                            "sortquant:bits=8,mode=fit,split=3",
                            "sortquant:bits=12,mode=fit,sample=1024",
-                           "sortquant:bits=8,mode=exact", "sortquant:bits=4,split=1,mode=exact",
+                           "sortquant:bits=8,mode=exact",
+                           "sortquant:bits=4,split=1,mode=exact",
                            "sortquant:bits=12,split=8,mode=exact",
                            "sortquant:bits=16,split=12,mode=exact"};
     const size_t sizes[] = {0, 1, 7, 8, 9, 1000, 4097, 1 << 20, 3000017};
@@ -304,10 +406,10 @@ int main(void)
         for (size_t n : sizes)
             for (size_t off : {0, 1})
                 if (n <= max_n)
-                byte_identity(s, n, off,
-                              !strstr(s, "sortquant") || strstr(s, "mode=sample") ? 0
-                              : strstr(s, "mode=exact")                           ? 2
-                                                                                  : 1);
+                    byte_identity(s, n, off,
+                                  !strstr(s, "sortquant") || strstr(s, "mode=sample") ? 0
+                                  : strstr(s, "mode=exact")                           ? 2
+                                                                                      : 1);
     for (size_t n : sizes) { /* the other data for fit and exact */
         if (n > max_n)
             continue;
@@ -338,6 +440,7 @@ int main(void)
         cudaFree(d);
     }
     hostile_table();
+    hostile_device_payload();
     mixups();
     if (failures) {
         fprintf(stderr, "%d failures\n", failures);
