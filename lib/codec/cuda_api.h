@@ -81,8 +81,8 @@ typedef struct epipe_cuda_module {
                   enum epipe_dtype dt, uint8_t *payload, const uint8_t *hdr, size_t len);
     /* The reverse: the payload's header was checked by the core (from a
      * peek where the payload is device memory) and its length is exact. */
-    int (*decode)(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload,
-                  size_t len, uint64_t n, DLTensor *dst, enum epipe_dtype dt);
+    int (*decode)(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload, size_t len,
+                  uint64_t n, DLTensor *dst, enum epipe_dtype dt);
     /* Waits for the handle's stream; the first deferred error since the
      * last call, or a CUDA error, as a status with the message on c. */
     int (*synchronize)(epipe_codec *c);
