@@ -14,9 +14,11 @@ static void usage(void)
                     "                        [--payload device|host]\n\n"
                     "Times epipe_codec_encode and _decode of a dense fp32 CUDA tensor (default\n"
                     "12.8M normal values) into and from a payload in device memory (default)\n"
-                    "or pinned host memory, each call followed by epipe_codec_synchronize,\n"
-                    "best of R (default 20), beside a cudaMemcpyAsync device-to-device copy\n"
-                    "of the tensor. Exit 77 without a CUDA device.\n");
+                    "or pinned host memory, beside a cudaMemcpyAsync device-to-device copy of\n"
+                    "the tensor. Throughput: R calls (default 20) enqueued back to back, one\n"
+                    "epipe_codec_synchronize after them, stream time per call (x copy: the\n"
+                    "copy's time over the codec's). Latency: one call and its synchronize,\n"
+                    "best of R. Exit 77 without a CUDA device.\n");
 }
 
 #define CK(e)                                                                                      \
@@ -28,6 +30,7 @@ static void usage(void)
         }                                                                                          \
     } while (0)
 
+/* Latency: one call and its synchronisation, best of `reps`. */
 static double best_of(int reps, cudaEvent_t a, cudaEvent_t b, int (*fn)(void *), void *ctx)
 {
     float best = INFINITY;
@@ -42,6 +45,26 @@ static double best_of(int reps, cudaEvent_t a, cudaEvent_t b, int (*fn)(void *),
         best = ms < best ? ms : best;
     }
     return best / 1e3;
+}
+
+/* Throughput: `reps` calls enqueued back to back on the stream, one
+ * synchronisation (done) after them, the stream time per call. */
+static double per_call(int reps, cudaEvent_t a, cudaEvent_t b, int (*fn)(void *),
+                       int (*done)(void *), void *ctx)
+{
+    if (fn(ctx) || (done && done(ctx))) /* warm: scratch allocated */
+        return NAN;
+    cudaEventRecord(a, 0);
+    for (int r = 0; r < reps; r++)
+        if (fn(ctx))
+            return NAN;
+    cudaEventRecord(b, 0);
+    if (done && done(ctx))
+        return NAN;
+    cudaEventSynchronize(b);
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    return ms / 1e3 / reps;
 }
 
 struct ctx {
@@ -60,25 +83,44 @@ static int run_copy(void *p)
            cudaSuccess;
 }
 
-static int run_encode(void *p)
+static int enqueue_encode(void *p)
 {
     ctx *k = (ctx *)p;
-    if (epipe_codec_encode(k->c, k->x, k->payload, k->cap, &k->written) ||
-        epipe_codec_synchronize(k->c)) {
+    if (epipe_codec_encode(k->c, k->x, k->payload, k->cap, &k->written)) {
         fprintf(stderr, "encode: %s\n", epipe_codec_last_error(k->c));
         return 1;
     }
     return 0;
 }
 
-static int run_decode(void *p)
+static int enqueue_decode(void *p)
 {
     ctx *k = (ctx *)p;
-    if (epipe_codec_decode(k->c, k->payload, k->written, k->y) || epipe_codec_synchronize(k->c)) {
+    if (epipe_codec_decode(k->c, k->payload, k->written, k->y)) {
         fprintf(stderr, "decode: %s\n", epipe_codec_last_error(k->c));
         return 1;
     }
     return 0;
+}
+
+static int sync_codec(void *p)
+{
+    ctx *k = (ctx *)p;
+    if (epipe_codec_synchronize(k->c)) {
+        fprintf(stderr, "synchronize: %s\n", epipe_codec_last_error(k->c));
+        return 1;
+    }
+    return 0;
+}
+
+static int run_encode(void *p)
+{
+    return enqueue_encode(p) || sync_codec(p);
+}
+
+static int run_decode(void *p)
+{
+    return enqueue_decode(p) || sync_codec(p);
 }
 
 __global__ void fill_normal(float *x, size_t n)
@@ -149,9 +191,11 @@ int main(int argc, char **argv)
     k.y = &ty;
     k.n = n;
     k.copy_dst = z;
-    double tc = best_of(reps, a, b, run_copy, &k);
-    printf("%-40s %9.3f ms %8.1f GB/s (read+write)\n", "cudaMemcpy D2D", tc * 1e3,
-           8.0 * n / tc / 1e9);
+    double tc = per_call(reps, a, b, run_copy, NULL, &k);
+    printf("%-36s %8.3f ms %7.1f GB/s (read+write), %d back to back\n", "cudaMemcpy D2D", tc * 1e3,
+           8.0 * n / tc / 1e9, reps);
+    printf("%-36s %-30s | %-30s | %s\n", "", "encode: stream time per call",
+           "decode: stream time per call", "one call + synchronize");
     for (int s = 0; s < nspec; s++) {
         if (epipe_codec_create(&k.c, specs[s])) {
             fprintf(stderr, "%s: %s\n", specs[s], epipe_last_error());
@@ -165,13 +209,15 @@ int main(int argc, char **argv)
             CK(cudaHostAlloc((void **)&k.payload, k.cap, cudaHostAllocDefault));
         else
             CK(cudaMalloc((void **)&k.payload, k.cap));
-        double te = best_of(reps, a, b, run_encode, &k), td = best_of(reps, a, b, run_decode, &k);
-        if (isnan(te) || isnan(td))
+        double te = per_call(reps, a, b, enqueue_encode, sync_codec, &k);
+        double td = per_call(reps, a, b, enqueue_decode, sync_codec, &k);
+        double le = best_of(reps, a, b, run_encode, &k), ld = best_of(reps, a, b, run_decode, &k);
+        if (isnan(te) || isnan(td) || isnan(le) || isnan(ld))
             return 1;
-        printf("%-40s encode %8.3f ms %7.1f GB/s in %5.2fx copy | decode %8.3f ms %5.2fx copy | "
-               "%.2f bytes/value\n",
-               specs[s], te * 1e3, 4.0 * n / te / 1e9, tc / te, td * 1e3, tc / td,
-               (double)k.written / (double)n);
+        printf("%-36s %8.3f ms %6.1f GB/s %5.2fx | %8.3f ms %6.1f GB/s %5.2fx | enc %.3f dec %.3f "
+               "ms | %.2f B/value\n",
+               specs[s], te * 1e3, 4.0 * n / te / 1e9, tc / te, td * 1e3, 4.0 * n / td / 1e9,
+               tc / td, le * 1e3, ld * 1e3, (double)k.written / (double)n);
         if (host_payload)
             cudaFreeHost(k.payload);
         else

@@ -192,6 +192,83 @@ __device__ static inline void epipe_cuda_load_codes(const uint8_t *codes, uint64
     epipe_hd_unpack8_words(lo, hi, w, c);
 }
 
+/* Order-preserving keys of finite floats, for min/max by integer atomics
+ * (-0 and +0 are two keys: callers add 0.0f to the float they get back). */
+__device__ static inline uint32_t epipe_cuda_key(float f)
+{
+    uint32_t u = __float_as_uint(f);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+__device__ static inline float epipe_cuda_key_float(uint32_t k)
+{
+    return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k);
+}
+
+/* The smallest index of each kind of non-finite value, in the status. */
+__device__ static inline void epipe_cuda_note_nonfinite(epipe_cuda_status *st, float v,
+                                                        unsigned long long i)
+{
+    atomicMin(v != v ? &st->nan : v > 0 ? &st->pinf : &st->ninf, i);
+}
+
+/* Folds values first .. first+7 (those below n) into extent keys. */
+__device__ static inline void epipe_cuda_extent_add(const float v[8], uint64_t first, uint64_t n,
+                                                    uint32_t &lo, uint32_t &hi,
+                                                    epipe_cuda_status *st)
+{
+    for (unsigned i = 0; i < 8 && first + i < n; i++) {
+        if (!epipe_hd_finite(v[i])) {
+            epipe_cuda_note_nonfinite(st, v[i], first + i);
+            continue;
+        }
+        uint32_t k = epipe_cuda_key(v[i]);
+        lo = k < lo ? k : lo;
+        hi = k > hi ? k : hi;
+    }
+}
+
+/* The block's smallest lo and largest hi, valid in thread 0; every thread
+ * of the block must call it. */
+__device__ static inline void epipe_cuda_block_minmax(uint32_t &lo, uint32_t &hi)
+{
+    for (int o = 16; o; o >>= 1) {
+        uint32_t a = __shfl_down_sync(0xffffffffu, lo, o), b = __shfl_down_sync(0xffffffffu, hi, o);
+        lo = a < lo ? a : lo;
+        hi = b > hi ? b : hi;
+    }
+    __shared__ uint32_t slo[32], shi[32];
+    unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (!lane) {
+        slo[warp] = lo;
+        shi[warp] = hi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        unsigned nw = blockDim.x >> 5;
+        lo = lane < nw ? slo[lane] : 0xffffffffu;
+        hi = lane < nw ? shi[lane] : 0;
+        for (int o = 16; o; o >>= 1) {
+            uint32_t a = __shfl_down_sync(0xffffffffu, lo, o),
+                     b = __shfl_down_sync(0xffffffffu, hi, o);
+            lo = a < lo ? a : lo;
+            hi = b > hi ? b : hi;
+        }
+    }
+    __syncthreads(); /* slo, shi free for the next call */
+}
+
+/* ext[0] = smallest, ext[1] = largest key of the finite values of x (set
+ * them to 0xffffffff and 0 first); non-finite values go to the status.
+ * One atomic pair per block: same-address atomics from every warp cost
+ * more than the pass (cuda/quant.cu). */
+__global__ void epipe_cuda_extent(const float *x, uint64_t n, int vec, uint32_t *ext,
+                                  epipe_cuda_status *st);
+/* Its grid for n values. */
+static inline unsigned epipe_cuda_extent_blocks(uint64_t n)
+{
+    return epipe_cuda_blocks((n + 7) / 8, 256 * 16);
+}
+
 static inline int epipe_cuda_aligned16(const void *p)
 {
     return ((uintptr_t)p & 15u) == 0;

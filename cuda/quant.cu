@@ -3,18 +3,11 @@
  * byte-identical to the CPU by construction (codecs/inline/quant.h). */
 #include <stdio.h>
 
+#include <cooperative_groups.h>
+
 #include "cuda_impl.h"
 
-/* Order-preserving keys of finite floats, for atomicMin/atomicMax. */
-__device__ static uint32_t key_of(float f)
-{
-    uint32_t u = __float_as_uint(f);
-    return u & 0x80000000u ? ~u : u | 0x80000000u;
-}
-__device__ static float float_of(uint32_t k)
-{
-    return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k);
-}
+namespace cg = cooperative_groups;
 
 /* The quantizer's device table after the finalize kernel. */
 struct q_dev {
@@ -22,53 +15,35 @@ struct q_dev {
     float min, step, inv;
 };
 
-__device__ static void note_nonfinite(epipe_cuda_status *st, float v, unsigned long long i)
-{
-    unsigned long long *slot = v != v ? &st->nan : v > 0 ? &st->pinf : &st->ninf;
-    atomicMin(slot, i);
-}
-
-/* Extent of the finite values; non-finite ones go to the status word. */
-__global__ void q_extent(const float *x, uint64_t n, q_dev *t, epipe_cuda_status *st)
+__global__ void epipe_cuda_extent(const float *x, uint64_t n, int vec, uint32_t *ext,
+                                  epipe_cuda_status *st)
 {
     uint32_t lo = 0xffffffffu, hi = 0;
-    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
-         i += (uint64_t)gridDim.x * blockDim.x) {
-        float v = x[i];
-        if (!epipe_hd_finite(v)) {
-            note_nonfinite(st, v, i);
-            continue;
-        }
-        uint32_t k = key_of(v);
-        lo = k < lo ? k : lo;
-        hi = k > hi ? k : hi;
+    uint64_t groups = (n + 7) / 8;
+    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
+         g += (uint64_t)gridDim.x * blockDim.x) {
+        float v[8];
+        epipe_cuda_load8f(x, n, g, vec, v);
+        epipe_cuda_extent_add(v, g * 8, n, lo, hi, st);
     }
-    for (int o = 16; o; o >>= 1) {
-        uint32_t a = __shfl_down_sync(0xffffffffu, lo, o), b = __shfl_down_sync(0xffffffffu, hi, o);
-        lo = a < lo ? a : lo;
-        hi = b > hi ? b : hi;
+    epipe_cuda_block_minmax(lo, hi);
+    if (threadIdx.x == 0 && lo <= hi) {
+        atomicMin(&ext[0], lo);
+        atomicMax(&ext[1], hi);
     }
-    __shared__ uint32_t slo[32], shi[32];
-    unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (!lane) {
-        slo[warp] = lo;
-        shi[warp] = hi;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        unsigned nw = blockDim.x >> 5;
-        lo = lane < nw ? slo[lane] : 0xffffffffu;
-        hi = lane < nw ? shi[lane] : 0;
-        for (int o = 16; o; o >>= 1) {
-            uint32_t a = __shfl_down_sync(0xffffffffu, lo, o),
-                     b = __shfl_down_sync(0xffffffffu, hi, o);
-            lo = a < lo ? a : lo;
-            hi = b > hi ? b : hi;
-        }
-        if (!lane) {
-            atomicMin(&t->lo, lo);
-            atomicMax(&t->hi, hi);
-        }
+}
+
+/* The table as epipe_q_set_chunk() makes it, from the extent keys (an
+ * empty extent, lo > hi, makes the empty table). */
+__device__ static void table_of(uint32_t lo, uint32_t hi, float levels, float *min, float *step,
+                                float *inv)
+{
+    *min = *step = *inv = 0.0f;
+    if (lo <= hi) {
+        *min = epipe_cuda_key_float(lo) + 0.0f; /* -0 becomes +0 */
+        float max = epipe_cuda_key_float(hi) + 0.0f;
+        *step = epipe_hd_q_step(*min, max, levels);
+        *inv = *step > 0.0f ? 1.0f / *step : 0.0f;
     }
 }
 
@@ -79,17 +54,11 @@ __device__ static void put_f32(uint8_t *p, float f)
         p[i] = (uint8_t)(u >> (8 * i));
 }
 
-/* The table as epipe_q_set_chunk() makes it, and its 8 body bytes. With no
- * finite value (all were reported) the table is empty. */
+/* The table and its 8 body bytes. */
 __global__ void q_finalize(q_dev *t, float levels, uint8_t *body)
 {
-    float min = 0.0f, step = 0.0f, inv = 0.0f;
-    if (t->lo <= t->hi) {
-        min = float_of(t->lo) + 0.0f; /* -0 becomes +0 */
-        float max = float_of(t->hi) + 0.0f;
-        step = epipe_hd_q_step(min, max, levels);
-        inv = step > 0.0f ? 1.0f / step : 0.0f;
-    }
+    float min, step, inv;
+    table_of(t->lo, t->hi, levels, &min, &step, &inv);
     t->min = min;
     t->step = step;
     t->inv = inv;
@@ -129,10 +98,91 @@ __global__ void q_decode(const uint8_t *codes, uint64_t n, float min, float step
     }
 }
 
+/* Encode in one cooperative launch: each block folds the extent of its
+ * own range of groups, the grid meets, every block reduces the partial
+ * extents to the same table, and each block then packs its range back to
+ * front, so that its first reads are the ones it made last, most likely
+ * still in L2. */
+__global__ void __launch_bounds__(256)
+    q_encode_fused(const float *x, uint64_t n, int vec, float levels, unsigned w, uint8_t *body,
+                   uint64_t cb, uint32_t *part, epipe_cuda_status *st)
+{
+    cg::grid_group grid = cg::this_grid();
+    uint64_t groups = (n + 7) / 8;
+    uint64_t g0 = groups * blockIdx.x / gridDim.x, g1 = groups * (blockIdx.x + 1) / gridDim.x;
+    uint32_t lo = 0xffffffffu, hi = 0;
+    for (uint64_t g = g0 + threadIdx.x; g < g1; g += blockDim.x) {
+        float v[8];
+        epipe_cuda_load8f(x, n, g, vec, v);
+        epipe_cuda_extent_add(v, g * 8, n, lo, hi, st);
+    }
+    epipe_cuda_block_minmax(lo, hi);
+    if (threadIdx.x == 0) {
+        part[2 * blockIdx.x] = lo;
+        part[2 * blockIdx.x + 1] = hi;
+    }
+    grid.sync();
+    lo = 0xffffffffu;
+    hi = 0;
+    for (unsigned b = threadIdx.x; b < gridDim.x; b += blockDim.x) {
+        lo = part[2 * b] < lo ? part[2 * b] : lo;
+        hi = part[2 * b + 1] > hi ? part[2 * b + 1] : hi;
+    }
+    epipe_cuda_block_minmax(lo, hi);
+    __shared__ float tab[2];
+    if (threadIdx.x == 0) {
+        float step, inv;
+        table_of(lo, hi, levels, &tab[0], &step, &inv);
+        tab[1] = inv;
+        if (blockIdx.x == 0) {
+            put_f32(body, tab[0]);
+            put_f32(body + 4, step);
+        }
+    }
+    __syncthreads();
+    float min = tab[0], inv = tab[1];
+    uint8_t *codes = body + 8;
+    uint64_t count = g1 - g0;
+    for (int64_t r = threadIdx.x < count ? (int64_t)((count - 1 - threadIdx.x) / blockDim.x) : -1;
+         r >= 0; r--) {
+        uint64_t g = g0 + threadIdx.x + (uint64_t)r * blockDim.x;
+        float v[8];
+        uint32_t c[8];
+        epipe_cuda_load8f(x, n, g, vec, v);
+        for (unsigned i = 0; i < 8; i++)
+            c[i] = g * 8 + i < n ? epipe_hd_q_level(v[i], min, inv, levels) : 0u;
+        epipe_cuda_store_codes(c, w, g, codes, cb);
+    }
+}
+
 __global__ void q_init(q_dev *t)
 {
     t->lo = 0xffffffffu;
     t->hi = 0;
+}
+
+/* From this many values on, encode takes the one cooperative launch (the
+ * tests cover both paths: their tensors are on either side). */
+#define QUANT_FUSED_MIN (1u << 16)
+
+/* Blocks of q_encode_fused that are resident at once on `device` (what a
+ * cooperative launch may have), or 0 where it cannot launch; asked once
+ * per device. */
+static int fused_blocks(int device)
+{
+    static int cache[64]; /* 0: not asked; -1: none */
+    if (device < 0 || device >= 64)
+        return 0;
+    if (cache[device] == 0) {
+        int coop = 0, sms = 0, per = 0;
+        cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device);
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, q_encode_fused, 256, 0) !=
+            cudaSuccess)
+            cudaGetLastError(), per = 0;
+        cache[device] = coop && sms > 0 && per > 0 ? sms * per : -1;
+    }
+    return cache[device] > 0 ? cache[device] : 0;
 }
 
 static uint64_t code_bytes(uint64_t n, unsigned w)
@@ -152,13 +202,30 @@ static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     if ((rc = epipe_cuda_body_out(c, 0, 8 + cb, &d)) ||
         (rc = epipe_cuda_grow(c, &h->work[0], sizeof(q_dev), &tw)))
         return rc;
+    int vec = epipe_cuda_aligned16(x), blocks = fused_blocks(h->device);
+    if (n >= QUANT_FUSED_MIN && blocks > 0) {
+        void *part;
+        if ((rc = epipe_cuda_grow(c, &h->work[1], 2 * sizeof(uint32_t) * (size_t)blocks, &part)))
+            return rc;
+        uint8_t *b = (uint8_t *)d;
+        epipe_cuda_status *st = h->status;
+        void *args[] = {(void *)&x, (void *)&n,  (void *)&vec,  (void *)&levels, (void *)&w,
+                        (void *)&b, (void *)&cb, (void *)&part, (void *)&st};
+        if ((rc = epipe_cuda_check(
+                 c,
+                 cudaLaunchCooperativeKernel((const void *)q_encode_fused, blocks, 256, args, 0, s),
+                 "launching the quant kernel")))
+            return rc;
+        return epipe_cuda_body_flush(c, body, 0, d, 8 + cb);
+    }
     q_init<<<1, 1, 0, s>>>((q_dev *)tw);
     if (n)
-        q_extent<<<epipe_cuda_blocks(n, 256 * 8), 256, 0, s>>>(x, n, (q_dev *)tw, h->status);
+        epipe_cuda_extent<<<epipe_cuda_extent_blocks(n), 256, 0, s>>>(x, n, vec, (uint32_t *)tw,
+                                                                      h->status);
     q_finalize<<<1, 1, 0, s>>>((q_dev *)tw, levels, (uint8_t *)d);
     if (n)
         q_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, 0, s>>>(
-            x, n, epipe_cuda_aligned16(x), (const q_dev *)tw, levels, w, (uint8_t *)d + 8, cb);
+            x, n, vec, (const q_dev *)tw, levels, w, (uint8_t *)d + 8, cb);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the quant kernels")))
         return rc;
     return epipe_cuda_body_flush(c, body, 0, d, 8 + cb);

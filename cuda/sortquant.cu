@@ -15,16 +15,6 @@
 enum { SQ_BITS, SQ_SPLIT, SQ_MODE, SQ_SAMPLE }; /* as codecs/sortquant/sortquant.h */
 enum { SQ_MODE_EXACT, SQ_MODE_SAMPLE, SQ_MODE_FIT };
 
-__device__ static uint32_t sq_key(float f)
-{
-    uint32_t u = __float_as_uint(f);
-    return u & 0x80000000u ? ~u : u | 0x80000000u;
-}
-__device__ static float sq_float(uint32_t k)
-{
-    return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k);
-}
-
 __global__ void sq_gather(const float *x, uint64_t n, uint64_t m, float *out)
 {
     for (uint64_t k = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; k < m;
@@ -68,11 +58,11 @@ __global__ void sq_extent(const float *x, uint64_t n, unsigned k, sq_tab t, epip
          i += (uint64_t)gridDim.x * blockDim.x) {
         float v = x[i];
         if (!epipe_hd_finite(v)) {
-            atomicMin(v != v ? &st->nan : v > 0 ? &st->pinf : &st->ninf, (unsigned long long)i);
+            epipe_cuda_note_nonfinite(st, v, i);
             continue;
         }
         unsigned c = epipe_hd_q_chunk(bnd, k, v);
-        uint32_t key = sq_key(v);
+        uint32_t key = epipe_cuda_key(v);
         atomicMin(&lo[c], key);
         atomicMax(&hi[c], key);
     }
@@ -84,14 +74,81 @@ __global__ void sq_extent(const float *x, uint64_t n, unsigned k, sq_tab t, epip
         }
 }
 
+/* sq_extent for k <= 16 chunks: each thread keeps the k extents in
+ * registers (the chunk selects by compare, not by index), the block
+ * reduces them, and only the block's result meets an atomic. With k = 4
+ * the shared atomics of sq_extent serialise every value on four words. */
+template <unsigned K>
+__global__ void sq_extent_k(const float *x, uint64_t n, int vec, sq_tab t, epipe_cuda_status *st)
+{
+    __shared__ float bnd[K + 1];
+    for (unsigned j = threadIdx.x; j <= K; j += blockDim.x)
+        bnd[j] = t.bnd[j];
+    __syncthreads();
+    uint32_t lo[K], hi[K];
+#pragma unroll
+    for (unsigned q = 0; q < K; q++) {
+        lo[q] = 0xffffffffu;
+        hi[q] = 0;
+    }
+    uint64_t groups = (n + 7) / 8;
+    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
+         g += (uint64_t)gridDim.x * blockDim.x) {
+        float v[8];
+        epipe_cuda_load8f(x, n, g, vec, v);
+        for (unsigned i = 0; i < 8 && g * 8 + i < n; i++) {
+            if (!epipe_hd_finite(v[i])) {
+                atomicMin(v[i] != v[i] ? &st->nan
+                          : v[i] > 0   ? &st->pinf
+                                       : &st->ninf,
+                          (unsigned long long)(g * 8 + i));
+                continue;
+            }
+            unsigned c = epipe_hd_q_chunk(bnd, K, v[i]);
+            uint32_t key = epipe_cuda_key(v[i]);
+#pragma unroll
+            for (unsigned q = 0; q < K; q++)
+                if (q == c) {
+                    lo[q] = key < lo[q] ? key : lo[q];
+                    hi[q] = key > hi[q] ? key : hi[q];
+                }
+        }
+    }
+#pragma unroll
+    for (unsigned q = 0; q < K; q++) {
+        epipe_cuda_block_minmax(lo[q], hi[q]);
+        if (threadIdx.x == 0 && lo[q] <= hi[q]) {
+            atomicMin(&t.lo[q], lo[q]);
+            atomicMax(&t.hi[q], hi[q]);
+        }
+    }
+}
+
+/* The extent pass for k chunks on stream s. */
+static void sq_extent_launch(const float *x, uint64_t n, unsigned k, sq_tab t,
+                             epipe_cuda_status *st, cudaStream_t s)
+{
+    unsigned blocks = epipe_cuda_extent_blocks(n);
+    int vec = epipe_cuda_aligned16(x);
+    switch (k) {
+    case 1: sq_extent_k<1><<<blocks, 256, 0, s>>>(x, n, vec, t, st); return;
+    case 2: sq_extent_k<2><<<blocks, 256, 0, s>>>(x, n, vec, t, st); return;
+    case 4: sq_extent_k<4><<<blocks, 256, 0, s>>>(x, n, vec, t, st); return;
+    case 8: sq_extent_k<8><<<blocks, 256, 0, s>>>(x, n, vec, t, st); return;
+    case 16: sq_extent_k<16><<<blocks, 256, 0, s>>>(x, n, vec, t, st); return;
+    }
+    size_t sh = sizeof(uint32_t) * (3 * (size_t)k + 1);
+    sq_extent<<<epipe_cuda_blocks(n, 256 * 8), 256, sh, s>>>(x, n, k, t, st);
+}
+
 /* epipe_q_set_from_extent(): a chunk holding values spans [lo, hi]. */
 __global__ void sq_table(unsigned k, float levels, sq_tab t, uint8_t *body)
 {
     for (unsigned j = threadIdx.x; j < k; j += blockDim.x) {
         float min = 0.0f, step = 0.0f, inv = 0.0f;
         if (t.lo[j] <= t.hi[j]) {
-            min = sq_float(t.lo[j]) + 0.0f;
-            float max = sq_float(t.hi[j]) + 0.0f;
+            min = epipe_cuda_key_float(t.lo[j]) + 0.0f;
+            float max = epipe_cuda_key_float(t.hi[j]) + 0.0f;
             step = epipe_hd_q_step(min, max, levels);
             inv = step > 0.0f ? 1.0f / step : 0.0f;
         }
@@ -168,31 +225,6 @@ __global__ void sq_decode(const uint8_t *codes, uint64_t n, unsigned k, unsigned
 /* The tensor's extent as order keys: ext[0] the smallest, ext[1] the
  * largest finite value (ext[0] > ext[1]: none); non-finite values go to the
  * deferred status word. */
-__global__ void sq_minmax(const float *x, uint64_t n, uint32_t *ext, epipe_cuda_status *st)
-{
-    uint32_t lo = 0xffffffffu, hi = 0;
-    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
-         i += (uint64_t)gridDim.x * blockDim.x) {
-        float v = x[i];
-        if (!epipe_hd_finite(v)) {
-            atomicMin(v != v ? &st->nan : v > 0 ? &st->pinf : &st->ninf, (unsigned long long)i);
-            continue;
-        }
-        uint32_t key = sq_key(v);
-        lo = key < lo ? key : lo;
-        hi = key > hi ? key : hi;
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-        uint32_t a = __shfl_down_sync(0xffffffffu, lo, o), b = __shfl_down_sync(0xffffffffu, hi, o);
-        lo = a < lo ? a : lo;
-        hi = b > hi ? b : hi;
-    }
-    if ((threadIdx.x & 31u) == 0) {
-        atomicMin(&ext[0], lo);
-        atomicMax(&ext[1], hi);
-    }
-}
-
 __global__ void sq_minmax_init(uint32_t *ext)
 {
     ext[0] = 0xffffffffu;
@@ -230,7 +262,8 @@ static int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body
     uint32_t *ext = (uint32_t *)((char *)tw + ext_at), *hext = (uint32_t *)hw;
     float *smp = (float *)sw, *hsmp = (float *)(hext + 2);
     sq_minmax_init<<<1, 1, 0, s>>>(ext);
-    sq_minmax<<<epipe_cuda_blocks(n, 256 * 8), 256, 0, s>>>(x, n, ext, h->status);
+    epipe_cuda_extent<<<epipe_cuda_extent_blocks(n), 256, 0, s>>>(x, n, epipe_cuda_aligned16(x),
+                                                                  ext, h->status);
     if (m < n)
         sq_gather<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the extent kernels")) ||
@@ -274,9 +307,9 @@ static int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body
              c, cudaMemcpyAsync(dt.inv, t.inv, sizeof(float) * t.k, cudaMemcpyHostToDevice, s),
              "copying the table to the device")))
         return rc;
-    sq_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * (3 * (size_t)t.k + 1),
-                   s>>>(x, n, epipe_cuda_aligned16(x), t.k, t.q, t.levels, bits, dt, (uint8_t *)d,
-                        cb);
+    sq_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256 * 4), 256,
+                   sizeof(float) * (3 * (size_t)t.k + 1), s>>>(
+        x, n, epipe_cuda_aligned16(x), t.k, t.q, t.levels, bits, dt, (uint8_t *)d, cb);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant pack kernel")))
         return rc;
     return epipe_cuda_body_flush(c, body, codes_at, d, cb);
@@ -310,8 +343,8 @@ __global__ void sqx_keys(const float *x, uint64_t n, uint32_t *key, uint32_t *id
          i += (uint64_t)gridDim.x * blockDim.x) {
         float v = x[i];
         if (!epipe_hd_finite(v))
-            atomicMin(v != v ? &st->nan : v > 0 ? &st->pinf : &st->ninf, (unsigned long long)i);
-        key[i] = sq_key(v + 0.0f);
+            epipe_cuda_note_nonfinite(st, v, i);
+        key[i] = epipe_cuda_key(v + 0.0f);
         idx[i] = (uint32_t)i;
     }
 }
@@ -497,12 +530,11 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
                  "sorting the sample")))
             return rc;
         sq_bounds<<<1, tpb, 0, s>>>(sorted, m, k, t);
-        size_t sh = sizeof(uint32_t) * (3 * (size_t)k + 1);
-        sq_extent<<<epipe_cuda_blocks(n, 256 * 8), 256, sh, s>>>(x, n, k, t, h->status);
+        sq_extent_launch(x, n, k, t, h->status, s);
     }
     sq_table<<<1, tpb, 0, s>>>(k, levels, t, (uint8_t *)d);
     if (n)
-        sq_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256,
+        sq_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256 * 4), 256,
                        sizeof(float) * (3 * (size_t)k + 1), s>>>(
             x, n, epipe_cuda_aligned16(x), k, q, levels, bits, t, (uint8_t *)d + tb, cb);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the sortquant kernels")))

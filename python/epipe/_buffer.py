@@ -1,5 +1,5 @@
 """Addresses of Python buffers (bytes, bytearray, memoryview, NumPy arrays,
-contiguous CPU torch tensors) for one C call, without copying them."""
+contiguous CPU or CUDA torch tensors) for one C call, without copying them."""
 import ctypes
 
 try:
@@ -48,8 +48,10 @@ class Buffer:
     def __enter__(self):
         obj = self.obj
         if torch is not None and isinstance(obj, torch.Tensor):
-            if obj.device.type != "cpu" or not obj.is_contiguous():
-                raise TypeError("a byte buffer tensor must be a contiguous CPU tensor")
+            # a CUDA tensor is a payload in device memory, which the library
+            # takes with CUDA tensors (it refuses it with CPU tensors)
+            if obj.device.type not in ("cpu", "cuda") or not obj.is_contiguous():
+                raise TypeError("a byte buffer tensor must be a contiguous CPU or CUDA tensor")
             return obj.data_ptr(), obj.numel() * obj.element_size()
         self.view = _Py_buffer()
         flags = _PyBUF_WRITABLE if self.writable else _PyBUF_SIMPLE

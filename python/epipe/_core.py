@@ -131,9 +131,37 @@ class Codec(_Handle):
                     "epipe_codec_encode")
         return written.value
 
+    def _follow_stream(self, tensor):
+        """A CUDA tensor: the codec's work goes on torch's current stream
+        for the tensor's device, so that it is ordered after the work that
+        made the tensor and before what reads the result, as a torch op
+        would be. Nothing for a CPU tensor."""
+        dev = getattr(tensor, "device", None)
+        if dev is None or dev.type != "cuda":
+            return
+        import torch
+
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        if getattr(self, "_stream", None) != stream:
+            self._check(lib.epipe_codec_set_stream(self._handle(), ctypes.c_void_p(stream)),
+                        "epipe_codec_set_stream")
+            self._stream = stream
+
+    def synchronize(self):
+        """Waits for the codec's CUDA work and reports what it deferred (a
+        non-finite input value to a quantizer); nothing to do for CPU
+        tensors."""
+        self._check(lib.epipe_codec_synchronize(self._handle()), "epipe_codec_synchronize")
+
     def encode(self, tensor, out=None):
-        """Encodes a CPU tensor (fp32, fp16 or bf16, any strides), read in
-        place through DLPack.
+        """Encodes a tensor (fp32, fp16 or bf16; on the CPU any strides, on
+        CUDA dense), read in place through DLPack.
+
+        A CUDA tensor is encoded on its device, asynchronously on torch's
+        current stream, into a CUDA uint8 tensor (returned, the written
+        prefix) unless `out` says otherwise (a CUDA uint8 tensor, or host
+        memory, which makes the call wait); a non-finite value surfaces at
+        synchronize().
 
         Without `out`: returns the payload as a new ``bytes`` (one copy of
         the payload out of the codec's reused buffer; use `out` or
@@ -143,6 +171,14 @@ class Codec(_Handle):
         it and a memoryview of the written prefix is returned; nothing is
         allocated or copied. Error EPIPE_ENOSPC names the size needed when
         out is too small."""
+        cuda = getattr(tensor, "device", None) is not None and tensor.device.type == "cuda"
+        if cuda:
+            self._follow_stream(tensor)
+            if out is None:
+                import torch
+
+                out = torch.empty(self.max_encoded_size(tensor), dtype=torch.uint8,
+                                  device=tensor.device)
         if out is None:
             return bytes(self.encode_view(tensor))
         v = DLView(tensor)
@@ -186,17 +222,22 @@ class Codec(_Handle):
         n = self._encode_at(v, h, ctypes.addressof(self._scratch_pin), len(buf))
         return memoryview(buf)[:n].toreadonly()
 
-    def decode(self, payload, out=None, *, shape=None, dtype=None):
-        """Decodes payload (bytes, bytearray, memoryview or any contiguous
-        buffer, read in place) into `out` (a writable CPU tensor, written in
-        place through DLPack, returned), or into a new torch tensor of
-        `shape` and `dtype` (default torch.float32)."""
+    def decode(self, payload, out=None, *, shape=None, dtype=None, device=None):
+        """Decodes payload (bytes, bytearray, memoryview, any contiguous
+        buffer, or a CUDA uint8 tensor; read in place) into `out` (a
+        writable tensor, written in place through DLPack, returned), or into
+        a new torch tensor of `shape`, `dtype` (default torch.float32) and
+        `device` (default: the payload's, so a CUDA payload decodes on its
+        GPU). Decoding into a CUDA tensor runs on torch's current stream."""
         if out is None:
             import torch
 
             if shape is None:
                 raise TypeError("decode needs out= or shape=")
-            out = torch.empty(shape, dtype=dtype or torch.float32)
+            if device is None and isinstance(payload, torch.Tensor):
+                device = payload.device
+            out = torch.empty(shape, dtype=dtype or torch.float32, device=device)
+        self._follow_stream(out)
         v = DLView(out)
         with Buffer(payload, False) as (addr, size):
             self._check(lib.epipe_codec_decode(self._handle(), addr, size, v.ptr),

@@ -289,6 +289,8 @@ _PROTOS = {
     "epipe_codec_max_encoded_size": (_int, [_vp, _dlp, ctypes.POINTER(_sz)]),
     "epipe_codec_encode": (_int, [_vp, _dlp, _vp, _sz, ctypes.POINTER(_sz)]),
     "epipe_codec_decode": (_int, [_vp, _vp, _sz, _dlp]),
+    "epipe_codec_set_stream": (_int, [_vp, _vp]),
+    "epipe_codec_synchronize": (_int, [_vp]),
     # comm.h
     "epipe_comm_create": (_int, [_pp, _cs, _uint, _uint, _cs, _uint, _cs]),
     "epipe_comm_create_inproc": (_int, [_pp, _uint]),

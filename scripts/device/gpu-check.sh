@@ -34,10 +34,19 @@ specs="none cast:dtype=fp16 cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:
 step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
 # shellcheck disable=SC2086
 step bench-codec-host "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --payload host $specs
+# The Python binding on CUDA tensors (torch is on the device machine)
+step python-cuda "${GPU_CHECK_PYTHON_S:-120}" env PYTHONPATH="$PWD/python" \
+    EPIPE_LIBRARY="$B/lib/libepipe.so.0" PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q \
+    -p no:cacheprovider python/tests/test_cuda.py python/tests/test_codec.py
+# GPU_CHECK_PROFILE=1: each kernel's time in one encode and decode (ncu)
+if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
+    step profile 120 ncu --csv --metrics gpu__time_duration.sum "$B/cuda/epipe-bench-cuda" \
+        --reps 1 quant:bits=8 sortquant:bits=8,mode=sample sortquant:bits=8
+fi
 step bench-prototype "${GPU_CHECK_PROTO_S:-60}" python3 tools/torch/bench_sortquant_prototype.py
 if command -v compute-sanitizer >/dev/null; then
     export EPIPE_GPU_TEST_QUICK=1
-    for tool in memcheck racecheck; do
+    for tool in ${GPU_CHECK_SANITIZERS:-memcheck racecheck}; do
         step "sanitizer-$tool" "${GPU_CHECK_SANITIZER_S:-75}" compute-sanitizer --tool "$tool" \
             --error-exitcode 1 "$B/tests/gpu/test_gpu_codecs"
     done
