@@ -544,9 +544,57 @@ static void cuda_release(epipe_codec *c)
     c->cuda = NULL;
 }
 
+/* ---- device memory for the stage runtime ------------------------------------ */
+
+static int device_ok(int device, char *why, size_t cap)
+{
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || device < 0 || device >= count) {
+        snprintf(why, cap, "CUDA device %d does not exist (this machine has %d)", device,
+                 e == cudaSuccess ? count : 0);
+        return EPIPE_EINVAL;
+    }
+    return EPIPE_OK;
+}
+
+static int dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
+{
+    int rc = device_ok(device, why, cap);
+    if (rc)
+        return rc;
+    int prev = -1;
+    cudaGetDevice(&prev);
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess)
+        e = cudaMalloc(p, bytes ? bytes : 1);
+    if (prev >= 0)
+        cudaSetDevice(prev);
+    if (e == cudaSuccess)
+        return EPIPE_OK;
+    cudaGetLastError();
+    snprintf(why, cap, "allocating %zu bytes on CUDA device %d: %s", bytes, device,
+             cudaGetErrorString(e));
+    return e == cudaErrorMemoryAllocation ? EPIPE_ENOMEM : EPIPE_EIO;
+}
+
+static void dev_free(void *p)
+{
+    cudaFree(p);
+}
+
+static int dev_copy(void *dst, const void *src, size_t bytes, char *why, size_t cap)
+{
+    cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
+    if (e == cudaSuccess)
+        return EPIPE_OK;
+    snprintf(why, cap, "copying %zu bytes of a CUDA tensor: %s", bytes, cudaGetErrorString(e));
+    return EPIPE_EIO;
+}
+
 static const epipe_cuda_module module = {
-    EPIPE_CUDA_ABI, cuda_probe,  cuda_backend, cuda_check,       locate,
-    cuda_peek,      cuda_encode, cuda_decode,  cuda_synchronize, cuda_release,
+    EPIPE_CUDA_ABI, cuda_probe, cuda_backend, cuda_check, locate,   cuda_peek,        cuda_encode,
+    cuda_decode,    device_ok,  dev_alloc,    dev_free,   dev_copy, cuda_synchronize, cuda_release,
 };
 
 extern "C" __attribute__((visibility("default"))) int

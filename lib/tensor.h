@@ -23,6 +23,12 @@ int epipe_tensor_inspect(const DLTensor *t, const char *what, char *handle_msg, 
 int epipe_tensor_inspect_on(const DLTensor *t, const char *what, char *handle_msg, uint64_t *numel,
                             enum epipe_dtype *dtype, int cuda_ok);
 
+/* True for a tensor in CUDA device (or managed) memory. */
+static inline bool epipe_tensor_is_cuda(const DLTensor *t)
+{
+    return t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged;
+}
+
 /* Bytes per element of a dtype. */
 size_t epipe_dtype_size(enum epipe_dtype d);
 const char *epipe_dtype_name(enum epipe_dtype d);

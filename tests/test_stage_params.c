@@ -5,6 +5,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -33,6 +34,7 @@ static void knobs_read_back(void **state)
     assert_int_equal(get(st, EPIPE_STAGE_CODEC_THREADS), 1);
     assert_int_equal(get(st, EPIPE_STAGE_BATCH_SIZE), 0);
     assert_int_equal(get(st, EPIPE_STAGE_TRAINING), 1);
+    assert_int_equal(get(st, EPIPE_STAGE_CUDA_DEVICE), -1);
 
     /* What was set. */
     assert_int_equal(epipe_stage_set_param(st, EPIPE_STAGE_TIMEOUT_MS, 1234), EPIPE_OK);
@@ -75,11 +77,37 @@ static void bad_arguments_are_refused(void **state)
     epipe_comm_destroy(comms[1]);
 }
 
+/* EPIPE_STAGE_CUDA_DEVICE: out of range is refused; a CUDA device where
+ * the backend cannot run is refused as unsupported, naming what is missing
+ * (the module here: the GPU machine's run checks the rest,
+ * tests/gpu/test_gpu_stage.cu), and the knob stays at host memory. */
+static void cuda_device_without_cuda(void **state)
+{
+    (void)state;
+    epipe_comm *comms[2];
+    epipe_stage *st;
+    assert_int_equal(epipe_comm_create_inproc(comms, 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&st, comms[1], "1f1b", 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, -2), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_stage_last_error(st), "EPIPE_STAGE_CUDA_DEVICE = -2"));
+    setenv("EPIPE_CUDA_MODULE", "/nonexistent/libepipe-cuda.so", 1);
+    assert_int_equal(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0), EPIPE_ENOTSUP);
+    assert_non_null(strstr(epipe_stage_last_error(st), "/nonexistent/libepipe-cuda.so"));
+    assert_non_null(strstr(epipe_stage_last_error(st), "no module"));
+    unsetenv("EPIPE_CUDA_MODULE");
+    assert_int_equal(get(st, EPIPE_STAGE_CUDA_DEVICE), -1);
+    assert_int_equal(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, -1), EPIPE_OK);
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(comms[0]);
+    epipe_comm_destroy(comms[1]);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(knobs_read_back),
         cmocka_unit_test(bad_arguments_are_refused),
+        cmocka_unit_test(cuda_device_without_cuda),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

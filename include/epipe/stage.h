@@ -130,7 +130,18 @@ typedef enum epipe_stage_param {
      * inference): no backward op, no gradient crosses, and a received
      * activation is lent only until the next op. Every stage must switch
      * for the same steps. Only between steps (EPIPE_ESTATE otherwise). */
-    EPIPE_STAGE_TRAINING = 4
+    EPIPE_STAGE_TRAINING = 4,
+    /* Where received tensors live. -1 (the default): host memory. d >= 0:
+     * the memory of CUDA device d, decoded there by the boundary's codecs
+     * (EPIPE_ENOTSUP, naming what is missing, without the CUDA backend, a
+     * driver or a device; EPIPE_EINVAL for a device that does not exist).
+     * Sent tensors may be CPU or CUDA tensors either way (each boundary's
+     * codec handles keep to the device of their first tensor). With CUDA
+     * tensors a send returns once the payload is in host memory and a
+     * receive once the tensor is decoded, so both may be used from any
+     * stream; the codecs run on the legacy default stream. Only between
+     * steps (EPIPE_ESTATE otherwise). */
+    EPIPE_STAGE_CUDA_DEVICE = 5
 } epipe_stage_param;
 
 EPIPE_API int epipe_stage_set_param(epipe_stage *stage, epipe_stage_param param, int64_t value);
@@ -230,7 +241,9 @@ EPIPE_EXPERIMENTAL int epipe_stage_codec_sgd_step(epipe_stage *stage, double lr,
  * host may keep it for autograd without a copy. A received gradient stays
  * valid until the next epipe_stage_next_op(). A tensor the host sends is
  * encoded (or copied) before the send returns; the host may reuse it at
- * once. Sent tensors: fp32, fp16 or bf16, on the CPU, any strides. Each
+ * once. Sent tensors: fp32, fp16 or bf16, on the CPU (any strides) or on
+ * a CUDA device (dense; EPIPE_STAGE_CUDA_DEVICE says where received
+ * tensors go). Each
  * micro-batch may send its own shape on a boundary (variable sequence
  * lengths): the receiver gets the shape with the message. A gradient sent
  * back must have the shape and dtype of the activation received for that

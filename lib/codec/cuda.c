@@ -62,8 +62,10 @@ static void module_path(char *out, size_t cap)
     snprintf(out, cap, "%s", EPIPE_CUDA_MODULE_PATH);
 }
 
-/* The module, loaded now if need be; EPIPE_ENOTSUP naming what is missing. */
-static int module_get(epipe_codec *c, const char *what, const epipe_cuda_module **out)
+/* The module, loaded now if need be, and a usable device: else
+ * EPIPE_ENOTSUP with `why` naming what is missing (no module, no driver,
+ * no device), prefixed by `what`. */
+static int module_load(const char *what, char *why, size_t cap, const epipe_cuda_module **out)
 {
     char path[1024];
     module_path(path, sizeof path);
@@ -74,10 +76,9 @@ static int module_get(epipe_codec *c, const char *what, const epipe_cuda_module 
         if (!so) {
             const char *e = dlerror();
             pthread_mutex_unlock(&lock);
-            return epipe_codec_fail(c, EPIPE_ENOTSUP,
-                                    "%s is a CUDA tensor, but the CUDA module %s could not be "
-                                    "loaded (no module): %s",
-                                    what, path, e ? e : "dlopen failed");
+            snprintf(why, cap, "%s, but the CUDA module %s could not be loaded (no module): %s",
+                     what, path, e ? e : "dlopen failed");
+            return EPIPE_ENOTSUP;
         }
         epipe_cuda_init_fn init;
         *(void **)&init = dlsym(so, EPIPE_CUDA_INIT_SYMBOL);
@@ -86,24 +87,62 @@ static int module_get(epipe_codec *c, const char *what, const epipe_cuda_module 
         if (rc || !m || m->abi != EPIPE_CUDA_ABI) {
             dlclose(so);
             pthread_mutex_unlock(&lock);
-            return epipe_codec_fail(
-                c, EPIPE_ENOTSUP,
-                "%s is a CUDA tensor, but %s is not a CUDA module of this "
-                "libepipe build (%s)",
-                what, path, init ? "its interface version differs" : "no " EPIPE_CUDA_INIT_SYMBOL);
+            snprintf(why, cap, "%s, but %s is not a CUDA module of this libepipe build (%s)", what,
+                     path, init ? "its interface version differs" : "no " EPIPE_CUDA_INIT_SYMBOL);
+            return EPIPE_ENOTSUP;
         }
         loaded = m;
         snprintf(loaded_path, sizeof loaded_path, "%s", path);
     }
     const epipe_cuda_module *m = loaded;
-    char why[200];
-    int probed = m->probe(why, sizeof why); /* under the lock: it caches */
+    char probe[200];
+    int probed = m->probe(probe, sizeof probe); /* under the lock: it caches */
     pthread_mutex_unlock(&lock);
-    if (probed)
-        return epipe_codec_fail(c, EPIPE_ENOTSUP, "%s is a CUDA tensor, but there is %s", what,
-                                why);
+    if (probed) {
+        snprintf(why, cap, "%s, but there is %s", what, probe);
+        return EPIPE_ENOTSUP;
+    }
     *out = m;
     return EPIPE_OK;
+}
+
+/* module_load() for a codec call: the message on the handle. */
+static int module_get(epipe_codec *c, const char *what, const epipe_cuda_module **out)
+{
+    char head[64], why[1400];
+    snprintf(head, sizeof head, "%s is a CUDA tensor", what);
+    int rc = module_load(head, why, sizeof why, out);
+    return rc ? epipe_codec_fail(c, rc, "%s", why) : EPIPE_OK;
+}
+
+int epipe_cuda_device_ok(int device, char *why, size_t cap)
+{
+    const epipe_cuda_module *m;
+    int rc = module_load("CUDA tensors were asked for", why, cap, &m);
+    return rc ? rc : m->device_ok(device, why, cap);
+}
+
+int epipe_cuda_dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
+{
+    const epipe_cuda_module *m;
+    int rc = module_load("a CUDA tensor was asked for", why, cap, &m);
+    return rc ? rc : m->alloc(device, bytes, p, why, cap);
+}
+
+void epipe_cuda_dev_free(void *p)
+{
+    pthread_mutex_lock(&lock);
+    const epipe_cuda_module *m = loaded;
+    pthread_mutex_unlock(&lock);
+    if (m && p) /* device memory exists only if a module made it */
+        m->free(p);
+}
+
+int epipe_cuda_dev_copy(void *dst, const void *src, size_t bytes, char *why, size_t cap)
+{
+    const epipe_cuda_module *m;
+    int rc = module_load("a CUDA tensor is copied", why, cap, &m);
+    return rc ? rc : m->copy(dst, src, bytes, why, cap);
 }
 
 const epipe_codec_backend *epipe_codec_cuda_loaded_backend(const epipe_codec_ops *ops)

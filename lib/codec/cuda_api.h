@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 3
+#define EPIPE_CUDA_ABI 4
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
@@ -83,6 +83,14 @@ typedef struct epipe_cuda_module {
      * peek where the payload is device memory) and its length is exact. */
     int (*decode)(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload, size_t len,
                   uint64_t n, DLTensor *dst, enum epipe_dtype dt);
+    /* Device memory for the stage's received tensors: EPIPE_OK when CUDA
+     * device `device` exists (else EPIPE_EINVAL with `why`); alloc of
+     * `bytes` (> 0) on it, free, and a synchronous copy of any direction
+     * (cudaMemcpyDefault). Errors as a status with `why`. */
+    int (*device_ok)(int device, char *why, size_t cap);
+    int (*alloc)(int device, size_t bytes, void **p, char *why, size_t cap);
+    void (*free)(void *p);
+    int (*copy)(void *dst, const void *src, size_t bytes, char *why, size_t cap);
     /* Waits for the handle's stream; the first deferred error since the
      * last call, or a CUDA error, as a status with the message on c. */
     int (*synchronize)(epipe_codec *c);

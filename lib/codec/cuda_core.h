@@ -30,6 +30,13 @@ int epipe_codec_cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const
 int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr);
 /* 1 when a CUDA module is loaded and says p is device memory. */
 int epipe_codec_cuda_is_device_memory(const void *p);
+/* Device memory for the stage runtime, through the CUDA module (loaded
+ * on first use): each fails with a status and a message in `why`
+ * (EPIPE_ENOTSUP naming what is missing where there is no CUDA backend). */
+int epipe_cuda_device_ok(int device, char *why, size_t cap);
+int epipe_cuda_dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap);
+void epipe_cuda_dev_free(void *p);
+int epipe_cuda_dev_copy(void *dst, const void *src, size_t bytes, char *why, size_t cap);
 /* Frees the module's per-handle state (epipe_codec_destroy). */
 void epipe_codec_cuda_release(epipe_codec *c);
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../codec/codec_internal.h"
+#include "../codec/cuda_core.h"
 #include "../tensor.h"
 #include "stage_impl.h"
 
@@ -16,7 +17,7 @@ static int through_codecs(epipe_stage *st, epipe_codec *enc, epipe_codec *dec, u
 {
     uint64_t n;
     enum epipe_dtype dt;
-    int rc = epipe_tensor_inspect(t, what, NULL, &n, &dt);
+    int rc = epipe_tensor_inspect_on(t, what, NULL, &n, &dt, 1);
     size_t cap, len;
     if (rc == EPIPE_OK)
         rc = epipe_codec_size_checked(enc, t, n, &cap);
@@ -31,12 +32,16 @@ static int through_codecs(epipe_stage *st, epipe_codec *enc, epipe_codec *dec, u
     epipe_codec_set_param(enc, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
     double t0 = now();
     rc = epipe_codec_encode_checked(enc, t, n, dt, st->scratch, cap, &len);
+    if (rc == EPIPE_OK && epipe_tensor_is_cuda(t))
+        rc = epipe_codec_synchronize(enc);
     double t1 = now();
     st->st.encode_seconds += t1 - t0;
     if (rc)
         return fail(st, rc, "encoding the %s of micro-batch %u: %s", what, mb,
                     epipe_codec_last_error(enc));
     rc = epipe_codec_decode(dec, st->scratch, len, &slot->t);
+    if (rc == EPIPE_OK && slot->on_cuda)
+        rc = epipe_codec_synchronize(dec);
     st->st.decode_seconds += now() - t1;
     if (rc)
         return fail(st, rc, "decoding the %s of micro-batch %u: %s", what, mb,
@@ -66,8 +71,16 @@ int epipe_stage_hand_over(epipe_stage *st, struct chunk *c, unsigned mb, int dir
         size_t bytes = (size_t)(t->dtype.bits / 8);
         for (int d = 0; d < t->ndim; d++)
             bytes *= (size_t)t->shape[d];
-        if (bytes)
-            memcpy(slot->buf, (const char *)t->data + t->byte_offset, bytes);
+        const char *from = (const char *)t->data + t->byte_offset;
+        char why[1400];
+        if (bytes && (slot->on_cuda || epipe_tensor_is_cuda(t))) {
+            if ((rc = epipe_cuda_dev_copy(slot->buf, from, bytes, why, sizeof why))) {
+                slot->t.data = NULL;
+                return fail(st, rc, "handing over the %s of micro-batch %u: %s", what, mb, why);
+            }
+        } else if (bytes) {
+            memcpy(slot->buf, from, bytes);
+        }
     } else if ((rc = through_codecs(st, enc, dec, mb, t, slot, what)) ||
                (delta && (rc = epipe_stage_samples_after_decode(st, to, dec, mb)))) {
         slot->t.data = NULL;

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../codec/codec_internal.h"
+#include "../codec/cuda_core.h"
 #include "../codec/payload.h"
 #include "../tensor.h"
 #include "stage_impl.h"
@@ -239,7 +240,20 @@ int epipe_stage_lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim, co
             return fail(st, EPIPE_EOVERFLOW, "a %d-dimensional tensor is too large to hold", ndim);
         n *= (size_t)shape[d];
     }
-    if (lt->cap < n * esz) {
+    int cuda = st->cuda_device >= 0;
+    if (lt->buf && (lt->on_cuda != cuda || (cuda && lt->device != st->cuda_device)))
+        epipe_stage_lent_free(lt); /* EPIPE_STAGE_CUDA_DEVICE moved it */
+    if (lt->cap < n * esz && cuda) {
+        /* cudaMalloc does not keep contents; the decode writes them all */
+        char why[1400];
+        void *p = NULL;
+        epipe_stage_lent_free(lt);
+        int rc = epipe_cuda_dev_alloc(st->cuda_device, n * esz, &p, why, sizeof why);
+        if (rc)
+            return fail(st, rc, "a %zu-byte tensor on CUDA device %d: %s", n * esz, st->cuda_device,
+                        why);
+        lt->buf = p, lt->cap = n * esz, lt->on_cuda = 1, lt->device = st->cuda_device;
+    } else if (lt->cap < n * esz) {
         void *p = realloc(lt->buf, n * esz > 0 ? n * esz : 1);
         if (!p)
             return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte tensor", n * esz);
@@ -247,7 +261,8 @@ int epipe_stage_lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim, co
     }
     memset(&lt->t, 0, sizeof lt->t);
     lt->t.data = lt->buf;
-    lt->t.device.device_type = kDLCPU;
+    lt->t.device.device_type = lt->on_cuda ? kDLCUDA : kDLCPU;
+    lt->t.device.device_id = lt->on_cuda ? lt->device : 0;
     lt->t.ndim = ndim;
     lt->t.shape = lt->shape;
     memcpy(lt->shape, shape, sizeof(int64_t) * (size_t)ndim);
@@ -347,6 +362,8 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     if (dir == DIR_ACT && epipe_codec_trainable(codec))
         epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
     rc = epipe_codec_decode(codec, msg->data + h->header_len, (size_t)h->payload_len, &lt->t);
+    if (rc == EPIPE_OK && lt->on_cuda) /* usable from any stream when the call returns */
+        rc = epipe_codec_synchronize(codec);
     double t2 = now();
     st->st.decode_seconds += t2 - t1;
     if (st->tracing)
@@ -509,6 +526,8 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);
     double t0 = now();
     rc = epipe_codec_encode_checked(codec, t, n, dt, epipe_msg_payload(msg), cap, &len);
+    if (rc == EPIPE_OK && epipe_tensor_is_cuda(t)) /* the payload complete, its errors known */
+        rc = epipe_codec_synchronize(codec);
     double t1 = now();
     st->st.encode_seconds += t1 - t0;
     if (st->tracing)
@@ -558,7 +577,10 @@ int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
     struct chunk *c = &st->ch[st->cur.chunk];
     uint64_t n;
     enum epipe_dtype dt;
-    if ((rc = epipe_tensor_inspect(t, dir == DIR_ACT ? "activation" : "gradient", NULL, &n, &dt)))
+    /* CUDA tensors too: the boundary's codecs take them (or refuse them
+     * by name where the CUDA backend is missing) */
+    if ((rc = epipe_tensor_inspect_on(t, dir == DIR_ACT ? "activation" : "gradient", NULL, &n, &dt,
+                                      1)))
         return fail(st, rc, "%s", epipe_last_error());
     if ((rc = check_sent(st, c, dir, t, mb)))
         return rc;

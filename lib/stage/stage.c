@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../codec/codec_internal.h"
+#include "../codec/cuda_core.h"
 #include "stage_impl.h"
 
 /* ---- create, configure, destroy ---------------------------------------- */
@@ -129,6 +130,7 @@ static epipe_stage *stage_new(epipe_comm *comm, unsigned microbatches)
     st->timeout_ms = 0; /* until EPIPE_STAGE_TIMEOUT_MS: the communicator's, at each receive */
     st->codec_threads = 1;
     st->training = 1;
+    st->cuda_device = -1;
     return st;
 }
 
@@ -239,10 +241,21 @@ int epipe_stage_create_raw(epipe_stage **out, epipe_comm *comm, unsigned microba
     return EPIPE_OK;
 }
 
+void epipe_stage_lent_free(struct lent_tensor *lt)
+{
+    if (lt->on_cuda)
+        epipe_cuda_dev_free(lt->buf);
+    else
+        free(lt->buf);
+    lt->buf = NULL;
+    lt->cap = 0;
+    lt->on_cuda = 0;
+}
+
 static void free_lent(struct lent_tensor *lt, unsigned n)
 {
     for (unsigned i = 0; lt && i < n; i++)
-        free(lt[i].buf);
+        epipe_stage_lent_free(&lt[i]);
     free(lt);
 }
 
@@ -262,8 +275,8 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
         free(c->fstep);
         free(c->fversion);
         free(c->grad_ready);
-        free(c->code_in.buf);
-        free(c->code_out.buf);
+        epipe_stage_lent_free(&c->code_in);
+        epipe_stage_lent_free(&c->code_out);
         epipe_codec_destroy(c->enc_act);
         epipe_codec_destroy(c->dec_act);
         epipe_codec_destroy(c->enc_grad);
@@ -271,7 +284,7 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
     }
     free(st->ch);
     epipe_trace_close(st->trace);
-    free(st->grad_in.buf);
+    epipe_stage_lent_free(&st->grad_in);
     free(st->scratch);
     free(st->eval_ops);
     free(st->raw_ops);
@@ -411,6 +424,21 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
                         st->kind);
         st->training = (int)value;
         return EPIPE_OK;
+    case EPIPE_STAGE_CUDA_DEVICE: {
+        if (value < -1 || value > 65535)
+            return fail(st, EPIPE_EINVAL,
+                        "EPIPE_STAGE_CUDA_DEVICE = %lld: use -1 (host memory) or a CUDA device "
+                        "index",
+                        (long long)value);
+        if (st->in_step)
+            return fail(st, EPIPE_ESTATE, "EPIPE_STAGE_CUDA_DEVICE can only change between steps");
+        char why[1400];
+        int rc = value >= 0 ? epipe_cuda_device_ok((int)value, why, sizeof why) : EPIPE_OK;
+        if (rc)
+            return fail(st, rc, "EPIPE_STAGE_CUDA_DEVICE = %lld: %s", (long long)value, why);
+        st->cuda_device = (int)value;
+        return EPIPE_OK;
+    }
     }
     return fail(st, EPIPE_EINVAL, "unknown stage parameter %d", (int)param);
 }
@@ -426,6 +454,7 @@ EPIPE_API int epipe_stage_get_param(const epipe_stage *st, epipe_stage_param par
     case EPIPE_STAGE_CODEC_THREADS: *value = (int64_t)st->codec_threads; return EPIPE_OK;
     case EPIPE_STAGE_BATCH_SIZE: *value = st->batch; return EPIPE_OK;
     case EPIPE_STAGE_TRAINING: *value = st->training; return EPIPE_OK;
+    case EPIPE_STAGE_CUDA_DEVICE: *value = st->cuda_device; return EPIPE_OK;
     }
     /* fail() writes the handle's message, which a const handle cannot take. */
     return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_param: unknown stage parameter %d",

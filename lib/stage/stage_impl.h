@@ -22,7 +22,11 @@ struct lent_tensor {
     int64_t shape[EPIPE_MAX_NDIM];
     void *buf;
     size_t cap;
+    int on_cuda; /* buf is device memory of CUDA device `device` */
+    int device;
 };
+/* Frees a lent tensor's memory, wherever it is. */
+void epipe_stage_lent_free(struct lent_tensor *lt);
 
 /* The shape and dtype of a tensor the stage sent for one micro-batch. */
 struct tensor_meta {
@@ -110,6 +114,7 @@ struct epipe_stage {
     epipe_op *eval_ops; /* forwards only, micro-batch by micro-batch, chunks in order */
     size_t neval_ops;
     int training;
+    int cuda_device;     /* EPIPE_STAGE_CUDA_DEVICE: -1 host memory */
     int splits;          /* the schedule splits the backward (BACKWARD_INPUT, BACKWARD_WEIGHT) */
     const epipe_op *ops; /* the list the current step runs */
     size_t nops;

@@ -22,6 +22,7 @@ from ._core import (
     OP_NONE,
     STAGE_BATCH_SIZE,
     STAGE_CODEC_THREADS,
+    STAGE_CUDA_DEVICE,
     STAGE_TIMEOUT_MS,
     STAGE_TRAINING,
     Codec,
@@ -39,6 +40,6 @@ __all__ = [
     "ACTIVATION", "ALL_BOUNDARIES", "CODEC_THREADS", "COMM_MAX_MESSAGE", "COMM_SPIN_US",
     "COMM_TIMEOUT_MS", "GRADIENT", "OP_BACKWARD", "OP_BACKWARD_INPUT",
     "OP_BACKWARD_WEIGHT", "OP_FORWARD", "OP_NONE", "STAGE_BATCH_SIZE",
-    "STAGE_CODEC_THREADS", "STAGE_TIMEOUT_MS", "STAGE_TRAINING", "Codec", "Comm", "Error", "Op",
+    "STAGE_CODEC_THREADS", "STAGE_CUDA_DEVICE", "STAGE_TIMEOUT_MS", "STAGE_TRAINING", "Codec", "Comm", "Error", "Op",
     "Stage", "library_path", "status_name", "strerror", "version", "version_number",
 ]

@@ -7,9 +7,10 @@ is handed to the C call. No data is copied; the capsule (which keeps the
 producer's tensor alive) is held until the call returns and then released,
 which calls the producer's deleter.
 
-Out: a DLTensor lent by the library (dense, CPU) is wrapped into a torch
-tensor over the same memory with torch.frombuffer: zero-copy, valid only as
-long as the library says the DLTensor is (see Stage.recv_activation).
+Out: a DLTensor lent by the library (dense) is wrapped into a torch tensor
+over the same memory: host memory with torch.frombuffer, CUDA memory through
+__cuda_array_interface__; zero-copy, valid only as long as the library says
+the DLTensor is (see Stage.recv_activation).
 """
 import ctypes
 import math
@@ -27,7 +28,7 @@ _capsule_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctyp
     ("PyCapsule_GetPointer", ctypes.pythonapi)
 )
 
-kDLCPU, kDLCUDAHost = 1, 3
+kDLCPU, kDLCUDA, kDLCUDAHost = 1, 2, 3
 kDLFloat, kDLBfloat = 2, 4
 
 
@@ -74,9 +75,10 @@ def wrap_lent(ptr, copy):
     if torch is None:
         raise ImportError("receiving tensors needs torch")
     t = ptr.contents
-    if t.device.device_type not in (kDLCPU, kDLCUDAHost):
+    if t.device.device_type not in (kDLCPU, kDLCUDAHost, kDLCUDA):
         raise _lib.Error(_abi.C["EPIPE_ENOTSUP"],
-                         f"received tensor on device type {t.device.device_type}, not the CPU")
+                         f"received tensor on device type {t.device.device_type}, not the CPU "
+                         "or CUDA")
     dtype = _torch_dtype(t.dtype)
     if dtype is None:
         raise _lib.Error(
@@ -92,9 +94,33 @@ def wrap_lent(ptr, copy):
                 raise _lib.Error(_abi.C["EPIPE_EINTERNAL"],
                                  "received tensor is not dense, as stage.h promises")
             expect *= shape[i]
+    if t.device.device_type == kDLCUDA:
+        return _wrap_cuda(t.data + t.byte_offset, int(t.device.device_id), shape, dtype, n, copy)
     if n == 0:
         return torch.empty(shape, dtype=dtype)
     itemsize = t.dtype.bits // 8
     buf = (ctypes.c_char * (n * itemsize)).from_address(t.data + t.byte_offset)
     out = torch.frombuffer(buf, dtype=dtype, count=n).view(shape)
+    return out.clone() if copy else out
+
+
+class _CudaMemory:
+    """Device memory described by __cuda_array_interface__ (version 2), which
+    torch.as_tensor takes without a copy. bf16 has no type string there: it
+    travels as int16 and is viewed back."""
+
+    def __init__(self, addr, shape, typestr):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr,
+                                         "data": (addr, False), "version": 2, "strides": None}
+
+
+def _wrap_cuda(addr, device, shape, dtype, n, copy):
+    dev = torch.device("cuda", device)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype, device=dev)
+    typestr = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2"}[dtype]
+    with torch.cuda.device(dev):
+        out = torch.as_tensor(_CudaMemory(addr, shape, typestr), device=dev)
+    if dtype == torch.bfloat16:
+        out = out.view(torch.bfloat16)
     return out.clone() if copy else out

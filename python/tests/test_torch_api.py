@@ -37,24 +37,26 @@ def mse(out, t):
     return torch.nn.functional.mse_loss(out, t)
 
 
-def one_process(model):
+def one_process(model, device="cpu"):
+    model = model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for x, t in batches():
         opt.zero_grad()
         for xm, tm in zip(torch.tensor_split(x, MB), torch.tensor_split(t, MB)):
-            loss = mse(model(xm), tm)
+            loss = mse(model(xm.to(device)), tm.to(device))
             losses.append(loss.item())
             (loss / MB).backward()
         opt.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), losses
 
 
-def pipelined(schedule_cls, ranks, chunks):
+def pipelined(schedule_cls, ranks, chunks, device="cpu"):
     """Trains on `ranks` threads; returns the flat weights in model order and
     the last stage's losses."""
     n = ranks * chunks
-    parts_all = [ept.split_sequential(make_model(), n, by="index") for _ in range(ranks)]
+    parts_all = [ept.split_sequential(make_model().to(device), n, by="index")
+                 for _ in range(ranks)]
     comms = epipe.Comm.inproc(ranks)
     data = batches()
     got, losses = {}, []
@@ -65,7 +67,7 @@ def pipelined(schedule_cls, ranks, chunks):
             mine = [r, 2 * ranks - 1 - r]
         else:
             mine = list(range(r, n, ranks))
-        stages = [ept.PipelineStage(parts[g], g, n, comm=comms[r]) for g in mine]
+        stages = [ept.PipelineStage(parts[g], g, n, device, comm=comms[r]) for g in mine]
         params = [p for s in stages for p in s.submod.parameters()]
         opt = torch.optim.SGD(params, lr=LR)
         with schedule_cls(stages if chunks > 1 else stages[0], MB, loss_fn=mse,
@@ -102,6 +104,21 @@ def test_step_equals_one_process(schedule_cls, ranks, chunks):
         model = torch.nn.Sequential(*parts)
         want = torch.cat([model(xm) for xm in torch.tensor_split(batches()[0][0], MB)])
         torch.testing.assert_close(ev, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
+@pytest.mark.parametrize("schedule_cls,ranks,chunks", [
+    (ept.ScheduleGPipe, 2, 1), (ept.Schedule1F1B, 3, 1), (ept.ScheduleZBH1, 3, 1),
+    (ept.ScheduleInterleaved1F1B, 2, 2), (ept.ScheduleZBV, 2, 2)])
+def test_step_on_cuda_equals_one_process(schedule_cls, ranks, chunks):
+    """The same on the GPU: the boundary tensors stay there (sent as CUDA
+    tensors, received into GPU memory the stage lends) and training equals
+    one process on the same GPU."""
+    ref, ref_losses = one_process(make_model(), "cuda")
+    got, losses, ev, parts = pipelined(schedule_cls, ranks, chunks, "cuda")
+    assert got.device.type == "cuda" and ev.device.type == "cuda"
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
 
 
 def test_split_sequential():

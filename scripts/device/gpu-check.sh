@@ -8,7 +8,8 @@
 #
 # usage: scripts/device/gpu-check.sh BUILD OUTDIR
 #   BUILD holds lib/libepipe.so.0, cuda/libepipe-cuda.so,
-#   cuda/epipe-bench-cuda and tests/gpu/test_gpu_codecs (a meson build
+#   cuda/epipe-bench-cuda, tests/gpu/test_gpu_codecs and
+#   tests/gpu/test_gpu_stage (a meson build
 #   folder, or the same files copied: the device machine needs no meson).
 set -u
 export PATH="$PATH:/usr/local/cuda/bin"
@@ -31,13 +32,15 @@ step gpu-codecs "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_codecs"
 specs="none cast:dtype=fp16 cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:bits=8,mode=sample
        sortquant:bits=8 sortquant:bits=4 sortquant:bits=8,mode=exact"
 # shellcheck disable=SC2086
+step gpu-stage "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_stage"
 step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
 # shellcheck disable=SC2086
 step bench-codec-host "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --payload host $specs
 # The Python binding on CUDA tensors (torch is on the device machine)
 step python-cuda "${GPU_CHECK_PYTHON_S:-120}" env PYTHONPATH="$PWD/python" \
     EPIPE_LIBRARY="$B/lib/libepipe.so.0" PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q \
-    -p no:cacheprovider python/tests/test_cuda.py python/tests/test_codec.py
+    -p no:cacheprovider python/tests/test_cuda.py python/tests/test_codec.py \
+    python/tests/test_torch_api.py
 # GPU_CHECK_PROFILE=1: each kernel's time in one encode and decode (ncu)
 if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
     step profile 120 ncu --csv --metrics gpu__time_duration.sum "$B/cuda/epipe-bench-cuda" \

@@ -46,6 +46,11 @@ class PipelineSchedule:
         try:
             self._place()
             self._codecs(first)
+            if first.device.type == "cuda":
+                # received tensors come decoded in this GPU's memory
+                index = first.device.index
+                self._stage.set_param(core.STAGE_CUDA_DEVICE,
+                                      torch.cuda.current_device() if index is None else index)
         except Exception:
             self._stage.close()
             raise
@@ -99,15 +104,18 @@ class PipelineSchedule:
 
     @staticmethod
     def _to_host(t):
+        """What the C stage sends: the tensor itself (CPU, or CUDA and dense:
+        the codecs encode it on its GPU)."""
         t = t.detach()
-        return t if t.device.type == "cpu" else t.cpu()
+        return t if t.device.type == "cpu" else t.contiguous()
 
     def _recv_act(self, ps, mb, copy):
-        x = self._stage.recv_activation(mb, copy=copy or ps.device.type != "cpu")
+        x = self._stage.recv_activation(mb, copy=copy or ps.device.type not in ("cpu", "cuda"))
         return x.to(ps.device).requires_grad_(torch.is_grad_enabled())
 
     def _recv_grad(self, ps, mb, copy):
-        return self._stage.recv_gradient(mb, copy=copy or ps.device.type != "cpu").to(ps.device)
+        return self._stage.recv_gradient(
+            mb, copy=copy or ps.device.type not in ("cpu", "cuda")).to(ps.device)
 
     # -- the step
     def step(self, *args, target=None, losses=None):

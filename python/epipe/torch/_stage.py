@@ -10,10 +10,10 @@ class PipelineStage:
     as torchrun or epipe-run start it). act_codec / grad_codec: codec specs
     for the activations this stage sends and the gradients it sends back
     (None: the schedule's, "none" by default). device: where the module's
-    parameters and the tensors it computes live; the boundary tensors cross
-    through host memory (the C stage takes CPU tensors today), so on "cuda"
-    each received tensor is copied to the device and each sent one to the
-    host.
+    parameters and the tensors it computes live. On "cuda" the boundary
+    tensors stay on the GPU: the codecs encode what the stage sends on the
+    GPU, only the payload crosses to the host for the transport, and what
+    it receives is decoded into GPU memory the stage lends.
     """
 
     def __init__(self, module, stage_index, num_stages, device="cpu", *, comm=None,
