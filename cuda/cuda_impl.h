@@ -16,7 +16,11 @@ extern "C" {
  * UINT64_MAX = none. Read and cleared by epipe_cuda_synchronize(). */
 struct epipe_cuda_status {
     unsigned long long nan, pinf, ninf;
+    /* A payload entry a decode kernel refused: entry << 2 | the kind
+     * below, the smallest entry first (atomicMin). */
+    unsigned long long bad;
 };
+enum { EPIPE_CUDA_BAD_RANGE = 1, EPIPE_CUDA_BAD_ORDER = 2, EPIPE_CUDA_BAD_VALUE = 3 };
 
 /* A device buffer grown on demand (stream-ordered, on the handle's stream). */
 struct epipe_cuda_buf {
@@ -269,7 +273,7 @@ static inline unsigned epipe_cuda_extent_blocks(uint64_t n)
     return epipe_cuda_blocks((n + 7) / 8, 256 * 16);
 }
 
-static inline int epipe_cuda_aligned16(const void *p)
+__host__ __device__ static inline int epipe_cuda_aligned16(const void *p)
 {
     return ((uintptr_t)p & 15u) == 0;
 }
@@ -280,5 +284,6 @@ extern const epipe_codec_backend epipe_cuda_none;
 extern const epipe_codec_backend epipe_cuda_cast;
 extern const epipe_codec_backend epipe_cuda_quant;
 extern const epipe_codec_backend epipe_cuda_sortquant;
+extern const epipe_codec_backend epipe_cuda_topk;
 
 #endif

@@ -67,6 +67,7 @@ static const epipe_codec_backend *cuda_backend(unsigned id)
     case EPIPE_CODEC_ID_CAST: return &epipe_cuda_cast;
     case EPIPE_CODEC_ID_QUANT: return &epipe_cuda_quant;
     case EPIPE_CODEC_ID_SORTQUANT: return &epipe_cuda_sortquant;
+    case EPIPE_CODEC_ID_TOPK: return &epipe_cuda_topk;
     }
     return NULL;
 }
@@ -508,14 +509,22 @@ static int cuda_synchronize(epipe_codec *c)
     epipe_cuda_status st = *h->status_host;
     unsigned long long first = st.nan < st.pinf ? st.nan : st.pinf;
     first = st.ninf < first ? st.ninf : first;
-    if (first == ~0ull)
+    if (first == ~0ull && st.bad == ~0ull)
         return EPIPE_OK;
     if ((rc = epipe_cuda_check(
              c, cudaMemsetAsync(h->status, 0xff, sizeof *h->status, epipe_cuda_stream(c)),
              "clearing the status word")))
         return rc;
+    if (st.bad != ~0ull) {
+        unsigned kind = (unsigned)(st.bad & 3u);
+        return epipe_cuda_fail(c, EPIPE_EPROTO, "%s: payload entry %llu %s", c->ops->name,
+                               st.bad >> 2,
+                               kind == EPIPE_CUDA_BAD_RANGE   ? "has an index out of range"
+                               : kind == EPIPE_CUDA_BAD_ORDER ? "breaks the ascending index order"
+                                                              : "has a value that is not finite");
+    }
     return epipe_cuda_fail(c, EPIPE_EINVAL,
-                           "%s: input value at index %llu is %s; quantizers need finite values",
+                           "%s: input value at index %llu is %s; the codec needs finite values",
                            c->ops->name, first,
                            first == st.nan    ? "NaN"
                            : first == st.pinf ? "+inf"

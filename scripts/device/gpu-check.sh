@@ -30,7 +30,7 @@ step() { # step NAME SECONDS command...
 nvidia-smi -L 2>&1 | head -2
 step gpu-codecs "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_codecs"
 specs="none cast:dtype=fp16 cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:bits=8,mode=sample
-       sortquant:bits=8 sortquant:bits=4 sortquant:bits=8,mode=exact"
+       sortquant:bits=8 sortquant:bits=4 sortquant:bits=8,mode=exact topk:ratio=0.1 topk:ratio=0.01"
 # shellcheck disable=SC2086
 step gpu-stage "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_stage"
 step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
@@ -44,7 +44,7 @@ step python-cuda "${GPU_CHECK_PYTHON_S:-120}" env PYTHONPATH="$PWD/python" \
 # GPU_CHECK_PROFILE=1: each kernel's time in one encode and decode (ncu)
 if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
     step profile 120 ncu --csv --metrics gpu__time_duration.sum "$B/cuda/epipe-bench-cuda" \
-        --reps 1 quant:bits=8 sortquant:bits=8,mode=sample sortquant:bits=8
+        --reps 1 ${GPU_CHECK_PROFILE_SPECS:-quant:bits=8 sortquant:bits=8,mode=sample sortquant:bits=8}
 fi
 step bench-prototype "${GPU_CHECK_PROTO_S:-60}" python3 tools/torch/bench_sortquant_prototype.py
 if command -v compute-sanitizer >/dev/null; then

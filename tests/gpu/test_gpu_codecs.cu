@@ -200,6 +200,38 @@ static void hostile_device_payload(void)
         epipe_codec_destroy(cpu);
         epipe_codec_destroy(gpu);
     }
+    /* topk: entries are checked on the device; a bad one surfaces at
+     * synchronize, naming the first */
+    epipe_codec *cpu, *gpu;
+    epipe_codec_create(&cpu, "topk:ratio=0.1");
+    epipe_codec_create(&gpu, "topk:ratio=0.1");
+    std::vector<uint8_t> p(n * 8 + 64);
+    size_t w = 0;
+    CHECK(epipe_codec_encode(cpu, &hs, p.data(), p.size(), &w) == EPIPE_OK, "topk");
+    const size_t k = 100, body = 16; /* ceil(0.1 * 999) */
+    const struct {
+        size_t at;
+        uint32_t v;
+        const char *says;
+    } bad[] = {{body + 4 * 7, 5000, "entry 7 has an index out of range"},
+               {body + 4 * 9, 0, "entry 9 breaks the ascending index order"},
+               {body + 4 * k + 4 * 3, 0x7fc00000u, "entry 3 has a value that is not finite"}};
+    for (const auto &b : bad) {
+        std::vector<uint8_t> q(p.begin(), p.begin() + w);
+        memcpy(&q[b.at], &b.v, 4);
+        for (int on_device = 0; on_device < 2; on_device++) {
+            CUDA_OK(cudaMemcpy(dp, q.data(), w, cudaMemcpyHostToDevice));
+            CHECK(epipe_codec_decode(gpu, on_device ? (const void *)dp : q.data(), w, &dd) ==
+                      EPIPE_OK,
+                  "topk enqueue: %s", epipe_codec_last_error(gpu));
+            CHECK(epipe_codec_synchronize(gpu) == EPIPE_EPROTO, "topk: '%s' not reported", b.says);
+            CHECK(strstr(epipe_codec_last_error(gpu), b.says) != NULL, "topk: '%s'",
+                  epipe_codec_last_error(gpu));
+        }
+    }
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "topk: reported once");
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
     cudaFree(dp);
     cudaFree(d);
 }
@@ -396,7 +428,11 @@ int main(void)
                            "sortquant:bits=8,mode=exact",
                            "sortquant:bits=4,split=1,mode=exact",
                            "sortquant:bits=12,split=8,mode=exact",
-                           "sortquant:bits=16,split=12,mode=exact"};
+                           "sortquant:bits=16,split=12,mode=exact",
+                           "topk:ratio=0.1",
+                           "topk:ratio=0.001",
+                           "topk:ratio=0.5",
+                           "topk:ratio=1"};
     const size_t sizes[] = {0, 1, 7, 8, 9, 1000, 4097, 1 << 20, 3000017};
     /* EPIPE_GPU_TEST_QUICK: small tensors only (the compute-sanitizer runs,
      * which are 10-100x slower, check the kernels, not the sizes) */
@@ -410,9 +446,11 @@ int main(void)
                                   !strstr(s, "sortquant") || strstr(s, "mode=sample") ? 0
                                   : strstr(s, "mode=exact")                           ? 2
                                                                                       : 1);
-    for (size_t n : sizes) { /* the other data for fit and exact */
+    for (size_t n : sizes) { /* the other data for fit and exact; ties for topk */
         if (n > max_n)
             continue;
+        byte_identity("topk:ratio=0.7", n, 0, 1);
+        byte_identity("topk:ratio=0.3", n, 1, 2);
         byte_identity("sortquant:bits=8,mode=fit", n, 0, 0);
         byte_identity("sortquant:bits=8,mode=exact", n, 0, 0);
     }
@@ -427,7 +465,7 @@ int main(void)
     {
         /* a codec without kernels is refused by name, synchronously */
         epipe_codec *g;
-        epipe_codec_create(&g, "topk:ratio=0.1");
+        epipe_codec_create(&g, "kmeans:bits=4");
         float *d;
         CUDA_OK(cudaMalloc((void **)&d, 64));
         int64_t shape[1] = {16};
@@ -435,7 +473,8 @@ int main(void)
         uint8_t p[256];
         size_t w;
         CHECK(epipe_codec_encode(g, &ds, p, sizeof p, &w) == EPIPE_ENOTSUP, "topk");
-        CHECK(strstr(epipe_codec_last_error(g), "'topk'") != NULL, "%s", epipe_codec_last_error(g));
+        CHECK(strstr(epipe_codec_last_error(g), "'kmeans'") != NULL, "%s",
+              epipe_codec_last_error(g));
         epipe_codec_destroy(g);
         cudaFree(d);
     }
