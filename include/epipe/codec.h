@@ -145,7 +145,8 @@ EPIPE_API int epipe_codec_param_bounds(const char *codec, const char *key, doubl
  * on the rows, dimension 0, and an encode may write less than it).
  * EPIPE_EINVAL if src is not a tensor the codec accepts (the message says
  * why), EPIPE_EOVERFLOW if the size would overflow size_t, EPIPE_ENOTSUP for
- * a CUDA tensor when the CUDA backend is not built. It changes neither the
+ * a CUDA tensor the CUDA backend cannot take (see "CUDA tensors" below).
+ * It changes neither the
  * codec's configuration nor its state; like every call it records its
  * error on the handle, so it must not run while another thread uses the
  * same handle. */
@@ -153,20 +154,20 @@ EPIPE_API int epipe_codec_max_encoded_size(const epipe_codec *codec, const DLTen
                                            size_t *bytes);
 
 /* Encodes src into dst[0..capacity). src: fp32 (any codec), fp16 or bf16;
- * on the CPU (kDLCPU or kDLCUDAHost); any shape and any strides, contiguous
- * or not. The codec core picks the codec's backend from src's DLPack
- * device (docs/codec-backends.md); only the CPU backend is built today,
- * and it is synchronous: when the call returns, dst holds the payload and
- * src may be reused. (A CUDA backend will enqueue on a stream instead; that
- * contract is in docs/codec-backends.md.) The payload begins with a 16-byte header naming the codec, its
+ * on the CPU (kDLCPU or kDLCUDAHost): any shape and any strides, contiguous
+ * or not; or on a CUDA device (kDLCUDA, dense: see "CUDA tensors" below).
+ * The codec core picks the codec's backend from src's DLPack device
+ * (docs/codec-backends.md). The CPU backend is synchronous: when the call
+ * returns, dst holds the payload and src may be reused; the CUDA backend
+ * enqueues on a stream. The payload begins with a 16-byte header naming the codec, its
  * parameters, the source dtype and the element count (docs/codecs.md), so
  * a decoder can check that it was made for it.
  *
  * Returns EPIPE_OK and the payload length in *written; EPIPE_ENOSPC if
  * capacity is below epipe_codec_max_encoded_size(); EPIPE_EINVAL for an
  * unsupported dtype or device, or, for the quantizers, a NaN or infinity in
- * src (the message gives its index); EPIPE_ENOTSUP for a CUDA tensor when
- * the CUDA backend is not built. src is only read; the caller keeps
+ * src (the message gives its index); EPIPE_ENOTSUP for a CUDA tensor the
+ * CUDA backend cannot take. src is only read; the caller keeps
  * ownership of src and dst. The same input gives the same bytes whatever
  * the thread count. May block while its worker threads run. */
 EPIPE_API int epipe_codec_encode(epipe_codec *codec, const DLTensor *src, void *dst,
@@ -302,10 +303,19 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * (libepipe-cuda.so: $EPIPE_CUDA_MODULE, else epipe/ beside libepipe, else
  * the install path), the CUDA driver and a device; otherwise EPIPE_ENOTSUP
  * with a message naming what is missing (no module, no driver, no device,
- * no kernels for the codec: today none, cast, quant). CUDA tensors must be
- * dense and aligned to their element size. The payload buffers stay host
- * memory (pinned, cudaHostAlloc, for the copies to overlap); the 16-byte
- * header of a payload to decode is read on the host before anything runs.
+ * no kernels for the codec: kernels exist for none, cast, quant, sortquant
+ * in its three modes and topk; kmeans, poweriter and insert, error
+ * feedback and activation deltas stay on the CPU). CUDA tensors must be
+ * dense and aligned to their element size.
+ *
+ * Payload buffers: host memory (pinned, cudaHostAlloc, for the copies to
+ * be fast; pageable works and makes the call wait for the copy) or CUDA
+ * device memory on the tensor's device, in which case the kernels write
+ * and read the payload in place and nothing crosses PCIe. Decoding a
+ * device payload first reads its 16-byte header and the few bytes the
+ * host checks (tables, padding) in one wait on the handle's stream, so a
+ * payload written on that stream is read after it is complete. A device
+ * payload with a CPU tensor is EPIPE_EINVAL naming it.
  *
  * Binding: a handle binds to the device of the first tensor it encodes or
  * decodes (the CPU, or CUDA device i); a tensor on another device later is
@@ -323,11 +333,14 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * On CPU tensors every call is synchronous, as before.
  *
  * Errors: argument, tensor, header, size and capacity errors, and a bad
- * table in a payload to decode (it is host memory), are returned at once as
- * on the CPU. Errors that depend on tensor values a kernel sees (a NaN or
- * infinity given to a quantizer) are recorded on the device and returned,
- * with the CPU's message, by the next epipe_codec_synchronize(); the payload
- * of such an encode is garbage and must not be sent. A failed CUDA call is
+ * table or padding in a payload to decode (read on the host, as above),
+ * are returned at once with the CPU's statuses. Errors that depend on
+ * values a kernel sees are recorded on the device and returned by the next
+ * epipe_codec_synchronize(): a NaN or infinity given to a quantizer or to
+ * topk (EPIPE_EINVAL naming the first index), and a bad topk entry in a
+ * payload to decode (EPIPE_EPROTO naming the first entry: index out of
+ * range or order, value not finite). The payload of such an encode, or the
+ * tensor of such a decode, is garbage and must not be used. A failed CUDA call is
  * EPIPE_ENOMEM (allocation) or EPIPE_EIO with the CUDA error's name and
  * text. A sticky CUDA error (an illegal address, from any kernel of the
  * process) is reported the same way by every later call: the CUDA context
