@@ -10,24 +10,7 @@
 
 #include <epipe/epipe.h>
 
-static int failures;
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
-#define CUDA_OK(e)                                                                                 \
-    do {                                                                                           \
-        cudaError_t err_ = (e);                                                                    \
-        if (err_ != cudaSuccess) {                                                                 \
-            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));     \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "gpu_test.h"
 
 static DLTensor tensor(int type, void *data, int64_t *shape, int bits, int code)
 {
@@ -402,13 +385,7 @@ static void mixups(void)
 
 int main(void)
 {
-    int count = 0;
-    cudaError_t e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess || count == 0) {
-        printf("SKIP: no CUDA device: %s\n",
-               e != cudaSuccess ? cudaGetErrorString(e) : "the driver reports 0 devices");
-        return 77;
-    }
+    gpu_test_devices_or_skip();
     const char *specs[] = {"none",
                            "cast:dtype=fp16",
                            "cast:dtype=bf16",
@@ -481,10 +458,5 @@ int main(void)
     hostile_table();
     hostile_device_payload();
     mixups();
-    if (failures) {
-        fprintf(stderr, "%d failures\n", failures);
-        return 1;
-    }
-    printf("ok\n");
-    return 0;
+    return gpu_test_result();
 }

@@ -18,16 +18,7 @@
 
 #include <epipe/epipe.h>
 
-static int failures;
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-            __atomic_add_fetch(&failures, 1, __ATOMIC_RELAXED);                                    \
-        }                                                                                          \
-    } while (0)
+#include "gpu_test.h"
 
 enum { M = 4, ROWS = 8, COLS = 1000 };
 static const char *ACT_SPEC = "quant:bits=8", *GRAD_SPEC = "sortquant:bits=8,mode=sample";
@@ -221,13 +212,7 @@ static void *tcp_create(void *p)
 
 int main(void)
 {
-    int count = 0;
-    cudaError_t e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess || count == 0) {
-        printf("SKIP: no CUDA device: %s\n",
-               e != cudaSuccess ? cudaGetErrorString(e) : "the driver reports 0 devices");
-        return 77;
-    }
+    int count = gpu_test_devices_or_skip();
     for (const char *schedule : {"gpipe", "1f1b"})
         for (int cuda_recv : {1, 0}) {
             epipe_comm *c[2];
@@ -265,10 +250,5 @@ int main(void)
         epipe_comm_destroy(c[0]);
         epipe_comm_destroy(c[1]);
     }
-    if (failures) {
-        fprintf(stderr, "%d failures\n", failures);
-        return 1;
-    }
-    printf("ok\n");
-    return 0;
+    return gpu_test_result();
 }
