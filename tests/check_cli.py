@@ -3,6 +3,7 @@
 and `--opt value` give the same result, short options take attached values,
 and a bad option is named in the error. Usage: check_cli.py EPIPE_BENCH
 EPIPE_RUN [EPIPE_TRAIN]."""
+import os
 import subprocess
 import sys
 
@@ -52,6 +53,28 @@ refused("missing value", [bench, "schedule", "--kind"], "'--kind' needs a value"
 refused("unknown option", [bench, "schedule", "--bogus=1"], "unknown option '--bogus'")
 refused("value to a flag", [bench, "schedule", "--json=1"], "'--json' takes no value")
 refused("bench codec", [bench, "codec", "none", "--shape=0"], "bad --shape '0'")
+refused("bench codec device", [bench, "codec", "none", "--device=gpu"], "unknown --device 'gpu'")
+refused("bench codec cuda options", [bench, "codec", "none", "--device=cuda", "--json"],
+        "--device cuda times normal values only")
+# --device cuda runs epipe-bench-cuda: where it is built it answers (a skip, exit 77, with the
+# reason on a machine without a GPU; the figures where there is one); where it is not, or the
+# path is wrong, the message names where it looked.
+r = call(bench, "codec", "quant:bits=8", "--shape=4096", "--reps=2", "--device=cuda")
+if r.returncode == 0 and "cudaMemcpy D2D" in r.stdout and "quant:bits=8" in r.stdout:
+    print("ok: bench codec --device cuda ran on a GPU")
+elif r.returncode == 77 and "SKIP: no CUDA device" in r.stdout:
+    print(f"ok: bench codec --device cuda: {r.stdout.strip()}")
+elif r.returncode == 2 and "needs epipe-bench-cuda" in r.stderr:
+    print(f"ok: bench codec --device cuda: {r.stderr.strip()}")
+else:
+    fail(f"bench codec --device cuda: exit {r.returncode} {r.stdout[:200]!r} {r.stderr[:200]!r}")
+env = dict(os.environ, EPIPE_BENCH_CUDA="/nonexistent/epipe-bench-cuda")
+r = subprocess.run([bench, "codec", "none", "--device=cuda"], capture_output=True, text=True,
+                   timeout=60, env=env)
+if r.returncode != 2 or "/nonexistent/epipe-bench-cuda" not in r.stderr:
+    fail(f"bench codec --device cuda, bad path: exit {r.returncode} {r.stderr[:200]!r}")
+else:
+    print(f"ok: {r.stderr.strip()}")
 
 sh = "/bin/sh"
 prog = [sh, "-c", 'echo "rank $EPIPE_RANK of $EPIPE_WORLD_SIZE"']

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <epipe/epipe.h>
 
@@ -28,12 +29,75 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: epipe-bench codec SPEC [SPEC...] [--shape 32,32,112,112]\n"
                "       [--dist normal|relu|lognormal|uniform] [--threads N] [--reps R]\n"
-               "       [--no-ref] [--gemm] [--json]\n\n"
+               "       [--no-ref] [--gemm] [--json] [--device cpu|cuda] [--payload device|host]\n\n"
                "Times encode and decode of one tensor (best of R runs, default 5) beside a\n"
                "single-threaded memcpy of the same bytes, and the codec's scalar reference\n"
                "(once; --no-ref skips it). --threads sets EPIPE_CODEC_THREADS (0 = auto).\n"
                "--gemm, for trainable codecs (insert): also time plain cblas_sgemm calls of\n"
-               "the same matrix shapes on operands of the same size, and give GFLOP/s.\n");
+               "the same matrix shapes on operands of the same size, and give GFLOP/s.\n"
+               "--device cuda runs epipe-bench-cuda (built with -Dcuda; found beside this\n"
+               "program, in ../cuda/ of a build tree, or at $EPIPE_BENCH_CUDA) on a CUDA\n"
+               "tensor of the --shape's size, against a device-to-device copy; it takes\n"
+               "--reps and --payload (where the payload lives, default device).\n");
+}
+
+/* --device cuda: the CUDA benchmark is its own program (it links cudart,
+ * which nothing here may), run in place of this one. */
+static int run_cuda_bench(const char *const *specs, int nspecs, size_t n, int reps,
+                          const char *payload)
+{
+    char self[4096], path[4200];
+    const char *env = getenv("EPIPE_BENCH_CUDA");
+    const char *tried[3];
+    int ntried = 0;
+    path[0] = 0;
+    if (env && *env) {
+        snprintf(path, sizeof path, "%s", env);
+        tried[ntried++] = env;
+    } else {
+        ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+        if (len > 0) {
+            self[len] = 0;
+            char *slash = strrchr(self, '/');
+            if (slash)
+                *slash = 0;
+            static char a[4200], b[4200];
+            snprintf(a, sizeof a, "%s/epipe-bench-cuda", self);
+            snprintf(b, sizeof b, "%s/../cuda/epipe-bench-cuda", self);
+            tried[ntried++] = a;
+            tried[ntried++] = b;
+            for (int i = 0; i < ntried && !path[0]; i++)
+                if (access(tried[i], X_OK) == 0)
+                    snprintf(path, sizeof path, "%s", tried[i]);
+        }
+    }
+    if (!path[0] || access(path, X_OK) != 0) {
+        fprintf(stderr, "epipe-bench codec: --device cuda needs epipe-bench-cuda (built with "
+                        "-Dcuda); not found at");
+        for (int i = 0; i < ntried; i++)
+            fprintf(stderr, " %s%s", tried[i], i + 1 < ntried ? "," : "");
+        fprintf(stderr, "%s\n", ntried ? "" : " (no path known: set EPIPE_BENCH_CUDA)");
+        return 2;
+    }
+    char nbuf[32], rbuf[32];
+    snprintf(nbuf, sizeof nbuf, "%zu", n);
+    snprintf(rbuf, sizeof rbuf, "%d", reps);
+    const char *args[48];
+    int k = 0;
+    args[k++] = path;
+    args[k++] = "--n";
+    args[k++] = nbuf;
+    args[k++] = "--reps";
+    args[k++] = rbuf;
+    args[k++] = "--payload";
+    args[k++] = payload;
+    for (int i = 0; i < nspecs && k < 47; i++)
+        args[k++] = specs[i];
+    args[k] = NULL;
+    fflush(stdout);
+    execv(path, (char *const *)args);
+    fprintf(stderr, "epipe-bench codec: cannot run %s: %s\n", path, strerror(errno));
+    return 1;
 }
 
 static int parse_shape(const char *s, struct opts *o)
@@ -355,7 +419,19 @@ int bench_codec_main(int argc, char **argv)
                      .ref = 1};
     const char *specs[32];
     int nspecs = 0;
-    enum { O_JSON = 256, O_GEMM, O_NO_REF, O_SHAPE, O_DIST, O_THREADS, O_REPS };
+    enum {
+        O_JSON = 256,
+        O_GEMM,
+        O_NO_REF,
+        O_SHAPE,
+        O_DIST,
+        O_THREADS,
+        O_REPS,
+        O_DEVICE,
+        O_PAYLOAD
+    };
+    const char *device = "cpu", *payload = "device";
+    int reps_set = 0;
     static const struct option longopts[] = {
         {"help", no_argument, NULL, 'h'},
         {"json", no_argument, NULL, O_JSON},
@@ -365,6 +441,8 @@ int bench_codec_main(int argc, char **argv)
         {"dist", required_argument, NULL, O_DIST},
         {"threads", required_argument, NULL, O_THREADS},
         {"reps", required_argument, NULL, O_REPS},
+        {"device", required_argument, NULL, O_DEVICE},
+        {"payload", required_argument, NULL, O_PAYLOAD},
         {NULL, 0, NULL, 0},
     };
     opterr = 0;
@@ -396,6 +474,22 @@ int bench_codec_main(int argc, char **argv)
             o.reps = atoi(optarg);
             if (o.reps < 1)
                 o.reps = 1;
+            reps_set = 1;
+            break;
+        case O_DEVICE:
+            device = optarg;
+            if (strcmp(device, "cpu") && strcmp(device, "cuda")) {
+                fprintf(stderr, "epipe-bench codec: unknown --device '%s' (cpu or cuda)\n", device);
+                return 2;
+            }
+            break;
+        case O_PAYLOAD:
+            payload = optarg;
+            if (strcmp(payload, "device") && strcmp(payload, "host")) {
+                fprintf(stderr, "epipe-bench codec: unknown --payload '%s' (device or host)\n",
+                        payload);
+                return 2;
+            }
             break;
         case 1:
             if (nspecs < 32)
@@ -414,6 +508,14 @@ int bench_codec_main(int argc, char **argv)
     size_t n = 1;
     for (int d = 0; d < o.ndim; d++)
         n *= (size_t)o.shape[d];
+    if (!strcmp(device, "cuda")) {
+        if (o.json || o.gemm || strcmp(o.dist, "normal") || o.threads) {
+            fprintf(stderr, "epipe-bench codec: --device cuda times normal values only and "
+                            "takes neither --json, --gemm, --dist nor --threads\n");
+            return 2;
+        }
+        return run_cuda_bench(specs, nspecs, n, reps_set ? o.reps : 20, payload);
+    }
     float *x = malloc(n * sizeof *x), *y = malloc(n * sizeof *y);
     if (!x || !y) {
         fprintf(stderr, "epipe-bench codec: cannot allocate %zu values\n", n);
