@@ -377,7 +377,22 @@ static void costs_per_op_and_boundary(void **state)
     assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_SEND_GRAD, 1, 1), 0);
     assert_int_equal(epipe_sim_run(sim), EPIPE_OK);
     assert_true(fabs(epipe_sim_makespan(sim) - 12) < 1e-12);
-    assert_int_equal(epipe_sim_set_cost(sim, (epipe_sim_cost)7, 0, 1), EPIPE_EINVAL);
+    /* Codec costs by direction, indexed by the sender: encoding the
+     * activation on stage 0 (+0.25), decoding it on stage 1 (+0.5),
+     * encoding the gradient on stage 1 (+1), decoding it on stage 0 (+2):
+     * each on the one path, once. */
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_ENCODE_ACT, 0, 0.25), 0);
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_DECODE_ACT, 0, 0.5), 0);
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_ENCODE_GRAD, 1, 1), 0);
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_DECODE_GRAD, 1, 2), 0);
+    assert_int_equal(epipe_sim_run(sim), EPIPE_OK);
+    assert_true(fabs(epipe_sim_makespan(sim) - 15.75) < 1e-12);
+    /* on the stages that do not send that way they count for nothing */
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_ENCODE_ACT, 1, 9), 0);
+    assert_int_equal(epipe_sim_set_cost(sim, EPIPE_SIM_ENCODE_GRAD, 0, 9), 0);
+    assert_int_equal(epipe_sim_run(sim), EPIPE_OK);
+    assert_true(fabs(epipe_sim_makespan(sim) - 15.75) < 1e-12);
+    assert_int_equal(epipe_sim_set_cost(sim, (epipe_sim_cost)11, 0, 1), EPIPE_EINVAL);
     epipe_sim_destroy(sim);
     epipe_schedule_destroy(sc);
 

@@ -13,5 +13,6 @@ int bench_schedule_main(int argc, char **argv);
 int bench_pipeline_main(int argc, char **argv);
 int bench_transport_main(int argc, char **argv);
 int bench_crc_main(int argc, char **argv);
+int bench_plan_main(int argc, char **argv);
 
 #endif

@@ -27,6 +27,7 @@ static const struct {
     {"transport", bench_transport_main,
      "TCP transport throughput and latency against a raw socket"},
     {"crc", bench_crc_main, "CRC32C throughput of the wire checksum paths against memcpy"},
+    {"plan", bench_plan_main, "the compression-aware planner's time on a synthetic profile"},
 };
 
 static void usage(FILE *f)

@@ -6,6 +6,7 @@
 #include <epipe/codec.h>
 #include <epipe/comm.h>
 #include <epipe/common.h>
+#include <epipe/plan.h>
 #include <epipe/schedule.h>
 #include <epipe/stage.h>
 

@@ -296,8 +296,15 @@ typedef enum epipe_sim_cost {
     EPIPE_SIM_SEND_ACT = 3,  /* one activation from the stage to the next; default 0 */
     EPIPE_SIM_SEND_GRAD = 4, /* one gradient from the stage to the previous; default 0 */
     EPIPE_SIM_WEIGHT = 5,    /* one weight-gradient backward (W) on the stage; default 0 */
-    EPIPE_SIM_CODEC = 6      /* encoding, and decoding, one message the stage sends to
+    EPIPE_SIM_CODEC = 6,     /* encoding, and decoding, one message the stage sends to
                                 another rank; default 0 */
+    /* The same by direction, added to EPIPE_SIM_CODEC, all indexed by the
+     * stage that sends (default 0): the sender encodes, the receiver
+     * decodes. For the planner, whose boundaries have a codec each way. */
+    EPIPE_SIM_ENCODE_ACT = 7,  /* encoding the activation the stage sends */
+    EPIPE_SIM_DECODE_ACT = 8,  /* decoding it, on the next stage */
+    EPIPE_SIM_ENCODE_GRAD = 9, /* encoding the gradient the stage sends */
+    EPIPE_SIM_DECODE_GRAD = 10 /* decoding it, on the previous stage */
 } epipe_sim_cost;
 
 /* Steps the simulator runs for a schedule without a flush. */

@@ -21,7 +21,7 @@ enum {
     SENT_GRAD = 64,
 };
 
-#define NCOSTS 7 /* epipe_sim_cost values are 1..NCOSTS-1 */
+#define NCOSTS 11 /* epipe_sim_cost values are 1..NCOSTS-1 */
 
 /* One message in flight on a link. */
 struct msg {
@@ -193,7 +193,9 @@ static int advance(epipe_sim *sim, unsigned r)
             unsigned to = act ? s + 1 : s - 1, dst = l->rank_of[to];
             double c = 0;
             if (dst != r) {
-                t[1] = compute(sim, st, cost[EPIPE_SIM_CODEC][s]);
+                t[1] = compute(sim, st,
+                               cost[EPIPE_SIM_CODEC][s] +
+                                   cost[act ? EPIPE_SIM_ENCODE_ACT : EPIPE_SIM_ENCODE_GRAD][s]);
                 c = cost[act ? EPIPE_SIM_SEND_ACT : EPIPE_SIM_SEND_GRAD][s];
             }
             send(sim, act ? &sim->act[s] : &sim->grad[s - 1], mb, st->clock, c);
@@ -228,7 +230,9 @@ static int advance(epipe_sim *sim, unsigned r)
             if (arrive > st->clock)
                 st->clock = arrive;
             if (l->rank_of[from] != r)
-                compute(sim, st, cost[EPIPE_SIM_CODEC][from]);
+                compute(sim, st,
+                        cost[EPIPE_SIM_CODEC][from] +
+                            cost[act ? EPIPE_SIM_DECODE_ACT : EPIPE_SIM_DECODE_GRAD][from]);
             t[1] = st->clock;
             break;
         }
