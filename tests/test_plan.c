@@ -212,6 +212,15 @@ static void bad_input_is_refused(void **state)
     b.microbatches = 0;
     refused(l, 3, NULL, 0, &b, EPIPE_EINVAL, "0 micro-batches");
     refused(NULL, 3, NULL, 0, &o, EPIPE_EINVAL, "must be given");
+    {
+        /* a problem too large to tabulate is refused, not attempted */
+        static epipe_plan_layer many[200000];
+        for (size_t i = 0; i < 200000; i++)
+            many[i] = layer(1, 1);
+        b = o;
+        b.stages = 1000;
+        refused(many, 200000, NULL, 0, &b, EPIPE_EINVAL, "cells; at most");
+    }
     assert_int_equal(epipe_plan_create(NULL, l, 3, NULL, 0, &o), EPIPE_EINVAL);
     /* results of NULL */
     assert_int_equal(epipe_plan_first_layer(NULL, 0), (unsigned)-1);

@@ -740,6 +740,13 @@ EPIPE_API int epipe_plan_create(epipe_plan **out, const epipe_plan_layer *layers
     for (unsigned k = 0; k + 1 < p->L; k++)
         d.O = p->bnd[k].nopt > d.O ? p->bnd[k].nopt : d.O;
     size_t cells = (size_t)(p->P + 1) * (p->L + 1) * d.O, per_cut = (size_t)(p->L + 1) * d.O;
+    if (cells > ((size_t)1 << 25)) { /* 24 bytes a cell: the programme's tables */
+        rc = epipe_fail(EPIPE_EINVAL,
+                        "epipe_plan_create: %u stages x %u layers x %u codec options a boundary "
+                        "make %zu cells; at most %zu (fewer candidates or a coarser profile)",
+                        p->P, p->L, d.O, cells, (size_t)1 << 25);
+        goto fail;
+    }
     d.f = malloc(cells * sizeof *d.f);
     d.g = malloc(cells * sizeof *d.g);
     d.from = malloc(cells * sizeof *d.from);
