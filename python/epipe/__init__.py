@@ -33,6 +33,7 @@ from ._core import (
     version_number,
 )
 from ._abi import VERSION as __version__
+from ._plan import Plan
 from ._lib import Error, library_path, status_name, strerror
 
 __all__ = [
@@ -41,5 +42,5 @@ __all__ = [
     "COMM_TIMEOUT_MS", "GRADIENT", "OP_BACKWARD", "OP_BACKWARD_INPUT",
     "OP_BACKWARD_WEIGHT", "OP_FORWARD", "OP_NONE", "STAGE_BATCH_SIZE",
     "STAGE_CODEC_THREADS", "STAGE_CUDA_DEVICE", "STAGE_TIMEOUT_MS", "STAGE_TRAINING", "Codec", "Comm", "Error", "Op",
-    "Stage", "library_path", "status_name", "strerror", "version", "version_number",
+    "Plan", "Stage", "library_path", "status_name", "strerror", "version", "version_number",
 ]

@@ -204,6 +204,46 @@ class ScheduleLayout(ctypes.Structure):
     ]
 
 
+class PlanLayer(ctypes.Structure):
+    """epipe_plan_layer (plan.h)."""
+
+    _fields_ = [(name, ctypes.c_double) for name in (
+        "forward_s", "backward_s", "weight_s", "out_bytes", "param_bytes", "stash_bytes")]
+
+
+class PlanCodec(ctypes.Structure):
+    """epipe_plan_codec (plan.h)."""
+
+    _fields_ = [
+        ("spec", ctypes.c_char_p),
+        ("layer", ctypes.c_uint),
+        ("dir", ctypes.c_uint),
+        ("encode_s", ctypes.c_double),
+        ("decode_s", ctypes.c_double),
+        ("wire_ratio", ctypes.c_double),
+        ("error", ctypes.c_double),
+    ]
+
+
+class PlanOptions(ctypes.Structure):
+    """epipe_plan_options (plan.h)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("stages", ctypes.c_uint),
+        ("microbatches", ctypes.c_uint),
+        ("bandwidth", ctypes.c_double),
+        ("latency_s", ctypes.c_double),
+        ("pair_bandwidth", ctypes.POINTER(ctypes.c_double)),
+        ("pair_latency_s", ctypes.POINTER(ctypes.c_double)),
+        ("memory_bytes", ctypes.c_double),
+        ("param_copies", ctypes.c_double),
+        ("act_error_budget", ctypes.c_double),
+        ("grad_error_budget", ctypes.c_double),
+        ("schedules", ctypes.c_char_p),
+    ]
+
+
 class StageStats(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
@@ -290,6 +330,15 @@ _PROTOS = {
     "epipe_codec_encode": (_int, [_vp, _dlp, _vp, _sz, ctypes.POINTER(_sz)]),
     "epipe_codec_decode": (_int, [_vp, _vp, _sz, _dlp]),
     "epipe_codec_set_stream": (_int, [_vp, _vp]),
+    "epipe_plan_create": (_int, [_pp, ctypes.POINTER(PlanLayer), _sz, ctypes.POINTER(PlanCodec),
+                                 _sz, ctypes.POINTER(PlanOptions)]),
+    "epipe_plan_destroy": (None, [_vp]),
+    "epipe_plan_first_layer": (_uint, [_vp, _uint]),
+    "epipe_plan_codec_spec": (_cs, [_vp, _uint, _uint]),
+    "epipe_plan_schedule": (_cs, [_vp]),
+    "epipe_plan_step_seconds": (ctypes.c_double, [_vp]),
+    "epipe_plan_blind_step_seconds": (ctypes.c_double, [_vp]),
+    "epipe_plan_explain": (_sz, [_vp, ctypes.c_char_p, _sz]),
     "epipe_codec_synchronize": (_int, [_vp]),
     # comm.h
     "epipe_comm_create": (_int, [_pp, _cs, _uint, _uint, _cs, _uint, _cs]),

@@ -14,10 +14,12 @@ from ._schedule import (
     ScheduleZBH1,
     ScheduleZBV,
 )
+from ._profile import Profile, codec_table, plan, profile
 from ._split import split_sequential
 from ._stage import PipelineStage
 
 __all__ = [
     "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
-    "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBV", "split_sequential",
+    "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBV", "split_sequential", "Profile",
+    "codec_table", "plan", "profile",
 ]
