@@ -14,6 +14,7 @@ from ._schedule import (
     ScheduleZBH1,
     ScheduleZBV,
 )
+from ._ddp import CompressedAllreduceState, allreduce_gradients, compressed_allreduce_hook
 from ._profile import Profile, codec_table, plan, profile
 from ._split import split_sequential
 from ._stage import PipelineStage
@@ -21,5 +22,6 @@ from ._stage import PipelineStage
 __all__ = [
     "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
     "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBV", "split_sequential", "Profile",
-    "codec_table", "plan", "profile",
+    "codec_table", "plan", "profile", "CompressedAllreduceState", "allreduce_gradients",
+    "compressed_allreduce_hook",
 ]
