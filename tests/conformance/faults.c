@@ -203,7 +203,14 @@ static int corrupt_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
     epipe_msg *m;
     if (rank == 0 && conf_tp.procs)
         epipe_set_log_callback(watch_log, NULL);
+    /* Rank 1 sends the corrupt message only once rank 0 says it watches
+     * its log: a message that came before would be logged before the
+     * callback is there (CI saw it, 1 run in about 20). */
+    if (rank == 0)
+        CHECK_RC(c, epipe_comm_send(c, 1, conf_msg(GRAD, 0, 1, 2, 0, 4, 5)), EPIPE_OK);
     if (rank == 1) {
+        CHECK_RC(c, epipe_comm_recv(c, 0, GRAD, 2, 0, LONG_MS, &m), EPIPE_OK);
+        epipe_msg_free(m);
         m = conf_msg(ACT, 1, 0, 3, 0, 1000, 7);
         if (in_header)
             m->data[24] ^= 0x01; /* a bit of the step: the header CRC catches it */
