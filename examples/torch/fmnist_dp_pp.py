@@ -19,6 +19,7 @@ weights are the same, up to float rounding: tests/check_dp_pp.py).
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,8 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--codec", default="sortquant:bits=8", help="pipeline boundaries")
     ap.add_argument("--allreduce-codec", default="sortquant:bits=8",
-                    help="the DDP hook's codec; 'powersgd' for PyTorch's own hook")
+                    help="the DDP hook's codec; 'plain' for DDP's own uncompressed all-reduce, "
+                         "'powersgd' for PyTorch's PowerSGD hook")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch", type=int, default=64, help="per step, over all replicas")
     ap.add_argument("--train-limit", type=int, default=6400)
@@ -58,7 +60,11 @@ def main():
                               grad_codec=a.codec)
     sched = ept.Schedule1F1B(stage, a.microbatches, loss_fn=torch.nn.functional.cross_entropy)
     opt = torch.optim.SGD(stage.submod.parameters(), lr=0.05, momentum=0.9)
-    if a.allreduce_codec == "powersgd":
+    if a.allreduce_codec == "plain":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        state, hook = groups[s], default_hooks.allreduce_hook
+    elif a.allreduce_codec == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
         state = psgd.PowerSGDState(process_group=groups[s], matrix_approximation_rank=2,
@@ -70,23 +76,28 @@ def main():
     x, y = base.load(a.data, "train")
     share = a.batch // replicas
     steps = a.train_limit // a.batch
+    t_first = None
     for b in range(steps):
+        if b == 1:
+            t_first = time.perf_counter()  # the first step warms up
         lo = b * a.batch + replica * share
         xb, yb = x[lo:lo + share], y[lo:lo + share]
         opt.zero_grad()
         losses = []
         sched.step(xb, target=yb, losses=losses)
-        ept.allreduce_gradients(stage.submod.parameters(), state, hook)
+        if replicas > 1:
+            ept.allreduce_gradients(stage.submod.parameters(), state, hook)
         opt.step()
         if stage.is_last and replica == 0 and (b + 1) % 20 == 0:
             print(f"step {b + 1} loss {sum(losses).item() / len(losses):.4f}", flush=True)
+    step_s = (time.perf_counter() - t_first) / (steps - 1) if steps > 1 else float("nan")
     tx, ty = base.load(a.data, "test")
     out = sched.eval(tx[:a.test_limit])
     if stage.is_last and replica == 0:
         acc = (out.argmax(1) == ty[:a.test_limit]).float().mean().item()
         wire = getattr(state, "bytes_wire", 0) / max(1, getattr(state, "bytes_raw", 0))
         print(f"test accuracy {100 * acc:.2f}%  ({a.test_limit} images); all-reduce wire "
-              f"ratio {wire:.4f}", flush=True)
+              f"ratio {wire:.4f}; {step_s:.4f} s a step", flush=True)
     if a.save and replica == 0:
         torch.save(stage.submod.state_dict(), f"{a.save}.{s}")
     sched.close()

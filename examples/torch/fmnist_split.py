@@ -79,10 +79,11 @@ def load(data_dir, split):
 
 
 # The model as a flat list of layers, and where to cut it into n pipeline
-# stages: 2 is convolutions | linear layers (the DP x PP example); 3 is the
+# stages: 1 is the whole model (data parallel alone), 2 convolutions | linear
+# layers (the DP x PP example); 3 is the
 # research's client/server/client split; 6 (3 ranks x 2
 # chunks, interleaved) halves each of its parts.
-CUTS = {2: (0, 6, 10), 3: (0, 3, 9, 10), 6: (0, 2, 3, 5, 7, 9, 10)}
+CUTS = {1: (0, 10), 2: (0, 6, 10), 3: (0, 3, 9, 10), 6: (0, 2, 3, 5, 7, 9, 10)}
 
 
 def build_parts(seed, n=3):

@@ -39,8 +39,12 @@ def torchrun(nproc, script, *args, timeout=300):
                           timeout=timeout, env=env)
 
 
-needs_data = pytest.mark.skipif(not os.path.exists(DATA),
-                                reason="dataset-fashion-mnist is not installed")
+def needs_data(fn):
+    fn = pytest.mark.skipif(not os.path.exists(DATA),
+                            reason="dataset-fashion-mnist is not installed")(fn)
+    return pytest.mark.skipif(not os.path.exists(os.path.join(EXAMPLES, "fmnist_dp_pp.py")),
+                              reason=f"no examples at {EXAMPLES} (run outside the source "
+                                     "tree)")(fn)
 
 
 @needs_data
