@@ -1,0 +1,157 @@
+#!/usr/bin/python3
+"""The planner against real runs (issue 16, item 4): for the split CNN and a
+wider MLP on Fashion-MNIST, on two "machines" (network namespaces joined by a
+tc-shaped veth, scripts/experiments/bandwidth.py), each model is profiled
+(epipe.torch.profile, one micro-batch, one thread), its codec table measured
+(epipe.torch.codec_table), and the planner's 2-stage plan trained beside
+
+    (a) even:        the layers cut in half, codec none, 1F1B
+    (b) blind+codec: the split that balances compute (PipeDream-style),
+                     sortquant:bits=8 both ways, 1F1B
+    (c) even+codec:  the layers cut in half, sortquant:bits=8 both ways, 1F1B
+
+with measured time per batch, test accuracy, and for the plan its predicted
+step time. Needs root. Example:
+
+    sudo /usr/bin/python3 scripts/experiments/plan_validation.py --rates 100mbit,1gbit \\
+        --csv results/plan-validation.csv --out docs/plan-validation-table.md
+"""
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "python"))
+import bandwidth as bw  # noqa: E402
+import epipe.torch as ept  # noqa: E402
+import plan_worker  # noqa: E402
+
+CODECS = ["quant:bits=8", "sortquant:bits=8", "quant:bits=4", "sortquant:bits=4",
+          "topk:ratio=0.1", "cast:dtype=bf16"]
+DEFAULT = "sortquant:bits=8"
+PORT = 29791
+
+
+def profile(model, mb):
+    torch.set_num_threads(1)
+    import fmnist_split as base
+
+    x, y = base.load(base.DATA_DIR, "train")
+    ls = plan_worker.layers(model)
+    prof = ept.profile(ls, x[:mb], y[:mb], torch.nn.functional.cross_entropy, reps=7)
+    table, skipped = ept.codec_table(prof, CODECS, reps=5)
+    return prof, table
+
+
+def balanced_cut(prof):
+    fb = [l["forward_s"] + l["backward_s"] for l in prof.layers]
+    best, cut = float("inf"), 0
+    for k in range(len(fb) - 1):
+        v = max(sum(fb[:k + 1]), sum(fb[k + 1:]))
+        if v < best:
+            best, cut = v, k
+    return cut
+
+
+def run(model, cut, act, grad, schedule, rate, a):
+    bw.setup(rate)
+    try:
+        procs = []
+        for r in (0, 1):
+            env = {"RANK": str(r), "MASTER_ADDR": bw.ADDR[0], "MASTER_PORT": str(PORT),
+                   "PYTHONPATH": os.path.join(ROOT, "python"), "OMP_NUM_THREADS": "1",
+                   "EPIPE_LIBRARY": os.path.join(ROOT, a.build, "lib", "libepipe.so")}
+            cmd = ["ip", "netns", "exec", bw.NS[r], "env", *[f"{k}={v}" for k, v in env.items()],
+                   a.python, os.path.join(HERE, "plan_worker.py"), "--model", model, "--cut",
+                   str(cut), "--act-codec", act, "--grad-codec", grad, "--schedule", schedule,
+                   "--train-limit", str(a.train_limit), "--test-limit", str(a.test_limit)]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
+    finally:
+        bw.teardown()
+    text = "\n".join(outs)
+    if any(p.returncode for p in procs):
+        sys.exit(f"{model} cut {cut} {act}/{grad} at {rate} failed:\n{text[-3000:]}")
+    line = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(line[0][len("RESULT "):])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="cnn,mlp")
+    ap.add_argument("--rates", default="100mbit,1gbit")
+    ap.add_argument("--train-limit", type=int, default=6400)
+    ap.add_argument("--test-limit", type=int, default=5000)
+    ap.add_argument("--act-error", type=float, default=1e-3)
+    ap.add_argument("--grad-error", type=float, default=1e-2)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--python", default="/usr/bin/python3")
+    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("plan_validation: needs root (ip netns, tc)")
+    sys.path.insert(0, os.path.join(ROOT, "examples", "torch"))
+    rows = []
+    for model in a.models.split(","):
+        prof, table = profile(model, 64 // 4)
+        L = len(prof.layers)
+        for rate in a.rates.split(","):
+            bps = bw.rate_bits(rate) / 8
+            p = ept.plan(prof, table, stages=2, microbatches=4, bandwidth=bps, latency=1e-4,
+                         act_error_budget=a.act_error, grad_error_budget=a.grad_error)
+            print(f"{model} at {rate}:\n{p.explain()}", flush=True)
+            half, blind = L // 2 - 1, balanced_cut(prof)
+            configs = [
+                ("plan", p.stages[0][1], p.codecs[0][0], p.codecs[0][1], p.schedule,
+                 p.step_seconds),
+                ("(a) even", half, "none", "none", "1f1b", None),
+                ("(b) blind+codec", blind, DEFAULT, DEFAULT, "1f1b", None),
+                ("(c) even+codec", half, DEFAULT, DEFAULT, "1f1b", None),
+            ]
+            for name, cut, act, grad, sched, pred in configs:
+                r = run(model, cut, act, grad, sched, rate, a)
+                row = {"model": model, "rate": rate, "config": name, "cut_after": cut,
+                       "act_codec": act, "grad_codec": grad, "schedule": sched,
+                       "predicted_s": pred, "measured_s": r["step_seconds"],
+                       "accuracy": r["accuracy"]}
+                rows.append(row)
+                print(f"  {name:16} cut {cut} {act}/{grad} {sched}: {r['step_seconds']:.4f} s "
+                      f"(predicted {pred if pred is None else round(pred, 4)}), "
+                      f"{r['accuracy']:.2f}%", flush=True)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    out = ["| model | link | configuration | cut after layer | codecs (act / grad) | schedule | "
+           "predicted s | measured s | plan's speed-up | test accuracy (%) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for model in a.models.split(","):
+        for rate in a.rates.split(","):
+            rs = [r for r in rows if r["model"] == model and r["rate"] == rate]
+            plan_t = rs[0]["measured_s"]
+            for r in rs:
+                pred = f"{r['predicted_s']:.4f}" if r["predicted_s"] is not None else ""
+                sp = f"{r['measured_s'] / plan_t:.2f}x" if r is not rs[0] else ""
+                out.append(f"| {model} | {rate} | {r['config']} | {r['cut_after']} | "
+                           f"`{r['act_codec']}` / `{r['grad_codec']}` | {r['schedule']} | {pred} | "
+                           f"{r['measured_s']:.4f} | {sp} | {r['accuracy']:.2f} |")
+    text = "\n".join(out) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
