@@ -98,3 +98,12 @@ def test_profile_codec_table_and_plan(tmp_path):
                         "--microbatches", "4", "--bandwidth", "fast"], capture_output=True,
                        text=True, timeout=120, env=env)
     assert r.returncode == 2 and "bad rate 'fast'" in r.stderr
+
+
+def test_profile_of_a_chain_starting_without_parameters():
+    m = [torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)]
+    prof = ept.profile(m, torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)),
+                       torch.nn.functional.cross_entropy, reps=1)
+    assert len(prof.samples) == 3 and prof.samples[0][1].abs().sum() > 0
+    assert prof.layers[0]["param_bytes"] == 0 and prof.layers[1]["param_bytes"] > 0
+

@@ -97,7 +97,9 @@ def profile(layers, example, target=None, loss_fn=None, *, reps=3):
     device = example.device
     # one pass through the chain for the samples: each boundary's output and
     # the loss's gradient at it
-    outs, h = [], example
+    # the input needs a gradient too: a chain may start with layers
+    # without parameters (Flatten), whose outputs would not have one
+    outs, h = [], example.detach().requires_grad_(example.is_floating_point())
     for layer in layers:
         h = layer(h)
         h.retain_grad()
