@@ -15,7 +15,7 @@
 
 static epipe_plan_layer layer(double fb, double out)
 {
-    epipe_plan_layer l = {fb / 3, 2 * fb / 3, 0, out, 1e6, 1e5};
+    epipe_plan_layer l = {fb / 3, 2 * fb / 3, 0, out, 1e6, 1e5, 0};
     return l;
 }
 
@@ -49,6 +49,11 @@ static void one_stage_holds_everything(void **state)
     assert_int_equal(epipe_plan_first_layer(p, 1), 3);
     assert_true(fabs(epipe_plan_step_seconds(p) - 4 * 6.0) < 1e-9);
     assert_null(epipe_plan_codec_spec(p, 0, 0));
+    epipe_plan_destroy(p);
+    /* the optimiser's step comes once a training step, after the pipeline */
+    l[1].update_s = 0.5;
+    p = plan_ok(l, 3, NULL, 0, &o);
+    assert_true(fabs(epipe_plan_step_seconds(p) - (4 * 6.0 + 0.5)) < 1e-9);
     epipe_plan_destroy(p);
 }
 
@@ -354,7 +359,7 @@ static void close_to_exhaustive_search(void **state)
         epipe_plan_layer l[6];
         for (unsigned i = 0; i < L; i++) {
             double f = 0.2 + urand();
-            l[i] = (epipe_plan_layer){f, 2 * f, urand() * f, 1e5 + urand() * 2e6, 0, 0};
+            l[i] = (epipe_plan_layer){f, 2 * f, urand() * f, 1e5 + urand() * 2e6, 0, 0, 0};
         }
         epipe_plan_codec c[20];
         unsigned nc = 0;

@@ -69,7 +69,7 @@ int bench_plan_main(int argc, char **argv)
     }
     for (unsigned i = 0; i < L; i++) {
         double f = 1e-3 * (1 + (i * 37 % 11)) / 4;
-        l[i] = (epipe_plan_layer){f, 2 * f, f, 65536.0 * (1u << (i * 13 % 8)), 4e6, 1e6};
+        l[i] = (epipe_plan_layer){f, 2 * f, f, 65536.0 * (1u << (i * 13 % 8)), 4e6, 1e6, 0};
     }
     for (unsigned k = 0; k < C; k++)
         snprintf(specs[k], sizeof specs[k], "codec-%u", k);

@@ -30,6 +30,7 @@ typedef struct epipe_plan_layer {
     double out_bytes;   /* the output activation (its gradient is as large) */
     double param_bytes; /* the parameters */
     double stash_bytes; /* what a micro-batch in flight keeps for the backward */
+    double update_s;    /* the optimiser's step on the parameters, once a training step */
 } epipe_plan_layer;
 
 /* One codec measured on one boundary tensor: the output of layer `layer`

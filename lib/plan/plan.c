@@ -99,11 +99,11 @@ static int check_layers(const epipe_plan_layer *ls, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
         const epipe_plan_layer *l = &ls[i];
-        const double v[6] = {l->forward_s, l->backward_s,  l->weight_s,
-                             l->out_bytes, l->param_bytes, l->stash_bytes};
-        static const char *const what[6] = {"forward_s", "backward_s",  "weight_s",
-                                            "out_bytes", "param_bytes", "stash_bytes"};
-        for (int k = 0; k < 6; k++)
+        const double v[7] = {l->forward_s,   l->backward_s,  l->weight_s, l->out_bytes,
+                             l->param_bytes, l->stash_bytes, l->update_s};
+        static const char *const what[7] = {"forward_s",   "backward_s",  "weight_s", "out_bytes",
+                                            "param_bytes", "stash_bytes", "update_s"};
+        for (int k = 0; k < 7; k++)
             if (!finite_nonneg(v[k]))
                 return epipe_fail(EPIPE_EINVAL,
                                   "epipe_plan_create: layer %zu has %s = %g; it must be finite "
@@ -502,8 +502,17 @@ static double simulate(const epipe_plan *p, const struct split *sp, int kind, in
             epipe_sim_set_cost(sim, EPIPE_SIM_DECODE_GRAD, s + 1, blind ? 0 : g->dec);
         }
     }
+    /* after the pipeline drains every stage updates its parameters, all
+     * at once: the slowest update ends the step */
+    double update = 0;
+    for (unsigned s = 0; s < P; s++) {
+        double u = 0;
+        for (unsigned l = sp->first[s]; l < sp->first[s + 1]; l++)
+            u += p->layers[l].update_s;
+        update = u > update ? u : update;
+    }
     if (epipe_sim_run(sim) == EPIPE_OK)
-        t = epipe_sim_makespan(sim);
+        t = epipe_sim_makespan(sim) + update;
 out:
     epipe_sim_destroy(sim);
     epipe_schedule_destroy(sch);

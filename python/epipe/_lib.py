@@ -208,7 +208,8 @@ class PlanLayer(ctypes.Structure):
     """epipe_plan_layer (plan.h)."""
 
     _fields_ = [(name, ctypes.c_double) for name in (
-        "forward_s", "backward_s", "weight_s", "out_bytes", "param_bytes", "stash_bytes")]
+        "forward_s", "backward_s", "weight_s", "out_bytes", "param_bytes", "stash_bytes",
+        "update_s")]
 
 
 class PlanCodec(ctypes.Structure):

@@ -5,7 +5,8 @@ import ctypes
 
 from ._lib import PlanCodec, PlanLayer, PlanOptions, check, lib
 
-LAYER_FIELDS = ("forward_s", "backward_s", "weight_s", "out_bytes", "param_bytes", "stash_bytes")
+LAYER_FIELDS = ("forward_s", "backward_s", "weight_s", "out_bytes", "param_bytes", "stash_bytes",
+                "update_s")
 CODEC_FIELDS = ("spec", "layer", "dir", "encode_s", "decode_s", "wire_ratio", "error")
 _DIRS = {"activation": 0, "gradient": 1, 0: 0, 1: 1}
 

@@ -133,6 +133,12 @@ def profile(layers, example, target=None, loss_fn=None, *, reps=3):
         fb = _best(both, reps, device)
         w = max(0.0, _best(weights_only, reps, device) - f) if params else 0.0
         b = max(0.0, fb - f)
+        u = 0.0
+        if params:  # an SGD step with momentum: the optimiser most hosts run
+            both()
+            opt = torch.optim.SGD(params, lr=0.0, momentum=0.9)
+            opt.step()
+            u = _best(opt.step, reps, device)
         layer.zero_grad(set_to_none=True)
         recs.append({
             "name": type(layer).__name__,
@@ -143,6 +149,7 @@ def profile(layers, example, target=None, loss_fn=None, *, reps=3):
             "out_shape": list(out.shape),
             "param_bytes": float(sum(p.numel() * p.element_size() for p in layer.parameters())),
             "stash_bytes": float(_stash_bytes(layer, xi)),
+            "update_s": u,
         })
         x = out.detach()
     meta = {"device": str(device), "microbatch": list(example.shape), "reps": reps,
