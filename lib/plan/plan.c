@@ -461,7 +461,7 @@ static void dp_read(const epipe_plan *p, const struct dp *d, struct split *sp, i
 static const struct option *split_opt(const epipe_plan *p, const struct split *sp, unsigned b,
                                       int blind)
 {
-    return opt_of(p, sp->first[b + 1], blind ? 0 : sp->option[b], blind);
+    return opt_of(p, sp->first[b + 1], sp->option[b], blind);
 }
 
 /* The simulated step time of a split under schedule kind `kind`; NAN if it
@@ -489,17 +489,18 @@ static double simulate(const epipe_plan *p, const struct split *sp, int kind, in
         epipe_sim_set_cost(sim, EPIPE_SIM_FORWARD, s, f);
         epipe_sim_set_cost(sim, EPIPE_SIM_BACKWARD, s, split_bw ? b - w : b);
         epipe_sim_set_cost(sim, EPIPE_SIM_WEIGHT, s, split_bw ? w : 0);
-        if (s + 1 < P) { /* boundary s: this stage sends the activation */
+        if (s + 1 < P) { /* boundary s: this stage sends the activation; a blind
+                          * split's option is none/none, which costs no codec time */
             const struct option *o = split_opt(p, sp, s, blind);
             const struct boundary *bd = &p->bnd[j - 1];
             const struct cand *a = &bd->act[o->a], *g = &bd->grad[o->g];
             epipe_sim_set_cost(sim, EPIPE_SIM_SEND_ACT, s, link_time(p, s, s + 1, o->act_wire));
-            epipe_sim_set_cost(sim, EPIPE_SIM_ENCODE_ACT, s, blind ? 0 : a->enc);
-            epipe_sim_set_cost(sim, EPIPE_SIM_DECODE_ACT, s, blind ? 0 : a->dec);
+            epipe_sim_set_cost(sim, EPIPE_SIM_ENCODE_ACT, s, a->enc);
+            epipe_sim_set_cost(sim, EPIPE_SIM_DECODE_ACT, s, a->dec);
             epipe_sim_set_cost(sim, EPIPE_SIM_SEND_GRAD, s + 1,
                                link_time(p, s + 1, s, o->grad_wire));
-            epipe_sim_set_cost(sim, EPIPE_SIM_ENCODE_GRAD, s + 1, blind ? 0 : g->enc);
-            epipe_sim_set_cost(sim, EPIPE_SIM_DECODE_GRAD, s + 1, blind ? 0 : g->dec);
+            epipe_sim_set_cost(sim, EPIPE_SIM_ENCODE_GRAD, s + 1, g->enc);
+            epipe_sim_set_cost(sim, EPIPE_SIM_DECODE_GRAD, s + 1, g->dec);
         }
     }
     /* after the pipeline drains every stage updates its parameters, all
@@ -892,8 +893,6 @@ static void explain_split(const epipe_plan *p, const struct split *sp, int kind,
             codec += split_opt(p, sp, s, blind)->out_cost;
         if (s > 0)
             codec += split_opt(p, sp, s - 1, blind)->in_cost;
-        if (blind)
-            codec = 0;
         put(buf, cap, len,
             "  stage %u: layers %u..%u, compute %.6g s, codecs %.6g s, memory %.4g MB a device\n",
             s, i, j - 1, fb, codec, stage_memory(p, kind, s, i, j) / 1e6);
