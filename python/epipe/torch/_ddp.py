@@ -45,11 +45,10 @@ class CompressedAllreduceState:
 
 
 def _payload_tensor(c, x):
-    """x encoded, as a uint8 tensor on x's device."""
-    p = c.encode(x)
-    if isinstance(p, torch.Tensor):
-        return p
-    return torch.frombuffer(bytearray(p), dtype=torch.uint8)
+    """x encoded, as a uint8 tensor on x's device: written in place, not
+    returned as bytes and copied again."""
+    out = torch.empty(c.max_encoded_size(x), dtype=torch.uint8, device=x.device)
+    return c.encode(x, out=out)
 
 
 def compressed_allreduce_hook(state, bucket):
@@ -70,7 +69,6 @@ def compressed_allreduce_hook(state, bucket):
     mine = _payload_tensor(c, x)
     if x.device.type == "cuda":
         c.synchronize()  # deferred errors (a NaN in the gradient) surface here
-        mine = mine.to(x.device)
     if state.error_feedback:
         back = c.decode(mine, out=torch.empty_like(x))
         state._residual[index] = x - back
