@@ -7,10 +7,18 @@
 #include "../lib/codec/codec_impl.h"
 #include "quantize_common.h"
 
-enum { QUANT_BITS };
+enum { QUANT_BITS, QUANT_ZERO };
+
+static const char *const quant_bool[] = {"0", "1", NULL};
 
 static const epipe_param_desc quant_params[] = {
     {.key = "bits", .kind = EPIPE_PARAM_INT, .min = 1, .max = 16, .def = 8},
+    /* Encoder only (the payload is the same format): 0 is a level. */
+    {.key = "zero",
+     .kind = EPIPE_PARAM_CHOICE,
+     .def = 0,
+     .choices = quant_bool,
+     .quiet_default = 1},
 };
 
 typedef struct quant_state {
@@ -38,6 +46,7 @@ static int quant_configure(epipe_codec *c)
     c->state = st;
     if (epipe_qtab_init(&st->tab, bits, 0) || !(st->lut = malloc(sizeof(float) << bits)))
         return epipe_fail(EPIPE_ENOMEM, "quant: out of memory");
+    st->tab.zero = (int)c->p[QUANT_ZERO];
     return EPIPE_OK;
 }
 
@@ -136,7 +145,7 @@ const epipe_codec_ops epipe_codec_quant = {
     .name = "quant",
     .id = EPIPE_CODEC_ID_QUANT,
     .params = quant_params,
-    .nparams = 1,
+    .nparams = 2,
     .configure = quant_configure,
     .param_word = quant_param_word,
     .body_size = quant_body_size,

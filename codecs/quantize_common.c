@@ -72,9 +72,12 @@ void epipe_q_set_chunk(epipe_qtab *t, unsigned j, float min, float max)
 {
     min += 0.0f; /* -0 becomes +0: the bytes do not depend on which zero won */
     max += 0.0f;
+    float step = epipe_q_step(min, max, t->levels);
+    if (t->zero) /* a value the moved grid leaves outside clamps, within step/2 */
+        min = epipe_hd_q_zero_min(min, max, step, t->levels);
     t->min[j] = min;
-    t->step[j] = epipe_q_step(min, max, t->levels);
-    t->inv[j] = t->step[j] > 0.0f ? 1.0f / t->step[j] : 0.0f;
+    t->step[j] = step;
+    t->inv[j] = step > 0.0f ? 1.0f / step : 0.0f;
 }
 
 void epipe_q_set_empty(epipe_qtab *t, unsigned j)

@@ -20,6 +20,7 @@
 typedef struct epipe_qtab {
     unsigned bits, q, k;
     float levels;            /* 2^q - 1 */
+    int zero;                /* spec key zero=1: 0 is a level (epipe_q_set_chunk) */
     float *bnd;              /* [k + 1]: bnd[0] = -inf, bnd[k] = +inf */
     float *min, *step, *inv; /* [k] */
 } epipe_qtab;
@@ -47,7 +48,10 @@ static inline uint32_t epipe_q_level(float x, float min, float inv, float levels
 }
 
 /* Sets chunk j from the smallest and largest value it holds (min and max
- * are stored with -0 made +0), or marks it empty. */
+ * are stored with -0 made +0), or marks it empty. With t->zero set and
+ * min < 0 <= max, the grid moves by less than half a step so that level
+ * z = round(-min / step) decodes to exactly 0: min becomes -(z * step)
+ * (each value still decodes within step/2 of itself). */
 void epipe_q_set_chunk(epipe_qtab *t, unsigned j, float min, float max);
 void epipe_q_set_empty(epipe_qtab *t, unsigned j);
 

@@ -1,6 +1,6 @@
 /* quant: the half-step error bound at every width, exact all-equal input,
  * fast path byte-identical to the reference on every thread count, and
- * NaN input, hostile payloads and bad specs rejected by name. */
+ * NaN input, hostile payloads and bad specs rejected by name; zero=1. */
 #include <float.h>
 #include <math.h>
 #include <setjmp.h>
@@ -225,6 +225,61 @@ static void hostile_payloads(void **state)
     free(p.buf);
 }
 
+/* zero=1: every 0 decodes to exactly 0, the half-step bound still holds,
+ * fast and reference agree, input without 0 inside its range is coded as
+ * without the key, and the payload is the plain format (a decoder without
+ * the key reads it). */
+static void zero_is_a_level(void **state)
+{
+    (void)state;
+    const size_t n = 20011;
+    float *x = malloc(sizeof *x * n), *y = malloc(sizeof *y * n), *y0 = malloc(sizeof *y0 * n);
+    for (int d = 0; d < 4; d++) {
+        test_fill(x, n, (enum test_dist)d, 77 + (uint64_t)d);
+        for (size_t i = 0; i < n; i += 3) /* a masked gradient: a third exact zeros */
+            x[i] = i % 2 ? 0.0f : -0.0f;
+        if (d == 3) /* and once with 0 as the largest value */
+            for (size_t i = 0; i < n; i++)
+                x[i] = -fabsf(x[i]);
+        float amax = 0;
+        for (size_t i = 0; i < n; i++)
+            amax = fmaxf(amax, fabsf(x[i]));
+        for (unsigned bits = 1; bits <= 16; bits++) {
+            char spec[40], plain[40];
+            snprintf(spec, sizeof spec, "quant:bits=%u,zero=1", bits);
+            snprintf(plain, sizeof plain, "quant:bits=%u", bits);
+            check_same(spec, x, n);
+            test_payload p = test_encode(spec, x, n, 2, 0);
+            float min = epipe_get_f32(p.buf + HDR), step = epipe_get_f32(p.buf + HDR + 4);
+            test_decode(spec, &p, y, n, 1, 0);
+            test_decode(plain, &p, y0, n, 1, 0);
+            assert_memory_equal(y, y0, n * sizeof *y);
+            for (size_t i = 0; i < n; i++) {
+                if (x[i] == 0.0f && y[i] != 0.0f)
+                    fail_msg("%s dist %d: x[%zu] = 0 decoded %g (min %g, step %g)", spec, d, i,
+                             (double)y[i], (double)min, (double)step);
+                double err = fabs((double)x[i] - y[i]);
+                if (err > step / 2 * (1 + 1e-6) + 16 * FLT_EPSILON * amax)
+                    fail_msg("%s dist %d: x[%zu]=%g decoded %g, step %g", spec, d, i, (double)x[i],
+                             (double)y[i], (double)step);
+            }
+            free(p.buf);
+        }
+    }
+    /* all positive: the key changes nothing */
+    for (size_t i = 0; i < n; i++)
+        x[i] = 1.0f + (float)(i % 97);
+    test_payload a = test_encode("quant:bits=4,zero=1", x, n, 1, 0);
+    test_payload b = test_encode("quant:bits=4", x, n, 1, 0);
+    assert_int_equal(a.len, b.len);
+    assert_memory_equal(a.buf, b.buf, a.len);
+    free(a.buf);
+    free(b.buf);
+    free(x);
+    free(y);
+    free(y0);
+}
+
 static void expect_spec_error(const char *spec, const char *needle)
 {
     epipe_codec *c = (epipe_codec *)1;
@@ -244,6 +299,14 @@ static void specs(void **state)
     epipe_codec *c = test_codec("quant", 1, 0);
     assert_string_equal(epipe_codec_spec(c), "quant:bits=8");
     epipe_codec_destroy(c);
+    /* zero=0, the default, stays out of the canonical spec */
+    c = test_codec("quant:zero=0,bits=3", 1, 0);
+    assert_string_equal(epipe_codec_spec(c), "quant:bits=3");
+    epipe_codec_destroy(c);
+    c = test_codec("quant:zero=1", 1, 0);
+    assert_string_equal(epipe_codec_spec(c), "quant:bits=8,zero=1");
+    epipe_codec_destroy(c);
+    expect_spec_error("quant:zero=2", "'zero'");
 }
 
 int main(void)
@@ -253,6 +316,7 @@ int main(void)
         cmocka_unit_test(fast_matches_reference), cmocka_unit_test(generic_kernels_match_reference),
         cmocka_unit_test(nonfinite_rejected),     cmocka_unit_test(find_nonfinite_scan),
         cmocka_unit_test(hostile_payloads),       cmocka_unit_test(specs),
+        cmocka_unit_test(zero_is_a_level),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

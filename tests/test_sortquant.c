@@ -243,6 +243,51 @@ static void fast_matches_reference(void **state)
     free(x);
 }
 
+/* zero=1 in every mode: a 0 decodes to exactly 0 whatever chunk holds it,
+ * fast and reference agree at any thread count, and a decoder without the
+ * key reads the payload. */
+static void zero_is_a_level(void **state)
+{
+    (void)state;
+    const char *specs[] = {"sortquant:bits=2,zero=1",
+                           "sortquant:bits=4,zero=1",
+                           "sortquant:bits=8,split=2,zero=1",
+                           "sortquant:bits=4,mode=sample,zero=1",
+                           "sortquant:bits=8,mode=sample,zero=1",
+                           "sortquant:bits=5,split=2,mode=exact,zero=1",
+                           "sortquant:bits=12,split=3,sample=1024,mode=sample,zero=1"};
+    const size_t sizes[] = {9, 1000, 5003, 300007};
+    float *x = malloc(sizeof *x * 300007), *y = malloc(sizeof *y * 300007),
+          *y0 = malloc(sizeof *y0 * 300007);
+    for (size_t s = 0; s < sizeof specs / sizeof *specs; s++)
+        for (size_t z = 0; z < sizeof sizes / sizeof *sizes; z++)
+            for (int d = 0; d < 4; d++) {
+                size_t n = sizes[z];
+                test_fill(x, n, (enum test_dist)d, 7000 * s + 10 * z + (size_t)d);
+                for (size_t i = 0; i < n; i += 3)
+                    x[i] = 0.0f;
+                if (d == 3)
+                    for (size_t i = 0; i < n; i++)
+                        x[i] = -fabsf(x[i]);
+                if (n < 10000)
+                    check_same(specs[s], x, n);
+                test_payload p = test_encode(specs[s], x, n, 2, 0);
+                test_decode(specs[s], &p, y, n, 1, 0);
+                char plain[80];
+                snprintf(plain, sizeof plain, "%.*s", (int)(strlen(specs[s]) - 7), specs[s]);
+                test_decode(plain, &p, y0, n, 1, 0); /* the spec less ",zero=1" */
+                assert_memory_equal(y, y0, n * sizeof *y);
+                for (size_t i = 0; i < n; i++)
+                    if (x[i] == 0.0f && y[i] != 0.0f)
+                        fail_msg("%s n=%zu dist %d: x[%zu] = 0 decoded %g", specs[s], n, d, i,
+                                 (double)y[i]);
+                free(p.buf);
+            }
+    free(x);
+    free(y);
+    free(y0);
+}
+
 /* Around the sizes where encoding goes parallel (256K) and where the
  * thread ranges split, with ties spread over several threads. */
 static void threads_match_reference(void **state)
@@ -407,6 +452,7 @@ static void specs_and_defaults(void **state)
     expect_spec_error("sortquant:bits=4,split=13,mode=sample", "'split'");
     expect_spec_error("sortquant:bits=8,mode=bogus", "'mode'");
     expect_spec_error("sortquant:bits=8,sample=10,mode=sample", "'sample'");
+    expect_spec_error("sortquant:zero=yes", "'zero'");
     const struct {
         const char *in, *out;
     } canon[] = {
@@ -418,6 +464,8 @@ static void specs_and_defaults(void **state)
         {"sortquant:bits=2,mode=sample", "sortquant:bits=2,split=1,mode=sample,sample=65536"},
         {"sortquant:bits=3,split=0,mode=sample",
          "sortquant:bits=3,split=0,mode=sample,sample=65536"},
+        {"sortquant:zero=0", "sortquant:bits=8,mode=fit,sample=65536"},
+        {"sortquant:zero=1,bits=4", "sortquant:bits=4,mode=fit,sample=65536,zero=1"},
     };
     for (size_t i = 0; i < sizeof canon / sizeof *canon; i++) {
         epipe_codec *c = test_codec(canon[i].in, 1, 0);
@@ -440,6 +488,7 @@ int main(void)
         cmocka_unit_test(mse_against_quant),
         cmocka_unit_test(fast_matches_reference),
         cmocka_unit_test(threads_match_reference),
+        cmocka_unit_test(zero_is_a_level),
         cmocka_unit_test(generic_kernels_match_reference),
         cmocka_unit_test(degenerate_inputs),
         cmocka_unit_test(nonfinite_rejected),

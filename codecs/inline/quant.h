@@ -36,6 +36,21 @@ EPIPE_HD float epipe_hd_q_step(float min, float max, float levels)
     return f;
 }
 
+/* zero=1: the chunk's min moved by at most half a step (plus rounding) so
+ * that level z = round(-min / step) decodes, as min + (float)z * step, to
+ * exactly 0; min unchanged unless min < 0 <= max and step > 0, or when the
+ * moved grid would leave the float range. */
+EPIPE_HD float epipe_hd_q_zero_min(float min, float max, float step, float levels)
+{
+    if (!(min < 0.0f && max >= 0.0f && step > 0.0f))
+        return min;
+    double z = floor(-(double)min / (double)step + 0.5);
+    if (z > (double)levels)
+        z = (double)levels;
+    float zmin = -((float)z * step) + 0.0f;
+    return epipe_hd_finite(zmin + levels * step) ? zmin : min;
+}
+
 /* The chunk of x among k (a power of two): the count of bnd[1..k) <= x. */
 EPIPE_HD unsigned epipe_hd_q_chunk(const float *bnd, unsigned k, float x)
 {

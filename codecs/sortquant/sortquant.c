@@ -10,12 +10,16 @@
 #include "../../lib/parallel.h"
 
 static const char *const sq_modes[] = {"exact", "sample", "fit", NULL};
+static const char *const sq_bool[] = {"0", "1", NULL};
 
 static const epipe_param_desc sq_params[] = {
     {.key = "bits", .kind = EPIPE_PARAM_INT, .min = 2, .max = 16, .def = 8},
     {.key = "split", .kind = EPIPE_PARAM_INT, .min = 0, .max = 12, .def = NAN},
     {.key = "mode", .kind = EPIPE_PARAM_CHOICE, .def = SQ_MODE_FIT, .choices = sq_modes},
     {.key = "sample", .kind = EPIPE_PARAM_INT, .min = 1024, .max = 16777216, .def = 65536},
+    /* Encoder only (the payload is the same format): 0 is a level of the
+     * chunk that spans it. */
+    {.key = "zero", .kind = EPIPE_PARAM_CHOICE, .def = 0, .choices = sq_bool, .quiet_default = 1},
 };
 
 static void sq_release(epipe_codec *c)
@@ -52,9 +56,11 @@ static int fit_configure(epipe_codec *c, sq_state *st, unsigned bits)
         st->fit_smax = split;
     }
     for (unsigned S = 0; S <= st->fit_smax; S++) /* S = 0: the tensor's extent */
-        if ((st->fit_fixed < 0 || S == st->fit_smax || S == 0) &&
-            epipe_qtab_init(&st->ftab[S], bits, S))
-            return epipe_fail(EPIPE_ENOMEM, "sortquant: out of memory");
+        if (st->fit_fixed < 0 || S == st->fit_smax || S == 0) {
+            if (epipe_qtab_init(&st->ftab[S], bits, S))
+                return epipe_fail(EPIPE_ENOMEM, "sortquant: out of memory");
+            st->ftab[S].zero = (int)c->p[SQ_ZERO];
+        }
     if (!(st->lut = malloc(sizeof(float) << bits)))
         return epipe_fail(EPIPE_ENOMEM, "sortquant: out of memory");
     return EPIPE_OK;
@@ -84,6 +90,7 @@ static int sq_configure(epipe_codec *c)
     c->state = st;
     if (epipe_qtab_init(&st->tab, bits, split) || !(st->lut = malloc(sizeof(float) << bits)))
         return epipe_fail(EPIPE_ENOMEM, "sortquant: out of memory");
+    st->tab.zero = (int)c->p[SQ_ZERO];
     return EPIPE_OK;
 }
 

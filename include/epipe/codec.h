@@ -24,14 +24,19 @@ typedef struct epipe_codec epipe_codec;
  *   cast:dtype=fp16|bf16               round to a 16-bit float type;
  *                                      finite values beyond its range
  *                                      saturate to its largest finite
- *   quant:bits=B                       global min/max uniform, B in 1..16
- *   sortquant:bits=B[,split=S][,mode=fit|sample|exact][,sample=N]
+ *   quant:bits=B[,zero=1]              global min/max uniform, B in 1..16;
+ *                                      zero=1 moves the grid by under half
+ *                                      a step so that 0 decodes exactly
+ *                                      (use it for gradients; same payload
+ *                                      format; CPU encoders only)
+ *   sortquant:bits=B[,split=S][,mode=fit|sample|exact][,sample=N][,zero=1]
  *                                      sort quantization, B in 2..16; mode
  *                                      defaults to fit (MSE-fitted chunks,
  *                                      S in 0..4 chosen per tensor unless
  *                                      given); sample and exact (the
  *                                      research's equal-count chunks) take
- *                                      S from the 3:1 rule (B/4, at least 1)
+ *                                      S from the 3:1 rule (B/4, at least 1);
+ *                                      zero=1 as quant's, per chunk
  *   kmeans:bits=B[,iters=K]            1-D Lloyd-Max codebook, B in 1..12
  *   topk:ratio=r                       keep the ceil(r*n) largest |x|
  *   insert:kind=conv|linear[,out=K|ratio=r][,kernel=k][,in=C][,seed=S]

@@ -279,6 +279,16 @@ static int inspect_for_call(epipe_codec *c, const DLTensor *t, const char *what,
     return rc ? rc : epipe_tensor_inspect_on(t, what, c->msg, n, dt, is_cuda(t));
 }
 
+/* The quantizers' encoder-only key zero=1 (0 on the grid), which the CUDA
+ * kernels do not implement yet. */
+static int has_zero_level(const epipe_codec *c)
+{
+    for (unsigned i = 0; i < c->ops->nparams; i++)
+        if (strcmp(c->ops->params[i].key, "zero") == 0)
+            return c->p[i] != 0;
+    return 0;
+}
+
 int epipe_codec_size_checked(epipe_codec *c, const DLTensor *t, uint64_t n, size_t *bytes)
 {
     const epipe_codec_backend *be = NULL;
@@ -307,6 +317,11 @@ int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, 
                                 c->ops->name, (unsigned long long)n, need, dst ? capacity : 0);
     uint8_t *h = dst;
     if (is_cuda(src)) {
+        if (has_zero_level(c))
+            return epipe_codec_fail(c, EPIPE_ENOTSUP,
+                                    "%s: src is a CUDA tensor; zero=1 encodes on the CPU backend "
+                                    "only (its payloads decode on either)",
+                                    c->ops->name);
         /* The header from the host's knowledge; the module writes it and
          * enqueues the body, into host or device memory. */
         uint8_t hdr[EPIPE_PAYLOAD_HEADER];

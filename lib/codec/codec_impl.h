@@ -45,6 +45,9 @@ typedef struct epipe_param_desc {
     double min, max;
     double def;                 /* default; NAN = the codec derives it */
     const char *const *choices; /* NULL-terminated, for EPIPE_PARAM_CHOICE */
+    /* 1: the canonical spec leaves the key out while it has its default (a
+     * key added later, so that older specs keep their canonical form). */
+    int quiet_default;
 } epipe_param_desc;
 
 /* Trainable codecs (insert), per backend: the backward and the parameters.

@@ -102,6 +102,8 @@ static void build_canonical_spec(epipe_codec *c)
         char val[40];
         if (isnan(c->p[i])) /* left for the codec to choose per tensor */
             continue;
+        if (d->quiet_default && c->p[i] == d->def)
+            continue;
         if (d->kind == EPIPE_PARAM_CHOICE)
             snprintf(val, sizeof val, "%s", d->choices[(int)c->p[i]]);
         else if (d->kind == EPIPE_PARAM_INT)
