@@ -89,7 +89,7 @@ static void test_spec_keys(void **st)
 {
     (void)st;
     epipe_codec *c = mk("quant:bits=2,delta=1");
-    assert_string_equal(epipe_codec_spec(c), "quant:bits=2,delta=1");
+    assert_string_equal(epipe_codec_spec(c), "quant:bits=2,zero=1,delta=1"); /* zero implied */
     double v;
     assert_int_equal(epipe_codec_spec_param(c, "delta", &v), EPIPE_OK);
     assert_true(v == 1);
@@ -98,6 +98,9 @@ static void test_spec_keys(void **st)
     epipe_codec_destroy(c);
     c = mk("sortquant:bits=2,delta=1,delta_mb=8,delta_strict=1");
     assert_non_null(strstr(epipe_codec_spec(c), ",delta=1,delta_mb=8,delta_strict=1"));
+    epipe_codec_destroy(c);
+    c = mk("quant:bits=2,zero=0,delta=1"); /* unless the spec says otherwise */
+    assert_string_equal(epipe_codec_spec(c), "quant:bits=2,delta=1");
     epipe_codec_destroy(c);
     c = mk("cast:dtype=fp16,delta=0");
     assert_string_equal(epipe_codec_spec(c), "cast:dtype=fp16");
@@ -235,7 +238,7 @@ static void test_first_epoch_full(void **st)
     epipe_codec *c = mk("quant:bits=3,delta=1"), *d = mk("quant:bits=3,delta=1");
     test_payload p = enc(c, x, ids, 8, 32);
     assert_int_equal(dec(d, &p, y, 8, 32), EPIPE_OK);
-    test_payload q = test_encode("quant:bits=3", x, 8 * 32, 1, 0);
+    test_payload q = test_encode("quant:bits=3,zero=1", x, 8 * 32, 1, 0);
     test_decode("quant:bits=3", &q, z, 8 * 32, 1, 0);
     assert_memory_equal(y, z, sizeof y);
     /* The inner body is the plain one, after 16 + 12 + 8*4 + 2 bytes. */
@@ -244,6 +247,63 @@ static void test_first_epoch_full(void **st)
     assert_memory_equal(p.buf, q.buf, 16); /* the same payload header */
     free(p.buf), free(q.buf);
     epipe_codec_destroy(c), epipe_codec_destroy(d);
+}
+
+/* A sample sent again unchanged: its change is what the stored row still
+ * misses, and on the grid delta=1 implies (zero=1) rounding never moves a
+ * value further than itself from 0, so no element of the stored row gets
+ * further from the sample on a resend. With zero=0 the grid of the signed
+ * changes misses 0, and values with nothing left to send take the level
+ * next to 0 on every resend: the stored rows wander off (returns the worst
+ * increase of an element's error over the sends). */
+static double resend_growth(const char *spec, int sends)
+{
+    enum { R = 8, C = 64 };
+    float x[R * C], y[R * C], err[R * C];
+    test_fill(x, R * C, DIST_NORMAL, 11);
+    x[C + 5] = 40.0f; /* a wide change in a changing row: a coarse grid */
+    uint64_t ids[R] = {1, 2, 3, 4, 5, 6, 7, 8};
+    epipe_codec *c = mk(spec), *d = mk(spec);
+    double growth = 0;
+    for (int s = 0; s < sends; s++) {
+        float z[R * C]; /* odd rows change on every send, even rows never */
+        memcpy(z, x, sizeof z);
+        for (int i = 0; i < R * C; i++)
+            if (i / C % 2)
+                z[i] += (float)(s % 2 ? -1 : 1) * (i == C + 5 ? 40.0f : 0.5f);
+        test_payload p = enc(c, z, ids, R, C);
+        assert_int_equal(dec(d, &p, y, R, C), EPIPE_OK);
+        free(p.buf);
+        same_state(c, d, ids, R, C);
+        for (int i = 0; i < R * C; i++) {
+            if (i / C % 2)
+                continue;
+            float e = fabsf(y[i] - x[i]);
+            if (s)
+                growth = fmax(growth, (double)e - err[i]);
+            err[i] = e;
+        }
+    }
+    epipe_codec_destroy(c), epipe_codec_destroy(d);
+    return growth;
+}
+
+static void test_zero_implied(void **st)
+{
+    (void)st;
+    const char *specs[] = {"quant:bits=2,delta=1", "sortquant:bits=2,delta=1",
+                           "sortquant:bits=4,mode=sample,delta=1"};
+    for (size_t i = 0; i < 3; i++) {
+        double growth = resend_growth(specs[i], 6);
+        if (growth > 1e-6)
+            fail_msg("%s: an unchanged sample's stored value got %g further from it", specs[i],
+                     growth);
+    }
+    double growth = resend_growth("quant:bits=2,zero=0,delta=1", 6);
+    print_message("quant:bits=2,zero=0,delta=1: an unchanged sample's stored value got %g "
+                  "further from it\n",
+                  growth);
+    assert_true(growth > 1.0);
 }
 
 /* delta_mb=1 holds 4 rows of 64K values: the others go in full, unkept. */
@@ -359,7 +419,8 @@ static void test_untracked(void **st)
     assert_int_equal(w, 16 + 12 + 1 + (w - 29)); /* no ids on the wire */
     test_payload q = {buf, w};
     assert_int_equal(dec(d, &q, y, 4, 16), EPIPE_OK);
-    test_payload r = test_encode("quant:bits=2", x, 64, 1, 0); /* the plain codec's values */
+    /* the plain codec's values (with the zero=1 that delta=1 implies) */
+    test_payload r = test_encode("quant:bits=2,zero=1", x, 64, 1, 0);
     test_decode("quant:bits=2", &r, z, 64, 1, 0);
     assert_memory_equal(y, z, sizeof y);
     assert_memory_equal(buf + 29, r.buf + 16, r.len - 16);
@@ -581,6 +642,7 @@ int main(void)
         cmocka_unit_test(test_bad_calls),        cmocka_unit_test(test_shape_dtype_reset),
         cmocka_unit_test(test_mismatch),         cmocka_unit_test(test_stores_differ),
         cmocka_unit_test(test_hostile),          cmocka_unit_test(test_untracked),
+        cmocka_unit_test(test_zero_implied),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -223,6 +223,11 @@ def main():
             for b, spec in enumerate(per_boundary):
                 stage.set_codec(direction, spec, boundary=b)
 
+    # activation deltas (delta=1): the first stage names each micro-batch's
+    # rows by their data set index every step; later stages get them with
+    # the activations
+    name_samples = "delta=1" in a.act_codec and stage.is_first
+
     train_x, train_y = load(a.data, "train")
     test_x, test_y = load(a.data, "test")
     ntrain = min(a.train_limit, len(train_y)) if a.train_limit > 0 else len(train_y)
@@ -239,6 +244,9 @@ def main():
         for b in range(steps):
             idx = order[b * a.batch : (b + 1) * a.batch]
             xs, ys = train_x[idx].chunk(m), train_y[idx].chunk(m)
+            if name_samples:
+                for mb, ids in enumerate(idx.chunk(m)):
+                    stage.set_samples(mb, ids.tolist())
             opt.zero_grad(set_to_none=True)
             loss = train_step(stage, chunks, xs, ys, m)
             opt.step()

@@ -60,7 +60,8 @@ typedef struct epipe_codec epipe_codec;
  * one fp32 copy of the tensor per slot, and one more per handle. CPU
  * tensors only.
  * The same codecs take delta=0|1[,delta_mb=M][,delta_strict=0|1]:
- * activation deltas per sample (see "Activation deltas" below).
+ * activation deltas per sample (see "Activation deltas" below); on quant
+ * and sortquant delta=1 implies zero=1 unless the spec gives zero.
  * The full list, with every default and range, is in docs/codecs.md.
  *
  * Creates a codec in *out. Returns EPIPE_OK, EPIPE_EINVAL for a malformed

@@ -283,10 +283,8 @@ static int inspect_for_call(epipe_codec *c, const DLTensor *t, const char *what,
  * kernels do not implement yet. */
 static int has_zero_level(const epipe_codec *c)
 {
-    for (unsigned i = 0; i < c->ops->nparams; i++)
-        if (strcmp(c->ops->params[i].key, "zero") == 0)
-            return c->p[i] != 0;
-    return 0;
+    int k = epipe_codec_param_index(c->ops, "zero");
+    return k >= 0 && c->p[k] != 0;
 }
 
 int epipe_codec_size_checked(epipe_codec *c, const DLTensor *t, uint64_t n, size_t *bytes)

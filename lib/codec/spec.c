@@ -190,6 +190,12 @@ static int parse_params(epipe_codec *c, const char *spec)
     for (unsigned k = 0; k < ops->nparams; k++)
         if (!set[k])
             c->p[k] = ops->params[k].def;
+    /* delta=1 codes signed changes, and a quantizer whose grid misses 0
+     * adds the same offset to every unchanged value, epoch after epoch, to
+     * both stored rows: zero=1 unless the spec sets it (docs/codecs.md). */
+    int zk = epipe_codec_param_index(ops, "zero");
+    if (c->delta && zk >= 0 && !set[zk])
+        c->p[zk] = 1;
     if (ops->configure) {
         int rc = ops->configure(c);
         if (rc)

@@ -489,6 +489,23 @@ class Stage(_Handle):
         self._check(lib.epipe_stage_send_activation(self._handle(), int(microbatch), v.ptr),
                     "epipe_stage_send_activation")
 
+    def set_samples(self, microbatch, ids):
+        """Names the rows of micro-batch `microbatch`'s next activation send
+        (first pipeline stage only), for boundaries whose activation codec
+        has delta=1 (experimental; stage.h, epipe_stage_set_samples): `ids`
+        is a sequence of distinct non-negative integers, one per row of
+        dimension 0 (typically the data set indices), copied at the call and
+        used by the next send of that micro-batch only. Set them every
+        step, before the send (sends on a delta=1 boundary without them
+        fail with EPIPE_EINVAL). Later stages need nothing: the ids travel
+        with the activations."""
+        ids = [int(i) for i in ids]
+        if any(i < 0 for i in ids):
+            raise ValueError("set_samples: sample ids must be non-negative integers")
+        arr = (ctypes.c_uint64 * max(1, len(ids)))(*ids)
+        self._check(lib.epipe_stage_set_samples(self._handle(), int(microbatch), arr, len(ids)),
+                    "epipe_stage_set_samples")
+
     def send_gradient(self, microbatch, tensor):
         v = DLView(tensor)
         self._check(lib.epipe_stage_send_gradient(self._handle(), int(microbatch), v.ptr),
