@@ -281,3 +281,46 @@ def test_insert_trains_through_the_binding():
     raise_first(run_threads(comms, body))
     assert len(history) == steps
     assert history[-1] < 0.5 * history[0], history
+
+
+def test_activation_deltas_through_the_binding():
+    """delta=1 with sample ids from set_samples(): the second step's
+    activations go as changes, coded on their own much narrower range (ten
+    times closer than the first, full send), a send without ids is refused
+    by name, and bad ids raise before reaching the library."""
+    comms = epipe.Comm.inproc(2)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    got = []
+
+    def body(s):
+        with epipe.Stage(comms[s], "gpipe", 1, act_codec="quant:bits=4,delta=1",
+                         timeout_ms=20000) as st:
+            for step in range(3):
+                for op in st.ops():
+                    mb = op.microbatch
+                    if op.kind == epipe.OP_BACKWARD:
+                        if s == 1:
+                            st.send_gradient(mb, torch.zeros(8, 64))
+                        else:
+                            st.recv_gradient(mb)
+                    elif s == 1:
+                        got.append(st.recv_activation(mb, copy=True))
+                    elif step < 2:
+                        st.set_samples(mb, range(100, 108))
+                        st.send_activation(mb, x + 0.01 * step)
+                    else:  # no ids: refused, naming the call to make
+                        with pytest.raises(epipe.Error) as ei:
+                            st.send_activation(mb, x)
+                        assert ei.value.name == "EPIPE_EINVAL"
+                        assert "set_samples" in ei.value.message
+                        with pytest.raises(ValueError):
+                            st.set_samples(mb, [-1] * 8)
+                        st.set_samples(mb, range(100, 108))
+                        st.send_activation(mb, x)
+
+    raise_first(run_threads(comms, body))
+    assert len(got) == 3
+    err0 = (got[0] - x).abs().max().item()
+    assert 0 < err0 < 0.5
+    assert (got[1] - (x + 0.01)).abs().max().item() < 0.1 * err0
+    assert (got[2] - x).abs().max().item() < 0.1 * err0
