@@ -99,6 +99,11 @@ static void test_spec_keys(void **st)
     c = mk("sortquant:bits=2,delta=1,delta_mb=8,delta_strict=1");
     assert_non_null(strstr(epipe_codec_spec(c), ",delta=1,delta_mb=8,delta_strict=1"));
     epipe_codec_destroy(c);
+    c = mk("quant:bits=2,delta_raw=0,delta=1");
+    assert_string_equal(epipe_codec_spec(c), "quant:bits=2,zero=1,delta=1,delta_raw=0");
+    assert_int_equal(epipe_codec_spec_param(c, "delta_raw", &v), EPIPE_OK);
+    assert_true(v == 0);
+    epipe_codec_destroy(c);
     c = mk("quant:bits=2,zero=0,delta=1"); /* unless the spec says otherwise */
     assert_string_equal(epipe_codec_spec(c), "quant:bits=2,delta=1");
     epipe_codec_destroy(c);
@@ -116,6 +121,8 @@ static void test_spec_keys(void **st)
         {"none:delta=1", "lossless"},
         {"quant:bits=2,delta=1,ef=1", "ef=1 together"},
         {"quant:bits=2,delta_mb=4", "need delta=1"},
+        {"quant:bits=2,delta_raw=1", "need delta=1"},
+        {"quant:bits=2,delta=1,delta_raw=2", "delta_raw"},
         {"quant:bits=2,delta=2", "not an integer in 0..1"},
         {"quant:bits=2,delta=1,delta=1", "given twice"},
         {"quant:bits=2,delta=1,delta_mb=0", "delta_mb"},
@@ -228,14 +235,70 @@ static void test_premise(void **st)
     }
 }
 
-/* The first encode of fresh samples is plain compression of the tensor. */
+/* With delta_raw=1 (the default) first sightings travel as raw fp32 and
+ * decode exactly; the changes after them are coded; rows past the budget
+ * and untracked rows go through the codec, not raw. */
+static void test_first_sightings_raw(void **st)
+{
+    (void)st;
+    enum { R = 8, C = 32 };
+    float x[R * C], y[R * C];
+    test_fill(x, R * C, DIST_NORMAL, 3);
+    uint64_t ids[R] = {9, 3, 7, 1, 0, 2, 4, 5};
+    epipe_codec *c = mk("quant:bits=3,delta=1"), *d = mk("quant:bits=3,delta=1");
+    test_payload p = enc(c, x, ids, R, C);
+    assert_int_equal(p.buf[16 + 3], 1); /* the raw flag */
+    assert_int_equal(p.len, 16 + 12 + R * 4 + 2 + R * C * 4);
+    assert_int_equal(dec(d, &p, y, R, C), EPIPE_OK);
+    assert_memory_equal(y, x, sizeof x); /* exact */
+    free(p.buf);
+    for (int i = 0; i < R * C; i++)
+        x[i] += 0.05f * (float)(i % 7);
+    p = enc(c, x, ids, R, C); /* all deltas now: coded, small */
+    assert_true(p.len < 16 + 12 + R * 4 + 2 + R * C);
+    assert_int_equal(dec(d, &p, y, R, C), EPIPE_OK);
+    for (int i = 0; i < R * C; i++)
+        assert_true(fabsf(y[i] - x[i]) <= 0.3f / 7 / 2 + 1e-6f);
+    same_state(c, d, ids, R, C);
+    free(p.buf);
+    /* untracked rows: through the codec, no flag */
+    assert_int_equal(epipe_codec_set_samples(c, NULL, R), EPIPE_OK);
+    mat m;
+    mat_init(&m, x, R, C);
+    size_t cap, w;
+    assert_int_equal(epipe_codec_max_encoded_size(c, &m.t, &cap), EPIPE_OK);
+    uint8_t *buf = malloc(cap);
+    assert_int_equal(epipe_codec_encode(c, &m.t, buf, cap, &w), EPIPE_OK);
+    assert_int_equal(buf[16 + 3], 0);
+    assert_true(w < 16 + 12 + 2 + R * C);
+    free(buf);
+    epipe_codec_destroy(c), epipe_codec_destroy(d);
+    /* past the budget (delta_mb=1 holds 4 rows of 64K values): only the
+     * kept rows go raw, the others are coded */
+    enum { BIG = 65536 };
+    float *bx = malloc(sizeof *bx * 6 * BIG), *by = malloc(sizeof *by * 6 * BIG);
+    test_fill(bx, 6 * BIG, DIST_UNIFORM, 5);
+    uint64_t bids[6] = {1, 2, 3, 4, 5, 6};
+    c = mk("quant:bits=4,delta=1,delta_mb=1"), d = mk("quant:bits=4,delta=1,delta_mb=1");
+    p = enc(c, bx, bids, 6, BIG);
+    assert_int_equal(p.len, 16 + 12 + 6 * 4 + 2 + 4 * BIG * 4 + 8 + 2 * BIG / 2);
+    assert_int_equal(dec(d, &p, by, 6, BIG), EPIPE_OK);
+    assert_memory_equal(by, bx, 4 * BIG * sizeof *bx);
+    same_state(c, d, bids, 6, BIG);
+    free(p.buf), free(bx), free(by);
+    epipe_codec_destroy(c), epipe_codec_destroy(d);
+}
+
+/* The first encode of fresh samples (delta_raw=0) is plain compression of
+ * the tensor. */
 static void test_first_epoch_full(void **st)
 {
     (void)st;
     float x[8 * 32], y[8 * 32], z[8 * 32];
     test_fill(x, 8 * 32, DIST_NORMAL, 3);
     uint64_t ids[8] = {9, 3, 7, 1, 0, 2, 4, 5};
-    epipe_codec *c = mk("quant:bits=3,delta=1"), *d = mk("quant:bits=3,delta=1");
+    epipe_codec *c = mk("quant:bits=3,delta=1,delta_raw=0"),
+                *d = mk("quant:bits=3,delta=1,delta_raw=0");
     test_payload p = enc(c, x, ids, 8, 32);
     assert_int_equal(dec(d, &p, y, 8, 32), EPIPE_OK);
     test_payload q = test_encode("quant:bits=3,zero=1", x, 8 * 32, 1, 0);
@@ -291,18 +354,20 @@ static double resend_growth(const char *spec, int sends)
 static void test_zero_implied(void **st)
 {
     (void)st;
-    const char *specs[] = {"quant:bits=2,delta=1", "sortquant:bits=2,delta=1",
-                           "sortquant:bits=4,mode=sample,delta=1"};
+    const char *specs[] = {"quant:bits=2,delta=1,delta_raw=0",
+                           "sortquant:bits=2,delta=1,delta_raw=0",
+                           "sortquant:bits=4,mode=sample,delta=1,delta_raw=0"};
     for (size_t i = 0; i < 3; i++) {
         double growth = resend_growth(specs[i], 6);
         if (growth > 1e-6)
             fail_msg("%s: an unchanged sample's stored value got %g further from it", specs[i],
                      growth);
     }
-    double growth = resend_growth("quant:bits=2,zero=0,delta=1", 6);
-    print_message("quant:bits=2,zero=0,delta=1: an unchanged sample's stored value got %g "
-                  "further from it\n",
-                  growth);
+    double growth = resend_growth("quant:bits=2,zero=0,delta=1,delta_raw=0", 6);
+    print_message(
+        "quant:bits=2,zero=0,delta=1,delta_raw=0: an unchanged sample's stored value got %g "
+        "further from it\n",
+        growth);
     assert_true(growth > 1.0);
 }
 
@@ -642,7 +707,7 @@ int main(void)
         cmocka_unit_test(test_bad_calls),        cmocka_unit_test(test_shape_dtype_reset),
         cmocka_unit_test(test_mismatch),         cmocka_unit_test(test_stores_differ),
         cmocka_unit_test(test_hostile),          cmocka_unit_test(test_untracked),
-        cmocka_unit_test(test_zero_implied),
+        cmocka_unit_test(test_zero_implied),     cmocka_unit_test(test_first_sightings_raw),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -59,7 +59,7 @@ typedef struct epipe_codec epipe_codec;
  * or dtype changes; epipe_codec_reset_feedback() clears them all. Memory:
  * one fp32 copy of the tensor per slot, and one more per handle. CPU
  * tensors only.
- * The same codecs take delta=0|1[,delta_mb=M][,delta_strict=0|1]:
+ * The same codecs take delta=0|1[,delta_mb=M][,delta_strict=0|1][,delta_raw=0|1]:
  * activation deltas per sample (see "Activation deltas" below); on quant
  * and sortquant delta=1 implies zero=1 unless the spec gives zero.
  * The full list, with every default and range, is in docs/codecs.md.
@@ -266,7 +266,8 @@ EPIPE_EXPERIMENTAL int epipe_codec_sgd_step(epipe_codec *codec, double lr, doubl
  * With delta=1 (docs/codecs.md, "Activation deltas"; AQ-SGD) each row of
  * dimension 0 of an encoded tensor is one sample: the encoder sends the
  * change of the sample's row since the sample last crossed (a first
- * sighting in full), and both encoder and decoder keep, per sample id, the
+ * sighting in full: raw fp32 with delta_raw=1, the default, or through the
+ * codec with delta_raw=0), and both encoder and decoder keep, per sample id, the
  * last row the decoder reconstructs, within delta_mb MiB per handle. */
 
 /* The sample ids of the rows (dimension 0) of the tensor of the next

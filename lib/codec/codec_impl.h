@@ -163,6 +163,7 @@ struct epipe_codec {
     int ef;                        /* spec key ef=1: error feedback (lib/codec/ef.c) */
     void *ef_state;                /* its residual slots, made on first encode */
     int delta, delta_strict;       /* spec keys delta=1, delta_strict=1 (lib/codec/delta.c) */
+    int delta_raw;                 /* spec key delta_raw (default 1): first sightings in fp32 */
     unsigned delta_mb, delta_seen; /* spec key delta_mb; the delta keys given */
     void *delta_state;             /* its stored rows, made on first use */
     void *state;                   /* the codec's own */

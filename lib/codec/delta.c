@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../tensor.h"
 #include "delta_impl.h"
 #include "payload.h"
 
@@ -12,6 +13,7 @@
 #define DW_MAGIC 0x44 /* 'D' */
 #define DW_VERSION 1
 #define DW_FIXED 12
+#define DW_RAW_FIRST 0x01 /* byte 3: kept full rows travel as raw fp32 (delta_raw=1) */
 
 #define EMPTY EPIPE_DELTA_EMPTY
 
@@ -85,6 +87,13 @@ int epipe_codec_delta_max_size(epipe_codec *c, uint64_t n, size_t *bytes)
         if (a + b > most)
             most = a + b;
     }
+    if (c->delta_raw) {               /* every row raw as well: a bound, not the size */
+        uint64_t values = r * rowlen; /* the tensor's count */
+        if (values > (SIZE_MAX - most) / 4)
+            return epipe_codec_fail(c, EPIPE_EOVERFLOW, "%s: payload overflows size_t",
+                                    c->ops->name);
+        most += (size_t)values * 4;
+    }
     size_t w = wrapper_size(r, 8);
     if (most > SIZE_MAX - w - EPIPE_PAYLOAD_HEADER)
         return epipe_codec_fail(c, EPIPE_EOVERFLOW, "%s: payload overflows size_t", c->ops->name);
@@ -132,6 +141,36 @@ static uint64_t get_le(const uint8_t *p, unsigned w)
     return v;
 }
 
+/* Where each row goes in the work arrays: with raw first sightings, the
+ * kept full rows (raw on the wire), then the other full rows (coded), then
+ * the deltas; otherwise all full rows, then the deltas; each in row order. */
+typedef struct {
+    size_t keep, full, delta;
+    int raw;
+} row_slots;
+
+static size_t count_kept(const uint8_t *kind, size_t r)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < r; i++)
+        k += kind[i] == EPIPE_DELTA_KEEP;
+    return k;
+}
+
+static void slots_init(row_slots *q, size_t nraw, size_t nfull, int raw)
+{
+    q->keep = 0, q->full = raw ? nraw : 0, q->delta = nfull, q->raw = raw;
+}
+
+static size_t slot_next(row_slots *q, unsigned kind)
+{
+    if (kind == EPIPE_DELTA_ROW)
+        return q->delta++;
+    if (kind == EPIPE_DELTA_KEEP && q->raw)
+        return q->keep++;
+    return q->full++;
+}
+
 /* ---- encode ------------------------------------------------------------ */
 
 /* Each row's kind and base; *nfull full rows, *nnew of them to keep. */
@@ -172,23 +211,26 @@ static int plan_rows(epipe_codec *c, epipe_delta *s, size_t r, size_t *nfull, si
     return EPIPE_OK;
 }
 
-/* Writes the wrapper and both inner bodies for the planned rows, and the
- * reconstruction the decoder will make into work[n, 2n) (full rows first,
- * then delta rows, each in row order). */
+/* Writes the wrapper, the raw rows and both inner bodies for the planned
+ * rows, and the reconstruction the decoder will make into work[n, 2n) (in
+ * the order of row_slots). */
 static int encode_rows(epipe_codec *c, const epipe_codec_backend *be, epipe_delta *s,
-                       const float *x, size_t r, size_t nfull, uint8_t *body, size_t *blen)
+                       const float *x, size_t r, size_t nfull, int raw, uint8_t *body, size_t *blen)
 {
     const uint64_t *ids = s->ids;
     uint64_t rl = s->rowlen, n = r * rl;
-    float *full = s->work, *dl = s->work + nfull * rl, *y = s->work + n;
-    for (size_t i = 0, jf = 0, jd = 0; i < r; i++) {
+    size_t nraw = raw ? count_kept(s->kind, r) : 0;
+    float *w = s->work, *y = s->work + n;
+    row_slots q;
+    slots_init(&q, nraw, nfull, raw);
+    for (size_t i = 0; i < r; i++) {
         const float *xi = x + i * rl;
+        float *d = w + slot_next(&q, s->kind[i]) * rl;
         if (s->kind[i] != EPIPE_DELTA_ROW) {
-            memcpy(full + jf++ * rl, xi, rl * sizeof *xi);
+            memcpy(d, xi, rl * sizeof *xi);
             continue;
         }
         const float *p = s->rows + (size_t)s->base[i] * rl;
-        float *d = dl + jd++ * rl;
         for (uint64_t v = 0; v < rl; v++)
             d[v] = xi[v] - p[v];
         size_t bad = epipe_find_nonfinite(d, rl);
@@ -203,11 +245,12 @@ static int encode_rows(epipe_codec *c, const epipe_codec_backend *be, epipe_delt
     for (size_t i = 0; idw && i < r; i++)
         if (ids[i] > UINT32_MAX)
             idw = 8;
-    size_t a, b, wsz = wrapper_size(r, idw);
+    size_t a, b, wsz = wrapper_size(r, idw), rawb = nraw * rl * 4;
     int rc;
-    if ((rc = inner_size(c, nfull, rl, &a)) || (rc = inner_size(c, r - nfull, rl, &b)))
+    if ((rc = inner_size(c, nfull - nraw, rl, &a)) || (rc = inner_size(c, r - nfull, rl, &b)))
         return rc;
-    body[0] = DW_MAGIC, body[1] = DW_VERSION, body[2] = (uint8_t)idw, body[3] = 0;
+    body[0] = DW_MAGIC, body[1] = DW_VERSION, body[2] = (uint8_t)idw;
+    body[3] = raw ? DW_RAW_FIRST : 0;
     put32(body + 4, (uint32_t)r);
     put32(body + 8, (uint32_t)nfull);
     uint8_t *p = body + DW_FIXED;
@@ -217,15 +260,18 @@ static int encode_rows(epipe_codec *c, const epipe_codec_backend *be, epipe_delt
     memset(p, 0, (r + 3) / 4);
     for (size_t i = 0; i < r; i++)
         p[i / 4] |= (uint8_t)(s->kind[i] << (2 * (i % 4)));
-    uint8_t *bf = body + wsz, *bd = bf + a;
-    if ((rc = inner(c, be, 0, nfull, rl, full, bf)) ||
-        (rc = inner(c, be, 0, r - nfull, rl, dl, bd)))
+    uint8_t *br = body + wsz, *bf = br + rawb, *bd = bf + a;
+    for (size_t v = 0; v < nraw * rl; v++)
+        epipe_put_f32(br + 4 * v, w[v]);
+    memcpy(y, w, nraw * rl * sizeof *y); /* the decoder reads them exactly */
+    if ((rc = inner(c, be, 0, nfull - nraw, rl, w + nraw * rl, bf)) ||
+        (rc = inner(c, be, 0, r - nfull, rl, w + nfull * rl, bd)))
         return rc;
     /* What the decoder will see: decode what was just written. */
-    if ((rc = inner(c, be, 1, nfull, rl, y, bf)) ||
+    if ((rc = inner(c, be, 1, nfull - nraw, rl, y + nraw * rl, bf)) ||
         (rc = inner(c, be, 1, r - nfull, rl, y + nfull * rl, bd)))
         return rc;
-    *blen = wsz + a + b;
+    *blen = wsz + rawb + a + b;
     return EPIPE_OK;
 }
 
@@ -247,12 +293,14 @@ static void add_bases(epipe_delta *s, size_t r, size_t nfull, float *y)
 /* Keeps every reconstructed row of y whose kind says so (the room for new
  * rows was reserved), and writes the rows in row order into out when it
  * is not NULL. */
-static void keep(epipe_delta *s, const uint64_t *ids, size_t r, size_t nfull, const float *y,
-                 float *out, int untracked)
+static void keep(epipe_delta *s, const uint64_t *ids, size_t r, size_t nfull, int raw,
+                 const float *y, float *out, int untracked)
 {
     uint64_t rl = s->rowlen;
-    for (size_t i = 0, jf = 0, jd = nfull; i < r; i++) {
-        const float *row = y + (s->kind[i] == EPIPE_DELTA_ROW ? jd++ : jf++) * rl;
+    row_slots q;
+    slots_init(&q, raw ? count_kept(s->kind, r) : 0, nfull, raw);
+    for (size_t i = 0; i < r; i++) {
+        const float *row = y + slot_next(&q, s->kind[i]) * rl;
         if (out)
             memcpy(out + i * rl, row, rl * sizeof *row);
         if (s->kind[i] == EPIPE_DELTA_FULL) {
@@ -311,11 +359,12 @@ int epipe_codec_delta_encode(epipe_codec *c, const epipe_codec_backend *be, cons
                                 (unsigned long long)dup);
     epipe_delta_match_shape(s, c, dt);
     size_t nfull, nnew, blen = 0;
+    int raw = c->delta_raw && !s->untracked;
     if ((rc = plan_rows(c, s, r, &nfull, &nnew)) || (rc = epipe_delta_reserve(c, s, nnew)) ||
-        (rc = encode_rows(c, be, s, x, r, nfull, payload + EPIPE_PAYLOAD_HEADER, &blen)))
+        (rc = encode_rows(c, be, s, x, r, nfull, raw, payload + EPIPE_PAYLOAD_HEADER, &blen)))
         return rc;
     add_bases(s, r, nfull, s->work + n);
-    keep(s, s->ids, r, nfull, s->work + n, NULL, s->untracked);
+    keep(s, s->ids, r, nfull, raw, s->work + n, NULL, s->untracked);
     *written = EPIPE_PAYLOAD_HEADER + blen;
     return EPIPE_OK;
 }
@@ -412,20 +461,33 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
         return epipe_codec_fail(c, EPIPE_EVERSION,
                                 "%s: delta payload version %u; this library reads %d", name, p[1],
                                 DW_VERSION);
-    if ((p[2] != 0 && p[2] != 4 && p[2] != 8) || p[3])
-        return proto(c, "%s width %llu (0, 4 or 8) or reserved byte %llu (0)", "id", p[2], p[3]);
+    if ((p[2] != 0 && p[2] != 4 && p[2] != 8) || (p[3] & ~DW_RAW_FIRST))
+        return proto(c, "%s width %llu (0, 4 or 8) or flags 0x%02llx (0 or 1)", "id", p[2], p[3]);
     uint64_t rows = get_le(p + 4, 4), nfull = get_le(p + 8, 4);
     if (rows != r)
         return proto(c, "%s says %llu rows; dst has %llu (its dimension 0)", "header", rows, r);
     if (nfull > r)
         return proto(c, "%s says %llu full rows of %llu", "header", nfull, r);
     unsigned idw = p[2];
+    int raw = p[3] & DW_RAW_FIRST;
     size_t a, b, wsz = wrapper_size(r, idw);
+    if (blen < wsz)
+        return epipe_codec_fail(c, EPIPE_ETRUNC,
+                                "%s: delta payload: body is %zu bytes; its row table needs %zu",
+                                name, blen, wsz);
+    /* the kept full rows' count, for the sizes (read_rows checks the kinds) */
+    size_t nraw = 0;
+    for (size_t i = 0; raw && i < r; i++)
+        nraw += ((p[DW_FIXED + r * idw + i / 4] >> (2 * (i % 4))) & 3u) == EPIPE_DELTA_KEEP;
+    if (nraw > nfull)
+        return proto(c, "%s says %llu full rows; its row kinds say at least %llu", "header", nfull,
+                     nraw);
     epipe_delta_match_shape(s, c, dt);
-    if ((rc = inner_size(c, nfull, s->rowlen, &a)) ||
+    if ((rc = inner_size(c, nfull - nraw, s->rowlen, &a)) ||
         (rc = inner_size(c, r - nfull, s->rowlen, &b)))
         return rc;
-    size_t need = wsz + a + b; /* cannot overflow: max_size bounded it */
+    size_t rawb = nraw * s->rowlen * 4;
+    size_t need = wsz + rawb + a + b; /* cannot overflow: max_size bounded it */
     if (blen < need)
         return epipe_codec_fail(c, EPIPE_ETRUNC,
                                 "%s: delta payload: body is %zu bytes; its rows need %zu", name,
@@ -439,8 +501,10 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
         (rc = epipe_delta_reserve(c, s, nnew)))
         return rc;
     float *y = s->work + n, *out;
-    const uint8_t *bf = p + wsz, *bd = bf + a;
-    if ((rc = inner(c, be, 1, nfull, s->rowlen, y, (uint8_t *)bf)) ||
+    const uint8_t *br = p + wsz, *bf = br + rawb, *bd = bf + a;
+    for (size_t v = 0; v < nraw * s->rowlen; v++)
+        y[v] = epipe_get_f32(br + 4 * v);
+    if ((rc = inner(c, be, 1, nfull - nraw, s->rowlen, y + nraw * s->rowlen, (uint8_t *)bf)) ||
         (rc = inner(c, be, 1, r - nfull, s->rowlen, y + nfull * s->rowlen, (uint8_t *)bd)))
         return rc;
     add_bases(s, r, nfull, y);
@@ -449,7 +513,7 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
         return proto(c, "%s %llu of %llu is not finite once decoded", "value", bad, n);
     if ((rc = epipe_codec_stage_out(c, dst, n, dt, &out)))
         return rc;
-    keep(s, s->rids, r, nfull, y, out, idw == 0);
+    keep(s, s->rids, r, nfull, raw, y, out, idw == 0);
     s->last_ok = 1, s->last_rows = r, s->last_untracked = idw == 0;
     epipe_codec_stage_out_done(dst, out, n);
     return EPIPE_OK;

@@ -1,4 +1,5 @@
-/* Activation deltas: the core spec keys delta, delta_mb and delta_strict
+/* Activation deltas: the core spec keys delta, delta_mb, delta_strict and
+ * delta_raw
  * (parsed beside each codec's own keys, written into the canonical spec). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,12 +9,13 @@
 
 /* ---- spec keys --------------------------------------------------------- */
 
-static const char *const dkeys[] = {"delta", "delta_mb", "delta_strict"};
-static const double dmin[] = {0, 1, 0}, dmax[] = {1, 1048576, 1};
+enum { NKEYS = 4 };
+static const char *const dkeys[NKEYS] = {"delta", "delta_mb", "delta_strict", "delta_raw"};
+static const double dmin[NKEYS] = {0, 1, 0, 0}, dmax[NKEYS] = {1, 1048576, 1, 1};
 
 static int key_index(const char *k, size_t len)
 {
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < NKEYS; i++)
         if (strlen(dkeys[i]) == len && memcmp(dkeys[i], k, len) == 0)
             return i;
     return -1;
@@ -52,8 +54,10 @@ int epipe_codec_delta_parse(epipe_codec *c, const char *key, size_t klen, const 
         c->delta = (int)x;
     else if (i == 1)
         c->delta_mb = (unsigned)x;
-    else
+    else if (i == 2)
         c->delta_strict = (int)x;
+    else
+        c->delta_raw = (int)x;
     return EPIPE_OK;
 }
 
@@ -61,8 +65,11 @@ int epipe_codec_delta_check(epipe_codec *c)
 {
     if (!c->delta_mb)
         c->delta_mb = EPIPE_CODEC_DELTA_MB_DEFAULT;
-    if (!c->delta && (c->delta_seen & 6u))
-        return epipe_fail(EPIPE_EINVAL, "%s: keys delta_mb and delta_strict need delta=1",
+    if (!(c->delta_seen & 8u))
+        c->delta_raw = 1;
+    if (!c->delta && (c->delta_seen & 14u))
+        return epipe_fail(EPIPE_EINVAL,
+                          "%s: keys delta_mb, delta_strict and delta_raw need delta=1",
                           c->ops->name);
     if (c->delta && c->ef)
         return epipe_fail(EPIPE_EINVAL,
@@ -82,7 +89,9 @@ void epipe_codec_delta_spec(epipe_codec *c)
     if (c->delta_mb != EPIPE_CODEC_DELTA_MB_DEFAULT)
         m += snprintf(extra + m, sizeof extra - (size_t)m, ",delta_mb=%u", c->delta_mb);
     if (c->delta_strict)
-        snprintf(extra + m, sizeof extra - (size_t)m, ",delta_strict=1");
+        m += snprintf(extra + m, sizeof extra - (size_t)m, ",delta_strict=1");
+    if (!c->delta_raw)
+        snprintf(extra + m, sizeof extra - (size_t)m, ",delta_raw=0");
     snprintf(c->spec + len, sizeof c->spec - len, "%c%s", strchr(c->spec, ':') ? ',' : ':', extra);
 }
 
@@ -93,7 +102,10 @@ int epipe_codec_delta_key_info(const epipe_codec_ops *ops, const char *key, cons
     if (i < 0 || !epipe_codec_ef_allowed(ops) || epipe_codec_param_index(ops, key) >= 0)
         return 0;
     if (value)
-        *value = i == 0 ? (double)c->delta : i == 1 ? (double)c->delta_mb : (double)c->delta_strict;
+        *value = i == 0   ? (double)c->delta
+                 : i == 1 ? (double)c->delta_mb
+                 : i == 2 ? (double)c->delta_strict
+                          : (double)c->delta_raw;
     if (min)
         *min = dmin[i];
     if (max)
