@@ -8,6 +8,7 @@
 #include "../common/idx.h"
 #include "cli.h" /* tools/cli.h */
 #include "options.h"
+#include "plan_auto.h"
 
 /* ---- command line ---------------------------------------------------------- */
 
@@ -39,7 +40,18 @@ void train_usage(FILE *f)
             "  --data DIR          Fashion-MNIST IDX files (default %s)\n"
             "  --blas-threads N    threads a BLAS call may use (default 1: the stages\n"
             "                      already keep the cores busy; libepipe's codecs share it)\n"
-            "  --quiet             no progress bar\n",
+            "  --quiet             no progress bar\n"
+            "  --plan auto|FILE    let the planner choose the split, the codec of each\n"
+            "                      boundary and direction, and the schedule: auto profiles\n"
+            "                      the model here first (one process; needs --link); FILE\n"
+            "                      is a plan --plan-out wrote (docs/planner.md)\n"
+            "  --link RATE         the link to plan for: 100Mbit, 1Gbit, 12.5MB (bytes/s)\n"
+            "  --link-latency MS   its latency per message (default 0.1)\n"
+            "  --plan-codecs LIST  candidates, ';'-separated (default\n"
+            "                      sortquant:bits=8,zero=1;sortquant:bits=4,zero=1)\n"
+            "  --plan-error E      largest codec error per boundary (relative MSE for\n"
+            "                      activations, 1 - cosine for gradients; default none)\n"
+            "  --plan-out FILE     write the plan used to FILE\n",
             IDX_FASHION_DIR);
 }
 
@@ -63,7 +75,13 @@ int train_parse_args(int argc, char **argv, struct options *o)
         O_BLAS_THREADS,
         O_HIDDEN,
         O_CHUNKS,
-        O_PLACEMENT
+        O_PLACEMENT,
+        O_PLAN,
+        O_PLAN_OUT,
+        O_LINK,
+        O_LINK_LATENCY,
+        O_PLAN_CODECS,
+        O_PLAN_ERROR
     };
     static const struct option longopts[] = {
         {"help", no_argument, NULL, 'h'},
@@ -85,6 +103,12 @@ int train_parse_args(int argc, char **argv, struct options *o)
         {"hidden", required_argument, NULL, O_HIDDEN},
         {"chunks", required_argument, NULL, O_CHUNKS},
         {"placement", required_argument, NULL, O_PLACEMENT},
+        {"plan", required_argument, NULL, O_PLAN},
+        {"plan-out", required_argument, NULL, O_PLAN_OUT},
+        {"link", required_argument, NULL, O_LINK},
+        {"link-latency", required_argument, NULL, O_LINK_LATENCY},
+        {"plan-codecs", required_argument, NULL, O_PLAN_CODECS},
+        {"plan-error", required_argument, NULL, O_PLAN_ERROR},
         {NULL, 0, NULL, 0},
     };
     opterr = 0;
@@ -96,7 +120,7 @@ int train_parse_args(int argc, char **argv, struct options *o)
         case O_QUIET: o->quiet = 1; break;
         case O_STAGES:
             o->stages = (unsigned)atoi(v);
-            stages_set = 1;
+            stages_set = o->stages_set = 1;
             break;
         case O_CHUNKS:
             o->chunks = (unsigned)atoi(v);
@@ -123,9 +147,45 @@ int train_parse_args(int argc, char **argv, struct options *o)
             }
             break;
         case O_MB: o->microbatches = (unsigned)atoi(v); break;
-        case O_SCHEDULE: o->schedule = v; break;
-        case O_ACT: o->act_codec = v; break;
-        case O_GRAD: o->grad_codec = v; break;
+        case O_SCHEDULE:
+            o->schedule = v;
+            o->schedule_set = 1;
+            break;
+        case O_ACT:
+            o->act_codec = v;
+            o->codecs_set = 1;
+            break;
+        case O_GRAD:
+            o->grad_codec = v;
+            o->codecs_set = 1;
+            break;
+        case O_PLAN: o->plan = v; break;
+        case O_PLAN_OUT: o->plan_out = v; break;
+        case O_PLAN_CODECS: o->plan_codecs = v; break;
+        case O_LINK:
+            if (train_parse_rate(v, &o->link_rate)) {
+                fprintf(stderr,
+                        "epipe-train: bad --link '%s' (a rate: 100Mbit, 1Gbit, 12.5MB, or "
+                        "bytes/s)\n",
+                        v);
+                return -1;
+            }
+            break;
+        case O_LINK_LATENCY:
+        case O_PLAN_ERROR: {
+            char *end;
+            double x = strtod(v, &end);
+            if (end == v || *end || !(x >= 0) || x > 1e6) {
+                fprintf(stderr, "epipe-train: bad --%s '%s' (a number >= 0)\n",
+                        opt == O_PLAN_ERROR ? "plan-error" : "link-latency", v);
+                return -1;
+            }
+            if (opt == O_PLAN_ERROR)
+                o->plan_error = x;
+            else
+                o->link_latency = x / 1e3;
+            break;
+        }
         case O_EPOCHS: o->epochs = atoi(v); break;
         case O_BATCH: o->batch = atoi(v); break;
         case O_LR: o->lr = (float)atof(v); break;
@@ -175,11 +235,34 @@ int train_parse_args(int argc, char **argv, struct options *o)
         }
         o->stages = ranks;
     }
-    if (o->epochs < 1 || o->stages < 1 || o->stages > (unsigned)o->nhidden + 1) {
+    /* with --plan and no --stages the plan says how many (checked then) */
+    int stages_known = !o->plan || stages_set;
+    if (o->epochs < 1 || o->stages < 1 || (stages_known && o->stages > (unsigned)o->nhidden + 1)) {
         fprintf(stderr,
                 "epipe-train: need --epochs >= 1 and 1 <= --stages <= %d (one layer a "
                 "stage at least)\n",
                 o->nhidden + 1);
+        return -1;
+    }
+    if (o->plan) {
+        const char *clash = o->codecs_set                ? "--act-codec/--grad-codec"
+                            : o->chunks > 1 || o->nplace ? "--chunks/--placement"
+                                                         : NULL;
+        if (clash) {
+            fprintf(stderr,
+                    "epipe-train: --plan chooses the codecs and one pipeline stage a rank; "
+                    "leave out %s\n",
+                    clash);
+            return -1;
+        }
+        if (strcmp(o->plan, "auto") == 0 && !(o->link_rate > 0)) {
+            fprintf(stderr, "epipe-train: --plan auto needs --link RATE, the link between "
+                            "stages to plan for (e.g. --link 100Mbit)\n");
+            return -1;
+        }
+    } else if (o->plan_out || o->link_rate > 0 || o->plan_error >= 0 || o->plan_codecs) {
+        fprintf(stderr, "epipe-train: --plan-out, --link, --plan-codecs and --plan-error go "
+                        "with --plan\n");
         return -1;
     }
     if (o->blas_threads < 1 || o->blas_threads > 256) {

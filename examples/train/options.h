@@ -7,6 +7,7 @@
 #include <stdio.h>
 
 #include "model.h"
+#include "plan_file.h"
 
 struct options {
     unsigned stages, microbatches;
@@ -18,6 +19,12 @@ struct options {
     uint64_t seed;
     long train_limit;
     int quiet, blas_threads;
+    int schedule_set, codecs_set, stages_set; /* given on the command line */
+    /* --plan auto|FILE, --plan-out, --link, --link-latency, --plan-codecs,
+     * --plan-error (plan_auto.h, docs/planner.md) */
+    const char *plan, *plan_out, *plan_codecs;
+    double link_rate, link_latency, plan_error;
+    const struct train_plan *layout; /* the plan in use, or NULL */
 };
 
 /* Prints the usage text to f. */

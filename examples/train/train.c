@@ -18,6 +18,8 @@
 #include "cli.h" /* tools/cli.h */
 #include "model.h"
 #include "options.h"
+#include "plan_auto.h"
+#include "plan_file.h"
 
 struct dataset {
     float *train_x, *test_x;
@@ -259,8 +261,13 @@ static int create_stage(struct rank *r, epipe_comm *comm)
         struct chunk *c = &r->ch[k];
         if ((rc = epipe_schedule_stage_of(sc, r->s, k, &c->g)))
             return rc;
-        c->l0 = (int)(c->g * (unsigned)r->nlayers / r->P);
-        c->l1 = (int)((c->g + 1) * (unsigned)r->nlayers / r->P);
+        if (o->layout) { /* the plan's split (main checked its counts) */
+            c->l0 = (int)o->layout->first[c->g];
+            c->l1 = (int)o->layout->first[c->g + 1];
+        } else { /* layers shared out evenly */
+            c->l0 = (int)(c->g * (unsigned)r->nlayers / r->P);
+            c->l1 = (int)((c->g + 1) * (unsigned)r->nlayers / r->P);
+        }
         c->first = c->g == 0;
         c->last = c->g + 1 == r->P;
         r->has_first |= c->first;
@@ -311,6 +318,27 @@ static int pass_sample_ids(struct rank *r, const uint32_t *order, long start)
         rc = epipe_stage_set_samples(r->stage, mb, ids, (size_t)r->rows);
     }
     return rc;
+}
+
+static int spec_has_delta(const char *spec)
+{
+    double v = 0;
+    epipe_codec *c = NULL;
+    if (epipe_codec_create(&c, spec) || epipe_codec_spec_param(c, "delta", &v))
+        v = 0; /* a bad spec: set_codec says so */
+    epipe_codec_destroy(c);
+    return v == 1;
+}
+
+/* Whether any activation codec of the run has delta=1. */
+static int any_delta(const struct options *o)
+{
+    if (!o->layout)
+        return spec_has_delta(o->act_codec);
+    for (unsigned b = 0; b + 1 < o->layout->stages; b++)
+        if (spec_has_delta(o->layout->act[b]))
+            return 1;
+    return 0;
 }
 
 static void progress(const struct rank *r, int epoch, long done, long total, double t0, double loss,
@@ -390,12 +418,15 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
     if (!rc)
         rc = create_stage(&r, comm);
     res->holds_last = r.has_last;
-    if (!rc)
+    if (!rc && !o->layout)
         rc = epipe_stage_set_codec(r.stage, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES,
                                    o->act_codec);
-    if (!rc)
+    if (!rc && !o->layout)
         rc = epipe_stage_set_codec(r.stage, EPIPE_DIR_GRADIENT, EPIPE_ALL_BOUNDARIES,
                                    o->grad_codec);
+    for (unsigned b = 0; !rc && o->layout && b + 1 < o->layout->stages; b++)
+        if (!(rc = epipe_stage_set_codec(r.stage, EPIPE_DIR_ACTIVATION, b, o->layout->act[b])))
+            rc = epipe_stage_set_codec(r.stage, EPIPE_DIR_GRADIENT, b, o->layout->grad[b]);
     if (!rc)
         rc = epipe_stage_set_param(r.stage, EPIPE_STAGE_BATCH_SIZE, o->batch);
     epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
@@ -424,12 +455,8 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
                                                                          : (long)d->ntrain;
     long steps = ntrain / o->batch;
     int last = r.has_last && !o->quiet;
-    double deltas = 0; /* the activation codec has delta=1 */
-    epipe_codec *probe = NULL;
-    if (r.has_first && (epipe_codec_create(&probe, o->act_codec) ||
-                        epipe_codec_spec_param(probe, "delta", &deltas)))
-        deltas = 0; /* a bad spec: set_codec said so */
-    epipe_codec_destroy(probe);
+    /* an activation codec has delta=1: the first stage names the samples */
+    int deltas = r.has_first && any_delta(o);
     double t_start = now();
     for (int e = 0; !rc && e < o->epochs; e++) {
         shuffle(order, d->ntrain, o->seed + (uint64_t)e);
@@ -437,7 +464,7 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
         for (long b = 0; !rc && b < steps; b++) {
             load_batch(&r, d->train_x, d->train_y, order, b * o->batch);
             r.loss = 0;
-            if (deltas == 1 && (rc = pass_sample_ids(&r, order, b * o->batch)))
+            if (deltas && (rc = pass_sample_ids(&r, order, b * o->batch)))
                 break;
             if ((rc = epipe_stage_step(r.stage)))
                 break;
@@ -588,6 +615,83 @@ static int launched_as_rank(void)
     return 0;
 }
 
+/* --plan: the plan from the planner (auto) or from a file, checked
+ * against the model and the options, printed, and written to --plan-out.
+ * 0, or 1 after a message. */
+static int setup_plan(struct options *o, const struct dataset *d, struct train_plan *plan,
+                      int launched)
+{
+    if (!o->plan)
+        return 0;
+    static char why[16384];
+    char err[600];
+    unsigned layers = (unsigned)o->nhidden + 1;
+    int dims[MODEL_MAX_LAYERS + 2];
+    dims[0] = (int)d->pixels;
+    for (int i = 0; i < o->nhidden; i++)
+        dims[i + 1] = o->hidden[i];
+    dims[layers] = 10;
+    if (strcmp(o->plan, "auto") == 0) {
+        if (launched) {
+            fprintf(stderr, "epipe-train: --plan auto profiles in one process (each rank would "
+                            "time its own and plan differently): run it once without a launcher "
+                            "with --plan-out FILE, then launch the ranks with --plan FILE\n");
+            return 1;
+        }
+        int rows = o->batch / (int)o->microbatches;
+        printf("epipe-train: profiling %u layers, and the codecs %s, on micro-batches of %d "
+               "rows\n",
+               layers, o->plan_codecs ? o->plan_codecs : TRAIN_PLAN_CODECS, rows);
+        fflush(stdout);
+        if (train_plan_auto(o, dims, layers, d->train_x, d->train_y, rows, plan, why, sizeof why,
+                            err, sizeof err)) {
+            fprintf(stderr, "epipe-train: %s\n", err);
+            return 1;
+        }
+        printf("%s", why);
+    } else {
+        if (train_plan_load(o->plan, plan, err, sizeof err)) {
+            fprintf(stderr, "epipe-train: %s\n", err);
+            return 1;
+        }
+        if (plan->layers != layers) {
+            fprintf(stderr, "epipe-train: plan %s is for %u layers; --hidden makes %u\n", o->plan,
+                    plan->layers, layers);
+            return 1;
+        }
+        if (!launched && o->stages_set && plan->stages != o->stages) {
+            fprintf(stderr, "epipe-train: plan %s has %u stages; --stages says %u\n", o->plan,
+                    plan->stages, o->stages);
+            return 1;
+        }
+        if (o->schedule_set && strcmp(o->schedule, plan->schedule) != 0) {
+            fprintf(stderr, "epipe-train: plan %s sets schedule %s; leave out --schedule\n",
+                    o->plan, plan->schedule);
+            return 1;
+        }
+        if (!launched)
+            o->stages = plan->stages;
+    }
+    o->schedule = plan->schedule;
+    o->layout = plan;
+    if (o->plan_out) {
+        FILE *f = fopen(o->plan_out, "w");
+        if (!f || train_plan_write(f, plan) || fclose(f)) {
+            fprintf(stderr, "epipe-train: cannot write the plan to %s\n", o->plan_out);
+            return 1;
+        }
+        printf("epipe-train: plan written to %s\n", o->plan_out);
+    }
+    printf("plan: %u stages, schedule %s; layers", plan->stages, plan->schedule);
+    for (unsigned s = 0; s < plan->stages; s++)
+        printf(" [%u,%u)", plan->first[s], plan->first[s + 1]);
+    printf("\n");
+    for (unsigned b = 0; b + 1 < plan->stages; b++)
+        printf("plan: boundary %u->%u act %s grad %s\n", b, b + 1, plan->act[b], plan->grad[b]);
+    fflush(stdout);
+    return 0;
+}
+
 /* One rank of a multi-process run: joins the others (over TCP, or the
  * transport EPIPE_TRANSPORT names), trains its stage, and prints its own
  * row of the table (the last stage adds the accuracy). Rows of different ranks arrive in any order, each prefixed by
@@ -601,6 +705,12 @@ static int main_rank(struct options *o, const struct dataset *d)
         return 1;
     }
     unsigned s = epipe_comm_rank(comm), p = epipe_comm_size(comm);
+    if (o->layout && o->layout->stages != p) {
+        fprintf(stderr, "epipe-train: plan %s has %u stages; the launcher started %u ranks\n",
+                o->plan, o->layout->stages, p);
+        epipe_comm_destroy(comm);
+        return 2;
+    }
     o->stages = p;
     if (p > (unsigned)o->nhidden + 1) {
         fprintf(stderr,
@@ -614,7 +724,8 @@ static int main_rank(struct options *o, const struct dataset *d)
         printf("libepipe %s: %u stages as processes over %s, %s, %u micro-batches, act %s, "
                "grad %s\n",
                epipe_version_string(), p, epipe_comm_transport(comm), o->schedule, o->microbatches,
-               o->act_codec, o->grad_codec);
+               o->layout ? "(the plan's)" : o->act_codec,
+               o->layout ? "(the plan's)" : o->grad_codec);
     fflush(stdout);
     struct rank_result res;
     run_rank(comm, o, d, &res);
@@ -669,7 +780,9 @@ int main(int argc, char **argv)
                         .momentum = 0.9f,
                         .seed = 1,
                         .blas_threads = 1,
-                        .codec_lr = -1};
+                        .codec_lr = -1,
+                        .link_latency = 1e-4,
+                        .plan_error = -1};
     if (train_parse_args(argc, argv, &o))
         return 2;
     model_set_blas_threads(o.blas_threads);
@@ -678,6 +791,11 @@ int main(int argc, char **argv)
     struct dataset d = {0};
     if (load_data(&o, &d))
         return 1;
+    static struct train_plan plan;
+    if (setup_plan(&o, &d, &plan, launched_as_rank())) {
+        free(d.train_x), free(d.train_y), free(d.test_x), free(d.test_y);
+        return 2;
+    }
     if (launched_as_rank()) {
         int rc = main_rank(&o, &d);
         free(d.train_x), free(d.train_y), free(d.test_x), free(d.test_y);
@@ -692,8 +810,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "epipe-train: %s\n", epipe_last_error());
         return 1;
     }
-    printf("libepipe %s: %u stages as threads, %s, %u micro-batches, act %s, grad %s\n",
-           epipe_version_string(), p, o.schedule, o.microbatches, o.act_codec, o.grad_codec);
+    printf("libepipe %s: %u stages as threads, %s, %u micro-batches, ", epipe_version_string(), p,
+           o.schedule, o.microbatches);
+    if (o.layout)
+        printf("codecs of the plan\n");
+    else
+        printf("act %s, grad %s\n", o.act_codec, o.grad_codec);
     for (unsigned s = 0; s < p; s++) {
         args[s] = (struct thread_arg){comms[s], &o, &d, &res[s]};
         pthread_create(&tid[s], NULL, rank_thread, &args[s]);

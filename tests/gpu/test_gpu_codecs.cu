@@ -453,6 +453,12 @@ int main(void)
         CHECK(strstr(epipe_codec_last_error(g), "'kmeans'") != NULL, "%s",
               epipe_codec_last_error(g));
         epipe_codec_destroy(g);
+        /* zero=1 (0 on the grid) encodes on the CPU only, refused by name */
+        epipe_codec_create(&g, "quant:bits=4,zero=1");
+        CHECK(epipe_codec_encode(g, &ds, p, sizeof p, &w) == EPIPE_ENOTSUP, "quant zero=1");
+        CHECK(strstr(epipe_codec_last_error(g), "zero=1") != NULL, "%s",
+              epipe_codec_last_error(g));
+        epipe_codec_destroy(g);
         cudaFree(d);
     }
     hostile_table();
