@@ -17,6 +17,7 @@ static const epipe_param_desc nb_poweriter_params[] = {
     {.key = "iters", .kind = EPIPE_PARAM_INT, .min = 1, .max = 64, .def = 1},
     {.key = "warm", .kind = EPIPE_PARAM_CHOICE, .def = 1, .choices = nb_bool},
     {.key = "factors", .kind = EPIPE_PARAM_CHOICE, .def = 0, .choices = nb_fp},
+    {.key = "shared", .kind = EPIPE_PARAM_CHOICE, .def = 0, .choices = nb_bool, .quiet_default = 1},
 };
 
 static const epipe_param_desc nb_insert_params[] = {

@@ -217,10 +217,13 @@ static void test_premise(void **st)
         const char *spec;
         double bound;
     } specs[] = {
-        {"quant:bits=2", 0.25},    {"sortquant:bits=2", 0.25}, {"quant:bits=4", 0.25},
-        {"topk:ratio=0.25", 0.25}, {"kmeans:bits=2", 0.25},
+        {"quant:bits=2", 0.25},
+        {"sortquant:bits=2", 0.25},
+        {"quant:bits=4", 0.25},
+        {"topk:ratio=0.25", 0.25},
+        {"kmeans:bits=2", 0.25},
 #ifdef EPIPE_HAVE_BLAS /* poweriter needs OpenBLAS/LAPACKE (-Dblas) */
-        {"poweriter:rank=4", 0.5},
+        {"poweriter:rank=4,shared=1", 0.5},
 #endif
     };
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {

@@ -108,9 +108,13 @@ static void every_lossy_codec(void **state)
 {
     (void)state;
     static const char *const specs[] = {
-        "cast:dtype=bf16",  "quant:bits=4", "sortquant:bits=4", "kmeans:bits=2", "topk:ratio=0.1",
-#ifdef EPIPE_HAVE_BLAS /* poweriter needs OpenBLAS/LAPACKE (-Dblas) */
-        "poweriter:rank=2",
+        "cast:dtype=bf16",
+        "quant:bits=4",
+        "sortquant:bits=4",
+        "kmeans:bits=2",
+        "topk:ratio=0.1",
+#ifdef EPIPE_HAVE_BLAS               /* poweriter needs OpenBLAS/LAPACKE (-Dblas) */
+        "poweriter:rank=2,shared=1", /* a [32,32] gradient: PowerSGD's case */
 #endif
     };
     float g[1024];

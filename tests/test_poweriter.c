@@ -122,9 +122,10 @@ static void near_best_rank_r_error(void **state)
     for (int ref = 0; ref < 2; ref++)
         for (int f = 0; f < 2; f++) {
             epipe_codec *c;
-            assert_int_equal(epipe_codec_create(&c, f ? "poweriter:rank=3,iters=3,factors=fp16"
-                                                      : "poweriter:rank=3,iters=3"),
-                             EPIPE_OK);
+            assert_int_equal(
+                epipe_codec_create(&c, f ? "poweriter:rank=3,iters=3,factors=fp16,shared=1"
+                                         : "poweriter:rank=3,iters=3,shared=1"),
+                EPIPE_OK);
             assert_true(epipe_codec_use_reference(c, ref));
             size_t len;
             free(roundtrip(c, x, y, shape, 3, &len));
@@ -142,7 +143,8 @@ static void exact_on_rank_r_data(void **state)
     static float x[N], y[N];
     int64_t shape[4] = {B, C, H, W};
     low_rank(x, B, C, H * W, 2, 0.0, 2);
-    const char *specs[] = {"poweriter:rank=2", "poweriter:rank=2,iters=2", "poweriter:rank=5"};
+    const char *specs[] = {"poweriter:rank=2,shared=1", "poweriter:rank=2,iters=2,shared=1",
+                           "poweriter:rank=5,shared=1"};
     for (size_t s = 0; s < 3; s++)
         for (int ref = 0; ref < 2; ref++) {
             epipe_codec *c;
@@ -168,8 +170,8 @@ static void warm_start_lowers_error(void **state)
     low_rank(x0, B, T, D, 6, 0.1, 3);
     low_rank(dx, B, T, D, 6, 0.0, 4);
     epipe_codec *w, *cold;
-    assert_int_equal(epipe_codec_create(&w, "poweriter:rank=4"), EPIPE_OK);
-    assert_int_equal(epipe_codec_create(&cold, "poweriter:rank=4,warm=0"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&w, "poweriter:rank=4,shared=1"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&cold, "poweriter:rank=4,warm=0,shared=1"), EPIPE_OK);
     double first = 0, last = 0, last_cold = 0, best = 0;
     for (int t = 0; t < 8; t++) {
         for (int i = 0; i < N; i++)
@@ -204,9 +206,9 @@ static void warm_start_per_slot_and_shape(void **state)
     low_rank(z, 2, 16, 40, 4, 0.1, 6);
     epipe_codec *fresh, *c;
     size_t l0, l1;
-    assert_int_equal(epipe_codec_create(&fresh, "poweriter:rank=2"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&fresh, "poweriter:rank=2,shared=1"), EPIPE_OK);
     uint8_t *b0 = roundtrip(fresh, x, NULL, shape, 3, &l0);
-    assert_int_equal(epipe_codec_create(&c, "poweriter:rank=2"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&c, "poweriter:rank=2,shared=1"), EPIPE_OK);
     free(roundtrip(c, z, NULL, shape, 3, &l1)); /* slot 0 is now warm from z */
     assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_MICROBATCH, 1), EPIPE_OK);
     uint8_t *b1 = roundtrip(c, x, NULL, shape, 3, &l1); /* slot 1: cold */
@@ -234,8 +236,8 @@ static void fast_path_agrees_with_reference(void **state)
     enum { B = 3, C = 12, HW = 150, N = B * C * HW };
     static float x[N], yf[N], yr[N];
     int64_t shape[4] = {B, C, 10, 15};
-    const char *specs[] = {"poweriter:rank=3", "poweriter:rank=6,iters=2",
-                           "poweriter:rank=2,factors=fp16"};
+    const char *specs[] = {"poweriter:rank=3,shared=1", "poweriter:rank=6,iters=2,shared=1",
+                           "poweriter:rank=2,factors=fp16,shared=1"};
     for (size_t s = 0; s < 3; s++) {
         epipe_codec *f, *r;
         assert_int_equal(epipe_codec_create(&f, specs[s]), EPIPE_OK);
@@ -288,11 +290,11 @@ static void spec_errors_name_the_key(void **state)
     assert_int_equal(epipe_codec_id(c), 7);
     /* Non-finite input is named by its index; huge values are refused. */
     float x[64];
-    int64_t shape[2] = {8, 8};
+    int64_t shape[3] = {1, 8, 8};
     for (int i = 0; i < 64; i++)
         x[i] = (float)i;
     x[37] = NAN;
-    DLTensor t = view(x, shape, 2);
+    DLTensor t = view(x, shape, 3);
     uint8_t buf[1024];
     size_t n;
     for (int ref = 0; ref < 2; ref++) {
@@ -337,9 +339,9 @@ static void corrupt_payloads_are_rejected(void **state)
     low_rank(x, B, T, D, 3, 0.1, 7);
     for (int f = 0; f < 2; f++) {
         epipe_codec *c;
-        assert_int_equal(
-            epipe_codec_create(&c, f ? "poweriter:rank=2,factors=fp16" : "poweriter:rank=2"),
-            EPIPE_OK);
+        assert_int_equal(epipe_codec_create(&c, f ? "poweriter:rank=2,factors=fp16,shared=1"
+                                                  : "poweriter:rank=2,shared=1"),
+                         EPIPE_OK);
         size_t len, es = f ? 2 : 4;
         uint8_t *good = roundtrip(c, x, y, shape, 3, &len);
         /* 16-byte header, 32-byte body header, then B records. */
@@ -416,7 +418,7 @@ static void shapes_and_views(void **state)
         size_t n = numel(cases[k].shape, cases[k].ndim);
         test_fill(x, n, DIST_NORMAL, 20 + k);
         epipe_codec *c;
-        assert_int_equal(epipe_codec_create(&c, "poweriter:rank=4"), EPIPE_OK);
+        assert_int_equal(epipe_codec_create(&c, "poweriter:rank=4,shared=1"), EPIPE_OK);
         int64_t shape[4];
         memcpy(shape, cases[k].shape, sizeof shape);
         size_t len;
@@ -453,7 +455,7 @@ static void tiny_and_zero_matrices(void **state)
         x[i] = i < R * C ? 0.0f : i < 2 * R * C ? (i % C == 3 ? 3e-40f : 0.0f) : (float)(i % 7) - 3;
     for (int ref = 0; ref < 2; ref++) {
         epipe_codec *c;
-        assert_int_equal(epipe_codec_create(&c, "poweriter:rank=2"), EPIPE_OK);
+        assert_int_equal(epipe_codec_create(&c, "poweriter:rank=2,shared=1"), EPIPE_OK);
         assert_true(epipe_codec_use_reference(c, ref));
         size_t len;
         free(roundtrip(c, x, y, shape, 3, &len));
@@ -466,9 +468,50 @@ static void tiny_and_zero_matrices(void **state)
     }
 }
 
+/* A 2-D [B,D] tensor is one matrix whose factors its B rows (samples)
+ * would share: below rank B it is refused by name, with what to use
+ * instead; at rank >= B, with shared=1, or as per-sample matrices it is
+ * coded. */
+static void shared_rows_refused(void **state)
+{
+    (void)state;
+    float x[16 * 128], y[16 * 128];
+    for (int i = 0; i < 16 * 128; i++)
+        x[i] = (float)((i * 37) % 101) / 50.0f - 1.0f;
+    int64_t flat[2] = {16, 128}, per_sample[3] = {16, 8, 16};
+    uint8_t buf[65536];
+    size_t n;
+    for (int ref = 0; ref < 2; ref++) {
+        epipe_codec *c;
+        assert_int_equal(epipe_codec_create(&c, "poweriter:rank=4"), EPIPE_OK);
+        assert_true(epipe_codec_use_reference(c, ref));
+        DLTensor t = view(x, flat, 2);
+        assert_int_equal(epipe_codec_encode(c, &t, buf, sizeof buf, &n), EPIPE_EINVAL);
+        const char *msg = epipe_codec_last_error(c);
+        if (!strstr(msg, "[16,128]") || !strstr(msg, "all 16 rows") || !strstr(msg, "shared=1") ||
+            !strstr(msg, "[B,C,H,W]"))
+            fail_msg("message '%s' does not say why and what to use instead", msg);
+        t = view(x, per_sample, 3); /* 16 matrices [8,16]: each sample its own factors */
+        assert_int_equal(epipe_codec_encode(c, &t, buf, sizeof buf, &n), EPIPE_OK);
+        epipe_codec_destroy(c);
+    }
+    const char *fine[] = {"poweriter:rank=16", "poweriter:rank=4,shared=1"};
+    for (int k = 0; k < 2; k++) {
+        epipe_codec *c;
+        assert_int_equal(epipe_codec_create(&c, fine[k]), EPIPE_OK);
+        size_t len;
+        free(roundtrip(c, x, y, flat, 2, &len));
+        if (k == 1)
+            assert_string_equal(epipe_codec_spec(c),
+                                "poweriter:rank=4,iters=1,warm=1,factors=fp32,shared=1");
+        epipe_codec_destroy(c);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(shared_rows_refused),
         cmocka_unit_test(near_best_rank_r_error),
         cmocka_unit_test(tiny_and_zero_matrices),
         cmocka_unit_test(exact_on_rank_r_data),

@@ -91,6 +91,9 @@ int epipe_pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     pi_view v;
     if (epipe_pi_view_of(c, n, &v))
         return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
+    int rc = epipe_pi_check_shared(c, &v);
+    if (rc)
+        return rc;
     epipe_pi_write_header(body, &v);
     if (v.r == 0)
         return EPIPE_OK;
@@ -133,7 +136,7 @@ int epipe_pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
             pi_mul_mtq(m, rows, cols, st->q, r, st->p); /* P = Mᵀ Q */
             pin = st->p;
         }
-        int rc = epipe_pi_finish_matrix(c, &v, b, slot, start, body + PI_BODY_HEADER + b * rec);
+        rc = epipe_pi_finish_matrix(c, &v, b, slot, start, body + PI_BODY_HEADER + b * rec);
         if (rc)
             return rc;
     }

@@ -24,6 +24,8 @@ static const epipe_param_desc pi_params[] = {
     {.key = "iters", .kind = EPIPE_PARAM_INT, .min = 1, .max = 64, .def = 1},
     {.key = "warm", .kind = EPIPE_PARAM_CHOICE, .def = 1, .choices = pi_bool},
     {.key = "factors", .kind = EPIPE_PARAM_CHOICE, .def = PI_F32, .choices = pi_factor_types},
+    /* 1: a 2-D tensor may be one matrix whose factors its rows share */
+    {.key = "shared", .kind = EPIPE_PARAM_CHOICE, .def = 0, .choices = pi_bool, .quiet_default = 1},
 };
 
 /* ---- shapes and sizes ------------------------------------------------- */
@@ -63,6 +65,19 @@ int epipe_pi_view_of(const epipe_codec *c, uint64_t n, pi_view *v)
     v->cols = cols;
     v->r = (unsigned)r;
     return EPIPE_OK;
+}
+
+int epipe_pi_check_shared(epipe_codec *c, const pi_view *v)
+{
+    if (c->ndim != 2 || v->r >= v->rows || c->p[PI_SHARED] != 0)
+        return EPIPE_OK;
+    return epipe_codec_fail(c, EPIPE_EINVAL,
+                            "poweriter: [%llu,%llu] is one matrix: all %llu rows (samples) "
+                            "would share rank-%u factors, which erases what tells them apart "
+                            "(training collapses); use [B,C,H,W] or [B,T,D] tensors, "
+                            "rank>=%llu, another codec, or shared=1",
+                            (unsigned long long)v->rows, (unsigned long long)v->cols,
+                            (unsigned long long)v->rows, v->r, (unsigned long long)v->rows);
 }
 
 /* Bytes of one matrix's record: its scale, then Q and P. */
@@ -239,7 +254,7 @@ const epipe_codec_ops epipe_codec_poweriter = {
     .name = "poweriter",
     .id = EPIPE_CODEC_ID_POWERITER,
     .params = pi_params,
-    .nparams = 4,
+    .nparams = sizeof pi_params / sizeof pi_params[0],
     .configure = pi_configure,
     .param_word = pi_param_word,
     .body_size = pi_body_size,

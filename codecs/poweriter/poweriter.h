@@ -9,7 +9,7 @@
 #include "../../lib/codec/codec_impl.h"
 #include "../../lib/tensor.h"
 
-enum { PI_RANK, PI_ITERS, PI_WARM, PI_FACTORS };
+enum { PI_RANK, PI_ITERS, PI_WARM, PI_FACTORS, PI_SHARED };
 enum { PI_F32 = 0, PI_F16 = 1 };
 
 /* Bytes of the body header: u32 rank, u32 reserved (0), u64 B, rows, cols. */
@@ -42,6 +42,9 @@ static inline size_t pi_esize(const epipe_codec *c)
 }
 
 /* poweriter.c: the view and sizes, scratch, warm starts. */
+/* EPIPE_EINVAL (with the reason) for a 2-D tensor whose rows would share
+ * factors of a rank below their count, unless the spec says shared=1. */
+int epipe_pi_check_shared(epipe_codec *c, const pi_view *v);
 int epipe_pi_view_of(const epipe_codec *c, uint64_t n, pi_view *v);
 int epipe_pi_record_size(const epipe_codec *c, const pi_view *v, uint64_t *bytes);
 int epipe_pi_grow(float **p, size_t *cap, size_t n);

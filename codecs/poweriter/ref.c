@@ -68,6 +68,9 @@ int epipe_pi_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     pi_view v;
     if (epipe_pi_view_of(c, n, &v))
         return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
+    int rc = epipe_pi_check_shared(c, &v);
+    if (rc)
+        return rc;
     epipe_pi_write_header(body, &v);
     if (v.r == 0)
         return EPIPE_OK;
@@ -106,7 +109,7 @@ int epipe_pi_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
                 }
             pin = st->p;
         }
-        int rc = epipe_pi_finish_matrix(c, &v, b, slot, start, body + PI_BODY_HEADER + b * rec);
+        rc = epipe_pi_finish_matrix(c, &v, b, slot, start, body + PI_BODY_HEADER + b * rec);
         if (rc)
             return rc;
     }

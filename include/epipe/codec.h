@@ -45,9 +45,11 @@ typedef struct epipe_codec epipe_codec;
  *                                      a code, b encodes it ("insert:kind=
  *                                      linear,out=8|sortquant:bits=8");
  *                                      other chains: EPIPE_ENOTSUP
- *   poweriter:rank=R[,iters=K][,warm=0|1][,factors=fp32|fp16]
+ *   poweriter:rank=R[,iters=K][,warm=0|1][,factors=fp32|fp16][,shared=1]
  *                                      rank-R factors per matrix by power
- *                                      iteration, warm-started
+ *                                      iteration, warm-started; a 2-D
+ *                                      [B,D] tensor below rank B only with
+ *                                      shared=1 (its rows share factors)
  * Every lossy codec that is not trainable (cast, quant, sortquant, kmeans,
  * topk, poweriter; not none, insert or a chain) also takes ef=0|1: error
  * feedback for gradients ("quant:bits=2,ef=1"). The encoder keeps, per

@@ -36,9 +36,11 @@ DEFAULT_CODECS = [
     "quant:bits=4", "quant:bits=8", "quant:bits=12", "quant:bits=16",
     "sortquant:bits=4", "sortquant:bits=8", "sortquant:bits=12", "sortquant:bits=16",
     "kmeans:bits=4", "kmeans:bits=8",
-    "poweriter:rank=2", "poweriter:rank=4",
+    # shared=1: a [16,128] boundary is one matrix whose rows share the factors
+    # (refused without it: the collapse these rows measure)
+    "poweriter:rank=2,shared=1", "poweriter:rank=4,shared=1",
     # low rank on activations only: the gradients cross uncompressed
-    "poweriter:rank=2/none", "poweriter:rank=4/none",
+    "poweriter:rank=2,shared=1/none", "poweriter:rank=4,shared=1/none",
     # ... and only on the conv boundary: a [n,128] activation is one matrix
     # whose low rank is shared by the micro-batch's samples
     "poweriter:rank=4+none/none",
