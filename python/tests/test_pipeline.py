@@ -293,7 +293,8 @@ def test_activation_deltas_through_the_binding():
     got = []
 
     def body(s):
-        with epipe.Stage(comms[s], "gpipe", 1, act_codec="quant:bits=4,delta=1",
+        # delta_raw=0: first sightings coded too (the default sends them exactly)
+        with epipe.Stage(comms[s], "gpipe", 1, act_codec="quant:bits=4,delta=1,delta_raw=0",
                          timeout_ms=20000) as st:
             for step in range(3):
                 for op in st.ops():
