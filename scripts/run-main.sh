@@ -2,7 +2,7 @@
 # Sets up, builds and runs libepipe's main job on its embedded default:
 # epipe-train on Fashion-MNIST, 3 pipeline stages as 3 processes over TCP on
 # this machine (started by epipe-run), 1f1b, sortquant:bits=8 on activations
-# and gradients. Safe to run twice. Extra arguments go to epipe-train
+# and gradients (zero=1 on the gradients). Safe to run twice. Extra arguments go to epipe-train
 # (--help lists them), e.g. --act-codec none --grad-codec none.
 set -eu
 cd "$(dirname "$0")/.."

@@ -30,7 +30,7 @@ void train_usage(FILE *f)
             "                      (e.g. 0,1,0: rank 0 holds the first and the last layers);\n"
             "                      the rank count is then the largest rank + 1\n"
             "  --act-codec SPEC    codec for activations (default sortquant:bits=8)\n"
-            "  --grad-codec SPEC   codec for gradients (default sortquant:bits=8)\n"
+            "  --grad-codec SPEC   codec for gradients (default sortquant:bits=8,zero=1)\n"
             "  --epochs E          (default 3)   --batch B (default 64)\n"
             "  --lr LR             (default 0.05) --momentum MU (default 0.9)\n"
             "  --codec-lr LR       learning rate of trainable codecs (insert; default --lr)\n"

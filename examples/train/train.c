@@ -770,7 +770,9 @@ int main(int argc, char **argv)
                         .microbatches = 4,
                         .schedule = "1f1b",
                         .act_codec = "sortquant:bits=8",
-                        .grad_codec = "sortquant:bits=8",
+                        /* zero=1: 0 on the grid, so gradients masked by a
+                         * ReLU carry no bias (docs/codecs.md) */
+                        .grad_codec = "sortquant:bits=8,zero=1",
                         .data_dir = IDX_FASHION_DIR,
                         .epochs = 3,
                         .batch = 64,
