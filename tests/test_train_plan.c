@@ -88,6 +88,7 @@ static void malformed(void **state)
     expect_refused(HEAD "split 0 1 2 2\n", "unexpected text");
     expect_refused("epipe-train-plan 1\nsplit 0\n", "after 'layers' and 'stages'");
     expect_refused(HEAD "split 0 1 2\nact 2 none\n", "boundary in 0..1");
+    expect_refused("epipe-train-plan 1\nstages 1\nact 0 none\n", "no boundaries");
     expect_refused(HEAD "split 0 1 2\nact 0\n", "needs a codec spec");
     expect_refused(HEAD "split 0 1 2\nact 0 none\nact 0 none\n", "'act 0' is given twice");
     expect_refused(HEAD "split 0 1 2\nact 0 none none\n", "unexpected text");

@@ -120,6 +120,8 @@ static int parse_line(const char *s, const char *end, unsigned ln, struct train_
         int act = kw[0] == 'a';
         if (!seen->stages)
             return fail(err, cap, ln, "'%s' must come after 'stages'", act ? "act" : "grad");
+        if (p->stages == 1)
+            return fail(err, cap, ln, "a plan of 1 stage has no boundaries");
         if (number(a, an, &v) || v + 1 >= p->stages)
             return fail(err, cap, ln, "'%s' needs a boundary in 0..%d", act ? "act" : "grad",
                         (int)p->stages - 2);
