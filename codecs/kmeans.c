@@ -61,6 +61,45 @@ static int cmp_float(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* Sorts s[0..m) ascending, stably, -0 and +0 equal: the order glibc's
+ * qsort (a merge sort) gives with cmp_float, by an LSD radix sort on the
+ * order-preserving key (three passes of 11 bits; a pass whose digit is
+ * the same everywhere is skipped). Falls back to qsort without memory. */
+static void km_sort(float *s, size_t m)
+{
+    enum { RB = 11, RN = 1 << RB };
+    float *tmp = malloc(m * sizeof *tmp);
+    size_t *cnt = malloc(RN * sizeof *cnt);
+    if (!tmp || !cnt) {
+        free(tmp);
+        free(cnt);
+        qsort(s, m, sizeof *s, cmp_float);
+        return;
+    }
+    float *src = s, *dst = tmp;
+    for (unsigned shift = 0; shift < 32; shift += RB) {
+        memset(cnt, 0, RN * sizeof *cnt);
+        for (size_t i = 0; i < m; i++)
+            cnt[(epipe_km_key(src[i] + 0.0f) >> shift) & (RN - 1)]++;
+        if (m && cnt[(epipe_km_key(src[0] + 0.0f) >> shift) & (RN - 1)] == m)
+            continue; /* one digit everywhere: the order stands */
+        size_t sum = 0;
+        for (size_t d = 0; d < RN; d++) {
+            size_t c = cnt[d];
+            cnt[d] = sum;
+            sum += c;
+        }
+        for (size_t i = 0; i < m; i++)
+            dst[cnt[(epipe_km_key(src[i] + 0.0f) >> shift) & (RN - 1)]++] = src[i];
+        float *t = src;
+        src = dst, dst = t;
+    }
+    if (src != s)
+        memcpy(s, src, m * sizeof *s);
+    free(tmp);
+    free(cnt);
+}
+
 static uint64_t km_hash(uint64_t i)
 {
     i ^= i >> 33;
@@ -92,7 +131,7 @@ static float *km_sample(const float *x, size_t n, size_t k, float lo, float hi, 
             s[i] = x[b + (size_t)(km_hash(i) % (e - b))];
         }
     }
-    qsort(s, m, sizeof *s, cmp_float);
+    km_sort(s, m);
     s[0] = lo;
     s[m - 1] = hi;
     *m_out = m;
