@@ -75,14 +75,18 @@ void epipe_tcp_conn_ended(struct tcp *t, struct conn *k, const char *how)
                  "stream %u was cut in the middle of a message (%zu of %zu "
                  "payload bytes)",
                  k->stream, k->rx_got, k->rx ? k->rx_need : 0);
+        peer_failed(t, peer, EPIPE_EPEER, why); /* before the close: see below */
         epipe_tcp_conn_close(k, 0);
-        peer_failed(t, peer, EPIPE_EPEER, why);
         return;
     }
     if (!k->bye) {
         snprintf(why, sizeof why, "%s without a goodbye (crashed or killed?)", how);
-        epipe_tcp_conn_close(k, 0);
+        /* The failure is recorded before the connection closes: a send that
+         * finds it closed, and an abort that follows, then name this peer
+         * as the cause (peer_failed closes its connections; closing twice
+         * is harmless). */
         peer_failed(t, peer, EPIPE_EPEER, why);
+        epipe_tcp_conn_close(k, 0);
         return;
     }
     k->clean = 1;
