@@ -9,7 +9,7 @@ MASTER_PORT; 2 replicas x 3 stages:
 
 Rank layout: rank = replica * STAGES + stage. Pipeline `replica` is ranks
 replica*STAGES .. replica*STAGES+STAGES-1 over libepipe's TCP transport,
-meeting at MASTER_PORT + 1 + replica; the replicas of stage s (ranks s,
+meeting at MASTER_PORT + 1 + replica (or --epipe-port + replica); the replicas of stage s (ranks s,
 STAGES + s, ...) form a torch.distributed group (Gloo on CPUs) that
 all-reduces that stage's gradients after each step. Each replica trains on
 its share of every batch, so a step sees the whole batch, as one pipeline
@@ -43,6 +43,8 @@ def main():
     ap.add_argument("--test-limit", type=int, default=1000)
     ap.add_argument("--data", default=base.DATA_DIR)
     ap.add_argument("--save", default=None, help="stage weights to FILE.<stage> (replica 0)")
+    ap.add_argument("--epipe-port", type=int, default=None,
+                    help="replica r's pipeline meets at this port + r (default MASTER_PORT + 1)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -53,8 +55,8 @@ def main():
     dist.init_process_group("gloo")
     groups = [dist.new_group([r * a.stages + g for r in range(replicas)])
               for g in range(a.stages)]  # every rank creates every group
-    comm = epipe.Comm.tcp(s, a.stages, os.environ["MASTER_ADDR"],
-                          int(os.environ["MASTER_PORT"]) + 1 + replica)
+    base_port = a.epipe_port if a.epipe_port else int(os.environ["MASTER_PORT"]) + 1
+    comm = epipe.Comm.tcp(s, a.stages, os.environ["MASTER_ADDR"], base_port + replica)
     parts = base.build_parts(seed=1, n=a.stages)  # the same weights on every replica
     stage = ept.PipelineStage(parts[s], s, a.stages, comm=comm, act_codec=a.codec,
                               grad_codec=a.codec)

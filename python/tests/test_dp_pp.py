@@ -4,6 +4,7 @@ torch.distributed (Gloo) with libepipe's compressed DDP hook. Uncompressed,
 the weights equal one process trained on the whole batches; compressed, it
 trains. The hook on a real DDP model, beside PyTorch's PowerSGD hook."""
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -23,6 +24,28 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def low_ports(count):
+    """A free run of `count` ports below Linux's ephemeral range (32768+),
+    so that none is taken meanwhile by a socket the kernel numbers itself
+    (gloo's connections, the torchrun store's clients)."""
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randint(20000, 32000 - count)
+        socks = []
+        try:
+            for q in range(p, p + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free run of ports below 32000")
 
 
 def torchrun(nproc, script, *args, timeout=300):
@@ -51,7 +74,8 @@ def needs_data(fn):
 def test_dp_pp_uncompressed_equals_one_process(tmp_path):
     save = str(tmp_path / "w")
     steps, batch, m = 6, 32, 2
-    p = torchrun(4, os.path.join(EXAMPLES, "fmnist_dp_pp.py"), "--stages", "2", "--codec",
+    p = torchrun(4, os.path.join(EXAMPLES, "fmnist_dp_pp.py"), "--epipe-port", str(low_ports(2)),
+                 "--stages", "2", "--codec",
                  "none", "--allreduce-codec", "none", "--train-limit", str(steps * batch),
                  "--batch", str(batch), "--microbatches", str(m), "--test-limit", "100",
                  "--save", save)
@@ -79,7 +103,8 @@ def test_dp_pp_uncompressed_equals_one_process(tmp_path):
 
 @needs_data
 def test_dp_pp_compressed_trains():
-    p = torchrun(4, os.path.join(EXAMPLES, "fmnist_dp_pp.py"), "--stages", "2",
+    p = torchrun(4, os.path.join(EXAMPLES, "fmnist_dp_pp.py"), "--epipe-port", str(low_ports(2)),
+                 "--stages", "2",
                  "--train-limit", "1920", "--test-limit", "500")
     assert p.returncode == 0, p.stdout[-4000:]
     line = [ln for ln in p.stdout.splitlines() if "test accuracy" in ln]
