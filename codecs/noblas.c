@@ -8,16 +8,19 @@
 
 #include "../lib/codec/codec_impl.h"
 
-static const char *const nb_bool[] = {"0", "1", NULL};
 static const char *const nb_fp[] = {"fp32", "fp16", NULL};
 static const char *const nb_kind[] = {"conv", "linear", NULL};
 
 static const epipe_param_desc nb_poweriter_params[] = {
     {.key = "rank", .kind = EPIPE_PARAM_INT, .min = 1, .max = 256, .def = NAN},
     {.key = "iters", .kind = EPIPE_PARAM_INT, .min = 1, .max = 64, .def = 1},
-    {.key = "warm", .kind = EPIPE_PARAM_CHOICE, .def = 1, .choices = nb_bool},
+    {.key = "warm", .kind = EPIPE_PARAM_CHOICE, .def = 1, .choices = epipe_param_bool},
     {.key = "factors", .kind = EPIPE_PARAM_CHOICE, .def = 0, .choices = nb_fp},
-    {.key = "shared", .kind = EPIPE_PARAM_CHOICE, .def = 0, .choices = nb_bool, .quiet_default = 1},
+    {.key = "shared",
+     .kind = EPIPE_PARAM_CHOICE,
+     .def = 0,
+     .choices = epipe_param_bool,
+     .quiet_default = 1},
 };
 
 static const epipe_param_desc nb_insert_params[] = {

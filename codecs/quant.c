@@ -9,15 +9,13 @@
 
 enum { QUANT_BITS, QUANT_ZERO };
 
-static const char *const quant_bool[] = {"0", "1", NULL};
-
 static const epipe_param_desc quant_params[] = {
     {.key = "bits", .kind = EPIPE_PARAM_INT, .min = 1, .max = 16, .def = 8},
     /* Encoder only (the payload is the same format): 0 is a level. */
     {.key = "zero",
      .kind = EPIPE_PARAM_CHOICE,
      .def = 0,
-     .choices = quant_bool,
+     .choices = epipe_param_bool,
      .quiet_default = 1},
 };
 
@@ -145,7 +143,7 @@ const epipe_codec_ops epipe_codec_quant = {
     .name = "quant",
     .id = EPIPE_CODEC_ID_QUANT,
     .params = quant_params,
-    .nparams = 2,
+    .nparams = sizeof quant_params / sizeof quant_params[0],
     .configure = quant_configure,
     .param_word = quant_param_word,
     .body_size = quant_body_size,

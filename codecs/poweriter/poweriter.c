@@ -16,16 +16,19 @@
 
 #include "poweriter.h"
 
-static const char *const pi_bool[] = {"0", "1", NULL};
 static const char *const pi_factor_types[] = {"fp32", "fp16", NULL};
 
 static const epipe_param_desc pi_params[] = {
     {.key = "rank", .kind = EPIPE_PARAM_INT, .min = 1, .max = 256, .def = NAN},
     {.key = "iters", .kind = EPIPE_PARAM_INT, .min = 1, .max = 64, .def = 1},
-    {.key = "warm", .kind = EPIPE_PARAM_CHOICE, .def = 1, .choices = pi_bool},
+    {.key = "warm", .kind = EPIPE_PARAM_CHOICE, .def = 1, .choices = epipe_param_bool},
     {.key = "factors", .kind = EPIPE_PARAM_CHOICE, .def = PI_F32, .choices = pi_factor_types},
     /* 1: a 2-D tensor may be one matrix whose factors its rows share */
-    {.key = "shared", .kind = EPIPE_PARAM_CHOICE, .def = 0, .choices = pi_bool, .quiet_default = 1},
+    {.key = "shared",
+     .kind = EPIPE_PARAM_CHOICE,
+     .def = 0,
+     .choices = epipe_param_bool,
+     .quiet_default = 1},
 };
 
 /* ---- shapes and sizes ------------------------------------------------- */

@@ -10,7 +10,6 @@
 #include "../../lib/parallel.h"
 
 static const char *const sq_modes[] = {"exact", "sample", "fit", NULL};
-static const char *const sq_bool[] = {"0", "1", NULL};
 
 static const epipe_param_desc sq_params[] = {
     {.key = "bits", .kind = EPIPE_PARAM_INT, .min = 2, .max = 16, .def = 8},
@@ -19,7 +18,11 @@ static const epipe_param_desc sq_params[] = {
     {.key = "sample", .kind = EPIPE_PARAM_INT, .min = 1024, .max = 16777216, .def = 65536},
     /* Encoder only (the payload is the same format): 0 is a level of the
      * chunk that spans it. */
-    {.key = "zero", .kind = EPIPE_PARAM_CHOICE, .def = 0, .choices = sq_bool, .quiet_default = 1},
+    {.key = "zero",
+     .kind = EPIPE_PARAM_CHOICE,
+     .def = 0,
+     .choices = epipe_param_bool,
+     .quiet_default = 1},
 };
 
 static void sq_release(epipe_codec *c)

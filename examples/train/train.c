@@ -45,6 +45,17 @@ static double now(void)
 
 /* ---- one rank ------------------------------------------------------------ */
 
+/* The network's widths dims[0..n] (input, hidden..., classes); returns its
+ * layer count n. dims has room for MODEL_MAX_LAYERS + 2. */
+static int model_widths(const struct options *o, const struct dataset *d, int *dims)
+{
+    dims[0] = (int)d->pixels;
+    for (int i = 0; i < o->nhidden; i++)
+        dims[i + 1] = o->hidden[i];
+    dims[o->nhidden + 1] = 10;
+    return o->nhidden + 1;
+}
+
 #define MAX_CHUNKS 8
 
 /* Weight versions a chunk can keep for 1f1b-async and 1f1b-2bw. A rank
@@ -404,11 +415,7 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
     r.s = epipe_comm_rank(comm);
     r.p = epipe_comm_size(comm);
     r.rows = o->batch / (int)o->microbatches;
-    r.dims[0] = (int)d->pixels;
-    for (int i = 0; i < o->nhidden; i++)
-        r.dims[i + 1] = o->hidden[i];
-    r.dims[o->nhidden + 1] = 10;
-    r.nlayers = o->nhidden + 1;
+    r.nlayers = model_widths(o, d, r.dims);
     uint32_t *order = malloc(sizeof *order * d->ntrain);
     r.xbuf = malloc(sizeof(float) * (size_t)o->batch * d->pixels);
     int rc = order && r.xbuf ? EPIPE_OK : EPIPE_ENOMEM;
@@ -625,12 +632,8 @@ static int setup_plan(struct options *o, const struct dataset *d, struct train_p
         return 0;
     static char why[16384];
     char err[600];
-    unsigned layers = (unsigned)o->nhidden + 1;
     int dims[MODEL_MAX_LAYERS + 2];
-    dims[0] = (int)d->pixels;
-    for (int i = 0; i < o->nhidden; i++)
-        dims[i + 1] = o->hidden[i];
-    dims[layers] = 10;
+    unsigned layers = (unsigned)model_widths(o, d, dims);
     if (strcmp(o->plan, "auto") == 0) {
         if (launched) {
             fprintf(stderr, "epipe-train: --plan auto profiles in one process (each rank would "

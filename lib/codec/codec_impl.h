@@ -50,6 +50,9 @@ typedef struct epipe_param_desc {
     int quiet_default;
 } epipe_param_desc;
 
+/* The choices of an on/off key ("0", "1"): its value is 0 or 1. */
+extern const char *const epipe_param_bool[];
+
 /* Trainable codecs (insert), per backend: the backward and the parameters.
  * The core checks handles and stages dtypes; these see dense fp32 in the
  * backend's memory only. */

@@ -93,6 +93,8 @@ static void format_real(char *buf, size_t cap, double x)
     }
 }
 
+const char *const epipe_param_bool[] = {"0", "1", NULL};
+
 static void build_canonical_spec(epipe_codec *c)
 {
     const epipe_codec_ops *ops = c->ops;
