@@ -371,6 +371,12 @@ int epipe_codec_delta_encode(epipe_codec *c, const epipe_codec_backend *be, cons
 
 /* ---- decode ------------------------------------------------------------ */
 
+/* Row i's kind in the wrapper's 2-bit kind array (unchecked: 0..3). */
+static unsigned wire_kind(const uint8_t *kinds, size_t i)
+{
+    return (kinds[i / 4] >> (2 * (i % 4))) & 3u;
+}
+
 static int proto(epipe_codec *c, const char *fmt, const char *what, unsigned long long a,
                  unsigned long long b)
 {
@@ -389,7 +395,7 @@ static int read_rows(epipe_codec *c, epipe_delta *s, const uint8_t *p, size_t r,
     *nnew = 0;
     for (size_t i = 0; i < r; i++) {
         s->rids[i] = idw ? get_le(p + i * idw, idw) : 0;
-        unsigned k = (kinds[i / 4] >> (2 * (i % 4))) & 3u;
+        unsigned k = wire_kind(kinds, i);
         if (k > EPIPE_DELTA_ROW)
             return proto(c, "%s %llu has kind %llu (0..2)", "row", i, k);
         if (!idw && k != EPIPE_DELTA_FULL)
@@ -478,7 +484,7 @@ int epipe_codec_delta_decode(epipe_codec *c, const epipe_codec_backend *be, cons
     /* the kept full rows' count, for the sizes (read_rows checks the kinds) */
     size_t nraw = 0;
     for (size_t i = 0; raw && i < r; i++)
-        nraw += ((p[DW_FIXED + r * idw + i / 4] >> (2 * (i % 4))) & 3u) == EPIPE_DELTA_KEEP;
+        nraw += wire_kind(p + DW_FIXED + r * idw, i) == EPIPE_DELTA_KEEP;
     if (nraw > nfull)
         return proto(c, "%s says %llu full rows; its row kinds say at least %llu", "header", nfull,
                      nraw);
