@@ -153,7 +153,11 @@ def train_step(stage, chunks, xs, ys, m):
         elif op.kind == epipe.OP_BACKWARD_WEIGHT:
             x, out, g = saved.pop(key)
             params = [p for p in model.parameters() if p.requires_grad]
-            if params:  # accumulates into each parameter's .grad
+            # accumulates into each parameter's .grad. The simplest form:
+            # from the stage's output it computes the later layers' input
+            # gradients again; epipe.torch's ScheduleZBH1 keeps each layer's
+            # output gradient from the input op and starts there instead
+            if params:
                 torch.autograd.backward(out, g, inputs=params)
         else:
             raise RuntimeError(f"fmnist_split: unknown op kind {op.kind}")

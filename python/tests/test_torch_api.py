@@ -121,6 +121,45 @@ def test_step_on_cuda_equals_one_process(schedule_cls, ranks, chunks):
     assert losses == pytest.approx(ref_losses, rel=1e-6)
 
 
+@pytest.mark.parametrize("schedule_cls", [ept.Schedule1F1B, ept.ScheduleZBH1])
+def test_each_input_gradient_computed_once(schedule_cls):
+    """The deferred weight op of ZB-H1 starts at each layer's output: every
+    gradient that flows into a layer's input is computed once per
+    micro-batch, as in 1F1B, not a second time by the weight op (autograd
+    skips what the op's targets do not need; a hook on each linear layer's
+    input counts what it computes)."""
+    torch.manual_seed(3)
+    counts = [0, 0]
+    parts = [torch.nn.Sequential(*(m for _ in range(3)
+                                   for m in (torch.nn.Linear(6, 6), torch.nn.Tanh())))
+             for _ in range(2)]
+
+    def counter(r):
+        def count(_):
+            counts[r] += 1
+
+        def pre(_module, args):
+            if args[0].grad_fn is not None:  # an intermediate: not the stage's input
+                args[0].register_hook(count)
+        return pre
+
+    for r, part in enumerate(parts):
+        for m in part:
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_pre_hook(counter(r))
+    comms = epipe.Comm.inproc(2)
+    x, t = torch.randn(BATCH, 6), torch.randn(BATCH, 6)
+
+    def body(r):
+        stage = ept.PipelineStage(parts[r], r, 2, comm=comms[r])
+        with schedule_cls(stage, MB, loss_fn=mse, timeout_ms=20000) as sched:
+            sched.step(x, target=t)
+
+    raise_first(run_threads(comms, body))
+    # two linear layers a stage take an intermediate input
+    assert counts == [2 * MB, 2 * MB]
+
+
 def test_split_sequential():
     model = make_model()  # 9 modules: Linear, Tanh, ... Linear
     assert [len(p) for p in ept.split_sequential(model, 3, by="index")] == [3, 3, 3]

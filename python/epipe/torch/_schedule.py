@@ -117,6 +117,30 @@ class PipelineSchedule:
         return self._stage.recv_gradient(
             mb, copy=copy or ps.device.type not in ("cpu", "cuda")).to(ps.device)
 
+    @staticmethod
+    def _forward(ps, x, split_weights):
+        """ps's forward on x: (output, taps). For the schedules that defer
+        the weight gradients, taps lists (output, parameters) of each child
+        of an nn.Sequential that has trainable parameters, so that the
+        weight op can start at each layer's output: a single backward from
+        the stage's output to every parameter would compute each later
+        layer's input gradient again (half the backward of a chain of
+        linear layers). None otherwise (another module, or one with forward
+        hooks, whose children cannot be run one by one)."""
+        mod = ps.submod
+        if (not split_weights or ps.is_first or not isinstance(mod, torch.nn.Sequential)
+                or mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
+                or getattr(mod, "_backward_pre_hooks", None)
+                or not torch.is_grad_enabled()):
+            return mod(x), None
+        taps, h = [], x
+        for child in mod:
+            h = child(h)
+            params = [p for p in child.parameters() if p.requires_grad]
+            if params:
+                taps.append((h, params))
+        return h, taps
+
     # -- the step
     def step(self, *args, target=None, losses=None):
         """One training step (under torch.no_grad(): a forward-only one, as
@@ -135,12 +159,13 @@ class PipelineSchedule:
         ts = self._split(target) if holds_last else None
         self._learn_batch(args[0] if xs is not None else None, target if holds_last else None)
         outputs, saved = [None] * m, {}
+        split_weights = self.kind in ("zb-h1", "zb-v")
         for op in st.ops():
             mb, ps = op.microbatch, self._chunks[op.chunk]
             key = (op.chunk, mb)
             if op.kind == core.OP_FORWARD:
                 x = xs[mb].to(ps.device) if ps.is_first else self._recv_act(ps, mb, False)
-                out = ps.submod(x)
+                out, taps = self._forward(ps, x, split_weights)
                 if ps.is_last:
                     outputs[mb] = out.detach()
                     loss = self.loss_fn(out, ts[mb].to(ps.device))
@@ -149,26 +174,38 @@ class PipelineSchedule:
                     out = loss / m
                 else:
                     st.send_activation(mb, self._to_host(out))
-                saved[key] = (x, out)
+                saved[key] = (x, out, taps)
             elif op.kind == core.OP_BACKWARD:
-                x, out = saved.pop(key)
+                x, out, _ = saved.pop(key)
                 g = None if ps.is_last else self._recv_grad(ps, mb, False)
                 torch.autograd.backward(out, g)
                 if not ps.is_first:
                     st.send_gradient(mb, self._to_host(x.grad))
             elif op.kind == core.OP_BACKWARD_INPUT:
-                x, out = saved[key]
+                x, out, taps = saved[key]
                 # the received gradient is lent until the next op: W needs a copy
                 g = None if ps.is_last else self._recv_grad(ps, mb, True)
+                weights = [(out, g, None)]  # W: from the output, every parameter
                 if not ps.is_first:
-                    gx, = torch.autograd.grad(out, x, g, retain_graph=True)
+                    if taps:
+                        # the same backward pass yields the gradient at each
+                        # layer's output: W starts there, and computes no
+                        # input gradient a second time
+                        got = torch.autograd.grad(out, [x] + [t for t, _ in taps], g,
+                                                  retain_graph=True, allow_unused=True)
+                        gx = got[0]
+                        weights = [(t, gt, params)
+                                   for (t, params), gt in zip(taps, got[1:]) if gt is not None]
+                    else:
+                        gx, = torch.autograd.grad(out, x, g, retain_graph=True)
                     st.send_gradient(mb, self._to_host(gx))
-                saved[key] = (x, out, g)
+                saved[key] = weights
             elif op.kind == core.OP_BACKWARD_WEIGHT:
-                x, out, g = saved.pop(key)
-                params = [p for p in ps.submod.parameters() if p.requires_grad]
-                if params:
-                    torch.autograd.backward(out, g, inputs=params)
+                for t, gt, params in saved.pop(key):
+                    if params is None:
+                        params = [p for p in ps.submod.parameters() if p.requires_grad]
+                    if params:
+                        torch.autograd.backward(t, gt, inputs=params)
             else:
                 raise RuntimeError(f"{type(self).__name__}: unknown op kind {op.kind}")
         return torch.cat(outputs) if holds_last else None
