@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -107,3 +108,24 @@ def test_profile_of_a_chain_starting_without_parameters():
     assert len(prof.samples) == 3 and prof.samples[0][1].abs().sum() > 0
     assert prof.layers[0]["param_bytes"] == 0 and prof.layers[1]["param_bytes"] > 0
 
+
+
+def test_profile_statistic():
+    """min: the fastest run; median: the middle one; anything else refused
+    by name (profile and codec_table)."""
+    from epipe.torch import _profile
+    waits = iter([0.03, 0.0, 0.06, 0.03, 0.0, 0.06])
+    fn = lambda: time.sleep(next(waits))  # noqa: E731
+    dev = torch.device("cpu")
+    assert _profile._best(fn, 3, dev, "min") < 0.02
+    assert 0.025 < _profile._best(fn, 3, dev, "median") < 0.05
+    m = [torch.nn.Flatten(), torch.nn.Linear(784, 10)]
+    x, t = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match="'mean'"):
+        ept.profile(m, x, t, torch.nn.functional.cross_entropy, statistic="mean")
+    prof = ept.profile(m, x, t, torch.nn.functional.cross_entropy, reps=3, statistic="median")
+    assert prof.meta["statistic"] == "median" and prof.layers[1]["forward_s"] > 0
+    with pytest.raises(ValueError, match="'best'"):
+        ept.codec_table(prof, ["quant:bits=8"], statistic="best")
+    table, _ = ept.codec_table(prof, ["quant:bits=8"], reps=3, statistic="median")
+    assert len(table) == 2 and all(e["encode_s"] > 0 for e in table)

@@ -20,15 +20,28 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _best(fn, reps, device):
-    best = math.inf
+STATISTICS = ("min", "median")
+
+
+def _check_statistic(statistic):
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, not {statistic!r}")
+
+
+def _best(fn, reps, device, statistic="min"):
+    """fn's time: the fastest of `reps` runs, or their median."""
+    times = []
     for _ in range(reps):
         _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    if statistic == "min":
+        return times[0]
+    mid = len(times) // 2
+    return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
 
 
 def _stash_bytes(layer, x):
@@ -84,13 +97,16 @@ class Profile:
         return cls(doc["layers"], samples, doc.get("meta"))
 
 
-def profile(layers, example, target=None, loss_fn=None, *, reps=3):
+def profile(layers, example, target=None, loss_fn=None, *, reps=3, statistic="min"):
     """Profiles a chain of modules (an nn.Sequential or a list) on one
     micro-batch `example`, on the device its tensors and parameters are on.
     The gradients sampled at each boundary are those of loss_fn(output,
     target) (default: the mean square of the output). Times are the best of
-    `reps` runs; backward_s is the input and weight gradients together,
-    weight_s the weight gradients alone."""
+    `reps` runs (statistic "min"), or their median ("median": closer to
+    what a long run sees where the timings vary, as when another process
+    shares the device's caches); backward_s is the input and weight
+    gradients together, weight_s the weight gradients alone."""
+    _check_statistic(statistic)
     layers = list(layers)
     if not layers:
         raise ValueError("profile: no layers")
@@ -129,16 +145,16 @@ def profile(layers, example, target=None, loss_fn=None, *, reps=3):
                 torch.autograd.grad(o, params, g)
 
         both()  # warm up
-        f = _best(fwd, reps, device)
-        fb = _best(both, reps, device)
-        w = max(0.0, _best(weights_only, reps, device) - f) if params else 0.0
+        f = _best(fwd, reps, device, statistic)
+        fb = _best(both, reps, device, statistic)
+        w = max(0.0, _best(weights_only, reps, device, statistic) - f) if params else 0.0
         b = max(0.0, fb - f)
         u = 0.0
         if params:  # an SGD step with momentum: the optimiser most hosts run
             both()
             opt = torch.optim.SGD(params, lr=0.0, momentum=0.9)
             opt.step()
-            u = _best(opt.step, reps, device)
+            u = _best(opt.step, reps, device, statistic)
         layer.zero_grad(set_to_none=True)
         recs.append({
             "name": type(layer).__name__,
@@ -153,39 +169,42 @@ def profile(layers, example, target=None, loss_fn=None, *, reps=3):
         })
         x = out.detach()
     meta = {"device": str(device), "microbatch": list(example.shape), "reps": reps,
+            "statistic": statistic,
             "torch": torch.__version__}
     return Profile(recs, samples, meta)
 
 
-def _time_codec(spec, t, reps, device):
+def _time_codec(spec, t, reps, device, statistic):
     c = _core.Codec(spec)
     try:
         if device.type == "cuda":
             payload = c.encode(t)
             c.synchronize()
-            enc = _best(lambda: c.encode(t), reps, device)
+            enc = _best(lambda: c.encode(t), reps, device, statistic)
             y = torch.empty_like(t)
-            dec = _best(lambda: c.decode(payload, out=y), reps, device)
+            dec = _best(lambda: c.decode(payload, out=y), reps, device, statistic)
             c.synchronize()
             n = payload.numel()
         else:
             view = c.encode_view(t)
             n = len(view)
             payload = bytes(view)
-            enc = _best(lambda: c.encode_view(t), reps, device)
+            enc = _best(lambda: c.encode_view(t), reps, device, statistic)
             y = torch.empty_like(t)
-            dec = _best(lambda: c.decode(payload, out=y), reps, device)
+            dec = _best(lambda: c.decode(payload, out=y), reps, device, statistic)
         return enc, dec, n, y
     finally:
         c.close()
 
 
-def codec_table(prof, codecs, *, reps=3, boundaries=None):
+def codec_table(prof, codecs, *, reps=3, boundaries=None, statistic="min"):
     """Measures each codec spec on each sampled boundary tensor (both
-    directions): encode and decode time, wire ratio (payload bytes over raw
+    directions): encode and decode time (the best of `reps`, or their
+    median: profile()'s statistic), wire ratio (payload bytes over raw
     bytes), and error (activations: relative MSE; gradients: 1 - cosine).
     Returns (entries, skipped): entries for Plan, and (spec, boundary,
     direction, why) for the codecs that refused a tensor."""
+    _check_statistic(statistic)
     if prof.samples is None:
         raise ValueError("codec_table: the profile has no samples (saved without them?)")
     entries, skipped = [], []
@@ -197,7 +216,7 @@ def codec_table(prof, codecs, *, reps=3, boundaries=None):
             raw = t.numel() * t.element_size()
             for spec in codecs:
                 try:
-                    enc, dec, n, y = _time_codec(spec, t, reps, t.device)
+                    enc, dec, n, y = _time_codec(spec, t, reps, t.device, statistic)
                 except Exception as e:  # a codec that cannot take this tensor
                     skipped.append((spec, k, direction, str(e)))
                     continue
