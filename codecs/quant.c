@@ -7,8 +7,6 @@
 #include "../lib/codec/codec_impl.h"
 #include "quantize_common.h"
 
-enum { QUANT_BITS, QUANT_ZERO };
-
 static const epipe_param_desc quant_params[] = {
     {.key = "bits", .kind = EPIPE_PARAM_INT, .min = 1, .max = 16, .def = 8},
     /* Encoder only (the payload is the same format): 0 is a level. */

@@ -34,15 +34,18 @@ __global__ void epipe_cuda_extent(const float *x, uint64_t n, int vec, uint32_t 
 }
 
 /* The table as epipe_q_set_chunk() makes it, from the extent keys (an
- * empty extent, lo > hi, makes the empty table). */
-__device__ static void table_of(uint32_t lo, uint32_t hi, float levels, float *min, float *step,
-                                float *inv)
+ * empty extent, lo > hi, makes the empty table); zero=1 moves min so that
+ * 0 is a level, as the CPU does. */
+__device__ static void table_of(uint32_t lo, uint32_t hi, float levels, int zero, float *min,
+                                float *step, float *inv)
 {
     *min = *step = *inv = 0.0f;
     if (lo <= hi) {
         *min = epipe_cuda_key_float(lo) + 0.0f; /* -0 becomes +0 */
         float max = epipe_cuda_key_float(hi) + 0.0f;
         *step = epipe_hd_q_step(*min, max, levels);
+        if (zero)
+            *min = epipe_hd_q_zero_min(*min, max, *step, levels);
         *inv = *step > 0.0f ? 1.0f / *step : 0.0f;
     }
 }
@@ -55,10 +58,10 @@ __device__ static void put_f32(uint8_t *p, float f)
 }
 
 /* The table and its 8 body bytes. */
-__global__ void q_finalize(q_dev *t, float levels, uint8_t *body)
+__global__ void q_finalize(q_dev *t, float levels, int zero, uint8_t *body)
 {
     float min, step, inv;
-    table_of(t->lo, t->hi, levels, &min, &step, &inv);
+    table_of(t->lo, t->hi, levels, zero, &min, &step, &inv);
     t->min = min;
     t->step = step;
     t->inv = inv;
@@ -104,8 +107,8 @@ __global__ void q_decode(const uint8_t *codes, uint64_t n, float min, float step
  * front, so that its first reads are the ones it made last, most likely
  * still in L2. */
 __global__ void __launch_bounds__(256)
-    q_encode_fused(const float *x, uint64_t n, int vec, float levels, unsigned w, uint8_t *body,
-                   uint64_t cb, uint32_t *part, epipe_cuda_status *st)
+    q_encode_fused(const float *x, uint64_t n, int vec, float levels, int zero, unsigned w,
+                   uint8_t *body, uint64_t cb, uint32_t *part, epipe_cuda_status *st)
 {
     cg::grid_group grid = cg::this_grid();
     uint64_t groups = (n + 7) / 8;
@@ -132,7 +135,7 @@ __global__ void __launch_bounds__(256)
     __shared__ float tab[2];
     if (threadIdx.x == 0) {
         float step, inv;
-        table_of(lo, hi, levels, &tab[0], &step, &inv);
+        table_of(lo, hi, levels, zero, &tab[0], &step, &inv);
         tab[1] = inv;
         if (blockIdx.x == 0) {
             put_f32(body, tab[0]);
@@ -192,7 +195,8 @@ static uint64_t code_bytes(uint64_t n, unsigned w)
 
 static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
-    unsigned w = (unsigned)c->p[0];
+    unsigned w = (unsigned)c->p[QUANT_BITS];
+    int zero = c->p[QUANT_ZERO] != 0;
     float levels = (float)((1u << w) - 1u);
     cudaStream_t s = epipe_cuda_stream(c);
     epipe_cuda_handle *h = epipe_cuda_h(c);
@@ -209,8 +213,9 @@ static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
             return rc;
         uint8_t *b = (uint8_t *)d;
         epipe_cuda_status *st = h->status;
-        void *args[] = {(void *)&x, (void *)&n,  (void *)&vec,  (void *)&levels, (void *)&w,
-                        (void *)&b, (void *)&cb, (void *)&part, (void *)&st};
+        void *args[] = {(void *)&x, (void *)&n,  (void *)&vec,  (void *)&levels,
+                        (void *)&zero, (void *)&w, (void *)&b, (void *)&cb,
+                        (void *)&part, (void *)&st};
         if ((rc = epipe_cuda_check(
                  c,
                  cudaLaunchCooperativeKernel((const void *)q_encode_fused, blocks, 256, args, 0, s),
@@ -222,7 +227,7 @@ static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     if (n)
         epipe_cuda_extent<<<epipe_cuda_extent_blocks(n), 256, 0, s>>>(x, n, vec, (uint32_t *)tw,
                                                                       h->status);
-    q_finalize<<<1, 1, 0, s>>>((q_dev *)tw, levels, (uint8_t *)d);
+    q_finalize<<<1, 1, 0, s>>>((q_dev *)tw, levels, zero, (uint8_t *)d);
     if (n)
         q_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, 0, s>>>(
             x, n, vec, (const q_dev *)tw, levels, w, (uint8_t *)d + 8, cb);
@@ -241,7 +246,7 @@ static float get_f32(const uint8_t *p)
  * with the CPU decoder's statuses and messages (quantize_common.c). */
 static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
-    unsigned w = (unsigned)c->p[0];
+    unsigned w = (unsigned)c->p[QUANT_BITS];
     float levels = (float)((1u << w) - 1u);
     const char *name = c->ops->name;
     float min = get_f32(body), step = get_f32(body + 4);

@@ -12,9 +12,6 @@
 #include "../codecs/inline/sortquant.h"
 #include "cuda_impl.h"
 
-enum { SQ_BITS, SQ_SPLIT, SQ_MODE, SQ_SAMPLE }; /* as codecs/sortquant/sortquant.h */
-enum { SQ_MODE_EXACT, SQ_MODE_SAMPLE, SQ_MODE_FIT };
-
 __global__ void sq_gather(const float *x, uint64_t n, uint64_t m, float *out)
 {
     for (uint64_t k = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; k < m;
@@ -141,8 +138,9 @@ static void sq_extent_launch(const float *x, uint64_t n, unsigned k, sq_tab t,
     sq_extent<<<epipe_cuda_blocks(n, 256 * 8), 256, sh, s>>>(x, n, k, t, st);
 }
 
-/* epipe_q_set_from_extent(): a chunk holding values spans [lo, hi]. */
-__global__ void sq_table(unsigned k, float levels, sq_tab t, uint8_t *body)
+/* epipe_q_set_from_extent(): a chunk holding values spans [lo, hi]; with
+ * zero=1 its min moves so that 0 is a level, as epipe_q_set_chunk() does. */
+__global__ void sq_table(unsigned k, float levels, int zero, sq_tab t, uint8_t *body)
 {
     for (unsigned j = threadIdx.x; j < k; j += blockDim.x) {
         float min = 0.0f, step = 0.0f, inv = 0.0f;
@@ -150,6 +148,8 @@ __global__ void sq_table(unsigned k, float levels, sq_tab t, uint8_t *body)
             min = epipe_cuda_key_float(t.lo[j]) + 0.0f;
             float max = epipe_cuda_key_float(t.hi[j]) + 0.0f;
             step = epipe_hd_q_step(min, max, levels);
+            if (zero)
+                min = epipe_hd_q_zero_min(min, max, step, levels);
             inv = step > 0.0f ? 1.0f / step : 0.0f;
         }
         t.min[j] = min;
@@ -460,7 +460,7 @@ static int sq_encode_exact(epipe_codec *c, const float *x, size_t n, uint8_t *bo
             sidx, n, k, (uint16_t *)cw);
         sqx_extent<<<1, tpb, 0, s>>>(skey, n, k, t);
     }
-    sq_table<<<1, tpb, 0, s>>>(k, levels, t, (uint8_t *)d);
+    sq_table<<<1, tpb, 0, s>>>(k, levels, c->p[SQ_ZERO] != 0, t, (uint8_t *)d);
     if (n)
         sqx_pack<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, sizeof(float) * 2 * (size_t)k, s>>>(
             x, (const uint16_t *)cw, n, epipe_cuda_aligned16(x), k, q, levels, bits, t,
@@ -532,7 +532,7 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         sq_bounds<<<1, tpb, 0, s>>>(sorted, m, k, t);
         sq_extent_launch(x, n, k, t, h->status, s);
     }
-    sq_table<<<1, tpb, 0, s>>>(k, levels, t, (uint8_t *)d);
+    sq_table<<<1, tpb, 0, s>>>(k, levels, c->p[SQ_ZERO] != 0, t, (uint8_t *)d);
     if (n)
         sq_code_pack<<<epipe_cuda_blocks((n + 7) / 8, 256 * 4), 256,
                        sizeof(float) * (3 * (size_t)k + 1), s>>>(

@@ -9,6 +9,10 @@
 
 #include "hd.h"
 
+/* quant's parameter indices in epipe_codec.p[], for the C codec and the
+ * CUDA kernels alike. */
+enum { QUANT_BITS, QUANT_ZERO };
+
 /* The level of x in a chunk: round((x - min) * inv), clamped to [0, levels]
  * (halves round up). The CPU's vector kernels compute exactly this. */
 EPIPE_HD uint32_t epipe_hd_q_level(float x, float min, float inv, float levels)

@@ -5,6 +5,11 @@
 
 #include "hd.h"
 
+/* sortquant's parameter indices in epipe_codec.p[] and its modes, for the C
+ * codec and the CUDA kernels alike. */
+enum { SQ_BITS, SQ_SPLIT, SQ_MODE, SQ_SAMPLE, SQ_ZERO };
+enum { SQ_MODE_EXACT, SQ_MODE_SAMPLE, SQ_MODE_FIT };
+
 /* floor(j * n / k) without overflow, for j <= k <= 2^24. */
 EPIPE_HD uint64_t epipe_hd_sq_rank(uint64_t j, uint64_t n, uint64_t k)
 {

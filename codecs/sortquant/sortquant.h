@@ -12,9 +12,6 @@
 #include "fit.h"
 #include "select.h"
 
-enum { SQ_BITS, SQ_SPLIT, SQ_MODE, SQ_SAMPLE, SQ_ZERO };
-enum { SQ_MODE_EXACT, SQ_MODE_SAMPLE, SQ_MODE_FIT };
-
 /* The parameter word: B | S << 8, and for mode=fit the fit layout flag and,
  * when S is chosen per tensor, the chosen flag (S is then the largest S the
  * encoder may choose). docs/codecs.md, "sortquant". */

@@ -279,14 +279,6 @@ static int inspect_for_call(epipe_codec *c, const DLTensor *t, const char *what,
     return rc ? rc : epipe_tensor_inspect_on(t, what, c->msg, n, dt, is_cuda(t));
 }
 
-/* The quantizers' encoder-only key zero=1 (0 on the grid), which the CUDA
- * kernels do not implement yet. */
-static int has_zero_level(const epipe_codec *c)
-{
-    int k = epipe_codec_param_index(c->ops, "zero");
-    return k >= 0 && c->p[k] != 0;
-}
-
 int epipe_codec_size_checked(epipe_codec *c, const DLTensor *t, uint64_t n, size_t *bytes)
 {
     const epipe_codec_backend *be = NULL;
@@ -315,11 +307,6 @@ int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, 
                                 c->ops->name, (unsigned long long)n, need, dst ? capacity : 0);
     uint8_t *h = dst;
     if (is_cuda(src)) {
-        if (has_zero_level(c))
-            return epipe_codec_fail(c, EPIPE_ENOTSUP,
-                                    "%s: src is a CUDA tensor; zero=1 encodes on the CPU backend "
-                                    "only (its payloads decode on either)",
-                                    c->ops->name);
         /* The header from the host's knowledge; the module writes it and
          * enqueues the body, into host or device memory. */
         uint8_t hdr[EPIPE_PAYLOAD_HEADER];
