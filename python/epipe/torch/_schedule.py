@@ -124,9 +124,10 @@ class PipelineSchedule:
         of an nn.Sequential that has trainable parameters, so that the
         weight op can start at each layer's output: a single backward from
         the stage's output to every parameter would compute each later
-        layer's input gradient again (half the backward of a chain of
-        linear layers). None otherwise (another module, or one with forward
-        hooks, whose children cannot be run one by one)."""
+        layer's input gradient again (on a chain of linear layers, half the
+        backward again). None otherwise (another module, or one with hooks,
+        whose children cannot be run one by one, or a child with parameters
+        that returns a tuple)."""
         mod = ps.submod
         if (not split_weights or ps.is_first or not isinstance(mod, torch.nn.Sequential)
                 or mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
@@ -137,7 +138,11 @@ class PipelineSchedule:
         for child in mod:
             h = child(h)
             params = [p for p in child.parameters() if p.requires_grad]
-            if params:
+            if not params or taps is None:
+                continue
+            if not isinstance(h, torch.Tensor):
+                taps = None  # a tuple out: the weight op starts at the stage's output
+            elif h.requires_grad:
                 taps.append((h, params))
         return h, taps
 
