@@ -83,8 +83,10 @@ def run_one(a, codec, seed):
             res[r["rank"]] = r
     if p.returncode != 0 or sorted(res) != [0, 1, 2]:
         sys.stderr.write(p.stdout[-3000:])
-        first = next((ln for ln in p.stdout.splitlines() if "fmnist_split: " in ln),
-                     f"exit status {p.returncode}")
+        # the cause, not its echo: the other ranks report the peer that left
+        lines = [ln for ln in p.stdout.splitlines() if "fmnist_split: " in ln]
+        first = next((ln for ln in lines if "[EPIPE_EPEER]" not in ln),
+                     lines[0] if lines else f"exit status {p.returncode}")
         raise RunFailed(first.split("fmnist_split: ", 1)[-1])
     raw = res[0]["raw_down"] + res[1]["raw_down"]
     wire = res[0]["wire_down"] + res[1]["wire_down"]
