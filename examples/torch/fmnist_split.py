@@ -195,6 +195,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--codec-lr", type=float, default=None,
+                    help="learning rate of the trainable codecs (insert); default: --lr")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--train-limit", type=int, default=0, help="use only N training images")
     ap.add_argument("--test-limit", type=int, default=0, help="evaluate only N test images")
@@ -254,7 +256,8 @@ def main():
             opt.zero_grad(set_to_none=True)
             loss = train_step(stage, chunks, xs, ys, m)
             opt.step()
-            stage.codec_sgd_step(a.lr, a.momentum)  # trainable codecs (insert) learn too
+            # trainable codecs (insert) learn too
+            stage.codec_sgd_step(a.lr if a.codec_lr is None else a.codec_lr, a.momentum)
             if holds_last:
                 run_loss = loss if run_loss is None else 0.98 * run_loss + 0.02 * loss
                 if (b + 1) % max(1, steps // 5) == 0 or b + 1 == steps:

@@ -61,10 +61,18 @@ class RunFailed(Exception):
 
 
 def codec_args(codec):
-    """An entry is ACT[/GRAD]: ACT on activations, GRAD (default ACT) on
-    gradients; either may be A+B, A on boundary 0->1 and B on 1->2."""
+    """An entry is ACT[/GRAD][#codec_lr=X]: ACT on activations, GRAD (default
+    ACT) on gradients; either may be A+B, A on boundary 0->1 and B on 1->2;
+    X the trainable codecs' learning rate (default: --lr)."""
+    codec, _, opt = codec.partition("#")
     act, _, grad = codec.partition("/")
-    return ["--act-codec", act, "--grad-codec", grad or act]
+    args = ["--act-codec", act, "--grad-codec", grad or act]
+    if opt:
+        key, _, value = opt.partition("=")
+        if key != "codec_lr" or not value:
+            raise ValueError(f"entry option '#{opt}': the one option is #codec_lr=X")
+        args += ["--codec-lr", str(float(value))]
+    return args
 
 
 def run_one(a, codec, seed):
@@ -226,7 +234,8 @@ def main():
     codecs, skipped = [], []
     for c in a.codecs.split(";"):
         try:
-            for spec in c.replace("/", "+").split("+"):
+            codec_args(c)  # the entry's options
+            for spec in c.partition("#")[0].replace("/", "+").split("+"):
                 epipe.Codec(spec).close()
             codecs.append(c)
         except epipe.Error as e:
