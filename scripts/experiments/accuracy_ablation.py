@@ -234,7 +234,10 @@ def main():
     codecs, skipped = [], []
     for c in a.codecs.split(";"):
         try:
-            codec_args(c)  # the entry's options
+            try:
+                codec_args(c)  # the entry's options
+            except ValueError as e:
+                sys.exit(f"accuracy_ablation: entry '{c}': {e}")
             for spec in c.partition("#")[0].replace("/", "+").split("+"):
                 epipe.Codec(spec).close()
             codecs.append(c)

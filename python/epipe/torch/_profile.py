@@ -3,8 +3,8 @@ chain, forward and backward time, output and stash bytes, parameter bytes,
 and a sample of each boundary's activation and gradient; per codec and
 boundary, measured encode and decode time, wire ratio and error."""
 import json
-import math
 import os
+import statistics
 import time
 
 import torch
@@ -20,7 +20,8 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-STATISTICS = ("min", "median")
+# how the repeated runs of a timing become one value
+STATISTICS = {"min": min, "median": statistics.median}
 
 
 def _check_statistic(statistic):
@@ -28,7 +29,7 @@ def _check_statistic(statistic):
         raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, not {statistic!r}")
 
 
-def _best(fn, reps, device, statistic="min"):
+def _timed(fn, reps, device, statistic="min"):
     """fn's time: the fastest of `reps` runs, or their median."""
     times = []
     for _ in range(reps):
@@ -37,11 +38,7 @@ def _best(fn, reps, device, statistic="min"):
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    times.sort()
-    if statistic == "min":
-        return times[0]
-    mid = len(times) // 2
-    return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+    return STATISTICS[statistic](times)
 
 
 def _stash_bytes(layer, x):
@@ -145,16 +142,16 @@ def profile(layers, example, target=None, loss_fn=None, *, reps=3, statistic="mi
                 torch.autograd.grad(o, params, g)
 
         both()  # warm up
-        f = _best(fwd, reps, device, statistic)
-        fb = _best(both, reps, device, statistic)
-        w = max(0.0, _best(weights_only, reps, device, statistic) - f) if params else 0.0
+        f = _timed(fwd, reps, device, statistic)
+        fb = _timed(both, reps, device, statistic)
+        w = max(0.0, _timed(weights_only, reps, device, statistic) - f) if params else 0.0
         b = max(0.0, fb - f)
         u = 0.0
         if params:  # an SGD step with momentum: the optimiser most hosts run
             both()
             opt = torch.optim.SGD(params, lr=0.0, momentum=0.9)
             opt.step()
-            u = _best(opt.step, reps, device, statistic)
+            u = _timed(opt.step, reps, device, statistic)
         layer.zero_grad(set_to_none=True)
         recs.append({
             "name": type(layer).__name__,
@@ -180,18 +177,18 @@ def _time_codec(spec, t, reps, device, statistic):
         if device.type == "cuda":
             payload = c.encode(t)
             c.synchronize()
-            enc = _best(lambda: c.encode(t), reps, device, statistic)
+            enc = _timed(lambda: c.encode(t), reps, device, statistic)
             y = torch.empty_like(t)
-            dec = _best(lambda: c.decode(payload, out=y), reps, device, statistic)
+            dec = _timed(lambda: c.decode(payload, out=y), reps, device, statistic)
             c.synchronize()
             n = payload.numel()
         else:
             view = c.encode_view(t)
             n = len(view)
             payload = bytes(view)
-            enc = _best(lambda: c.encode_view(t), reps, device, statistic)
+            enc = _timed(lambda: c.encode_view(t), reps, device, statistic)
             y = torch.empty_like(t)
-            dec = _best(lambda: c.decode(payload, out=y), reps, device, statistic)
+            dec = _timed(lambda: c.decode(payload, out=y), reps, device, statistic)
         return enc, dec, n, y
     finally:
         c.close()
