@@ -1,5 +1,7 @@
 /* `quant:bits=B`: global min/max uniform quantization, the research
- * baseline sortquant is measured against; fast path and scalar reference. */
+ * baseline sortquant is measured against; fast path and scalar reference.
+ * With rows=1 each row of dimension 0 (a sample) is quantized on its own
+ * range: the body is then one such body per row, back to back. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -11,6 +13,13 @@ static const epipe_param_desc quant_params[] = {
     {.key = "bits", .kind = EPIPE_PARAM_INT, .min = 1, .max = 16, .def = 8},
     /* Encoder only (the payload is the same format): 0 is a level. */
     {.key = "zero",
+     .kind = EPIPE_PARAM_CHOICE,
+     .def = 0,
+     .choices = epipe_param_bool,
+     .quiet_default = 1},
+    /* One range per row of dimension 0 (a sample): samples whose values
+     * differ in scale (gradients, activation deltas) each keep their own. */
+    {.key = "rows",
      .kind = EPIPE_PARAM_CHOICE,
      .def = 0,
      .choices = epipe_param_bool,
@@ -46,23 +55,40 @@ static int quant_configure(epipe_codec *c)
     return EPIPE_OK;
 }
 
+/* Bit 8 of the word: rows=1 (the body differs, so a decoder must agree). */
+#define QUANT_WORD_ROWS 0x100u
+
 static uint32_t quant_param_word(const epipe_codec *c)
 {
-    return (uint32_t)c->p[QUANT_BITS];
+    return (uint32_t)c->p[QUANT_BITS] | (c->p[QUANT_ROWS] ? QUANT_WORD_ROWS : 0);
+}
+
+/* The body of one quantized range of n values: min, step, the codes. */
+static int one_body_size(const epipe_codec *c, uint64_t n, uint64_t *bytes)
+{
+    if (n >= 1ull << 59)
+        return EPIPE_EOVERFLOW;
+    *bytes = epipe_bitpack_bytes(n, (unsigned)c->p[QUANT_BITS]) + 8;
+    return EPIPE_OK;
+}
+
+/* How the n values split into ranges: one, or one per row with rows=1. */
+static void ranges(const epipe_codec *c, uint64_t n, uint64_t *count, uint64_t *len)
+{
+    epipe_codec_rows(c, n, c->p[QUANT_ROWS] != 0, count, len);
 }
 
 static int quant_body_size(const epipe_codec *c, uint64_t n, size_t *bytes)
 {
-    if (n >= 1ull << 59)
+    uint64_t count, len, one;
+    ranges(c, n, &count, &len);
+    if (one_body_size(c, len, &one) || one > SIZE_MAX / count)
         return EPIPE_EOVERFLOW;
-    uint64_t codes = epipe_bitpack_bytes(n, (unsigned)c->p[QUANT_BITS]);
-    if (codes > SIZE_MAX - 8)
-        return EPIPE_EOVERFLOW;
-    *bytes = (size_t)codes + 8;
+    *bytes = (size_t)(one * count);
     return EPIPE_OK;
 }
 
-static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+static int quant_encode_one(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     quant_state *st = c->state;
     epipe_qtab *t = &st->tab;
@@ -80,7 +106,7 @@ static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     return EPIPE_OK;
 }
 
-static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+static int quant_decode_one(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
     quant_state *st = c->state;
     int rc = epipe_q_read_table(c, &st->tab, body, n);
@@ -91,7 +117,7 @@ static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 }
 
 /* The reference: a min/max loop, then one value at a time. */
-static int quant_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+static int quant_encode_one_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     quant_state *st = c->state;
     epipe_qtab *t = &st->tab;
@@ -120,7 +146,7 @@ static int quant_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *b
     return EPIPE_OK;
 }
 
-static int quant_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+static int quant_decode_one_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
     quant_state *st = c->state;
     int rc = epipe_q_read_table(c, &st->tab, body, n);
@@ -128,6 +154,78 @@ static int quant_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float
         return rc;
     epipe_q_decode_ref(&st->tab, body + 8, n, y);
     return EPIPE_OK;
+}
+
+/* Each range's body in turn (a refused value is named by its index in
+ * the whole tensor, so the one-range functions see the whole for one). */
+static int each_range(epipe_codec *c, size_t n,
+                      int (*fn)(epipe_codec *, size_t, size_t, size_t, void *), void *ctx)
+{
+    uint64_t count, len, one = 0;
+    ranges(c, n, &count, &len);
+    one_body_size(c, len, &one); /* checked by body_size before any call */
+    for (uint64_t r = 0; r < count; r++) {
+        int rc = fn(c, (size_t)(r * len), (size_t)len, (size_t)(r * one), ctx);
+        if (rc)
+            return rc;
+    }
+    return EPIPE_OK;
+}
+
+typedef struct range_call {
+    int (*enc)(epipe_codec *, const float *, size_t, uint8_t *);
+    int (*dec)(epipe_codec *, const uint8_t *, size_t, float *);
+    const float *x;
+    float *y;
+    uint8_t *ebody;
+    const uint8_t *dbody;
+    size_t n;
+} range_call;
+
+static int encode_range(epipe_codec *c, size_t at, size_t len, size_t off, void *ctx)
+{
+    range_call *k = ctx;
+    int rc = k->enc(c, k->x + at, len, k->ebody + off);
+    size_t bad;
+    if (rc == EPIPE_EINVAL && at && (bad = epipe_find_nonfinite(k->x + at, len)) < len)
+        /* name the value by its index in the tensor, not in its row */
+        return epipe_q_reject_nonfinite(c, k->x, k->n, at + bad);
+    return rc;
+}
+
+static int decode_range(epipe_codec *c, size_t at, size_t len, size_t off, void *ctx)
+{
+    range_call *k = ctx;
+    return k->dec(c, k->dbody + off, len, k->y + at);
+}
+
+static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    range_call k = {.enc = quant_encode_one, .x = x, .ebody = body, .n = n};
+    return each_range(c, n, encode_range, &k);
+}
+
+static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    range_call k = {.dec = quant_decode_one, .y = y, .dbody = body, .n = n};
+    return each_range(c, n, decode_range, &k);
+}
+
+static int quant_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    range_call k = {.enc = quant_encode_one_ref, .x = x, .ebody = body, .n = n};
+    return each_range(c, n, encode_range, &k);
+}
+
+static int quant_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    range_call k = {.dec = quant_decode_one_ref, .y = y, .dbody = body, .n = n};
+    return each_range(c, n, decode_range, &k);
+}
+
+static const char *quant_cpu_only(const epipe_codec *c)
+{
+    return c->p[QUANT_ROWS] ? "rows=1" : NULL;
 }
 
 static const epipe_codec_backend quant_cpu = {
@@ -146,5 +244,6 @@ const epipe_codec_ops epipe_codec_quant = {
     .param_word = quant_param_word,
     .body_size = quant_body_size,
     .release = quant_release,
+    .cpu_only = quant_cpu_only,
     .cpu = &quant_cpu,
 };

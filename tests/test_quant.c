@@ -1,6 +1,7 @@
 /* quant: the half-step error bound at every width, exact all-equal input,
  * fast path byte-identical to the reference on every thread count, and
- * NaN input, hostile payloads and bad specs rejected by name; zero=1. */
+ * NaN input, hostile payloads and bad specs rejected by name; zero=1;
+ * rows=1. */
 #include <float.h>
 #include <math.h>
 #include <setjmp.h>
@@ -280,6 +281,134 @@ static void zero_is_a_level(void **state)
     free(y0);
 }
 
+static void expect_spec_error(const char *spec, const char *needle);
+
+/* Encodes x as a [rows, cols] tensor; the payload in a malloc'd buffer. */
+static test_payload encode_2d(const char *spec, const float *x, int64_t rows, int64_t cols,
+                              int threads, int ref)
+{
+    epipe_codec *c = test_codec(spec, threads, ref);
+    int64_t shape[2] = {rows, cols};
+    DLTensor t = {.data = (void *)x,
+                  .device = {kDLCPU, 0},
+                  .ndim = 2,
+                  .dtype = {kDLFloat, 32, 1},
+                  .shape = shape};
+    test_payload p = {0};
+    assert_int_equal(epipe_codec_max_encoded_size(c, &t, &p.len), EPIPE_OK);
+    p.buf = malloc(p.len + 1);
+    size_t w;
+    assert_int_equal(epipe_codec_encode(c, &t, p.buf, p.len, &w), EPIPE_OK);
+    assert_int_equal(w, p.len);
+    epipe_codec_destroy(c);
+    return p;
+}
+
+static int decode_2d(const char *spec, const test_payload *p, float *y, int64_t rows, int64_t cols,
+                     char *why, size_t cap)
+{
+    epipe_codec *c = test_codec(spec, 2, 0);
+    int64_t shape[2] = {rows, cols};
+    DLTensor t = {
+        .data = y, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}, .shape = shape};
+    int rc = epipe_codec_decode(c, p->buf, p->len, &t);
+    snprintf(why, cap, "%s", epipe_codec_last_error(c));
+    epipe_codec_destroy(c);
+    return rc;
+}
+
+/* rows=1: the body is each row's quant body in turn (so each sample keeps
+ * its own range), fast and reference agree, the parameter word tells the
+ * two formats apart, and a bad value is named by its index in the tensor. */
+static void rows_each_have_their_range(void **state)
+{
+    (void)state;
+    enum { R = 6, C = 37 };
+    float x[R * C], y[R * C];
+    char why[256];
+    for (unsigned bits = 1; bits <= 16; bits += 5) {
+        test_fill(x, R * C, DIST_NORMAL, 40 + bits);
+        for (int r = 0; r < R; r++) /* rows six orders of magnitude apart */
+            for (int i = 0; i < C; i++)
+                x[r * C + i] *= powf(10.0f, (float)-r);
+        char spec[48], plain[32];
+        snprintf(spec, sizeof spec, "quant:bits=%u,zero=1,rows=1", bits);
+        snprintf(plain, sizeof plain, "quant:bits=%u,zero=1", bits);
+        test_payload p = encode_2d(spec, x, R, C, 1, 0);
+        test_payload pr = encode_2d(spec, x, R, C, 1, 1);
+        test_payload p3 = encode_2d(spec, x, R, C, 3, 0);
+        assert_int_equal(p.len, pr.len);
+        assert_memory_equal(p.buf, pr.buf, p.len);
+        assert_memory_equal(p.buf, p3.buf, p.len);
+        assert_int_equal(epipe_get_u32(p.buf + 4), bits | 0x100); /* the parameter word */
+        size_t at = HDR;
+        for (int r = 0; r < R; r++) {
+            test_payload one = test_encode(plain, x + r * C, C, 1, 0);
+            assert_memory_equal(p.buf + at, one.buf + HDR, one.len - HDR);
+            at += one.len - HDR;
+            free(one.buf);
+        }
+        assert_int_equal(at, p.len);
+        assert_int_equal(decode_2d(spec, &p, y, R, C, why, sizeof why), EPIPE_OK);
+        for (int r = 0; r < R; r++) /* every row within half its own step */
+            for (int i = 0; i < C; i++) {
+                float step = epipe_get_f32(p.buf + HDR + (size_t)r * (p.len - HDR) / R + 4);
+                assert_true(fabsf(y[r * C + i] - x[r * C + i]) <=
+                            step / 2 * 1.0001f + 1e-6f * powf(10.0f, (float)-r));
+            }
+        /* a decoder without the key refuses the other format, and back */
+        assert_int_equal(decode_2d(plain, &p, y, R, C, why, sizeof why), EPIPE_EPROTO);
+        assert_non_null(strstr(why, "parameter word"));
+        test_payload q = encode_2d(plain, x, R, C, 1, 0);
+        assert_int_equal(decode_2d(spec, &q, y, R, C, why, sizeof why), EPIPE_EPROTO);
+        free(q.buf);
+        free(p.buf);
+        free(pr.buf);
+        free(p3.buf);
+    }
+    /* a 1-D tensor is one row: the bytes of quant without the key, but for the word */
+    test_fill(x, C, DIST_UNIFORM, 3);
+    test_payload a = test_encode("quant:bits=4,rows=1", x, C, 1, 0);
+    test_payload b = test_encode("quant:bits=4", x, C, 1, 0);
+    assert_int_equal(a.len, b.len);
+    assert_memory_equal(a.buf + HDR, b.buf + HDR, a.len - HDR);
+    free(a.buf);
+    free(b.buf);
+    /* truncated, padded and corrupt row tables are refused by name */
+    test_fill(x, R * C, DIST_NORMAL, 9);
+    test_payload p = encode_2d("quant:bits=3,rows=1", x, R, C, 1, 0);
+    p.len--;
+    assert_int_equal(decode_2d("quant:bits=3,rows=1", &p, y, R, C, why, sizeof why), EPIPE_ETRUNC);
+    p.len++;
+    size_t row = (p.len - HDR) / R;
+    epipe_put_f32(p.buf + HDR + 4 * row + 4, -1.0f); /* row 4's step */
+    assert_int_equal(decode_2d("quant:bits=3,rows=1", &p, y, R, C, why, sizeof why), EPIPE_EPROTO);
+    assert_non_null(strstr(why, "step"));
+    free(p.buf);
+    /* a NaN in row 3 is named by its index in the tensor */
+    x[3 * C + 5] = NAN;
+    epipe_codec *c = test_codec("quant:bits=3,rows=1", 1, 0);
+    int64_t shape[2] = {R, C};
+    DLTensor t = {
+        .data = x, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}, .shape = shape};
+    uint8_t buf[4096];
+    size_t w;
+    assert_int_equal(epipe_codec_encode(c, &t, buf, sizeof buf, &w), EPIPE_EINVAL);
+    char idx[32];
+    snprintf(idx, sizeof idx, "index %d", 3 * C + 5);
+    if (!strstr(epipe_codec_last_error(c), idx))
+        fail_msg("message '%s' lacks '%s'", epipe_codec_last_error(c), idx);
+    epipe_codec_destroy(c);
+    /* the canonical spec shows the key only when set */
+    c = test_codec("quant:rows=0,bits=2", 1, 0);
+    assert_string_equal(epipe_codec_spec(c), "quant:bits=2");
+    epipe_codec_destroy(c);
+    c = test_codec("quant:rows=1,bits=2,zero=1", 1, 0);
+    assert_string_equal(epipe_codec_spec(c), "quant:bits=2,zero=1,rows=1");
+    epipe_codec_destroy(c);
+    expect_spec_error("quant:rows=2", "'rows'");
+}
+
 static void expect_spec_error(const char *spec, const char *needle)
 {
     epipe_codec *c = (epipe_codec *)1;
@@ -316,7 +445,7 @@ int main(void)
         cmocka_unit_test(fast_matches_reference), cmocka_unit_test(generic_kernels_match_reference),
         cmocka_unit_test(nonfinite_rejected),     cmocka_unit_test(find_nonfinite_scan),
         cmocka_unit_test(hostile_payloads),       cmocka_unit_test(specs),
-        cmocka_unit_test(zero_is_a_level),
+        cmocka_unit_test(zero_is_a_level),        cmocka_unit_test(rows_each_have_their_range),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -24,11 +24,14 @@ typedef struct epipe_codec epipe_codec;
  *   cast:dtype=fp16|bf16               round to a 16-bit float type;
  *                                      finite values beyond its range
  *                                      saturate to its largest finite
- *   quant:bits=B[,zero=1]              global min/max uniform, B in 1..16;
+ *   quant:bits=B[,zero=1][,rows=1]     global min/max uniform, B in 1..16;
  *                                      zero=1 moves the grid by under half
  *                                      a step so that 0 decodes exactly
  *                                      (use it for gradients; same payload
- *                                      format; CPU encoders only)
+ *                                      format); rows=1: one min/max per
+ *                                      row of dimension 0 (per sample) of
+ *                                      a tensor of 2 or more dimensions
+ *                                      (another format; CPU only)
  *   sortquant:bits=B[,split=S][,mode=fit|sample|exact][,sample=N][,zero=1]
  *                                      sort quantization, B in 2..16; mode
  *                                      defaults to fit (MSE-fitted chunks,

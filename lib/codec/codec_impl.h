@@ -140,6 +140,9 @@ typedef struct epipe_codec_ops {
     unsigned (*ntensors)(const epipe_codec *c);
     /* Optional: frees codec->state (and whatever a backend allocated). */
     void (*release)(epipe_codec *c);
+    /* Optional: the setting of this codec's spec that runs on the CPU
+     * backend only ("rows=1"), or NULL when the CUDA kernels cover it. */
+    const char *(*cpu_only)(const epipe_codec *c);
     /* The CPU backend, for CPU tensors (kDLCPU, kDLCUDAHost); NULL when
      * this build cannot run the codec. Backends for other devices are not
      * fields here: the CUDA backend will live in a module loaded at run
@@ -183,6 +186,21 @@ struct epipe_codec {
     void *cuda;
     int bound_type, bound_id;
 };
+/* How a codec that works per sample splits the n values of the current
+ * call: with per_row, one range per row of dimension 0 (shape[0] rows of
+ * n / shape[0] values); otherwise, and for a tensor of fewer than two
+ * dimensions (a vector is one sample, not n of one value) or with no
+ * values, one range of all n. */
+static inline void epipe_codec_rows(const epipe_codec *c, uint64_t n, int per_row, uint64_t *count,
+                                    uint64_t *len)
+{
+    *count = 1;
+    *len = n;
+    if (per_row && n && c->ndim > 1 && c->shape[0] > 0 && n % (uint64_t)c->shape[0] == 0) {
+        *count = (uint64_t)c->shape[0];
+        *len = n / *count;
+    }
+}
 
 /* Records an error on the codec (and the thread) and returns status. */
 int epipe_codec_fail(epipe_codec *c, int status, const char *fmt, ...)

@@ -1,7 +1,10 @@
 /* Fuzz target: every codec's decoder on hostile payloads. Input layout:
  * byte 0 picks the codec (fuzz_specs.h), bytes 1-2 the element count of the
- * destination (little-endian, at most 4096), the rest is the payload. */
+ * destination (little-endian, at most 4096), the rest is the payload. A
+ * spec with rows=1 (one range per row) decodes into [r, n / r], r = 1 +
+ * byte 2 % 8; every other into [n]. */
 #include <stdlib.h>
+#include <string.h>
 
 #include <epipe/epipe.h>
 
@@ -23,8 +26,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (created != EPIPE_OK)
         abort(); /* the specs above are valid */
     float *out = malloc((size_t)n * sizeof *out + 1);
-    DLTensor t = {
-        .data = out, .device = {kDLCPU, 0}, .ndim = 1, .dtype = {kDLFloat, 32, 1}, .shape = &n};
+    int64_t shape[2] = {n, 1};
+    int ndim = 1;
+    if (strstr(spec, "rows=1")) {
+        shape[0] = 1 + data[2] % 8;
+        shape[1] = n / shape[0];
+        ndim = 2;
+    }
+    DLTensor t = {.data = out,
+                  .device = {kDLCPU, 0},
+                  .ndim = ndim,
+                  .dtype = {kDLFloat, 32, 1},
+                  .shape = shape};
     int rc = epipe_codec_decode(c, data + 3, size - 3, &t);
     if (rc != EPIPE_OK && epipe_codec_last_error(c)[0] == '\0')
         abort(); /* every failure must say why */

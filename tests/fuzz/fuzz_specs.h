@@ -26,6 +26,8 @@ static const char *const fuzz_specs[] = {
     /* appended, so that the earlier seeds keep their indices */
     "sortquant:bits=8,mode=sample",
     "sortquant:bits=5,split=2,mode=fit",
+    /* one range per row: fuzz_codec_decode gives it [1 + byte 2 % 8, n / rows] */
+    "quant:bits=3,rows=1",
 };
 #define FUZZ_NSPECS (sizeof fuzz_specs / sizeof fuzz_specs[0])
 

@@ -459,6 +459,14 @@ int main(void)
         CHECK(strstr(epipe_codec_last_error(g), "'kmeans'") != NULL, "%s",
               epipe_codec_last_error(g));
         epipe_codec_destroy(g);
+        /* a setting the kernels lack is refused by name too */
+        epipe_codec_create(&g, "quant:bits=2,rows=1");
+        int64_t shape2[2] = {4, 4};
+        DLTensor d2 = tensor(kDLCUDA, d, shape2, 32, kDLFloat);
+        CHECK(epipe_codec_encode(g, &d2, p, sizeof p, &w) == EPIPE_ENOTSUP, "quant rows=1");
+        CHECK(strstr(epipe_codec_last_error(g), "quant:rows=1") != NULL, "%s",
+              epipe_codec_last_error(g));
+        epipe_codec_destroy(g);
         cudaFree(d);
     }
     hostile_table();
