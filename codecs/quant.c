@@ -156,71 +156,59 @@ static int quant_decode_one_ref(epipe_codec *c, const uint8_t *body, size_t n, f
     return EPIPE_OK;
 }
 
-/* Each range's body in turn (a refused value is named by its index in
- * the whole tensor, so the one-range functions see the whole for one). */
-static int each_range(epipe_codec *c, size_t n,
-                      int (*fn)(epipe_codec *, size_t, size_t, size_t, void *), void *ctx)
+typedef int (*encode_fn)(epipe_codec *, const float *, size_t, uint8_t *);
+typedef int (*decode_fn)(epipe_codec *, const uint8_t *, size_t, float *);
+
+/* Each range's body in turn: one for the tensor, or one per row. */
+static int encode_ranges(epipe_codec *c, encode_fn one, const float *x, size_t n, uint8_t *body)
 {
-    uint64_t count, len, one = 0;
+    uint64_t count, len, size = 0;
     ranges(c, n, &count, &len);
-    one_body_size(c, len, &one); /* checked by body_size before any call */
+    one_body_size(c, len, &size); /* checked by body_size before any call */
     for (uint64_t r = 0; r < count; r++) {
-        int rc = fn(c, (size_t)(r * len), (size_t)len, (size_t)(r * one), ctx);
+        const float *row = x + r * len;
+        int rc = one(c, row, (size_t)len, body + r * size);
+        size_t bad;
+        if (rc == EPIPE_EINVAL && r && (bad = epipe_find_nonfinite(row, (size_t)len)) < len)
+            /* name the value by its index in the tensor, not in its row */
+            return epipe_q_reject_nonfinite(c, x, n, (size_t)(r * len) + bad);
         if (rc)
             return rc;
     }
     return EPIPE_OK;
 }
 
-typedef struct range_call {
-    int (*enc)(epipe_codec *, const float *, size_t, uint8_t *);
-    int (*dec)(epipe_codec *, const uint8_t *, size_t, float *);
-    const float *x;
-    float *y;
-    uint8_t *ebody;
-    const uint8_t *dbody;
-    size_t n;
-} range_call;
-
-static int encode_range(epipe_codec *c, size_t at, size_t len, size_t off, void *ctx)
+static int decode_ranges(epipe_codec *c, decode_fn one, const uint8_t *body, size_t n, float *y)
 {
-    range_call *k = ctx;
-    int rc = k->enc(c, k->x + at, len, k->ebody + off);
-    size_t bad;
-    if (rc == EPIPE_EINVAL && at && (bad = epipe_find_nonfinite(k->x + at, len)) < len)
-        /* name the value by its index in the tensor, not in its row */
-        return epipe_q_reject_nonfinite(c, k->x, k->n, at + bad);
-    return rc;
-}
-
-static int decode_range(epipe_codec *c, size_t at, size_t len, size_t off, void *ctx)
-{
-    range_call *k = ctx;
-    return k->dec(c, k->dbody + off, len, k->y + at);
+    uint64_t count, len, size = 0;
+    ranges(c, n, &count, &len);
+    one_body_size(c, len, &size);
+    for (uint64_t r = 0; r < count; r++) {
+        int rc = one(c, body + r * size, (size_t)len, y + r * len);
+        if (rc)
+            return rc;
+    }
+    return EPIPE_OK;
 }
 
 static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
-    range_call k = {.enc = quant_encode_one, .x = x, .ebody = body, .n = n};
-    return each_range(c, n, encode_range, &k);
+    return encode_ranges(c, quant_encode_one, x, n, body);
 }
 
 static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
-    range_call k = {.dec = quant_decode_one, .y = y, .dbody = body, .n = n};
-    return each_range(c, n, decode_range, &k);
+    return decode_ranges(c, quant_decode_one, body, n, y);
 }
 
 static int quant_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
-    range_call k = {.enc = quant_encode_one_ref, .x = x, .ebody = body, .n = n};
-    return each_range(c, n, encode_range, &k);
+    return encode_ranges(c, quant_encode_one_ref, x, n, body);
 }
 
 static int quant_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
-    range_call k = {.dec = quant_decode_one_ref, .y = y, .dbody = body, .n = n};
-    return each_range(c, n, decode_range, &k);
+    return decode_ranges(c, quant_decode_one_ref, body, n, y);
 }
 
 static const char *quant_cpu_only(const epipe_codec *c)
