@@ -180,6 +180,21 @@ def eval_step(stage, chunks, xs, ys):
     return correct
 
 
+def evaluate(stage, chunks, test_x, test_y, ntest, m):
+    """Forward-only steps over the first ntest test images, in batches of
+    up to 1000 split in m. Returns (correct, seen) on the last stage's
+    rank (correct is 0 elsewhere)."""
+    eb = (1000 // m) * m
+    correct = seen = 0
+    for start in range(0, ntest - ntest % m, eb):
+        n = min(eb, ntest - start)
+        n -= n % m
+        xs, ys = test_x[start : start + n].chunk(m), test_y[start : start + n].chunk(m)
+        correct += eval_step(stage, chunks, xs, ys)
+        seen += n
+    return correct, seen
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--act-codec", default="none",
@@ -197,6 +212,9 @@ def parse_args(argv=None):
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--codec-lr", type=float, default=None,
                     help="learning rate of the trainable codecs (insert); default: --lr")
+    ap.add_argument("--eval-uncompressed", action="store_true",
+                    help="evaluate a second time with no codecs on the boundaries (the "
+                         "trained model on its own)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--train-limit", type=int, default=0, help="use only N training images")
     ap.add_argument("--test-limit", type=int, default=0, help="evaluate only N test images")
@@ -266,18 +284,18 @@ def main():
     train_seconds = time.time() - t0
     st = stage.stats()  # training traffic only
 
-    # evaluation: forward-only steps; batches of up to 1000 split in m
     stage.training = False
     stage.set_param(epipe.STAGE_BATCH_SIZE, 0)  # evaluation batches have their own size
     model.eval()
-    eb = (1000 // m) * m
-    correct = seen = 0
-    for start in range(0, ntest - ntest % m, eb):
-        n = min(eb, ntest - start)
-        n -= n % m
-        xs, ys = test_x[start : start + n].chunk(m), test_y[start : start + n].chunk(m)
-        correct += eval_step(stage, chunks, xs, ys)
-        seen += n
+    correct, seen = evaluate(stage, chunks, test_x, test_y, ntest, m)
+    plain = None
+    if a.eval_uncompressed:
+        # the trained model on its own: a stage keeps its codecs for life,
+        # so the test set crosses once more through one without any
+        stage.close()
+        stage = epipe.Stage(comm, a.schedule, a.microbatches, chunks=a.chunks)
+        stage.training = False
+        plain, _ = evaluate(stage, chunks, test_x, test_y, ntest, m)
 
     raw_down = st["act_sent_raw"] + st["grad_recv_raw"]
     wire_down = st["act_sent_wire"] + st["grad_recv_wire"]
@@ -292,6 +310,10 @@ def main():
         print(f"test accuracy {100 * acc:.2f}% on {seen} images  (train {ntrain} images x "
               f"{a.epochs} epoch(s), {a.schedule}, {m} micro-batches, batch {a.batch}, "
               f"{train_seconds:.1f}s)", flush=True)
+        if plain is not None:
+            result.update(accuracy_uncompressed=plain / seen if seen else 0.0)
+            print(f"test accuracy {100 * plain / max(seen, 1):.2f}% with the test activations "
+                  "uncompressed", flush=True)
     if s == 1:  # the server sees both boundaries: boundary 0 up, boundary 1 down
         raw, wire = raw_up + raw_down, wire_up + wire_down
         print(f"wire ratio {wire / raw:.4f}  (boundary 0->1 {wire_up / raw_up:.4f}, "

@@ -52,7 +52,7 @@ DEFAULT_CODECS = [
     INSERT.replace("+", "|sortquant:bits=8+") + "|sortquant:bits=8/sortquant:bits=8",
 ]
 FIELDS = ["codec", "seed", "accuracy", "wire_ratio", "ratio_b01", "ratio_b12", "raw_bytes",
-          "wire_bytes", "train_seconds", "test_images"]
+          "wire_bytes", "train_seconds", "test_images", "accuracy_uncompressed"]
 
 
 class RunFailed(Exception):
@@ -80,7 +80,8 @@ def run_one(a, codec, seed):
            os.path.join(ROOT, "examples", "torch", "fmnist_split.py"),
            *codec_args(codec), "--seed", str(seed),
            "--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr),
-           "--microbatches", str(a.microbatches), "--schedule", a.schedule]
+           "--microbatches", str(a.microbatches), "--schedule", a.schedule,
+           "--eval-uncompressed"]
     if a.train_limit:
         cmd += ["--train-limit", str(a.train_limit)]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -106,6 +107,7 @@ def run_one(a, codec, seed):
         "raw_bytes": raw, "wire_bytes": wire,
         "train_seconds": max(r["train_seconds"] for r in res.values()),
         "test_images": res[2]["test_images"],
+        "accuracy_uncompressed": res[2]["accuracy_uncompressed"],
     }
 
 
@@ -117,16 +119,33 @@ def summarize(rows, codecs):
             continue
         acc = [100 * float(r["accuracy"]) for r in rs]
         ratio = [float(r["wire_ratio"]) for r in rs]
+        # runs from before the second evaluation have no such field
+        plain = [100 * float(r["accuracy_uncompressed"]) for r in rs
+                 if r.get("accuracy_uncompressed") not in (None, "")]
         out.append({
             "codec": c, "n": len(rs),
             "acc_mean": statistics.mean(acc),
             "acc_sd": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+            "plain": plain,
             "ratio": statistics.mean(ratio),
             "ratio_b01": statistics.mean(float(r["ratio_b01"]) for r in rs),
             "ratio_b12": statistics.mean(float(r["ratio_b12"]) for r in rs),
             "seconds": statistics.mean(float(r["train_seconds"]) for r in rs),
         })
     return out
+
+
+def table_row(s):
+    """One codec's line of the results table."""
+    name = s["codec"].replace("|", "\\|")  # a chain's bar is not a cell border
+    p = s["plain"]
+    plain = "—" if not p else (f"{statistics.mean(p):.2f} ± "
+                               f"{statistics.stdev(p) if len(p) > 1 else 0.0:.2f}")
+    if p and len(p) != s["n"]:
+        plain += f" ({len(p)} runs)"
+    return (f"| `{name}` | {s['n']} | {s['acc_mean']:.2f} ± {s['acc_sd']:.2f} | {plain} | "
+            f"{s['ratio']:.4f} | {s['ratio_b01']:.4f} | {s['ratio_b12']:.4f} | "
+            f"{s['seconds']:.1f} |")
 
 
 def write_md(path, a, summary, skipped, command, failed):
@@ -146,7 +165,9 @@ def write_md(path, a, summary, skipped, command, failed):
         f"epochs: {a.epochs}, batch {a.batch}, {a.microbatches} micro-batches, "
         f"schedule {a.schedule}, SGD lr {a.lr} momentum 0.9",
         f"- seeds: {', '.join(str(s) for s in a.seeds)} (model init and shuffle)",
-        "- test accuracy on all 10,000 test images (forward-only steps, codecs on)",
+        "- test accuracy on all 10,000 test images (forward-only steps, codecs on); then the",
+        "  same model once more with no codecs on the boundaries (the trained model on its own;",
+        "  — for runs made before this second evaluation existed)",
         "- wire ratio: bytes of the wire messages (192-byte wire header + 16-byte codec header",
         "  + body) over raw fp32 bytes, activations and gradients of both boundaries, training",
         "  only. Boundary 0→1 carries [16,16,14,14] per micro-batch, 1→2 [16,128], so the",
@@ -156,15 +177,11 @@ def write_md(path, a, summary, skipped, command, failed):
         "",
         "## Results",
         "",
-        "| codec | runs | test accuracy (%) mean ± sd | wire ratio | ratio 0→1 | ratio 1→2 "
-        "| train s/run |",
-        "|---|---|---|---|---|---|---|",
+        "| codec | runs | test accuracy (%) mean ± sd | without codecs at test | wire ratio "
+        "| ratio 0→1 | ratio 1→2 | train s/run |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for s in summary:
-        name = s["codec"].replace("|", "\\|")  # a chain's bar is not a cell border
-        lines.append(f"| `{name}` | {s['n']} | {s['acc_mean']:.2f} ± {s['acc_sd']:.2f} | "
-                     f"{s['ratio']:.4f} | {s['ratio_b01']:.4f} | {s['ratio_b12']:.4f} | "
-                     f"{s['seconds']:.1f} |")
+    lines += [table_row(s) for s in summary]
     if skipped:
         lines += ["", "Skipped (the spec does not parse with this library):", ""]
         lines += [f"- `{c}`: {msg}" for c, msg in skipped]
