@@ -311,8 +311,9 @@ def main():
               f"{a.epochs} epoch(s), {a.schedule}, {m} micro-batches, batch {a.batch}, "
               f"{train_seconds:.1f}s)", flush=True)
         if plain is not None:
-            result.update(accuracy_uncompressed=plain / seen if seen else 0.0)
-            print(f"test accuracy {100 * plain / max(seen, 1):.2f}% with the test activations "
+            plain_acc = plain / seen if seen else 0.0
+            result.update(accuracy_uncompressed=plain_acc)
+            print(f"test accuracy {100 * plain_acc:.2f}% with the test activations "
                   "uncompressed", flush=True)
     if s == 1:  # the server sees both boundaries: boundary 0 up, boundary 1 down
         raw, wire = raw_up + raw_down, wire_up + wire_down

@@ -111,22 +111,26 @@ def run_one(a, codec, seed):
     }
 
 
+def mean_sd(values):
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def summarize(rows, codecs):
     out = []
     for c in codecs:
         rs = [r for r in rows if r["codec"] == c]
         if not rs:
             continue
-        acc = [100 * float(r["accuracy"]) for r in rs]
+        acc_mean, acc_sd = mean_sd([100 * float(r["accuracy"]) for r in rs])
         ratio = [float(r["wire_ratio"]) for r in rs]
         # runs from before the second evaluation have no such field
         plain = [100 * float(r["accuracy_uncompressed"]) for r in rs
                  if r.get("accuracy_uncompressed") not in (None, "")]
         out.append({
             "codec": c, "n": len(rs),
-            "acc_mean": statistics.mean(acc),
-            "acc_sd": statistics.stdev(acc) if len(acc) > 1 else 0.0,
-            "plain": plain,
+            "acc_mean": acc_mean, "acc_sd": acc_sd,
+            "plain_n": len(plain), "plain": mean_sd(plain) if plain else None,
             "ratio": statistics.mean(ratio),
             "ratio_b01": statistics.mean(float(r["ratio_b01"]) for r in rs),
             "ratio_b12": statistics.mean(float(r["ratio_b12"]) for r in rs),
@@ -138,11 +142,9 @@ def summarize(rows, codecs):
 def table_row(s):
     """One codec's line of the results table."""
     name = s["codec"].replace("|", "\\|")  # a chain's bar is not a cell border
-    p = s["plain"]
-    plain = "—" if not p else (f"{statistics.mean(p):.2f} ± "
-                               f"{statistics.stdev(p) if len(p) > 1 else 0.0:.2f}")
-    if p and len(p) != s["n"]:
-        plain += f" ({len(p)} runs)"
+    plain = "—" if s["plain"] is None else "{:.2f} ± {:.2f}".format(*s["plain"])
+    if s["plain"] is not None and s["plain_n"] != s["n"]:
+        plain += f" ({s['plain_n']} runs)"
     return (f"| `{name}` | {s['n']} | {s['acc_mean']:.2f} ± {s['acc_sd']:.2f} | {plain} | "
             f"{s['ratio']:.4f} | {s['ratio_b01']:.4f} | {s['ratio_b12']:.4f} | "
             f"{s['seconds']:.1f} |")
