@@ -1,10 +1,9 @@
 /* Fuzz target: every codec's decoder on hostile payloads. Input layout:
  * byte 0 picks the codec (fuzz_specs.h), bytes 1-2 the element count of the
  * destination (little-endian, at most 4096), the rest is the payload. A
- * spec with rows=1 (one range per row) decodes into [r, n / r], r = 1 +
- * byte 2 % 8; every other into [n]. */
+ * per-row spec (fuzz_spec_per_row) decodes into [r, n / r], r = 1 + byte
+ * 2 % 8; every other into [n]. */
 #include <stdlib.h>
-#include <string.h>
 
 #include <epipe/epipe.h>
 
@@ -28,7 +27,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     float *out = malloc((size_t)n * sizeof *out + 1);
     int64_t shape[2] = {n, 1};
     int ndim = 1;
-    if (strstr(spec, "rows=1")) {
+    if (fuzz_spec_per_row(spec)) {
         shape[0] = 1 + data[2] % 8;
         shape[1] = n / shape[0];
         ndim = 2;

@@ -3,6 +3,8 @@
 #ifndef EPIPE_FUZZ_SPECS_H
 #define EPIPE_FUZZ_SPECS_H
 
+#include <string.h>
+
 static const char *const fuzz_specs[] = {
     "none",
     "cast:dtype=fp16",
@@ -26,9 +28,17 @@ static const char *const fuzz_specs[] = {
     /* appended, so that the earlier seeds keep their indices */
     "sortquant:bits=8,mode=sample",
     "sortquant:bits=5,split=2,mode=fit",
-    /* one range per row: fuzz_codec_decode gives it [1 + byte 2 % 8, n / rows] */
+    /* one range per row (fuzz_spec_per_row) */
     "quant:bits=3,rows=1",
 };
 #define FUZZ_NSPECS (sizeof fuzz_specs / sizeof fuzz_specs[0])
+
+/* fuzz_codec_decode decodes a per-row spec (one range per row) into a
+ * [1 + byte 2 % 8, n / rows] tensor, every other into [n]; make_corpus
+ * writes its seeds to match. */
+static inline int fuzz_spec_per_row(const char *spec)
+{
+    return strstr(spec, "rows=1") != NULL;
+}
 
 #endif

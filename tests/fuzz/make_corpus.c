@@ -338,7 +338,7 @@ int main(int argc, char **argv)
     /* A per-row spec over several rows: [4, 192], as fuzz_codec_decode
      * reads bytes 1-2 = 768 (byte 2 = 3: 1 + 3 rows). */
     for (size_t s = 0; s < FUZZ_NSPECS; s++) {
-        if (!strstr(fuzz_specs[s], "rows=1"))
+        if (!fuzz_spec_per_row(fuzz_specs[s]))
             continue;
         static float x[768];
         for (int i = 0; i < 768; i++) /* rows 8x apart in scale */
