@@ -281,35 +281,12 @@ static void zero_is_a_level(void **state)
     free(y0);
 }
 
-/* Encodes x as a [rows, cols] tensor; the payload in a malloc'd buffer. */
-static test_payload encode_2d(const char *spec, const float *x, int64_t rows, int64_t cols,
-                              int threads, int ref)
-{
-    epipe_codec *c = test_codec(spec, threads, ref);
-    int64_t shape[2] = {rows, cols};
-    DLTensor t = {.data = (void *)x,
-                  .device = {kDLCPU, 0},
-                  .ndim = 2,
-                  .dtype = {kDLFloat, 32, 1},
-                  .shape = shape};
-    test_payload p = {0};
-    assert_int_equal(epipe_codec_max_encoded_size(c, &t, &p.len), EPIPE_OK);
-    p.buf = malloc(p.len + 1);
-    size_t w;
-    assert_int_equal(epipe_codec_encode(c, &t, p.buf, p.len, &w), EPIPE_OK);
-    assert_int_equal(w, p.len);
-    epipe_codec_destroy(c);
-    return p;
-}
-
-static int decode_2d(const char *spec, const test_payload *p, float *y, int64_t rows, int64_t cols,
-                     char *why, size_t cap)
+/* Decodes p into the tensor t with a fresh codec; the status, and the
+ * codec's message in why. */
+static int decode_into(const char *spec, const test_payload *p, DLTensor *t, char *why, size_t cap)
 {
     epipe_codec *c = test_codec(spec, 2, 0);
-    int64_t shape[2] = {rows, cols};
-    DLTensor t = {
-        .data = y, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}, .shape = shape};
-    int rc = epipe_codec_decode(c, p->buf, p->len, &t);
+    int rc = epipe_codec_decode(c, p->buf, p->len, t);
     snprintf(why, cap, "%s", epipe_codec_last_error(c));
     epipe_codec_destroy(c);
     return rc;
@@ -323,6 +300,8 @@ static void rows_each_have_their_range(void **state)
     (void)state;
     enum { R = 6, C = 37 };
     float x[R * C], y[R * C];
+    int64_t shape[2] = {R, C};
+    DLTensor tx = test_view_f32_nd(x, shape, 2), ty = test_view_f32_nd(y, shape, 2);
     char why[256];
     for (unsigned bits = 1; bits <= 16; bits += 5) {
         test_fill(x, R * C, DIST_NORMAL, 40 + bits);
@@ -332,9 +311,9 @@ static void rows_each_have_their_range(void **state)
         char spec[48], plain[32];
         snprintf(spec, sizeof spec, "quant:bits=%u,zero=1,rows=1", bits);
         snprintf(plain, sizeof plain, "quant:bits=%u,zero=1", bits);
-        test_payload p = encode_2d(spec, x, R, C, 1, 0);
-        test_payload pr = encode_2d(spec, x, R, C, 1, 1);
-        test_payload p3 = encode_2d(spec, x, R, C, 3, 0);
+        test_payload p = test_encode_view(spec, &tx, 1, 0);
+        test_payload pr = test_encode_view(spec, &tx, 1, 1);
+        test_payload p3 = test_encode_view(spec, &tx, 3, 0);
         assert_int_equal(p.len, pr.len);
         assert_memory_equal(p.buf, pr.buf, p.len);
         assert_memory_equal(p.buf, p3.buf, p.len);
@@ -347,7 +326,7 @@ static void rows_each_have_their_range(void **state)
             free(one.buf);
         }
         assert_int_equal(at, p.len);
-        assert_int_equal(decode_2d(spec, &p, y, R, C, why, sizeof why), EPIPE_OK);
+        assert_int_equal(decode_into(spec, &p, &ty, why, sizeof why), EPIPE_OK);
         for (int r = 0; r < R; r++) /* every row within half its own step */
             for (int i = 0; i < C; i++) {
                 float step = epipe_get_f32(p.buf + HDR + (size_t)r * (p.len - HDR) / R + 4);
@@ -355,10 +334,10 @@ static void rows_each_have_their_range(void **state)
                             step / 2 * 1.0001f + 1e-6f * powf(10.0f, (float)-r));
             }
         /* a decoder without the key refuses the other format, and back */
-        assert_int_equal(decode_2d(plain, &p, y, R, C, why, sizeof why), EPIPE_EPROTO);
+        assert_int_equal(decode_into(plain, &p, &ty, why, sizeof why), EPIPE_EPROTO);
         assert_non_null(strstr(why, "parameter word"));
-        test_payload q = encode_2d(plain, x, R, C, 1, 0);
-        assert_int_equal(decode_2d(spec, &q, y, R, C, why, sizeof why), EPIPE_EPROTO);
+        test_payload q = test_encode_view(plain, &tx, 1, 0);
+        assert_int_equal(decode_into(spec, &q, &ty, why, sizeof why), EPIPE_EPROTO);
         free(q.buf);
         free(p.buf);
         free(pr.buf);
@@ -374,24 +353,21 @@ static void rows_each_have_their_range(void **state)
     free(b.buf);
     /* truncated, padded and corrupt row tables are refused by name */
     test_fill(x, R * C, DIST_NORMAL, 9);
-    test_payload p = encode_2d("quant:bits=3,rows=1", x, R, C, 1, 0);
+    test_payload p = test_encode_view("quant:bits=3,rows=1", &tx, 1, 0);
     p.len--;
-    assert_int_equal(decode_2d("quant:bits=3,rows=1", &p, y, R, C, why, sizeof why), EPIPE_ETRUNC);
+    assert_int_equal(decode_into("quant:bits=3,rows=1", &p, &ty, why, sizeof why), EPIPE_ETRUNC);
     p.len++;
     size_t row = (p.len - HDR) / R;
     epipe_put_f32(p.buf + HDR + 4 * row + 4, -1.0f); /* row 4's step */
-    assert_int_equal(decode_2d("quant:bits=3,rows=1", &p, y, R, C, why, sizeof why), EPIPE_EPROTO);
+    assert_int_equal(decode_into("quant:bits=3,rows=1", &p, &ty, why, sizeof why), EPIPE_EPROTO);
     assert_non_null(strstr(why, "step"));
     free(p.buf);
     /* a NaN in row 3 is named by its index in the tensor */
     x[3 * C + 5] = NAN;
     epipe_codec *c = test_codec("quant:bits=3,rows=1", 1, 0);
-    int64_t shape[2] = {R, C};
-    DLTensor t = {
-        .data = x, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     uint8_t buf[4096];
     size_t w;
-    assert_int_equal(epipe_codec_encode(c, &t, buf, sizeof buf, &w), EPIPE_EINVAL);
+    assert_int_equal(epipe_codec_encode(c, &tx, buf, sizeof buf, &w), EPIPE_EINVAL);
     char idx[32];
     snprintf(idx, sizeof idx, "index %d", 3 * C + 5);
     if (!strstr(epipe_codec_last_error(c), idx))

@@ -59,18 +59,23 @@ void test_fill(float *x, size_t n, enum test_dist d, uint64_t seed)
     }
 }
 
-DLTensor test_view_f32(float *x, int64_t *shape_store, size_t n)
+DLTensor test_view_f32_nd(float *x, int64_t *shape, int ndim)
 {
-    *shape_store = (int64_t)n;
     DLTensor t = {0};
     t.data = x;
     t.device.device_type = kDLCPU;
-    t.ndim = 1;
+    t.ndim = ndim;
     t.dtype.code = kDLFloat;
     t.dtype.bits = 32;
     t.dtype.lanes = 1;
-    t.shape = shape_store;
+    t.shape = shape;
     return t;
+}
+
+DLTensor test_view_f32(float *x, int64_t *shape_store, size_t n)
+{
+    *shape_store = (int64_t)n;
+    return test_view_f32_nd(x, shape_store, 1);
 }
 
 double test_mse(const float *a, const float *b, size_t n)
@@ -94,20 +99,26 @@ epipe_codec *test_codec(const char *spec, int threads, int ref)
     return c;
 }
 
-test_payload test_encode(const char *spec, float *x, size_t n, int threads, int ref)
+test_payload test_encode_view(const char *spec, const DLTensor *t, int threads, int ref)
 {
     epipe_codec *c = test_codec(spec, threads, ref);
-    int64_t shape;
-    DLTensor t = test_view_f32(x, &shape, n);
     test_payload p;
-    assert_int_equal(epipe_codec_max_encoded_size(c, &t, &p.len), EPIPE_OK);
+    assert_int_equal(epipe_codec_max_encoded_size(c, t, &p.len), EPIPE_OK);
     p.buf = malloc(p.len);
     size_t w;
-    if (epipe_codec_encode(c, &t, p.buf, p.len, &w) != EPIPE_OK)
-        fail_msg("encode '%s' n=%zu: %s", spec, n, epipe_codec_last_error(c));
+    if (epipe_codec_encode(c, t, p.buf, p.len, &w) != EPIPE_OK)
+        fail_msg("encode '%s' (%d dimensions, %lld first): %s", spec, t->ndim,
+                 (long long)(t->ndim ? t->shape[0] : 0), epipe_codec_last_error(c));
     assert_int_equal(w, p.len);
     epipe_codec_destroy(c);
     return p;
+}
+
+test_payload test_encode(const char *spec, float *x, size_t n, int threads, int ref)
+{
+    int64_t shape;
+    DLTensor t = test_view_f32(x, &shape, n);
+    return test_encode_view(spec, &t, threads, ref);
 }
 
 void test_decode(const char *spec, const test_payload *p, float *y, size_t n, int threads, int ref)

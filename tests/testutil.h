@@ -23,6 +23,8 @@ void test_fill(float *x, size_t n, enum test_dist d, uint64_t seed);
 
 /* A dense 1-D fp32 view of x[0..n). The shape lives in *shape_store. */
 DLTensor test_view_f32(float *x, int64_t *shape_store, size_t n);
+/* A dense fp32 CPU tensor of `ndim` dimensions over x; shape is borrowed. */
+DLTensor test_view_f32_nd(float *x, int64_t *shape, int ndim);
 
 double test_mse(const float *a, const float *b, size_t n);
 
@@ -37,6 +39,8 @@ typedef struct {
 struct epipe_codec *test_codec(const char *spec, int threads, int ref);
 /* Encodes x[0..n) as a 1-D tensor with a fresh codec of `spec`. */
 test_payload test_encode(const char *spec, float *x, size_t n, int threads, int ref);
+/* Encodes the tensor t (any shape) with a fresh codec of `spec`. */
+test_payload test_encode_view(const char *spec, const DLTensor *t, int threads, int ref);
 /* Decodes p into y[0..n) with a fresh codec of `spec`. */
 void test_decode(const char *spec, const test_payload *p, float *y, size_t n, int threads, int ref);
 /* Decoding p with c, through the fast path and the scalar reference, must
