@@ -30,6 +30,14 @@ static void write_file(const char *dir, const char *name, const void *p, size_t 
     fclose(f);
 }
 
+/* A dense fp32 CPU tensor over x; shape is borrowed. */
+static DLTensor f32_view(float *x, int64_t *shape, int ndim)
+{
+    DLTensor t = {
+        .data = x, .device = {kDLCPU, 0}, .ndim = ndim, .dtype = {kDLFloat, 32, 1}, .shape = shape};
+    return t;
+}
+
 /* corpus/wire: framed messages of every kind with small payloads, a tensor
  * message with a real codec payload, and one with a longer header. */
 static void write_wire_corpus(const char *root)
@@ -43,11 +51,7 @@ static void write_wire_corpus(const char *root)
     for (size_t s = 0; s < FUZZ_NSPECS; s++) {
         float x[6] = {1.5f, -2.0f, 0.25f, 3.0f, -0.5f, 8.0f};
         int64_t shape[2] = {2, 3};
-        DLTensor t = {.data = x,
-                      .device = {kDLCPU, 0},
-                      .ndim = 2,
-                      .dtype = {kDLFloat, 32, 1},
-                      .shape = shape};
+        DLTensor t = f32_view(x, shape, 2);
         epipe_codec *c;
         size_t plen;
         if (epipe_codec_create(&c, fuzz_specs[s]) != EPIPE_OK) {
@@ -305,11 +309,7 @@ int main(int argc, char **argv)
             float x[64];
             for (int i = 0; i < n; i++)
                 x[i] = sinf((float)i * 0.7f) * (float)(i % 5);
-            DLTensor t = {.data = x,
-                          .device = {kDLCPU, 0},
-                          .ndim = 1,
-                          .dtype = {kDLFloat, 32, 1},
-                          .shape = &n};
+            DLTensor t = f32_view(x, &n, 1);
             epipe_codec *c;
             if (epipe_codec_create(&c, fuzz_specs[s]) != EPIPE_OK)
                 return 1;
@@ -344,11 +344,7 @@ int main(int argc, char **argv)
         for (int i = 0; i < 768; i++) /* rows 8x apart in scale */
             x[i] = sinf((float)i * 0.7f) * (float)(1 << (i / 192 * 3));
         int64_t shape[2] = {4, 192};
-        DLTensor t = {.data = x,
-                      .device = {kDLCPU, 0},
-                      .ndim = 2,
-                      .dtype = {kDLFloat, 32, 1},
-                      .shape = shape};
+        DLTensor t = f32_view(x, shape, 2);
         epipe_codec *c;
         uint8_t buf[4096];
         size_t len;
