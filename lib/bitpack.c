@@ -345,7 +345,15 @@ static __attribute__((target("avx2"))) int lut_avx2(const uint8_t *in, size_t g,
 void epipe_bitunpack_lut(const uint8_t *in, size_t n, unsigned w, const float *lut, float *y)
 {
     if (w == 8) {
-        for (size_t i = 0; i < n; i++)
+        /* Eight codes from one load: the one-byte loop ran at 1.8-2.9 Gvals/s
+         * depending on where the linker placed it; this one does not. */
+        size_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            uint64_t v = load_le(in + i, 8);
+            for (unsigned k = 0; k < 8; k++)
+                y[i + k] = lut[v >> (8 * k) & 0xff];
+        }
+        for (; i < n; i++)
             y[i] = lut[in[i]];
         return;
     }
