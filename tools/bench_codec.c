@@ -22,19 +22,23 @@ struct opts {
     int64_t shape[8];
     int ndim;
     const char *dist;
-    int threads, reps, json, ref, gemm;
+    int threads, reps, json, ref, gemm, fresh;
 };
 
 static void usage(FILE *f)
 {
     fprintf(f, "usage: epipe-bench codec SPEC [SPEC...] [--shape 32,32,112,112]\n"
                "       [--dist normal|relu|lognormal|uniform] [--threads N] [--reps R]\n"
-               "       [--no-ref] [--gemm] [--json] [--device cpu|cuda] [--payload device|host]\n\n"
+               "       [--no-ref] [--gemm] [--fresh] [--json] [--device cpu|cuda]\n"
+               "       [--payload device|host]\n\n"
                "Times encode and decode of one tensor (best of R runs, default 5) beside a\n"
                "single-threaded memcpy of the same bytes, and the codec's scalar reference\n"
                "(once; --no-ref skips it). --threads sets EPIPE_CODEC_THREADS (0 = auto).\n"
                "--gemm, for trainable codecs (insert): also time plain cblas_sgemm calls of\n"
                "the same matrix shapes on operands of the same size, and give GFLOP/s.\n"
+               "--fresh: also time encode into a payload buffer, and decode into a tensor,\n"
+               "allocated (malloc) before each call and freed after it, as a host that\n"
+               "allocates per call pays (the Python binding's encode() to bytes).\n"
                "--device cuda runs epipe-bench-cuda (built with -Dcuda; found beside this\n"
                "program, in ../cuda/ of a build tree, or at $EPIPE_BENCH_CUDA) on a CUDA\n"
                "tensor of the --shape's size, against a device-to-device copy; it takes\n"
@@ -185,6 +189,28 @@ static int do_decode(void *p)
     return epipe_codec_decode(r->codec, r->buf, r->len, r->dst);
 }
 
+/* --fresh: the same calls on memory allocated for each call, so the page
+ * faults of first touch are paid each time, as by a host that allocates. */
+static int do_encode_fresh(void *p)
+{
+    struct run *r = p;
+    uint8_t *out = malloc(r->cap);
+    size_t len;
+    int rc = out ? epipe_codec_encode(r->codec, r->src, out, r->cap, &len) : EPIPE_ENOMEM;
+    free(out);
+    return rc;
+}
+
+static int do_decode_fresh(void *p)
+{
+    struct run *r = p;
+    DLTensor t = *r->dst;
+    t.data = malloc(r->bytes);
+    int rc = t.data ? epipe_codec_decode(r->codec, r->buf, r->len, &t) : EPIPE_ENOMEM;
+    free(t.data);
+    return rc;
+}
+
 /* The GEMMs an insert encode or decode performs, as plain BLAS calls on
  * operands of the same sizes: batch calls of (M x Kd) . (Kd x N). */
 struct gemm_ref {
@@ -296,6 +322,11 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
     double t_copy = best_of(o->reps, do_memcpy, &r, &rc);
     double t_enc = best_of(o->reps, do_encode, &r, &rc);
     double t_dec = rc ? NAN : best_of(o->reps, do_decode, &r, &rc);
+    double t_fenc = NAN, t_fdec = NAN;
+    if (!rc && o->fresh) { /* r.buf keeps the last payload: the fresh encodes write elsewhere */
+        t_fenc = best_of(o->reps, do_encode_fresh, &r, &rc);
+        t_fdec = rc ? NAN : best_of(o->reps, do_decode_fresh, &r, &rc);
+    }
     if (rc) {
         fprintf(stderr, "epipe-bench: %s: %s\n", spec, epipe_codec_last_error(c));
         free(r.buf);
@@ -376,6 +407,9 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
             printf(", \"ref_encode_mvals\": %.2f, \"ref_decode_mvals\": %.2f, "
                    "\"ref_max_rel_diff\": %.3g",
                    mv / t_ref_enc, mv / t_ref_dec, ref_diff);
+        if (o->fresh)
+            printf(", \"fresh_encode_mvals\": %.1f, \"fresh_decode_mvals\": %.1f", mv / t_fenc,
+                   mv / t_fdec);
         if (!isnan(gflop))
             printf(", \"encode_gflops\": %.2f, \"decode_gflops\": %.2f, "
                    "\"gemm_encode_gflops\": %.2f, \"gemm_decode_gflops\": %.2f, "
@@ -388,6 +422,9 @@ static int bench_one(const char *spec, const struct opts *o, float *x, float *y,
         printf("  memcpy   %9.1f Mvals/s\n", copy);
         printf("  encode   %9.1f Mvals/s  %.3fx memcpy\n", enc, enc / copy);
         printf("  decode   %9.1f Mvals/s  %.3fx memcpy\n", dec, dec / copy);
+        if (o->fresh)
+            printf("  fresh    encode %.1f, decode %.1f Mvals/s (memory allocated each call)\n",
+                   mv / t_fenc, mv / t_fdec);
         if (identical >= 0)
             printf("  reference encode %.1f, decode %.1f Mvals/s; bytes %s the fast path's\n",
                    mv / t_ref_enc, mv / t_ref_dec, identical ? "identical to" : "DIFFER from");
@@ -422,6 +459,7 @@ int bench_codec_main(int argc, char **argv)
     enum {
         O_JSON = 256,
         O_GEMM,
+        O_FRESH,
         O_NO_REF,
         O_SHAPE,
         O_DIST,
@@ -436,6 +474,7 @@ int bench_codec_main(int argc, char **argv)
         {"help", no_argument, NULL, 'h'},
         {"json", no_argument, NULL, O_JSON},
         {"gemm", no_argument, NULL, O_GEMM},
+        {"fresh", no_argument, NULL, O_FRESH},
         {"no-ref", no_argument, NULL, O_NO_REF},
         {"shape", required_argument, NULL, O_SHAPE},
         {"dist", required_argument, NULL, O_DIST},
@@ -453,6 +492,7 @@ int bench_codec_main(int argc, char **argv)
         case 'h': usage(stdout); return 0;
         case O_JSON: o.json = 1; break;
         case O_GEMM: o.gemm = 1; break;
+        case O_FRESH: o.fresh = 1; break;
         case O_NO_REF: o.ref = 0; break;
         case O_SHAPE:
             if (parse_shape(optarg, &o)) {
