@@ -69,3 +69,22 @@ class Buffer:
         if self.held:
             _release_buffer(ctypes.byref(self.view))
             self.held = False
+
+
+_bytes_new = ctypes.pythonapi.PyBytes_FromStringAndSize
+_bytes_new.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t]
+_bytes_new.restype = ctypes.py_object
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.argtypes = [ctypes.py_object]
+_bytes_address.restype = ctypes.c_void_p
+
+
+def new_bytes(size):
+    """(b, address): a new bytes object of `size` bytes, not yet written,
+    and the address of its bytes. The C API lets the creator of such an
+    object fill it before anyone else holds it (what
+    PyBytes_FromStringAndSize(NULL, n) is for), so a payload is encoded
+    straight into the bytes that Codec.encode() returns, with no copy and
+    no zero-filling pass."""
+    b = _bytes_new(None, size)
+    return b, _bytes_address(b)

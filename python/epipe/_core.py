@@ -5,7 +5,7 @@ import weakref
 from collections import namedtuple
 
 from . import _abi, _lib
-from ._buffer import Buffer
+from ._buffer import Buffer, new_bytes
 from ._lib import Error, check, lib
 from ._tensor import DLView, wrap_lent
 
@@ -119,6 +119,28 @@ class Codec(_Handle):
         """Clears the error-feedback residuals (spec key ef=1); a no-op without ef."""
         self._check(lib.epipe_codec_reset_feedback(self._handle()), "epipe_codec_reset_feedback")
 
+    def set_samples(self, ids, rows=None):
+        """For a codec with delta=1 (experimental; codec.h,
+        epipe_codec_set_samples): names the rows (dimension 0) of the tensor
+        the next encode() takes, `ids` a sequence of distinct non-negative
+        integers, one per row. ids=None with `rows` (the row count) makes
+        those rows untracked (evaluation passes): their values, not their
+        changes, go through the codec, and neither side keeps them. The
+        next encode consumes them, so set them before every encode; the
+        decoder needs nothing (the ids travel in the payload)."""
+        if ids is None:
+            if rows is None:
+                raise TypeError("set_samples(None) needs rows=, the tensor's row count")
+            self._check(lib.epipe_codec_set_samples(self._handle(), None, int(rows)),
+                        "epipe_codec_set_samples")
+            return
+        ids = [int(i) for i in ids]
+        if any(i < 0 for i in ids):
+            raise ValueError("set_samples: sample ids must be non-negative integers")
+        arr = (ctypes.c_uint64 * max(1, len(ids)))(*ids)
+        self._check(lib.epipe_codec_set_samples(self._handle(), arr, len(ids)),
+                    "epipe_codec_set_samples")
+
     def max_encoded_size(self, tensor):
         v = DLView(tensor)
         n = ctypes.c_size_t()
@@ -164,9 +186,12 @@ class Codec(_Handle):
         memory, which makes the call wait); a non-finite value surfaces at
         synchronize().
 
-        Without `out`: returns the payload as a new ``bytes`` (one copy of
-        the payload out of the codec's reused buffer; use `out` or
-        encode_view() on hot paths). With `out` (a writable bytearray,
+        Without `out`: returns the payload as a new ``bytes``, encoded
+        straight into it when the codec knows the payload's size in advance
+        (none, cast, quant, sortquant: max_encoded_size() is exact), else
+        with one copy of the written prefix. Its pages are new memory, which
+        costs the first touch of each; use `out` or encode_view() on hot
+        paths. With `out` (a writable bytearray,
         memoryview, NumPy array or contiguous CPU uint8 torch tensor of at
         least max_encoded_size(tensor) bytes): the payload is written into
         it and a memoryview of the written prefix is returned; nothing is
@@ -180,13 +205,15 @@ class Codec(_Handle):
 
                 out = torch.empty(self.max_encoded_size(tensor), dtype=torch.uint8,
                                   device=tensor.device)
-        if out is None:
-            return bytes(self.encode_view(tensor))
         v = DLView(tensor)
         h = self._handle()
         cap = ctypes.c_size_t()
         self._check(lib.epipe_codec_max_encoded_size(h, v.ptr, ctypes.byref(cap)),
                     "epipe_codec_max_encoded_size")
+        if out is None:
+            b, addr = new_bytes(max(cap.value, 1))
+            n = self._encode_at(v, h, addr, len(b))
+            return b if n == len(b) else b[:n]
         with Buffer(out, True) as (addr, size):
             if size < cap.value:
                 raise Error(_C["EPIPE_ENOSPC"],

@@ -327,6 +327,7 @@ _PROTOS = {
     "epipe_codec_param_bounds": (_int, [_cs, _cs, ctypes.POINTER(ctypes.c_double),
                                         ctypes.POINTER(ctypes.c_double)]),
     "epipe_codec_reset_feedback": (_int, [_vp]),
+    "epipe_codec_set_samples": (_int, [_vp, ctypes.POINTER(ctypes.c_uint64), _sz]),
     "epipe_codec_max_encoded_size": (_int, [_vp, _dlp, ctypes.POINTER(_sz)]),
     "epipe_codec_encode": (_int, [_vp, _dlp, _vp, _sz, ctypes.POINTER(_sz)]),
     "epipe_codec_decode": (_int, [_vp, _vp, _sz, _dlp]),

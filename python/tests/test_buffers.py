@@ -31,6 +31,46 @@ def test_encode_into_out_gives_the_same_bytes(spec):
     assert bytes(out[:len(ref)]) == ref
 
 
+@pytest.mark.parametrize("spec", SPECS + ["topk:ratio=0.1", "kmeans:bits=4", "quant:bits=3"])
+def test_encode_returns_bytes_of_the_payload_size(spec):
+    # encoded straight into the bytes it returns (every codec here fills
+    # max_encoded_size exactly): a real immutable bytes, equal to
+    # encode_view's payload
+    x = _x()
+    c = epipe.Codec(spec)
+    p = c.encode(x)
+    assert type(p) is bytes
+    assert p == bytes(c.encode_view(x))
+    assert len(p) <= c.max_encoded_size(x)
+    assert c.encode(x) == p  # a second call gives a new, equal object
+    torch.testing.assert_close(c.decode(p, shape=x.shape), c.decode(c.encode_view(x),
+                                                                    shape=x.shape))
+
+
+def test_encode_trims_a_payload_shorter_than_its_bound():
+    # a delta=1 codec's bound is the raw first sighting; a row seen before
+    # travels as a 2-bit delta, so the bytes returned are the written prefix
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(5))
+    c, d = epipe.Codec("quant:bits=2,delta=1"), epipe.Codec("quant:bits=2,delta=1")
+    for step in range(2):
+        c.set_samples([10, 11, 12, 13])
+        p = c.encode(x + 0.01 * step)
+        assert type(p) is bytes
+        y = d.decode(p, shape=x.shape)
+    assert len(p) < c.max_encoded_size(x) // 4
+    assert (y - (x + 0.01)).abs().max() < 0.01
+    c.set_samples(None, rows=4)  # untracked: values, not changes, through the codec
+    plain = epipe.Codec("quant:bits=2,zero=1")
+    assert torch.equal(d.decode(c.encode(x), shape=x.shape),
+                       plain.decode(plain.encode(x), shape=x.shape))
+    with pytest.raises(TypeError):
+        c.set_samples(None)
+    with pytest.raises(ValueError):
+        c.set_samples([1, -2, 3, 4])
+    with pytest.raises(epipe.Error):
+        epipe.Codec("quant:bits=2").set_samples([1, 2, 3, 4])
+
+
 @pytest.mark.parametrize("kind", ["memoryview", "uint8 tensor"])
 def test_encode_into_other_buffers(kind):
     x = _x()
