@@ -35,6 +35,7 @@ struct epipe_cuda_handle {
     epipe_cuda_buf stage;      /* fp32 view of a fp16/bf16 tensor */
     epipe_cuda_buf body;       /* the body before it is copied out */
     epipe_cuda_buf work[3];    /* per-codec work arrays */
+    epipe_cuda_buf ef_work;    /* ef=1: x + r, the tensor encoded */
     void *host;                /* per-codec host scratch (malloc) */
     size_t host_cap;
     /* The call's payload, when it is device memory: the kernels read and

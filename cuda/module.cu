@@ -391,6 +391,78 @@ static void *tensor_ptr(const DLTensor *t)
     return (char *)t->data + t->byte_offset;
 }
 
+/* ---- error feedback (ef=1) ------------------------------------------------- */
+
+/* w = x + r; a sum that is not finite goes to the status, as a codec's
+ * kernels note an input value. */
+__global__ void ef_sum_kernel(const float *x, const float *r, uint64_t n, float *w,
+                              epipe_cuda_status *st)
+{
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        float v = x[i] + r[i];
+        w[i] = v;
+        if (!epipe_hd_finite(v))
+            epipe_cuda_note_nonfinite(st, v, i);
+    }
+}
+
+/* r = w - y, y the decoded payload (in r): the residual. */
+__global__ void ef_residual_kernel(const float *w, uint64_t n, float *r)
+{
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x)
+        r[i] = w[i] - r[i];
+}
+
+static int cuda_synchronize(epipe_codec *c);
+
+/* What the CPU's ef.c does, on the device and with the same arithmetic
+ * (one fp32 add, one subtract), so the payloads stay the CPU's byte for
+ * byte: encode x + r, decode the payload with the codec's own kernels,
+ * keep x + r - decoded. The decoders check the tables on the host, which
+ * the encode kernels wrote on the device, so an ef=1 encode waits for its
+ * stream once, in the middle; a value that is not finite is reported
+ * there, at once, as on the CPU, and leaves the residual as it was. */
+static int ef_encode(epipe_codec *c, const epipe_codec_backend *be, const float *x, uint64_t n,
+                     enum epipe_dtype dt, const uint8_t *payload, size_t len, int on_device,
+                     uint8_t *body)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    cudaStream_t s = epipe_cuda_stream(c);
+    float *r = NULL;
+    void *w = NULL;
+    int fresh = 0;
+    int rc = epipe_cuda_core_fns->ef_slot(c, h->device, n, dt, &r, &fresh);
+    if (rc || (rc = epipe_cuda_grow(c, &h->ef_work, (n ? n : 1) * sizeof(float), &w)))
+        return rc;
+    if (fresh && (rc = epipe_cuda_check(c, cudaMemsetAsync(r, 0, (n ? n : 1) * sizeof(float), s),
+                                        "clearing a new residual")))
+        return rc;
+    if (n) {
+        ef_sum_kernel<<<epipe_cuda_blocks(n, 256), 256, 0, s>>>(x, r, n, (float *)w, h->status);
+        if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the ef sum kernel")))
+            return rc;
+    }
+    if ((rc = be->encode(c, (const float *)w, (size_t)n, body)) || (rc = cuda_synchronize(c)))
+        return rc;
+    if (on_device) { /* the tables the decoder reads on the host */
+        uint8_t hdr[EPIPE_PAYLOAD_HEADER];
+        if ((rc = fetch_host_bytes(c, payload, len, n, hdr)))
+            return rc;
+        h->peeked = NULL;
+        body = h->mirror;
+    }
+    if ((rc = be->decode(c, body, (size_t)n, r))) {
+        cudaMemsetAsync(r, 0, (n ? n : 1) * sizeof(float), s);
+        return rc;
+    }
+    if (!n)
+        return EPIPE_OK;
+    ef_residual_kernel<<<epipe_cuda_blocks(n, 256), 256, 0, s>>>((const float *)w, n, r);
+    return epipe_cuda_check(c, cudaGetLastError(), "launching the ef residual kernel");
+}
+
 static int encode_on(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src, uint64_t n,
                      enum epipe_dtype dt, uint8_t *payload, const uint8_t *hdr, size_t len)
 {
@@ -421,6 +493,8 @@ static int encode_on(epipe_codec *c, const epipe_codec_backend *be, const DLTens
             return rc;
         x = (const float *)p;
     }
+    if (c->ef)
+        return ef_encode(c, be, x, n, dt, payload, len, on_device, body);
     return be->encode(c, x, (size_t)n, body);
 }
 
@@ -544,6 +618,7 @@ static void cuda_release(epipe_codec *c)
     cudaFree(h->body.p);
     for (int i = 0; i < 3; i++)
         cudaFree(h->work[i].p);
+    cudaFree(h->ef_work.p);
     free(h->host);
     free(h->mirror);
     if (h->pinned)

@@ -31,12 +31,18 @@ int epipe_codec_param_index(const epipe_codec_ops *ops, const char *key);
  * the tensor's dtype or shape (c->shape) changed) into body, decodes it
  * back with the codec's own decoder and keeps x + r - decoded as the new
  * r. On failure the residual is left as it was (or cleared if the decode
- * failed). Only the CPU backend. */
+ * failed). The CPU backend; the CUDA module does the same on the device
+ * with the slots of epipe_codec_ef_slot_cuda() (cuda_api.h). */
 #define EPIPE_CODEC_EF_MAX_SLOTS 4096
 int epipe_codec_ef_encode(epipe_codec *c, const epipe_codec_backend *be, const float *x, uint64_t n,
                           enum epipe_dtype dt, uint8_t *body);
 /* Frees every residual slot (epipe_codec_destroy, epipe_codec_reset_feedback). */
 void epipe_codec_ef_release(epipe_codec *c);
+/* The residual of c->microbatch's slot for n values of dt, in memory of
+ * CUDA device `device`: *fresh = 1 when the slot is new or starts over
+ * (the caller zeroes it, on its stream). */
+int epipe_codec_ef_slot_cuda(epipe_codec *c, int device, uint64_t n, enum epipe_dtype dt, float **r,
+                             int *fresh);
 
 /* delta*.c: activation deltas for a handle whose spec has delta=1 (AQ-SGD,
  * docs/codecs.md "Activation deltas"). parse: 1 if key is not a delta key,

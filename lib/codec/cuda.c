@@ -31,6 +31,7 @@ static const epipe_cuda_core core_fns = {
     .vfail = core_vfail,
     .sq_fit_encode = epipe_sq_fit_cuda_encode,
     .sq_fit_decode = epipe_sq_fit_cuda_decode,
+    .ef_slot = epipe_codec_ef_slot_cuda,
 };
 
 /* One module per process: the path it came from and its table. A failed
@@ -170,11 +171,6 @@ int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what
                                 "%s is a CUDA tensor, and the CUDA backend has no kernels for "
                                 "codec '%s' yet",
                                 what, c->ops->name);
-    if (c->ef)
-        return epipe_codec_fail(c, EPIPE_ENOTSUP,
-                                "%s is a CUDA tensor; error feedback (ef=1) runs on the CPU "
-                                "backend only",
-                                what);
     if (c->delta)
         return epipe_codec_fail(c, EPIPE_ENOTSUP,
                                 "%s is a CUDA tensor; activation deltas (delta=1) run on the "

@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 4
+#define EPIPE_CUDA_ABI 5
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
@@ -49,6 +49,11 @@ typedef struct epipe_cuda_core {
      * after the codes, the codes' tail bits) with its messages; *t the
      * table the decode kernel needs. */
     int (*sq_fit_decode)(epipe_codec *c, const uint8_t *body, size_t n, struct epipe_cuda_qtab *t);
+    /* ef=1: the residual (device memory on `device`, n values) of the
+     * slot of c->microbatch, kept by the core; *fresh = 1 when it is new
+     * or starts over (a new shape or dtype), for the module to zero. */
+    int (*ef_slot)(epipe_codec *c, int device, uint64_t n, enum epipe_dtype dt, float **r,
+                   int *fresh);
 } epipe_cuda_core;
 
 /* What the module gives the core. Every function runs on the caller's

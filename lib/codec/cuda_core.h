@@ -8,7 +8,7 @@
 
 /* The backend of the CUDA module for c's codec, loading the module on first
  * use: EPIPE_ENOTSUP naming what is missing (no module, no driver, no
- * device, no kernels for the codec, ef=1). */
+ * device, no kernels for the codec, delta=1, a setting the kernels lack). */
 int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what,
                              const epipe_codec_backend **be);
 /* The loaded module's table for ops, or NULL (loads nothing). */

@@ -1,16 +1,21 @@
 /* Error feedback (the core-level spec key ef=1): per micro-batch slot, the
- * residual of the last encode, added to the next input before encoding. */
+ * residual of the last encode, added to the next input before encoding.
+ * The slots live here for both backends; a CUDA handle's residuals are
+ * device memory, which the CUDA module fills (cuda/module.cu). */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
+#include "cuda_core.h"
 
 /* One residual: the error left by the last encode of this slot, for a
  * tensor of this dtype and shape (any change starts the slot over). */
 typedef struct ef_slot {
     int64_t key; /* EPIPE_CODEC_MICROBATCH; -1 is a slot of its own */
     float *r;
+    int device; /* -1: r is host memory; else the CUDA device it is on */
     uint64_t n;
     enum epipe_dtype dt;
     int ndim;
@@ -30,16 +35,20 @@ void epipe_codec_ef_release(epipe_codec *c)
     if (!e)
         return;
     for (unsigned i = 0; i < e->nslots; i++)
-        free(e->slots[i].r);
+        if (e->slots[i].device < 0)
+            free(e->slots[i].r);
+        else /* cudaFree: it waits for the work queued on the device */
+            epipe_cuda_dev_free(e->slots[i].r);
     free(e->slots);
     free(e->work);
     free(e);
     c->ef_state = NULL;
 }
 
-static int same_shape(const ef_slot *s, const epipe_codec *c, uint64_t n, enum epipe_dtype dt)
+static int same_shape(const ef_slot *s, const epipe_codec *c, uint64_t n, enum epipe_dtype dt,
+                      int device)
 {
-    if (!s->r || s->n != n || s->dt != dt || s->ndim != c->ndim)
+    if (!s->r || s->device != device || s->n != n || s->dt != dt || s->ndim != c->ndim)
         return 0;
     for (int d = 0; d < c->ndim; d++)
         if (s->shape[d] != c->shape[d])
@@ -47,9 +56,34 @@ static int same_shape(const ef_slot *s, const epipe_codec *c, uint64_t n, enum e
     return 1;
 }
 
-/* The slot of the current micro-batch, zeroed when new or when the tensor
- * changed shape or dtype since its last encode. */
-static int slot_for(epipe_codec *c, uint64_t n, enum epipe_dtype dt, ef_slot **out)
+/* n residual values (at least one) in host memory (device -1) or on a
+ * CUDA device. */
+static int residual_alloc(epipe_codec *c, uint64_t n, int device, float **r)
+{
+    size_t bytes = (n ? n : 1) * sizeof **r;
+    if (device < 0) {
+        if (!(*r = malloc(bytes)))
+            return epipe_codec_fail(c, EPIPE_ENOMEM,
+                                    "%s: ef: no memory for a residual of %llu values", c->ops->name,
+                                    (unsigned long long)n);
+        return EPIPE_OK;
+    }
+    char why[300];
+    void *p = NULL;
+    int rc = epipe_cuda_dev_alloc(device, bytes, &p, why, sizeof why);
+    if (rc)
+        return epipe_codec_fail(c, rc, "%s: ef: a residual of %llu values: %s", c->ops->name,
+                                (unsigned long long)n, why);
+    *r = p;
+    return EPIPE_OK;
+}
+
+/* The slot of the current micro-batch, new (*fresh = 1) when it did not
+ * exist or the tensor changed shape, dtype or device since its last
+ * encode: zeroed here in host memory; a device residual is the caller's
+ * to zero. */
+static int slot_for(epipe_codec *c, uint64_t n, enum epipe_dtype dt, int device, ef_slot **out,
+                    int *fresh)
 {
     struct epipe_codec_ef *e = c->ef_state;
     if (!e) {
@@ -78,23 +112,39 @@ static int slot_for(epipe_codec *c, uint64_t n, enum epipe_dtype dt, ef_slot **o
         s = &e->slots[e->nslots++];
         memset(s, 0, sizeof *s);
         s->key = c->microbatch;
+        s->device = -1;
     }
-    if (!same_shape(s, c, n, dt)) {
-        if (s->n != n || !s->r) {
-            free(s->r);
-            s->r = NULL, s->n = 0;
-            if (n && !(s->r = malloc(n * sizeof *s->r)))
-                return epipe_codec_fail(c, EPIPE_ENOMEM,
-                                        "%s: ef: no memory for a residual of %llu values",
-                                        c->ops->name, (unsigned long long)n);
-            if (!n && !(s->r = malloc(sizeof *s->r)))
-                return epipe_codec_fail(c, EPIPE_ENOMEM, "%s: ef: out of memory", c->ops->name);
+    *fresh = 0;
+    if (!same_shape(s, c, n, dt, device)) {
+        if (s->n != n || !s->r || s->device != device) {
+            if (s->device < 0)
+                free(s->r);
+            else
+                epipe_cuda_dev_free(s->r);
+            s->r = NULL, s->n = 0, s->device = -1;
+            int rc = residual_alloc(c, n, device, &s->r);
+            if (rc)
+                return rc;
+            s->device = device;
         }
-        memset(s->r, 0, (n ? n : 1) * sizeof *s->r);
+        if (device < 0)
+            memset(s->r, 0, (n ? n : 1) * sizeof *s->r);
         s->n = n, s->dt = dt, s->ndim = c->ndim;
         memcpy(s->shape, c->shape, sizeof(int64_t) * (size_t)c->ndim);
+        *fresh = 1;
     }
     *out = s;
+    return EPIPE_OK;
+}
+
+int epipe_codec_ef_slot_cuda(epipe_codec *c, int device, uint64_t n, enum epipe_dtype dt, float **r,
+                             int *fresh)
+{
+    ef_slot *s = NULL;
+    int rc = slot_for(c, n, dt, device, &s, fresh);
+    if (rc)
+        return rc;
+    *r = s->r;
     return EPIPE_OK;
 }
 
@@ -105,7 +155,7 @@ int epipe_codec_ef_encode(epipe_codec *c, const epipe_codec_backend *be, const f
         return epipe_codec_fail(c, EPIPE_ENOTSUP, "%s: ef=1 runs on the CPU backend only",
                                 c->ops->name);
     ef_slot *s = NULL;
-    int rc = slot_for(c, n, dt, &s);
+    int fresh, rc = slot_for(c, n, dt, -1, &s, &fresh);
     if (rc)
         return rc;
     struct epipe_codec_ef *e = c->ef_state;

@@ -265,6 +265,87 @@ static void half_tensors(const char *spec, int bf16)
     cudaFree(d);
 }
 
+/* ef=1 on the GPU keeps the CPU's residuals: over encodes of changing
+ * tensors in two micro-batch slots, with a payload in pinned or device
+ * memory, every payload equals the CPU's byte for byte (a residual one ulp
+ * off would change the next payload's codes); a new shape starts a slot
+ * over on both; a NaN is refused at the encode and leaves the residual as
+ * it was; reset_feedback clears the slots. */
+static void ef_matches_cpu(const char *spec, int device_payload)
+{
+    const size_t n = 70000, m = 3000; /* above and below quant's fused launch */
+    epipe_codec *cpu, *gpu;
+    CHECK(epipe_codec_create(&cpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    std::vector<float> x(n);
+    float *dx;
+    uint8_t *pg;
+    size_t cap = n * 4 + 4096;
+    std::vector<uint8_t> pc(cap), back(cap);
+    CUDA_OK(cudaMalloc((void **)&dx, n * 4));
+    if (device_payload)
+        CUDA_OK(cudaMalloc((void **)&pg, cap));
+    else
+        CUDA_OK(cudaHostAlloc((void **)&pg, cap, cudaHostAllocDefault));
+    const size_t sizes[] = {n, n, m, n, n, m, n};
+    const int64_t slots[] = {0, 1, 0, 0, 1, 0, 0};
+    for (int step = 0; step < 7; step++) {
+        size_t k = sizes[step];
+        fill(x, 100u + (unsigned)step);
+        if (step == 6) /* a NaN: refused at once on both, the residual kept */
+            x[4321] = NAN;
+        int64_t shape[1] = {(int64_t)k};
+        DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
+        DLTensor ds = tensor(kDLCUDA, dx, shape, 32, kDLFloat);
+        CUDA_OK(cudaMemcpy(dx, x.data(), k * 4, cudaMemcpyHostToDevice));
+        epipe_codec_set_param(cpu, EPIPE_CODEC_MICROBATCH, slots[step]);
+        epipe_codec_set_param(gpu, EPIPE_CODEC_MICROBATCH, slots[step]);
+        size_t wc = 0, wg = 0;
+        int rcc = epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc);
+        int rcg = epipe_codec_encode(gpu, &ds, pg, cap, &wg);
+        if (step == 6) {
+            CHECK(rcc == EPIPE_EINVAL && rcg == EPIPE_EINVAL, "%s: NaN: cpu %d, gpu %d (%s)", spec,
+                  rcc, rcg, epipe_codec_last_error(gpu));
+            CHECK(strstr(epipe_codec_last_error(gpu), "index 4321 is NaN") != NULL, "%s: '%s'",
+                  spec, epipe_codec_last_error(gpu));
+            x[4321] = 1.0f; /* the same step again, clean: the residual was kept */
+            CUDA_OK(cudaMemcpy(dx, x.data(), k * 4, cudaMemcpyHostToDevice));
+            rcc = epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc);
+            rcg = epipe_codec_encode(gpu, &ds, pg, cap, &wg);
+        }
+        CHECK(rcc == EPIPE_OK && rcg == EPIPE_OK, "%s step %d: cpu %d, gpu %d: %s", spec, step,
+              rcc, rcg, epipe_codec_last_error(gpu));
+        CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+        CUDA_OK(cudaMemcpy(back.data(), pg, wg, cudaMemcpyDefault));
+        CHECK(wc == wg && memcmp(pc.data(), back.data(), wc) == 0,
+              "%s step %d (%s payload): ef payloads differ from the CPU's", spec, step,
+              device_payload ? "device" : "pinned");
+    }
+    /* reset: both start from zero residuals, so the next payloads are
+     * plain encodes of x */
+    CHECK(epipe_codec_reset_feedback(gpu) == EPIPE_OK && epipe_codec_reset_feedback(cpu) == 0,
+          "reset");
+    int64_t shape[1] = {(int64_t)n};
+    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
+    DLTensor ds = tensor(kDLCUDA, dx, shape, 32, kDLFloat);
+    fill(x, 7u);
+    CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+    size_t wc = 0, wg = 0;
+    CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK &&
+              epipe_codec_encode(gpu, &ds, pg, cap, &wg) == EPIPE_OK &&
+              epipe_codec_synchronize(gpu) == EPIPE_OK,
+          "%s after reset: %s", spec, epipe_codec_last_error(gpu));
+    CUDA_OK(cudaMemcpy(back.data(), pg, wg, cudaMemcpyDefault));
+    CHECK(wc == wg && memcmp(pc.data(), back.data(), wc) == 0, "%s: differ after reset", spec);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+    cudaFree(dx);
+    if (device_payload)
+        cudaFree(pg);
+    else
+        cudaFreeHost(pg);
+}
+
 /* A NaN surfaces at synchronize with the CPU's message. */
 static void deferred_nonfinite(const char *spec)
 {
@@ -445,6 +526,14 @@ int main(void)
     deferred_nonfinite("sortquant:bits=8,mode=sample");
     deferred_nonfinite("sortquant:bits=8,mode=fit");
     deferred_nonfinite("sortquant:bits=8,mode=exact");
+    for (int dev = 0; dev < 2; dev++) {
+        ef_matches_cpu("quant:bits=2,ef=1", dev);
+        ef_matches_cpu("quant:bits=4,zero=1,ef=1", dev);
+        ef_matches_cpu("sortquant:bits=4,ef=1", dev);
+        ef_matches_cpu("sortquant:bits=2,mode=sample,ef=1", dev);
+        ef_matches_cpu("cast:dtype=bf16,ef=1", dev);
+        ef_matches_cpu("topk:ratio=0.05,ef=1", dev);
+    }
     {
         /* a codec without kernels is refused by name, synchronously */
         epipe_codec *g;
