@@ -20,6 +20,8 @@ prototype written here:
     py:qBrs   per sample, stochastic rounding (unbiased)
     py:qBrcK  per sample, the range clipped at K standard deviations
     py:kBr    per-sample Lloyd-Max (k-means) codebook, 2^B levels
+    py:kBs    one Lloyd-Max codebook for the tensor, its end levels moved to
+              the extremes, stochastic rounding between neighbours (unbiased)
     py:g2r    per-sample Gaussian Lloyd-Max levels (+-0.4528, +-1.510 sd)
     rot:C     codec C on the values rotated by a random-sign block Hadamard
               transform (blocks of 64 along each sample), rotated back
@@ -86,6 +88,27 @@ def kmeans_rows(t, bits, iters=8):
     return torch.gather(c, 1, a).reshape(t.shape)
 
 
+def kmeans_stochastic(t, bits, iters=8):
+    """Tensor-wide Lloyd-Max levels, the outer two moved to min and max so
+    that every value lies between two levels, then rounded to one of its
+    two neighbours with the probability that keeps its mean."""
+    x = t.reshape(-1)
+    k = 2 ** bits
+    c = torch.quantile(x[torch.randperm(x.numel())[:65536]],
+                       torch.tensor([(i + 0.5) / k for i in range(k)]))
+    for _ in range(iters):
+        a = torch.bucketize(x, (c[1:] + c[:-1]) / 2)
+        cnt = torch.bincount(a, minlength=k).float()
+        s = torch.zeros(k).index_add_(0, a, x)
+        c = torch.where(cnt > 0, s / cnt.clamp_min(1), c)
+    c, _ = torch.sort(c)
+    c[0], c[-1] = x.min(), x.max()
+    j = (torch.bucketize(x, c, right=True) - 1).clamp(0, k - 2)
+    lo, hi = c[j], c[j + 1]
+    p = ((x - lo) / (hi - lo).clamp_min(1e-30)).clamp(0, 1)
+    return torch.where(torch.rand_like(x) < p, hi, lo).reshape(t.shape)
+
+
 GAUSS2 = torch.tensor([-1.510, -0.4528, 0.4528, 1.510])
 
 
@@ -126,6 +149,8 @@ def prototype(name):
     kind, bits, rest = name[0], int(name[1]), name[2:]
     if kind == "k" and rest == "r":
         return lambda t: kmeans_rows(t.detach(), bits)
+    if kind == "k" and rest == "s":
+        return lambda t: kmeans_stochastic(t.detach(), bits)
     if kind == "q":
         clip = float(rest.split("c")[1]) if "c" in rest else None
         return lambda t: uniform(t.detach(), bits, "s" in rest, "r" in rest, clip)
