@@ -211,11 +211,6 @@ static int quant_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float
     return decode_ranges(c, quant_decode_one_ref, body, n, y);
 }
 
-static const char *quant_cpu_only(const epipe_codec *c)
-{
-    return c->p[QUANT_ROWS] ? "rows=1" : NULL;
-}
-
 static const epipe_codec_backend quant_cpu = {
     .encode = quant_encode,
     .decode = quant_decode,
@@ -232,6 +227,5 @@ const epipe_codec_ops epipe_codec_quant = {
     .param_word = quant_param_word,
     .body_size = quant_body_size,
     .release = quant_release,
-    .cpu_only = quant_cpu_only,
     .cpu = &quant_cpu,
 };

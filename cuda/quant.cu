@@ -164,6 +164,122 @@ __global__ void q_init(q_dev *t)
     t->hi = 0;
 }
 
+/* ---- rows=1: one range per row of dimension 0 ---------------------------------
+ * The body is each row's quant body in turn (size bytes each: min, step,
+ * the row's codes padded to a byte), as the CPU's encode_ranges writes it.
+ * Three launches whatever the row count: blockIdx.y walks the rows, and
+ * each row's blocks fold its extent into its own q_dev, as the one-range
+ * kernels do for the tensor. A value's index in the status is its index
+ * in the tensor, as the CPU names it. */
+
+__global__ void q_rows_init(q_dev *t, uint64_t rows)
+{
+    for (uint64_t r = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; r < rows;
+         r += (uint64_t)gridDim.x * blockDim.x) {
+        t[r].lo = 0xffffffffu;
+        t[r].hi = 0;
+    }
+}
+
+__global__ void q_rows_extent(const float *x, uint64_t rows, uint64_t len, int vec, q_dev *t,
+                              epipe_cuda_status *st)
+{
+    uint64_t groups = (len + 7) / 8;
+    for (uint64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float *xr = x + r * len;
+        uint32_t lo = 0xffffffffu, hi = 0;
+        for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
+             g += (uint64_t)gridDim.x * blockDim.x) {
+            float v[8];
+            epipe_cuda_load8f(xr, len, g, vec, v);
+            for (unsigned i = 0; i < 8 && g * 8 + i < len; i++) {
+                if (!epipe_hd_finite(v[i])) {
+                    epipe_cuda_note_nonfinite(st, v[i], r * len + g * 8 + i);
+                    continue;
+                }
+                uint32_t k = epipe_cuda_key(v[i]);
+                lo = k < lo ? k : lo;
+                hi = k > hi ? k : hi;
+            }
+        }
+        epipe_cuda_block_minmax(lo, hi);
+        if (threadIdx.x == 0 && lo <= hi) {
+            atomicMin(&t[r].lo, lo);
+            atomicMax(&t[r].hi, hi);
+        }
+    }
+}
+
+__global__ void q_rows_finalize(q_dev *t, uint64_t rows, float levels, int zero, uint8_t *body,
+                                uint64_t size)
+{
+    for (uint64_t r = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; r < rows;
+         r += (uint64_t)gridDim.x * blockDim.x) {
+        float min, step, inv;
+        table_of(t[r].lo, t[r].hi, levels, zero, &min, &step, &inv);
+        t[r].min = min;
+        t[r].step = step;
+        t[r].inv = inv;
+        put_f32(body + r * size, min);
+        put_f32(body + r * size + 4, step);
+    }
+}
+
+__global__ void q_rows_pack(const float *x, uint64_t rows, uint64_t len, int vec, const q_dev *t,
+                            float levels, unsigned w, uint8_t *body, uint64_t size, uint64_t cb)
+{
+    uint64_t groups = (len + 7) / 8;
+    for (uint64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float *xr = x + r * len;
+        float min = t[r].min, inv = t[r].inv;
+        uint8_t *codes = body + r * size + 8;
+        for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
+             g += (uint64_t)gridDim.x * blockDim.x) {
+            float v[8];
+            uint32_t c[8];
+            epipe_cuda_load8f(xr, len, g, vec, v);
+            for (unsigned i = 0; i < 8; i++)
+                c[i] = g * 8 + i < len ? epipe_hd_q_level(v[i], min, inv, levels) : 0u;
+            epipe_cuda_store_codes(c, w, g, codes, cb);
+        }
+    }
+}
+
+__device__ static float get_f32_dev(const uint8_t *p)
+{
+    return __uint_as_float((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                           (uint32_t)p[3] << 24);
+}
+
+/* Each row's table is read from the body on the device, after the host
+ * has checked every one of them. */
+__global__ void q_rows_decode(const uint8_t *body, uint64_t rows, uint64_t len, uint64_t size,
+                              unsigned w, uint64_t cb, int vec, float *y)
+{
+    uint64_t groups = (len + 7) / 8;
+    for (uint64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const uint8_t *b = body + r * size;
+        float min = get_f32_dev(b), step = get_f32_dev(b + 4);
+        for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
+             g += (uint64_t)gridDim.x * blockDim.x) {
+            uint32_t c[8];
+            float v[8];
+            epipe_cuda_load_codes(b + 8, cb, w, g, c);
+            for (unsigned i = 0; i < 8; i++)
+                v[i] = epipe_hd_q_value(min, step, c[i]);
+            epipe_cuda_store8f(y + r * len, len, g, vec, v);
+        }
+    }
+}
+
+/* The grid of a rows launch: up to 64 blocks along a row, the rows along
+ * y (at most 65535 at once; the kernels loop for more). */
+static dim3 rows_grid(uint64_t rows, uint64_t len)
+{
+    unsigned bx = epipe_cuda_blocks((len + 7) / 8, 256);
+    return dim3(bx < 64 ? bx : 64, (unsigned)(rows < 65535 ? rows : 65535));
+}
+
 /* From this many values on, encode takes the one cooperative launch (the
  * tests cover both paths: their tensors are on either side). */
 #define QUANT_FUSED_MIN (1u << 16)
@@ -193,8 +309,40 @@ static uint64_t code_bytes(uint64_t n, unsigned w)
     return (n * w + 7) / 8;
 }
 
+/* rows=1 with rows > 1 (else the one-range path, as on the CPU). */
+static int quant_encode_rows(epipe_codec *c, const float *x, uint64_t rows, uint64_t len,
+                             uint8_t *body)
+{
+    unsigned w = (unsigned)c->p[QUANT_BITS];
+    int zero = c->p[QUANT_ZERO] != 0;
+    float levels = (float)((1u << w) - 1u);
+    cudaStream_t s = epipe_cuda_stream(c);
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    uint64_t cb = code_bytes(len, w), size = 8 + cb;
+    void *d, *tw;
+    int rc;
+    if ((rc = epipe_cuda_body_out(c, 0, rows * size, &d)) ||
+        (rc = epipe_cuda_grow(c, &h->work[0], rows * sizeof(q_dev), &tw)))
+        return rc;
+    int vec = epipe_cuda_aligned16(x) && len % 4 == 0; /* every row's start aligned */
+    dim3 grid = rows_grid(rows, len);
+    unsigned rb = epipe_cuda_blocks(rows, 256);
+    q_rows_init<<<rb, 256, 0, s>>>((q_dev *)tw, rows);
+    q_rows_extent<<<grid, 256, 0, s>>>(x, rows, len, vec, (q_dev *)tw, h->status);
+    q_rows_finalize<<<rb, 256, 0, s>>>((q_dev *)tw, rows, levels, zero, (uint8_t *)d, size);
+    q_rows_pack<<<grid, 256, 0, s>>>(x, rows, len, vec, (const q_dev *)tw, levels, w,
+                                     (uint8_t *)d, size, cb);
+    if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the quant rows kernels")))
+        return rc;
+    return epipe_cuda_body_flush(c, body, 0, d, rows * size);
+}
+
 static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
+    uint64_t rows, len;
+    epipe_codec_rows(c, n, c->p[QUANT_ROWS] != 0, &rows, &len);
+    if (rows > 1)
+        return quant_encode_rows(c, x, rows, len, body);
     unsigned w = (unsigned)c->p[QUANT_BITS];
     int zero = c->p[QUANT_ZERO] != 0;
     float levels = (float)((1u << w) - 1u);
@@ -242,9 +390,9 @@ static float get_f32(const uint8_t *p)
     return epipe_hd_u2f(u);
 }
 
-/* The table and the padding bits are host memory: checked here, at once,
+/* One range's table and the padding bits of its len codes (host memory),
  * with the CPU decoder's statuses and messages (quantize_common.c). */
-static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+static int check_range(epipe_codec *c, const uint8_t *body, uint64_t len)
 {
     unsigned w = (unsigned)c->p[QUANT_BITS];
     float levels = (float)((1u << w) - 1u);
@@ -263,16 +411,38 @@ static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
                                "%s: chunk %u of %u (min %g, step %g) decodes past the float range",
                                name, 0u, 1u, (double)min, (double)step);
     }
-    uint64_t cb = code_bytes(n, w);
-    unsigned used = (unsigned)(n * w % 8);
+    uint64_t cb = code_bytes(len, w);
+    unsigned used = (unsigned)(len * w % 8);
     if (used && (body[8 + cb - 1] >> used))
         return epipe_cuda_fail(c, EPIPE_EPROTO, "%s: padding bits after the last code are not zero",
                                name);
+    return EPIPE_OK;
+}
+
+/* The tables and the padding bits are host memory: checked here, at once,
+ * row after row as the CPU does, before any kernel runs. */
+static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    unsigned w = (unsigned)c->p[QUANT_BITS];
+    uint64_t rows, len;
+    epipe_codec_rows(c, n, c->p[QUANT_ROWS] != 0, &rows, &len);
+    uint64_t cb = code_bytes(len, w), size = 8 + cb;
+    int rc;
+    for (uint64_t r = 0; r < rows; r++)
+        if ((rc = check_range(c, body + r * size, len)))
+            return rc;
     if (!n)
         return EPIPE_OK;
     cudaStream_t s = epipe_cuda_stream(c);
     const void *d;
-    int rc;
+    if (rows > 1) {
+        if ((rc = epipe_cuda_body_in(c, body, 0, rows * size, &d)))
+            return rc;
+        q_rows_decode<<<rows_grid(rows, len), 256, 0, s>>>(
+            (const uint8_t *)d, rows, len, size, w, cb, epipe_cuda_aligned16(y) && len % 4 == 0, y);
+        return epipe_cuda_check(c, cudaGetLastError(), "launching the quant rows decode kernel");
+    }
+    float min = get_f32(body), step = get_f32(body + 4);
     if ((rc = epipe_cuda_body_in(c, body, 8, cb, &d)))
         return rc;
     q_decode<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, 0, s>>>((const uint8_t *)d, n, min, step,

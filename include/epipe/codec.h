@@ -31,7 +31,7 @@ typedef struct epipe_codec epipe_codec;
  *                                      format); rows=1: one min/max per
  *                                      row of dimension 0 (per sample) of
  *                                      a tensor of 2 or more dimensions
- *                                      (another format; CPU only)
+ *                                      (another format)
  *   sortquant:bits=B[,split=S][,mode=fit|sample|exact][,sample=N][,zero=1]
  *                                      sort quantization, B in 2..16; mode
  *                                      defaults to fit (MSE-fitted chunks,

@@ -140,9 +140,6 @@ typedef struct epipe_codec_ops {
     unsigned (*ntensors)(const epipe_codec *c);
     /* Optional: frees codec->state (and whatever a backend allocated). */
     void (*release)(epipe_codec *c);
-    /* Optional: the setting of this codec's spec that runs on the CPU
-     * backend only ("rows=1"), or NULL when the CUDA kernels cover it. */
-    const char *(*cpu_only)(const epipe_codec *c);
     /* The CPU backend, for CPU tensors (kDLCPU, kDLCUDAHost); NULL when
      * this build cannot run the codec. Backends for other devices are not
      * fields here: the CUDA backend will live in a module loaded at run

@@ -176,11 +176,6 @@ int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what
                                 "%s is a CUDA tensor; activation deltas (delta=1) run on the "
                                 "CPU backend only",
                                 what);
-    const char *setting = c->ops->cpu_only ? c->ops->cpu_only(c) : NULL;
-    if (setting)
-        return epipe_codec_fail(c, EPIPE_ENOTSUP,
-                                "%s is a CUDA tensor; %s:%s runs on the CPU backend only", what,
-                                c->ops->name, setting);
     return EPIPE_OK;
 }
 
