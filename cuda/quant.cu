@@ -69,11 +69,12 @@ __global__ void q_finalize(q_dev *t, float levels, int zero, uint8_t *body)
     put_f32(body + 4, step);
 }
 
-/* One thread per 8 codes: level, pack, w bytes out (fewer for the last). */
-__global__ void q_code_pack(const float *x, uint64_t n, int vec, const q_dev *t, float levels,
-                            unsigned w, uint8_t *codes, uint64_t code_bytes)
+/* One thread per 8 codes of one range, grid-stride along x: level,
+ * pack, w bytes out (fewer for the last). */
+__device__ static void code_pack_range(const float *x, uint64_t n, int vec, float min, float inv,
+                                       float levels, unsigned w, uint8_t *codes,
+                                       uint64_t code_bytes)
 {
-    float min = t->min, inv = t->inv;
     uint64_t groups = (n + 7) / 8;
     for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
          g += (uint64_t)gridDim.x * blockDim.x) {
@@ -84,6 +85,12 @@ __global__ void q_code_pack(const float *x, uint64_t n, int vec, const q_dev *t,
             c[i] = g * 8 + i < n ? epipe_hd_q_level(v[i], min, inv, levels) : 0u;
         epipe_cuda_store_codes(c, w, g, codes, code_bytes);
     }
+}
+
+__global__ void q_code_pack(const float *x, uint64_t n, int vec, const q_dev *t, float levels,
+                            unsigned w, uint8_t *codes, uint64_t code_bytes)
+{
+    code_pack_range(x, n, vec, t->min, t->inv, levels, w, codes, code_bytes);
 }
 
 __global__ void q_decode(const uint8_t *codes, uint64_t n, float min, float step, unsigned w,
@@ -192,15 +199,8 @@ __global__ void q_rows_extent(const float *x, uint64_t rows, uint64_t len, int v
              g += (uint64_t)gridDim.x * blockDim.x) {
             float v[8];
             epipe_cuda_load8f(xr, len, g, vec, v);
-            for (unsigned i = 0; i < 8 && g * 8 + i < len; i++) {
-                if (!epipe_hd_finite(v[i])) {
-                    epipe_cuda_note_nonfinite(st, v[i], r * len + g * 8 + i);
-                    continue;
-                }
-                uint32_t k = epipe_cuda_key(v[i]);
-                lo = k < lo ? k : lo;
-                hi = k > hi ? k : hi;
-            }
+            /* indices shifted by the row's start: the tensor's, for the status */
+            epipe_cuda_extent_add(v, r * len + g * 8, r * len + len, lo, hi, st);
         }
         epipe_cuda_block_minmax(lo, hi);
         if (threadIdx.x == 0 && lo <= hi) {
@@ -228,21 +228,9 @@ __global__ void q_rows_finalize(q_dev *t, uint64_t rows, float levels, int zero,
 __global__ void q_rows_pack(const float *x, uint64_t rows, uint64_t len, int vec, const q_dev *t,
                             float levels, unsigned w, uint8_t *body, uint64_t size, uint64_t cb)
 {
-    uint64_t groups = (len + 7) / 8;
-    for (uint64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-        const float *xr = x + r * len;
-        float min = t[r].min, inv = t[r].inv;
-        uint8_t *codes = body + r * size + 8;
-        for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
-             g += (uint64_t)gridDim.x * blockDim.x) {
-            float v[8];
-            uint32_t c[8];
-            epipe_cuda_load8f(xr, len, g, vec, v);
-            for (unsigned i = 0; i < 8; i++)
-                c[i] = g * 8 + i < len ? epipe_hd_q_level(v[i], min, inv, levels) : 0u;
-            epipe_cuda_store_codes(c, w, g, codes, cb);
-        }
-    }
+    for (uint64_t r = blockIdx.y; r < rows; r += gridDim.y)
+        code_pack_range(x + r * len, len, vec, t[r].min, t[r].inv, levels, w,
+                        body + r * size + 8, cb);
 }
 
 __device__ static float get_f32_dev(const uint8_t *p)
