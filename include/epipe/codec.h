@@ -315,9 +315,10 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * (libepipe-cuda.so: $EPIPE_CUDA_MODULE, else epipe/ beside libepipe, else
  * the install path), the CUDA driver and a device; otherwise EPIPE_ENOTSUP
  * with a message naming what is missing (no module, no driver, no device,
- * no kernels for the codec: kernels exist for none, cast, quant, sortquant
- * in its three modes and topk; kmeans, poweriter and insert, error
- * feedback and activation deltas stay on the CPU). CUDA tensors must be
+ * no kernels for the codec: kernels exist for none, cast, quant (rows=1
+ * too), sortquant in its three modes and topk, with or without error
+ * feedback (ef=1); kmeans, poweriter, insert and activation deltas
+ * (delta=1) stay on the CPU). CUDA tensors must be
  * dense and aligned to their element size.
  *
  * Payload buffers: host memory (pinned, cudaHostAlloc, for the copies to
@@ -341,7 +342,10 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * epipe_codec_synchronize() or after an event recorded on the stream.
  * One exception: `sortquant` mode=fit (its default) plans its chunks on the
  * host from the tensor's extent and a sample, so its encode waits for the
- * stream once, mid-call, before it enqueues the codes.
+ * stream once, mid-call, before it enqueues the codes; and with ef=1 an
+ * encode waits once, between the encode and the decode of its own payload
+ * (the decoders check its tables on the host), so a value that is not
+ * finite is refused by that call, the residual kept.
  * On CPU tensors every call is synchronous, as before.
  *
  * Errors: argument, tensor, header, size and capacity errors, and a bad
