@@ -6,8 +6,10 @@
 
 #include "../lib/bitpack.h"
 #include "../lib/codec/codec_impl.h"
+#include "../lib/codec/cuda_api.h"
 #include "../lib/parallel.h"
 #include "../lib/tensor.h"
+#include "inline/kmeans.h"
 #include "kmeans_impl.h"
 
 enum { KM_BITS, KM_ITERS };
@@ -100,40 +102,37 @@ static void km_sort(float *s, size_t m)
     free(cnt);
 }
 
-static uint64_t km_hash(uint64_t i)
-{
-    i ^= i >> 33;
-    i *= 0xff51afd7ed558ccdull;
-    i ^= i >> 33;
-    i *= 0xc4ceb9fe1a85ec53ull;
-    return i ^ (i >> 33);
-}
-
 /* The sample the initial codebooks are built from, sorted: all values for
  * n <= M = max(KM_SAMPLE, KM_SAMPLE_PER * k), else one value at a hashed
  * position inside each of M equal strides (deterministic, and blind to
  * periodic layouts such as channels), with its ends replaced by the true
  * minimum and maximum so that no candidate leaves the tails uncovered. */
-static float *km_sample(const float *x, size_t n, size_t k, float lo, float hi, size_t *m_out)
+static size_t km_sample_size(size_t n, size_t k)
 {
     size_t m = KM_SAMPLE_PER * k > KM_SAMPLE ? KM_SAMPLE_PER * k : KM_SAMPLE;
-    m = n < m ? n : m;
-    float *s = malloc(m * sizeof *s);
-    if (!s)
-        return NULL;
-    if (m == n) {
-        memcpy(s, x, n * sizeof *s);
-    } else {
-        size_t q = n / m, r = n % m; /* floor(i*n/m) = i*q + i*r/m, no overflow */
-        for (size_t i = 0; i < m; i++) {
-            size_t b = i * q + (size_t)((uint64_t)i * r / m);
-            size_t e = (i + 1) * q + (size_t)((uint64_t)(i + 1) * r / m);
-            s[i] = x[b + (size_t)(km_hash(i) % (e - b))];
-        }
-    }
+    return n < m ? n : m;
+}
+
+/* The gathered sample sorted, its ends set to the extremes. */
+static void km_sample_finish(float *s, size_t m, float lo, float hi)
+{
     km_sort(s, m);
     s[0] = lo;
     s[m - 1] = hi;
+}
+
+static float *km_sample(const float *x, size_t n, size_t k, float lo, float hi, size_t *m_out)
+{
+    size_t m = km_sample_size(n, k);
+    float *s = malloc(m * sizeof *s);
+    if (!s)
+        return NULL;
+    if (m == n)
+        memcpy(s, x, n * sizeof *s);
+    else
+        for (size_t i = 0; i < m; i++)
+            s[i] = x[epipe_hd_km_sample_at(i, n, m)];
+    km_sample_finish(s, m, lo, hi);
     *m_out = m;
     return s;
 }
@@ -208,16 +207,6 @@ static void km_init_uniform(float lo, float hi, float *cent, size_t k)
     km_make_sorted(cent, k);
 }
 
-/* Branchless binary search over the k (a power of two) sorted mid[]. */
-static inline unsigned km_code(const double *mid, size_t k, float v)
-{
-    size_t base = 0;
-    double x = v;
-    for (size_t half = k >> 1; half; half >>= 1)
-        base += mid[base + half - 1] < x ? half : 0;
-    return (unsigned)base;
-}
-
 /* One block's member sums and counts per centroid and its squared error,
  * accumulated in value order. */
 static double km_block_sums(const float *x, size_t b, size_t e, const float *cent,
@@ -227,7 +216,7 @@ static double km_block_sums(const float *x, size_t b, size_t e, const float *cen
     memset(sum, 0, k * sizeof *sum);
     memset(cnt, 0, k * sizeof *cnt);
     for (size_t i = b; i < e; i++) {
-        unsigned j = ref ? epipe_km_code_ref(mid, k, x[i]) : km_code(mid, k, x[i]);
+        unsigned j = ref ? epipe_km_code_ref(mid, k, x[i]) : epipe_hd_km_code(mid, k, x[i]);
         double d = (double)x[i] - (double)cent[j];
         sum[j] += x[i];
         cnt[j]++;
@@ -291,7 +280,7 @@ static void km_pack_range(const float *x, size_t b, size_t e, const double *mid,
             epipe_km_table_codes(lut, mid, x + s, m, codes);
         else
             for (size_t i = 0; i < m; i++)
-                codes[i] = (uint16_t)km_code(mid, k, x[s + i]);
+                codes[i] = (uint16_t)epipe_hd_km_code(mid, k, x[s + i]);
         if (ref)
             epipe_bitpack_ref(codes, m, bits, out + s / 8 * bits);
         else
@@ -364,14 +353,14 @@ static double km_pass(km_fit *f, const float *cent)
 }
 
 /* The sampled fit (n > M, so m >= 65536): the starts scored and Lloyd
- * iterated on the weighted fit set. */
-static int km_fit_weighted(km_fit *f, unsigned iters, const float *s, size_t m, double *w, float lo,
-                           float hi, float *cand, float *cent)
+ * iterated on the weighted fit set of the sample and the t tails. */
+static int km_fit_weighted(km_fit *f, unsigned iters, const float *s, size_t m, float *tails,
+                           size_t t, double *w, float lo, float hi, float *cand, float *cent)
 {
     size_t k = f->k;
     float *fx = NULL;
     double *fw = NULL;
-    size_t nf = epipe_km_fit_set(f->x, f->n, s, m, &fx, &fw);
+    size_t nf = epipe_km_fit_set(tails, t, f->n, s, m, &fx, &fw);
     if (nf == SIZE_MAX)
         return EPIPE_ENOMEM;
     double *tw = malloc(k * sizeof *tw), *bsum = malloc(k * sizeof *bsum);
@@ -411,122 +400,104 @@ static int km_fit_weighted(km_fit *f, unsigned iters, const float *s, size_t m, 
     return rc;
 }
 
-/* Fits the codebook into cent[0..k): the best of the candidate starts (by
- * squared error; the first wins a tie), then Lloyd iterations, stopping
- * early at a fixed point. Up to M values the fit runs on all of them;
- * above, on the sorted sample (scored and iterated there), which makes the
- * fit's cost independent of n. lo and hi are the extremes of all values. */
-static int km_fit_codebook(km_fit *f, unsigned iters, float lo, float hi, float *cent)
+/* Fits the codebook into cent[0..k) from the sorted sample s[0..m) of the
+ * n values (ends set to lo and hi, the extremes of all values): the best of
+ * the candidate starts (by squared error; the first wins a tie), then
+ * Lloyd iterations, stopping early at a fixed point. Up to M values
+ * (m == n) the fit runs on all of them (f->x); above, on the weighted fit
+ * set of the sample and the t tails, which makes the fit's cost
+ * independent of n. */
+static int km_fit_sample(km_fit *f, unsigned iters, float lo, float hi, const float *s, size_t m,
+                         float *tails, size_t t, float *cent)
 {
-    size_t k = f->k, m = 0;
-    float *s = km_sample(f->x, f->n, k, lo, hi, &m);
+    size_t k = f->k;
     double *w = malloc((m ? m : 1) * sizeof *w);
     float *cand = malloc(k * sizeof *cand);
     double *bsum = malloc(k * sizeof *bsum);
     uint64_t *bcnt = malloc(k * sizeof *bcnt);
-    if (!s || !w || !cand || !bsum || !bcnt) {
-        free(s);
-        free(w);
-        free(cand);
-        free(bsum);
-        free(bcnt);
-        return EPIPE_ENOMEM;
-    }
-    if (m < f->n) {
-        int rc = km_fit_weighted(f, iters, s, m, w, lo, hi, cand, cent);
-        free(s);
-        free(w);
-        free(cand);
-        free(bsum);
-        free(bcnt);
-        return rc;
-    }
-    double best = INFINITY;
-    for (int which = 0; which < 3; which++) {
-        if (which == 0)
-            km_init_quantiles(s, m, cand, k);
-        else if (which == 1 && !km_init_panter_dite(s, m, cand, k, w))
-            continue;
-        else if (which == 2)
-            km_init_uniform(lo, hi, cand, k);
-        double sq = km_pass(f, cand);
-        if (sq < best) {
-            best = sq;
-            memcpy(cent, cand, k * sizeof *cent);
-            memcpy(bsum, f->tsum, k * sizeof *bsum);
-            memcpy(bcnt, f->tcnt, k * sizeof *bcnt);
+    int rc = EPIPE_OK;
+    if (!w || !cand || !bsum || !bcnt) {
+        rc = EPIPE_ENOMEM;
+    } else if (m < f->n) {
+        rc = km_fit_weighted(f, iters, s, m, tails, t, w, lo, hi, cand, cent);
+    } else {
+        double best = INFINITY;
+        for (int which = 0; which < 3; which++) {
+            if (which == 0)
+                km_init_quantiles(s, m, cand, k);
+            else if (which == 1 && !km_init_panter_dite(s, m, cand, k, w))
+                continue;
+            else if (which == 2)
+                km_init_uniform(lo, hi, cand, k);
+            double sq = km_pass(f, cand);
+            if (sq < best) {
+                best = sq;
+                memcpy(cent, cand, k * sizeof *cent);
+                memcpy(bsum, f->tsum, k * sizeof *bsum);
+                memcpy(bcnt, f->tcnt, k * sizeof *bcnt);
+            }
+        }
+        memcpy(f->tsum, bsum, k * sizeof *bsum);
+        memcpy(f->tcnt, bcnt, k * sizeof *bcnt);
+        for (unsigned it = 0; it < iters; it++) {
+            if (!km_update(cent, k, f->tsum, f->tcnt))
+                break; /* a fixed point: further iterations change nothing */
+            if (it + 1 < iters)
+                km_pass(f, cent);
         }
     }
-    memcpy(f->tsum, bsum, k * sizeof *bsum);
-    memcpy(f->tcnt, bcnt, k * sizeof *bcnt);
-    for (unsigned it = 0; it < iters; it++) {
-        if (!km_update(cent, k, f->tsum, f->tcnt))
-            break; /* a fixed point: further iterations change nothing */
-        if (it + 1 < iters)
-            km_pass(f, cent);
-    }
-    free(s);
     free(w);
     free(cand);
     free(bsum);
     free(bcnt);
-    return EPIPE_OK;
+    return rc;
 }
 
-static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *body, int ref)
+/* The CPU's own sample and tails of f->x, then the fit. */
+static int km_fit_codebook(km_fit *f, unsigned iters, float lo, float hi, float *cent)
 {
-    unsigned bits = km_bits(c), iters = (unsigned)c->p[KM_ITERS];
-    size_t k = (size_t)1 << bits;
-    float lo = 0.0f, hi = 0.0f, bad = 0.0f;
-    if (n)
-        epipe_km_extent(x, n, &lo, &hi, &bad);
-    if (isnan(bad)) {
-        size_t at = epipe_find_nonfinite(x, n);
-        return epipe_codec_fail(c, EPIPE_EINVAL, "kmeans: value at index %zu is not finite (%g)",
-                                at, (double)x[at]);
-    }
+    size_t m = 0, t = 0;
+    float *s = km_sample(f->x, f->n, f->k, lo, hi, &m), *tails = NULL;
+    if (!s)
+        return EPIPE_ENOMEM;
+    int rc = EPIPE_OK;
+    if (m < f->n && (t = epipe_km_tails(f->x, f->n, s, m, &tails)) == SIZE_MAX)
+        rc = EPIPE_ENOMEM;
+    else
+        rc = km_fit_sample(f, iters, lo, hi, s, m, tails, t, cent);
+    free(s);
+    free(tails);
+    return rc;
+}
+
+/* The codebook of an encode of n values into cent[k] (zeros for n = 0)
+ * and its midpoints into mid[k]: from x itself (s NULL), or, for the CUDA
+ * module, from the sorted sample s[0..m) and the t tails it gathered on
+ * the device (m < n; x NULL). */
+static int km_codebook(epipe_codec *c, const float *x, size_t n, float lo, float hi, const float *s,
+                       size_t m, float *tails, size_t t, int ref, float *cent, double *mid)
+{
+    size_t k = (size_t)1 << km_bits(c);
     km_fit f = {.x = x,
                 .n = n,
                 .k = k,
                 .ref = ref,
                 .workers = ref ? 1 : epipe_codec_workers(c, n),
-                .group = ref ? 1 : KM_GROUP};
-    float *cent = calloc(k, sizeof *cent);
-    /* The table pays for itself from about 2^16 values; without memory for
-     * it the binary search gives the same codes. */
-    uint32_t *lut = !ref && n >= EPIPE_KM_TABLE ? malloc(EPIPE_KM_TABLE * sizeof *lut) : NULL;
-    f.mid = malloc(k * sizeof *f.mid);
+                .group = ref ? 1 : KM_GROUP,
+                .mid = mid};
     f.tsum = malloc(k * sizeof *f.tsum);
     f.tcnt = malloc(k * sizeof *f.tcnt);
     f.psum = malloc(f.group * k * sizeof *f.psum);
     f.pcnt = malloc(f.group * k * sizeof *f.pcnt);
     f.psq = malloc(f.group * sizeof *f.psq);
     int rc = EPIPE_ENOMEM;
-    if (!cent || !f.mid || !f.tsum || !f.tcnt || !f.psum || !f.pcnt || !f.psq)
-        goto out;
-    if (n && (rc = km_fit_codebook(&f, iters, lo, hi, cent)))
-        goto out;
-    rc = EPIPE_OK;
-    for (size_t j = 0; j < k; j++)
-        epipe_put_f32(body + 4 * j, cent[j]);
-    epipe_km_midpoints(cent, k, f.mid);
-    uint8_t *codes = body + 4 * k;
-    if (ref) {
-        km_pack_range(x, 0, n, f.mid, k, NULL, bits, 1, codes);
-    } else {
-        if (lut)
-            epipe_km_build_table(f.mid, k, lut);
-        km_job job = {
-            .x = x, .n = n, .k = k, .bits = bits, .mid = f.mid, .lut = lut, .codes_out = codes};
-        if (f.workers > 1)
-            epipe_parallel_run(f.workers, km_pack_task, &job);
-        else
-            km_pack_task(&job, 0, 1);
+    memset(cent, 0, k * sizeof *cent);
+    if (f.tsum && f.tcnt && f.psum && f.pcnt && f.psq) {
+        unsigned iters = (unsigned)c->p[KM_ITERS];
+        rc = !n  ? EPIPE_OK
+             : s ? km_fit_sample(&f, iters, lo, hi, s, m, tails, t, cent)
+                 : km_fit_codebook(&f, iters, lo, hi, cent);
     }
-out:
-    free(cent);
-    free(lut);
-    free(f.mid);
     free(f.tsum);
     free(f.tcnt);
     free(f.psum);
@@ -534,6 +505,65 @@ out:
     free(f.psq);
     if (rc == EPIPE_ENOMEM)
         return epipe_codec_fail(c, rc, "kmeans: out of memory for a %zu-entry codebook", k);
+    epipe_km_midpoints(cent, k, mid);
+    return rc;
+}
+
+/* The extent of x[0..n) as the encoder takes it; EPIPE_EINVAL naming the
+ * first value that is not finite. */
+static int km_extent(epipe_codec *c, const float *x, size_t n, float *lo, float *hi)
+{
+    float bad = 0.0f;
+    *lo = *hi = 0.0f;
+    if (n)
+        epipe_km_extent(x, n, lo, hi, &bad);
+    if (isnan(bad)) {
+        size_t at = epipe_find_nonfinite(x, n);
+        return epipe_codec_fail(c, EPIPE_EINVAL, "kmeans: value at index %zu is not finite (%g)",
+                                at, (double)x[at]);
+    }
+    return EPIPE_OK;
+}
+
+static int km_encode_impl(epipe_codec *c, const float *x, size_t n, uint8_t *body, int ref)
+{
+    unsigned bits = km_bits(c);
+    size_t k = (size_t)1 << bits;
+    float lo, hi;
+    int rc = km_extent(c, x, n, &lo, &hi);
+    if (rc)
+        return rc;
+    float *cent = malloc(k * sizeof *cent);
+    double *mid = malloc(k * sizeof *mid);
+    /* The table pays for itself from about 2^16 values; without memory for
+     * it the binary search gives the same codes. */
+    uint32_t *lut = !ref && n >= EPIPE_KM_TABLE ? malloc(EPIPE_KM_TABLE * sizeof *lut) : NULL;
+    if (!cent || !mid) {
+        rc = epipe_codec_fail(c, EPIPE_ENOMEM, "kmeans: out of memory for a %zu-entry codebook", k);
+        goto out;
+    }
+    if ((rc = km_codebook(c, x, n, lo, hi, NULL, 0, NULL, 0, ref, cent, mid)))
+        goto out;
+    for (size_t j = 0; j < k; j++)
+        epipe_put_f32(body + 4 * j, cent[j]);
+    uint8_t *codes = body + 4 * k;
+    if (ref) {
+        km_pack_range(x, 0, n, mid, k, NULL, bits, 1, codes);
+    } else {
+        if (lut)
+            epipe_km_build_table(mid, k, lut);
+        km_job job = {
+            .x = x, .n = n, .k = k, .bits = bits, .mid = mid, .lut = lut, .codes_out = codes};
+        unsigned workers = epipe_codec_workers(c, n);
+        if (workers > 1)
+            epipe_parallel_run(workers, km_pack_task, &job);
+        else
+            km_pack_task(&job, 0, 1);
+    }
+out:
+    free(cent);
+    free(mid);
+    free(lut);
     return rc;
 }
 
@@ -573,11 +603,12 @@ static void km_unpack_task(void *ctx, unsigned t, unsigned nt)
     km_unpack_range(j->codes_in, b, e, j->cent, j->bits, 0, j->y);
 }
 
-static int km_decode_impl(epipe_codec *c, const uint8_t *body, size_t n, float *y, int ref)
+/* The decoder's checks of a body of n codes, with their messages: 2^bits
+ * finite centroids in ascending order (into cent) and zero padding bits. */
+int epipe_km_read_table(epipe_codec *c, const uint8_t *body, size_t n, float *cent)
 {
     unsigned bits = km_bits(c);
     size_t k = (size_t)1 << bits;
-    float cent[1u << 12];
     for (size_t j = 0; j < k; j++) {
         cent[j] = epipe_get_f32(body + 4 * j);
         if (!isfinite(cent[j]))
@@ -587,10 +618,21 @@ static int km_decode_impl(epipe_codec *c, const uint8_t *body, size_t n, float *
                                     "kmeans: centroids are not sorted (%zu: %g < %g)", j,
                                     (double)cent[j], (double)cent[j - 1]);
     }
-    const uint8_t *codes = body + 4 * k;
-    if (!epipe_bitpack_tail_clean(codes, n, bits))
+    if (!epipe_bitpack_tail_clean(body + 4 * k, n, bits))
         return epipe_codec_fail(c, EPIPE_EPROTO, "kmeans: padding bits after code %zu are not zero",
                                 n ? n - 1 : 0);
+    return EPIPE_OK;
+}
+
+static int km_decode_impl(epipe_codec *c, const uint8_t *body, size_t n, float *y, int ref)
+{
+    unsigned bits = km_bits(c);
+    size_t k = (size_t)1 << bits;
+    float cent[1u << 12];
+    int rc = epipe_km_read_table(c, body, n, cent);
+    if (rc)
+        return rc;
+    const uint8_t *codes = body + 4 * k;
     unsigned workers = ref ? 1 : epipe_codec_workers(c, n);
     if (workers > 1) {
         km_job job = {.n = n, .bits = bits, .cent = cent, .codes_in = codes, .y = y};
@@ -609,6 +651,33 @@ static int kmeans_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y
 static int kmeans_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
     return km_decode_impl(c, body, n, y, 1);
+}
+
+/* ---- the CUDA module's host part (cuda/kmeans.cu) ---------------------- */
+
+size_t epipe_km_cuda_sample_size(const epipe_codec *c, size_t n)
+{
+    return km_sample_size(n, (size_t)1 << km_bits(c));
+}
+
+void epipe_km_cuda_sample_finish(float *s, size_t m, float lo, float hi, float *a, float *b)
+{
+    km_sample_finish(s, m, lo, hi);
+    *a = s[EPIPE_KM_TAIL_RANKS];
+    *b = s[m - 1 - EPIPE_KM_TAIL_RANKS];
+}
+
+int epipe_km_cuda_fit(epipe_codec *c, const float *x, size_t n, float lo, float hi, const float *s,
+                      size_t m, float *tails, size_t t, uint8_t *body, double *mid)
+{
+    size_t k = (size_t)1 << km_bits(c);
+    float cent[1u << 12];
+    int rc = x ? km_extent(c, x, n, &lo, &hi) : EPIPE_OK;
+    if (rc || (rc = km_codebook(c, x, n, lo, hi, x ? NULL : s, m, tails, t, 0, cent, mid)))
+        return rc;
+    for (size_t j = 0; j < k; j++)
+        epipe_put_f32(body + 4 * j, cent[j]);
+    return EPIPE_OK;
 }
 
 static const epipe_codec_backend kmeans_cpu = {

@@ -73,10 +73,14 @@ void epipe_km_extent(const float *restrict x, size_t n, float *lo_out, float *hi
 
 /* Sorted-sample ranks left out at each end of the fit set's middle. */
 #define EPIPE_KM_TAIL_RANKS 64
-/* The ascending fit set of x[0..n) from its sorted sample s[0..m)
- * (m > 2 * EPIPE_KM_TAIL_RANKS), malloc'ed into *fx and *fw; its size, or
- * SIZE_MAX without memory. */
-size_t epipe_km_fit_set(const float *x, size_t n, const float *s, size_t m, float **fx,
+/* The tails of x[0..n) for its sorted sample s[0..m) (m > 2 *
+ * EPIPE_KM_TAIL_RANKS): the values below s[R] or above s[m-1-R], in index
+ * order, into a malloc'ed *out; their count, or SIZE_MAX without memory. */
+size_t epipe_km_tails(const float *x, size_t n, const float *s, size_t m, float **out);
+/* The ascending fit set of n values from their sorted sample s[0..m) and
+ * their t tails (index order; sorted here, in place), malloc'ed into *fx
+ * and *fw; its size, or SIZE_MAX without memory. */
+size_t epipe_km_fit_set(float *tails, size_t t, size_t n, const float *s, size_t m, float **fx,
                         double **fw);
 /* One weighted pass over the fit set for the codebook cent: sums and
  * weights per centroid into tsum, tw; the weighted squared error. ref

@@ -102,20 +102,23 @@ int epipe_km_wupdate(float *cent, size_t k, const double *tsum, const double *tw
 
 /* The middle sample values in order, each of weight (n - T) / (m - 2R),
  * with the sorted low tail before them and the high tail after. */
-size_t epipe_km_fit_set(const float *x, size_t n, const float *s, size_t m, float **fx_out,
+size_t epipe_km_tails(const float *x, size_t n, const float *s, size_t m, float **out)
+{
+    size_t r = EPIPE_KM_TAIL_RANKS;
+    return km_tails(x, n, s[r], s[m - 1 - r], out);
+}
+
+size_t epipe_km_fit_set(float *tails, size_t t, size_t n, const float *s, size_t m, float **fx_out,
                         double **fw_out)
 {
     size_t r = EPIPE_KM_TAIL_RANKS;
-    float a = s[r], b = s[m - 1 - r], *tails = NULL;
-    size_t t = km_tails(x, n, a, b, &tails);
-    if (t == SIZE_MAX)
-        return SIZE_MAX;
-    qsort(tails, t, sizeof *tails, cmp_float);
+    float a = s[r];
+    if (t)
+        qsort(tails, t, sizeof *tails, cmp_float);
     size_t mid_n = m - 2 * r, nf = t + mid_n;
     float *fx = malloc(nf * sizeof *fx);
     double *fw = malloc(nf * sizeof *fw);
     if (!fx || !fw) {
-        free(tails);
         free(fx);
         free(fw);
         return SIZE_MAX;
@@ -134,7 +137,6 @@ size_t epipe_km_fit_set(const float *x, size_t n, const float *s, size_t m, floa
         fx[o] = tails[lo_t];
         fw[o++] = 1.0;
     }
-    free(tails);
     *fx_out = fx;
     *fw_out = fw;
     return nf;

@@ -32,6 +32,10 @@ static const epipe_cuda_core core_fns = {
     .sq_fit_encode = epipe_sq_fit_cuda_encode,
     .sq_fit_decode = epipe_sq_fit_cuda_decode,
     .ef_slot = epipe_codec_ef_slot_cuda,
+    .km_sample_size = epipe_km_cuda_sample_size,
+    .km_sample_finish = epipe_km_cuda_sample_finish,
+    .km_fit = epipe_km_cuda_fit,
+    .km_read_table = epipe_km_read_table,
 };
 
 /* One module per process: the path it came from and its table. A failed

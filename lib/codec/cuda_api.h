@@ -54,6 +54,21 @@ typedef struct epipe_cuda_core {
      * or starts over (a new shape or dtype), for the module to zero. */
     int (*ef_slot)(epipe_codec *c, int device, uint64_t n, enum epipe_dtype dt, float **r,
                    int *fresh);
+    /* kmeans, the host's part (codecs/kmeans.c): the sample size m for n
+     * values (n itself up to the sampling threshold); a sample gathered at
+     * epipe_hd_km_sample_at()'s positions sorted in place, its ends set to
+     * the extremes lo and hi, with the tail bounds *a and *b (the tails are
+     * the values below a or above b); the CPU encoder's codebook into body
+     * (its 4 * 2^bits bytes) and its midpoints into mid[2^bits], from all
+     * n values x (host memory), or (x NULL) from the finished sample and
+     * the t tails in index order (sorted in place); the decoder's checks
+     * of a body (host memory) with the CPU's messages, its centroids into
+     * cent. */
+    size_t (*km_sample_size)(const epipe_codec *c, size_t n);
+    void (*km_sample_finish)(float *s, size_t m, float lo, float hi, float *a, float *b);
+    int (*km_fit)(epipe_codec *c, const float *x, size_t n, float lo, float hi, const float *s,
+                  size_t m, float *tails, size_t t, uint8_t *body, double *mid);
+    int (*km_read_table)(epipe_codec *c, const uint8_t *body, size_t n, float *cent);
 } epipe_cuda_core;
 
 /* What the module gives the core. Every function runs on the caller's
@@ -107,6 +122,12 @@ typedef struct epipe_cuda_module {
 int epipe_sq_fit_cuda_encode(epipe_codec *c, const float *s, size_t m, size_t n, float lo, float hi,
                              uint8_t *body, epipe_cuda_qtab *t);
 int epipe_sq_fit_cuda_decode(epipe_codec *c, const uint8_t *body, size_t n, epipe_cuda_qtab *t);
+/* The core's kmeans functions (codecs/kmeans.c). */
+size_t epipe_km_cuda_sample_size(const epipe_codec *c, size_t n);
+void epipe_km_cuda_sample_finish(float *s, size_t m, float lo, float hi, float *a, float *b);
+int epipe_km_cuda_fit(epipe_codec *c, const float *x, size_t n, float lo, float hi, const float *s,
+                      size_t m, float *tails, size_t t, uint8_t *body, double *mid);
+int epipe_km_read_table(epipe_codec *c, const uint8_t *body, size_t n, float *cent);
 
 typedef int (*epipe_cuda_init_fn)(const epipe_cuda_core *core, const epipe_cuda_module **out);
 
