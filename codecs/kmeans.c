@@ -207,6 +207,21 @@ static void km_init_uniform(float lo, float hi, float *cent, size_t k)
     km_make_sorted(cent, k);
 }
 
+/* Starting codebook `which` (0: quantiles, 1: Panter-Dite, 2: uniform)
+ * into cand; 0 when it does not apply (Panter-Dite on a sample with no
+ * spread). */
+static int km_start(int which, const float *s, size_t m, float lo, float hi, float *cand, size_t k,
+                    double *w)
+{
+    if (which == 1)
+        return km_init_panter_dite(s, m, cand, k, w);
+    if (which == 0)
+        km_init_quantiles(s, m, cand, k);
+    else
+        km_init_uniform(lo, hi, cand, k);
+    return 1;
+}
+
 /* One block's member sums and counts per centroid and its squared error,
  * accumulated in value order. */
 static double km_block_sums(const float *x, size_t b, size_t e, const float *cent,
@@ -371,12 +386,8 @@ static int km_fit_weighted(km_fit *f, unsigned iters, const float *s, size_t m, 
     } else {
         double best = INFINITY;
         for (int which = 0; which < 3; which++) {
-            if (which == 0)
-                km_init_quantiles(s, m, cand, k);
-            else if (which == 1 && !km_init_panter_dite(s, m, cand, k, w))
+            if (!km_start(which, s, m, lo, hi, cand, k, w))
                 continue;
-            else if (which == 2)
-                km_init_uniform(lo, hi, cand, k);
             double sq = epipe_km_wpass(fx, fw, nf, cand, f->mid, k, f->ref, f->tsum, tw);
             if (sq < best) {
                 best = sq;
@@ -423,12 +434,8 @@ static int km_fit_sample(km_fit *f, unsigned iters, float lo, float hi, const fl
     } else {
         double best = INFINITY;
         for (int which = 0; which < 3; which++) {
-            if (which == 0)
-                km_init_quantiles(s, m, cand, k);
-            else if (which == 1 && !km_init_panter_dite(s, m, cand, k, w))
+            if (!km_start(which, s, m, lo, hi, cand, k, w))
                 continue;
-            else if (which == 2)
-                km_init_uniform(lo, hi, cand, k);
             double sq = km_pass(f, cand);
             if (sq < best) {
                 best = sq;
