@@ -197,6 +197,52 @@ __device__ static inline void epipe_cuda_load_codes(const uint8_t *codes, uint64
     epipe_hd_unpack8_words(lo, hi, w, c);
 }
 
+/* The grid-stride loop over the groups of eight values of x: f(v, g) for
+ * each group g this thread takes, v its values (zeros past n). */
+template <class F>
+__device__ static inline void epipe_cuda_each_group8(const float *x, uint64_t n, int vec, F f)
+{
+    uint64_t groups = (n + 7) / 8;
+    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
+         g += (uint64_t)gridDim.x * blockDim.x) {
+        float v[8];
+        epipe_cuda_load8f(x, n, g, vec, v);
+        f(v, g);
+    }
+}
+
+/* The pass of a pack kernel: the code of value x[j] is code_of(x[j], j)
+ * (0 past n), w bits each into codes (code_bytes long). */
+template <class F>
+__device__ static inline void epipe_cuda_pack_pass(const float *x, uint64_t n, int vec, unsigned w,
+                                                   uint8_t *codes, uint64_t code_bytes, F code_of)
+{
+    epipe_cuda_each_group8(x, n, vec, [&](float *v, uint64_t g) {
+        uint32_t c[8];
+        for (unsigned i = 0; i < 8; i++)
+            c[i] = g * 8 + i < n ? code_of(v[i], g * 8 + i) : 0u;
+        epipe_cuda_store_codes(c, w, g, codes, code_bytes);
+    });
+}
+
+/* The grid-stride pass of a decode kernel: n w-bit codes to the values
+ * value_of(code), eight a thread. */
+template <class F>
+__device__ static inline void epipe_cuda_unpack_pass(const uint8_t *codes, uint64_t n, unsigned w,
+                                                     int vec, float *y, F value_of)
+{
+    uint64_t groups = (n + 7) / 8, bytes = (n * w + 7) / 8;
+    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
+         g += (uint64_t)gridDim.x * blockDim.x) {
+        uint32_t c[8];
+        float v[8];
+        epipe_cuda_load_codes(codes, bytes, w, g, c);
+        for (unsigned i = 0; i < 8; i++)
+            v[i] = value_of(c[i]);
+        epipe_cuda_store8f(y, n, g, vec, v);
+    }
+}
+
 /* Order-preserving keys of finite floats, for min/max by integer atomics
  * (-0 and +0 are two keys: callers add 0.0f to the float they get back). */
 __device__ static inline uint32_t epipe_cuda_key(float f)
@@ -204,9 +250,9 @@ __device__ static inline uint32_t epipe_cuda_key(float f)
     uint32_t u = __float_as_uint(f);
     return u & 0x80000000u ? ~u : u | 0x80000000u;
 }
-__device__ static inline float epipe_cuda_key_float(uint32_t k)
+__host__ __device__ static inline float epipe_cuda_key_float(uint32_t k)
 {
-    return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k);
+    return epipe_hd_u2f(k & 0x80000000u ? k & 0x7fffffffu : ~k);
 }
 
 /* The smallest index of each kind of non-finite value, in the status. */
@@ -286,5 +332,6 @@ extern const epipe_codec_backend epipe_cuda_cast;
 extern const epipe_codec_backend epipe_cuda_quant;
 extern const epipe_codec_backend epipe_cuda_sortquant;
 extern const epipe_codec_backend epipe_cuda_topk;
+extern const epipe_codec_backend epipe_cuda_kmeans;
 
 #endif

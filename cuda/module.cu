@@ -68,6 +68,7 @@ static const epipe_codec_backend *cuda_backend(unsigned id)
     case EPIPE_CODEC_ID_QUANT: return &epipe_cuda_quant;
     case EPIPE_CODEC_ID_SORTQUANT: return &epipe_cuda_sortquant;
     case EPIPE_CODEC_ID_TOPK: return &epipe_cuda_topk;
+    case EPIPE_CODEC_ID_KMEANS: return &epipe_cuda_kmeans;
     }
     return NULL;
 }
@@ -275,8 +276,9 @@ static void host_read_span(const epipe_codec *c, uint64_t n, size_t len, size_t 
 {
     *head = *tail = 0;
     unsigned bits = 0;
-    if (c->ops->id == EPIPE_CODEC_ID_QUANT || c->ops->id == EPIPE_CODEC_ID_SORTQUANT)
-        bits = (unsigned)c->p[0]; /* bits is the first parameter of both */
+    if (c->ops->id == EPIPE_CODEC_ID_QUANT || c->ops->id == EPIPE_CODEC_ID_SORTQUANT ||
+        c->ops->id == EPIPE_CODEC_ID_KMEANS)
+        bits = (unsigned)c->p[0]; /* bits is the first parameter of all three */
     if (!bits)
         return;
     uint64_t cb = (n * bits + 7) / 8;

@@ -69,22 +69,13 @@ __global__ void q_finalize(q_dev *t, float levels, int zero, uint8_t *body)
     put_f32(body + 4, step);
 }
 
-/* One thread per 8 codes of one range, grid-stride along x: level,
- * pack, w bytes out (fewer for the last). */
+/* One range's codes: level, pack, w bytes out (fewer for the last). */
 __device__ static void code_pack_range(const float *x, uint64_t n, int vec, float min, float inv,
                                        float levels, unsigned w, uint8_t *codes,
                                        uint64_t code_bytes)
 {
-    uint64_t groups = (n + 7) / 8;
-    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
-         g += (uint64_t)gridDim.x * blockDim.x) {
-        float v[8];
-        uint32_t c[8];
-        epipe_cuda_load8f(x, n, g, vec, v);
-        for (unsigned i = 0; i < 8; i++)
-            c[i] = g * 8 + i < n ? epipe_hd_q_level(v[i], min, inv, levels) : 0u;
-        epipe_cuda_store_codes(c, w, g, codes, code_bytes);
-    }
+    epipe_cuda_pack_pass(x, n, vec, w, codes, code_bytes,
+                         [=](float v, uint64_t) { return epipe_hd_q_level(v, min, inv, levels); });
 }
 
 __global__ void q_code_pack(const float *x, uint64_t n, int vec, const q_dev *t, float levels,
@@ -96,16 +87,8 @@ __global__ void q_code_pack(const float *x, uint64_t n, int vec, const q_dev *t,
 __global__ void q_decode(const uint8_t *codes, uint64_t n, float min, float step, unsigned w,
                          int vec, float *y)
 {
-    uint64_t groups = (n + 7) / 8, bytes = (n * w + 7) / 8;
-    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
-         g += (uint64_t)gridDim.x * blockDim.x) {
-        uint32_t c[8];
-        float v[8];
-        epipe_cuda_load_codes(codes, bytes, w, g, c);
-        for (unsigned i = 0; i < 8; i++)
-            v[i] = epipe_hd_q_value(min, step, c[i]);
-        epipe_cuda_store8f(y, n, g, vec, v);
-    }
+    epipe_cuda_unpack_pass(codes, n, w, vec, y,
+                           [=](uint32_t c) { return epipe_hd_q_value(min, step, c); });
 }
 
 /* Encode in one cooperative launch: each block folds the extent of its
@@ -242,21 +225,13 @@ __device__ static float get_f32_dev(const uint8_t *p)
 /* Each row's table is read from the body on the device, after the host
  * has checked every one of them. */
 __global__ void q_rows_decode(const uint8_t *body, uint64_t rows, uint64_t len, uint64_t size,
-                              unsigned w, uint64_t cb, int vec, float *y)
+                              unsigned w, int vec, float *y)
 {
-    uint64_t groups = (len + 7) / 8;
     for (uint64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const uint8_t *b = body + r * size;
         float min = get_f32_dev(b), step = get_f32_dev(b + 4);
-        for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
-             g += (uint64_t)gridDim.x * blockDim.x) {
-            uint32_t c[8];
-            float v[8];
-            epipe_cuda_load_codes(b + 8, cb, w, g, c);
-            for (unsigned i = 0; i < 8; i++)
-                v[i] = epipe_hd_q_value(min, step, c[i]);
-            epipe_cuda_store8f(y + r * len, len, g, vec, v);
-        }
+        epipe_cuda_unpack_pass(b + 8, len, w, vec, y + r * len,
+                               [=](uint32_t c) { return epipe_hd_q_value(min, step, c); });
     }
 }
 
@@ -427,7 +402,7 @@ static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
         if ((rc = epipe_cuda_body_in(c, body, 0, rows * size, &d)))
             return rc;
         q_rows_decode<<<rows_grid(rows, len), 256, 0, s>>>(
-            (const uint8_t *)d, rows, len, size, w, cb, epipe_cuda_aligned16(y) && len % 4 == 0, y);
+            (const uint8_t *)d, rows, len, size, w, epipe_cuda_aligned16(y) && len % 4 == 0, y);
         return epipe_cuda_check(c, cudaGetLastError(), "launching the quant rows decode kernel");
     }
     float min = get_f32(body), step = get_f32(body + 4);

@@ -179,22 +179,10 @@ __global__ void sq_code_pack(const float *x, uint64_t n, int vec, unsigned k, un
         }
     }
     __syncthreads();
-    uint64_t groups = (n + 7) / 8;
-    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
-         g += (uint64_t)gridDim.x * blockDim.x) {
-        float v[8];
-        uint32_t c[8];
-        epipe_cuda_load8f(x, n, g, vec, v);
-        for (unsigned i = 0; i < 8; i++) {
-            if (g * 8 + i < n) {
-                unsigned ch = epipe_hd_q_chunk(bnd, k, v[i]);
-                c[i] = ch << q | epipe_hd_q_level(v[i], mn[ch], iv[ch], levels);
-            } else {
-                c[i] = 0;
-            }
-        }
-        epipe_cuda_store_codes(c, w, g, codes, code_bytes);
-    }
+    epipe_cuda_pack_pass(x, n, vec, w, codes, code_bytes, [=](float v, uint64_t) {
+        unsigned ch = epipe_hd_q_chunk(bnd, k, v);
+        return ch << q | epipe_hd_q_level(v, mn[ch], iv[ch], levels);
+    });
 }
 
 __global__ void sq_decode(const uint8_t *codes, uint64_t n, unsigned k, unsigned q, unsigned w,
@@ -229,14 +217,6 @@ __global__ void sq_minmax_init(uint32_t *ext)
 {
     ext[0] = 0xffffffffu;
     ext[1] = 0;
-}
-
-static float key_float(uint32_t k)
-{
-    uint32_t u = k & 0x80000000u ? k & 0x7fffffffu : ~k;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 /* mode=fit: body is host memory of sq_body_size() bytes. */
@@ -278,8 +258,8 @@ static int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body
         return rc;
     /* No finite value: the deferred status reports the first non-finite
      * one at synchronisation; the plan only needs finite ends meanwhile. */
-    float lo = hext[0] <= hext[1] ? key_float(hext[0]) : 0.0f;
-    float hi = hext[0] <= hext[1] ? key_float(hext[1]) : 0.0f;
+    float lo = hext[0] <= hext[1] ? epipe_cuda_key_float(hext[0]) : 0.0f;
+    float hi = hext[0] <= hext[1] ? epipe_cuda_key_float(hext[1]) : 0.0f;
     if ((rc = epipe_cuda_core_fns->sq_fit_encode(c, hsmp, m, n, lo, hi, body, &t)))
         return rc;
     /* The host wrote the fit word, the table and the padding after the
@@ -393,19 +373,10 @@ __global__ void sqx_pack(const float *x, const uint16_t *chunk, uint64_t n, int 
         iv[j] = t.inv[j];
     }
     __syncthreads();
-    uint64_t groups = (n + 7) / 8;
-    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
-         g += (uint64_t)gridDim.x * blockDim.x) {
-        float v[8];
-        uint32_t c[8];
-        epipe_cuda_load8f(x, n, g, vec, v);
-        for (unsigned i = 0; i < 8; i++) {
-            uint64_t j = g * 8 + i;
-            unsigned ch = j < n ? chunk[j] : 0;
-            c[i] = j < n ? ch << q | epipe_hd_q_level(v[i], mn[ch], iv[ch], levels) : 0;
-        }
-        epipe_cuda_store_codes(c, w, g, codes, code_bytes);
-    }
+    epipe_cuda_pack_pass(x, n, vec, w, codes, code_bytes, [=](float v, uint64_t j) {
+        unsigned ch = chunk[j];
+        return ch << q | epipe_hd_q_level(v, mn[ch], iv[ch], levels);
+    });
 }
 
 static int sq_encode_exact(epipe_codec *c, const float *x, size_t n, uint8_t *body)

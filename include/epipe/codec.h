@@ -316,8 +316,8 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * the install path), the CUDA driver and a device; otherwise EPIPE_ENOTSUP
  * with a message naming what is missing (no module, no driver, no device,
  * no kernels for the codec: kernels exist for none, cast, quant (rows=1
- * too), sortquant in its three modes and topk, with or without error
- * feedback (ef=1); kmeans, poweriter, insert and activation deltas
+ * too), sortquant in its three modes, topk and kmeans, with or without
+ * error feedback (ef=1); poweriter, insert and activation deltas
  * (delta=1) stay on the CPU). CUDA tensors must be
  * dense and aligned to their element size.
  *
@@ -342,7 +342,8 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * epipe_codec_synchronize() or after an event recorded on the stream.
  * One exception: `sortquant` mode=fit (its default) plans its chunks on the
  * host from the tensor's extent and a sample, so its encode waits for the
- * stream once, mid-call, before it enqueues the codes; and with ef=1 an
+ * stream once, mid-call, before it enqueues the codes (kmeans too: once,
+ * or twice above its sampling threshold); and with ef=1 an
  * encode waits once, between the encode and the decode of its own payload
  * (the decoders check its tables on the host), so a value that is not
  * finite is refused by that call, the residual kept.

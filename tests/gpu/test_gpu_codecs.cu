@@ -431,6 +431,39 @@ static void rows_match_cpu(const char *spec, int64_t rows, int64_t len)
     cudaFreeHost(pin);
 }
 
+/* kmeans refuses a value that is not finite at the encode, as the CPU
+ * does (its fit waits for the stream anyway), and the handle goes on. */
+static void kmeans_refuses_nonfinite(size_t n)
+{
+    std::vector<float> x(n);
+    fill(x, 5u);
+    x[n / 2 + 1] = -INFINITY;
+    x[n - 1] = NAN;
+    int64_t shape[1] = {(int64_t)n};
+    epipe_codec *g;
+    epipe_codec_create(&g, "kmeans:bits=4");
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&d, n * 4));
+    CUDA_OK(cudaMemcpy(d, x.data(), n * 4, cudaMemcpyHostToDevice));
+    DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+    std::vector<uint8_t> p(n + 4096);
+    size_t w;
+    char want[64];
+    snprintf(want, sizeof want, "index %zu is not finite", n / 2 + 1);
+    CHECK(epipe_codec_encode(g, &ds, p.data(), p.size(), &w) == EPIPE_EINVAL,
+          "kmeans n=%zu: -inf not refused", n);
+    CHECK(strstr(epipe_codec_last_error(g), want) != NULL, "kmeans: message '%s'",
+          epipe_codec_last_error(g));
+    x[n / 2 + 1] = 1.0f;
+    x[n - 1] = 2.0f;
+    CUDA_OK(cudaMemcpy(d, x.data(), n * 4, cudaMemcpyHostToDevice));
+    CHECK(epipe_codec_encode(g, &ds, p.data(), p.size(), &w) == EPIPE_OK &&
+              epipe_codec_synchronize(g) == EPIPE_OK,
+          "kmeans after a refusal: %s", epipe_codec_last_error(g));
+    epipe_codec_destroy(g);
+    cudaFree(d);
+}
+
 /* A NaN surfaces at synchronize with the CPU's message. */
 static void deferred_nonfinite(const char *spec)
 {
@@ -581,7 +614,13 @@ int main(void)
                            "topk:ratio=0.1",
                            "topk:ratio=0.001",
                            "topk:ratio=0.5",
-                           "topk:ratio=1"};
+                           "topk:ratio=1",
+                           /* up to 65536 values (2^18 at 12 bits) the fit runs on
+                            * all of them; above, on the sample and the tails */
+                           "kmeans:bits=2",
+                           "kmeans:bits=4",
+                           "kmeans:bits=8,iters=5",
+                           "kmeans:bits=12,iters=3"};
     const size_t sizes[] = {0, 1, 7, 8, 9, 1000, 4097, 1 << 20, 3000017};
     /* EPIPE_GPU_TEST_QUICK: small tensors only (the compute-sanitizer runs,
      * which are 10-100x slower, check the kernels, not the sizes) */
@@ -602,6 +641,9 @@ int main(void)
         byte_identity("topk:ratio=0.3", n, 1, 2);
         byte_identity("sortquant:bits=8,mode=fit", n, 0, 0);
         byte_identity("sortquant:bits=8,mode=exact", n, 0, 0);
+        /* zeros of both signs: an extreme that is 0 is the first zero */
+        byte_identity("kmeans:bits=4", n, 0, 1);
+        byte_identity("kmeans:bits=2", n, 1, 2);
     }
     for (const char *s : specs) {
         half_tensors(s, 0);
@@ -611,6 +653,8 @@ int main(void)
     deferred_nonfinite("sortquant:bits=8,mode=sample");
     deferred_nonfinite("sortquant:bits=8,mode=fit");
     deferred_nonfinite("sortquant:bits=8,mode=exact");
+    kmeans_refuses_nonfinite(5000);   /* the fit on all values */
+    kmeans_refuses_nonfinite(300000); /* the fit on the sample */
     rows_match_cpu("quant:bits=2,rows=1", 16, 3136);
     rows_match_cpu("quant:bits=3,rows=1", 5, 333); /* rows not 4-aligned, codes not bytes */
     rows_match_cpu("quant:bits=8,zero=1,rows=1", 70000, 3); /* rows past one grid's y */
@@ -624,20 +668,23 @@ int main(void)
         ef_matches_cpu("topk:ratio=0.05,ef=1", dev);
     }
     {
-        /* a codec without kernels is refused by name, synchronously */
+        /* a codec without kernels is refused by name, synchronously
+         * (poweriter needs a BLAS build; without one it has nothing to refuse) */
         epipe_codec *g;
-        epipe_codec_create(&g, "kmeans:bits=4");
-        float *d;
-        CUDA_OK(cudaMalloc((void **)&d, 64));
-        int64_t shape[1] = {16};
-        DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
-        uint8_t p[256];
-        size_t w;
-        CHECK(epipe_codec_encode(g, &ds, p, sizeof p, &w) == EPIPE_ENOTSUP, "topk");
-        CHECK(strstr(epipe_codec_last_error(g), "'kmeans'") != NULL, "%s",
-              epipe_codec_last_error(g));
-        epipe_codec_destroy(g);
-        cudaFree(d);
+        if (epipe_codec_create(&g, "poweriter:rank=1,shared=1") == EPIPE_OK) {
+            float *d;
+            CUDA_OK(cudaMalloc((void **)&d, 64));
+            int64_t shape[2] = {4, 4};
+            DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+            ds.ndim = 2;
+            uint8_t p[256];
+            size_t w;
+            CHECK(epipe_codec_encode(g, &ds, p, sizeof p, &w) == EPIPE_ENOTSUP, "poweriter");
+            CHECK(strstr(epipe_codec_last_error(g), "'poweriter'") != NULL, "%s",
+                  epipe_codec_last_error(g));
+            epipe_codec_destroy(g);
+            cudaFree(d);
+        }
     }
     hostile_table();
     hostile_device_payload();
