@@ -30,7 +30,8 @@ step() { # step NAME SECONDS command...
 nvidia-smi -L 2>&1 | head -2
 step gpu-codecs "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_codecs"
 specs="none cast:dtype=fp16 cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:bits=8,mode=sample
-       sortquant:bits=8 sortquant:bits=4 sortquant:bits=8,mode=exact topk:ratio=0.1 topk:ratio=0.01"
+       sortquant:bits=8 sortquant:bits=4 sortquant:bits=8,mode=exact topk:ratio=0.1 topk:ratio=0.01
+       kmeans:bits=4 kmeans:bits=8"
 # shellcheck disable=SC2086
 step gpu-stage "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_stage"
 step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
