@@ -12,7 +12,9 @@ tc-shaped veth, scripts/experiments/bandwidth.py), each model is profiled
     (c) even+codec:  the layers cut in half, the same codecs, 1F1B
 
 with measured time per batch, test accuracy, and for the plan its predicted
-step time. Needs root. Example:
+step time. --cpus "0-3;4-7" pins stage 0 (and the profile) and stage 1 to
+their own CPUs (taskset), for a machine with cores enough that the two
+stages compute independently, as two devices would. Needs root. Example:
 
     sudo /usr/bin/python3 scripts/experiments/plan_validation.py --rates 100mbit,1gbit \\
         --csv results/plan-validation.csv --out docs/plan-validation-table.md
@@ -65,6 +67,20 @@ def balanced_cut(prof):
     return cut
 
 
+def cpu_set(text):
+    """The CPUs of a taskset-style list ("0-3,8"), checked."""
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or int(hi or lo) < int(lo):
+            sys.exit(f"plan_validation: bad CPU list '{text}' (want e.g. 0-3,8)")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    unknown = cpus - os.sched_getaffinity(0)
+    if unknown:
+        sys.exit(f"plan_validation: CPUs {sorted(unknown)} of '{text}' are not available here")
+    return cpus
+
+
 def run(model, cut, act, grad, schedule, rate, a):
     bw.setup(rate)
     try:
@@ -73,7 +89,9 @@ def run(model, cut, act, grad, schedule, rate, a):
             env = {"RANK": str(r), "MASTER_ADDR": bw.ADDR[0], "MASTER_PORT": str(PORT),
                    "PYTHONPATH": os.path.join(ROOT, "python"), "OMP_NUM_THREADS": "1",
                    "EPIPE_LIBRARY": os.path.join(ROOT, a.build, "lib", "libepipe.so")}
-            cmd = ["ip", "netns", "exec", bw.NS[r], "env", *[f"{k}={v}" for k, v in env.items()],
+            pin = ["taskset", "-c", a.cpu_sets[r]] if a.cpu_sets else []
+            cmd = ["ip", "netns", "exec", bw.NS[r], *pin, "env",
+                   *[f"{k}={v}" for k, v in env.items()],
                    a.python, os.path.join(HERE, "plan_worker.py"), "--model", model, "--cut",
                    str(cut), "--act-codec", act, "--grad-codec", grad, "--schedule", schedule,
                    "--train-limit", str(a.train_limit), "--test-limit", str(a.test_limit)]
@@ -102,9 +120,20 @@ def main():
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cpus", default=None,
+                    help="CPU lists of stage 0 and stage 1, ';' between them (e.g. '0-3;4-7')")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("plan_validation: needs root (ip netns, tc)")
+    a.cpu_sets = a.cpus.split(";") if a.cpus else None
+    if a.cpu_sets:
+        if len(a.cpu_sets) != 2:
+            sys.exit(f"plan_validation: --cpus '{a.cpus}' needs two CPU lists, one a stage")
+        sets = [cpu_set(s) for s in a.cpu_sets]
+        if sets[0] & sets[1]:
+            sys.exit(f"plan_validation: --cpus '{a.cpus}': the stages share CPUs "
+                     f"{sorted(sets[0] & sets[1])}")
+        os.sched_setaffinity(0, sets[0])  # the profile runs where stage 0 will
     sys.path.insert(0, os.path.join(ROOT, "examples", "torch"))
     rows = []
     for model in a.models.split(","):
