@@ -102,11 +102,7 @@ static void km_sort(float *s, size_t m)
     free(cnt);
 }
 
-/* The sample the initial codebooks are built from, sorted: all values for
- * n <= M = max(KM_SAMPLE, KM_SAMPLE_PER * k), else one value at a hashed
- * position inside each of M equal strides (deterministic, and blind to
- * periodic layouts such as channels), with its ends replaced by the true
- * minimum and maximum so that no candidate leaves the tails uncovered. */
+/* The sample size: all n values up to M = max(KM_SAMPLE, KM_SAMPLE_PER * k). */
 static size_t km_sample_size(size_t n, size_t k)
 {
     size_t m = KM_SAMPLE_PER * k > KM_SAMPLE ? KM_SAMPLE_PER * k : KM_SAMPLE;
@@ -121,6 +117,11 @@ static void km_sample_finish(float *s, size_t m, float lo, float hi)
     s[m - 1] = hi;
 }
 
+/* The sample the initial codebooks are built from, sorted: all values for
+ * n <= M, else one value at a hashed position inside each of M equal
+ * strides (deterministic, and blind to periodic layouts such as channels),
+ * with its ends replaced by the true minimum and maximum so that no
+ * candidate leaves the tails uncovered. */
 static float *km_sample(const float *x, size_t n, size_t k, float lo, float hi, size_t *m_out)
 {
     size_t m = km_sample_size(n, k);

@@ -63,6 +63,16 @@ int epipe_cuda_fail(epipe_codec *c, int status, const char *fmt, ...)
 /* EPIPE_ENOMEM for allocation errors, else EPIPE_EIO, naming the CUDA
  * error and what was being done; EPIPE_OK for cudaSuccess. */
 int epipe_cuda_check(epipe_codec *c, cudaError_t e, const char *doing);
+/* Clears the deferred status word on the handle's stream, once what it
+ * held has been reported. */
+int epipe_cuda_status_clear(epipe_codec *c);
+/* The smallest index of a value that is not finite the status holds, of
+ * any kind; ~0 for none. */
+static inline unsigned long long epipe_cuda_first_nonfinite(const epipe_cuda_status *st)
+{
+    unsigned long long first = st->nan < st->pinf ? st->nan : st->pinf;
+    return st->ninf < first ? st->ninf : first;
+}
 
 static inline cudaStream_t epipe_cuda_stream(const epipe_codec *c)
 {
@@ -318,6 +328,13 @@ __global__ void epipe_cuda_extent(const float *x, uint64_t n, int vec, uint32_t 
 static inline unsigned epipe_cuda_extent_blocks(uint64_t n)
 {
     return epipe_cuda_blocks((n + 7) / 8, 256 * 16);
+}
+
+/* A little-endian fp32 of a body (tables), on either side. */
+__host__ __device__ static inline float epipe_cuda_get_f32(const uint8_t *p)
+{
+    return epipe_hd_u2f((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                        (uint32_t)p[3] << 24);
 }
 
 __host__ __device__ static inline int epipe_cuda_aligned16(const void *p)

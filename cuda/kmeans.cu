@@ -108,14 +108,10 @@ __global__ void km_decode(const uint8_t *codes, uint64_t n, unsigned w, const fl
  * refused now, as the CPU refuses it, and the word cleared. */
 static int refuse_nonfinite(epipe_codec *c, const epipe_cuda_status *st)
 {
-    unsigned long long first = st->nan < st->pinf ? st->nan : st->pinf;
-    first = st->ninf < first ? st->ninf : first;
+    unsigned long long first = epipe_cuda_first_nonfinite(st);
     if (first == ~0ull)
         return EPIPE_OK;
-    epipe_cuda_handle *h = epipe_cuda_h(c);
-    int rc = epipe_cuda_check(
-        c, cudaMemsetAsync(h->status, 0xff, sizeof *h->status, epipe_cuda_stream(c)),
-        "clearing the status word");
+    int rc = epipe_cuda_status_clear(c);
     if (rc)
         return rc;
     return epipe_cuda_fail(c, EPIPE_EINVAL, "kmeans: value at index %llu is not finite (%s)", first,

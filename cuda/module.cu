@@ -609,6 +609,14 @@ static int cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint
 
 /* ---- synchronisation ------------------------------------------------------- */
 
+int epipe_cuda_status_clear(epipe_codec *c)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    return epipe_cuda_check(
+        c, cudaMemsetAsync(h->status, 0xff, sizeof *h->status, epipe_cuda_stream(c)),
+        "clearing the status word");
+}
+
 static int cuda_synchronize(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
@@ -626,13 +634,10 @@ static int cuda_synchronize(epipe_codec *c)
                                "waiting for the handle's stream")))
         return rc;
     epipe_cuda_status st = *h->status_host;
-    unsigned long long first = st.nan < st.pinf ? st.nan : st.pinf;
-    first = st.ninf < first ? st.ninf : first;
+    unsigned long long first = epipe_cuda_first_nonfinite(&st);
     if (first == ~0ull && st.bad == ~0ull)
         return EPIPE_OK;
-    if ((rc = epipe_cuda_check(
-             c, cudaMemsetAsync(h->status, 0xff, sizeof *h->status, epipe_cuda_stream(c)),
-             "clearing the status word")))
+    if ((rc = epipe_cuda_status_clear(c)))
         return rc;
     if (st.bad != ~0ull) {
         unsigned kind = (unsigned)(st.bad & 3u);

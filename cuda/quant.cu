@@ -174,17 +174,12 @@ __global__ void q_rows_init(q_dev *t, uint64_t rows)
 __global__ void q_rows_extent(const float *x, uint64_t rows, uint64_t len, int vec, q_dev *t,
                               epipe_cuda_status *st)
 {
-    uint64_t groups = (len + 7) / 8;
     for (uint64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-        const float *xr = x + r * len;
         uint32_t lo = 0xffffffffu, hi = 0;
-        for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
-             g += (uint64_t)gridDim.x * blockDim.x) {
-            float v[8];
-            epipe_cuda_load8f(xr, len, g, vec, v);
+        epipe_cuda_each_group8(x + r * len, len, vec, [&](float *v, uint64_t g) {
             /* indices shifted by the row's start: the tensor's, for the status */
             epipe_cuda_extent_add(v, r * len + g * 8, r * len + len, lo, hi, st);
-        }
+        });
         epipe_cuda_block_minmax(lo, hi);
         if (threadIdx.x == 0 && lo <= hi) {
             atomicMin(&t[r].lo, lo);
@@ -216,12 +211,6 @@ __global__ void q_rows_pack(const float *x, uint64_t rows, uint64_t len, int vec
                         body + r * size + 8, cb);
 }
 
-__device__ static float get_f32_dev(const uint8_t *p)
-{
-    return __uint_as_float((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                           (uint32_t)p[3] << 24);
-}
-
 /* Each row's table is read from the body on the device, after the host
  * has checked every one of them. */
 __global__ void q_rows_decode(const uint8_t *body, uint64_t rows, uint64_t len, uint64_t size,
@@ -229,7 +218,7 @@ __global__ void q_rows_decode(const uint8_t *body, uint64_t rows, uint64_t len, 
 {
     for (uint64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const uint8_t *b = body + r * size;
-        float min = get_f32_dev(b), step = get_f32_dev(b + 4);
+        float min = epipe_cuda_get_f32(b), step = epipe_cuda_get_f32(b + 4);
         epipe_cuda_unpack_pass(b + 8, len, w, vec, y + r * len,
                                [=](uint32_t c) { return epipe_hd_q_value(min, step, c); });
     }
@@ -347,12 +336,6 @@ static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     return epipe_cuda_body_flush(c, body, 0, d, 8 + cb);
 }
 
-static float get_f32(const uint8_t *p)
-{
-    uint32_t u = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-    return epipe_hd_u2f(u);
-}
-
 /* One range's table and the padding bits of its len codes (host memory),
  * with the CPU decoder's statuses and messages (quantize_common.c). */
 static int check_range(epipe_codec *c, const uint8_t *body, uint64_t len)
@@ -360,7 +343,7 @@ static int check_range(epipe_codec *c, const uint8_t *body, uint64_t len)
     unsigned w = (unsigned)c->p[QUANT_BITS];
     float levels = (float)((1u << w) - 1u);
     const char *name = c->ops->name;
-    float min = get_f32(body), step = get_f32(body + 4);
+    float min = epipe_cuda_get_f32(body), step = epipe_cuda_get_f32(body + 4);
     switch (epipe_hd_q_pair_check(min, step, levels)) {
     case 1:
         return epipe_cuda_fail(c, EPIPE_EPROTO, "%s: chunk %u of %u has min %g; it must be finite",
@@ -405,7 +388,7 @@ static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
             (const uint8_t *)d, rows, len, size, w, epipe_cuda_aligned16(y) && len % 4 == 0, y);
         return epipe_cuda_check(c, cudaGetLastError(), "launching the quant rows decode kernel");
     }
-    float min = get_f32(body), step = get_f32(body + 4);
+    float min = epipe_cuda_get_f32(body), step = epipe_cuda_get_f32(body + 4);
     if ((rc = epipe_cuda_body_in(c, body, 8, cb, &d)))
         return rc;
     q_decode<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, 0, s>>>((const uint8_t *)d, n, min, step,

@@ -513,12 +513,6 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     return epipe_cuda_body_flush(c, body, 0, d, tb + cb);
 }
 
-static float get_f32(const uint8_t *p)
-{
-    return epipe_hd_u2f((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                        (uint32_t)p[3] << 24);
-}
-
 static int sq_decode_cuda(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
     int rc;
@@ -530,7 +524,7 @@ static int sq_decode_cuda(epipe_codec *c, const uint8_t *body, size_t n, float *
     float levels = (float)((1u << q) - 1u);
     const char *name = c->ops->name;
     for (unsigned j = 0; j < k; j++) { /* the CPU's checks and messages */
-        float min = get_f32(body + 8 * j), step = get_f32(body + 8 * j + 4);
+        float min = epipe_cuda_get_f32(body + 8 * j), step = epipe_cuda_get_f32(body + 8 * j + 4);
         switch (epipe_hd_q_pair_check(min, step, levels)) {
         case 1:
             return epipe_cuda_fail(c, EPIPE_EPROTO,

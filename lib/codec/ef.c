@@ -29,16 +29,21 @@ struct epipe_codec_ef {
     size_t work_cap;
 };
 
+static void residual_free(float *r, int device)
+{
+    if (device < 0)
+        free(r);
+    else /* cudaFree: it waits for the work queued on the device */
+        epipe_cuda_dev_free(r);
+}
+
 void epipe_codec_ef_release(epipe_codec *c)
 {
     struct epipe_codec_ef *e = c->ef_state;
     if (!e)
         return;
     for (unsigned i = 0; i < e->nslots; i++)
-        if (e->slots[i].device < 0)
-            free(e->slots[i].r);
-        else /* cudaFree: it waits for the work queued on the device */
-            epipe_cuda_dev_free(e->slots[i].r);
+        residual_free(e->slots[i].r, e->slots[i].device);
     free(e->slots);
     free(e->work);
     free(e);
@@ -117,10 +122,7 @@ static int slot_for(epipe_codec *c, uint64_t n, enum epipe_dtype dt, int device,
     *fresh = 0;
     if (!same_shape(s, c, n, dt, device)) {
         if (s->n != n || !s->r || s->device != device) {
-            if (s->device < 0)
-                free(s->r);
-            else
-                epipe_cuda_dev_free(s->r);
+            residual_free(s->r, s->device);
             s->r = NULL, s->n = 0, s->device = -1;
             int rc = residual_alloc(c, n, device, &s->r);
             if (rc)

@@ -28,6 +28,14 @@ STAGE_TIMEOUT_MS, STAGE_CODEC_THREADS, STAGE_BATCH_SIZE, STAGE_TRAINING = (
 STAGE_CUDA_DEVICE = _C["EPIPE_STAGE_CUDA_DEVICE"]
 
 
+def _sample_ids(ids):
+    """(array, count): sample ids as the C calls take them, checked."""
+    ids = [int(i) for i in ids]
+    if any(i < 0 for i in ids):
+        raise ValueError("set_samples: sample ids must be non-negative integers")
+    return (ctypes.c_uint64 * max(1, len(ids)))(*ids), len(ids)
+
+
 def version():
     """The loaded library's version as a string, "0.1.0"."""
     return lib.epipe_version_string().decode()
@@ -134,11 +142,8 @@ class Codec(_Handle):
             self._check(lib.epipe_codec_set_samples(self._handle(), None, int(rows)),
                         "epipe_codec_set_samples")
             return
-        ids = [int(i) for i in ids]
-        if any(i < 0 for i in ids):
-            raise ValueError("set_samples: sample ids must be non-negative integers")
-        arr = (ctypes.c_uint64 * max(1, len(ids)))(*ids)
-        self._check(lib.epipe_codec_set_samples(self._handle(), arr, len(ids)),
+        arr, count = _sample_ids(ids)
+        self._check(lib.epipe_codec_set_samples(self._handle(), arr, count),
                     "epipe_codec_set_samples")
 
     def max_encoded_size(self, tensor):
@@ -187,9 +192,8 @@ class Codec(_Handle):
         synchronize().
 
         Without `out`: returns the payload as a new ``bytes``, encoded
-        straight into it when the codec knows the payload's size in advance
-        (none, cast, quant, sortquant: max_encoded_size() is exact), else
-        with one copy of the written prefix. Its pages are new memory, which
+        straight into it (every codec's payload fills max_encoded_size()
+        but a delta=1 codec's, which is trimmed with one copy). Its pages are new memory, which
         costs the first touch of each; use `out` or encode_view() on hot
         paths. With `out` (a writable bytearray,
         memoryview, NumPy array or contiguous CPU uint8 torch tensor of at
@@ -526,11 +530,8 @@ class Stage(_Handle):
         step, before the send (sends on a delta=1 boundary without them
         fail with EPIPE_EINVAL). Later stages need nothing: the ids travel
         with the activations."""
-        ids = [int(i) for i in ids]
-        if any(i < 0 for i in ids):
-            raise ValueError("set_samples: sample ids must be non-negative integers")
-        arr = (ctypes.c_uint64 * max(1, len(ids)))(*ids)
-        self._check(lib.epipe_stage_set_samples(self._handle(), int(microbatch), arr, len(ids)),
+        arr, count = _sample_ids(ids)
+        self._check(lib.epipe_stage_set_samples(self._handle(), int(microbatch), arr, count),
                     "epipe_stage_set_samples")
 
     def send_gradient(self, microbatch, tensor):
