@@ -726,9 +726,41 @@ static int dev_copy(void *dst, const void *src, size_t bytes, char *why, size_t 
     return EPIPE_EIO;
 }
 
+/* Host staging's copies: on the handle's stream, after its work, waited for
+ * (pageable host memory makes cudaMemcpyAsync partly synchronous anyway). */
+static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, size_t bytes)
+{
+    int prev = -1;
+    cudaGetDevice(&prev);
+    int rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the tensor's device");
+    if (!rc)
+        rc = epipe_cuda_check(
+            c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, epipe_cuda_stream(c)),
+            "copying a tensor between host and device for the CPU backend");
+    if (!rc)
+        rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
+                              "waiting for the handle's stream");
+    if (prev >= 0)
+        cudaSetDevice(prev);
+    return rc;
+}
+
 static const epipe_cuda_module module = {
-    EPIPE_CUDA_ABI, cuda_probe, cuda_backend, cuda_check, locate,   cuda_peek,        cuda_encode,
-    cuda_decode,    device_ok,  dev_alloc,    dev_free,   dev_copy, cuda_synchronize, cuda_release,
+    .abi = EPIPE_CUDA_ABI,
+    .probe = cuda_probe,
+    .backend = cuda_backend,
+    .check = cuda_check,
+    .locate = locate,
+    .peek = cuda_peek,
+    .encode = cuda_encode,
+    .decode = cuda_decode,
+    .device_ok = device_ok,
+    .alloc = dev_alloc,
+    .free = dev_free,
+    .copy = dev_copy,
+    .stream_copy = stream_copy,
+    .synchronize = cuda_synchronize,
+    .release = cuda_release,
 };
 
 extern "C" __attribute__((visibility("default"))) int

@@ -314,12 +314,19 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * kDLCUDAManaged) tensors when libepipe finds its CUDA module
  * (libepipe-cuda.so: $EPIPE_CUDA_MODULE, else epipe/ beside libepipe, else
  * the install path), the CUDA driver and a device; otherwise EPIPE_ENOTSUP
- * with a message naming what is missing (no module, no driver, no device,
- * no kernels for the codec: kernels exist for none, cast, quant (rows=1
- * too), sortquant in its three modes, topk and kmeans, with or without
- * error feedback (ef=1); poweriter, insert and activation deltas
- * (delta=1) stay on the CPU). CUDA tensors must be
- * dense and aligned to their element size.
+ * with a message naming what is missing (no module, no driver, no device).
+ * CUDA tensors must be dense and aligned to their element size.
+ *
+ * Kernels exist for none, cast, quant (rows=1 too), sortquant in its three
+ * modes, topk and kmeans, with or without error feedback (ef=1). The other
+ * codecs (poweriter, insert, chains) and activation deltas (delta=1) run on
+ * the CPU backend through host staging: the tensor is copied to host
+ * memory on the handle's stream, encoded there, and the payload copied to
+ * a device buffer if it is one (decode: the reverse). Such a call is
+ * synchronous (its copies are complete when it returns), its payload is
+ * the CPU's byte for byte, the whole tensor crosses PCIe, and a trainable
+ * codec's parameters and their gradients (epipe_codec_tensor()) stay CPU
+ * tensors; its backward calls take CUDA gradients the same way.
  *
  * Payload buffers: host memory (pinned, cudaHostAlloc, for the copies to
  * be fast; pageable works and makes the call wait for the copy) or CUDA

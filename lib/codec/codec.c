@@ -109,6 +109,7 @@ EPIPE_API void epipe_codec_destroy(epipe_codec *c)
     epipe_codec_ef_release(c);
     epipe_codec_delta_release(c, 1);
     epipe_codec_cuda_release(c);
+    epipe_codec_staged_release(c);
     free(c->scratch);
     free(c);
 }
@@ -305,17 +306,20 @@ int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, 
         return epipe_codec_fail(c, EPIPE_ENOSPC,
                                 "%s: encoding %llu values needs %zu bytes; capacity is %zu",
                                 c->ops->name, (unsigned long long)n, need, dst ? capacity : 0);
-    uint8_t *h = dst;
     if (is_cuda(src)) {
-        /* The header from the host's knowledge; the module writes it and
-         * enqueues the body, into host or device memory. */
-        uint8_t hdr[EPIPE_PAYLOAD_HEADER];
-        epipe_payload_put(hdr, c->ops->id, dt, c->ops->param_word(c), n);
-        if ((rc = epipe_codec_cuda_encode(c, be, src, n, dt, h, hdr, need)))
-            return rc;
-        epipe_codec_bind(c, src);
-        *written = need;
-        return EPIPE_OK;
+        if (epipe_codec_cuda_staged(c))
+            rc = epipe_codec_staged_encode(c, src, n, dt, dst, need, written);
+        else {
+            /* The header from the host's knowledge; the module writes it
+             * and enqueues the body, into host or device memory. */
+            uint8_t hdr[EPIPE_PAYLOAD_HEADER];
+            epipe_payload_put(hdr, c->ops->id, dt, c->ops->param_word(c), n);
+            rc = epipe_codec_cuda_encode(c, be, src, n, dt, dst, hdr, need);
+            *written = rc ? 0 : need;
+        }
+        if (rc == EPIPE_OK)
+            epipe_codec_bind(c, src);
+        return rc;
     }
     if (epipe_codec_cuda_is_device_memory(dst))
         return epipe_codec_fail(c, EPIPE_EINVAL,
@@ -323,6 +327,14 @@ int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, 
                                 "CPU tensor into host memory",
                                 c->ops->name);
     epipe_codec_bind(c, src);
+    return epipe_codec_encode_host(c, be, src, n, dt, dst, need, written);
+}
+
+int epipe_codec_encode_host(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src,
+                            uint64_t n, enum epipe_dtype dt, uint8_t *h, size_t need,
+                            size_t *written)
+{
+    int rc;
     const float *x;
     if ((rc = epipe_codec_stage_in(c, src, n, dt, &x)))
         return rc;
@@ -347,6 +359,19 @@ int epipe_codec_decode_checked(epipe_codec *c, const void *src, size_t len, DLTe
     if (rc)
         return rc;
     epipe_codec_note_shape(c, dst);
+    if (is_cuda(dst) && epipe_codec_cuda_staged(c))
+        rc = epipe_codec_staged_decode(c, src, len, dst, n, dt);
+    else
+        rc = epipe_codec_decode_with(c, be, src, len, dst, n, dt);
+    if (rc == EPIPE_OK) /* the device of the first tensor decoded into */
+        epipe_codec_bind(c, dst);
+    return rc;
+}
+
+int epipe_codec_decode_with(epipe_codec *c, const epipe_codec_backend *be, const void *src,
+                            size_t len, DLTensor *dst, uint64_t n, enum epipe_dtype dt)
+{
+    int rc;
     if (!src && len)
         return epipe_codec_fail(c, EPIPE_EINVAL, "%s: src is NULL", c->ops->name);
     const char *name = c->ops->name;
@@ -400,13 +425,8 @@ int epipe_codec_decode_checked(epipe_codec *c, const void *src, size_t len, DLTe
     if (len > need)
         return epipe_codec_fail(c, EPIPE_EPROTO, "%s: payload has %zu bytes after its end", name,
                                 len - need);
-    if (is_cuda(dst)) {
-        if ((rc = epipe_codec_cuda_decode(c, be, src, len, n, dst, dt)))
-            return rc;
-        epipe_codec_bind(c, dst);
-        return EPIPE_OK;
-    }
-    epipe_codec_bind(c, dst);
+    if (is_cuda(dst))
+        return epipe_codec_cuda_decode(c, be, src, len, n, dst, dt);
     float *y;
     if ((rc = epipe_codec_stage_out(c, dst, n, dt, &y)))
         return rc;

@@ -182,6 +182,10 @@ struct epipe_codec {
     void *stream;
     void *cuda;
     int bound_type, bound_id;
+    /* Host buffers of a CUDA handle whose codec runs on the CPU backend
+     * (lib/codec/cuda_staged.c): the tensor's values and the payload. */
+    void *staged_values, *staged_payload;
+    size_t staged_values_cap, staged_payload_cap;
 };
 /* How a codec that works per sample splits the n values of the current
  * call: with per_row, one range per row of dimension 0 (shape[0] rows of

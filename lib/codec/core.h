@@ -72,6 +72,15 @@ const float *epipe_codec_delta_row(const epipe_codec *c, uint64_t id);
  * the device and the codec) when this build has none for it. */
 int epipe_codec_backend_for(epipe_codec *c, const DLTensor *t, const char *what,
                             const epipe_codec_backend **be);
+/* The two halves of encode and decode after the backend is known (the
+ * CUDA staging runs them on host copies): the CPU encode of the host
+ * tensor src into h (need bytes: the payload size), and the decode of a
+ * payload with the header and length checks. */
+int epipe_codec_encode_host(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src,
+                            uint64_t n, enum epipe_dtype dt, uint8_t *h, size_t need,
+                            size_t *written);
+int epipe_codec_decode_with(epipe_codec *c, const epipe_codec_backend *be, const void *src,
+                            size_t len, DLTensor *dst, uint64_t n, enum epipe_dtype dt);
 /* Records t's shape as the shape of the current call (c->ndim, c->shape). */
 void epipe_codec_note_shape(epipe_codec *c, const DLTensor *t);
 

@@ -163,6 +163,12 @@ static const char *device_name(int type)
     return type == kDLCUDA ? "CUDA" : "CPU";
 }
 
+/* 1 when m has no kernels for c's codec or c asks for what they lack. */
+static int staged(const epipe_cuda_module *m, const epipe_codec *c)
+{
+    return !m->backend((unsigned)c->ops->id) || c->delta;
+}
+
 int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what,
                              const epipe_codec_backend **be)
 {
@@ -170,17 +176,41 @@ int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what
     int rc = module_get(c, what, &m);
     if (rc)
         return rc;
-    if (!(*be = m->backend((unsigned)c->ops->id)))
+    if (!staged(m, c)) {
+        *be = m->backend((unsigned)c->ops->id);
+        return EPIPE_OK;
+    }
+    /* No kernels for the codec, or a setting they lack: the CPU backend
+     * runs it on host copies (lib/codec/cuda_staged.c). */
+    if (!(*be = epipe_codec_backend_of(c->ops, EPIPE_CODEC_DEV_CPU)))
         return epipe_codec_fail(c, EPIPE_ENOTSUP,
-                                "%s is a CUDA tensor, and the CUDA backend has no kernels for "
-                                "codec '%s' yet",
+                                "%s is a CUDA tensor; the CUDA backend has no kernels for codec "
+                                "'%s', and this build has no CPU backend to stage it through",
                                 what, c->ops->name);
-    if (c->delta)
-        return epipe_codec_fail(c, EPIPE_ENOTSUP,
-                                "%s is a CUDA tensor; activation deltas (delta=1) run on the "
-                                "CPU backend only",
-                                what);
     return EPIPE_OK;
+}
+
+int epipe_codec_cuda_staged(const epipe_codec *c)
+{
+    pthread_mutex_lock(&lock);
+    const epipe_cuda_module *m = loaded;
+    pthread_mutex_unlock(&lock);
+    return m && staged(m, c);
+}
+
+int epipe_codec_cuda_check(epipe_codec *c, const DLTensor *t, const char *what, int *device)
+{
+    const epipe_cuda_module *m;
+    int rc = module_get(c, what, &m);
+    return rc ? rc : m->check(c, t, what, device);
+}
+
+int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const void *src,
+                                 size_t bytes)
+{
+    const epipe_cuda_module *m;
+    int rc = module_get(c, "a staged tensor", &m);
+    return rc || !bytes ? rc : m->stream_copy(c, device, dst, src, bytes);
 }
 
 int epipe_codec_check_binding(epipe_codec *c, const DLTensor *t, const char *what)

@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 5
+#define EPIPE_CUDA_ABI 6
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
@@ -111,6 +111,11 @@ typedef struct epipe_cuda_module {
     int (*alloc)(int device, size_t bytes, void **p, char *why, size_t cap);
     void (*free)(void *p);
     int (*copy)(void *dst, const void *src, size_t bytes, char *why, size_t cap);
+    /* Host staging (lib/codec/cuda_staged.c): a copy of `bytes` between
+     * host and device memory of CUDA device `device` (cudaMemcpyDefault),
+     * ordered on the handle's stream after the work already on it, and
+     * complete when it returns. Errors as a status with the message on c. */
+    int (*stream_copy)(epipe_codec *c, int device, void *dst, const void *src, size_t bytes);
     /* Waits for the handle's stream; the first deferred error since the
      * last call, or a CUDA error, as a status with the message on c. */
     int (*synchronize)(epipe_codec *c);

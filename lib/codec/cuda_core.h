@@ -8,9 +8,37 @@
 
 /* The backend of the CUDA module for c's codec, loading the module on first
  * use: EPIPE_ENOTSUP naming what is missing (no module, no driver, no
- * device, no kernels for the codec, delta=1, a setting the kernels lack). */
+ * device). Where the module has no kernels for the codec, or c uses
+ * delta=1, it is the CPU backend, run on host copies (staged, below). */
 int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what,
                              const epipe_codec_backend **be);
+/* 1 when the loaded module stages c's CUDA tensors through the host. */
+int epipe_codec_cuda_staged(const epipe_codec *c);
+/* The module's checks of a CUDA tensor (dense, aligned, on a device that
+ * exists), its device index into *device. */
+int epipe_codec_cuda_check(epipe_codec *c, const DLTensor *t, const char *what, int *device);
+/* A copy between host and device memory of `device`, ordered on c's
+ * stream after its work and complete on return. */
+int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const void *src,
+                                 size_t bytes);
+/* Host staging for CUDA tensors (lib/codec/cuda_staged.c): encode src (a
+ * CUDA tensor of n values of dt, into host or device memory dst of
+ * `capacity` >= the payload's size) and decode a payload (host or device
+ * memory) into the CUDA tensor dst, through the CPU backend; the payloads
+ * are the CPU's. */
+int epipe_codec_staged_encode(epipe_codec *c, const DLTensor *src, uint64_t n, enum epipe_dtype dt,
+                              void *dst, size_t capacity, size_t *written);
+int epipe_codec_staged_decode(epipe_codec *c, const void *src, size_t len, DLTensor *dst,
+                              uint64_t n, enum epipe_dtype dt);
+/* A host fp32 copy of the CUDA tensor t (fill: with its values) into
+ * *host (malloc'd, the caller frees), and the copy of such a buffer back
+ * into t (converted to t's dtype). */
+int epipe_codec_staged_f32_in(epipe_codec *c, const DLTensor *t, const char *what, uint64_t n,
+                              enum epipe_dtype dt, float **host, int fill);
+int epipe_codec_staged_f32_out(epipe_codec *c, DLTensor *t, const char *what, uint64_t n,
+                               enum epipe_dtype dt, const float *host);
+/* Frees the staging buffers (epipe_codec_destroy). */
+void epipe_codec_staged_release(epipe_codec *c);
 /* The loaded module's table for ops, or NULL (loads nothing). */
 const epipe_codec_backend *epipe_codec_cuda_loaded_backend(const epipe_codec_ops *ops);
 /* EPIPE_EINVAL naming both devices when t is not on the device the handle

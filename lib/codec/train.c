@@ -7,6 +7,7 @@
 
 #include "codec_internal.h"
 #include "core.h"
+#include "cuda_core.h"
 
 static int not_trainable(epipe_codec *c, const char *call)
 {
@@ -41,7 +42,7 @@ EPIPE_API int epipe_codec_code_shape(epipe_codec *c, const DLTensor *src, int *n
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_code_shape: an argument is NULL");
     uint64_t n;
     enum epipe_dtype dt;
-    int rc = epipe_tensor_inspect(src, "src", c->msg, &n, &dt);
+    int rc = epipe_tensor_inspect_on(src, "src", c->msg, &n, &dt, epipe_tensor_is_cuda(src));
     if (rc)
         return rc;
     if (!c->ops->code_shape) {
@@ -88,12 +89,21 @@ static int backward(epipe_codec *c, const epipe_codec_train_ops *t, unsigned mb,
                     int enc)
 {
     float *a = NULL, *b = NULL, *own_a = NULL, *own_b = NULL;
-    int rc = epipe_codec_f32_view(c, gin, in_name, n_in, dt_in, &a, &own_a, 1);
-    if (rc == EPIPE_OK &&
-        (rc = epipe_codec_f32_view(c, gout, out_name, n_out, dt_out, &b, &own_b, 0)) == EPIPE_OK) {
+    /* CUDA tensors: host copies for the CPU backend (lib/codec/cuda_staged.c) */
+    int in_cuda = epipe_tensor_is_cuda(gin), out_cuda = epipe_tensor_is_cuda(gout);
+    int rc = in_cuda ? epipe_codec_staged_f32_in(c, gin, in_name, n_in, dt_in, &own_a, 1)
+                     : epipe_codec_f32_view(c, gin, in_name, n_in, dt_in, &a, &own_a, 1);
+    a = in_cuda ? own_a : a;
+    if (rc == EPIPE_OK)
+        rc = out_cuda ? epipe_codec_staged_f32_in(c, gout, out_name, n_out, dt_out, &own_b, 0)
+                      : epipe_codec_f32_view(c, gout, out_name, n_out, dt_out, &b, &own_b, 0);
+    if (rc == EPIPE_OK) {
+        b = out_cuda ? own_b : b;
         rc = enc ? t->encode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim)
                  : t->decode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim);
-        if (rc == EPIPE_OK && own_b)
+        if (rc == EPIPE_OK && out_cuda)
+            rc = epipe_codec_staged_f32_out(c, gout, out_name, n_out, dt_out, own_b);
+        else if (rc == EPIPE_OK && own_b)
             epipe_tensor_write_f32(gout, own_b, (size_t)n_out);
     }
     free(own_a);
@@ -113,8 +123,11 @@ static int backward_entry(epipe_codec *c, const char *call, unsigned mb, const D
     if (!c->ops->code_shape)
         return not_trainable(c, call);
     if ((rc = epipe_codec_backend_for(c, gin, in_name, &be)) || (rc = train_ops(c, be, call, &t)) ||
-        (rc = epipe_tensor_inspect(gin, in_name, c->msg, &n_in, &dt_in)) ||
-        (rc = epipe_tensor_inspect(gout, out_name, c->msg, &n_out, &dt_out)))
+        (rc = epipe_codec_backend_for(c, gout, out_name, &be)) ||
+        (rc = epipe_tensor_inspect_on(gin, in_name, c->msg, &n_in, &dt_in,
+                                      epipe_tensor_is_cuda(gin))) ||
+        (rc = epipe_tensor_inspect_on(gout, out_name, c->msg, &n_out, &dt_out,
+                                      epipe_tensor_is_cuda(gout))))
         return rc;
     return backward(c, t, mb, gin, in_name, n_in, dt_in, gout, out_name, n_out, dt_out, enc);
 }

@@ -577,8 +577,9 @@ int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
     struct chunk *c = &st->ch[st->cur.chunk];
     uint64_t n;
     enum epipe_dtype dt;
-    /* CUDA tensors too: the boundary's codecs take them (or refuse them
-     * by name where the CUDA backend is missing) */
+    /* CUDA tensors too: the boundary's codecs take them (through host
+     * staging where the CUDA module has no kernels), or refuse them by
+     * name where there is no CUDA module, driver or device */
     if ((rc = epipe_tensor_inspect_on(t, dir == DIR_ACT ? "activation" : "gradient", NULL, &n, &dt,
                                       1)))
         return fail(st, rc, "%s", epipe_last_error());

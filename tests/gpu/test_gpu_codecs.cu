@@ -668,22 +668,35 @@ int main(void)
         ef_matches_cpu("topk:ratio=0.05,ef=1", dev);
     }
     {
-        /* a codec without kernels is refused by name, synchronously
-         * (poweriter needs a BLAS build; without one it has nothing to refuse) */
-        epipe_codec *g;
+        /* a codec without kernels runs on the CPU backend through host
+         * staging: the CPU's payload, into device memory too (poweriter
+         * needs a BLAS build; without one it is not there to stage) */
+        epipe_codec *g, *h;
         if (epipe_codec_create(&g, "poweriter:rank=1,shared=1") == EPIPE_OK) {
-            float *d;
-            CUDA_OK(cudaMalloc((void **)&d, 64));
+            CHECK(epipe_codec_create(&h, "poweriter:rank=1,shared=1") == EPIPE_OK, "create");
+            float x[16], *d;
+            for (int i = 0; i < 16; i++)
+                x[i] = (float)((i * 7) % 11) - 5.0f;
+            CUDA_OK(cudaMalloc((void **)&d, sizeof x));
+            CUDA_OK(cudaMemcpy(d, x, sizeof x, cudaMemcpyHostToDevice));
+            uint8_t *dp;
+            CUDA_OK(cudaMalloc((void **)&dp, 256));
             int64_t shape[2] = {4, 4};
-            DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
-            ds.ndim = 2;
-            uint8_t p[256];
-            size_t w;
-            CHECK(epipe_codec_encode(g, &ds, p, sizeof p, &w) == EPIPE_ENOTSUP, "poweriter");
-            CHECK(strstr(epipe_codec_last_error(g), "'poweriter'") != NULL, "%s",
+            DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat), hs = ds;
+            ds.ndim = hs.ndim = 2;
+            hs.data = x;
+            hs.device.device_type = kDLCPU;
+            uint8_t p[256], q[256];
+            size_t w = 0, v = 0;
+            CHECK(epipe_codec_encode(g, &ds, dp, sizeof p, &w) == EPIPE_OK, "poweriter staged: %s",
                   epipe_codec_last_error(g));
+            CHECK(epipe_codec_encode(h, &hs, q, sizeof q, &v) == EPIPE_OK, "poweriter on the CPU");
+            CUDA_OK(cudaMemcpy(p, dp, w, cudaMemcpyDeviceToHost));
+            CHECK(w == v && memcmp(p, q, w) == 0, "poweriter staged: the CPU's payload");
             epipe_codec_destroy(g);
+            epipe_codec_destroy(h);
             cudaFree(d);
+            cudaFree(dp);
         }
     }
     hostile_table();
