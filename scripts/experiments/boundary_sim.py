@@ -19,6 +19,8 @@ prototype written here:
     py:qBr    the same, one range per sample (quant's rows=1)
     py:qBrs   per sample, stochastic rounding (unbiased)
     py:qBrcK  per sample, the range clipped at K standard deviations
+    py:qBrm   per sample, the clipped range of least squared error (each
+              end moved in by the same share of the range, 0-60%)
     py:kBr    per-sample Lloyd-Max (k-means) codebook, 2^B levels
     py:kBs    one Lloyd-Max codebook for the tensor, its end levels moved to
               the extremes, stochastic rounding between neighbours (unbiased)
@@ -72,6 +74,30 @@ def uniform(t, bits, stochastic=False, per_row=False, clip=None):
     u = (x - lo) / step
     u = torch.floor(u + torch.rand_like(u)) if stochastic else torch.round(u)
     return (lo + u.clamp(0, levels) * step).reshape(t.shape)
+
+
+def uniform_mse(t, bits):
+    """Per-sample B-bit uniform levels whose range is clipped in from both
+    ends by the share (0, 5, ... 60% of the range) that gives that sample
+    the least squared error."""
+    levels = 2 ** bits - 1
+    x = t.reshape(t.shape[0], -1)
+    lo0, hi0 = x.min(1, keepdim=True)[0], x.max(1, keepdim=True)[0]
+    best, best_err = None, None
+    for k in range(0, 13):
+        f = 0.05 * k
+        lo, hi = lo0 + f * (hi0 - lo0) * (lo0 < 0), hi0 - f * (hi0 - lo0) * (hi0 > 0)
+        step = (hi - lo) / levels
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        lo = torch.where((lo < 0) & (hi > 0), -torch.round(-lo / step) * step, lo)
+        y = lo + torch.round((x - lo) / step).clamp(0, levels) * step
+        err = ((y - x) ** 2).sum(1, keepdim=True)
+        if best is None:
+            best, best_err = y, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, y, best), torch.minimum(err, best_err)
+    return best.reshape(t.shape)
 
 
 def kmeans_rows(t, bits, iters=8):
@@ -151,6 +177,8 @@ def prototype(name):
         return lambda t: kmeans_rows(t.detach(), bits)
     if kind == "k" and rest == "s":
         return lambda t: kmeans_stochastic(t.detach(), bits)
+    if kind == "q" and rest == "rm":
+        return lambda t: uniform_mse(t.detach(), bits)
     if kind == "q":
         clip = float(rest.split("c")[1]) if "c" in rest else None
         return lambda t: uniform(t.detach(), bits, "s" in rest, "r" in rest, clip)
@@ -226,6 +254,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--act", default="none", help="activation codec (see above)")
     ap.add_argument("--grad", default="none", help="gradient codec (see above)")
+    ap.add_argument("--test-act", default="",
+                    help="comma-separated activation codecs to evaluate the trained model with "
+                         "as well (default: only --act)")
     ap.add_argument("--delta", type=int, default=0, help="1: activation deltas per sample")
     ap.add_argument("--ef", type=int, default=0, help="1: error feedback on gradients")
     ap.add_argument("--epochs", type=int, default=6)
@@ -264,20 +295,23 @@ def main():
               f"{mean(bounds[0].act_err):.3e} {mean(bounds[1].act_err):.3e}, gradients "
               f"{mean(bounds[0].grad_err):.3e} {mean(bounds[1].grad_err):.3e}", flush=True)
     model.eval()
-    correct = {True: 0, False: 0}  # codecs on at test (as fmnist_split), off
-    with torch.no_grad():  # rows untracked, as fmnist_split evaluates
+    # codecs on at test (rows untracked, as fmnist_split evaluates), off, and
+    # each --test-act codec in place of --act
+    tests = [a.act, "none"] + [t for t in a.test_act.split(",") if t]
+    codecs = {t: (bounds[0].act_codec if t == a.act else make(t)) for t in tests}
+    correct = dict.fromkeys(tests, 0)
+    with torch.no_grad():
         for s in range(0, len(vy), 1000):
             for xi, yi in zip(vx[s:s + 1000].chunk(m), vy[s:s + 1000].chunk(m)):
-                for coded in correct:
-                    h = parts[0](xi)
-                    h = bounds[0].activation(h, None, False) if coded else h
-                    h = parts[1](h)
-                    h = bounds[1].activation(h, None, False) if coded else h
-                    correct[coded] += int((parts[2](h).argmax(1) == yi).sum())
-    print(f"test accuracy {100 * correct[True] / len(vy):.2f}% "
-          f"({100 * correct[False] / len(vy):.2f}% with the test activations uncompressed)  "
+                for t in tests:
+                    h = codecs[t](parts[1](codecs[t](parts[0](xi))))
+                    correct[t] += int((parts[2](h).argmax(1) == yi).sum())
+    print(f"test accuracy {100 * correct[a.act] / len(vy):.2f}% "
+          f"({100 * correct['none'] / len(vy):.2f}% with the test activations uncompressed)  "
           f"(act {a.act}, grad {a.grad}, delta {a.delta}, ef {a.ef}, seed {a.seed}, "
           f"{time.time() - t0:.0f}s)")
+    for t in tests[2:]:
+        print(f"  test activations through {t}: {100 * correct[t] / len(vy):.2f}%")
 
 if __name__ == "__main__":
     main()
