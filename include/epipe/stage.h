@@ -139,12 +139,26 @@ typedef enum epipe_stage_param {
      * codec handles keep to the device of their first tensor). With CUDA
      * tensors a send returns once the payload is in host memory and a
      * receive once the tensor is decoded, so both may be used from any
-     * stream; the codecs run on the legacy default stream. Only between
-     * steps (EPIPE_ESTATE otherwise). */
+     * stream; the codecs run on the stream of epipe_stage_set_cuda_stream()
+     * (the legacy default stream until it is set). Only between steps
+     * (EPIPE_ESTATE otherwise). */
     EPIPE_STAGE_CUDA_DEVICE = 5
 } epipe_stage_param;
 
 EPIPE_API int epipe_stage_set_param(epipe_stage *stage, epipe_stage_param param, int64_t value);
+/* The cudaStream_t (passed as void *) every codec of the stage enqueues
+ * its CUDA work on, and that a CUDA tensor handed between two chunks of
+ * this rank is copied on; NULL (the default) is the legacy default stream.
+ * A host that computes on its own stream sets it so that the encode of a
+ * sent tensor follows the kernels that made it, with no device-wide wait.
+ * Sends and receives still return with their work complete, as
+ * EPIPE_STAGE_CUDA_DEVICE says. Work on the previous stream is waited for
+ * first, and its error returned (the stream is set whatever it is). The
+ * stream must outlive the stage or the next call. Any time between calls
+ * on the stage, mid-step too (the Python binding follows torch's current
+ * stream at each send); a stage without CUDA tensors ignores it. */
+EPIPE_EXPERIMENTAL int epipe_stage_set_cuda_stream(epipe_stage *stage, void *stream);
+
 /* The current value of a knob in *value: what epipe_stage_set_param() last
  * set, or the default (EPIPE_STAGE_TIMEOUT_MS: the communicator's timeout
  * as it is now, until the stage sets its own). EPIPE_EINVAL for a NULL argument or an

@@ -72,11 +72,13 @@ int epipe_stage_hand_over(epipe_stage *st, struct chunk *c, unsigned mb, int dir
         for (int d = 0; d < t->ndim; d++)
             bytes *= (size_t)t->shape[d];
         const char *from = (const char *)t->data + t->byte_offset;
-        char why[1400];
         if (bytes && (slot->on_cuda || epipe_tensor_is_cuda(t))) {
-            if ((rc = epipe_cuda_dev_copy(slot->buf, from, bytes, why, sizeof why))) {
+            /* on the stage's stream (enc's), after the work that made t */
+            int device = epipe_tensor_is_cuda(t) ? (int)t->device.device_id : slot->device;
+            if ((rc = epipe_codec_cuda_stream_copy(enc, device, slot->buf, from, bytes))) {
                 slot->t.data = NULL;
-                return fail(st, rc, "handing over the %s of micro-batch %u: %s", what, mb, why);
+                return fail(st, rc, "handing over the %s of micro-batch %u: %s", what, mb,
+                            epipe_codec_last_error(enc));
             }
         } else if (bytes) {
             memcpy(slot->buf, from, bytes);

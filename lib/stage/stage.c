@@ -18,6 +18,7 @@ static int make_codec(epipe_stage *st, epipe_codec **slot, const char *spec)
     if (rc)
         return fail(st, rc, "%s", epipe_last_error());
     epipe_codec_set_param(c, EPIPE_CODEC_THREADS, st->codec_threads);
+    epipe_codec_set_stream(c, st->cuda_stream); /* a new handle: nothing to wait for */
     epipe_codec_destroy(*slot);
     *slot = c;
     return EPIPE_OK;
@@ -441,6 +442,26 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
     }
     }
     return fail(st, EPIPE_EINVAL, "unknown stage parameter %d", (int)param);
+}
+
+EPIPE_EXPERIMENTAL int epipe_stage_set_cuda_stream(epipe_stage *st, void *stream)
+{
+    epipe_clear_error();
+    if (!st)
+        return epipe_fail(EPIPE_EINVAL, "epipe_stage_set_cuda_stream: stage is NULL");
+    st->cuda_stream = stream;
+    int first = EPIPE_OK;
+    for (unsigned k = 0; k < st->nch; k++) {
+        struct chunk *c = &st->ch[k];
+        epipe_codec *all[4] = {c->enc_act, c->dec_act, c->enc_grad, c->dec_grad};
+        for (int i = 0; i < 4; i++) {
+            int rc = epipe_codec_set_stream(all[i], stream);
+            if (rc && !first)
+                first = fail(st, rc, "waiting for the previous CUDA stream: %s",
+                             epipe_codec_last_error(all[i]));
+        }
+    }
+    return first;
 }
 
 EPIPE_API int epipe_stage_get_param(const epipe_stage *st, epipe_stage_param param, int64_t *value)

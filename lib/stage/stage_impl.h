@@ -115,6 +115,7 @@ struct epipe_stage {
     size_t neval_ops;
     int training;
     int cuda_device;     /* EPIPE_STAGE_CUDA_DEVICE: -1 host memory */
+    void *cuda_stream;   /* epipe_stage_set_cuda_stream(): its codecs' stream */
     int splits;          /* the schedule splits the backward (BACKWARD_INPUT, BACKWARD_WEIGHT) */
     const epipe_op *ops; /* the list the current step runs */
     size_t nops;

@@ -164,16 +164,7 @@ class Codec(_Handle):
         for the tensor's device, so that it is ordered after the work that
         made the tensor and before what reads the result, as a torch op
         would be. Nothing for a CPU tensor."""
-        dev = getattr(tensor, "device", None)
-        if dev is None or dev.type != "cuda":
-            return
-        import torch
-
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        if getattr(self, "_stream", None) != stream:
-            self._check(lib.epipe_codec_set_stream(self._handle(), ctypes.c_void_p(stream)),
-                        "epipe_codec_set_stream")
-            self._stream = stream
+        _follow_torch_stream(self, tensor, lib.epipe_codec_set_stream, "epipe_codec_set_stream")
 
     def synchronize(self):
         """Waits for the codec's CUDA work and reports what it deferred (a
@@ -365,6 +356,29 @@ _STAT_FIELDS = [f for f, _ in _lib.StageStats._fields_ if f != "struct_size"]
 _BOUNDARY_FIELDS = [f for f, _ in _lib.BoundaryStats._fields_ if f != "struct_size"]
 
 
+def _follow_torch_stream(handle, tensor, setter, name):
+    """Sets handle's CUDA stream (with setter, the C call `name`) to torch's
+    current stream on a CUDA tensor's device when it changed; nothing for
+    other tensors."""
+    dev = getattr(tensor, "device", None)
+    if dev is None or dev.type != "cuda":
+        return
+    import torch
+
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    if getattr(handle, "_stream", None) != stream:
+        handle._check(setter(handle._handle(), ctypes.c_void_p(stream)), name)
+        handle._stream = stream
+
+
+def _stream_pointer(stream):
+    """A cudaStream_t as an integer: None or 0 (the legacy default stream),
+    an integer, or an object with .cuda_stream (torch.cuda.Stream)."""
+    if stream is None:
+        return 0
+    return int(getattr(stream, "cuda_stream", stream))
+
+
 class Stage(_Handle):
     """One pipeline stage on `comm` (its rank is the stage index).
 
@@ -468,6 +482,17 @@ class Stage(_Handle):
         self._check(lib.epipe_stage_set_param(self._handle(), int(param), int(value)),
                     "epipe_stage_set_param")
 
+    def set_cuda_stream(self, stream):
+        """The CUDA stream the stage's codecs work on (experimental;
+        stage.h, epipe_stage_set_cuda_stream): None (the legacy default
+        stream), a torch.cuda.Stream or a raw cudaStream_t as an integer.
+        Sends of torch CUDA tensors set it themselves to torch's current
+        stream, as Codec.encode does."""
+        ptr = _stream_pointer(stream)
+        self._check(lib.epipe_stage_set_cuda_stream(self._handle(), ctypes.c_void_p(ptr)),
+                    "epipe_stage_set_cuda_stream")
+        self._stream = ptr
+
     @property
     def training(self):
         return getattr(self, "_training", True)
@@ -516,6 +541,8 @@ class Stage(_Handle):
 
     def send_activation(self, microbatch, tensor):
         """Encodes and sends; the tensor may be reused as soon as this returns."""
+        _follow_torch_stream(self, tensor, lib.epipe_stage_set_cuda_stream,
+                             "epipe_stage_set_cuda_stream")
         v = DLView(tensor)
         self._check(lib.epipe_stage_send_activation(self._handle(), int(microbatch), v.ptr),
                     "epipe_stage_send_activation")
@@ -535,6 +562,8 @@ class Stage(_Handle):
                     "epipe_stage_set_samples")
 
     def send_gradient(self, microbatch, tensor):
+        _follow_torch_stream(self, tensor, lib.epipe_stage_set_cuda_stream,
+                             "epipe_stage_set_cuda_stream")
         v = DLView(tensor)
         self._check(lib.epipe_stage_send_gradient(self._handle(), int(microbatch), v.ptr),
                     "epipe_stage_send_gradient")

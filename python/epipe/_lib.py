@@ -364,6 +364,7 @@ _PROTOS = {
     "epipe_stage_current_op": (_int, [_vp, ctypes.POINTER(Op)]),
     "epipe_stage_set_codec": (_int, [_vp, _int, _uint, _cs]),
     "epipe_stage_set_param": (_int, [_vp, _int, ctypes.c_int64]),
+    "epipe_stage_set_cuda_stream": (_int, [_vp, _vp]),
     "epipe_stage_set_samples": (_int, [_vp, _uint, ctypes.POINTER(ctypes.c_uint64),
                                        ctypes.c_size_t]),
     "epipe_stage_index": (_uint, [_vp]),

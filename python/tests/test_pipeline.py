@@ -233,6 +233,25 @@ def test_batch_size_checks_rows():
             c.close()
 
 
+def test_stage_cuda_stream_setting():
+    """set_cuda_stream takes None, an integer or an object with .cuda_stream
+    (torch.cuda.Stream) and reaches the C call; a CPU stage stores it and
+    still runs (the CUDA side: tests/fakecuda/test_stage_staged.c)."""
+    class FakeStream:
+        cuda_stream = 0x5eed
+
+    comms = epipe.Comm.inproc(2)
+    try:
+        st = epipe.Stage(comms[0], "gpipe", 1)
+        for s in (None, 0x1234, FakeStream()):
+            st.set_cuda_stream(s)
+        assert st._stream == 0x5eed
+        st.close()
+    finally:
+        for c in comms:
+            c.close()
+
+
 def test_bad_schedule_and_comm_info():
     comms = epipe.Comm.inproc(3)
     try:

@@ -11,6 +11,7 @@
 #include <dlfcn.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,7 @@ enum { M = 4, ROWS = 8, COLS = 64, N = ROWS * COLS };
 static void *(*dev_alloc)(size_t);
 static void (*dev_free)(void *);
 static int (*dev_copy)(void *, const void *, size_t);
+static void *(*last_stream)(unsigned long *);
 /* Stateless codecs, so that a fresh CPU handle is the reference at every
  * step; the test module stages them all. */
 static const char *act_spec = "quant:bits=2,rows=1", *grad_spec = "sortquant:bits=8,mode=sample";
@@ -87,6 +89,7 @@ struct rank_args {
     epipe_comm *comm;
     const char *schedule;
     int rank, cuda_recv; /* rank 1: receive into device memory */
+    void *stream;        /* the stage's CUDA stream (NULL: not set) */
 };
 
 static void *run_rank(void *p)
@@ -102,6 +105,9 @@ static void *run_rank(void *p)
           "grad codec");
     if (a->rank == 0 || a->cuda_recv)
         CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0) == EPIPE_OK, "%s",
+              epipe_stage_last_error(st));
+    if (a->stream)
+        CHECK(epipe_stage_set_cuda_stream(st, a->stream) == EPIPE_OK, "%s",
               epipe_stage_last_error(st));
     float *dx[M], *dg[M];
     static _Thread_local float x[N], act[N], got[N], want[N], hg[M][N];
@@ -120,6 +126,8 @@ static void *run_rank(void *p)
             }
             if (op.kind == EPIPE_OP_NONE)
                 break;
+            if (a->stream) /* mid-step too */
+                CHECK(epipe_stage_set_cuda_stream(st, a->stream) == EPIPE_OK, "stream mid-step");
             unsigned mb = op.microbatch;
             input(mb, x);
             through_cpu(act_spec, x, act);
@@ -169,9 +177,10 @@ out:
     return NULL;
 }
 
-static void run_pair(epipe_comm *c0, epipe_comm *c1, const char *schedule, int cuda_recv)
+static void run_pair(epipe_comm *c0, epipe_comm *c1, const char *schedule, int cuda_recv,
+                     void *stream)
 {
-    struct rank_args a0 = {c0, schedule, 0, 1}, a1 = {c1, schedule, 1, cuda_recv};
+    struct rank_args a0 = {c0, schedule, 0, 1, stream}, a1 = {c1, schedule, 1, cuda_recv, stream};
     pthread_t t0, t1;
     pthread_create(&t0, NULL, run_rank, &a0);
     pthread_create(&t1, NULL, run_rank, &a1);
@@ -214,8 +223,9 @@ int main(void)
         *(void **)&dev_alloc = dlsym(so, "fakecuda_alloc");
         *(void **)&dev_free = dlsym(so, "fakecuda_free");
         *(void **)&dev_copy = dlsym(so, "fakecuda_copy");
+        *(void **)&last_stream = dlsym(so, "fakecuda_last_stream");
     }
-    if (!dev_alloc || !dev_free || !dev_copy) {
+    if (!dev_alloc || !dev_free || !dev_copy || !last_stream) {
         fprintf(stderr, "EPIPE_CUDA_MODULE must name the test module (fakecuda)\n");
         return 1;
     }
@@ -225,7 +235,7 @@ int main(void)
             epipe_comm *c[2];
             if (epipe_comm_create_inproc(c, 2) != EPIPE_OK)
                 return fprintf(stderr, "inproc: %s\n", epipe_last_error()), 1;
-            run_pair(c[0], c[1], schedules[s], cuda_recv);
+            run_pair(c[0], c[1], schedules[s], cuda_recv, NULL);
             epipe_comm_destroy(c[0]);
             epipe_comm_destroy(c[1]);
         }
@@ -238,7 +248,19 @@ int main(void)
     pthread_join(t0, NULL);
     pthread_join(t1, NULL);
     if (c[0] && c[1])
-        run_pair(c[0], c[1], "1f1b", 1);
+        run_pair(c[0], c[1], "1f1b", 1, NULL);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+
+    /* the stage's stream reaches every copy of its codecs */
+    void *stream = (void *)(uintptr_t)0xbeef;
+    unsigned long before = 0, after = 0;
+    CHECK(last_stream(&before) != stream, "the stream was not used yet");
+    if (epipe_comm_create_inproc(c, 2) != EPIPE_OK)
+        return fprintf(stderr, "inproc: %s\n", epipe_last_error()), 1;
+    run_pair(c[0], c[1], "1f1b", 1, stream);
+    CHECK(last_stream(&after) == stream, "the last staging copy was not on the stage's stream");
+    CHECK(after > before, "no staging copies");
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
     if (failures)
