@@ -234,7 +234,7 @@ static void test_refusals(void **state)
     assert_int_equal(dev_copy(dx, x, sizeof x), 0);
     size_t w = 7;
 
-    int64_t strides[2] = {1, ROWS}; /* column-major */
+    int64_t strides[3] = {1, ROWS, ROWS * 4}; /* column-major */
     DLTensor strided = f32(kDLCUDA, dx);
     strided.strides = strides;
     assert_int_equal(epipe_codec_encode(g, &strided, dp, sizeof p, &w), EPIPE_EINVAL);
