@@ -10,10 +10,11 @@
 
 static void usage(void)
 {
-    fprintf(stderr, "usage: epipe-bench-cuda SPEC [SPEC...] [--n VALUES] [--reps R]\n"
-                    "                        [--payload device|host]\n\n"
+    fprintf(stderr, "usage: epipe-bench-cuda SPEC [SPEC...] [--n VALUES | --shape D0,D1,...]\n"
+                    "                        [--reps R] [--payload device|host]\n\n"
                     "Times epipe_codec_encode and _decode of a dense fp32 CUDA tensor (default\n"
-                    "12.8M normal values) into and from a payload in device memory (default)\n"
+                    "12.8M normal values, one dimension; --shape for the codecs that read the\n"
+                    "shape, poweriter and insert) into and from a payload in device memory (default)\n"
                     "or pinned host memory, beside a cudaMemcpyAsync device-to-device copy of\n"
                     "the tensor. Throughput: R calls (default 20) enqueued back to back, one\n"
                     "epipe_codec_synchronize after them, stream time per call (x copy: the\n"
@@ -138,12 +139,28 @@ __global__ void fill_normal(float *x, size_t n)
 int main(int argc, char **argv)
 {
     size_t n = 12800000;
-    int reps = 20, nspec = 0, host_payload = 0;
+    int reps = 20, nspec = 0, host_payload = 0, ndim = 1;
+    int64_t shape[8] = {0};
     const char *specs[32];
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--n") && i + 1 < argc)
+        if (!strcmp(argv[i], "--n") && i + 1 < argc) {
             n = strtoull(argv[++i], NULL, 10);
-        else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
+            ndim = 1;
+        } else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
+            const char *p = argv[++i];
+            n = 1;
+            for (ndim = 0; *p && ndim < 8; ndim++) {
+                char *end;
+                unsigned long long d = strtoull(p, &end, 10);
+                if (end == p || !d || (*end && *end != ',') || n > SIZE_MAX / 4 / d)
+                    return usage(), 2;
+                shape[ndim] = (int64_t)d;
+                n *= (size_t)d;
+                p = *end ? end + 1 : end;
+            }
+            if (*p || !ndim)
+                return usage(), 2;
+        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
             reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--payload") && i + 1 < argc &&
                  (!strcmp(argv[i + 1], "host") || !strcmp(argv[i + 1], "device")))
@@ -169,12 +186,13 @@ int main(int argc, char **argv)
     CK(cudaMalloc((void **)&z, n * 4));
     fill_normal<<<1024, 256>>>(x, n);
     CK(cudaDeviceSynchronize());
-    int64_t shape[1] = {(int64_t)n};
+    if (ndim == 1)
+        shape[0] = (int64_t)n;
     DLTensor tx, ty;
     memset(&tx, 0, sizeof tx);
     tx.data = x;
     tx.device.device_type = kDLCUDA;
-    tx.ndim = 1;
+    tx.ndim = ndim;
     tx.shape = shape;
     tx.dtype.code = kDLFloat;
     tx.dtype.bits = 32;
