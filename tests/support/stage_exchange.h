@@ -1,0 +1,276 @@
+/* The exchange the CUDA-tensor stage tests run, on real device memory
+ * (tests/gpu/test_gpu_stage.cu, nvcc) or on the test CUDA module's
+ * (tests/fakecuda/test_stage_staged.c): two ranks (threads) run GPipe and
+ * 1F1B over inproc and over TCP on loopback; rank 0 sends CUDA activations,
+ * rank 1 receives them in device memory (or in host memory when
+ * EPIPE_STAGE_CUDA_DEVICE stays -1) and sends back a gradient made from
+ * each. Every tensor received must be, byte for byte, what the CPU codecs
+ * make of what was sent. Written in the subset of C that C++ compiles; the
+ * device memory comes from the caller. */
+#ifndef EPIPE_TESTS_STAGE_EXCHANGE_H
+#define EPIPE_TESTS_STAGE_EXCHANGE_H
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <epipe/epipe.h>
+
+/* Device memory: alloc (NULL on failure), free, and a copy in any
+ * direction (0 on success). */
+typedef struct sx_memory {
+    void *(*alloc)(size_t bytes);
+    void (*free)(void *p);
+    int (*copy)(void *dst, const void *src, size_t bytes);
+} sx_memory;
+
+enum { SX_M = 4, SX_ROWS = 8, SX_COLS = 1000, SX_N = SX_ROWS * SX_COLS };
+
+static int sx_failures;
+#define SX_CHECK(cond, ...)                                                                        \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+            __atomic_add_fetch(&sx_failures, 1, __ATOMIC_RELAXED);                                 \
+        }                                                                                          \
+    } while (0)
+
+static int64_t sx_shape[2] = {SX_ROWS, SX_COLS};
+
+static DLTensor sx_view(int type, void *data)
+{
+    DLTensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.device.device_type = (DLDeviceType)type;
+    t.ndim = 2;
+    t.shape = sx_shape;
+    t.dtype.code = kDLFloat;
+    t.dtype.bits = 32;
+    t.dtype.lanes = 1;
+    return t;
+}
+
+/* What the CPU codec spec makes of x (a fresh handle): y. */
+static void sx_through_cpu(const char *spec, const float *x, float *y)
+{
+    DLTensor tx = sx_view(kDLCPU, (void *)x), ty = sx_view(kDLCPU, y);
+    epipe_codec *c = NULL;
+    size_t cap = 0, w = 0;
+    SX_CHECK(epipe_codec_create(&c, spec) == EPIPE_OK, "%s", epipe_last_error());
+    epipe_codec_max_encoded_size(c, &tx, &cap);
+    uint8_t *p = (uint8_t *)malloc(cap ? cap : 1);
+    SX_CHECK(epipe_codec_encode(c, &tx, p, cap, &w) == EPIPE_OK, "%s", epipe_codec_last_error(c));
+    SX_CHECK(epipe_codec_decode(c, p, w, &ty) == EPIPE_OK, "%s", epipe_codec_last_error(c));
+    free(p);
+    epipe_codec_destroy(c);
+}
+
+static void sx_input(unsigned mb, float *x)
+{
+    for (size_t i = 0; i < SX_N; i++)
+        x[i] = (float)((i * 2654435761u + mb * 977u) % 2001) / 1000.0f - 1.0f + 0.01f * (float)mb;
+}
+
+typedef struct sx_rank {
+    const sx_memory *mem;
+    epipe_comm *comm;
+    const char *schedule, *act_spec, *grad_spec;
+    int rank, cuda_recv; /* rank 1: receive into device memory */
+    void *stream;        /* the stage's CUDA stream, when set */
+} sx_rank;
+
+/* A received tensor's values, wherever it is. */
+static void sx_to_host(const sx_memory *mem, const DLTensor *t, float *h)
+{
+    if (t->device.device_type == kDLCUDA)
+        SX_CHECK(mem->copy(h, t->data, SX_N * sizeof *h) == 0, "copy from the device");
+    else
+        memcpy(h, t->data, SX_N * sizeof *h);
+}
+
+static void *sx_run_rank(void *p)
+{
+    sx_rank *a = (sx_rank *)p;
+    const sx_memory *mem = a->mem;
+    epipe_stage *st = NULL;
+    SX_CHECK(epipe_stage_create(&st, a->comm, a->schedule, SX_M) == EPIPE_OK, "%s",
+             epipe_last_error());
+    if (!st)
+        return NULL;
+    SX_CHECK(epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, a->act_spec) ==
+                 0,
+             "act codec");
+    SX_CHECK(epipe_stage_set_codec(st, EPIPE_DIR_GRADIENT, EPIPE_ALL_BOUNDARIES, a->grad_spec) == 0,
+             "grad codec");
+    if (a->rank == 0 || a->cuda_recv)
+        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0) == EPIPE_OK, "%s",
+                 epipe_stage_last_error(st));
+    if (a->stream)
+        SX_CHECK(epipe_stage_set_cuda_stream(st, a->stream) == EPIPE_OK, "%s",
+                 epipe_stage_last_error(st));
+    /* per rank: x, act, got, want, then SX_M gradients on the host */
+    float *buf = (float *)malloc(sizeof(float) * SX_N * (4 + SX_M));
+    float *x = buf, *act = x + SX_N, *got = act + SX_N, *want = got + SX_N, *hg = want + SX_N;
+    float *dx[SX_M], *dg[SX_M];
+    for (unsigned mb = 0; mb < SX_M; mb++) {
+        dx[mb] = (float *)mem->alloc(SX_N * sizeof(float));
+        dg[mb] = (float *)mem->alloc(SX_N * sizeof(float));
+        sx_input(mb, x);
+        SX_CHECK(dx[mb] && dg[mb] && mem->copy(dx[mb], x, SX_N * sizeof *x) == 0, "device memory");
+    }
+    for (int step = 0; step < 2; step++) {
+        epipe_op op;
+        for (;;) {
+            if (epipe_stage_next_op(st, &op) != EPIPE_OK) {
+                SX_CHECK(0, "rank %d next_op: %s", a->rank, epipe_stage_last_error(st));
+                goto out;
+            }
+            if (op.kind == EPIPE_OP_NONE)
+                break;
+            if (a->stream) /* mid-step too */
+                SX_CHECK(epipe_stage_set_cuda_stream(st, a->stream) == EPIPE_OK, "stream mid-step");
+            unsigned mb = op.microbatch;
+            float *g = hg + (size_t)mb * SX_N;
+            sx_input(mb, x);
+            sx_through_cpu(a->act_spec, x, act);
+            if (a->rank == 0 && op.kind == EPIPE_OP_FORWARD) {
+                DLTensor t = sx_view(kDLCUDA, dx[mb]);
+                SX_CHECK(epipe_stage_send_activation(st, mb, &t) == EPIPE_OK, "send act: %s",
+                         epipe_stage_last_error(st));
+            } else if (a->rank == 0) { /* backward: the gradient of what was sent */
+                const DLTensor *r;
+                SX_CHECK(epipe_stage_recv_gradient(st, mb, &r) == EPIPE_OK, "recv grad: %s",
+                         epipe_stage_last_error(st));
+                SX_CHECK(r->device.device_type == kDLCUDA, "gradient on device type %d",
+                         (int)r->device.device_type);
+                for (size_t i = 0; i < SX_N; i++)
+                    x[i] = act[i] * 0.5f - 1.0f;
+                sx_through_cpu(a->grad_spec, x, want);
+                sx_to_host(mem, r, got);
+                SX_CHECK(memcmp(got, want, SX_N * sizeof *got) == 0,
+                         "rank 0 step %d mb %u: gradient differs from the CPU's", step, mb);
+            } else if (op.kind == EPIPE_OP_FORWARD) {
+                const DLTensor *r;
+                SX_CHECK(epipe_stage_recv_activation(st, mb, &r) == EPIPE_OK, "recv act: %s",
+                         epipe_stage_last_error(st));
+                SX_CHECK(r->device.device_type == (a->cuda_recv ? kDLCUDA : kDLCPU),
+                         "activation on device type %d", (int)r->device.device_type);
+                sx_to_host(mem, r, got);
+                SX_CHECK(memcmp(got, act, SX_N * sizeof *got) == 0,
+                         "rank 1 step %d mb %u: activation differs from the CPU's", step, mb);
+                for (size_t i = 0; i < SX_N; i++)
+                    g[i] = got[i] * 0.5f - 1.0f;
+                if (a->cuda_recv)
+                    SX_CHECK(mem->copy(dg[mb], g, SX_N * sizeof *g) == 0, "gradient up");
+            } else {
+                /* a CUDA gradient when it came to the device, else a CPU one */
+                DLTensor t = a->cuda_recv ? sx_view(kDLCUDA, dg[mb]) : sx_view(kDLCPU, g);
+                SX_CHECK(epipe_stage_send_gradient(st, mb, &t) == EPIPE_OK, "send grad: %s",
+                         epipe_stage_last_error(st));
+            }
+        }
+    }
+out:
+    for (unsigned mb = 0; mb < SX_M; mb++) {
+        mem->free(dx[mb]);
+        mem->free(dg[mb]);
+    }
+    free(buf);
+    epipe_stage_destroy(st);
+    return NULL;
+}
+
+static void sx_run_pair(const sx_memory *mem, epipe_comm *c0, epipe_comm *c1, const char *schedule,
+                        const char *act_spec, const char *grad_spec, int cuda_recv, void *stream)
+{
+    sx_rank a0 = {mem, c0, schedule, act_spec, grad_spec, 0, 1, stream};
+    sx_rank a1 = {mem, c1, schedule, act_spec, grad_spec, 1, cuda_recv, stream};
+    pthread_t t0, t1;
+    pthread_create(&t0, NULL, sx_run_rank, &a0);
+    pthread_create(&t1, NULL, sx_run_rank, &a1);
+    pthread_join(t0, NULL);
+    pthread_join(t1, NULL);
+}
+
+static unsigned sx_free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    bind(fd, (struct sockaddr *)&a, sizeof a);
+    getsockname(fd, (struct sockaddr *)&a, &len);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+typedef struct sx_tcp {
+    epipe_comm **out;
+    unsigned rank, port;
+} sx_tcp;
+
+static void *sx_tcp_create(void *p)
+{
+    sx_tcp *a = (sx_tcp *)p;
+    if (epipe_comm_create_tcp(a->out, a->rank, 2, "127.0.0.1", a->port, NULL) != EPIPE_OK)
+        SX_CHECK(0, "tcp rank %u: %s", a->rank, epipe_last_error());
+    return NULL;
+}
+
+/* The whole exchange: both schedules over inproc, receiving on the device
+ * and on the host, 1F1B over TCP, and the refusal of a device index past
+ * the last (`devices`: how many there are). Returns the failures. */
+static int sx_run_all(const sx_memory *mem, const char *act_spec, const char *grad_spec,
+                      int devices)
+{
+    const char *schedules[] = {"gpipe", "1f1b"};
+    for (int s = 0; s < 2; s++)
+        for (int cuda_recv = 1; cuda_recv >= 0; cuda_recv--) {
+            epipe_comm *c[2];
+            if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
+                SX_CHECK(0, "inproc: %s", epipe_last_error());
+                return sx_failures;
+            }
+            sx_run_pair(mem, c[0], c[1], schedules[s], act_spec, grad_spec, cuda_recv, NULL);
+            epipe_comm_destroy(c[0]);
+            epipe_comm_destroy(c[1]);
+        }
+    epipe_comm *c[2] = {NULL, NULL};
+    unsigned port = sx_free_port();
+    sx_tcp a0 = {&c[0], 0, port}, a1 = {&c[1], 1, port};
+    pthread_t t0, t1;
+    pthread_create(&t0, NULL, sx_tcp_create, &a0);
+    pthread_create(&t1, NULL, sx_tcp_create, &a1);
+    pthread_join(t0, NULL);
+    pthread_join(t1, NULL);
+    if (c[0] && c[1])
+        sx_run_pair(mem, c[0], c[1], "1f1b", act_spec, grad_spec, 1, NULL);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+
+    /* A device that does not exist is refused by name. */
+    epipe_stage *st = NULL;
+    if (epipe_comm_create_inproc(c, 2) == EPIPE_OK &&
+        epipe_stage_create(&st, c[0], "gpipe", 2) == EPIPE_OK) {
+        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, devices) == EPIPE_EINVAL,
+                 "device %d", devices);
+        SX_CHECK(strstr(epipe_stage_last_error(st), "does not exist") != NULL, "%s",
+                 epipe_stage_last_error(st));
+        epipe_stage_destroy(st);
+        epipe_comm_destroy(c[0]);
+        epipe_comm_destroy(c[1]);
+    }
+    return sx_failures;
+}
+
+#endif
