@@ -244,8 +244,9 @@ EPIPE_EXPERIMENTAL int epipe_codec_tensor(epipe_codec *codec, unsigned index, co
  * EPIPE_CODEC_MICROBATCH): given grad_code, the gradient of the loss with
  * respect to the code (epipe_codec_code_shape() of the input), writes
  * grad_input (the input's shape) and adds the compress parameters'
- * gradient. Both tensors are the caller's: fp32/fp16/bf16, CPU, any
- * strides. The kept input is released. EPIPE_ESTATE if nothing is kept
+ * gradient. Both tensors are the caller's: fp32/fp16/bf16, CPU (any
+ * strides) or CUDA (dense; copied through host memory, synchronously, as
+ * "CUDA tensors" below says). The kept input is released. EPIPE_ESTATE if nothing is kept
  * for that micro-batch; EPIPE_EINVAL for a shape that does not match. */
 EPIPE_EXPERIMENTAL int epipe_codec_encode_backward(epipe_codec *codec, unsigned microbatch,
                                                    const DLTensor *grad_code, DLTensor *grad_input);
