@@ -41,6 +41,10 @@ int main(void)
     SX_CHECK(after > before, "no staging copies");
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
+    /* and the hand-over between two chunks of one rank (ZB-V) */
+    void *v_stream = (void *)(uintptr_t)0xfeed;
+    sx_run_v(&mem, v_stream);
+    SX_CHECK(last_stream(NULL) == v_stream, "the ZB-V copies were not on the stage's stream");
     if (sx_failures)
         return fprintf(stderr, "%d failures\n", sx_failures), 1;
     printf("ok\n");

@@ -5,7 +5,8 @@
  * rank 1 receives them in device memory (or in host memory when
  * EPIPE_STAGE_CUDA_DEVICE stays -1) and sends back a gradient made from
  * each. Every tensor received must be, byte for byte, what the CPU codecs
- * make of what was sent. Written in the subset of C that C++ compiles; the
+ * make of what was sent. Then ZB-V, whose V puts two neighbouring stages
+ * on one rank: a CUDA tensor handed over in memory. Written in the subset of C that C++ compiles; the
  * device memory comes from the caller. */
 #ifndef EPIPE_TESTS_STAGE_EXCHANGE_H
 #define EPIPE_TESTS_STAGE_EXCHANGE_H
@@ -227,8 +228,138 @@ static void *sx_tcp_create(void *p)
     return NULL;
 }
 
+/* ZB-V on two ranks: four pipeline stages, rank 1 holding stages 1 and 2,
+ * so boundary 1-2 is handed over in memory (a copy of the CUDA tensor on
+ * the stage's stream) and the others cross with `none`. Each forward
+ * adds 1 to what it received, each input backward subtracts 1, in fp32 on
+ * the host (copied down and up), so every value received is known
+ * exactly. */
+enum { SX_V_STAGES = 4 };
+
+static void sx_v_expected(unsigned mb, unsigned s, int grad, float *e)
+{
+    sx_input(mb, e);
+    if (grad) { /* the last stage's gradient: 2x + 3, then -1 a stage back */
+        for (size_t i = 0; i < SX_N; i++) {
+            for (unsigned k = 0; k < SX_V_STAGES - 1; k++)
+                e[i] = e[i] + 1.0f;
+            e[i] = e[i] * 2.0f + 3.0f;
+            for (unsigned k = SX_V_STAGES - 1; k > s; k--)
+                e[i] = e[i] - 1.0f;
+        }
+        return;
+    }
+    for (size_t i = 0; i < SX_N; i++)
+        for (unsigned k = 0; k < s; k++)
+            e[i] = e[i] + 1.0f;
+}
+
+static void *sx_run_v_rank(void *p)
+{
+    sx_rank *a = (sx_rank *)p;
+    const sx_memory *mem = a->mem;
+    epipe_stage *st = NULL;
+    epipe_schedule_layout lay = EPIPE_SCHEDULE_LAYOUT_INIT;
+    SX_CHECK(epipe_stage_create_layout(&st, a->comm, "zb-v", SX_M, &lay) == EPIPE_OK, "%s",
+             epipe_last_error());
+    if (!st)
+        return NULL;
+    SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0) == EPIPE_OK, "%s",
+             epipe_stage_last_error(st));
+    if (a->stream)
+        SX_CHECK(epipe_stage_set_cuda_stream(st, a->stream) == EPIPE_OK, "%s",
+                 epipe_stage_last_error(st));
+    float *buf = (float *)malloc(sizeof(float) * SX_N * 2);
+    float *got = buf, *want = buf + SX_N;
+    /* device tensors the host sends: one per chunk and micro-batch */
+    float *out[2][SX_M];
+    for (unsigned k = 0; k < 2; k++)
+        for (unsigned mb = 0; mb < SX_M; mb++)
+            out[k][mb] = (float *)mem->alloc(SX_N * sizeof(float));
+    epipe_op op;
+    for (;;) {
+        if (epipe_stage_next_op(st, &op) != EPIPE_OK) {
+            SX_CHECK(0, "zb-v rank %d next_op: %s", a->rank, epipe_stage_last_error(st));
+            break;
+        }
+        if (op.kind == EPIPE_OP_NONE)
+            break;
+        unsigned mb = op.microbatch, s = 0, total = 0;
+        SX_CHECK(epipe_stage_chunk_stage(st, op.chunk, &s, &total) == EPIPE_OK && total == 4,
+                 "chunk stage");
+        float *dev = out[op.chunk][mb];
+        DLTensor t = sx_view(kDLCUDA, dev);
+        if (op.kind == EPIPE_OP_FORWARD) {
+            if (s == 0) {
+                sx_input(mb, got);
+            } else {
+                const DLTensor *r;
+                SX_CHECK(epipe_stage_recv_activation(st, mb, &r) == EPIPE_OK, "zb-v recv act: %s",
+                         epipe_stage_last_error(st));
+                SX_CHECK(r->device.device_type == kDLCUDA, "activation not on the device");
+                sx_to_host(mem, r, got);
+                sx_v_expected(mb, s, 0, want);
+                SX_CHECK(memcmp(got, want, SX_N * sizeof *got) == 0,
+                         "zb-v stage %u mb %u: activation differs", s, mb);
+            }
+            if (s + 1 < SX_V_STAGES) {
+                for (size_t i = 0; i < SX_N; i++)
+                    got[i] = got[i] + 1.0f;
+                SX_CHECK(mem->copy(dev, got, SX_N * sizeof *got) == 0, "activation up");
+                SX_CHECK(epipe_stage_send_activation(st, mb, &t) == EPIPE_OK, "zb-v send act: %s",
+                         epipe_stage_last_error(st));
+            }
+        } else if (op.kind == EPIPE_OP_BACKWARD || op.kind == EPIPE_OP_BACKWARD_INPUT) {
+            if (s + 1 == SX_V_STAGES) {
+                sx_v_expected(mb, s, 1, got);
+            } else {
+                const DLTensor *r;
+                SX_CHECK(epipe_stage_recv_gradient(st, mb, &r) == EPIPE_OK, "zb-v recv grad: %s",
+                         epipe_stage_last_error(st));
+                SX_CHECK(r->device.device_type == kDLCUDA, "gradient not on the device");
+                sx_to_host(mem, r, got);
+                sx_v_expected(mb, s, 1, want);
+                SX_CHECK(memcmp(got, want, SX_N * sizeof *got) == 0,
+                         "zb-v stage %u mb %u: gradient differs", s, mb);
+            }
+            if (s > 0) {
+                for (size_t i = 0; i < SX_N; i++)
+                    got[i] = got[i] - 1.0f;
+                SX_CHECK(mem->copy(dev, got, SX_N * sizeof *got) == 0, "gradient up");
+                SX_CHECK(epipe_stage_send_gradient(st, mb, &t) == EPIPE_OK, "zb-v send grad: %s",
+                         epipe_stage_last_error(st));
+            }
+        }
+    }
+    for (unsigned k = 0; k < 2; k++)
+        for (unsigned mb = 0; mb < SX_M; mb++)
+            mem->free(out[k][mb]);
+    free(buf);
+    epipe_stage_destroy(st);
+    return NULL;
+}
+
+/* One step of ZB-V over inproc, on the stage's `stream` (NULL: unset). */
+static void sx_run_v(const sx_memory *mem, void *stream)
+{
+    epipe_comm *c[2];
+    if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
+        SX_CHECK(0, "inproc: %s", epipe_last_error());
+        return;
+    }
+    sx_rank a0 = {mem, c[0], "zb-v", "none", "none", 0, 1, stream};
+    sx_rank a1 = {mem, c[1], "zb-v", "none", "none", 1, 1, stream};
+    pthread_t t0, t1;
+    pthread_create(&t0, NULL, sx_run_v_rank, &a0);
+    pthread_create(&t1, NULL, sx_run_v_rank, &a1);
+    pthread_join(t0, NULL);
+    pthread_join(t1, NULL);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+}
+
 /* The whole exchange: both schedules over inproc, receiving on the device
- * and on the host, 1F1B over TCP, and the refusal of a device index past
+ * and on the host, 1F1B over TCP, ZB-V over inproc, and the refusal of a device index past
  * the last (`devices`: how many there are). Returns the failures. */
 static int sx_run_all(const sx_memory *mem, const char *act_spec, const char *grad_spec,
                       int devices)
@@ -257,6 +388,8 @@ static int sx_run_all(const sx_memory *mem, const char *act_spec, const char *gr
         sx_run_pair(mem, c[0], c[1], "1f1b", act_spec, grad_spec, 1, NULL);
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
+
+    sx_run_v(mem, NULL);
 
     /* A device that does not exist is refused by name. */
     epipe_stage *st = NULL;
