@@ -53,6 +53,7 @@ struct epipe_cuda_handle {
     const uint8_t *peeked;
     size_t peeked_len;
     epipe_cuda_status *status_host; /* pinned: where synchronize reads it */
+    void *blas;                     /* poweriter's cublasHandle_t, made on first use */
 };
 
 /* The core's helpers, set at init. */
@@ -350,5 +351,8 @@ extern const epipe_codec_backend epipe_cuda_quant;
 extern const epipe_codec_backend epipe_cuda_sortquant;
 extern const epipe_codec_backend epipe_cuda_topk;
 extern const epipe_codec_backend epipe_cuda_kmeans;
+extern const epipe_codec_backend epipe_cuda_poweriter;
+/* Destroys h->blas (cuda/poweriter.cu). */
+void epipe_cuda_blas_release(epipe_cuda_handle *h);
 
 #endif

@@ -69,6 +69,8 @@ static const epipe_codec_backend *cuda_backend(unsigned id)
     case EPIPE_CODEC_ID_SORTQUANT: return &epipe_cuda_sortquant;
     case EPIPE_CODEC_ID_TOPK: return &epipe_cuda_topk;
     case EPIPE_CODEC_ID_KMEANS: return &epipe_cuda_kmeans;
+    case EPIPE_CODEC_ID_POWERITER: /* the host's part is in the core, with BLAS */
+        return epipe_cuda_core_fns->pi_plan ? &epipe_cuda_poweriter : NULL;
     }
     return NULL;
 }
@@ -275,6 +277,10 @@ static int pinned_get(epipe_codec *c, size_t bytes, uint8_t **out)
 static void host_read_span(const epipe_codec *c, uint64_t n, size_t len, size_t *head, size_t *tail)
 {
     *head = *tail = 0;
+    if (c->ops->id == EPIPE_CODEC_ID_POWERITER) { /* all of it: the factors are small */
+        *head = len;
+        return;
+    }
     unsigned bits = 0;
     if (c->ops->id == EPIPE_CODEC_ID_QUANT || c->ops->id == EPIPE_CODEC_ID_SORTQUANT ||
         c->ops->id == EPIPE_CODEC_ID_KMEANS)
@@ -669,6 +675,7 @@ static void cuda_release(epipe_codec *c)
     for (int i = 0; i < 3; i++)
         cudaFree(h->work[i].p);
     cudaFree(h->ef_work.p);
+    epipe_cuda_blas_release(h);
     free(h->host);
     free(h->mirror);
     if (h->pinned)

@@ -17,6 +17,7 @@
 #include <epipe/epipe.h>
 
 #include "../lib/codec/codec_impl.h"
+#include "../lib/codec/cuda_api.h"
 #include "tensor.h"
 #include "testutil.h"
 
@@ -260,6 +261,121 @@ static void fast_path_agrees_with_reference(void **state)
         }
         epipe_codec_destroy(f);
         epipe_codec_destroy(r);
+    }
+}
+
+/* The host's part of the CUDA backend (cuda/poweriter.cu), run here with
+ * plain loops where the module calls cuBLAS: plan, starts, Q = M P, the
+ * QR of each Q, P = Mt Q, the records and warm starts; and the decoder's
+ * read, then Y = (sP) Qt. Over a warm sequence, the payload it makes
+ * decodes within 1e-4 of max|x| of the CPU encoder's, and its rebuild of
+ * the CPU's payload within 1e-5: the module's split is the CPU codec's
+ * algorithm, and every layout it assumes is checked on every CI run. */
+static void split_products(const float *m, uint64_t rows, uint64_t cols, const float *in,
+                           unsigned r, float *out, int transpose)
+{
+    /* transpose 0: out (rows x r) = M in (cols x r); 1: out (cols x r) = Mt in (rows x r) */
+    uint64_t on = transpose ? cols : rows, inn = transpose ? rows : cols;
+    for (unsigned k = 0; k < r; k++)
+        for (uint64_t i = 0; i < on; i++) {
+            double acc = 0;
+            for (uint64_t j = 0; j < inn; j++)
+                acc += (double)(transpose ? m[j * cols + i] : m[i * cols + j]) * in[k * inn + j];
+            out[k * on + i] = (float)acc;
+        }
+}
+
+static void cuda_host_side_matches_cpu(void **state)
+{
+    (void)state;
+    enum { B = 4, R = 12, C = 40, N = B * R * C };
+    static float x[N], yc[N], ys[N], yr[N];
+    static uint8_t pc[1 << 16], ps[1 << 16];
+    const char *specs[] = {"poweriter:rank=3", "poweriter:rank=2,iters=2,factors=fp16",
+                           "poweriter:rank=5,warm=0"};
+    for (size_t sp = 0; sp < 3; sp++) {
+        epipe_codec *cpu, *split, *dec;
+        assert_int_equal(epipe_codec_create(&cpu, specs[sp]), EPIPE_OK);
+        assert_int_equal(epipe_codec_create(&split, specs[sp]), EPIPE_OK);
+        assert_int_equal(epipe_codec_create(&dec, specs[sp]), EPIPE_OK);
+        int64_t shape[3] = {B, R, C};
+        split->ndim = dec->ndim = 3;
+        memcpy(split->shape, shape, sizeof shape);
+        memcpy(dec->shape, shape, sizeof shape);
+        for (int t = 0; t < 3; t++) {
+            low_rank(x, B, R, C, 6, 0.05, 40 + (uint64_t)t);
+            size_t lc;
+            free(roundtrip(cpu, x, yc, shape, 3, &lc));
+            DLTensor tx = view(x, shape, 3);
+            size_t w = 0;
+            epipe_codec *again;
+            assert_int_equal(epipe_codec_create(&again, specs[sp]), EPIPE_OK);
+            assert_int_equal(epipe_codec_encode(again, &tx, pc, sizeof pc, &w), EPIPE_OK);
+            epipe_codec_destroy(again); /* only its 16-byte header is used */
+
+            uint64_t v[4];
+            unsigned r;
+            size_t len;
+            uint8_t *body = ps + 16;
+            assert_int_equal(epipe_pi_cuda_plan(split, N, body, v, &r, &len), EPIPE_OK);
+            assert_int_equal(len + 16, lc);
+            assert_true(v[0] == B && v[1] == R && v[2] == C && r > 0);
+            float *q = malloc(sizeof(float) * B * R * r), *p = malloc(sizeof(float) * B * C * r);
+            float *p2 = malloc(sizeof(float) * B * C * r);
+            assert_int_equal(epipe_pi_cuda_start(split, N, p), EPIPE_OK);
+            for (uint64_t it = 0; it < v[3]; it++) {
+                for (unsigned b = 0; b < B; b++)
+                    split_products(x + b * R * C, R, C, p + b * C * r, r, q + b * R * r, 0);
+                for (unsigned b = 0; b < B; b++)
+                    assert_int_equal(epipe_pi_cuda_orthonormalize(split, q + b * R * r, R, r, b),
+                                     EPIPE_OK);
+                for (unsigned b = 0; b < B; b++)
+                    split_products(x + b * R * C, R, C, q + b * R * r, r, p + b * C * r, 1);
+            }
+            assert_int_equal(epipe_pi_cuda_finish(split, N, q, p, body), EPIPE_OK);
+            memcpy(ps, pc, 16); /* the payload header */
+            DLTensor ty = view(ys, shape, 3);
+            assert_int_equal(epipe_codec_decode(dec, ps, lc, &ty), EPIPE_OK);
+            double d = 0, xm = 0;
+            for (int i = 0; i < N; i++) {
+                d = fmax(d, fabs((double)ys[i] - yc[i]));
+                xm = fmax(xm, fabs((double)x[i]));
+            }
+            if (!(d <= 1e-4 * xm))
+                fail_msg("%s step %d: the split encode decodes %g from the CPU's (max|x| %g)",
+                         specs[sp], t, d, xm);
+
+            /* the decoder's half: read the CPU's payload, rebuild (sP) Qt */
+            assert_int_equal(epipe_pi_cuda_read(dec, pc + 16, N, q, p2), EPIPE_OK);
+            for (unsigned b = 0; b < B; b++)
+                for (unsigned i = 0; i < R; i++)
+                    for (unsigned j = 0; j < C; j++) {
+                        double acc = 0;
+                        for (unsigned k = 0; k < r; k++)
+                            acc += (double)q[b * R * r + k * R + i] * p2[b * C * r + k * C + j];
+                        yr[b * R * C + i * C + j] = (float)acc;
+                    }
+            DLTensor tc = view(ys, shape, 3);
+            assert_int_equal(epipe_codec_decode(dec, pc, lc, &tc), EPIPE_OK);
+            d = 0;
+            for (int i = 0; i < N; i++)
+                d = fmax(d, fabs((double)yr[i] - ys[i]));
+            if (!(d <= 1e-5 * xm))
+                fail_msg("%s step %d: the split rebuild is %g from the CPU's", specs[sp], t, d);
+            free(q);
+            free(p);
+            free(p2);
+        }
+        /* a corrupt factor: the CPU decoder's check, with its message */
+        pc[16 + 32 + 4 + 3] = 0x7f;
+        float *q = malloc(sizeof(float) * B * R * 8), *p = malloc(sizeof(float) * B * C * 8);
+        assert_int_equal(epipe_pi_cuda_read(dec, pc + 16, N, q, p), EPIPE_EPROTO);
+        assert_non_null(strstr(epipe_codec_last_error(dec), "within [-1, 1]"));
+        free(q);
+        free(p);
+        epipe_codec_destroy(cpu);
+        epipe_codec_destroy(split);
+        epipe_codec_destroy(dec);
     }
 }
 
@@ -518,6 +634,7 @@ int main(void)
         cmocka_unit_test(warm_start_lowers_error),
         cmocka_unit_test(warm_start_per_slot_and_shape),
         cmocka_unit_test(fast_path_agrees_with_reference),
+        cmocka_unit_test(cuda_host_side_matches_cpu),
         cmocka_unit_test(spec_errors_name_the_key),
         cmocka_unit_test(corrupt_payloads_are_rejected),
         cmocka_unit_test(shapes_and_views),

@@ -31,6 +31,15 @@ static int pi_orthonormalize(pi_state *st, float *q, int m, int r)
     return 0;
 }
 
+/* The CUDA backend's orthonormalisation of one matrix's q on the host. */
+int epipe_pi_cuda_orthonormalize(epipe_codec *c, float *q, unsigned rows, unsigned r, uint64_t b)
+{
+    if (pi_orthonormalize(c->state, q, (int)rows, (int)r))
+        return epipe_codec_fail(c, EPIPE_EINVAL, "poweriter: QR failed on matrix %llu",
+                                (unsigned long long)b);
+    return EPIPE_OK;
+}
+
 /* Index of the first NaN or infinity in x[0..n), or n. Unlike
  * epipe_find_nonfinite it reduces with an integer max, which vectorizes
  * without reassociating float sums: the magnitude bits of a float are at

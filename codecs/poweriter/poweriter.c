@@ -245,6 +245,111 @@ int epipe_pi_finish_matrix(epipe_codec *c, const pi_view *v, uint64_t b, pi_slot
     return EPIPE_OK;
 }
 
+/* ---- the host's part of the CUDA backend (cuda/poweriter.cu) --------- */
+
+/* The view of n values (c->shape: matrices, rows, cols, then the
+ * iteration count), checked as the CPU encoder checks it when body is
+ * given (the encoder's call, which writes the body's header into it) and
+ * as the decoder does when it is NULL; *bytes: the body's size. */
+int epipe_pi_cuda_plan(epipe_codec *c, uint64_t n, uint8_t *body, uint64_t view[4], unsigned *r,
+                       size_t *bytes)
+{
+    pi_view v;
+    if (epipe_pi_view_of(c, n, &v) || pi_body_size(c, n, bytes))
+        return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
+    /* the encoder's refusal only: the CPU decoder takes any view */
+    int rc = body ? epipe_pi_check_shared(c, &v) : EPIPE_OK;
+    if (rc)
+        return rc;
+    if (v.rows > INT32_MAX || v.cols > INT32_MAX)
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "poweriter: matrix %llux%llu is too large for cuBLAS",
+                                (unsigned long long)v.rows, (unsigned long long)v.cols);
+    if (body)
+        epipe_pi_write_header(body, &v);
+    view[0] = v.nb, view[1] = v.rows, view[2] = v.cols;
+    view[3] = (uint64_t)c->p[PI_ITERS];
+    *r = v.r;
+    return EPIPE_OK;
+}
+
+/* The starts of all matrices (nb blocks of cols x r, column-major) into
+ * p: the slot's warm start, else the cold start the CPU uses. */
+int epipe_pi_cuda_start(epipe_codec *c, uint64_t n, float *p)
+{
+    pi_view v;
+    pi_slot *slot;
+    if (epipe_pi_view_of(c, n, &v))
+        return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
+    int cold = epipe_pi_prepare(c, &v, &slot);
+    if (cold < 0)
+        return cold;
+    size_t psize = (size_t)v.cols * v.r;
+    for (uint64_t b = 0; b < v.nb; b++) {
+        if (slot && !cold)
+            memcpy(p + b * psize, slot->p + b * psize, psize * sizeof *p);
+        else
+            epipe_pi_cold_start(p + b * psize, v.cols, v.r);
+    }
+    return EPIPE_OK;
+}
+
+/* Every matrix's record from q (nb blocks of rows x r) and p (cols x r),
+ * and p kept as the slot's next start, as epipe_pi_finish_matrix() does. */
+int epipe_pi_cuda_finish(epipe_codec *c, uint64_t n, const float *q, const float *p, uint8_t *body)
+{
+    pi_view v;
+    uint64_t rec = 0;
+    if (epipe_pi_view_of(c, n, &v) || epipe_pi_record_size(c, &v, &rec))
+        return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
+    pi_state *st = c->state;
+    pi_slot *slot = NULL;
+    if ((int)c->p[PI_WARM] != 0)
+        slot = &st->slots[(c->microbatch > 0 ? (uint64_t)c->microbatch : 0) % PI_MAX_SLOTS];
+    size_t psize = (size_t)v.cols * v.r, qsize = (size_t)v.rows * v.r;
+    for (uint64_t b = 0; b < v.nb; b++) {
+        int rc = epipe_pi_write_record(c, &v, b, q + b * qsize, p + b * psize,
+                                       body + PI_BODY_HEADER + b * rec);
+        if (rc) {
+            if (slot)
+                memset(&slot->v, 0, sizeof slot->v);
+            return rc;
+        }
+        if (slot)
+            pi_keep_warm(slot->p + b * psize, p + b * psize, v.cols, v.r);
+    }
+    if (slot)
+        slot->v = v;
+    return EPIPE_OK;
+}
+
+/* A body's header and every record checked as the CPU decoder checks
+ * them, the factors into q and p (P multiplied by its matrix's scale). */
+int epipe_pi_cuda_read(epipe_codec *c, const uint8_t *body, uint64_t n, float *q, float *p)
+{
+    pi_view v;
+    uint64_t rec = 0;
+    if (epipe_pi_view_of(c, n, &v) || epipe_pi_record_size(c, &v, &rec))
+        return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
+    int rc = epipe_pi_check_header(c, body, &v);
+    if (rc || v.r == 0)
+        return rc;
+    int fp16 = (int)c->p[PI_FACTORS] == PI_F16;
+    size_t psize = (size_t)v.cols * v.r, qsize = (size_t)v.rows * v.r;
+    size_t qbytes = qsize * pi_esize(c);
+    for (uint64_t b = 0; b < v.nb; b++) {
+        const uint8_t *r = body + PI_BODY_HEADER + b * rec;
+        float s, *pb = p + b * psize;
+        if ((rc = epipe_pi_read_scale(c, r, v.r, b, &s)) ||
+            (rc = epipe_pi_read_factor(c, r + 4, v.rows, v.r, fp16, q + b * qsize, b, "Q")) ||
+            (rc = epipe_pi_read_factor(c, r + 4 + qbytes, v.cols, v.r, fp16, pb, b, "P")))
+            return rc;
+        for (size_t i = 0; i < psize; i++)
+            pb[i] *= s;
+    }
+    return EPIPE_OK;
+}
+
 static const epipe_codec_backend poweriter_cpu = {
     .encode = epipe_pi_encode,
     .decode = epipe_pi_decode,

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "../../lib/codec/codec_impl.h"
+#include "../../lib/codec/cuda_api.h"
 #include "../../lib/tensor.h"
 
 enum { PI_RANK, PI_ITERS, PI_WARM, PI_FACTORS, PI_SHARED };

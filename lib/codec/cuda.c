@@ -36,6 +36,13 @@ static const epipe_cuda_core core_fns = {
     .km_sample_finish = epipe_km_cuda_sample_finish,
     .km_fit = epipe_km_cuda_fit,
     .km_read_table = epipe_km_read_table,
+#ifdef EPIPE_HAVE_BLAS
+    .pi_plan = epipe_pi_cuda_plan,
+    .pi_start = epipe_pi_cuda_start,
+    .pi_orthonormalize = epipe_pi_cuda_orthonormalize,
+    .pi_finish = epipe_pi_cuda_finish,
+    .pi_read = epipe_pi_cuda_read,
+#endif
 };
 
 /* One module per process: the path it came from and its table. A failed

@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 6
+#define EPIPE_CUDA_ABI 7
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
@@ -69,6 +69,22 @@ typedef struct epipe_cuda_core {
     int (*km_fit)(epipe_codec *c, const float *x, size_t n, float lo, float hi, const float *s,
                   size_t m, float *tails, size_t t, uint8_t *body, double *mid);
     int (*km_read_table)(epipe_codec *c, const uint8_t *body, size_t n, float *cent);
+    /* poweriter, the host's part (codecs/poweriter/poweriter.c), all NULL
+     * in a build without BLAS: the view of n values (view: matrices, rows,
+     * cols, iterations; *r the rank) checked as the CPU's encoder checks
+     * it, with the body's header written, or (body NULL) as its decoder
+     * does, and the body's size; the starts of
+     * all matrices (warm or cold) into p; one matrix's Q orthonormalised
+     * as the CPU does it (LAPACK); the records and the next warm start
+     * from all matrices' Q and P; and a body checked as the CPU decoder
+     * checks it, its factors into q and p (P times its scale). Factors are
+     * column-major blocks, matrix after matrix. */
+    int (*pi_plan)(epipe_codec *c, uint64_t n, uint8_t *body, uint64_t view[4], unsigned *r,
+                   size_t *bytes);
+    int (*pi_start)(epipe_codec *c, uint64_t n, float *p);
+    int (*pi_orthonormalize)(epipe_codec *c, float *q, unsigned rows, unsigned r, uint64_t b);
+    int (*pi_finish)(epipe_codec *c, uint64_t n, const float *q, const float *p, uint8_t *body);
+    int (*pi_read)(epipe_codec *c, const uint8_t *body, uint64_t n, float *q, float *p);
 } epipe_cuda_core;
 
 /* What the module gives the core. Every function runs on the caller's
@@ -133,6 +149,13 @@ void epipe_km_cuda_sample_finish(float *s, size_t m, float lo, float hi, float *
 int epipe_km_cuda_fit(epipe_codec *c, const float *x, size_t n, float lo, float hi, const float *s,
                       size_t m, float *tails, size_t t, uint8_t *body, double *mid);
 int epipe_km_read_table(epipe_codec *c, const uint8_t *body, size_t n, float *cent);
+/* The core's poweriter functions (codecs/poweriter/), in BLAS builds. */
+int epipe_pi_cuda_plan(epipe_codec *c, uint64_t n, uint8_t *body, uint64_t view[4], unsigned *r,
+                       size_t *bytes);
+int epipe_pi_cuda_start(epipe_codec *c, uint64_t n, float *p);
+int epipe_pi_cuda_orthonormalize(epipe_codec *c, float *q, unsigned rows, unsigned r, uint64_t b);
+int epipe_pi_cuda_finish(epipe_codec *c, uint64_t n, const float *q, const float *p, uint8_t *body);
+int epipe_pi_cuda_read(epipe_codec *c, const uint8_t *body, uint64_t n, float *q, float *p);
 
 typedef int (*epipe_cuda_init_fn)(const epipe_cuda_core *core, const epipe_cuda_module **out);
 

@@ -582,6 +582,109 @@ static void mixups(void)
     cudaFree(d);
 }
 
+/* poweriter on the GPU (cuBLAS products, the factors' QR on the host):
+ * over three warm-started steps, the GPU's payload decoded on the CPU stays
+ * within 1e-4 of max|x| of the CPU's own round trip, and the CPU's payload
+ * decoded on the GPU within 1e-5; a payload from a device buffer decodes the
+ * same; and a NaN is refused at once, naming its index, as on the CPU.
+ * Needs a BLAS build (poweriter's CPU side). */
+static void poweriter_close_to_cpu(const char *spec, int64_t nb, int64_t rows, int64_t cols)
+{
+    epipe_codec *cpu, *gpu;
+    if (epipe_codec_create(&cpu, spec) != EPIPE_OK)
+        return; /* no BLAS in this build */
+    CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    size_t n = (size_t)(nb * rows * cols);
+    int64_t shape[3] = {nb, rows, cols};
+    std::vector<float> x(n), yc(n), yg(n), yx(n);
+    float *dx, *dy;
+    CUDA_OK(cudaMalloc((void **)&dx, n * 4));
+    CUDA_OK(cudaMalloc((void **)&dy, n * 4));
+    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat), ds = hs;
+    ds.data = dx;
+    ds.device.device_type = kDLCUDA;
+    hs.ndim = ds.ndim = 3;
+    DLTensor hy = hs, dd = ds;
+    hy.data = yc.data();
+    dd.data = dy;
+    size_t cap = 0;
+    CHECK(epipe_codec_max_encoded_size(cpu, &hs, &cap) == EPIPE_OK, "size");
+    std::vector<uint8_t> pc(cap), pg(cap);
+    uint8_t *dp;
+    CUDA_OK(cudaMalloc((void **)&dp, cap));
+    /* max |a - b| over max |x|: the tolerance the CPU's fast path keeps
+     * against its reference (tests/test_poweriter.c) */
+    auto rel = [&](const std::vector<float> &a, const std::vector<float> &b) {
+        double d = 0, xm = 0;
+        for (size_t i = 0; i < n; i++) {
+            d = fmax(d, fabs((double)a[i] - b[i]));
+            xm = fmax(xm, fabs((double)x[i]));
+        }
+        return xm > 0 ? d / xm : d;
+    };
+    for (unsigned step = 0; step < 3; step++) {
+        fill(x, 77 + step);
+        for (size_t i = 0; i < n; i++) /* low rank plus noise: the factors matter */
+            x[i] = x[i] * 0.05f + (float)((i / (size_t)cols) % 5) * (float)(i % 13);
+        CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+        size_t wc = 0, wg = 0;
+        CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "%s",
+              epipe_codec_last_error(cpu));
+        int rc = epipe_codec_encode(gpu, &ds, dp, cap, &wg);
+        CHECK(rc == EPIPE_OK, "%s step %u: gpu encode: %s", spec, step,
+              epipe_codec_last_error(gpu));
+        CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+        CHECK(wc == wg, "%s: sizes %zu vs %zu", spec, wc, wg);
+        CUDA_OK(cudaMemcpy(pg.data(), dp, wg, cudaMemcpyDeviceToHost));
+        CHECK(memcmp(pc.data(), pg.data(), 32) == 0, "%s: body headers differ", spec);
+        /* the CPU's round trip, and the GPU's payload decoded on the CPU */
+        CHECK(epipe_codec_decode(cpu, pc.data(), wc, &hy) == EPIPE_OK, "cpu decode");
+        DLTensor hx = hy;
+        hx.data = yx.data();
+        CHECK(epipe_codec_decode(cpu, pg.data(), wg, &hx) == EPIPE_OK, "%s: cpu decode of gpu: %s",
+              spec, epipe_codec_last_error(cpu));
+        double e1 = rel(yx, yc);
+        CHECK(e1 <= 1e-4, "%s step %u: the GPU's payload decodes %.3g from the CPU's", spec, step,
+              e1);
+        /* the CPU's payload decoded on the GPU, from host and device memory */
+        for (int from_device = 0; from_device < 2; from_device++) {
+            CUDA_OK(cudaMemset(dy, 0, n * 4));
+            if (from_device)
+                CUDA_OK(cudaMemcpy(dp, pc.data(), wc, cudaMemcpyHostToDevice));
+            CHECK(epipe_codec_decode(gpu, from_device ? (const void *)dp : pc.data(), wc, &dd) ==
+                      EPIPE_OK,
+                  "%s: gpu decode: %s", spec, epipe_codec_last_error(gpu));
+            CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+            CUDA_OK(cudaMemcpy(yg.data(), dy, n * 4, cudaMemcpyDeviceToHost));
+            double e2 = rel(yg, yc);
+            CHECK(e2 <= 1e-5, "%s step %u: the GPU decodes the CPU's payload %.3g off", spec, step,
+                  e2);
+        }
+    }
+    /* a NaN: refused by the encode itself, naming its index */
+    float nan = NAN;
+    CUDA_OK(cudaMemcpy(dx + 5, &nan, 4, cudaMemcpyHostToDevice));
+    size_t w = 0;
+    CHECK(epipe_codec_encode(gpu, &ds, dp, cap, &w) == EPIPE_EINVAL, "%s: NaN accepted", spec);
+    CHECK(strstr(epipe_codec_last_error(gpu), "index 5") != NULL, "%s: %s", spec,
+          epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s: after the NaN: %s", spec,
+          epipe_codec_last_error(gpu));
+    /* a corrupt factor in a device payload: the CPU's check, at once */
+    size_t wc = 0;
+    fill(x, 5);
+    CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "cpu encode");
+    pc[16 + 32 + 4 + 3] = 0x7f; /* Q[0][0]'s high byte: |v| > 1 */
+    CUDA_OK(cudaMemcpy(dp, pc.data(), wc, cudaMemcpyHostToDevice));
+    CHECK(epipe_codec_decode(gpu, dp, wc, &dd) == EPIPE_EPROTO, "%s: corrupt factor accepted",
+          spec);
+    cudaFree(dx);
+    cudaFree(dy);
+    cudaFree(dp);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+}
+
 int main(void)
 {
     gpu_test_devices_or_skip();
@@ -669,11 +772,12 @@ int main(void)
     }
     {
         /* a codec without kernels runs on the CPU backend through host
-         * staging: the CPU's payload, into device memory too (poweriter
-         * needs a BLAS build; without one it is not there to stage) */
+         * staging: the CPU's payload, into device memory too (insert needs
+         * a BLAS build; without one it is not there to stage) */
         epipe_codec *g, *h;
-        if (epipe_codec_create(&g, "poweriter:rank=1,shared=1") == EPIPE_OK) {
-            CHECK(epipe_codec_create(&h, "poweriter:rank=1,shared=1") == EPIPE_OK, "create");
+        const char *spec = "insert:kind=linear,out=2,seed=3";
+        if (epipe_codec_create(&g, spec) == EPIPE_OK) {
+            CHECK(epipe_codec_create(&h, spec) == EPIPE_OK, "create");
             float x[16], *d;
             for (int i = 0; i < 16; i++)
                 x[i] = (float)((i * 7) % 11) - 5.0f;
@@ -688,17 +792,20 @@ int main(void)
             hs.device.device_type = kDLCPU;
             uint8_t p[256], q[256];
             size_t w = 0, v = 0;
-            CHECK(epipe_codec_encode(g, &ds, dp, sizeof p, &w) == EPIPE_OK, "poweriter staged: %s",
+            CHECK(epipe_codec_encode(g, &ds, dp, sizeof p, &w) == EPIPE_OK, "insert staged: %s",
                   epipe_codec_last_error(g));
-            CHECK(epipe_codec_encode(h, &hs, q, sizeof q, &v) == EPIPE_OK, "poweriter on the CPU");
+            CHECK(epipe_codec_encode(h, &hs, q, sizeof q, &v) == EPIPE_OK, "insert on the CPU");
             CUDA_OK(cudaMemcpy(p, dp, w, cudaMemcpyDeviceToHost));
-            CHECK(w == v && memcmp(p, q, w) == 0, "poweriter staged: the CPU's payload");
+            CHECK(w == v && memcmp(p, q, w) == 0, "insert staged: the CPU's payload");
             epipe_codec_destroy(g);
             epipe_codec_destroy(h);
             cudaFree(d);
             cudaFree(dp);
         }
     }
+    poweriter_close_to_cpu("poweriter:rank=3", 8, 16, 64);
+    poweriter_close_to_cpu("poweriter:rank=2,iters=2,factors=fp16", 4, 32, 200);
+    poweriter_close_to_cpu("poweriter:rank=4,warm=0", 3, 8, 8);
     hostile_table();
     hostile_device_payload();
     mixups();
