@@ -319,8 +319,10 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * CUDA tensors must be dense and aligned to their element size.
  *
  * Kernels exist for none, cast, quant (rows=1 too), sortquant in its three
- * modes, topk and kmeans, with or without error feedback (ef=1). The other
- * codecs (poweriter, insert, chains) and activation deltas (delta=1) run on
+ * modes, topk, kmeans and poweriter (cuBLAS; its payloads are the CPU's
+ * within a tolerance, docs/codec-backends.md), with or without error
+ * feedback (ef=1). The other codecs (insert, chains) and activation
+ * deltas (delta=1) run on
  * the CPU backend through host staging: the tensor is copied to host
  * memory on the handle's stream, encoded there, and the payload copied to
  * a device buffer if it is one (decode: the reverse). Such a call is
