@@ -261,10 +261,12 @@ int epipe_pi_cuda_plan(epipe_codec *c, uint64_t n, uint8_t *body, uint64_t view[
     int rc = body ? epipe_pi_check_shared(c, &v) : EPIPE_OK;
     if (rc)
         return rc;
-    if (v.rows > INT32_MAX || v.cols > INT32_MAX)
+    if (v.rows > INT32_MAX || v.cols > INT32_MAX || v.nb > INT32_MAX)
         return epipe_codec_fail(c, EPIPE_EINVAL,
-                                "poweriter: matrix %llux%llu is too large for cuBLAS",
-                                (unsigned long long)v.rows, (unsigned long long)v.cols);
+                                "poweriter: %llu matrices %llux%llu are too many or too large "
+                                "for cuBLAS",
+                                (unsigned long long)v.nb, (unsigned long long)v.rows,
+                                (unsigned long long)v.cols);
     if (body)
         epipe_pi_write_header(body, &v);
     view[0] = v.nb, view[1] = v.rows, view[2] = v.cols;
