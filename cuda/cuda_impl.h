@@ -67,6 +67,13 @@ int epipe_cuda_check(epipe_codec *c, cudaError_t e, const char *doing);
 /* Clears the deferred status word on the handle's stream, once what it
  * held has been reported. */
 int epipe_cuda_status_clear(epipe_codec *c);
+/* For the encoders that refuse a value that is not finite at once (kmeans,
+ * poweriter), from the status word read to the host: 0 when it holds
+ * none; else 1, with the smallest index and its kind (0 NaN, 1 +inf,
+ * 2 -inf), and the word cleared on the handle's stream (or that clear's
+ * error status). */
+int epipe_cuda_take_nonfinite(epipe_codec *c, const epipe_cuda_status *st,
+                              unsigned long long *index, int *kind);
 /* The smallest index of a value that is not finite the status holds, of
  * any kind; ~0 for none. */
 static inline unsigned long long epipe_cuda_first_nonfinite(const epipe_cuda_status *st)

@@ -108,16 +108,13 @@ __global__ void km_decode(const uint8_t *codes, uint64_t n, unsigned w, const fl
  * refused now, as the CPU refuses it, and the word cleared. */
 static int refuse_nonfinite(epipe_codec *c, const epipe_cuda_status *st)
 {
-    unsigned long long first = epipe_cuda_first_nonfinite(st);
-    if (first == ~0ull)
-        return EPIPE_OK;
-    int rc = epipe_cuda_status_clear(c);
-    if (rc)
+    static const char *const names[] = {"nan", "inf", "-inf"}; /* the CPU's %g */
+    unsigned long long first;
+    int kind, rc = epipe_cuda_take_nonfinite(c, st, &first, &kind);
+    if (rc <= 0)
         return rc;
     return epipe_cuda_fail(c, EPIPE_EINVAL, "kmeans: value at index %llu is not finite (%s)", first,
-                           first == st->nan    ? "nan"
-                           : first == st->pinf ? "inf"
-                                               : "-inf");
+                           names[kind]);
 }
 
 /* Above the sampling threshold: the extent, the sample and the tails from

@@ -623,6 +623,18 @@ int epipe_cuda_status_clear(epipe_codec *c)
         "clearing the status word");
 }
 
+int epipe_cuda_take_nonfinite(epipe_codec *c, const epipe_cuda_status *st,
+                              unsigned long long *index, int *kind)
+{
+    unsigned long long first = epipe_cuda_first_nonfinite(st);
+    if (first == ~0ull)
+        return 0;
+    *index = first;
+    *kind = first == st->nan ? 0 : first == st->pinf ? 1 : 2;
+    int rc = epipe_cuda_status_clear(c);
+    return rc ? rc : 1;
+}
+
 static int cuda_synchronize(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);

@@ -53,21 +53,15 @@ __global__ void pi_check_finite(const float *x, uint64_t n, epipe_cuda_status *s
 /* A value that is not finite, refused at once with the CPU's message. */
 static int refuse_nonfinite(epipe_codec *c)
 {
-    epipe_cuda_handle *h = epipe_cuda_h(c);
-    const epipe_cuda_status *st = h->status_host;
-    unsigned long long first = epipe_cuda_first_nonfinite(st);
-    if (first == ~0ull)
-        return EPIPE_OK;
-    int rc = epipe_cuda_status_clear(c);
-    if (rc)
+    static const char *const names[] = {"NaN", "+inf", "-inf"};
+    unsigned long long first;
+    int kind, rc = epipe_cuda_take_nonfinite(c, epipe_cuda_h(c)->status_host, &first, &kind);
+    if (rc <= 0)
         return rc;
     return epipe_cuda_fail(c, EPIPE_EINVAL,
                            "poweriter: input value at index %llu is %s; poweriter needs finite "
                            "values",
-                           first,
-                           first == st->nan    ? "NaN"
-                           : first == st->pinf ? "+inf"
-                                               : "-inf");
+                           first, names[kind]);
 }
 
 static int copy(epipe_codec *c, void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
