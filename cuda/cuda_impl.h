@@ -359,7 +359,9 @@ extern const epipe_codec_backend epipe_cuda_sortquant;
 extern const epipe_codec_backend epipe_cuda_topk;
 extern const epipe_codec_backend epipe_cuda_kmeans;
 extern const epipe_codec_backend epipe_cuda_poweriter;
-/* Destroys h->blas (cuda/poweriter.cu). */
+/* cuBLAS, opened once on first use (cuda/poweriter.cu): 1 when it is
+ * there; and h->blas destroyed. */
+int epipe_cuda_blas_available(void);
 void epipe_cuda_blas_release(epipe_cuda_handle *h);
 
 #endif

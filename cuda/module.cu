@@ -70,7 +70,8 @@ static const epipe_codec_backend *cuda_backend(unsigned id)
     case EPIPE_CODEC_ID_TOPK: return &epipe_cuda_topk;
     case EPIPE_CODEC_ID_KMEANS: return &epipe_cuda_kmeans;
     case EPIPE_CODEC_ID_POWERITER: /* the host's part is in the core, with BLAS */
-        return epipe_cuda_core_fns->pi_plan ? &epipe_cuda_poweriter : NULL;
+        return epipe_cuda_core_fns->pi_plan && epipe_cuda_blas_available() ? &epipe_cuda_poweriter
+                                                                           : NULL;
     }
     return NULL;
 }

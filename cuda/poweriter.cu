@@ -5,12 +5,60 @@
  * Householder QR of each rows x r factor, the records and their checks.
  * Only the factors cross PCIe, so the payload is what crosses, as for the
  * other codecs. The GEMMs round differently from OpenBLAS, so payloads
- * are the CPU's within a tolerance (docs/codecs.md), not byte for byte. */
-#include <cublas_v2.h>
+ * are the CPU's within a tolerance (docs/codecs.md), not byte for byte.
+ * Without cuBLAS (not found at run time) poweriter's CUDA tensors go
+ * through host staging instead (cuda_backend() in module.cu). */
+#include <cublas_v2.h> /* types and constants only: the library is opened at run time */
+#include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "cuda_impl.h"
+
+#ifndef EPIPE_CUBLAS_PATH
+#define EPIPE_CUBLAS_PATH "libcublas.so"
+#endif
+
+/* cuBLAS, opened on the first poweriter handle rather than linked: the
+ * module loads (and every other codec works) without it, and loading it
+ * costs nothing to programs that never use poweriter on a GPU. */
+static struct {
+    cublasStatus_t (*create)(cublasHandle_t *);
+    cublasStatus_t (*destroy)(cublasHandle_t);
+    cublasStatus_t (*set_stream)(cublasHandle_t, cudaStream_t);
+    cublasStatus_t (*gemm)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                           const float *, const float *, int, long long, const float *, int,
+                           long long, const float *, float *, int, long long, int);
+} blas;
+static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
+static int blas_ok;
+
+static void blas_open(void)
+{
+    const char *names[] = {"libcublas.so", EPIPE_CUBLAS_PATH, "libcublas.so.13",
+                           "libcublas.so.12", "libcublas.so.11"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        void *so = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        if (!so)
+            continue;
+        *(void **)&blas.create = dlsym(so, "cublasCreate_v2");
+        *(void **)&blas.destroy = dlsym(so, "cublasDestroy_v2");
+        *(void **)&blas.set_stream = dlsym(so, "cublasSetStream_v2");
+        *(void **)&blas.gemm = dlsym(so, "cublasSgemmStridedBatched");
+        if (blas.create && blas.destroy && blas.set_stream && blas.gemm) {
+            blas_ok = 1;
+            return;
+        }
+        dlclose(so);
+    }
+}
+
+int epipe_cuda_blas_available(void)
+{
+    pthread_once(&blas_once, blas_open);
+    return blas_ok;
+}
 
 static int blas_check(epipe_codec *c, cublasStatus_t s, const char *doing)
 {
@@ -27,18 +75,18 @@ static int blas_for(epipe_codec *c, cublasHandle_t *out)
     int rc;
     if (!h->blas) {
         cublasHandle_t b;
-        if ((rc = blas_check(c, cublasCreate(&b), "creating a cuBLAS handle")))
+        if ((rc = blas_check(c, blas.create(&b), "creating a cuBLAS handle")))
             return rc;
         h->blas = b;
     }
     *out = (cublasHandle_t)h->blas;
-    return blas_check(c, cublasSetStream(*out, epipe_cuda_stream(c)), "setting the stream");
+    return blas_check(c, blas.set_stream(*out, epipe_cuda_stream(c)), "setting the stream");
 }
 
 void epipe_cuda_blas_release(epipe_cuda_handle *h)
 {
     if (h->blas)
-        cublasDestroy((cublasHandle_t)h->blas);
+        blas.destroy((cublasHandle_t)h->blas);
     h->blas = NULL;
 }
 
@@ -96,11 +144,11 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         (rc = wait(c, "waiting for the finiteness check")) || (rc = refuse_nonfinite(c)))
         return rc;
     void *hw, *dq, *dp;
-    cublasHandle_t blas;
+    cublasHandle_t handle;
     if ((rc = epipe_cuda_host(c, (qs + ps) * sizeof(float), &hw)) ||
         (rc = epipe_cuda_grow(c, &h->work[0], qs * sizeof(float), &dq)) ||
         (rc = epipe_cuda_grow(c, &h->work[1], ps * sizeof(float), &dp)) ||
-        (rc = blas_for(c, &blas)))
+        (rc = blas_for(c, &handle)))
         return rc;
     float *hq = (float *)hw, *hp = hq + qs;
     if ((rc = core->pi_start(c, n, hp)) ||
@@ -111,7 +159,7 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     for (uint64_t it = 0; it < v[3]; it++) {
         /* Q = M P: M row-major rows x cols is column-major cols x rows. */
         if ((rc = blas_check(c,
-                             cublasSgemmStridedBatched(blas, CUBLAS_OP_T, CUBLAS_OP_N, m, rr, k,
+                             blas.gemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, m, rr, k,
                                                        &one, x, k, (long long)rows * cols,
                                                        (const float *)dp, k, (long long)cols * r,
                                                        &zero, (float *)dq, m, (long long)rows * r,
@@ -126,7 +174,7 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         /* P = Mᵀ Q */
         if ((rc = copy(c, dq, hq, qs * sizeof(float), cudaMemcpyHostToDevice, "copying Q up")) ||
             (rc = blas_check(c,
-                             cublasSgemmStridedBatched(blas, CUBLAS_OP_N, CUBLAS_OP_N, k, rr, m,
+                             blas.gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, k, rr, m,
                                                        &one, x, k, (long long)rows * cols,
                                                        (const float *)dq, m, (long long)rows * r,
                                                        &zero, (float *)dp, k, (long long)cols * r,
@@ -153,14 +201,14 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     const uint64_t nb = v[0], rows = v[1], cols = v[2];
     const size_t qs = (size_t)(nb * rows * r), ps = (size_t)(nb * cols * r);
     void *hw, *dq, *dp;
-    cublasHandle_t blas;
+    cublasHandle_t handle;
     if ((rc = epipe_cuda_host(c, (qs + ps) * sizeof(float), &hw)))
         return rc;
     float *hq = (float *)hw, *hp = hq + qs;
     if ((rc = core->pi_read(c, body, n, hq, hp)) ||
         (rc = epipe_cuda_grow(c, &h->work[0], qs * sizeof(float), &dq)) ||
         (rc = epipe_cuda_grow(c, &h->work[1], ps * sizeof(float), &dp)) ||
-        (rc = blas_for(c, &blas)) ||
+        (rc = blas_for(c, &handle)) ||
         (rc = copy(c, dq, hq, qs * sizeof(float), cudaMemcpyHostToDevice, "copying Q up")) ||
         (rc = copy(c, dp, hp, ps * sizeof(float), cudaMemcpyHostToDevice, "copying P up")))
         return rc;
@@ -169,7 +217,7 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     /* The copies from pageable host memory have read hq and hp when they
      * return, so the next call may reuse them: the GEMM stays enqueued. */
     return blas_check(c,
-                      cublasSgemmStridedBatched(blas, CUBLAS_OP_N, CUBLAS_OP_T, (int)cols,
+                      blas.gemm(handle, CUBLAS_OP_N, CUBLAS_OP_T, (int)cols,
                                                 (int)rows, (int)r, &one, (const float *)dp,
                                                 (int)cols, (long long)cols * r, (const float *)dq,
                                                 (int)rows, (long long)rows * r, &zero, y,
