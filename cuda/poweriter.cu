@@ -36,8 +36,8 @@ static int blas_ok;
 
 static void blas_open(void)
 {
-    const char *names[] = {"libcublas.so", EPIPE_CUBLAS_PATH, "libcublas.so.13",
-                           "libcublas.so.12", "libcublas.so.11"};
+    const char *names[] = {"libcublas.so", EPIPE_CUBLAS_PATH, "libcublas.so.13", "libcublas.so.12",
+                           "libcublas.so.11"};
     for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
         void *so = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
         if (!so)
@@ -159,11 +159,10 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     for (uint64_t it = 0; it < v[3]; it++) {
         /* Q = M P: M row-major rows x cols is column-major cols x rows. */
         if ((rc = blas_check(c,
-                             blas.gemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, m, rr, k,
-                                                       &one, x, k, (long long)rows * cols,
-                                                       (const float *)dp, k, (long long)cols * r,
-                                                       &zero, (float *)dq, m, (long long)rows * r,
-                                                       (int)nb),
+                             blas.gemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, m, rr, k, &one, x, k,
+                                       (long long)rows * cols, (const float *)dp, k,
+                                       (long long)cols * r, &zero, (float *)dq, m,
+                                       (long long)rows * r, (int)nb),
                              "computing Q = M P")) ||
             (rc = copy(c, hq, dq, qs * sizeof(float), cudaMemcpyDeviceToHost, "copying Q down")) ||
             (rc = wait(c, "waiting for Q")))
@@ -174,11 +173,10 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         /* P = Mᵀ Q */
         if ((rc = copy(c, dq, hq, qs * sizeof(float), cudaMemcpyHostToDevice, "copying Q up")) ||
             (rc = blas_check(c,
-                             blas.gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, k, rr, m,
-                                                       &one, x, k, (long long)rows * cols,
-                                                       (const float *)dq, m, (long long)rows * r,
-                                                       &zero, (float *)dp, k, (long long)cols * r,
-                                                       (int)nb),
+                             blas.gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, k, rr, m, &one, x, k,
+                                       (long long)rows * cols, (const float *)dq, m,
+                                       (long long)rows * r, &zero, (float *)dp, k,
+                                       (long long)cols * r, (int)nb),
                              "computing P = Mt Q")))
             return rc;
     }
@@ -217,11 +215,10 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     /* The copies from pageable host memory have read hq and hp when they
      * return, so the next call may reuse them: the GEMM stays enqueued. */
     return blas_check(c,
-                      blas.gemm(handle, CUBLAS_OP_N, CUBLAS_OP_T, (int)cols,
-                                                (int)rows, (int)r, &one, (const float *)dp,
-                                                (int)cols, (long long)cols * r, (const float *)dq,
-                                                (int)rows, (long long)rows * r, &zero, y,
-                                                (int)cols, (long long)rows * cols, (int)nb),
+                      blas.gemm(handle, CUBLAS_OP_N, CUBLAS_OP_T, (int)cols, (int)rows, (int)r,
+                                &one, (const float *)dp, (int)cols, (long long)cols * r,
+                                (const float *)dq, (int)rows, (long long)rows * r, &zero, y,
+                                (int)cols, (long long)rows * cols, (int)nb),
                       "rebuilding Y = Q Pt");
 }
 
