@@ -205,7 +205,7 @@ class Boundary:
 
     def __init__(self, a):
         self.act_codec, self.grad_codec = make(a.act), make(a.grad)
-        self.delta, self.ef = a.delta, a.ef
+        self.delta, self.ef, self.delta_raw = a.delta, a.ef, a.delta_raw
         self.store, self.residual = {}, {}
         self.act_err, self.grad_err = [], []
 
@@ -217,8 +217,8 @@ class Boundary:
             y = torch.empty_like(x)
             known = [i for i, s in enumerate(ids) if s in self.store]
             new = [i for i, s in enumerate(ids) if s not in self.store]
-            if new:
-                y[new] = x[new]  # first sightings raw, as delta_raw=1
+            if new:  # first sightings raw (delta_raw=1) or through the codec
+                y[new] = x[new] if self.delta_raw else self.act_codec(x[new].contiguous())
             if known:
                 prev = torch.stack([self.store[ids[i]] for i in known])
                 y[known] = prev + self.act_codec(x[known] - prev)
@@ -258,6 +258,8 @@ def main():
                     help="comma-separated activation codecs to evaluate the trained model with "
                          "as well (default: only --act)")
     ap.add_argument("--delta", type=int, default=0, help="1: activation deltas per sample")
+    ap.add_argument("--delta-raw", type=int, default=1,
+                    help="0: first sightings through the codec, not raw (delta_raw=0)")
     ap.add_argument("--ef", type=int, default=0, help="1: error feedback on gradients")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--train-limit", type=int, default=10000)
@@ -308,7 +310,8 @@ def main():
                     correct[t] += int((parts[2](h).argmax(1) == yi).sum())
     print(f"test accuracy {100 * correct[a.act] / len(vy):.2f}% "
           f"({100 * correct['none'] / len(vy):.2f}% with the test activations uncompressed)  "
-          f"(act {a.act}, grad {a.grad}, delta {a.delta}, ef {a.ef}, seed {a.seed}, "
+          f"(act {a.act}, grad {a.grad}, delta {a.delta}, raw {a.delta_raw}, ef {a.ef}, "
+          f"seed {a.seed}, "
           f"{time.time() - t0:.0f}s)")
     for t in tests[2:]:
         print(f"  test activations through {t}: {100 * correct[t] / len(vy):.2f}%")
