@@ -47,6 +47,14 @@ step python-cuda "${GPU_CHECK_PYTHON_S:-120}" env PYTHONPATH="$PWD/python" \
     EPIPE_LIBRARY="$B/lib/libepipe.so.0" PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q \
     -p no:cacheprovider python/tests/test_cuda.py python/tests/test_codec.py \
     python/tests/test_torch_api.py
+# A CUDA-tensor pipeline step against its compute and codec kernels, with
+# each stage's trace summary (issue 11's overhead target)
+for codec in sortquant:bits=8 none; do
+    step "overhead-${codec%%:*}" "${GPU_CHECK_PYTHON_S:-120}" env PYTHONPATH="$PWD/python" \
+        EPIPE_LIBRARY="$B/lib/libepipe.so.0" PYTHONDONTWRITEBYTECODE=1 \
+        python3 python/bench/bench_pipeline_overhead.py --device cuda --codec "$codec" \
+        --trace "$O/overhead-trace-${codec%%:*}"
+done
 # GPU_CHECK_PROFILE=1: each kernel's time in one encode and decode (ncu)
 if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
     step profile 120 ncu --csv --metrics gpu__time_duration.sum "$B/cuda/epipe-bench-cuda" \
