@@ -765,6 +765,22 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
     return rc;
 }
 
+static int host_alloc(size_t bytes, void **p, char *why, size_t cap)
+{
+    cudaError_t e = cudaHostAlloc(p, bytes, cudaHostAllocDefault);
+    if (e == cudaSuccess)
+        return EPIPE_OK;
+    cudaGetLastError();
+    snprintf(why, cap, "allocating %zu bytes of pinned host memory: %s", bytes,
+             cudaGetErrorString(e));
+    return e == cudaErrorMemoryAllocation ? EPIPE_ENOMEM : EPIPE_EIO;
+}
+
+static void host_free(void *p)
+{
+    cudaFreeHost(p);
+}
+
 static const epipe_cuda_module module = {
     .abi = EPIPE_CUDA_ABI,
     .probe = cuda_probe,
@@ -779,6 +795,8 @@ static const epipe_cuda_module module = {
     .free = dev_free,
     .copy = dev_copy,
     .stream_copy = stream_copy,
+    .host_alloc = host_alloc,
+    .host_free = host_free,
     .synchronize = cuda_synchronize,
     .release = cuda_release,
 };

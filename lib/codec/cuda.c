@@ -212,6 +212,27 @@ int epipe_codec_cuda_check(epipe_codec *c, const DLTensor *t, const char *what, 
     return rc ? rc : m->check(c, t, what, device);
 }
 
+int epipe_codec_cuda_host_alloc(epipe_codec *c, size_t bytes, void **p)
+{
+    const epipe_cuda_module *m;
+    char why[256];
+    int rc = module_get(c, "a staged tensor", &m);
+    if (rc)
+        return rc;
+    if ((rc = m->host_alloc(bytes ? bytes : 1, p, why, sizeof why)))
+        return epipe_codec_fail(c, rc, "%s: %s", c->ops->name, why);
+    return EPIPE_OK;
+}
+
+void epipe_codec_cuda_host_free(void *p)
+{
+    pthread_mutex_lock(&lock);
+    const epipe_cuda_module *m = loaded;
+    pthread_mutex_unlock(&lock);
+    if (m && p) /* pinned memory exists only if a module made it */
+        m->host_free(p);
+}
+
 int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const void *src,
                                  size_t bytes)
 {

@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 7
+#define EPIPE_CUDA_ABI 8
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
@@ -132,6 +132,11 @@ typedef struct epipe_cuda_module {
      * ordered on the handle's stream after the work already on it, and
      * complete when it returns. Errors as a status with the message on c. */
     int (*stream_copy)(epipe_codec *c, int device, void *dst, const void *src, size_t bytes);
+    /* Host staging's buffers: pinned host memory (cudaHostAlloc), which the
+     * staging copies read and write at the link's speed, without a bounce
+     * through the driver's own buffers; and its free. */
+    int (*host_alloc)(size_t bytes, void **p, char *why, size_t cap);
+    void (*host_free)(void *p);
     /* Waits for the handle's stream; the first deferred error since the
      * last call, or a CUDA error, as a status with the message on c. */
     int (*synchronize)(epipe_codec *c);

@@ -21,6 +21,9 @@ int epipe_codec_cuda_check(epipe_codec *c, const DLTensor *t, const char *what, 
  * stream after its work and complete on return. */
 int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const void *src,
                                  size_t bytes);
+/* Pinned host memory of at least `bytes` for host staging, and its free. */
+int epipe_codec_cuda_host_alloc(epipe_codec *c, size_t bytes, void **p);
+void epipe_codec_cuda_host_free(void *p);
 /* Host staging for CUDA tensors (lib/codec/cuda_staged.c): encode src (a
  * CUDA tensor of n values of dt, into host or device memory dst of
  * `capacity` >= the payload's size) and decode a payload (host or device

@@ -1,29 +1,31 @@
 /* Host staging: CUDA tensors for the codecs (and settings) the CUDA module
- * has no kernels for (poweriter, insert, chains, delta=1). The tensor is
- * copied to host memory on the handle's stream, the CPU backend encodes it
- * there, and a payload meant for device memory is copied up; decode is the
- * reverse. The payloads are the CPU's, byte for byte, because the CPU
- * backend writes them; the cost is the whole tensor crossing PCIe. Each
- * call returns with its copies complete (docs/codec-backends.md). */
+ * has no kernels for (insert, chains, delta=1; poweriter without cuBLAS).
+ * The tensor is copied to host memory on the handle's stream, the CPU
+ * backend encodes it there, and a payload meant for device memory is
+ * copied up; decode is the reverse. The payloads are the CPU's, byte for
+ * byte, because the CPU backend writes them; the cost is the whole tensor
+ * crossing PCIe. Each call returns with its copies complete
+ * (docs/codec-backends.md). */
 #include <stdlib.h>
 
 #include "core.h"
 #include "cuda_core.h"
 
-/* One of the handle's two host buffers, at least `bytes` long. */
-static void *grow(epipe_codec *c, void **buf, size_t *cap, size_t bytes, const char *what)
+/* One of the handle's two host buffers (pinned, from the module), at least
+ * `bytes` long, in *out; its contents are not kept when it grows. */
+static int grow(epipe_codec *c, void **buf, size_t *cap, size_t bytes, void **out)
 {
     if (*cap < bytes || !*buf) {
-        void *p = realloc(*buf, bytes ? bytes : 1);
-        if (!p) {
-            epipe_codec_fail(c, EPIPE_ENOMEM, "%s: no host memory to stage %s (%zu bytes)",
-                             c->ops->name, what, bytes);
-            return NULL;
-        }
-        *buf = p;
+        epipe_codec_cuda_host_free(*buf);
+        *buf = NULL;
+        *cap = 0;
+        int rc = epipe_codec_cuda_host_alloc(c, bytes, buf);
+        if (rc)
+            return rc; /* the module said why */
         *cap = bytes ? bytes : 1;
     }
-    return *buf;
+    *out = *buf;
+    return EPIPE_OK;
 }
 
 static void *device_data(const DLTensor *t)
@@ -43,9 +45,9 @@ static int to_host(epipe_codec *c, const DLTensor *t, const char *what, uint64_t
     if (n > SIZE_MAX / esz)
         return epipe_codec_fail(c, EPIPE_EOVERFLOW, "%s: %s has too many values to stage",
                                 c->ops->name, what);
-    void *v = grow(c, &c->staged_values, &c->staged_values_cap, (size_t)n * esz, what);
-    if (!v)
-        return EPIPE_ENOMEM;
+    void *v;
+    if ((rc = grow(c, &c->staged_values, &c->staged_values_cap, (size_t)n * esz, &v)))
+        return rc;
     *host = *t;
     host->data = v;
     host->byte_offset = 0;
@@ -64,10 +66,9 @@ int epipe_codec_staged_encode(epipe_codec *c, const DLTensor *src, uint64_t n, e
     if (rc)
         return rc;
     int up = epipe_codec_cuda_is_device_memory(dst);
-    uint8_t *out = up ? grow(c, &c->staged_payload, &c->staged_payload_cap, capacity, "the payload")
-                      : dst;
-    if (!out)
-        return EPIPE_ENOMEM;
+    void *out = dst;
+    if (up && (rc = grow(c, &c->staged_payload, &c->staged_payload_cap, capacity, &out)))
+        return rc;
     rc = epipe_codec_encode_host(c, c->ops->cpu, &host, n, dt, out, capacity, written);
     if (rc == EPIPE_OK && up)
         rc = epipe_codec_cuda_stream_copy(c, device, dst, out, *written);
@@ -85,10 +86,9 @@ int epipe_codec_staged_decode(epipe_codec *c, const void *src, size_t len, DLTen
         return rc;
     const void *payload = src;
     if (src && epipe_codec_cuda_is_device_memory(src)) {
-        void *p = grow(c, &c->staged_payload, &c->staged_payload_cap, len, "the payload");
-        if (!p)
-            return EPIPE_ENOMEM;
-        if ((rc = epipe_codec_cuda_stream_copy(c, device, p, src, len)))
+        void *p;
+        if ((rc = grow(c, &c->staged_payload, &c->staged_payload_cap, len, &p)) ||
+            (rc = epipe_codec_cuda_stream_copy(c, device, p, src, len)))
             return rc;
         payload = p;
     }
@@ -126,8 +126,8 @@ int epipe_codec_staged_f32_out(epipe_codec *c, DLTensor *t, const char *what, ui
 
 void epipe_codec_staged_release(epipe_codec *c)
 {
-    free(c->staged_values);
-    free(c->staged_payload);
+    epipe_codec_cuda_host_free(c->staged_values);
+    epipe_codec_cuda_host_free(c->staged_payload);
     c->staged_values = c->staged_payload = NULL;
     c->staged_values_cap = c->staged_payload_cap = 0;
 }

@@ -23,6 +23,7 @@ FAKE_EXPORT void *fakecuda_alloc(size_t bytes);
 FAKE_EXPORT void fakecuda_free(void *p);
 FAKE_EXPORT int fakecuda_copy(void *dst, const void *src, size_t bytes);
 FAKE_EXPORT void *fakecuda_last_stream(unsigned long *copies);
+FAKE_EXPORT unsigned long fakecuda_host_allocs(void);
 FAKE_EXPORT int epipe_cuda_module_init(const epipe_cuda_core *c, const epipe_cuda_module **out);
 #define MAX_REGIONS 256
 
@@ -250,6 +251,30 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
     return EPIPE_OK;
 }
 
+/* Pinned host memory is host memory: malloc, counted so a test can see
+ * that host staging asks the module for it. */
+static unsigned long host_allocs;
+
+static int host_alloc(size_t bytes, void **p, char *why, size_t cap)
+{
+    if ((*p = malloc(bytes))) {
+        __atomic_add_fetch(&host_allocs, 1, __ATOMIC_RELAXED);
+        return EPIPE_OK;
+    }
+    snprintf(why, cap, "fakecuda: no host memory for %zu bytes", bytes);
+    return EPIPE_ENOMEM;
+}
+
+static void host_free(void *p)
+{
+    free(p);
+}
+
+FAKE_EXPORT unsigned long fakecuda_host_allocs(void)
+{
+    return __atomic_load_n(&host_allocs, __ATOMIC_RELAXED);
+}
+
 static int synchronize(epipe_codec *c)
 {
     (void)c;
@@ -275,6 +300,8 @@ static const epipe_cuda_module module = {
     .free = fakecuda_free,
     .copy = dev_copy,
     .stream_copy = stream_copy,
+    .host_alloc = host_alloc,
+    .host_free = host_free,
     .synchronize = synchronize,
     .release = release,
 };

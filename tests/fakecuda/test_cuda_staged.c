@@ -20,6 +20,7 @@ static void *(*dev_alloc)(size_t);
 static void (*dev_free)(void *);
 static int (*dev_copy)(void *, const void *, size_t);
 static void *(*last_stream)(unsigned long *);
+static unsigned long (*host_allocs)(void);
 
 #define ROWS 8
 #define COLS 64
@@ -272,7 +273,8 @@ static void test_refusals(void **state)
     epipe_codec_destroy(g);
 }
 
-/* The staging copies are ordered on the handle's stream. */
+/* The staging copies are ordered on the handle's stream, through buffers
+ * of pinned memory the module gives, kept from call to call. */
 static void test_copies_on_handle_stream(void **state)
 {
     (void)state;
@@ -290,6 +292,11 @@ static void test_copies_on_handle_stream(void **state)
     assert_int_equal(epipe_codec_encode(g, &gx, p, sizeof p, &w), EPIPE_OK);
     assert_ptr_equal(last_stream(&after), stream);
     assert_int_equal(after, before + 1); /* the tensor down; the payload is host memory */
+    /* the staging buffer is the module's (pinned) memory, kept for the next call */
+    unsigned long pinned = host_allocs();
+    assert_true(pinned > 0);
+    assert_int_equal(epipe_codec_encode(g, &gx, p, sizeof p, &w), EPIPE_OK);
+    assert_int_equal(host_allocs(), pinned);
     assert_int_equal(epipe_codec_synchronize(g), EPIPE_OK);
     dev_free(dx);
     epipe_codec_destroy(g);
@@ -358,7 +365,8 @@ int main(void)
     *(void **)&dev_free = dlsym(so, "fakecuda_free");
     *(void **)&dev_copy = dlsym(so, "fakecuda_copy");
     *(void **)&last_stream = dlsym(so, "fakecuda_last_stream");
-    if (!dev_alloc || !dev_free || !dev_copy || !last_stream) {
+    *(void **)&host_allocs = dlsym(so, "fakecuda_host_allocs");
+    if (!dev_alloc || !dev_free || !dev_copy || !last_stream || !host_allocs) {
         fprintf(stderr, "%s is not the test CUDA module\n", path);
         return 1;
     }
