@@ -118,6 +118,15 @@ static int module_load(const char *what, char *why, size_t cap, const epipe_cuda
     return EPIPE_OK;
 }
 
+/* The module if one is loaded, without loading it. */
+static const epipe_cuda_module *loaded_module(void)
+{
+    pthread_mutex_lock(&lock);
+    const epipe_cuda_module *m = loaded;
+    pthread_mutex_unlock(&lock);
+    return m;
+}
+
 /* module_load() for a codec call: the message on the handle. */
 static int module_get(epipe_codec *c, const char *what, const epipe_cuda_module **out)
 {
@@ -143,9 +152,7 @@ int epipe_cuda_dev_alloc(int device, size_t bytes, void **p, char *why, size_t c
 
 void epipe_cuda_dev_free(void *p)
 {
-    pthread_mutex_lock(&lock);
-    const epipe_cuda_module *m = loaded;
-    pthread_mutex_unlock(&lock);
+    const epipe_cuda_module *m = loaded_module();
     if (m && p) /* device memory exists only if a module made it */
         m->free(p);
 }
@@ -159,9 +166,7 @@ int epipe_cuda_dev_copy(void *dst, const void *src, size_t bytes, char *why, siz
 
 const epipe_codec_backend *epipe_codec_cuda_loaded_backend(const epipe_codec_ops *ops)
 {
-    pthread_mutex_lock(&lock);
-    const epipe_cuda_module *m = loaded;
-    pthread_mutex_unlock(&lock);
+    const epipe_cuda_module *m = loaded_module();
     return m ? m->backend((unsigned)ops->id) : NULL;
 }
 
@@ -199,9 +204,7 @@ int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what
 
 int epipe_codec_cuda_staged(const epipe_codec *c)
 {
-    pthread_mutex_lock(&lock);
-    const epipe_cuda_module *m = loaded;
-    pthread_mutex_unlock(&lock);
+    const epipe_cuda_module *m = loaded_module();
     return m && staged(m, c);
 }
 
@@ -226,9 +229,7 @@ int epipe_codec_cuda_host_alloc(epipe_codec *c, size_t bytes, void **p)
 
 void epipe_codec_cuda_host_free(void *p)
 {
-    pthread_mutex_lock(&lock);
-    const epipe_cuda_module *m = loaded;
-    pthread_mutex_unlock(&lock);
+    const epipe_cuda_module *m = loaded_module();
     if (m && p) /* pinned memory exists only if a module made it */
         m->host_free(p);
 }
@@ -300,9 +301,7 @@ int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint6
 
 int epipe_codec_cuda_is_device_memory(const void *p)
 {
-    pthread_mutex_lock(&lock);
-    const epipe_cuda_module *m = loaded;
-    pthread_mutex_unlock(&lock);
+    const epipe_cuda_module *m = loaded_module();
     int dev;
     return m && p && m->locate(p, &dev) == 1;
 }
@@ -311,9 +310,7 @@ void epipe_codec_cuda_release(epipe_codec *c)
 {
     if (!c->cuda)
         return;
-    pthread_mutex_lock(&lock);
-    const epipe_cuda_module *m = loaded;
-    pthread_mutex_unlock(&lock);
+    const epipe_cuda_module *m = loaded_module();
     if (m) /* c->cuda exists only if a module made it */
         m->release(c);
 }
@@ -322,9 +319,7 @@ static int synchronize(epipe_codec *c)
 {
     if (!c->cuda)
         return EPIPE_OK; /* CPU work is done when its call returns */
-    pthread_mutex_lock(&lock);
-    const epipe_cuda_module *m = loaded;
-    pthread_mutex_unlock(&lock);
+    const epipe_cuda_module *m = loaded_module();
     return m ? m->synchronize(c) : EPIPE_OK;
 }
 
