@@ -145,7 +145,8 @@ int epipe_pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
             pi_mul_mtq(m, rows, cols, st->q, r, st->p); /* P = Mᵀ Q */
             pin = st->p;
         }
-        rc = epipe_pi_finish_matrix(c, &v, b, slot, start, body + PI_BODY_HEADER + b * rec);
+        rc = epipe_pi_finish_matrix(c, &v, b, slot, start, st->q, st->p,
+                                    body + PI_BODY_HEADER + b * rec);
         if (rc)
             return rc;
     }
@@ -170,16 +171,13 @@ int epipe_pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     if (epipe_pi_grow(&st->q, &st->qcap, (size_t)v.rows * v.r) ||
         epipe_pi_grow(&st->p, &st->pcap, (size_t)v.cols * v.r))
         return epipe_codec_fail(c, EPIPE_ENOMEM, "poweriter: out of memory");
-    int fp16 = (int)c->p[PI_FACTORS] == PI_F16;
     uint64_t rec = 0;
     epipe_pi_record_size(c, &v, &rec);
-    size_t msize = (size_t)v.rows * v.cols, qbytes = (size_t)v.rows * v.r * pi_esize(c);
+    size_t msize = (size_t)v.rows * v.cols;
     for (uint64_t b = 0; b < v.nb; b++) {
-        const uint8_t *p = body + PI_BODY_HEADER + b * rec;
         float s;
-        if ((rc = epipe_pi_read_scale(c, p, v.r, b, &s)) ||
-            (rc = epipe_pi_read_factor(c, p + 4, v.rows, v.r, fp16, st->q, b, "Q")) ||
-            (rc = epipe_pi_read_factor(c, p + 4 + qbytes, v.cols, v.r, fp16, st->p, b, "P")))
+        if ((rc = epipe_pi_read_record(c, &v, b, body + PI_BODY_HEADER + b * rec, &s, st->q,
+                                       st->p)))
             return rc;
         /* Y = s Q Pᵀ, row-major rows x cols = column-major cols x rows = s P Qᵀ. */
         cblas_sgemm(CblasColMajor, CblasNoTrans, CblasTrans, (int)v.cols, (int)v.rows, (int)v.r, s,

@@ -148,6 +148,18 @@ int epipe_pi_read_scale(epipe_codec *c, const uint8_t *rec, unsigned r, uint64_t
     return EPIPE_OK;
 }
 
+int epipe_pi_read_record(epipe_codec *c, const pi_view *v, uint64_t b, const uint8_t *rec, float *s,
+                         float *q, float *p)
+{
+    int fp16 = (int)c->p[PI_FACTORS] == PI_F16;
+    size_t qbytes = (size_t)v->rows * v->r * pi_esize(c);
+    int rc;
+    if ((rc = epipe_pi_read_scale(c, rec, v->r, b, s)) ||
+        (rc = epipe_pi_read_factor(c, rec + 4, v->rows, v->r, fp16, q, b, "Q")))
+        return rc;
+    return epipe_pi_read_factor(c, rec + 4 + qbytes, v->cols, v->r, fp16, p, b, "P");
+}
+
 int epipe_pi_reject_nonfinite(epipe_codec *c, const float *x, size_t at)
 {
     return epipe_codec_fail(c, EPIPE_EINVAL,

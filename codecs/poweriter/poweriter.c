@@ -156,6 +156,15 @@ int epipe_pi_grow(float **p, size_t *cap, size_t n)
     return 0;
 }
 
+/* The warm-start slot of c's micro-batch, or NULL when warm starts are off. */
+static pi_slot *pi_slot_of(epipe_codec *c)
+{
+    pi_state *st = c->state;
+    if ((int)c->p[PI_WARM] == 0)
+        return NULL;
+    return &st->slots[(c->microbatch > 0 ? (uint64_t)c->microbatch : 0) % PI_MAX_SLOTS];
+}
+
 /* Scratch for one matrix of the view, and the slot's warm start in
  * *slot_out (NULL when warm starts are off). Returns 1 when the slot is
  * cold (new, reset, or for another shape), 0 when it holds a warm start,
@@ -169,9 +178,9 @@ int epipe_pi_prepare(epipe_codec *c, const pi_view *v, pi_slot **slot_out)
         epipe_pi_grow(&st->p, &st->pcap, (size_t)v->cols * r) ||
         epipe_pi_grow(&st->tau, &st->taucap, r) || epipe_pi_grow(&st->work, &st->workcap, wneed))
         return epipe_codec_fail(c, EPIPE_ENOMEM, "poweriter: out of memory");
-    if ((int)c->p[PI_WARM] == 0)
+    pi_slot *s = pi_slot_of(c);
+    if (!s)
         return 1;
-    pi_slot *s = &st->slots[(c->microbatch > 0 ? (uint64_t)c->microbatch : 0) % PI_MAX_SLOTS];
     *slot_out = s;
     if (s->p && s->v.nb == v->nb && s->v.rows == v->rows && s->v.cols == v->cols && s->v.r == v->r)
         return 0;
@@ -226,22 +235,21 @@ static void pi_keep_warm(float *dst, const float *p, uint64_t cols, unsigned r)
     }
 }
 
-/* The end of one matrix's encode, shared by the fast path and the
- * reference: writes its record from the state's Q and P and keeps P as the
+/* The end of one matrix's encode, shared by the fast path, the reference
+ * and the CUDA backend: writes its record from Q and P and keeps P as the
  * slot's next start; a record that cannot be written sends the slot back
  * to a cold start rather than leaving it half updated. */
 int epipe_pi_finish_matrix(epipe_codec *c, const pi_view *v, uint64_t b, pi_slot *slot,
-                           float *start, uint8_t *rec)
+                           float *start, const float *q, const float *p, uint8_t *rec)
 {
-    pi_state *st = c->state;
-    int rc = epipe_pi_write_record(c, v, b, st->q, st->p, rec);
+    int rc = epipe_pi_write_record(c, v, b, q, p, rec);
     if (rc) {
         if (slot)
             memset(&slot->v, 0, sizeof slot->v);
         return rc;
     }
     if (slot)
-        pi_keep_warm(start, st->p, v->cols, v->r);
+        pi_keep_warm(start, p, v->cols, v->r);
     return EPIPE_OK;
 }
 
@@ -304,21 +312,14 @@ int epipe_pi_cuda_finish(epipe_codec *c, uint64_t n, const float *q, const float
     uint64_t rec = 0;
     if (epipe_pi_view_of(c, n, &v) || epipe_pi_record_size(c, &v, &rec))
         return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
-    pi_state *st = c->state;
-    pi_slot *slot = NULL;
-    if ((int)c->p[PI_WARM] != 0)
-        slot = &st->slots[(c->microbatch > 0 ? (uint64_t)c->microbatch : 0) % PI_MAX_SLOTS];
+    pi_slot *slot = pi_slot_of(c);
     size_t psize = (size_t)v.cols * v.r, qsize = (size_t)v.rows * v.r;
     for (uint64_t b = 0; b < v.nb; b++) {
-        int rc = epipe_pi_write_record(c, &v, b, q + b * qsize, p + b * psize,
-                                       body + PI_BODY_HEADER + b * rec);
-        if (rc) {
-            if (slot)
-                memset(&slot->v, 0, sizeof slot->v);
+        int rc = epipe_pi_finish_matrix(c, &v, b, slot, slot ? slot->p + b * psize : NULL,
+                                        q + b * qsize, p + b * psize,
+                                        body + PI_BODY_HEADER + b * rec);
+        if (rc)
             return rc;
-        }
-        if (slot)
-            pi_keep_warm(slot->p + b * psize, p + b * psize, v.cols, v.r);
     }
     if (slot)
         slot->v = v;
@@ -336,15 +337,11 @@ int epipe_pi_cuda_read(epipe_codec *c, const uint8_t *body, uint64_t n, float *q
     int rc = epipe_pi_check_header(c, body, &v);
     if (rc || v.r == 0)
         return rc;
-    int fp16 = (int)c->p[PI_FACTORS] == PI_F16;
     size_t psize = (size_t)v.cols * v.r, qsize = (size_t)v.rows * v.r;
-    size_t qbytes = qsize * pi_esize(c);
     for (uint64_t b = 0; b < v.nb; b++) {
-        const uint8_t *r = body + PI_BODY_HEADER + b * rec;
         float s, *pb = p + b * psize;
-        if ((rc = epipe_pi_read_scale(c, r, v.r, b, &s)) ||
-            (rc = epipe_pi_read_factor(c, r + 4, v.rows, v.r, fp16, q + b * qsize, b, "Q")) ||
-            (rc = epipe_pi_read_factor(c, r + 4 + qbytes, v.cols, v.r, fp16, pb, b, "P")))
+        if ((rc = epipe_pi_read_record(c, &v, b, body + PI_BODY_HEADER + b * rec, &s, q + b * qsize,
+                                       pb)))
             return rc;
         for (size_t i = 0; i < psize; i++)
             pb[i] *= s;

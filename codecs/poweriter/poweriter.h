@@ -52,7 +52,7 @@ int epipe_pi_grow(float **p, size_t *cap, size_t n);
 int epipe_pi_prepare(epipe_codec *c, const pi_view *v, pi_slot **slot_out);
 void epipe_pi_cold_start(float *p, uint64_t cols, unsigned r);
 int epipe_pi_finish_matrix(epipe_codec *c, const pi_view *v, uint64_t b, pi_slot *slot,
-                           float *start, uint8_t *rec);
+                           float *start, const float *q, const float *p, uint8_t *rec);
 
 /* payload.c: the body header and the per-matrix records. */
 void epipe_pi_write_header(uint8_t *body, const pi_view *v);
@@ -62,6 +62,10 @@ int epipe_pi_check_header(epipe_codec *c, const uint8_t *body, const pi_view *v)
 int epipe_pi_read_factor(epipe_codec *c, const uint8_t *in, uint64_t n, unsigned r, int fp16,
                          float *f, uint64_t b, const char *which);
 int epipe_pi_read_scale(epipe_codec *c, const uint8_t *rec, unsigned r, uint64_t b, float *s);
+/* Matrix b's record at rec: its scale into *s, Q into q and P into p
+ * (column-major), every value checked as above. */
+int epipe_pi_read_record(epipe_codec *c, const pi_view *v, uint64_t b, const uint8_t *rec, float *s,
+                         float *q, float *p);
 int epipe_pi_reject_nonfinite(epipe_codec *c, const float *x, size_t at);
 
 /* lowrank.c: the fast path (OpenBLAS, LAPACKE). */

@@ -109,7 +109,8 @@ int epipe_pi_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
                 }
             pin = st->p;
         }
-        rc = epipe_pi_finish_matrix(c, &v, b, slot, start, body + PI_BODY_HEADER + b * rec);
+        rc = epipe_pi_finish_matrix(c, &v, b, slot, start, st->q, st->p,
+                                    body + PI_BODY_HEADER + b * rec);
         if (rc)
             return rc;
     }
@@ -130,26 +131,17 @@ int epipe_pi_decode_ref(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     if (epipe_pi_grow(&st->q, &st->qcap, (size_t)v.rows * v.r) ||
         epipe_pi_grow(&st->p, &st->pcap, (size_t)v.cols * v.r))
         return epipe_codec_fail(c, EPIPE_ENOMEM, "poweriter: out of memory");
-    int fp16 = (int)c->p[PI_FACTORS] == PI_F16;
     uint64_t rec = 0;
     epipe_pi_record_size(c, &v, &rec);
     size_t rows = v.rows, cols = v.cols, r = v.r, msize = rows * cols;
-    size_t qbytes = rows * r * pi_esize(c);
     /* Validate every record before writing anything. */
-    for (uint64_t b = 0; b < v.nb; b++) {
-        const uint8_t *p = body + PI_BODY_HEADER + b * rec;
-        float s;
-        if ((rc = epipe_pi_read_scale(c, p, v.r, b, &s)) ||
-            (rc = epipe_pi_read_factor(c, p + 4, v.rows, v.r, fp16, st->q, b, "Q")) ||
-            (rc = epipe_pi_read_factor(c, p + 4 + qbytes, v.cols, v.r, fp16, st->p, b, "P")))
+    float s;
+    for (uint64_t b = 0; b < v.nb; b++)
+        if ((rc = epipe_pi_read_record(c, &v, b, body + PI_BODY_HEADER + b * rec, &s, st->q,
+                                       st->p)))
             return rc;
-    }
     for (uint64_t b = 0; b < v.nb; b++) {
-        const uint8_t *p = body + PI_BODY_HEADER + b * rec;
-        float s;
-        epipe_pi_read_scale(c, p, v.r, b, &s);
-        epipe_pi_read_factor(c, p + 4, v.rows, v.r, fp16, st->q, b, "Q");
-        epipe_pi_read_factor(c, p + 4 + qbytes, v.cols, v.r, fp16, st->p, b, "P");
+        epipe_pi_read_record(c, &v, b, body + PI_BODY_HEADER + b * rec, &s, st->q, st->p);
         for (size_t i = 0; i < rows; i++)
             for (size_t j = 0; j < cols; j++) {
                 float acc = 0;
