@@ -95,8 +95,13 @@ int epipe_codec_stage_out(epipe_codec *c, DLTensor *dst, uint64_t n, enum epipe_
                           float **y);
 void epipe_codec_stage_out_done(DLTensor *dst, const float *y, uint64_t n);
 /* A dense fp32 copy or view of a checked tensor for the backward calls:
- * t's memory, or a fresh buffer in *owned (filled from t when `fill`). */
+ * t's memory, or a fresh buffer in *owned (filled from t when `fill`; a
+ * CUDA tensor's values are copied to the host); and, after the backward
+ * wrote the view, the copy of *owned back into t (nothing when the view
+ * was t's memory). The caller frees *owned. */
 int epipe_codec_f32_view(epipe_codec *c, const DLTensor *t, const char *what, uint64_t n,
                          enum epipe_dtype dt, float **out, float **owned, int fill);
+int epipe_codec_f32_view_done(epipe_codec *c, DLTensor *t, const char *what, uint64_t n,
+                              enum epipe_dtype dt, const float *owned);
 
 #endif

@@ -1,10 +1,12 @@
 /* Dtype staging for the CPU backend: dense fp32 views of any-strided fp32,
- * fp16 and bf16 host tensors, through the handle's scratch buffer. */
+ * fp16 and bf16 host tensors, through the handle's scratch buffer (and, for
+ * the backward calls, of CUDA tensors, through host copies). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
+#include "cuda_core.h"
 
 static float *scratch(epipe_codec *c, size_t n)
 {
@@ -63,6 +65,11 @@ int epipe_codec_f32_view(epipe_codec *c, const DLTensor *t, const char *what, ui
                          enum epipe_dtype dt, float **out, float **owned, int fill)
 {
     *owned = NULL;
+    if (epipe_tensor_is_cuda(t)) { /* a host copy (lib/codec/cuda_staged.c) */
+        int rc = epipe_codec_staged_f32_in(c, t, what, n, dt, owned, fill);
+        *out = *owned;
+        return rc;
+    }
     if (dense_f32(t, dt)) {
         *out = (float *)((char *)t->data + t->byte_offset);
         return EPIPE_OK;
@@ -72,6 +79,17 @@ int epipe_codec_f32_view(epipe_codec *c, const DLTensor *t, const char *what, ui
     if (fill)
         epipe_tensor_read_f32(t, *owned, (size_t)n);
     *out = *owned;
+    return EPIPE_OK;
+}
+
+int epipe_codec_f32_view_done(epipe_codec *c, DLTensor *t, const char *what, uint64_t n,
+                              enum epipe_dtype dt, const float *owned)
+{
+    if (!owned)
+        return EPIPE_OK; /* the view was t's own memory */
+    if (epipe_tensor_is_cuda(t))
+        return epipe_codec_staged_f32_out(c, t, what, n, dt, owned);
+    epipe_tensor_write_f32(t, owned, (size_t)n);
     return EPIPE_OK;
 }
 

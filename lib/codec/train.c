@@ -7,7 +7,6 @@
 
 #include "codec_internal.h"
 #include "core.h"
-#include "cuda_core.h"
 
 static int not_trainable(epipe_codec *c, const char *call)
 {
@@ -89,22 +88,13 @@ static int backward(epipe_codec *c, const epipe_codec_train_ops *t, unsigned mb,
                     int enc)
 {
     float *a = NULL, *b = NULL, *own_a = NULL, *own_b = NULL;
-    /* CUDA tensors: host copies for the CPU backend (lib/codec/cuda_staged.c) */
-    int in_cuda = epipe_tensor_is_cuda(gin), out_cuda = epipe_tensor_is_cuda(gout);
-    int rc = in_cuda ? epipe_codec_staged_f32_in(c, gin, in_name, n_in, dt_in, &own_a, 1)
-                     : epipe_codec_f32_view(c, gin, in_name, n_in, dt_in, &a, &own_a, 1);
-    a = in_cuda ? own_a : a;
-    if (rc == EPIPE_OK)
-        rc = out_cuda ? epipe_codec_staged_f32_in(c, gout, out_name, n_out, dt_out, &own_b, 0)
-                      : epipe_codec_f32_view(c, gout, out_name, n_out, dt_out, &b, &own_b, 0);
-    if (rc == EPIPE_OK) {
-        b = out_cuda ? own_b : b;
+    int rc = epipe_codec_f32_view(c, gin, in_name, n_in, dt_in, &a, &own_a, 1);
+    if (rc == EPIPE_OK &&
+        (rc = epipe_codec_f32_view(c, gout, out_name, n_out, dt_out, &b, &own_b, 0)) == EPIPE_OK) {
         rc = enc ? t->encode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim)
                  : t->decode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim);
-        if (rc == EPIPE_OK && out_cuda)
-            rc = epipe_codec_staged_f32_out(c, gout, out_name, n_out, dt_out, own_b);
-        else if (rc == EPIPE_OK && own_b)
-            epipe_tensor_write_f32(gout, own_b, (size_t)n_out);
+        if (rc == EPIPE_OK)
+            rc = epipe_codec_f32_view_done(c, gout, out_name, n_out, dt_out, own_b);
     }
     free(own_a);
     free(own_b);
