@@ -737,17 +737,9 @@ static void dev_free(void *p)
     cudaFree(p);
 }
 
-static int dev_copy(void *dst, const void *src, size_t bytes, char *why, size_t cap)
-{
-    cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
-    if (e == cudaSuccess)
-        return EPIPE_OK;
-    snprintf(why, cap, "copying %zu bytes of a CUDA tensor: %s", bytes, cudaGetErrorString(e));
-    return EPIPE_EIO;
-}
-
-/* Host staging's copies: on the handle's stream, after its work, waited for
- * (pageable host memory makes cudaMemcpyAsync partly synchronous anyway). */
+/* Host staging's copies and the stage's hand-overs: on the handle's
+ * stream, after its work, and waited for, so the call returns with the
+ * copy complete. */
 static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, size_t bytes)
 {
     int prev = -1;
@@ -793,7 +785,6 @@ static const epipe_cuda_module module = {
     .device_ok = device_ok,
     .alloc = dev_alloc,
     .free = dev_free,
-    .copy = dev_copy,
     .stream_copy = stream_copy,
     .host_alloc = host_alloc,
     .host_free = host_free,

@@ -157,13 +157,6 @@ void epipe_cuda_dev_free(void *p)
         m->free(p);
 }
 
-int epipe_cuda_dev_copy(void *dst, const void *src, size_t bytes, char *why, size_t cap)
-{
-    const epipe_cuda_module *m;
-    int rc = module_load("a CUDA tensor is copied", why, cap, &m);
-    return rc ? rc : m->copy(dst, src, bytes, why, cap);
-}
-
 const epipe_codec_backend *epipe_codec_cuda_loaded_backend(const epipe_codec_ops *ops)
 {
     const epipe_cuda_module *m = loaded_module();

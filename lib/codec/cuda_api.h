@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 8
+#define EPIPE_CUDA_ABI 9
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
@@ -121,14 +121,13 @@ typedef struct epipe_cuda_module {
                   uint64_t n, DLTensor *dst, enum epipe_dtype dt);
     /* Device memory for the stage's received tensors: EPIPE_OK when CUDA
      * device `device` exists (else EPIPE_EINVAL with `why`); alloc of
-     * `bytes` (> 0) on it, free, and a synchronous copy of any direction
-     * (cudaMemcpyDefault). Errors as a status with `why`. */
+     * `bytes` (> 0) on it, and free. Errors as a status with `why`. */
     int (*device_ok)(int device, char *why, size_t cap);
     int (*alloc)(int device, size_t bytes, void **p, char *why, size_t cap);
     void (*free)(void *p);
-    int (*copy)(void *dst, const void *src, size_t bytes, char *why, size_t cap);
-    /* Host staging (lib/codec/cuda_staged.c): a copy of `bytes` between
-     * host and device memory of CUDA device `device` (cudaMemcpyDefault),
+    /* Host staging (lib/codec/cuda_staged.c), and the stage's hand-over of
+     * a CUDA tensor between its chunks: a copy of `bytes` between host and
+     * device memory of CUDA device `device` (cudaMemcpyDefault),
      * ordered on the handle's stream after the work already on it, and
      * complete when it returns. Errors as a status with the message on c. */
     int (*stream_copy)(epipe_codec *c, int device, void *dst, const void *src, size_t bytes);

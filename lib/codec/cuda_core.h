@@ -67,7 +67,6 @@ int epipe_codec_cuda_is_device_memory(const void *p);
 int epipe_cuda_device_ok(int device, char *why, size_t cap);
 int epipe_cuda_dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap);
 void epipe_cuda_dev_free(void *p);
-int epipe_cuda_dev_copy(void *dst, const void *src, size_t bytes, char *why, size_t cap);
 /* Frees the module's per-handle state (epipe_codec_destroy). */
 void epipe_codec_cuda_release(epipe_codec *c);
 

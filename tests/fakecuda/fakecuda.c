@@ -231,14 +231,6 @@ static int dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
     return EPIPE_ENOMEM;
 }
 
-static int dev_copy(void *dst, const void *src, size_t bytes, char *why, size_t cap)
-{
-    if (fakecuda_copy(dst, src, bytes) == 0)
-        return EPIPE_OK;
-    snprintf(why, cap, "fakecuda: a copy of %zu bytes overruns device memory", bytes);
-    return EPIPE_EIO;
-}
-
 static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, size_t bytes)
 {
     if (device != 0 || fakecuda_copy(dst, src, bytes))
@@ -298,7 +290,6 @@ static const epipe_cuda_module module = {
     .device_ok = device_ok,
     .alloc = dev_alloc,
     .free = fakecuda_free,
-    .copy = dev_copy,
     .stream_copy = stream_copy,
     .host_alloc = host_alloc,
     .host_free = host_free,
