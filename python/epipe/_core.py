@@ -493,6 +493,12 @@ class Stage(_Handle):
                     "epipe_stage_set_cuda_stream")
         self._stream = ptr
 
+    def _follow_stream(self, tensor):
+        """A torch CUDA tensor to send: the stage's codecs work on torch's
+        current stream, as Codec._follow_stream does for a codec."""
+        _follow_torch_stream(self, tensor, lib.epipe_stage_set_cuda_stream,
+                             "epipe_stage_set_cuda_stream")
+
     @property
     def training(self):
         return getattr(self, "_training", True)
@@ -541,8 +547,7 @@ class Stage(_Handle):
 
     def send_activation(self, microbatch, tensor):
         """Encodes and sends; the tensor may be reused as soon as this returns."""
-        _follow_torch_stream(self, tensor, lib.epipe_stage_set_cuda_stream,
-                             "epipe_stage_set_cuda_stream")
+        self._follow_stream(tensor)
         v = DLView(tensor)
         self._check(lib.epipe_stage_send_activation(self._handle(), int(microbatch), v.ptr),
                     "epipe_stage_send_activation")
@@ -562,8 +567,7 @@ class Stage(_Handle):
                     "epipe_stage_set_samples")
 
     def send_gradient(self, microbatch, tensor):
-        _follow_torch_stream(self, tensor, lib.epipe_stage_set_cuda_stream,
-                             "epipe_stage_set_cuda_stream")
+        self._follow_stream(tensor)
         v = DLView(tensor)
         self._check(lib.epipe_stage_send_gradient(self._handle(), int(microbatch), v.ptr),
                     "epipe_stage_send_gradient")
