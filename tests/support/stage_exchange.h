@@ -287,49 +287,38 @@ static void *sx_run_v_rank(void *p)
         unsigned mb = op.microbatch, s = 0, total = 0;
         SX_CHECK(epipe_stage_chunk_stage(st, op.chunk, &s, &total) == EPIPE_OK && total == 4,
                  "chunk stage");
+        if (op.kind != EPIPE_OP_FORWARD && op.kind != EPIPE_OP_BACKWARD &&
+            op.kind != EPIPE_OP_BACKWARD_INPUT)
+            continue; /* the weight op: no tensor crosses */
+        /* forward: from stage 0 up, +1 a stage; backward: from the last
+         * stage down, -1 a stage */
+        int grad = op.kind != EPIPE_OP_FORWARD;
+        const char *what = grad ? "gradient" : "activation";
         float *dev = out[op.chunk][mb];
         DLTensor t = sx_view(kDLCUDA, dev);
-        if (op.kind == EPIPE_OP_FORWARD) {
-            if (s == 0) {
-                sx_input(mb, got);
-            } else {
-                const DLTensor *r;
-                SX_CHECK(epipe_stage_recv_activation(st, mb, &r) == EPIPE_OK, "zb-v recv act: %s",
-                         epipe_stage_last_error(st));
-                SX_CHECK(r->device.device_type == kDLCUDA, "activation not on the device");
-                sx_to_host(mem, r, got);
-                sx_v_expected(mb, s, 0, want);
-                SX_CHECK(memcmp(got, want, SX_N * sizeof *got) == 0,
-                         "zb-v stage %u mb %u: activation differs", s, mb);
-            }
-            if (s + 1 < SX_V_STAGES) {
-                for (size_t i = 0; i < SX_N; i++)
-                    got[i] = got[i] + 1.0f;
-                SX_CHECK(mem->copy(dev, got, SX_N * sizeof *got) == 0, "activation up");
-                SX_CHECK(epipe_stage_send_activation(st, mb, &t) == EPIPE_OK, "zb-v send act: %s",
-                         epipe_stage_last_error(st));
-            }
-        } else if (op.kind == EPIPE_OP_BACKWARD || op.kind == EPIPE_OP_BACKWARD_INPUT) {
-            if (s + 1 == SX_V_STAGES) {
-                sx_v_expected(mb, s, 1, got);
-            } else {
-                const DLTensor *r;
-                SX_CHECK(epipe_stage_recv_gradient(st, mb, &r) == EPIPE_OK, "zb-v recv grad: %s",
-                         epipe_stage_last_error(st));
-                SX_CHECK(r->device.device_type == kDLCUDA, "gradient not on the device");
-                sx_to_host(mem, r, got);
-                sx_v_expected(mb, s, 1, want);
-                SX_CHECK(memcmp(got, want, SX_N * sizeof *got) == 0,
-                         "zb-v stage %u mb %u: gradient differs", s, mb);
-            }
-            if (s > 0) {
-                for (size_t i = 0; i < SX_N; i++)
-                    got[i] = got[i] - 1.0f;
-                SX_CHECK(mem->copy(dev, got, SX_N * sizeof *got) == 0, "gradient up");
-                SX_CHECK(epipe_stage_send_gradient(st, mb, &t) == EPIPE_OK, "zb-v send grad: %s",
-                         epipe_stage_last_error(st));
-            }
+        if (grad ? s + 1 == SX_V_STAGES : s == 0) {
+            sx_v_expected(mb, s, grad, got);
+        } else {
+            const DLTensor *r;
+            int rc = grad ? epipe_stage_recv_gradient(st, mb, &r)
+                          : epipe_stage_recv_activation(st, mb, &r);
+            SX_CHECK(rc == EPIPE_OK, "zb-v recv %s: %s", what, epipe_stage_last_error(st));
+            if (rc)
+                continue;
+            SX_CHECK(r->device.device_type == kDLCUDA, "%s not on the device", what);
+            sx_to_host(mem, r, got);
+            sx_v_expected(mb, s, grad, want);
+            SX_CHECK(memcmp(got, want, SX_N * sizeof *got) == 0, "zb-v stage %u mb %u: %s differs",
+                     s, mb, what);
         }
+        if (grad ? s == 0 : s + 1 == SX_V_STAGES)
+            continue; /* the end of the line */
+        for (size_t i = 0; i < SX_N; i++)
+            got[i] = grad ? got[i] - 1.0f : got[i] + 1.0f;
+        SX_CHECK(mem->copy(dev, got, SX_N * sizeof *got) == 0, "%s up", what);
+        int rc = grad ? epipe_stage_send_gradient(st, mb, &t)
+                      : epipe_stage_send_activation(st, mb, &t);
+        SX_CHECK(rc == EPIPE_OK, "zb-v send %s: %s", what, epipe_stage_last_error(st));
     }
     for (unsigned k = 0; k < 2; k++)
         for (unsigned mb = 0; mb < SX_M; mb++)
