@@ -104,8 +104,12 @@ static void test_spec_keys(void **st)
     assert_int_equal(epipe_codec_spec_param(c, "delta_raw", &v), EPIPE_OK);
     assert_true(v == 0);
     epipe_codec_destroy(c);
-    c = mk("quant:bits=2,zero=0,delta=1"); /* unless the spec says otherwise */
-    assert_string_equal(epipe_codec_spec(c), "quant:bits=2,delta=1");
+    c = mk("quant:bits=2,zero=0,delta=1"); /* unless the spec says otherwise, */
+    /* and then the canonical spec says it too, so that it reads back the same */
+    assert_string_equal(epipe_codec_spec(c), "quant:bits=2,zero=0,delta=1");
+    epipe_codec *again = mk(epipe_codec_spec(c));
+    assert_string_equal(epipe_codec_spec(again), epipe_codec_spec(c));
+    epipe_codec_destroy(again);
     epipe_codec_destroy(c);
     c = mk("cast:dtype=fp16,delta=0");
     assert_string_equal(epipe_codec_spec(c), "cast:dtype=fp16");

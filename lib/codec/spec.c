@@ -95,6 +95,16 @@ static void format_real(char *buf, size_t cap, double x)
 
 const char *const epipe_param_bool[] = {"0", "1", NULL};
 
+/* Parameter k's value when the spec leaves it out: its default, but for
+ * zero under delta=1, which is 1. delta=1 codes signed changes, and a
+ * quantizer whose grid misses 0 adds the same offset to every unchanged
+ * value, epoch after epoch, to both stored rows (docs/codecs.md). */
+static double param_default(const epipe_codec *c, unsigned k)
+{
+    const epipe_param_desc *d = &c->ops->params[k];
+    return c->delta && strcmp(d->key, "zero") == 0 ? 1 : d->def;
+}
+
 static void build_canonical_spec(epipe_codec *c)
 {
     const epipe_codec_ops *ops = c->ops;
@@ -104,7 +114,9 @@ static void build_canonical_spec(epipe_codec *c)
         char val[40];
         if (isnan(c->p[i])) /* left for the codec to choose per tensor */
             continue;
-        if (d->quiet_default && c->p[i] == d->def)
+        /* left out only where the spec's reading gives it back: zero=0
+         * stays in a delta=1 spec */
+        if (d->quiet_default && c->p[i] == d->def && c->p[i] == param_default(c, i))
             continue;
         if (d->kind == EPIPE_PARAM_CHOICE)
             snprintf(val, sizeof val, "%s", d->choices[(int)c->p[i]]);
@@ -191,13 +203,7 @@ static int parse_params(epipe_codec *c, const char *spec)
     }
     for (unsigned k = 0; k < ops->nparams; k++)
         if (!set[k])
-            c->p[k] = ops->params[k].def;
-    /* delta=1 codes signed changes, and a quantizer whose grid misses 0
-     * adds the same offset to every unchanged value, epoch after epoch, to
-     * both stored rows: zero=1 unless the spec sets it (docs/codecs.md). */
-    int zk = epipe_codec_param_index(ops, "zero");
-    if (c->delta && zk >= 0 && !set[zk])
-        c->p[zk] = 1;
+            c->p[k] = param_default(c, k);
     if (ops->configure) {
         int rc = ops->configure(c);
         if (rc)
