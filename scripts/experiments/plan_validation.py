@@ -12,7 +12,8 @@ tc-shaped veth, scripts/experiments/bandwidth.py), each model is profiled
     (c) even+codec:  the layers cut in half, the same codecs, 1F1B
 
 with measured time per batch, test accuracy, and for the plan its predicted
-step time. --cpus "0-3;4-7" pins stage 0 (and the profile) and stage 1 to
+step time. --codecs lists the candidate codecs (';' between them), and
+--grad-codecs the gradients' where they differ. --cpus "0-3;4-7" pins stage 0 (and the profile) and stage 1 to
 their own CPUs (taskset), for a machine with cores enough that the two
 stages compute independently, as two devices would. Needs root. Example:
 
@@ -44,17 +45,19 @@ PORT = 29791
 MICROBATCH = 64 // 4  # plan_worker's batch over its micro-batches
 
 
-def profile(model, mb):
+def profile(model, mb, codecs, grad_codecs):
     """The model's profile and codec table: one thread, nothing beside it,
-    the best of 7 (codecs: 5) runs, as the library does by default."""
+    the best of 7 (codecs: 5) runs, as the library does by default. The
+    gradients' candidates are grad_codecs where given (None: codecs)."""
     torch.set_num_threads(1)
     import fmnist_split as base
 
     x, y = base.load(base.DATA_DIR, "train")
     ls = plan_worker.layers(model)
     prof = ept.profile(ls, x[:mb], y[:mb], torch.nn.functional.cross_entropy, reps=7)
-    table, skipped = ept.codec_table(prof, CODECS, reps=5)
-    return prof, table
+    table, skipped = ept.codec_table(prof, sorted(set(codecs) | set(grad_codecs or [])), reps=5)
+    keep = {"activation": set(codecs), "gradient": set(grad_codecs or codecs)}
+    return prof, [e for e in table if e["spec"] in keep[e["dir"]]]
 
 
 def balanced_cut(prof):
@@ -113,6 +116,10 @@ def main():
     ap.add_argument("--rates", default="100mbit,1gbit")
     ap.add_argument("--train-limit", type=int, default=6400)
     ap.add_argument("--test-limit", type=int, default=5000)
+    ap.add_argument("--codecs", default=";".join(CODECS),
+                    help="the candidate codecs, ';' between them (none always is one)")
+    ap.add_argument("--grad-codecs", default=None,
+                    help="the gradients' candidates, if not --codecs")
     ap.add_argument("--act-error", type=float, default=1e-3)
     ap.add_argument("--grad-error", type=float, default=1e-2)
     ap.add_argument("--build", default="build")
@@ -137,7 +144,8 @@ def main():
     sys.path.insert(0, os.path.join(ROOT, "examples", "torch"))
     rows = []
     for model in a.models.split(","):
-        prof, table = profile(model, MICROBATCH)
+        prof, table = profile(model, MICROBATCH, a.codecs.split(";"),
+                              a.grad_codecs.split(";") if a.grad_codecs else None)
         L = len(prof.layers)
         for rate in a.rates.split(","):
             bps = bw.rate_bits(rate) / 8
