@@ -552,7 +552,7 @@ class Stage(_Handle):
         self._check(lib.epipe_stage_send_activation(self._handle(), int(microbatch), v.ptr),
                     "epipe_stage_send_activation")
 
-    def set_samples(self, microbatch, ids):
+    def set_samples(self, microbatch, ids, rows=None):
         """Names the rows of micro-batch `microbatch`'s next activation send
         (first pipeline stage only), for boundaries whose activation codec
         has delta=1 (experimental; stage.h, epipe_stage_set_samples): `ids`
@@ -560,8 +560,16 @@ class Stage(_Handle):
         dimension 0 (typically the data set indices), copied at the call and
         used by the next send of that micro-batch only. Set them every
         step, before the send (sends on a delta=1 boundary without them
-        fail with EPIPE_EINVAL). Later stages need nothing: the ids travel
-        with the activations."""
+        fail with EPIPE_EINVAL). ids=None with `rows` (the row count) sends
+        those rows untracked: their values, not their changes, through the
+        codec, kept by neither side. Later stages need nothing: the ids
+        travel with the activations."""
+        if ids is None:
+            if rows is None:
+                raise TypeError("set_samples(mb, None) needs rows=, the activation's row count")
+            self._check(lib.epipe_stage_set_samples(self._handle(), int(microbatch), None,
+                                                    int(rows)), "epipe_stage_set_samples")
+            return
         arr, count = _sample_ids(ids)
         self._check(lib.epipe_stage_set_samples(self._handle(), int(microbatch), arr, count),
                     "epipe_stage_set_samples")

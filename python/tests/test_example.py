@@ -82,3 +82,35 @@ def test_fmnist_schedule_trains_with_the_torch_front_end():
     acc = float(line[0].split("test accuracy ", 1)[1].split("%")[0])
     sps = float(line[0].split("; ", 1)[1].split()[0])
     assert acc > 40 and sps > 0, line[0]
+
+
+def _wire_share(extra):
+    cmd = [LAUNCHER, "-n", "3", "--", sys.executable,
+           os.path.join(ROOT, "examples", "torch", "fmnist_split.py"),
+           "--act-codec", "quant:bits=2,rows=1,delta=1", "--grad-codec", "quant:bits=2,rows=1",
+           "--train-limit", "640", "--test-limit", "200", "--epochs", "2", *extra]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:]
+    r = [json.loads(ln.split("RESULT ", 1)[1]) for ln in p.stdout.splitlines()
+         if '"rank": 0' in ln]
+    assert len(r) == 1, p.stdout[-3000:]
+    return r[0]["wire_down"] / r[0]["raw_down"]
+
+
+@pytest.mark.skipif(not os.path.exists(LAUNCHER), reason=f"no launcher at {LAUNCHER}")
+@pytest.mark.skipif(not os.path.exists(DATA), reason="dataset-fashion-mnist is not installed")
+def test_untracked_micro_batches_are_coded_whole():
+    """--untracked P: with P = 1 every training micro-batch crosses untracked,
+    coded at 2 bits, where tracked rows cross raw when first seen (here every
+    time: each epoch draws its 640 images afresh); without delta=1 it is
+    refused. (The share counts the activations sent and the 2-bit gradients
+    received.)"""
+    tracked, untracked = _wire_share([]), _wire_share(["--untracked", "1"])
+    assert tracked > 0.5, tracked
+    assert untracked < 0.1, untracked  # 2 bits of 32, and a range per row
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "torch", "fmnist_split.py"),
+           "--act-codec", "quant:bits=2", "--untracked", "0.1"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=60)
+    assert p.returncode != 0 and "--untracked 0.1" in p.stdout and "delta=1" in p.stdout

@@ -306,7 +306,9 @@ def test_activation_deltas_through_the_binding():
     """delta=1 with sample ids from set_samples(): the second step's
     activations go as changes, coded on their own much narrower range (ten
     times closer than the first, full send), a send without ids is refused
-    by name, and bad ids raise before reaching the library."""
+    by name, and bad ids raise before reaching the library. Rows sent
+    untracked (ids None) are coded whole, exactly as the codec codes
+    untracked rows, and leave the stored rows as they were."""
     comms = epipe.Comm.inproc(2)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
     got = []
@@ -315,7 +317,7 @@ def test_activation_deltas_through_the_binding():
         # delta_raw=0: first sightings coded too (the default sends them exactly)
         with epipe.Stage(comms[s], "gpipe", 1, act_codec="quant:bits=4,delta=1,delta_raw=0",
                          timeout_ms=20000) as st:
-            for step in range(3):
+            for step in range(5):
                 for op in st.ops():
                     mb = op.microbatch
                     if op.kind == epipe.OP_BACKWARD:
@@ -325,9 +327,14 @@ def test_activation_deltas_through_the_binding():
                             st.recv_gradient(mb)
                     elif s == 1:
                         got.append(st.recv_activation(mb, copy=True))
-                    elif step < 2:
+                    elif step < 2 or step == 4:
                         st.set_samples(mb, range(100, 108))
                         st.send_activation(mb, x + 0.01 * step)
+                    elif step == 3:  # untracked: x + 0.03 coded whole
+                        with pytest.raises(TypeError):
+                            st.set_samples(mb, None)
+                        st.set_samples(mb, None, rows=8)
+                        st.send_activation(mb, x + 0.03)
                     else:  # no ids: refused, naming the call to make
                         with pytest.raises(epipe.Error) as ei:
                             st.send_activation(mb, x)
@@ -339,8 +346,19 @@ def test_activation_deltas_through_the_binding():
                         st.send_activation(mb, x)
 
     raise_first(run_threads(comms, body))
-    assert len(got) == 3
+    assert len(got) == 5
     err0 = (got[0] - x).abs().max().item()
     assert 0 < err0 < 0.5
     assert (got[1] - (x + 0.01)).abs().max().item() < 0.1 * err0
     assert (got[2] - x).abs().max().item() < 0.1 * err0
+    assert (got[3] - (x + 0.03)).abs().max().item() > 0.1 * err0  # coded whole
+    assert (got[4] - (x + 0.04)).abs().max().item() < 0.1 * err0
+    # exactly what a codec pair gives for the same sends: step 4 a change from
+    # step 2's stored rows, the untracked step kept by neither side
+    enc, dec = (epipe.Codec("quant:bits=4,delta=1,delta_raw=0") for _ in range(2))
+    sends = [(x, True), (x + 0.01, True), (x, True), (x + 0.03, False), (x + 0.04, True)]
+    for step, (value, tracked) in enumerate(sends):
+        enc.set_samples(range(100, 108) if tracked else None, rows=8)
+        want = torch.empty(8, 64)
+        dec.decode(enc.encode(value), want)
+        assert torch.equal(got[step], want), step
