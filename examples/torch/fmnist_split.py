@@ -215,6 +215,11 @@ def parse_args(argv=None):
     ap.add_argument("--eval-uncompressed", action="store_true",
                     help="evaluate a second time with no codecs on the boundaries (the "
                          "trained model on its own)")
+    ap.add_argument("--untracked", type=float, default=0.0,
+                    help="with delta=1: each training micro-batch crosses untracked with "
+                         "probability P (its values coded whole, as test rows are, and kept "
+                         "by neither side), so the model also trains on the codes it meets "
+                         "at test")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--train-limit", type=int, default=0, help="use only N training images")
     ap.add_argument("--test-limit", type=int, default=0, help="evaluate only N test images")
@@ -227,6 +232,9 @@ def main():
     a = parse_args()
     if a.batch % a.microbatches:
         sys.exit(f"--batch {a.batch} does not divide into {a.microbatches} micro-batches")
+    if not 0 <= a.untracked <= 1 or (a.untracked and "delta=1" not in a.act_codec):
+        sys.exit(f"--untracked {a.untracked}: a probability, for an activation codec with "
+                 f"delta=1 (not '{a.act_codec}')")
     torch.set_num_threads(a.threads)
     comm = epipe.Comm.from_env()
     if comm.size != 3:
@@ -259,6 +267,7 @@ def main():
     steps = ntrain // a.batch
     m = a.microbatches
 
+    coin = torch.Generator().manual_seed(a.seed * 7919 + 1)  # for --untracked
     t0 = time.time()
     for epoch in range(a.epochs):
         g = torch.Generator().manual_seed(a.seed * 1000 + epoch)  # the same on every rank
@@ -270,7 +279,8 @@ def main():
             xs, ys = train_x[idx].chunk(m), train_y[idx].chunk(m)
             if name_samples:
                 for mb, ids in enumerate(idx.chunk(m)):
-                    stage.set_samples(mb, ids.tolist())
+                    plain = a.untracked > 0 and float(torch.rand(1, generator=coin)) < a.untracked
+                    stage.set_samples(mb, None if plain else ids.tolist(), rows=len(ids))
             opt.zero_grad(set_to_none=True)
             loss = train_step(stage, chunks, xs, ys, m)
             opt.step()

@@ -60,18 +60,24 @@ class RunFailed(Exception):
     quantizer refuse non-finite values): reported, not fatal."""
 
 
+ENTRY_OPTIONS = {"codec_lr": "--codec-lr", "untracked": "--untracked"}
+
+
 def codec_args(codec):
-    """An entry is ACT[/GRAD][#codec_lr=X]: ACT on activations, GRAD (default
-    ACT) on gradients; either may be A+B, A on boundary 0->1 and B on 1->2;
-    X the trainable codecs' learning rate (default: --lr)."""
-    codec, _, opt = codec.partition("#")
+    """An entry is ACT[/GRAD][#OPT=X[,OPT=X]]: ACT on activations, GRAD
+    (default ACT) on gradients; either may be A+B, A on boundary 0->1 and B
+    on 1->2. Options: codec_lr, the trainable codecs' learning rate (default:
+    --lr); untracked, the share of micro-batches sent untracked with delta=1
+    (fmnist_split.py --untracked)."""
+    codec, _, opts = codec.partition("#")
     act, _, grad = codec.partition("/")
     args = ["--act-codec", act, "--grad-codec", grad or act]
-    if opt:
+    for opt in opts.split(",") if opts else []:
         key, _, value = opt.partition("=")
-        if key != "codec_lr" or not value:
-            raise ValueError(f"entry option '#{opt}': the one option is #codec_lr=X")
-        args += ["--codec-lr", str(float(value))]
+        if key not in ENTRY_OPTIONS or not value:
+            raise ValueError(f"entry option '#{opt}': the options are "
+                             + ", ".join(f"{k}=X" for k in ENTRY_OPTIONS))
+        args += [ENTRY_OPTIONS[key], str(float(value))]
     return args
 
 
