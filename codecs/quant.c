@@ -1,7 +1,9 @@
 /* `quant:bits=B`: global min/max uniform quantization, the research
  * baseline sortquant is measured against; fast path and scalar reference.
  * With rows=1 each row of dimension 0 (a sample) is quantized on its own
- * range: the body is then one such body per row, back to back. */
+ * range: the body is then one such body per row, back to back. group=K
+ * does the same for each run of K values (K dividing every row: for NCHW
+ * activations K = H*W is one range per channel of each sample). */
 #include <math.h>
 #include <stdlib.h>
 
@@ -23,6 +25,14 @@ static const epipe_param_desc quant_params[] = {
      .kind = EPIPE_PARAM_CHOICE,
      .def = 0,
      .choices = epipe_param_bool,
+     .quiet_default = 1},
+    /* One range per run of this many values (0: off): finer than a row,
+     * where parts of a sample differ in scale (the channels of a conv). */
+    {.key = "group",
+     .kind = EPIPE_PARAM_INT,
+     .min = 0,
+     .max = 1 << 20,
+     .def = 0,
      .quiet_default = 1},
 };
 
@@ -55,12 +65,15 @@ static int quant_configure(epipe_codec *c)
     return EPIPE_OK;
 }
 
-/* Bit 8 of the word: rows=1 (the body differs, so a decoder must agree). */
+/* Bit 8 of the word: rows=1; bits 9-29: group (the body differs, so a
+ * decoder must agree). */
 #define QUANT_WORD_ROWS 0x100u
+#define QUANT_WORD_GROUP_SHIFT 9
 
 static uint32_t quant_param_word(const epipe_codec *c)
 {
-    return (uint32_t)c->p[QUANT_BITS] | (c->p[QUANT_ROWS] ? QUANT_WORD_ROWS : 0);
+    return (uint32_t)c->p[QUANT_BITS] | (c->p[QUANT_ROWS] ? QUANT_WORD_ROWS : 0) |
+           (uint32_t)c->p[QUANT_GROUP] << QUANT_WORD_GROUP_SHIFT;
 }
 
 /* The body of one quantized range of n values: min, step, the codes. */
@@ -72,15 +85,21 @@ static int one_body_size(const epipe_codec *c, uint64_t n, uint64_t *bytes)
     return EPIPE_OK;
 }
 
-/* How the n values split into ranges: one, or one per row with rows=1. */
+/* How the n values split into ranges: one, one per row with rows=1, or one
+ * per run of `group` values. */
 static void ranges(const epipe_codec *c, uint64_t n, uint64_t *count, uint64_t *len)
 {
-    epipe_codec_rows(c, n, c->p[QUANT_ROWS] != 0, count, len);
+    epipe_codec_ranges(c, n, c->p[QUANT_ROWS] != 0, (uint64_t)c->p[QUANT_GROUP], count, len);
 }
 
 static int quant_body_size(const epipe_codec *c, uint64_t n, size_t *bytes)
 {
-    uint64_t count, len, one;
+    uint64_t count, len, one, row;
+    if (!epipe_codec_group_fits(c, n, (uint64_t)c->p[QUANT_GROUP], &row))
+        return epipe_codec_fail((epipe_codec *)c, EPIPE_EINVAL, /* only its message is written */
+                                "quant: group=%lld does not divide the %llu values of each row "
+                                "of dimension 0 (choose a divisor, or rows=1 for one range a row)",
+                                (long long)c->p[QUANT_GROUP], (unsigned long long)row);
     ranges(c, n, &count, &len);
     if (one_body_size(c, len, &one) || one > SIZE_MAX / count)
         return EPIPE_EOVERFLOW;

@@ -352,7 +352,8 @@ static int fetch_host_bytes(epipe_codec *c, const uint8_t *payload, size_t len, 
     cudaStream_t s = epipe_cuda_stream(c);
     uint64_t rows = 1, rlen = n;
     if (c->ops->id == EPIPE_CODEC_ID_QUANT)
-        epipe_codec_rows(c, n, c->p[QUANT_ROWS] != 0, &rows, &rlen);
+        epipe_codec_ranges(c, n, c->p[QUANT_ROWS] != 0, (uint64_t)c->p[QUANT_GROUP], &rows,
+                           &rlen);
     uint64_t rsize = 8 + (rlen * (uint64_t)c->p[QUANT_BITS] + 7) / 8;
     /* a body of another length is refused by the core after this peek:
      * read it as one range, which stays inside it */

@@ -292,7 +292,7 @@ static int quant_encode_rows(epipe_codec *c, const float *x, uint64_t rows, uint
 static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     uint64_t rows, len;
-    epipe_codec_rows(c, n, c->p[QUANT_ROWS] != 0, &rows, &len);
+    epipe_codec_ranges(c, n, c->p[QUANT_ROWS] != 0, (uint64_t)c->p[QUANT_GROUP], &rows, &len);
     if (rows > 1)
         return quant_encode_rows(c, x, rows, len, body);
     unsigned w = (unsigned)c->p[QUANT_BITS];
@@ -371,7 +371,7 @@ static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
     unsigned w = (unsigned)c->p[QUANT_BITS];
     uint64_t rows, len;
-    epipe_codec_rows(c, n, c->p[QUANT_ROWS] != 0, &rows, &len);
+    epipe_codec_ranges(c, n, c->p[QUANT_ROWS] != 0, (uint64_t)c->p[QUANT_GROUP], &rows, &len);
     uint64_t cb = code_bytes(len, w), size = 8 + cb;
     int rc;
     for (uint64_t r = 0; r < rows; r++)

@@ -404,7 +404,7 @@ static void getters_and_bounds(void **state)
     assert_non_null(strstr(epipe_last_error(), "unknown codec 'zstd'"));
     assert_int_equal(epipe_codec_param_bounds("quant", "split", &lo, &hi), EPIPE_EINVAL);
     assert_non_null(
-        strstr(epipe_last_error(), "no parameter 'split' (its keys: bits, zero, rows, ef)"));
+        strstr(epipe_last_error(), "no parameter 'split' (its keys: bits, zero, rows, group, ef)"));
     assert_int_equal(epipe_codec_param_bounds("none", "bits", &lo, &hi), EPIPE_EINVAL);
     assert_non_null(strstr(epipe_last_error(), "its keys: none"));
     assert_int_equal(epipe_codec_param_bounds("chain", "bits", &lo, &hi), EPIPE_EINVAL);

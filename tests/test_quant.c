@@ -375,6 +375,79 @@ static void rows_each_have_their_range(void **state)
     epipe_codec_destroy(c);
 }
 
+/* group=K: the body is each run of K values' quant body in turn (the runs of
+ * a [R, G, K] tensor, G of them a row, each on its own range), fast,
+ * reference and threaded agree, the word carries K, a decoder of another K
+ * refuses, and a K that does not divide the rows is refused by name. */
+static void groups_each_have_their_range(void **state)
+{
+    (void)state;
+    enum { R = 3, G = 4, K = 29 };
+    float x[R * G * K], y[R * G * K];
+    int64_t shape[3] = {R, G, K};
+    DLTensor tx = test_view_f32_nd(x, shape, 3), ty = test_view_f32_nd(y, shape, 3);
+    char why[256];
+    test_fill(x, R * G * K, DIST_NORMAL, 77);
+    for (int g = 0; g < R * G; g++) /* runs four orders of magnitude apart */
+        for (int i = 0; i < K; i++)
+            x[g * K + i] *= powf(10.0f, (float)-(g % 5));
+    const char *spec = "quant:bits=3,zero=1,group=29";
+    test_payload p = test_encode_view(spec, &tx, 1, 0);
+    test_payload pr = test_encode_view(spec, &tx, 1, 1);
+    test_payload p3 = test_encode_view(spec, &tx, 3, 0);
+    assert_int_equal(p.len, pr.len);
+    assert_memory_equal(p.buf, pr.buf, p.len);
+    assert_memory_equal(p.buf, p3.buf, p.len);
+    assert_int_equal(epipe_get_u32(p.buf + 4), 3 | 29u << 9); /* the parameter word */
+    size_t at = HDR;
+    for (int g = 0; g < R * G; g++) {
+        test_payload one = test_encode("quant:bits=3,zero=1", x + g * K, K, 1, 0);
+        assert_memory_equal(p.buf + at, one.buf + HDR, one.len - HDR);
+        at += one.len - HDR;
+        free(one.buf);
+    }
+    assert_int_equal(at, p.len);
+    assert_int_equal(decode_into(spec, &p, &ty, why, sizeof why), EPIPE_OK);
+    size_t one = (p.len - HDR) / (R * G);
+    for (int g = 0; g < R * G; g++) /* every value within half its own run's step */
+        for (int i = 0; i < K; i++) {
+            float step = epipe_get_f32(p.buf + HDR + (size_t)g * one + 4);
+            assert_true(fabsf(y[g * K + i] - x[g * K + i]) <= step / 2 * 1.0001f);
+        }
+    /* a decoder of another K, or of one range a row, refuses the format */
+    assert_int_equal(decode_into("quant:bits=3,zero=1,group=58", &p, &ty, why, sizeof why),
+                     EPIPE_EPROTO);
+    assert_non_null(strstr(why, "parameter word"));
+    assert_int_equal(decode_into("quant:bits=3,zero=1,rows=1", &p, &ty, why, sizeof why),
+                     EPIPE_EPROTO);
+    /* a run table made bad is refused, as a row's is */
+    epipe_put_f32(p.buf + HDR + 5 * one + 4, -1.0f);
+    assert_int_equal(decode_into(spec, &p, &ty, why, sizeof why), EPIPE_EPROTO);
+    assert_non_null(strstr(why, "step"));
+    free(p.buf);
+    free(pr.buf);
+    free(p3.buf);
+    /* a K that does not divide a row (G*K = 116 values) is refused, naming both */
+    epipe_codec *c = test_codec("quant:bits=3,group=24", 1, 0);
+    uint8_t buf[4096];
+    size_t w;
+    assert_int_equal(epipe_codec_encode(c, &tx, buf, sizeof buf, &w), EPIPE_EINVAL);
+    if (!strstr(epipe_codec_last_error(c), "group=24") ||
+        !strstr(epipe_codec_last_error(c), "116 values"))
+        fail_msg("message '%s' lacks group=24 or the row's 116 values", epipe_codec_last_error(c));
+    epipe_codec_destroy(c);
+    /* K = a whole row is rows=1's body (the word aside); a 1-D tensor is one row */
+    test_payload a = test_encode_view("quant:bits=3,group=116", &tx, 1, 0);
+    test_payload b = test_encode_view("quant:bits=3,rows=1", &tx, 1, 0);
+    assert_int_equal(a.len, b.len);
+    assert_memory_equal(a.buf + HDR, b.buf + HDR, a.len - HDR);
+    free(a.buf);
+    free(b.buf);
+    a = test_encode("quant:bits=3,group=12", x, 48, 1, 0);
+    assert_int_equal(a.len, HDR + 4 * (8 + 5)); /* four runs of 12 codes, 36 bits */
+    free(a.buf);
+}
+
 static void expect_spec_error(const char *spec, const char *needle)
 {
     epipe_codec *c = (epipe_codec *)1;
@@ -398,7 +471,9 @@ static void specs(void **state)
     const char *const canon[][2] = {{"quant:zero=0,bits=3", "quant:bits=3"},
                                     {"quant:zero=1", "quant:bits=8,zero=1"},
                                     {"quant:rows=0,bits=2", "quant:bits=2"},
-                                    {"quant:rows=1,bits=2,zero=1", "quant:bits=2,zero=1,rows=1"}};
+                                    {"quant:rows=1,bits=2,zero=1", "quant:bits=2,zero=1,rows=1"},
+                                    {"quant:group=0,bits=2", "quant:bits=2"},
+                                    {"quant:group=196,bits=2", "quant:bits=2,group=196"}};
     for (size_t i = 0; i < sizeof canon / sizeof canon[0]; i++) {
         c = test_codec(canon[i][0], 1, 0);
         assert_string_equal(epipe_codec_spec(c), canon[i][1]);
@@ -406,16 +481,24 @@ static void specs(void **state)
     }
     expect_spec_error("quant:zero=2", "'zero'");
     expect_spec_error("quant:rows=2", "'rows'");
+    expect_spec_error("quant:group=-1", "'group'");
+    expect_spec_error("quant:group=1048577", "'group'");
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(half_step_bound),        cmocka_unit_test(all_equal_is_exact),
-        cmocka_unit_test(fast_matches_reference), cmocka_unit_test(generic_kernels_match_reference),
-        cmocka_unit_test(nonfinite_rejected),     cmocka_unit_test(find_nonfinite_scan),
-        cmocka_unit_test(hostile_payloads),       cmocka_unit_test(specs),
-        cmocka_unit_test(zero_is_a_level),        cmocka_unit_test(rows_each_have_their_range),
+        cmocka_unit_test(half_step_bound),
+        cmocka_unit_test(all_equal_is_exact),
+        cmocka_unit_test(fast_matches_reference),
+        cmocka_unit_test(generic_kernels_match_reference),
+        cmocka_unit_test(nonfinite_rejected),
+        cmocka_unit_test(find_nonfinite_scan),
+        cmocka_unit_test(hostile_payloads),
+        cmocka_unit_test(specs),
+        cmocka_unit_test(zero_is_a_level),
+        cmocka_unit_test(rows_each_have_their_range),
+        cmocka_unit_test(groups_each_have_their_range),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -11,7 +11,7 @@
 
 /* quant's parameter indices in epipe_codec.p[], for the C codec and the
  * CUDA kernels alike. */
-enum { QUANT_BITS, QUANT_ZERO, QUANT_ROWS };
+enum { QUANT_BITS, QUANT_ZERO, QUANT_ROWS, QUANT_GROUP };
 
 /* The level of x in a chunk: round((x - min) * inv), clamped to [0, levels]
  * (halves round up). The CPU's vector kernels compute exactly this. */

@@ -24,14 +24,19 @@ typedef struct epipe_codec epipe_codec;
  *   cast:dtype=fp16|bf16               round to a 16-bit float type;
  *                                      finite values beyond its range
  *                                      saturate to its largest finite
- *   quant:bits=B[,zero=1][,rows=1]     global min/max uniform, B in 1..16;
+ *   quant:bits=B[,zero=1][,rows=1][,group=K]
+ *                                      global min/max uniform, B in 1..16;
  *                                      zero=1 moves the grid by under half
  *                                      a step so that 0 decodes exactly
  *                                      (use it for gradients; same payload
  *                                      format); rows=1: one min/max per
  *                                      row of dimension 0 (per sample) of
  *                                      a tensor of 2 or more dimensions
- *                                      (another format)
+ *                                      (another format); group=K (1..2^20):
+ *                                      one min/max per run of K values, K
+ *                                      dividing each row (EPIPE_EINVAL
+ *                                      otherwise; K = H*W: per channel of
+ *                                      each sample of NCHW)
  *   sortquant:bits=B[,split=S][,mode=fit|sample|exact][,sample=N][,zero=1]
  *                                      sort quantization, B in 2..16; mode
  *                                      defaults to fit (MSE-fitted chunks,
@@ -318,7 +323,7 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * with a message naming what is missing (no module, no driver, no device).
  * CUDA tensors must be dense and aligned to their element size.
  *
- * Kernels exist for none, cast, quant (rows=1 too), sortquant in its three
+ * Kernels exist for none, cast, quant (rows=1 and group=K too), sortquant in its three
  * modes, topk, kmeans and poweriter (cuBLAS; its payloads are the CPU's
  * within a tolerance, docs/codec-backends.md), with or without error
  * feedback (ef=1). The other codecs (insert, chains) and activation

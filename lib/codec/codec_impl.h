@@ -203,6 +203,32 @@ static inline void epipe_codec_rows(const epipe_codec *c, uint64_t n, int per_ro
     }
 }
 
+/* The same with runs of `group` values (0: off), each its own range: the n
+ * values split into n / group ranges. The caller has checked that group
+ * divides each row of dimension 0 (epipe_codec_group_fits); a tensor with
+ * no values is one empty range. */
+static inline void epipe_codec_ranges(const epipe_codec *c, uint64_t n, int per_row, uint64_t group,
+                                      uint64_t *count, uint64_t *len)
+{
+    if (group && n && n % group == 0) {
+        *count = n / group;
+        *len = group;
+        return;
+    }
+    epipe_codec_rows(c, n, per_row, count, len);
+}
+
+/* Whether runs of `group` values tile each row of dimension 0 of the current
+ * shape (the whole tensor for fewer than two dimensions); *row_len gets the
+ * row's length. */
+static inline int epipe_codec_group_fits(const epipe_codec *c, uint64_t n, uint64_t group,
+                                         uint64_t *row_len)
+{
+    uint64_t rows = c->ndim > 1 && c->shape[0] > 0 ? (uint64_t)c->shape[0] : 1;
+    *row_len = n % rows == 0 ? n / rows : n;
+    return !group || *row_len % group == 0;
+}
+
 /* Records an error on the codec (and the thread) and returns status. */
 int epipe_codec_fail(epipe_codec *c, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

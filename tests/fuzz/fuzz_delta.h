@@ -9,8 +9,9 @@
 #include <epipe/epipe.h>
 
 static const char *const fuzz_delta_specs[] = {
-    "quant:bits=2,delta=1",    "sortquant:bits=4,delta=1", "topk:ratio=0.5,delta=1",
-    "cast:dtype=bf16,delta=1", "kmeans:bits=2,delta=1",    "quant:bits=2,rows=1,delta=1",
+    "quant:bits=2,delta=1",         "sortquant:bits=4,delta=1", "topk:ratio=0.5,delta=1",
+    "cast:dtype=bf16,delta=1",      "kmeans:bits=2,delta=1",    "quant:bits=2,rows=1,delta=1",
+    "quant:bits=2,group=2,delta=1",
 };
 #define FUZZ_DELTA_NSPECS (sizeof fuzz_delta_specs / sizeof fuzz_delta_specs[0])
 

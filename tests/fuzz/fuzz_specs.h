@@ -30,15 +30,17 @@ static const char *const fuzz_specs[] = {
     "sortquant:bits=5,split=2,mode=fit",
     /* one range per row (fuzz_spec_per_row) */
     "quant:bits=3,rows=1",
+    /* one range per run of 4 values of a row (also decoded into rows) */
+    "quant:bits=3,group=4",
 };
 #define FUZZ_NSPECS (sizeof fuzz_specs / sizeof fuzz_specs[0])
 
-/* fuzz_codec_decode decodes a per-row spec (one range per row) into a
- * [1 + byte 2 % 8, n / rows] tensor, every other into [n]; make_corpus
- * writes its seeds to match. */
+/* fuzz_codec_decode decodes a per-row spec (one range per row, or per run
+ * of a row) into a [1 + byte 2 % 8, n / rows] tensor, every other into [n];
+ * make_corpus writes its seeds to match. */
 static inline int fuzz_spec_per_row(const char *spec)
 {
-    return strstr(spec, "rows=1") != NULL;
+    return strstr(spec, "rows=1") != NULL || strstr(spec, "group=") != NULL;
 }
 
 #endif

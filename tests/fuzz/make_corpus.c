@@ -261,6 +261,8 @@ static int write_delta_corpus(const char *root)
     for (size_t s = 0; s < FUZZ_DELTA_NSPECS; s++)
         for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
             int64_t rows = 1 + shapes[k][0], cols = 1 + shapes[k][1];
+            if (strstr(fuzz_delta_specs[s], "group=2") && cols % 2)
+                continue; /* runs of 2 do not divide the row */
             epipe_codec *c;
             if (epipe_codec_create(&c, fuzz_delta_specs[s]) != EPIPE_OK)
                 return 1;
@@ -319,7 +321,9 @@ int main(int argc, char **argv)
             buf[1] = (uint8_t)n;
             buf[2] = 0;
             if (epipe_codec_encode(c, &t, buf + 3, sizeof buf - 3, &len) != EPIPE_OK) {
-                if (epipe_codec_trainable(c) && n < 2) { /* insert needs D >= out */
+                /* insert needs D >= out; group=4 runs do not divide 1 or 37 values
+                 * (its seeds are the rows' below) */
+                if ((epipe_codec_trainable(c) && n < 2) || strstr(fuzz_specs[s], "group=")) {
                     epipe_codec_destroy(c);
                     continue;
                 }

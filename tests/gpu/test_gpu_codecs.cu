@@ -762,6 +762,8 @@ int main(void)
     rows_match_cpu("quant:bits=3,rows=1", 5, 333); /* rows not 4-aligned, codes not bytes */
     rows_match_cpu("quant:bits=8,zero=1,rows=1", 70000, 3); /* rows past one grid's y */
     rows_match_cpu("quant:bits=4,rows=1", 1, 100000);  /* one row: the one-range path */
+    rows_match_cpu("quant:bits=2,zero=1,group=196", 16, 3136); /* a range per channel */
+    rows_match_cpu("quant:bits=3,group=111", 5, 333);          /* runs not 4-aligned */
     for (int dev = 0; dev < 2; dev++) {
         ef_matches_cpu("quant:bits=2,ef=1", dev);
         ef_matches_cpu("quant:bits=4,zero=1,ef=1", dev);
