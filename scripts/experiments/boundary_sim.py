@@ -21,6 +21,8 @@ prototype written here:
     py:qBrcK  per sample, the range clipped at K standard deviations
     py:qBrm   per sample, the clipped range of least squared error (each
               end moved in by the same share of the range, 0-60%)
+    py:qBgK   one range per group of K values of a sample (196: a channel of
+              the conv boundary; per sample where K does not divide it)
     py:kBr    per-sample Lloyd-Max (k-means) codebook, 2^B levels
     py:kBs    one Lloyd-Max codebook for the tensor, its end levels moved to
               the extremes, stochastic rounding between neighbours (unbiased)
@@ -59,11 +61,14 @@ def library_round_trip(spec):
     return f
 
 
-def uniform(t, bits, stochastic=False, per_row=False, clip=None):
+def uniform(t, bits, stochastic=False, per_row=False, clip=None, group=0):
     """B-bit uniform levels with 0 on the grid, over the tensor's range or
-    each sample's (clip: the range at most clip standard deviations)."""
+    each sample's (clip: the range at most clip standard deviations; group:
+    one range per run of that many values of a sample, where they divide it)."""
     levels = 2 ** bits - 1
     x = t.reshape(t.shape[0], -1) if per_row else t.reshape(1, -1)
+    if group and x.shape[1] % group == 0:
+        x = x.reshape(-1, group)
     lo, hi = x.min(1, keepdim=True)[0], x.max(1, keepdim=True)[0]
     if clip:
         mu, sd = x.mean(1, keepdim=True), x.std(1, keepdim=True)
@@ -179,6 +184,8 @@ def prototype(name):
         return lambda t: kmeans_stochastic(t.detach(), bits)
     if kind == "q" and rest == "rm":
         return lambda t: uniform_mse(t.detach(), bits)
+    if kind == "q" and rest.startswith("g"):
+        return lambda t: uniform(t.detach(), bits, per_row=True, group=int(rest[1:]))
     if kind == "q":
         clip = float(rest.split("c")[1]) if "c" in rest else None
         return lambda t: uniform(t.detach(), bits, "s" in rest, "r" in rest, clip)
@@ -209,9 +216,9 @@ class Boundary:
         self.store, self.residual = {}, {}
         self.act_err, self.grad_err = [], []
 
-    def activation(self, x, ids, training):
+    def activation(self, x, ids, training, untracked=False):
         x = x.detach()
-        if not (self.delta and training):
+        if not (self.delta and training) or untracked:
             y = self.act_codec(x)
         else:
             y = torch.empty_like(x)
@@ -241,13 +248,13 @@ class Boundary:
 
 class Crossing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, boundary, ids, mb):
+    def forward(ctx, x, boundary, ids, mb, untracked=False):
         ctx.boundary, ctx.mb = boundary, mb
-        return boundary.activation(x, ids, True)
+        return boundary.activation(x, ids, True, untracked)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.boundary.gradient(g, ctx.mb), None, None, None
+        return ctx.boundary.gradient(g, ctx.mb), None, None, None, None
 
 
 def main():
@@ -261,6 +268,12 @@ def main():
     ap.add_argument("--delta-raw", type=int, default=1,
                     help="0: first sightings through the codec, not raw (delta_raw=0)")
     ap.add_argument("--ef", type=int, default=0, help="1: error feedback on gradients")
+    ap.add_argument("--plain-last", type=int, default=0,
+                    help="K: deltas off in the last K epochs (the codec on whole values, "
+                         "as at test)")
+    ap.add_argument("--plain-frac", type=float, default=0.0,
+                    help="P: each micro-batch untracked with probability P (the codec on "
+                         "whole values, as at test, the stored rows left as they are)")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--train-limit", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=1)
@@ -276,17 +289,22 @@ def main():
     vx, vy = fs.load(a.data, "test")
     n, batch, m = min(a.train_limit, len(ty)), 64, 4
     steps, t0 = n // batch, time.time()
+    coin = torch.Generator().manual_seed(a.seed * 7919 + 1)
     for ep in range(a.epochs):
         order = torch.randperm(len(ty), generator=torch.Generator().manual_seed(a.seed * 1000 + ep))
         model.train()
+        if a.plain_last and ep == a.epochs - a.plain_last:
+            for bd in bounds:
+                bd.delta = 0
         for b in range(steps):
             idx = order[:n][b * batch:(b + 1) * batch]
             opt.zero_grad(set_to_none=True)
             for mb, (xi, yi, ii) in enumerate(zip(tx[idx].chunk(m), ty[idx].chunk(m),
                                                   idx.chunk(m))):
                 ids = ii.tolist()
-                h = Crossing.apply(parts[0](xi), bounds[0], ids, mb)
-                h = Crossing.apply(parts[1](h), bounds[1], ids, mb)
+                un = a.plain_frac > 0 and float(torch.rand(1, generator=coin)) < a.plain_frac
+                h = Crossing.apply(parts[0](xi), bounds[0], ids, mb, un)
+                h = Crossing.apply(parts[1](h), bounds[1], ids, mb, un)
                 (F.cross_entropy(parts[2](h), yi) / m).backward()
             opt.step()
         last = steps * m
@@ -311,7 +329,7 @@ def main():
     print(f"test accuracy {100 * correct[a.act] / len(vy):.2f}% "
           f"({100 * correct['none'] / len(vy):.2f}% with the test activations uncompressed)  "
           f"(act {a.act}, grad {a.grad}, delta {a.delta}, raw {a.delta_raw}, ef {a.ef}, "
-          f"seed {a.seed}, "
+          f"plain-last {a.plain_last}, plain-frac {a.plain_frac}, seed {a.seed}, "
           f"{time.time() - t0:.0f}s)")
     for t in tests[2:]:
         print(f"  test activations through {t}: {100 * correct[t] / len(vy):.2f}%")
