@@ -16,8 +16,8 @@ static const char *const fuzz_delta_specs[] = {
 #define FUZZ_DELTA_NSPECS (sizeof fuzz_delta_specs / sizeof fuzz_delta_specs[0])
 
 /* Input layout: byte 0 picks the spec, byte 1 the rows (1..16), byte 2 the
- * values per row (1..64); the rest is a delta payload's body (after the
- * 16-byte core header, which the target writes). */
+ * values per row (1..64, made even for group=2); the rest is a delta
+ * payload's body (after the 16-byte core header, which the target writes). */
 #define FUZZ_DELTA_SEL 3
 
 /* Encodes rows x cols deterministic values of epoch e for the samples ids
