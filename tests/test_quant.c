@@ -292,6 +292,22 @@ static int decode_into(const char *spec, const test_payload *p, DLTensor *t, cha
     return rc;
 }
 
+/* spec's payload of t, checked equal from the fast path on one and three
+ * threads and from the reference. */
+static test_payload encode_three_ways(const char *spec, const DLTensor *t)
+{
+    test_payload p = test_encode_view(spec, t, 1, 0);
+    test_payload pr = test_encode_view(spec, t, 1, 1);
+    test_payload p3 = test_encode_view(spec, t, 3, 0);
+    assert_int_equal(p.len, pr.len);
+    assert_int_equal(p.len, p3.len);
+    assert_memory_equal(p.buf, pr.buf, p.len);
+    assert_memory_equal(p.buf, p3.buf, p.len);
+    free(pr.buf);
+    free(p3.buf);
+    return p;
+}
+
 /* rows=1: the body is each row's quant body in turn (so each sample keeps
  * its own range), fast and reference agree, the parameter word tells the
  * two formats apart, and a bad value is named by its index in the tensor. */
@@ -311,12 +327,7 @@ static void rows_each_have_their_range(void **state)
         char spec[48], plain[32];
         snprintf(spec, sizeof spec, "quant:bits=%u,zero=1,rows=1", bits);
         snprintf(plain, sizeof plain, "quant:bits=%u,zero=1", bits);
-        test_payload p = test_encode_view(spec, &tx, 1, 0);
-        test_payload pr = test_encode_view(spec, &tx, 1, 1);
-        test_payload p3 = test_encode_view(spec, &tx, 3, 0);
-        assert_int_equal(p.len, pr.len);
-        assert_memory_equal(p.buf, pr.buf, p.len);
-        assert_memory_equal(p.buf, p3.buf, p.len);
+        test_payload p = encode_three_ways(spec, &tx);
         assert_int_equal(epipe_get_u32(p.buf + 4), bits | 0x100); /* the parameter word */
         size_t at = HDR;
         for (int r = 0; r < R; r++) {
@@ -340,8 +351,6 @@ static void rows_each_have_their_range(void **state)
         assert_int_equal(decode_into(spec, &q, &ty, why, sizeof why), EPIPE_EPROTO);
         free(q.buf);
         free(p.buf);
-        free(pr.buf);
-        free(p3.buf);
     }
     /* a 1-D tensor is one row: the bytes of quant without the key, but for the word */
     test_fill(x, C, DIST_UNIFORM, 3);
@@ -392,12 +401,7 @@ static void groups_each_have_their_range(void **state)
         for (int i = 0; i < K; i++)
             x[g * K + i] *= powf(10.0f, (float)-(g % 5));
     const char *spec = "quant:bits=3,zero=1,group=29";
-    test_payload p = test_encode_view(spec, &tx, 1, 0);
-    test_payload pr = test_encode_view(spec, &tx, 1, 1);
-    test_payload p3 = test_encode_view(spec, &tx, 3, 0);
-    assert_int_equal(p.len, pr.len);
-    assert_memory_equal(p.buf, pr.buf, p.len);
-    assert_memory_equal(p.buf, p3.buf, p.len);
+    test_payload p = encode_three_ways(spec, &tx);
     assert_int_equal(epipe_get_u32(p.buf + 4), 3 | 29u << 9); /* the parameter word */
     size_t at = HDR;
     for (int g = 0; g < R * G; g++) {
@@ -425,8 +429,6 @@ static void groups_each_have_their_range(void **state)
     assert_int_equal(decode_into(spec, &p, &ty, why, sizeof why), EPIPE_EPROTO);
     assert_non_null(strstr(why, "step"));
     free(p.buf);
-    free(pr.buf);
-    free(p3.buf);
     /* a K that does not divide a row (G*K = 116 values) is refused, naming both */
     epipe_codec *c = test_codec("quant:bits=3,group=24", 1, 0);
     uint8_t buf[4096];
