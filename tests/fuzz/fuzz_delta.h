@@ -20,6 +20,17 @@ static const char *const fuzz_delta_specs[] = {
  * payload's body (after the 16-byte core header, which the target writes). */
 #define FUZZ_DELTA_SEL 3
 
+/* The tensor shape bytes 1 and 2 select for spec: rows 1..16, values per
+ * row 1..64 (made even for group=2, whose runs must divide a row). */
+static inline void fuzz_delta_shape(const char *spec, uint8_t rows_byte, uint8_t cols_byte,
+                                    int64_t *rows, int64_t *cols)
+{
+    *rows = 1 + rows_byte % 16;
+    *cols = 1 + cols_byte % 64;
+    if (strstr(spec, "group=2"))
+        *cols += *cols % 2;
+}
+
 /* Encodes rows x cols deterministic values of epoch e for the samples ids
  * with c: *out is malloc'd. 0 on success. */
 static int fuzz_delta_encode(epipe_codec *c, int64_t rows, int64_t cols, const uint64_t *ids, int e,

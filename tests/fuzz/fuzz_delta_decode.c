@@ -13,9 +13,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (size < FUZZ_DELTA_SEL)
         return 0;
     const char *spec = fuzz_delta_specs[data[0] % FUZZ_DELTA_NSPECS];
-    int64_t rows = 1 + data[1] % 16, cols = 1 + data[2] % 64;
-    if (strstr(spec, "group=2"))
-        cols += cols % 2; /* runs of 2 must divide a row */
+    int64_t rows, cols;
+    fuzz_delta_shape(spec, data[1], data[2], &rows, &cols);
     epipe_codec *enc, *dec;
     if (epipe_codec_create(&enc, spec) || epipe_codec_create(&dec, spec))
         abort(); /* the specs above are valid */

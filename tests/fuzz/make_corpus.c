@@ -260,9 +260,8 @@ static int write_delta_corpus(const char *root)
     const uint8_t shapes[][2] = {{0, 0}, {3, 7}, {5, 63}, {7, 15}}; /* the last: NULL ids */
     for (size_t s = 0; s < FUZZ_DELTA_NSPECS; s++)
         for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
-            int64_t rows = 1 + shapes[k][0], cols = 1 + shapes[k][1];
-            if (strstr(fuzz_delta_specs[s], "group=2") && cols % 2)
-                continue; /* runs of 2 do not divide the row */
+            int64_t rows, cols;
+            fuzz_delta_shape(fuzz_delta_specs[s], shapes[k][0], shapes[k][1], &rows, &cols);
             epipe_codec *c;
             if (epipe_codec_create(&c, fuzz_delta_specs[s]) != EPIPE_OK)
                 return 1;
