@@ -28,8 +28,13 @@ STAGE_TIMEOUT_MS, STAGE_CODEC_THREADS, STAGE_BATCH_SIZE, STAGE_TRAINING = (
 STAGE_CUDA_DEVICE = _C["EPIPE_STAGE_CUDA_DEVICE"]
 
 
-def _sample_ids(ids):
-    """(array, count): sample ids as the C calls take them, checked."""
+def _sample_ids(ids, rows=None):
+    """(array, count): sample ids as the C calls take them, checked; for
+    ids None (untracked rows), (None, rows)."""
+    if ids is None:
+        if rows is None:
+            raise TypeError("set_samples: ids None (untracked rows) needs rows=, the row count")
+        return None, int(rows)
     ids = [int(i) for i in ids]
     if any(i < 0 for i in ids):
         raise ValueError("set_samples: sample ids must be non-negative integers")
@@ -136,13 +141,7 @@ class Codec(_Handle):
         changes, go through the codec, and neither side keeps them. The
         next encode consumes them, so set them before every encode; the
         decoder needs nothing (the ids travel in the payload)."""
-        if ids is None:
-            if rows is None:
-                raise TypeError("set_samples(None) needs rows=, the tensor's row count")
-            self._check(lib.epipe_codec_set_samples(self._handle(), None, int(rows)),
-                        "epipe_codec_set_samples")
-            return
-        arr, count = _sample_ids(ids)
+        arr, count = _sample_ids(ids, rows)
         self._check(lib.epipe_codec_set_samples(self._handle(), arr, count),
                     "epipe_codec_set_samples")
 
@@ -564,13 +563,7 @@ class Stage(_Handle):
         those rows untracked: their values, not their changes, through the
         codec, kept by neither side. Later stages need nothing: the ids
         travel with the activations."""
-        if ids is None:
-            if rows is None:
-                raise TypeError("set_samples(mb, None) needs rows=, the activation's row count")
-            self._check(lib.epipe_stage_set_samples(self._handle(), int(microbatch), None,
-                                                    int(rows)), "epipe_stage_set_samples")
-            return
-        arr, count = _sample_ids(ids)
+        arr, count = _sample_ids(ids, rows)
         self._check(lib.epipe_stage_set_samples(self._handle(), int(microbatch), arr, count),
                     "epipe_stage_set_samples")
 
