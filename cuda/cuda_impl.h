@@ -19,8 +19,13 @@ struct epipe_cuda_status {
     /* A payload entry a decode kernel refused: entry << 2 | the kind
      * below, the smallest entry first (atomicMin). */
     unsigned long long bad;
+    /* insert's encode: the smallest index of a code that is not finite
+     * (the input is not, or the products overflow fp32), else that of a
+     * code beyond fp16 (code=fp16) with EPIPE_CUDA_CODE_FP16 set. */
+    unsigned long long code;
 };
 enum { EPIPE_CUDA_BAD_RANGE = 1, EPIPE_CUDA_BAD_ORDER = 2, EPIPE_CUDA_BAD_VALUE = 3 };
+#define EPIPE_CUDA_CODE_FP16 (1ull << 63)
 
 /* A device buffer grown on demand (stream-ordered, on the handle's stream). */
 struct epipe_cuda_buf {
@@ -36,6 +41,7 @@ struct epipe_cuda_handle {
     epipe_cuda_buf body;       /* the body before it is copied out */
     epipe_cuda_buf work[3];    /* per-codec work arrays */
     epipe_cuda_buf ef_work;    /* ef=1: x + r, the tensor encoded */
+    epipe_cuda_buf grad_out;   /* a backward's fp32 result for a 16-bit gradient */
     void *host;                /* per-codec host scratch (malloc) */
     size_t host_cap;
     /* The call's payload, when it is device memory: the kernels read and
@@ -53,7 +59,8 @@ struct epipe_cuda_handle {
     const uint8_t *peeked;
     size_t peeked_len;
     epipe_cuda_status *status_host; /* pinned: where synchronize reads it */
-    void *blas;                     /* poweriter's cublasHandle_t, made on first use */
+    void *blas;                     /* cublasHandle_t, made on first use (cuda/cublas.cu) */
+    void *dnn;                      /* insert's cuDNN state, made on first use */
 };
 
 /* The core's helpers, set at init. */
@@ -359,9 +366,20 @@ extern const epipe_codec_backend epipe_cuda_sortquant;
 extern const epipe_codec_backend epipe_cuda_topk;
 extern const epipe_codec_backend epipe_cuda_kmeans;
 extern const epipe_codec_backend epipe_cuda_poweriter;
-/* cuBLAS, opened once on first use (cuda/poweriter.cu): 1 when it is
- * there; and h->blas destroyed. */
+extern const epipe_codec_backend epipe_cuda_insert;
+/* cuBLAS, opened once on first use (cuda/cublas.cu): 1 when it is there;
+ * one strided-batched SGEMM (column-major, alpha 1, beta 0, ta/tb 1 to
+ * transpose A/B) on the handle's stream, its error a status naming
+ * `doing`; and h->blas destroyed. */
 int epipe_cuda_blas_available(void);
+int epipe_cuda_gemm(epipe_codec *c, const char *doing, int ta, int tb, int m, int n, int k,
+                    const float *a, int lda, long long sa, const float *b, int ldb, long long sb,
+                    float *out, int ldc, long long sc, int batch);
 void epipe_cuda_blas_release(epipe_cuda_handle *h);
+/* cuDNN, opened once on first use (cuda/insert.cu): 1 when it is there;
+ * and h->dnn (insert's cuDNN state, device weights and the tensors kept
+ * for its backward) released. */
+int epipe_cuda_dnn_available(void);
+void epipe_cuda_dnn_release(epipe_cuda_handle *h);
 
 #endif

@@ -72,6 +72,11 @@ static const epipe_codec_backend *cuda_backend(unsigned id)
     case EPIPE_CODEC_ID_POWERITER: /* the host's part is in the core, with BLAS */
         return epipe_cuda_core_fns->pi_plan && epipe_cuda_blas_available() ? &epipe_cuda_poweriter
                                                                            : NULL;
+    case EPIPE_CODEC_ID_INSERT: /* cuDNN for conv, cuBLAS for linear */
+        return epipe_cuda_core_fns->ins_plan && epipe_cuda_dnn_available() &&
+                       epipe_cuda_blas_available()
+                   ? &epipe_cuda_insert
+                   : NULL;
     }
     return NULL;
 }
@@ -637,6 +642,45 @@ int epipe_cuda_take_nonfinite(epipe_codec *c, const epipe_cuda_status *st,
     return rc ? rc : 1;
 }
 
+/* A trainable codec's backward on CUDA tensors: fp32 device views of both
+ * (16-bit gradients converted on the device, as encode_on does), the
+ * backend's train op, and the result converted back. */
+static int cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int enc, unsigned mb,
+                         const DLTensor *gin, uint64_t n_in, enum epipe_dtype dt_in, DLTensor *gout,
+                         uint64_t n_out, enum epipe_dtype dt_out)
+{
+    epipe_cuda_handle *h = NULL;
+    int rc = handle_state(c, gin->device.device_id, &h);
+    if (rc)
+        return rc;
+    cudaStream_t s = epipe_cuda_stream(c);
+    const float *a = (const float *)tensor_ptr(gin);
+    float *b = (float *)tensor_ptr(gout);
+    void *p;
+    if (dt_in != EPIPE_DTYPE_F32 && n_in) {
+        if ((rc = epipe_cuda_grow(c, &h->stage, n_in * sizeof(float), &p)))
+            return rc;
+        stage_in_kernel<<<epipe_cuda_blocks(n_in, 256), 256, 0, s>>>(
+            (const uint16_t *)a, n_in, dt_in == EPIPE_DTYPE_BF16, (float *)p);
+        if ((rc = epipe_cuda_check(c, cudaGetLastError(), "staging the gradient")))
+            return rc;
+        a = (const float *)p;
+    }
+    if (dt_out != EPIPE_DTYPE_F32 && n_out) {
+        if ((rc = epipe_cuda_grow(c, &h->grad_out, n_out * sizeof(float), &p)))
+            return rc;
+        b = (float *)p;
+    }
+    const epipe_codec_train_ops *t = be->train;
+    rc = enc ? t->encode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim)
+             : t->decode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim);
+    if (rc || dt_out == EPIPE_DTYPE_F32 || !n_out)
+        return rc;
+    stage_out_kernel<<<epipe_cuda_blocks(n_out, 256), 256, 0, s>>>(
+        b, n_out, dt_out == EPIPE_DTYPE_BF16, (uint16_t *)tensor_ptr(gout));
+    return epipe_cuda_check(c, cudaGetLastError(), "converting the gradient");
+}
+
 static int cuda_synchronize(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
@@ -655,7 +699,7 @@ static int cuda_synchronize(epipe_codec *c)
         return rc;
     epipe_cuda_status st = *h->status_host;
     unsigned long long first = epipe_cuda_first_nonfinite(&st);
-    if (first == ~0ull && st.bad == ~0ull)
+    if (first == ~0ull && st.bad == ~0ull && st.code == ~0ull)
         return EPIPE_OK;
     if ((rc = epipe_cuda_status_clear(c)))
         return rc;
@@ -667,6 +711,12 @@ static int cuda_synchronize(epipe_codec *c)
                                : kind == EPIPE_CUDA_BAD_ORDER ? "breaks the ascending index order"
                                                               : "has a value that is not finite");
     }
+    if (first == ~0ull) /* insert: every input value is finite, a code is not */
+        return epipe_cuda_fail(c, EPIPE_EINVAL,
+                               (st.code & EPIPE_CUDA_CODE_FP16)
+                                   ? "%s: code value %llu does not fit fp16 (code=fp16)"
+                                   : "%s: code value %llu overflows fp32 (the input is too large)",
+                               c->ops->name, st.code & ~EPIPE_CUDA_CODE_FP16);
     return epipe_cuda_fail(c, EPIPE_EINVAL,
                            "%s: input value at index %llu is %s; the codec needs finite values",
                            c->ops->name, first,
@@ -689,7 +739,9 @@ static void cuda_release(epipe_codec *c)
     for (int i = 0; i < 3; i++)
         cudaFree(h->work[i].p);
     cudaFree(h->ef_work.p);
+    cudaFree(h->grad_out.p);
     epipe_cuda_blas_release(h);
+    epipe_cuda_dnn_release(h);
     free(h->host);
     free(h->mirror);
     if (h->pinned)
@@ -789,6 +841,7 @@ static const epipe_cuda_module module = {
     .stream_copy = stream_copy,
     .host_alloc = host_alloc,
     .host_free = host_free,
+    .backward = cuda_backward,
     .synchronize = cuda_synchronize,
     .release = cuda_release,
 };

@@ -6,89 +6,12 @@
  * Only the factors cross PCIe, so the payload is what crosses, as for the
  * other codecs. The GEMMs round differently from OpenBLAS, so payloads
  * are the CPU's within a tolerance (docs/codecs.md), not byte for byte.
- * Without cuBLAS (not found at run time) poweriter's CUDA tensors go
- * through host staging instead (cuda_backend() in module.cu). */
-#include <cublas_v2.h> /* types and constants only: the library is opened at run time */
-#include <dlfcn.h>
-#include <pthread.h>
+ * Without cuBLAS (not found at run time, cuda/cublas.cu) poweriter's CUDA
+ * tensors go through host staging instead (cuda_backend() in module.cu). */
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "cuda_impl.h"
-
-#ifndef EPIPE_CUBLAS_PATH
-#define EPIPE_CUBLAS_PATH "libcublas.so"
-#endif
-
-/* cuBLAS, opened on the first poweriter handle rather than linked: the
- * module loads (and every other codec works) without it, and loading it
- * costs nothing to programs that never use poweriter on a GPU. */
-static struct {
-    cublasStatus_t (*create)(cublasHandle_t *);
-    cublasStatus_t (*destroy)(cublasHandle_t);
-    cublasStatus_t (*set_stream)(cublasHandle_t, cudaStream_t);
-    cublasStatus_t (*gemm)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
-                           const float *, const float *, int, long long, const float *, int,
-                           long long, const float *, float *, int, long long, int);
-} blas;
-static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
-static int blas_ok;
-
-static void blas_open(void)
-{
-    const char *names[] = {"libcublas.so", EPIPE_CUBLAS_PATH, "libcublas.so.13", "libcublas.so.12",
-                           "libcublas.so.11"};
-    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
-        void *so = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-        if (!so)
-            continue;
-        *(void **)&blas.create = dlsym(so, "cublasCreate_v2");
-        *(void **)&blas.destroy = dlsym(so, "cublasDestroy_v2");
-        *(void **)&blas.set_stream = dlsym(so, "cublasSetStream_v2");
-        *(void **)&blas.gemm = dlsym(so, "cublasSgemmStridedBatched");
-        if (blas.create && blas.destroy && blas.set_stream && blas.gemm) {
-            blas_ok = 1;
-            return;
-        }
-        dlclose(so);
-    }
-}
-
-int epipe_cuda_blas_available(void)
-{
-    pthread_once(&blas_once, blas_open);
-    return blas_ok;
-}
-
-static int blas_check(epipe_codec *c, cublasStatus_t s, const char *doing)
-{
-    if (s == CUBLAS_STATUS_SUCCESS)
-        return EPIPE_OK;
-    return epipe_cuda_fail(c, s == CUBLAS_STATUS_ALLOC_FAILED ? EPIPE_ENOMEM : EPIPE_EIO,
-                           "poweriter: cuBLAS error %d while %s", (int)s, doing);
-}
-
-/* The handle's cuBLAS handle, made on first use, on the handle's stream. */
-static int blas_for(epipe_codec *c, cublasHandle_t *out)
-{
-    epipe_cuda_handle *h = epipe_cuda_h(c);
-    int rc;
-    if (!h->blas) {
-        cublasHandle_t b;
-        if ((rc = blas_check(c, blas.create(&b), "creating a cuBLAS handle")))
-            return rc;
-        h->blas = b;
-    }
-    *out = (cublasHandle_t)h->blas;
-    return blas_check(c, blas.set_stream(*out, epipe_cuda_stream(c)), "setting the stream");
-}
-
-void epipe_cuda_blas_release(epipe_cuda_handle *h)
-{
-    if (h->blas)
-        blas.destroy((cublasHandle_t)h->blas);
-    h->blas = NULL;
-}
 
 __global__ void pi_check_finite(const float *x, uint64_t n, epipe_cuda_status *st)
 {
@@ -144,26 +67,20 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         (rc = wait(c, "waiting for the finiteness check")) || (rc = refuse_nonfinite(c)))
         return rc;
     void *hw, *dq, *dp;
-    cublasHandle_t handle;
     if ((rc = epipe_cuda_host(c, (qs + ps) * sizeof(float), &hw)) ||
         (rc = epipe_cuda_grow(c, &h->work[0], qs * sizeof(float), &dq)) ||
-        (rc = epipe_cuda_grow(c, &h->work[1], ps * sizeof(float), &dp)) ||
-        (rc = blas_for(c, &handle)))
+        (rc = epipe_cuda_grow(c, &h->work[1], ps * sizeof(float), &dp)))
         return rc;
     float *hq = (float *)hw, *hp = hq + qs;
     if ((rc = core->pi_start(c, n, hp)) ||
         (rc = copy(c, dp, hp, ps * sizeof(float), cudaMemcpyHostToDevice, "copying P up")))
         return rc;
-    const float one = 1.0f, zero = 0.0f;
     const int m = (int)rows, k = (int)cols, rr = (int)r;
     for (uint64_t it = 0; it < v[3]; it++) {
         /* Q = M P: M row-major rows x cols is column-major cols x rows. */
-        if ((rc = blas_check(c,
-                             blas.gemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, m, rr, k, &one, x, k,
-                                       (long long)rows * cols, (const float *)dp, k,
-                                       (long long)cols * r, &zero, (float *)dq, m,
-                                       (long long)rows * r, (int)nb),
-                             "computing Q = M P")) ||
+        if ((rc = epipe_cuda_gemm(c, "computing Q = M P", 1, 0, m, rr, k, x, k,
+                                  (long long)rows * cols, (const float *)dp, k, (long long)cols * r,
+                                  (float *)dq, m, (long long)rows * r, (int)nb)) ||
             (rc = copy(c, hq, dq, qs * sizeof(float), cudaMemcpyDeviceToHost, "copying Q down")) ||
             (rc = wait(c, "waiting for Q")))
             return rc;
@@ -172,12 +89,9 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
                 return rc;
         /* P = Mᵀ Q */
         if ((rc = copy(c, dq, hq, qs * sizeof(float), cudaMemcpyHostToDevice, "copying Q up")) ||
-            (rc = blas_check(c,
-                             blas.gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, k, rr, m, &one, x, k,
-                                       (long long)rows * cols, (const float *)dq, m,
-                                       (long long)rows * r, &zero, (float *)dp, k,
-                                       (long long)cols * r, (int)nb),
-                             "computing P = Mt Q")))
+            (rc = epipe_cuda_gemm(c, "computing P = Mt Q", 0, 0, k, rr, m, x, k,
+                                  (long long)rows * cols, (const float *)dq, m, (long long)rows * r,
+                                  (float *)dp, k, (long long)cols * r, (int)nb)))
             return rc;
     }
     if ((rc = copy(c, hp, dp, ps * sizeof(float), cudaMemcpyDeviceToHost, "copying P down")) ||
@@ -199,27 +113,22 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     const uint64_t nb = v[0], rows = v[1], cols = v[2];
     const size_t qs = (size_t)(nb * rows * r), ps = (size_t)(nb * cols * r);
     void *hw, *dq, *dp;
-    cublasHandle_t handle;
     if ((rc = epipe_cuda_host(c, (qs + ps) * sizeof(float), &hw)))
         return rc;
     float *hq = (float *)hw, *hp = hq + qs;
     if ((rc = core->pi_read(c, body, n, hq, hp)) ||
         (rc = epipe_cuda_grow(c, &h->work[0], qs * sizeof(float), &dq)) ||
         (rc = epipe_cuda_grow(c, &h->work[1], ps * sizeof(float), &dp)) ||
-        (rc = blas_for(c, &handle)) ||
         (rc = copy(c, dq, hq, qs * sizeof(float), cudaMemcpyHostToDevice, "copying Q up")) ||
         (rc = copy(c, dp, hp, ps * sizeof(float), cudaMemcpyHostToDevice, "copying P up")))
         return rc;
     /* Y = s Q Pᵀ: row-major rows x cols is column-major cols x rows = (sP) Qᵀ. */
-    const float one = 1.0f, zero = 0.0f;
     /* The copies from pageable host memory have read hq and hp when they
      * return, so the next call may reuse them: the GEMM stays enqueued. */
-    return blas_check(c,
-                      blas.gemm(handle, CUBLAS_OP_N, CUBLAS_OP_T, (int)cols, (int)rows, (int)r,
-                                &one, (const float *)dp, (int)cols, (long long)cols * r,
-                                (const float *)dq, (int)rows, (long long)rows * r, &zero, y,
-                                (int)cols, (long long)rows * cols, (int)nb),
-                      "rebuilding Y = Q Pt");
+    return epipe_cuda_gemm(c, "rebuilding Y = Q Pt", 0, 1, (int)cols, (int)rows, (int)r,
+                           (const float *)dp, (int)cols, (long long)cols * r, (const float *)dq,
+                           (int)rows, (long long)rows * r, y, (int)cols, (long long)rows * cols,
+                           (int)nb);
 }
 
 const epipe_codec_backend epipe_cuda_poweriter = {pi_encode, pi_decode, NULL, NULL, 1, NULL};

@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../lib/codec/cuda_api.h"
 #include "insert.h"
 
 static const char *const kind_choices[] = {"conv", "linear", NULL};
@@ -275,6 +276,27 @@ int epipe_insert_ensure_params(epipe_codec *c, int64_t cin)
     }
     st->cin = cin, st->K = K, st->P = P;
     st->ready = 1;
+    return EPIPE_OK;
+}
+
+/* The module's view of a CUDA tensor of that shape (cuda/insert.cu): the
+ * CPU's checks and messages, and the parameters it would use. */
+int epipe_insert_cuda_plan(epipe_codec *c, const int64_t *shape, int ndim, uint64_t n,
+                           epipe_cuda_insert_view *v)
+{
+    struct geom g;
+    int rc = epipe_insert_geometry(c, shape, ndim, &g);
+    if (rc || (rc = epipe_insert_ensure_params(c, g.cin)))
+        return rc;
+    uint64_t count = (uint64_t)g.B * (uint64_t)g.P * (uint64_t)g.S;
+    if (count != n)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "insert: shape holds %llu values, not %llu",
+                                (unsigned long long)count, (unsigned long long)n);
+    v->conv = kind(c) == KIND_CONV;
+    v->code16 = c->p[I_CODE] == CODE_F16;
+    v->B = g.B, v->C = g.cin, v->H = g.H, v->W = g.W, v->K = g.K, v->k = kern(c);
+    v->E = S(c)->w[0], v->Rt = S(c)->w[1];
+    v->gE = S(c)->g[0], v->gRt = S(c)->g[1];
     return EPIPE_OK;
 }
 

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../lib/codec/cuda_api.h"
 #include "insert.h"
 
 /* ---- training ------------------------------------------------------------ */
@@ -49,6 +50,19 @@ static int check_backward_shapes(epipe_codec *c, const struct slot *s, const cha
                                 "tensor",
                                 what, (long long)s->key);
     return EPIPE_OK;
+}
+
+/* The same checks for the CUDA module, which keeps its own slots. */
+int epipe_insert_cuda_check_backward(epipe_codec *c, int64_t mb, const char *what,
+                                     const int64_t *kept, int kept_ndim, const int64_t *code,
+                                     int code_ndim, const int64_t *full, int full_ndim)
+{
+    struct slot s = {.key = mb, .ndim = kept_ndim};
+    if (kept_ndim < 0 || kept_ndim > EPIPE_MAX_NDIM)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "insert: a kept tensor of %d dimensions",
+                                kept_ndim);
+    memcpy(s.shape, kept, sizeof(int64_t) * (size_t)kept_ndim);
+    return check_backward_shapes(c, &s, what, code, code_ndim, full, full_ndim);
 }
 
 static int no_cache(epipe_codec *c, const char *what, int64_t mb)

@@ -42,6 +42,8 @@ static const epipe_cuda_core core_fns = {
     .pi_orthonormalize = epipe_pi_cuda_orthonormalize,
     .pi_finish = epipe_pi_cuda_finish,
     .pi_read = epipe_pi_cuda_read,
+    .ins_plan = epipe_insert_cuda_plan,
+    .ins_check_backward = epipe_insert_cuda_check_backward,
 #endif
 };
 
@@ -168,10 +170,14 @@ static const char *device_name(int type)
     return type == kDLCUDA ? "CUDA" : "CPU";
 }
 
-/* 1 when m has no kernels for c's codec or c asks for what they lack. */
+/* 1 when m has no kernels for c's codec or c asks for what they lack:
+ * activation deltas, or (a trainable codec whose CUDA backend has no train
+ * ops) a forward that keeps its input for the backward, which then runs on
+ * the CPU's host copies too (train.c). */
 static int staged(const epipe_cuda_module *m, const epipe_codec *c)
 {
-    return !m->backend((unsigned)c->ops->id) || c->delta;
+    const epipe_codec_backend *be = m->backend((unsigned)c->ops->id);
+    return !be || c->delta || (c->ops->code_shape && !be->train && c->microbatch >= 0);
 }
 
 int epipe_codec_cuda_backend(epipe_codec *c, const DLTensor *t, const char *what,
@@ -277,6 +283,18 @@ int epipe_codec_cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const
     if (rc || (rc = m->check(c, dst, "dst", &dev)))
         return rc;
     return m->decode(c, be, payload, len, n, dst, dt);
+}
+
+int epipe_codec_cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int enc, unsigned mb,
+                              const DLTensor *gin, const char *in_name, uint64_t n_in,
+                              enum epipe_dtype dt_in, DLTensor *gout, const char *out_name,
+                              uint64_t n_out, enum epipe_dtype dt_out)
+{
+    const epipe_cuda_module *m;
+    int dev, rc = module_get(c, in_name, &m);
+    if (rc || (rc = m->check(c, gin, in_name, &dev)) || (rc = m->check(c, gout, out_name, &dev)))
+        return rc;
+    return m->backward(c, be, enc, mb, gin, n_in, dt_in, gout, n_out, dt_out);
 }
 
 int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr)

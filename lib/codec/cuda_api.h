@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 9
+#define EPIPE_CUDA_ABI 10
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
@@ -28,6 +28,22 @@ typedef struct epipe_cuda_qtab {
     float levels;
     const float *bnd, *min, *step, *inv;
 } epipe_cuda_qtab;
+
+/* insert's geometry and parameters for a CUDA tensor (cuda/insert.cu):
+ * the conv kind reads [B][C][H][W] and writes the code [B][K][H/k][W/k]
+ * by a k x k convolution of stride k; the linear kind reads [B][C] (B all
+ * leading dimensions) and writes [B][K]. E (compress) and Rt (restore) are
+ * the handle's own parameters, [K][C*k*k] row-major in host memory: the
+ * layout of a cuDNN filter [K][C][k][k], and of the linear weights; gE and
+ * gRt their gradients (host memory, what epipe_codec_tensor() lends),
+ * which a backward adds to. */
+typedef struct epipe_cuda_insert_view {
+    int conv;   /* 1 conv, 0 linear */
+    int code16; /* the body holds fp16 codes (code=fp16), else fp32 */
+    int64_t B, C, H, W, K, k;
+    const float *E, *Rt;
+    float *gE, *gRt;
+} epipe_cuda_insert_view;
 
 /* What the core lends the module: the library's symbols are hidden, so
  * the few helpers the module needs come as pointers. */
@@ -85,6 +101,17 @@ typedef struct epipe_cuda_core {
     int (*pi_orthonormalize)(epipe_codec *c, float *q, unsigned rows, unsigned r, uint64_t b);
     int (*pi_finish)(epipe_codec *c, uint64_t n, const float *q, const float *p, uint8_t *body);
     int (*pi_read)(epipe_codec *c, const uint8_t *body, uint64_t n, float *q, float *p);
+    /* insert, the host's part (codecs/insert/), NULL in a build without
+     * BLAS: the view of a tensor of that shape (n values), checked as the
+     * CPU checks it, with the parameters made on first use; and a
+     * backward's shapes (the code gradient's, the full gradient's) checked
+     * against the tensor micro-batch mb kept (its shape), with the CPU's
+     * messages ("input" for the encoder's, "output" for the decoder's). */
+    int (*ins_plan)(epipe_codec *c, const int64_t *shape, int ndim, uint64_t n,
+                    epipe_cuda_insert_view *v);
+    int (*ins_check_backward)(epipe_codec *c, int64_t mb, const char *what, const int64_t *kept,
+                              int kept_ndim, const int64_t *code, int code_ndim,
+                              const int64_t *full, int full_ndim);
 } epipe_cuda_core;
 
 /* What the module gives the core. Every function runs on the caller's
@@ -136,6 +163,14 @@ typedef struct epipe_cuda_module {
      * through the driver's own buffers; and its free. */
     int (*host_alloc)(size_t bytes, void **p, char *why, size_t cap);
     void (*host_free)(void *p);
+    /* A trainable codec's backward (be->train's encode_backward, enc = 1,
+     * or decode_backward) on CUDA tensors gin (n_in values of dt_in, read)
+     * and gout (n_out of dt_out, written), both checked by the core and on
+     * the handle's device: the module hands the backend dense fp32 device
+     * views of them. */
+    int (*backward)(epipe_codec *c, const epipe_codec_backend *be, int enc, unsigned mb,
+                    const DLTensor *gin, uint64_t n_in, enum epipe_dtype dt_in, DLTensor *gout,
+                    uint64_t n_out, enum epipe_dtype dt_out);
     /* Waits for the handle's stream; the first deferred error since the
      * last call, or a CUDA error, as a status with the message on c. */
     int (*synchronize)(epipe_codec *c);
@@ -160,6 +195,12 @@ int epipe_pi_cuda_start(epipe_codec *c, uint64_t n, float *p);
 int epipe_pi_cuda_orthonormalize(epipe_codec *c, float *q, unsigned rows, unsigned r, uint64_t b);
 int epipe_pi_cuda_finish(epipe_codec *c, uint64_t n, const float *q, const float *p, uint8_t *body);
 int epipe_pi_cuda_read(epipe_codec *c, const uint8_t *body, uint64_t n, float *q, float *p);
+/* The core's insert functions (codecs/insert/), in BLAS builds. */
+int epipe_insert_cuda_plan(epipe_codec *c, const int64_t *shape, int ndim, uint64_t n,
+                           epipe_cuda_insert_view *v);
+int epipe_insert_cuda_check_backward(epipe_codec *c, int64_t mb, const char *what,
+                                     const int64_t *kept, int kept_ndim, const int64_t *code,
+                                     int code_ndim, const int64_t *full, int full_ndim);
 
 typedef int (*epipe_cuda_init_fn)(const epipe_cuda_core *core, const epipe_cuda_module **out);
 

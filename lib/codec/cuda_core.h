@@ -55,6 +55,13 @@ int epipe_codec_cuda_encode(epipe_codec *c, const epipe_codec_backend *be, const
                             size_t len);
 int epipe_codec_cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload,
                             size_t len, uint64_t n, DLTensor *dst, enum epipe_dtype dt);
+/* The module's checks of both CUDA tensors, then its run of be's train ops
+ * (encode_backward when enc, else decode_backward) on device fp32 views
+ * of them. */
+int epipe_codec_cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int enc, unsigned mb,
+                              const DLTensor *gin, const char *in_name, uint64_t n_in,
+                              enum epipe_dtype dt_in, DLTensor *gout, const char *out_name,
+                              uint64_t n_out, enum epipe_dtype dt_out);
 /* The payload's header (len >= EPIPE_PAYLOAD_HEADER) into hdr: copied
  * from the device, with what the decode of n values reads on the host,
  * when the payload is CUDA memory. */

@@ -7,6 +7,7 @@
 
 #include "codec_internal.h"
 #include "core.h"
+#include "cuda_core.h"
 
 static int not_trainable(epipe_codec *c, const char *call)
 {
@@ -15,16 +16,26 @@ static int not_trainable(epipe_codec *c, const char *call)
                             c->ops->name);
 }
 
-/* The train ops of backend be, or EPIPE_ENOTSUP for a codec without them. */
-static int train_ops(epipe_codec *c, const epipe_codec_backend *be, const char *call,
+/* The train ops of backend *be, or EPIPE_ENOTSUP for a codec without them;
+ * *be becomes the backend that runs them. */
+static int train_ops(epipe_codec *c, const epipe_codec_backend **bep, const char *call,
                      const epipe_codec_train_ops **t)
 {
+    const epipe_codec_backend *be = *bep;
     if (!c->ops->code_shape)
         return not_trainable(c, call);
+    /* A CUDA backend without train ops (none in cuda/ today; the test
+     * module's insert): its forward served only calls that kept nothing,
+     * the training forward was staged through the CPU backend (cuda.c),
+     * whose caches the backward reads, on host copies of CUDA tensors
+     * (staging.c). */
+    if (be && !be->train && be != c->ops->cpu && c->ops->cpu)
+        be = c->ops->cpu;
     if (!be || !be->train)
         return epipe_codec_fail(c, EPIPE_ENOTSUP, "%s: codec '%s' cannot train on this backend",
                                 call, c->ops->name);
     *t = be->train;
+    *bep = be;
     return EPIPE_OK;
 }
 
@@ -71,7 +82,8 @@ EPIPE_API int epipe_codec_tensor(epipe_codec *c, unsigned index, const char **na
     if (!c)
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_tensor: codec is NULL");
     const epipe_codec_train_ops *t = NULL;
-    int rc = train_ops(c, c->be, "epipe_codec_tensor", &t);
+    const epipe_codec_backend *be = c->be;
+    int rc = train_ops(c, &be, "epipe_codec_tensor", &t);
     if (rc)
         return rc;
     unsigned count = c->ops->ntensors(c);
@@ -81,12 +93,23 @@ EPIPE_API int epipe_codec_tensor(epipe_codec *c, unsigned index, const char **na
     return t->tensor(c, index, name, param, grad);
 }
 
-/* Backward from gin (n_in values of dt_in, checked) into gout (checked). */
-static int backward(epipe_codec *c, const epipe_codec_train_ops *t, unsigned mb,
-                    const DLTensor *gin, const char *in_name, uint64_t n_in, enum epipe_dtype dt_in,
-                    DLTensor *gout, const char *out_name, uint64_t n_out, enum epipe_dtype dt_out,
-                    int enc)
+/* Backward from gin (n_in values of dt_in, checked) into gout (checked):
+ * on the CUDA module when be is its backend (both tensors are then on
+ * the handle's device), else through fp32 host views (the CPU backend, on
+ * host copies of CUDA tensors). */
+static int backward(epipe_codec *c, const epipe_codec_backend *be, const epipe_codec_train_ops *t,
+                    unsigned mb, const DLTensor *gin, const char *in_name, uint64_t n_in,
+                    enum epipe_dtype dt_in, DLTensor *gout, const char *out_name, uint64_t n_out,
+                    enum epipe_dtype dt_out, int enc)
 {
+    if (be != c->ops->cpu && !epipe_tensor_is_cuda(gout))
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "%s: %s is a CUDA tensor and %s is not; give both on the "
+                                "handle's device",
+                                c->ops->name, in_name, out_name);
+    if (be != c->ops->cpu)
+        return epipe_codec_cuda_backward(c, be, enc, mb, gin, in_name, n_in, dt_in, gout, out_name,
+                                         n_out, dt_out);
     float *a = NULL, *b = NULL, *own_a = NULL, *own_b = NULL;
     int rc = epipe_codec_f32_view(c, gin, in_name, n_in, dt_in, &a, &own_a, 1);
     if (rc == EPIPE_OK &&
@@ -112,14 +135,16 @@ static int backward_entry(epipe_codec *c, const char *call, unsigned mb, const D
     int rc;
     if (!c->ops->code_shape)
         return not_trainable(c, call);
-    if ((rc = epipe_codec_backend_for(c, gin, in_name, &be)) || (rc = train_ops(c, be, call, &t)) ||
-        (rc = epipe_codec_backend_for(c, gout, out_name, &be)) ||
+    const epipe_codec_backend *be_out = NULL;
+    if ((rc = epipe_codec_backend_for(c, gin, in_name, &be)) ||
+        (rc = train_ops(c, &be, call, &t)) ||
+        (rc = epipe_codec_backend_for(c, gout, out_name, &be_out)) ||
         (rc = epipe_tensor_inspect_on(gin, in_name, c->msg, &n_in, &dt_in,
                                       epipe_tensor_is_cuda(gin))) ||
         (rc = epipe_tensor_inspect_on(gout, out_name, c->msg, &n_out, &dt_out,
                                       epipe_tensor_is_cuda(gout))))
         return rc;
-    return backward(c, t, mb, gin, in_name, n_in, dt_in, gout, out_name, n_out, dt_out, enc);
+    return backward(c, be, t, mb, gin, in_name, n_in, dt_in, gout, out_name, n_out, dt_out, enc);
 }
 
 EPIPE_API int epipe_codec_encode_backward(epipe_codec *c, unsigned microbatch,
@@ -149,12 +174,12 @@ int epipe_codec_decode_backward_checked(epipe_codec *c, unsigned mb, const DLTen
     const epipe_codec_train_ops *t = NULL;
     int rc;
     if ((rc = epipe_codec_backend_for(c, grad_output, "grad_output", &be)) ||
-        (rc = train_ops(c, be, "epipe_codec_decode_backward", &t)))
+        (rc = train_ops(c, &be, "epipe_codec_decode_backward", &t)))
         return rc;
     uint64_t nz = 1;
     for (int d = 0; d < grad_code->ndim; d++)
         nz *= (uint64_t)grad_code->shape[d];
-    return backward(c, t, mb, grad_output, "grad_output", n, dt, grad_code, "grad_code", nz,
+    return backward(c, be, t, mb, grad_output, "grad_output", n, dt, grad_code, "grad_code", nz,
                     EPIPE_DTYPE_F32, 0);
 }
 
@@ -164,7 +189,8 @@ EPIPE_API int epipe_codec_zero_grad(epipe_codec *c)
     if (!c)
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_zero_grad: codec is NULL");
     const epipe_codec_train_ops *t = NULL;
-    int rc = train_ops(c, c->be, "epipe_codec_zero_grad", &t);
+    const epipe_codec_backend *be = c->be;
+    int rc = train_ops(c, &be, "epipe_codec_zero_grad", &t);
     if (rc)
         return rc;
     t->zero_grad(c);
@@ -177,7 +203,8 @@ EPIPE_API int epipe_codec_sgd_step(epipe_codec *c, double lr, double momentum)
     if (!c)
         return epipe_fail(EPIPE_EINVAL, "epipe_codec_sgd_step: codec is NULL");
     const epipe_codec_train_ops *t = NULL;
-    int rc = train_ops(c, c->be, "epipe_codec_sgd_step", &t);
+    const epipe_codec_backend *be = c->be;
+    int rc = train_ops(c, &be, "epipe_codec_sgd_step", &t);
     if (rc)
         return rc;
     if (!(lr >= 0 && lr <= 1e6) || !(momentum >= 0 && momentum < 1))
