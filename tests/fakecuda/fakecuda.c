@@ -4,7 +4,15 @@
  * memory directly crashes the test, as it would fault on a real GPU. It
  * has no kernels: every codec goes through the core's host staging
  * (lib/codec/cuda_staged.c), which is what it exists to test. Every copy
- * is bounds-checked against the allocation it touches. */
+ * is bounds-checked against the allocation it touches.
+ *
+ * One exception, off until a test turns it on (fakecuda_insert_kernels):
+ * an insert backend whose "kernels" are plain loops on host copies, built
+ * on the core's ins_plan as cuda/insert.cu is, so that the core's side of
+ * insert on CUDA tensors (the view and parameters it lends, which calls
+ * run on the module, the backward's route and checks) runs in CI. Mode 1
+ * has no train ops (training is staged through the CPU backend), mode 2
+ * has them, as cuda/insert.cu. */
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -14,7 +22,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "../../codecs/inline/half.h"
 #include "codec/cuda_api.h"
+#include "codec/payload.h"
 
 #define FAKE_EXPORT __attribute__((visibility("default")))
 
@@ -24,6 +34,8 @@ FAKE_EXPORT void fakecuda_free(void *p);
 FAKE_EXPORT int fakecuda_copy(void *dst, const void *src, size_t bytes);
 FAKE_EXPORT void *fakecuda_last_stream(unsigned long *copies);
 FAKE_EXPORT unsigned long fakecuda_host_allocs(void);
+FAKE_EXPORT void fakecuda_insert_kernels(int on);
+FAKE_EXPORT unsigned long fakecuda_insert_calls(void);
 FAKE_EXPORT int epipe_cuda_module_init(const epipe_cuda_core *c, const epipe_cuda_module **out);
 #define MAX_REGIONS 256
 
@@ -144,10 +156,289 @@ static int probe(char *why, size_t cap)
     return EPIPE_OK;
 }
 
+/* ---- insert's plain-loop "kernels" ------------------------------------- */
+
+static int insert_on;
+static unsigned long insert_calls;
+
+FAKE_EXPORT void fakecuda_insert_kernels(int on)
+{
+    __atomic_store_n(&insert_on, on, __ATOMIC_RELAXED);
+}
+
+FAKE_EXPORT unsigned long fakecuda_insert_calls(void)
+{
+    return __atomic_load_n(&insert_calls, __ATOMIC_RELAXED);
+}
+
+static int unused_entry(epipe_codec *c, const float *x, size_t n, uint8_t *body)
+{
+    (void)x, (void)n, (void)body;
+    return fail(c, EPIPE_EIO, "fakecuda: the backend's entry was called directly");
+}
+
+static int unused_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    (void)body, (void)n, (void)y;
+    return fail(c, EPIPE_EIO, "fakecuda: the backend's entry was called directly");
+}
+
+/* What a backward needs of a forward, per handle (c->cuda): the encoder's
+ * input or the decoder's code of one micro-batch, in host memory. */
+typedef struct fake_slot {
+    int64_t key;
+    int enc, ndim;
+    int64_t shape[EPIPE_MAX_NDIM];
+    float *buf;
+} fake_slot;
+
+typedef struct fake_handle {
+    fake_slot s[8];
+} fake_handle;
+
+static fake_slot *slot_find(epipe_codec *c, int enc, int64_t key)
+{
+    fake_handle *h = c->cuda;
+    for (int i = 0; h && i < 8; i++)
+        if (h->s[i].buf && h->s[i].enc == enc && h->s[i].key == key)
+            return &h->s[i];
+    return NULL;
+}
+
+/* Keeps a copy of n values under c->microbatch (replacing that key's). */
+static int slot_keep(epipe_codec *c, int enc, const float *v, size_t n)
+{
+    if (!c->cuda && !(c->cuda = calloc(1, sizeof(fake_handle))))
+        return fail(c, EPIPE_ENOMEM, "fakecuda: no memory");
+    fake_handle *h = c->cuda;
+    fake_slot *s = slot_find(c, enc, c->microbatch);
+    for (int i = 0; !s && i < 8; i++)
+        if (!h->s[i].buf)
+            s = &h->s[i];
+    if (!s)
+        return fail(c, EPIPE_ENOMEM, "fakecuda: more than 8 kept tensors");
+    free(s->buf);
+    if (!(s->buf = malloc(n * 4 + 4)))
+        return fail(c, EPIPE_ENOMEM, "fakecuda: no memory");
+    memcpy(s->buf, v, n * 4);
+    s->key = c->microbatch, s->enc = enc, s->ndim = c->ndim;
+    memcpy(s->shape, c->shape, sizeof(int64_t) * (size_t)c->ndim);
+    return EPIPE_OK;
+}
+
+static void slot_drop(fake_slot *s)
+{
+    free(s->buf);
+    memset(s, 0, sizeof *s);
+}
+
+static void sizes(const epipe_cuda_insert_view *v, int64_t *S, int64_t *P);
+static size_t patch_index(const epipe_cuda_insert_view *v, int64_t b, int64_t s, int64_t p);
+
+/* The kept slot of mb, the shapes checked by the core, and the view. */
+static int backward_view(epipe_codec *c, int enc, int64_t mb, const int64_t *zs, int zn,
+                         const int64_t *fs, int fn, fake_slot **s, epipe_cuda_insert_view *v)
+{
+    if (!(*s = slot_find(c, enc, mb)))
+        return fail(c, EPIPE_ESTATE, "insert: no %s of micro-batch %lld is kept for its backward",
+                    enc ? "encode" : "decode", (long long)mb);
+    uint64_t n = 1;
+    for (int d = 0; d < (*s)->ndim; d++)
+        n *= (uint64_t)(*s)->shape[d];
+    int rc = core->ins_check_backward(c, mb, enc ? "input" : "output", (*s)->shape, (*s)->ndim, zs,
+                                      zn, fs, fn);
+    return rc ? rc : core->ins_plan(c, (*s)->shape, (*s)->ndim, n, v);
+}
+
+static int fake_encode_backward(epipe_codec *c, int64_t mb, const float *gz, const int64_t *zs,
+                                int zn, float *gx, const int64_t *xs, int xn)
+{
+    fake_slot *s;
+    epipe_cuda_insert_view v;
+    int64_t S, P;
+    int rc = backward_view(c, 1, mb, zs, zn, xs, xn, &s, &v);
+    if (rc)
+        return rc;
+    sizes(&v, &S, &P);
+    memset(gx, 0, sizeof(float) * (size_t)(v.B * S * P));
+    for (int64_t b = 0; b < v.B; b++)
+        for (int64_t kk = 0; kk < v.K; kk++)
+            for (int64_t t = 0; t < S; t++) {
+                float g = gz[(b * v.K + kk) * S + t];
+                for (int64_t p = 0; p < P; p++) {
+                    size_t i = patch_index(&v, b, t, p);
+                    gx[i] += g * v.E[kk * P + p];
+                    v.gE[kk * P + p] += g * s->buf[i];
+                }
+            }
+    slot_drop(s);
+    return EPIPE_OK;
+}
+
+static int fake_decode_backward(epipe_codec *c, int64_t mb, const float *gy, const int64_t *ys,
+                                int yn, float *gz, const int64_t *zs, int zn)
+{
+    fake_slot *s;
+    epipe_cuda_insert_view v;
+    int64_t S, P;
+    int rc = backward_view(c, 0, mb, zs, zn, ys, yn, &s, &v);
+    if (rc)
+        return rc;
+    sizes(&v, &S, &P);
+    for (int64_t b = 0; b < v.B; b++)
+        for (int64_t kk = 0; kk < v.K; kk++)
+            for (int64_t t = 0; t < S; t++) {
+                double acc = 0;
+                float z = s->buf[(b * v.K + kk) * S + t];
+                for (int64_t p = 0; p < P; p++) {
+                    float g = gy[patch_index(&v, b, t, p)];
+                    acc += (double)g * v.Rt[kk * P + p];
+                    v.gRt[kk * P + p] += z * g;
+                }
+                gz[(b * v.K + kk) * S + t] = (float)acc;
+            }
+    slot_drop(s);
+    return EPIPE_OK;
+}
+
+static const epipe_codec_train_ops fake_train = {
+    .encode_backward = fake_encode_backward,
+    .decode_backward = fake_decode_backward,
+};
+
+/* The module's encode and decode below do the work; mode 1 has no train
+ * ops (training is staged), mode 2 has the backward passes. */
+static const epipe_codec_backend fake_insert = {unused_entry, unused_decode, NULL, NULL, 1, NULL};
+static const epipe_codec_backend fake_insert_train = {unused_entry, unused_decode, NULL, NULL, 1,
+                                                      &fake_train};
+
+static int is_fake_insert(const epipe_codec_backend *be)
+{
+    return be == &fake_insert || be == &fake_insert_train;
+}
+
+/* The value of patch value p of code position (b, s): x's index, for conv
+ * [B][C][H][W] patches of k x k at stride k, or linear [B][C]. */
+static size_t patch_index(const epipe_cuda_insert_view *v, int64_t b, int64_t s, int64_t p)
+{
+    if (!v->conv)
+        return (size_t)(b * v->C + p);
+    int64_t Wo = v->W / v->k, i = s / Wo, j = s % Wo;
+    int64_t ch = p / (v->k * v->k), u = p / v->k % v->k, w = p % v->k;
+    return (size_t)(((b * v->C + ch) * v->H + i * v->k + u) * v->W + j * v->k + w);
+}
+
+static void sizes(const epipe_cuda_insert_view *v, int64_t *S, int64_t *P)
+{
+    *S = v->conv ? (v->H / v->k) * (v->W / v->k) : 1;
+    *P = v->C * v->k * v->k;
+}
+
+static int fake_insert_encode(epipe_codec *c, const DLTensor *src, uint64_t n, enum epipe_dtype dt,
+                              uint8_t *payload, const uint8_t *hdr, size_t len)
+{
+    epipe_cuda_insert_view v;
+    int64_t S, P;
+    int rc = core->ins_plan(c, c->shape, c->ndim, n, &v);
+    if (rc)
+        return rc;
+    if (dt != EPIPE_DTYPE_F32)
+        return fail(c, EPIPE_ENOTSUP, "fakecuda: insert's loops take fp32 tensors only");
+    sizes(&v, &S, &P);
+    size_t zn = (size_t)(v.B * v.K * S), esz = v.code16 ? 2 : 4;
+    float *x = malloc(n * 4 + 1);
+    uint8_t *out = malloc(len);
+    if (!x || !out || fakecuda_copy(x, (const char *)src->data + src->byte_offset, n * 4)) {
+        free(x), free(out);
+        return fail(c, EPIPE_EIO, "fakecuda: cannot read the tensor");
+    }
+    memcpy(out, hdr, EPIPE_PAYLOAD_HEADER);
+    if (c->microbatch >= 0 && insert_on == 2)
+        rc = slot_keep(c, 1, x, n);
+    for (size_t z = 0; z < zn && rc == EPIPE_OK; z++) {
+        int64_t b = (int64_t)z / (v.K * S), kk = (int64_t)z / S % v.K, s = (int64_t)z % S;
+        double acc = 0;
+        for (int64_t p = 0; p < P; p++)
+            acc += (double)x[patch_index(&v, b, s, p)] * v.E[kk * P + p];
+        float f = (float)acc;
+        if (!epipe_hd_finite(f)) {
+            size_t i = 0;
+            while (i < n && epipe_hd_finite(x[i]))
+                i++;
+            rc = i < n ? fail(c, EPIPE_EINVAL, "insert: value at index %zu is not finite", i)
+                       : fail(c, EPIPE_EINVAL, "insert: the code overflows fp32");
+        } else if (v.code16 && !(fabsf(f) < 65520.0f)) {
+            rc = fail(c, EPIPE_EINVAL, "insert: code value %zu does not fit fp16 (code=fp16)", z);
+        }
+        uint8_t *o = out + EPIPE_PAYLOAD_HEADER + z * esz;
+        uint32_t u = v.code16 ? epipe_hd_f32_to_f16(f) : epipe_hd_f2u(f);
+        for (size_t i = 0; i < esz; i++)
+            o[i] = (uint8_t)(u >> (8 * i));
+    }
+    if (rc == EPIPE_OK && fakecuda_copy(payload, out, len))
+        rc = fail(c, EPIPE_EIO, "fakecuda: cannot write the payload");
+    free(x), free(out);
+    __atomic_add_fetch(&insert_calls, 1, __ATOMIC_RELAXED);
+    return rc;
+}
+
+static int fake_insert_decode(epipe_codec *c, const uint8_t *payload, size_t len, uint64_t n,
+                              DLTensor *dst, enum epipe_dtype dt)
+{
+    epipe_cuda_insert_view v;
+    int64_t S, P;
+    int rc = core->ins_plan(c, c->shape, c->ndim, n, &v);
+    if (rc)
+        return rc;
+    if (dt != EPIPE_DTYPE_F32)
+        return fail(c, EPIPE_ENOTSUP, "fakecuda: insert's loops take fp32 tensors only");
+    sizes(&v, &S, &P);
+    size_t zn = (size_t)(v.B * v.K * S), esz = v.code16 ? 2 : 4;
+    uint8_t *in = malloc(len);
+    float *y = calloc(n + 1, 4);
+    if (!in || !y || fakecuda_copy(in, payload, len)) {
+        free(in), free(y);
+        return fail(c, EPIPE_EIO, "fakecuda: cannot read the payload");
+    }
+    for (size_t z = 0; z < zn && rc == EPIPE_OK; z++) {
+        const uint8_t *o = in + EPIPE_PAYLOAD_HEADER + z * esz;
+        uint32_t u = 0;
+        for (size_t i = 0; i < esz; i++)
+            u |= (uint32_t)o[i] << (8 * i);
+        float f = v.code16 ? epipe_hd_f16_to_f32((uint16_t)u) : epipe_hd_u2f(u);
+        if (!epipe_hd_finite(f)) {
+            rc = fail(c, EPIPE_EPROTO, "insert: code value %zu is not finite", z);
+            break;
+        }
+        int64_t b = (int64_t)z / (v.K * S), kk = (int64_t)z / S % v.K, s = (int64_t)z % S;
+        for (int64_t p = 0; p < P; p++)
+            y[patch_index(&v, b, s, p)] += f * v.Rt[kk * P + p];
+    }
+    if (rc == EPIPE_OK && fakecuda_copy((char *)dst->data + dst->byte_offset, y, n * 4))
+        rc = fail(c, EPIPE_EIO, "fakecuda: cannot write the tensor");
+    if (rc == EPIPE_OK && c->microbatch >= 0 && insert_on == 2) { /* keep the code */
+        float *z = malloc(zn * 4 + 4);
+        for (size_t i = 0; z && i < zn; i++) {
+            uint32_t u = 0;
+            for (size_t b = 0; b < esz; b++)
+                u |= (uint32_t)in[EPIPE_PAYLOAD_HEADER + i * esz + b] << (8 * b);
+            z[i] = v.code16 ? epipe_hd_f16_to_f32((uint16_t)u) : epipe_hd_u2f(u);
+        }
+        rc = z ? slot_keep(c, 0, z, zn) : fail(c, EPIPE_ENOMEM, "fakecuda: no memory");
+        free(z);
+    }
+    free(in), free(y);
+    __atomic_add_fetch(&insert_calls, 1, __ATOMIC_RELAXED);
+    return rc;
+}
+
 static const epipe_codec_backend *backend(unsigned id)
 {
-    (void)id;
-    return NULL; /* no kernels: the core stages every codec */
+    /* no kernels (the core stages every codec) but insert's loops, when on */
+    int on = __atomic_load_n(&insert_on, __ATOMIC_RELAXED);
+    if (id != 8 /* EPIPE_CODEC_ID_INSERT */ || !core->ins_plan || !on)
+        return NULL;
+    return on == 2 ? &fake_insert_train : &fake_insert;
 }
 
 static int check(epipe_codec *c, const DLTensor *t, const char *what, int *device)
@@ -194,22 +485,53 @@ static int no_kernels(epipe_codec *c)
 
 static int peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr)
 {
-    (void)payload, (void)len, (void)n, (void)hdr;
-    return no_kernels(c);
+    (void)n;
+    if (c->ops->id != 8 || len < EPIPE_PAYLOAD_HEADER) /* only insert's loops read payloads */
+        return no_kernels(c);
+    return fakecuda_copy(hdr, payload, EPIPE_PAYLOAD_HEADER)
+               ? fail(c, EPIPE_EIO, "fakecuda: cannot read the header")
+               : EPIPE_OK;
 }
 
 static int encode(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src, uint64_t n,
                   enum epipe_dtype dt, uint8_t *payload, const uint8_t *hdr, size_t len)
 {
-    (void)be, (void)src, (void)n, (void)dt, (void)payload, (void)hdr, (void)len;
+    if (is_fake_insert(be))
+        return fake_insert_encode(c, src, n, dt, payload, hdr, len);
     return no_kernels(c);
 }
 
 static int decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload, size_t len,
                   uint64_t n, DLTensor *dst, enum epipe_dtype dt)
 {
-    (void)be, (void)payload, (void)len, (void)n, (void)dst, (void)dt;
+    if (is_fake_insert(be))
+        return fake_insert_decode(c, payload, len, n, dst, dt);
     return no_kernels(c);
+}
+
+/* The train ops on host copies of both gradients (fp32 only). */
+static int backward(epipe_codec *c, const epipe_codec_backend *be, int enc, unsigned mb,
+                    const DLTensor *gin, uint64_t n_in, enum epipe_dtype dt_in, DLTensor *gout,
+                    uint64_t n_out, enum epipe_dtype dt_out)
+{
+    if (be != &fake_insert_train)
+        return no_kernels(c);
+    if (dt_in != EPIPE_DTYPE_F32 || dt_out != EPIPE_DTYPE_F32)
+        return fail(c, EPIPE_ENOTSUP, "fakecuda: insert's loops take fp32 gradients only");
+    float *a = malloc(n_in * 4 + 4), *b = malloc(n_out * 4 + 4);
+    int rc = EPIPE_OK;
+    if (!a || !b || fakecuda_copy(a, (const char *)gin->data + gin->byte_offset, n_in * 4))
+        rc = fail(c, EPIPE_EIO, "fakecuda: cannot read the gradient");
+    if (rc == EPIPE_OK)
+        rc = enc ? be->train->encode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape,
+                                              gout->ndim)
+                 : be->train->decode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape,
+                                              gout->ndim);
+    if (rc == EPIPE_OK && fakecuda_copy((char *)gout->data + gout->byte_offset, b, n_out * 4))
+        rc = fail(c, EPIPE_EIO, "fakecuda: cannot write the gradient");
+    free(a), free(b);
+    __atomic_add_fetch(&insert_calls, 1, __ATOMIC_RELAXED);
+    return rc;
 }
 
 static int device_ok(int device, char *why, size_t cap)
@@ -275,7 +597,11 @@ static int synchronize(epipe_codec *c)
 
 static void release(epipe_codec *c)
 {
-    (void)c;
+    fake_handle *h = c->cuda;
+    for (int i = 0; h && i < 8; i++)
+        slot_drop(&h->s[i]);
+    free(h);
+    c->cuda = NULL;
 }
 
 static const epipe_cuda_module module = {
@@ -293,6 +619,7 @@ static const epipe_cuda_module module = {
     .stream_copy = stream_copy,
     .host_alloc = host_alloc,
     .host_free = host_free,
+    .backward = backward,
     .synchronize = synchronize,
     .release = release,
 };

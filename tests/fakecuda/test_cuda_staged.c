@@ -2,8 +2,11 @@
  * the test CUDA module (fakecuda.c) has no kernels and keeps its "device"
  * memory unreadable by the host, so every codec call on a CUDA tensor goes
  * through the staging copies, and one that reads device memory directly
- * crashes. Payloads must be the CPU backend's, byte for byte. */
+ * crashes. Payloads must be the CPU backend's, byte for byte. The last
+ * test turns on the module's plain-loop insert backend: the core's side
+ * of insert's CUDA backend (cuda/insert.cu). */
 #include <dlfcn.h>
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -21,6 +24,8 @@ static void (*dev_free)(void *);
 static int (*dev_copy)(void *, const void *, size_t);
 static void *(*last_stream)(unsigned long *);
 static unsigned long (*host_allocs)(void);
+static void (*insert_kernels)(int);
+static unsigned long (*insert_calls)(void);
 
 #define ROWS 8
 #define COLS 64
@@ -352,6 +357,191 @@ static void test_backward_equals_cpu(void **state)
     epipe_codec_destroy(c), epipe_codec_destroy(g);
 }
 
+/* max |a - b| over max |a| */
+static double rel_diff(const float *a, const float *b, size_t n)
+{
+    double d = 0, m = 0;
+    for (size_t i = 0; i < n; i++) {
+        double e = (double)a[i] - b[i];
+        d = e < 0 ? (-e > d ? -e : d) : (e > d ? e : d);
+        m = a[i] < 0 ? (-a[i] > m ? -a[i] : m) : (a[i] > m ? a[i] : m);
+    }
+    return m > 0 ? d / m : d;
+}
+
+/* One spec on a CUDA tensor of `shape` through the module's insert loops
+ * (mode 1: without train ops; 2: with): calls that keep nothing run on
+ * the module (its call count grows) with the parameters the core lends,
+ * giving the CPU's codes within rounding and restoring the CPU's payload
+ * alike, from host and device payloads; a parameter the host changes
+ * reaches the next call; the CPU's refusals (a shape that does not fit, a
+ * NaN) hold; then training, below. */
+static void insert_spec(const char *spec, int64_t *shape, int ndim, size_t zn, int mode)
+{
+    insert_kernels(mode);
+    epipe_codec *c = make(spec), *g = make(spec);
+    if (!c) {
+        print_message("  %s: not in this build, skipped\n", spec);
+        return;
+    }
+    static float x[N], yc[N], yg[N], z[N], gin_c[N], gin_g[N];
+    static uint8_t pc[8 * N], pg[8 * N];
+    size_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        n *= (size_t)shape[d];
+    assert_true(n <= N && zn <= N);
+    fill(x, n, 4);
+    float *dx = dev_alloc(n * 4), *dy = dev_alloc(n * 4), *dz = dev_alloc(zn * 4);
+    uint8_t *dp = dev_alloc(sizeof pg);
+    assert_int_equal(dev_copy(dx, x, n * 4), 0);
+    DLTensor hx = f32(kDLCPU, x), gx = f32(kDLCUDA, dx), hy = f32(kDLCPU, yc),
+             gy = f32(kDLCUDA, dy);
+    hx.ndim = gx.ndim = hy.ndim = gy.ndim = ndim;
+    hx.shape = gx.shape = hy.shape = gy.shape = shape;
+    size_t cap = 0;
+    assert_int_equal(epipe_codec_max_encoded_size(g, &gx, &cap), EPIPE_OK);
+    for (int step = 0; step < 2; step++) {
+        if (step) /* the host changes a weight of each: the next call uses it */
+            for (int i = 0; i < 2; i++) {
+                DLTensor *pcw, *pgw;
+                assert_int_equal(epipe_codec_tensor(c, (unsigned)i, NULL, &pcw, NULL), EPIPE_OK);
+                assert_int_equal(epipe_codec_tensor(g, (unsigned)i, NULL, &pgw, NULL), EPIPE_OK);
+                ((float *)pcw->data)[1] += 0.5f, ((float *)pgw->data)[1] += 0.5f;
+            }
+        unsigned long before = insert_calls();
+        size_t wc = 0, wg = 0;
+        assert_int_equal(epipe_codec_encode(c, &hx, pc, sizeof pc, &wc), EPIPE_OK);
+        int rc = epipe_codec_encode(g, &gx, step ? (void *)dp : pg, cap, &wg);
+        if (rc)
+            fail_msg("%s: %s", spec, epipe_codec_last_error(g));
+        assert_int_equal(insert_calls(), before + 1);
+        assert_int_equal(wg, wc);
+        if (step)
+            assert_int_equal(dev_copy(pg, dp, wg), 0);
+        assert_memory_equal(pg, pc, 16); /* the header */
+        /* the codes: the CPU's within rounding (fp32 codes here) */
+        float zc[64], zg[64];
+        size_t m = zn < 64 ? zn : 64;
+        memcpy(zc, pc + 16, m * 4), memcpy(zg, pg + 16, m * 4);
+        assert_true(rel_diff(zc, zg, m) < 1e-5);
+        assert_int_equal(epipe_codec_decode(c, pc, wc, &hy), EPIPE_OK);
+        if (!step)
+            assert_int_equal(dev_copy(dp, pc, wc), 0);
+        rc = epipe_codec_decode(g, step ? pc : (void *)dp, wc, &gy);
+        if (rc)
+            fail_msg("%s decode: %s", spec, epipe_codec_last_error(g));
+        assert_int_equal(insert_calls(), before + 2);
+        assert_int_equal(dev_copy(yg, dy, n * 4), 0);
+        assert_true(rel_diff(yc, yg, n) < 1e-5);
+    }
+    /* a corrupt code: refused as on the CPU */
+    size_t wc = 0;
+    assert_int_equal(epipe_codec_encode(c, &hx, pc, sizeof pc, &wc), EPIPE_OK);
+    pc[16 + 3] = 0x7f, pc[16 + 2] = 0x80, pc[16 + 1] = 0, pc[16] = 0; /* +inf */
+    assert_int_equal(epipe_codec_decode(g, pc, wc, &gy), EPIPE_EPROTO);
+    /* a NaN, named by its index */
+    float nan = NAN;
+    assert_int_equal(dev_copy(dx + 7, &nan, 4), 0);
+    size_t w = 0;
+    assert_int_equal(epipe_codec_encode(g, &gx, pg, cap, &w), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_codec_last_error(g), "index 7"));
+    assert_int_equal(dev_copy(dx, x, n * 4), 0);
+    /* training. Mode 1 (no train ops): the forward staged, the CPU's
+     * bytes, the module not called; the backward on the CPU's caches
+     * whatever the knob says by then. Mode 2: forward and backward on the
+     * module, the gradients (and the parameters', in the host's tensors)
+     * the CPU's within rounding. */
+    unsigned long before = insert_calls();
+    assert_int_equal(epipe_codec_set_param(c, EPIPE_CODEC_MICROBATCH, 2), EPIPE_OK);
+    assert_int_equal(epipe_codec_set_param(g, EPIPE_CODEC_MICROBATCH, 2), EPIPE_OK);
+    size_t wg = 0;
+    assert_int_equal(epipe_codec_encode(c, &hx, pc, sizeof pc, &wc), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(g, &gx, pg, cap, &wg), EPIPE_OK);
+    assert_int_equal(wg, wc);
+    if (mode == 1) {
+        assert_int_equal(insert_calls(), before);
+        assert_memory_equal(pg, pc, wc);
+        assert_int_equal(epipe_codec_set_param(g, EPIPE_CODEC_MICROBATCH, -1), EPIPE_OK);
+    } else {
+        assert_int_equal(insert_calls(), before + 1);
+        assert_int_equal(epipe_codec_decode(c, pc, wc, &hy), EPIPE_OK);
+        assert_int_equal(epipe_codec_decode(g, pc, wc, &gy), EPIPE_OK);
+    }
+    int zndim = 0;
+    int64_t zshape[EPIPE_CODEC_MAX_NDIM];
+    assert_int_equal(epipe_codec_code_shape(c, &hx, &zndim, zshape), EPIPE_OK);
+    fill(z, zn, 5);
+    assert_int_equal(dev_copy(dz, z, zn * 4), 0);
+    DLTensor hz = f32(kDLCPU, z), gz = f32(kDLCUDA, dz), hgi = hx, ggi = gx;
+    hz.ndim = gz.ndim = zndim;
+    hz.shape = gz.shape = zshape;
+    hgi.data = gin_c, ggi.data = dy;
+    assert_int_equal(epipe_codec_encode_backward(c, 2, &hz, &hgi), EPIPE_OK);
+    int rc = epipe_codec_encode_backward(g, 2, &gz, &ggi);
+    if (rc)
+        fail_msg("%s backward: %s", spec, epipe_codec_last_error(g));
+    assert_int_equal(dev_copy(gin_g, dy, n * 4), 0);
+    if (mode == 1) {
+        assert_memory_equal(gin_g, gin_c, n * 4);
+        assert_int_equal(insert_calls(), before);
+    } else {
+        assert_true(rel_diff(gin_c, gin_g, n) < 1e-5);
+        assert_int_equal(insert_calls(), before + 3);
+        /* the decoder's backward: gy (gin_c, as a gradient) to the code's */
+        static float gz_c[N], gz_g[N];
+        assert_int_equal(dev_copy(dy, gin_c, n * 4), 0);
+        DLTensor hgy = hgi, ggy = ggi, hgz = hz, ggz = gz;
+        hgy.data = gin_c, hgz.data = gz_c;
+        assert_int_equal(epipe_codec_decode_backward(c, 2, &hgy, &hgz), EPIPE_OK);
+        rc = epipe_codec_decode_backward(g, 2, &ggy, &ggz);
+        if (rc)
+            fail_msg("%s decode backward: %s", spec, epipe_codec_last_error(g));
+        assert_int_equal(dev_copy(gz_g, dz, zn * 4), 0);
+        assert_true(rel_diff(gz_c, gz_g, zn) < 1e-5);
+        /* each forward serves one backward; a host gradient beside a CUDA one is refused */
+        assert_int_equal(epipe_codec_decode_backward(g, 2, &ggy, &ggz), EPIPE_ESTATE);
+        assert_int_equal(epipe_codec_encode(g, &gx, pg, cap, &wg), EPIPE_OK);
+        assert_int_equal(epipe_codec_encode_backward(g, 2, &gz, &hgi), EPIPE_EINVAL);
+        for (unsigned i = 0; i < 2; i++) {
+            DLTensor *gc, *gg;
+            assert_int_equal(epipe_codec_tensor(c, i, NULL, NULL, &gc), EPIPE_OK);
+            assert_int_equal(epipe_codec_tensor(g, i, NULL, NULL, &gg), EPIPE_OK);
+            assert_int_equal(gg->device.device_type, kDLCPU);
+            size_t count = 1;
+            for (int d = 0; d < gc->ndim; d++)
+                count *= (size_t)gc->shape[d];
+            assert_true(rel_diff(gc->data, gg->data, count) < 1e-5);
+        }
+    }
+    dev_free(dx), dev_free(dy), dev_free(dz), dev_free(dp);
+    epipe_codec_destroy(c), epipe_codec_destroy(g);
+}
+
+static void test_insert_on_the_module(void **state)
+{
+    (void)state;
+    int64_t conv[4] = {2, 4, 4, 8}, lin[2] = {ROWS, COLS};
+    for (int mode = 1; mode <= 2; mode++) {
+        insert_spec("insert:kind=conv,out=3,kernel=2,seed=7", conv, 4, 2 * 3 * 2 * 4, mode);
+        insert_spec("insert:kind=linear,out=16,seed=5", lin, 2, ROWS * 16, mode);
+    }
+    /* a shape the CPU refuses is refused alike, before the module runs */
+    epipe_codec *g = make("insert:kind=conv,out=2,kernel=3");
+    if (g) {
+        float *dx = dev_alloc(2 * 4 * 4 * 8 * 4);
+        DLTensor gx = f32(kDLCUDA, dx);
+        gx.ndim = 4;
+        gx.shape = conv;
+        uint8_t p[4096];
+        size_t w = 0;
+        assert_int_equal(epipe_codec_encode(g, &gx, p, sizeof p, &w), EPIPE_EINVAL);
+        assert_non_null(strstr(epipe_codec_last_error(g), "divisible by kernel=3"));
+        dev_free(dx);
+        epipe_codec_destroy(g);
+    }
+    insert_kernels(0);
+}
+
 int main(void)
 {
     const char *path = getenv("EPIPE_CUDA_MODULE");
@@ -366,7 +556,10 @@ int main(void)
     *(void **)&dev_copy = dlsym(so, "fakecuda_copy");
     *(void **)&last_stream = dlsym(so, "fakecuda_last_stream");
     *(void **)&host_allocs = dlsym(so, "fakecuda_host_allocs");
-    if (!dev_alloc || !dev_free || !dev_copy || !last_stream || !host_allocs) {
+    *(void **)&insert_kernels = dlsym(so, "fakecuda_insert_kernels");
+    *(void **)&insert_calls = dlsym(so, "fakecuda_insert_calls");
+    if (!dev_alloc || !dev_free || !dev_copy || !last_stream || !host_allocs || !insert_kernels ||
+        !insert_calls) {
         fprintf(stderr, "%s is not the test CUDA module\n", path);
         return 1;
     }
@@ -377,6 +570,7 @@ int main(void)
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_copies_on_handle_stream),
         cmocka_unit_test(test_backward_equals_cpu),
+        cmocka_unit_test(test_insert_on_the_module),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
