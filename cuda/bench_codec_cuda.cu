@@ -1,6 +1,8 @@
 /* epipe-bench-cuda: encode and decode throughput of a codec on a CUDA
  * tensor against a device-to-device copy of the same tensor in the same run. */
 #include <cuda_runtime.h>
+#include <cudnn.h> /* types only: --cudnn opens the library at run time */
+#include <dlfcn.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,7 +13,7 @@
 static void usage(void)
 {
     fprintf(stderr, "usage: epipe-bench-cuda SPEC [SPEC...] [--n VALUES | --shape D0,D1,...]\n"
-                    "                        [--reps R] [--payload device|host]\n\n"
+                    "                        [--reps R] [--payload device|host] [--cudnn]\n\n"
                     "Times epipe_codec_encode and _decode of a dense fp32 CUDA tensor (default\n"
                     "12.8M normal values, one dimension; --shape for the codecs that read the\n"
                     "shape, poweriter and insert) into and from a payload in device memory (default)\n"
@@ -19,7 +21,11 @@ static void usage(void)
                     "the tensor. Throughput: R calls (default 20) enqueued back to back, one\n"
                     "epipe_codec_synchronize after them, stream time per call (x copy: the\n"
                     "copy's time over the codec's). Latency: one call and its synchronize,\n"
-                    "best of R. Exit 77 without a CUDA device.\n");
+                    "best of R. --cudnn: for insert:kind=conv on a [B,C,H,W] --shape, also the\n"
+                    "same two convolutions (forward; backward data, the transposed one) called\n"
+                    "directly through cuDNN in FMA math, each with the fastest algorithm\n"
+                    "cudnnFind measures, and the codec's times over theirs. Exit 77 without a\n"
+                    "CUDA device.\n");
 }
 
 #define CK(e)                                                                                      \
@@ -124,6 +130,126 @@ static int run_decode(void *p)
     return enqueue_decode(p) || sync_codec(p);
 }
 
+/* ---- --cudnn: insert's convolutions called directly -------------------------- */
+
+#define DNN_FNS(X)                                                                                 \
+    X(create, cudnnCreate)                                                                         \
+    X(tensor_create, cudnnCreateTensorDescriptor)                                                  \
+    X(tensor_set, cudnnSetTensor4dDescriptor)                                                      \
+    X(filter_create, cudnnCreateFilterDescriptor)                                                  \
+    X(filter_set, cudnnSetFilter4dDescriptor)                                                      \
+    X(conv_create, cudnnCreateConvolutionDescriptor)                                               \
+    X(conv_set, cudnnSetConvolution2dDescriptor)                                                   \
+    X(conv_math, cudnnSetConvolutionMathType)                                                      \
+    X(find_fwd, cudnnFindConvolutionForwardAlgorithm)                                              \
+    X(fwd_space, cudnnGetConvolutionForwardWorkspaceSize)                                          \
+    X(fwd, cudnnConvolutionForward)                                                                \
+    X(find_bwd, cudnnFindConvolutionBackwardDataAlgorithm)                                         \
+    X(bwd_space, cudnnGetConvolutionBackwardDataWorkspaceSize)                                     \
+    X(bwd, cudnnConvolutionBackwardData)
+
+static struct {
+#define FIELD(name, sym) decltype(&sym) name;
+    DNN_FNS(FIELD)
+#undef FIELD
+} dnn;
+
+static int dnn_open(void)
+{
+    for (const char *name : {"libcudnn.so.9", "libcudnn.so", "libcudnn.so.8"}) {
+        void *so = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+        if (!so)
+            continue;
+        int all = 1;
+#define LOAD(name, sym)                                                                            \
+    *(void **)&dnn.name = dlsym(so, #sym);                                                         \
+    all = all && dnn.name;
+        DNN_FNS(LOAD)
+#undef LOAD
+        if (all)
+            return 1;
+        dlclose(so);
+    }
+    return 0;
+}
+
+struct dnn_ctx {
+    cudnnHandle_t h;
+    cudnnTensorDescriptor_t x, z;
+    cudnnFilterDescriptor_t w;
+    cudnnConvolutionDescriptor_t conv;
+    cudnnConvolutionFwdAlgo_t fa;
+    cudnnConvolutionBwdDataAlgo_t ba;
+    void *space;
+    size_t fs, bs;
+    const float *in, *wt;
+    float *code, *out;
+};
+
+static int dnn_forward(void *p)
+{
+    dnn_ctx *d = (dnn_ctx *)p;
+    const float one = 1, zero = 0;
+    return dnn.fwd(d->h, &one, d->x, d->in, d->w, d->wt, d->conv, d->fa, d->space, d->fs, &zero,
+                   d->z, d->code) != CUDNN_STATUS_SUCCESS;
+}
+
+static int dnn_backward(void *p)
+{
+    dnn_ctx *d = (dnn_ctx *)p;
+    const float one = 1, zero = 0;
+    return dnn.bwd(d->h, &one, d->w, d->wt, d->z, d->code, d->conv, d->ba, d->space, d->bs, &zero,
+                   d->x, d->out) != CUDNN_STATUS_SUCCESS;
+}
+
+/* The stream time per call of insert's two convolutions on [B,C,H,W] with
+ * a [K,C,k,k] filter of stride k, called directly; 0 when it cannot run. */
+static int dnn_reference(const int64_t *s, int K, int k, const float *x, float *y, int reps,
+                         cudaEvent_t a, cudaEvent_t b, double *tf, double *tb)
+{
+    static int opened = -1;
+    if (opened < 0)
+        opened = dnn_open();
+    if (!opened) {
+        printf("  --cudnn: cuDNN not found\n");
+        return 0;
+    }
+    dnn_ctx d = {};
+    const int B = (int)s[0], C = (int)s[1], H = (int)s[2], W = (int)s[3];
+    int n = 0;
+    cudnnConvolutionFwdAlgoPerf_t fp[8];
+    cudnnConvolutionBwdDataAlgoPerf_t bp[8];
+    float *wt, *code;
+    if (cudaMalloc((void **)&wt, (size_t)K * C * k * k * 4) ||
+        cudaMalloc((void **)&code, (size_t)B * K * (H / k) * (W / k) * 4) ||
+        cudaMemset(wt, 0, (size_t)K * C * k * k * 4) || dnn.create(&d.h) ||
+        dnn.tensor_create(&d.x) || dnn.tensor_create(&d.z) || dnn.filter_create(&d.w) ||
+        dnn.conv_create(&d.conv) ||
+        dnn.tensor_set(d.x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, B, C, H, W) ||
+        dnn.tensor_set(d.z, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, B, K, H / k, W / k) ||
+        dnn.filter_set(d.w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, K, C, k, k) ||
+        dnn.conv_set(d.conv, 0, 0, k, k, 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT) ||
+        dnn.conv_math(d.conv, CUDNN_FMA_MATH) ||
+        dnn.find_fwd(d.h, d.x, d.w, d.conv, d.z, 8, &n, fp) || n < 1 || fp[0].status ||
+        dnn.find_bwd(d.h, d.w, d.z, d.conv, d.x, 8, &n, bp) || n < 1 || bp[0].status) {
+        printf("  --cudnn: cuDNN could not run these convolutions\n");
+        return 0;
+    }
+    d.fa = fp[0].algo, d.ba = bp[0].algo;
+    dnn.fwd_space(d.h, d.x, d.w, d.conv, d.z, d.fa, &d.fs);
+    dnn.bwd_space(d.h, d.w, d.z, d.conv, d.x, d.ba, &d.bs);
+    if (cudaMalloc(&d.space, (d.fs > d.bs ? d.fs : d.bs) + 1))
+        return 0;
+    d.in = x, d.wt = wt, d.code = code, d.out = y;
+    *tf = per_call(reps, a, b, dnn_forward, NULL, &d);
+    *tb = per_call(reps, a, b, dnn_backward, NULL, &d);
+    printf("  cuDNN directly (algorithms %d and %d, as cudnnFind ranks them in FMA math): "
+           "forward %.3f ms, transposed %.3f ms\n",
+           (int)d.fa, (int)d.ba, *tf * 1e3, *tb * 1e3);
+    cudaFree(d.space), cudaFree(wt), cudaFree(code);
+    return !isnan(*tf) && !isnan(*tb);
+}
+
 __global__ void fill_normal(float *x, size_t n)
 {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
@@ -139,7 +265,7 @@ __global__ void fill_normal(float *x, size_t n)
 int main(int argc, char **argv)
 {
     size_t n = 12800000;
-    int reps = 20, nspec = 0, host_payload = 0, ndim = 1;
+    int reps = 20, nspec = 0, host_payload = 0, ndim = 1, cudnn = 0;
     int64_t shape[8] = {0};
     const char *specs[32];
     for (int i = 1; i < argc; i++) {
@@ -162,6 +288,8 @@ int main(int argc, char **argv)
                 return usage(), 2;
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
             reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--cudnn"))
+            cudnn = 1;
         else if (!strcmp(argv[i], "--payload") && i + 1 < argc &&
                  (!strcmp(argv[i + 1], "host") || !strcmp(argv[i + 1], "device")))
             host_payload = !strcmp(argv[++i], "host");
@@ -236,6 +364,14 @@ int main(int argc, char **argv)
                "ms | %.2f B/value\n",
                specs[s], te * 1e3, 4.0 * n / te / 1e9, tc / te, td * 1e3, 4.0 * n / td / 1e9,
                tc / td, le * 1e3, ld * 1e3, (double)k.written / (double)n);
+        int zndim = 0;
+        int64_t zs[8];
+        double tf, tb;
+        if (cudnn && ndim == 4 && !strncmp(specs[s], "insert:", 7) &&
+            epipe_codec_code_shape(k.c, &tx, &zndim, zs) == EPIPE_OK && zndim == 4 &&
+            dnn_reference(shape, (int)zs[1], (int)(shape[2] / zs[2]), x, z, reps, a, b, &tf, &tb))
+            printf("  the codec over cuDNN directly: encode %.2fx, decode %.2fx\n", te / tf,
+                   td / tb);
         if (host_payload)
             cudaFreeHost(k.payload);
         else

@@ -38,10 +38,13 @@ step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
 # shellcheck disable=SC2086
 step bench-codec-host "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --payload host $specs
 # The codecs that read the shape, on the issue's [32,32,112,112]: poweriter
-# (cuBLAS products, its QR on the host) and insert (no kernels yet: host
-# staging, the whole tensor across PCIe)
-step bench-shaped "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --reps 5 \
-    --shape 32,32,112,112 poweriter:rank=3 insert:kind=conv,out=4,kernel=2
+# (cuBLAS products, its QR on the host) and insert (cuDNN's convolutions,
+# against the same convolutions called directly: --cudnn)
+step bench-shaped "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --reps 5 --cudnn \
+    --shape 32,32,112,112 poweriter:rank=3 insert:kind=conv,out=4,kernel=2 \
+    insert:kind=conv,out=8,kernel=4,code=fp16
+step bench-linear "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --reps 5 \
+    --shape 4096,3136 insert:kind=linear,out=196
 # The Python binding on CUDA tensors (torch is on the device machine)
 step python-cuda "${GPU_CHECK_PYTHON_S:-120}" env PYTHONPATH="$PWD/python" \
     EPIPE_LIBRARY="$B/lib/libepipe.so.0" PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q \

@@ -685,6 +685,245 @@ static void poweriter_close_to_cpu(const char *spec, int64_t nb, int64_t rows, i
     epipe_codec_destroy(gpu);
 }
 
+/* max |a - b| over max |ref|, the tolerance measure of the shaped codecs */
+static double rel_diff(const float *a, const float *b, const float *ref, size_t n)
+{
+    double d = 0, m = 0;
+    for (size_t i = 0; i < n; i++) {
+        d = fmax(d, fabs((double)a[i] - b[i]));
+        m = fmax(m, fabs((double)ref[i]));
+    }
+    return m > 0 ? d / m : d;
+}
+
+/* A body's codes as floats (fp32, or fp16 with code16). */
+static std::vector<float> codes_of(const uint8_t *body, size_t count, int code16)
+{
+    std::vector<float> z(count);
+    for (size_t i = 0; i < count; i++) {
+        if (code16) {
+            uint16_t h = (uint16_t)(body[2 * i] | body[2 * i + 1] << 8);
+            /* fp16 to fp32, normal and subnormal values (the codes are finite) */
+            int e = (h >> 10) & 31, m = h & 1023;
+            float v = e ? ldexpf((float)(m | 1024), e - 25) : ldexpf((float)m, -24);
+            z[i] = h & 0x8000 ? -v : v;
+        } else {
+            memcpy(&z[i], body + 4 * i, 4);
+        }
+    }
+    return z;
+}
+
+/* insert on the GPU (cuDNN for conv, cuBLAS for linear, the parameters the
+ * host's): the GPU's codes within 1e-5 of the largest of the CPU's (fp16
+ * codes within 2^-10 of it: one rounding step), its payload decoded on the
+ * CPU and the CPU's decoded on the GPU (host and device payloads) within
+ * 1e-5; parameters the host changes reach the next call; a NaN, a code
+ * beyond fp16 and a corrupt code are refused when the caller synchronizes;
+ * and training (EPIPE_CODEC_MICROBATCH set): both backward passes and the
+ * parameter gradients within 1e-5 of the CPU's. Needs a BLAS build. */
+static void insert_close_to_cpu(const char *spec, const std::vector<int64_t> &dims, size_t zcount,
+                                int code16)
+{
+    epipe_codec *cpu, *gpu;
+    if (epipe_codec_create(&cpu, spec) != EPIPE_OK)
+        return; /* no BLAS in this build */
+    CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    std::vector<int64_t> shape = dims;
+    size_t n = 1;
+    for (int64_t d : dims)
+        n *= (size_t)d;
+    std::vector<float> x(n), yc(n), yg(n), yx(n);
+    fill(x, 11);
+    float *dx, *dy;
+    CUDA_OK(cudaMalloc((void **)&dx, n * 4));
+    CUDA_OK(cudaMalloc((void **)&dy, n * 4));
+    CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+    DLTensor hs = tensor(kDLCPU, x.data(), shape.data(), 32, kDLFloat), ds = hs;
+    hs.ndim = ds.ndim = (int)dims.size();
+    ds.data = dx;
+    ds.device.device_type = kDLCUDA;
+    DLTensor hy = hs, dd = ds, hx = hs;
+    hy.data = yc.data();
+    hx.data = yx.data();
+    dd.data = dy;
+    size_t cap = 0;
+    CHECK(epipe_codec_max_encoded_size(cpu, &hs, &cap) == EPIPE_OK, "size");
+    CHECK(cap == 16 + zcount * (code16 ? 2 : 4), "%s: payload of %zu bytes", spec, cap);
+    std::vector<uint8_t> pc(cap), pg(cap), ph(cap);
+    uint8_t *dp;
+    CUDA_OK(cudaMalloc((void **)&dp, cap + 1));
+    const double tol = code16 ? 1.0 / 1024 : 1e-5;
+    for (int step = 0; step < 2; step++) {
+        if (step) { /* the host changes a parameter of both: the next call uses it */
+            for (epipe_codec *c : {cpu, gpu}) {
+                const char *name;
+                DLTensor *param, *grad;
+                CHECK(epipe_codec_tensor(c, 0, &name, &param, &grad) == EPIPE_OK, "tensor");
+                ((float *)param->data)[0] += 0.5f;
+                CHECK(epipe_codec_tensor(c, 1, &name, &param, &grad) == EPIPE_OK, "tensor");
+                ((float *)param->data)[1] -= 0.25f;
+            }
+        }
+        size_t wc = 0, wg = 0, wh = 0;
+        CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "%s",
+              epipe_codec_last_error(cpu));
+        CHECK(epipe_codec_encode(gpu, &ds, dp, cap, &wg) == EPIPE_OK, "%s: gpu encode: %s", spec,
+              epipe_codec_last_error(gpu));
+        CHECK(epipe_codec_encode(gpu, &ds, ph.data(), cap, &wh) == EPIPE_OK, "%s: gpu encode: %s",
+              spec, epipe_codec_last_error(gpu));
+        CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+        CHECK(wc == wg && wc == wh, "%s: sizes %zu, %zu, %zu", spec, wc, wg, wh);
+        CUDA_OK(cudaMemcpy(pg.data(), dp, wg, cudaMemcpyDeviceToHost));
+        CHECK(memcmp(pc.data(), pg.data(), 16) == 0, "%s: headers differ", spec);
+        CHECK(memcmp(pg.data(), ph.data(), wg) == 0, "%s: device and host payloads differ", spec);
+        std::vector<float> zc = codes_of(pc.data() + 16, zcount, code16),
+                           zg = codes_of(pg.data() + 16, zcount, code16);
+        double ez = rel_diff(zg.data(), zc.data(), zc.data(), zcount);
+        CHECK(ez <= tol, "%s step %d: the GPU's codes are %.3g off the CPU's", spec, step, ez);
+        CHECK(epipe_codec_decode(cpu, pc.data(), wc, &hy) == EPIPE_OK, "cpu decode");
+        CHECK(epipe_codec_decode(cpu, pg.data(), wg, &hx) == EPIPE_OK, "%s: cpu decode of gpu: %s",
+              spec, epipe_codec_last_error(cpu));
+        double e1 = rel_diff(yx.data(), yc.data(), yc.data(), n);
+        CHECK(e1 <= (code16 ? 2 * tol : 1e-4), "%s step %d: the GPU's payload restores %.3g off",
+              spec, step, e1);
+        for (int from_device = 0; from_device < 2; from_device++) {
+            CUDA_OK(cudaMemset(dy, 0, n * 4));
+            if (from_device)
+                CUDA_OK(cudaMemcpy(dp, pc.data(), wc, cudaMemcpyHostToDevice));
+            CHECK(epipe_codec_decode(gpu, from_device ? (const void *)dp : pc.data(), wc, &dd) ==
+                      EPIPE_OK,
+                  "%s: gpu decode: %s", spec, epipe_codec_last_error(gpu));
+            CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+            CUDA_OK(cudaMemcpy(yg.data(), dy, n * 4, cudaMemcpyDeviceToHost));
+            double e2 = rel_diff(yg.data(), yc.data(), yc.data(), n);
+            CHECK(e2 <= 1e-5, "%s step %d: the GPU restores the CPU's payload %.3g off", spec, step,
+                  e2);
+        }
+    }
+    /* a payload at an odd address: the kernels' byte path */
+    {
+        size_t wc = 0, wg = 0;
+        CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "cpu encode");
+        CHECK(epipe_codec_encode(gpu, &ds, dp + 1, cap, &wg) == EPIPE_OK, "%s: odd payload: %s",
+              spec, epipe_codec_last_error(gpu));
+        CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+        CUDA_OK(cudaMemcpy(pg.data(), dp + 1, wg, cudaMemcpyDeviceToHost));
+        std::vector<float> zc = codes_of(pc.data() + 16, zcount, code16),
+                           zg = codes_of(pg.data() + 16, zcount, code16);
+        CHECK(rel_diff(zg.data(), zc.data(), zc.data(), zcount) <= tol, "%s: odd payload codes",
+              spec);
+        CHECK(epipe_codec_decode(gpu, dp + 1, wg, &dd) == EPIPE_OK &&
+                  epipe_codec_synchronize(gpu) == EPIPE_OK,
+              "%s: odd payload decode: %s", spec, epipe_codec_last_error(gpu));
+    }
+    /* a NaN: the code is not finite, and the error names the input's index */
+    float bad = NAN;
+    CUDA_OK(cudaMemcpy(dx + 5, &bad, 4, cudaMemcpyHostToDevice));
+    size_t w = 0;
+    CHECK(epipe_codec_encode(gpu, &ds, dp, cap, &w) == EPIPE_OK, "%s: enqueue", spec);
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_EINVAL, "%s: NaN accepted", spec);
+    CHECK(strstr(epipe_codec_last_error(gpu), "index 5") != NULL, "%s: %s", spec,
+          epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s: reported twice", spec);
+    CUDA_OK(cudaMemcpy(dx + 5, &x[5], 4, cudaMemcpyHostToDevice));
+    if (code16) { /* codes beyond fp16: refused by name */
+        std::vector<float> big(n, 3e5f);
+        CUDA_OK(cudaMemcpy(dx, big.data(), n * 4, cudaMemcpyHostToDevice));
+        CHECK(epipe_codec_encode(gpu, &ds, dp, cap, &w) == EPIPE_OK, "%s: enqueue", spec);
+        CHECK(epipe_codec_synchronize(gpu) == EPIPE_EINVAL, "%s: beyond fp16 accepted", spec);
+        CHECK(strstr(epipe_codec_last_error(gpu), "fp16") != NULL, "%s: %s", spec,
+              epipe_codec_last_error(gpu));
+        CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+    }
+    /* a corrupt code (an infinity) in a device payload */
+    {
+        size_t wc = 0;
+        CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "cpu encode");
+        size_t at = 16 + (zcount / 2) * (code16 ? 2 : 4);
+        if (code16)
+            pc[at] = 0x00, pc[at + 1] = 0x7c;
+        else
+            pc[at] = 0, pc[at + 1] = 0, pc[at + 2] = 0x80, pc[at + 3] = 0x7f;
+        CUDA_OK(cudaMemcpy(dp, pc.data(), wc, cudaMemcpyHostToDevice));
+        CHECK(epipe_codec_decode(gpu, dp, wc, &dd) == EPIPE_OK, "%s: enqueue", spec);
+        CHECK(epipe_codec_synchronize(gpu) == EPIPE_EPROTO, "%s: corrupt code accepted", spec);
+        CHECK(epipe_codec_decode(cpu, pc.data(), wc, &hy) == EPIPE_EPROTO, "cpu: corrupt");
+    }
+    /* training: the forward keeps its input (encode) or code (decode) on
+     * the device, the backward passes run there, and the parameter
+     * gradients land in the host's tensors, each within 1e-5 of the CPU's */
+    CHECK(epipe_codec_set_param(cpu, EPIPE_CODEC_MICROBATCH, 3) == EPIPE_OK, "knob");
+    CHECK(epipe_codec_set_param(gpu, EPIPE_CODEC_MICROBATCH, 3) == EPIPE_OK, "knob");
+    size_t wc = 0, wg = 0;
+    CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "cpu encode");
+    CHECK(epipe_codec_encode(gpu, &ds, dp, cap, &wg) == EPIPE_OK, "%s: training encode: %s", spec,
+          epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_decode(cpu, pc.data(), wc, &hy) == EPIPE_OK, "cpu decode");
+    CHECK(epipe_codec_decode(gpu, pc.data(), wc, &dd) == EPIPE_OK, "%s: training decode: %s", spec,
+          epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    int zndim = 0;
+    int64_t zshape[EPIPE_CODEC_MAX_NDIM];
+    CHECK(epipe_codec_code_shape(cpu, &hs, &zndim, zshape) == EPIPE_OK, "code shape");
+    std::vector<float> gz(zcount), gy(n), gxc(n), gxg(n), gzc(zcount), gzg(zcount);
+    fill(gz, 3);
+    fill(gy, 4);
+    float *dgz, *dgx;
+    CUDA_OK(cudaMalloc((void **)&dgz, zcount * 4));
+    CUDA_OK(cudaMalloc((void **)&dgx, n * 4));
+    CUDA_OK(cudaMemcpy(dgz, gz.data(), zcount * 4, cudaMemcpyHostToDevice));
+    DLTensor hgz = tensor(kDLCPU, gz.data(), zshape, 32, kDLFloat), dgzt = hgz;
+    hgz.ndim = dgzt.ndim = zndim;
+    dgzt.data = dgz;
+    dgzt.device.device_type = kDLCUDA;
+    DLTensor hgx = hs, dgxt = ds;
+    hgx.data = gxc.data();
+    dgxt.data = dgx;
+    CHECK(epipe_codec_encode_backward(cpu, 3, &hgz, &hgx) == EPIPE_OK, "cpu backward");
+    CHECK(epipe_codec_encode_backward(gpu, 3, &dgzt, &dgxt) == EPIPE_OK,
+          "%s: gpu encode backward: %s", spec, epipe_codec_last_error(gpu));
+    CUDA_OK(cudaMemcpy(gxg.data(), dgx, n * 4, cudaMemcpyDeviceToHost));
+    double eb = rel_diff(gxg.data(), gxc.data(), gxc.data(), n);
+    CHECK(eb <= 1e-5, "%s: the input's gradient is %.3g off the CPU's", spec, eb);
+    CHECK(epipe_codec_encode_backward(gpu, 3, &dgzt, &dgxt) == EPIPE_ESTATE,
+          "%s: a second backward of one forward", spec);
+    /* the decoder's backward: gy to the code's gradient, and Rt's gradient */
+    CUDA_OK(cudaMemcpy(dgx, gy.data(), n * 4, cudaMemcpyHostToDevice));
+    DLTensor hgy = hgx, dgyt = dgxt;
+    hgy.data = gy.data();
+    hgz.data = gzc.data();
+    CHECK(epipe_codec_decode_backward(cpu, 3, &hgy, &hgz) == EPIPE_OK, "cpu decode backward");
+    CHECK(epipe_codec_decode_backward(gpu, 3, &dgyt, &dgzt) == EPIPE_OK,
+          "%s: gpu decode backward: %s", spec, epipe_codec_last_error(gpu));
+    CUDA_OK(cudaMemcpy(gzg.data(), dgz, zcount * 4, cudaMemcpyDeviceToHost));
+    double ed = rel_diff(gzg.data(), gzc.data(), gzc.data(), zcount);
+    CHECK(ed <= 1e-5, "%s: the code's gradient is %.3g off the CPU's", spec, ed);
+    for (unsigned i = 0; i < 2; i++) { /* E's and Rt's gradients, in the host's tensors */
+        const char *name;
+        DLTensor *pc0, *gc0, *pg0, *gg0;
+        CHECK(epipe_codec_tensor(cpu, i, &name, &pc0, &gc0) == EPIPE_OK &&
+                  epipe_codec_tensor(gpu, i, &name, &pg0, &gg0) == EPIPE_OK,
+              "tensors");
+        CHECK(gg0->device.device_type == kDLCPU, "%s: a parameter gradient on the device", spec);
+        size_t wcount = 1;
+        for (int d = 0; d < gc0->ndim; d++)
+            wcount *= (size_t)gc0->shape[d];
+        double eg = rel_diff((const float *)gg0->data, (const float *)gc0->data,
+                             (const float *)gc0->data, wcount);
+        CHECK(eg <= 1e-5, "%s: %s's gradient is %.3g off the CPU's", spec, name, eg);
+    }
+    CHECK(epipe_codec_decode_backward(gpu, 4, &dgyt, &dgzt) == EPIPE_ESTATE,
+          "%s: a backward with nothing kept", spec);
+    cudaFree(dgz);
+    cudaFree(dgx);
+    cudaFree(dx);
+    cudaFree(dy);
+    cudaFree(dp);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+}
+
 int main(void)
 {
     gpu_test_devices_or_skip();
@@ -772,39 +1011,13 @@ int main(void)
         ef_matches_cpu("cast:dtype=bf16,ef=1", dev);
         ef_matches_cpu("topk:ratio=0.05,ef=1", dev);
     }
-    {
-        /* a codec without kernels runs on the CPU backend through host
-         * staging: the CPU's payload, into device memory too (insert needs
-         * a BLAS build; without one it is not there to stage) */
-        epipe_codec *g, *h;
-        const char *spec = "insert:kind=linear,out=2,seed=3";
-        if (epipe_codec_create(&g, spec) == EPIPE_OK) {
-            CHECK(epipe_codec_create(&h, spec) == EPIPE_OK, "create");
-            float x[16], *d;
-            for (int i = 0; i < 16; i++)
-                x[i] = (float)((i * 7) % 11) - 5.0f;
-            CUDA_OK(cudaMalloc((void **)&d, sizeof x));
-            CUDA_OK(cudaMemcpy(d, x, sizeof x, cudaMemcpyHostToDevice));
-            uint8_t *dp;
-            CUDA_OK(cudaMalloc((void **)&dp, 256));
-            int64_t shape[2] = {4, 4};
-            DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat), hs = ds;
-            ds.ndim = hs.ndim = 2;
-            hs.data = x;
-            hs.device.device_type = kDLCPU;
-            uint8_t p[256], q[256];
-            size_t w = 0, v = 0;
-            CHECK(epipe_codec_encode(g, &ds, dp, sizeof p, &w) == EPIPE_OK, "insert staged: %s",
-                  epipe_codec_last_error(g));
-            CHECK(epipe_codec_encode(h, &hs, q, sizeof q, &v) == EPIPE_OK, "insert on the CPU");
-            CUDA_OK(cudaMemcpy(p, dp, w, cudaMemcpyDeviceToHost));
-            CHECK(w == v && memcmp(p, q, w) == 0, "insert staged: the CPU's payload");
-            epipe_codec_destroy(g);
-            epipe_codec_destroy(h);
-            cudaFree(d);
-            cudaFree(dp);
-        }
-    }
+    /* conv (cuDNN): [B,C,H,W] to [B,K,H/k,W/k]; linear (cuBLAS): [..., D] to [..., d] */
+    insert_close_to_cpu("insert:kind=conv,out=4,kernel=2,seed=3", {3, 8, 6, 10}, 3 * 4 * 3 * 5, 0);
+    insert_close_to_cpu("insert:kind=conv,ratio=0.25,kernel=4,code=fp16", {2, 4, 8, 8},
+                        2 * 16 * 2 * 2, 1);
+    insert_close_to_cpu("insert:kind=conv,out=4,kernel=2", {32, 32, 28, 28}, 32 * 4 * 14 * 14, 0);
+    insert_close_to_cpu("insert:kind=linear,out=2,seed=3", {5, 7, 16}, 5 * 7 * 2, 0);
+    insert_close_to_cpu("insert:kind=linear,out=8,code=fp16", {33, 64}, 33 * 8, 1);
     poweriter_close_to_cpu("poweriter:rank=3", 8, 16, 64);
     poweriter_close_to_cpu("poweriter:rank=2,iters=2,factors=fp16", 4, 32, 200);
     poweriter_close_to_cpu("poweriter:rank=4,warm=0", 3, 8, 8);
