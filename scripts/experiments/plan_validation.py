@@ -13,7 +13,9 @@ tc-shaped veth, scripts/experiments/bandwidth.py), each model is profiled
 
 with measured time per batch, test accuracy, and for the plan its predicted
 step time. --codecs lists the candidate codecs (';' between them), and
---grad-codecs the gradients' where they differ. --cpus "0-3;4-7" pins stage 0 (and the profile) and stage 1 to
+--grad-codecs the gradients' where they differ. --microbatches M (default
+4) plans and trains with M micro-batches of 16 images a step (a batch of
+16 M). --cpus "0-3;4-7" pins stage 0 (and the profile) and stage 1 to
 their own CPUs (taskset), for a machine with cores enough that the two
 stages compute independently, as two devices would. Needs root. Example:
 
@@ -42,7 +44,7 @@ CODECS = ["quant:bits=8", "sortquant:bits=8", "sortquant:bits=8,zero=1", "quant:
 # the main job's defaults (examples/train): activations, gradients
 DEFAULT_ACT, DEFAULT_GRAD = "sortquant:bits=8", "sortquant:bits=8,zero=1"
 PORT = 29791
-MICROBATCH = 64 // 4  # plan_worker's batch over its micro-batches
+MICROBATCH = 16  # images a micro-batch: the profile's, and each step's M of them
 
 
 def profile(model, mb, codecs, grad_codecs):
@@ -97,7 +99,9 @@ def run(model, cut, act, grad, schedule, rate, a):
                    *[f"{k}={v}" for k, v in env.items()],
                    a.python, os.path.join(HERE, "plan_worker.py"), "--model", model, "--cut",
                    str(cut), "--act-codec", act, "--grad-codec", grad, "--schedule", schedule,
-                   "--train-limit", str(a.train_limit), "--test-limit", str(a.test_limit)]
+                   "--train-limit", str(a.train_limit), "--test-limit", str(a.test_limit),
+                   "--microbatches", str(a.microbatches),
+                   "--batch", str(MICROBATCH * a.microbatches)]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
         outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
@@ -120,6 +124,8 @@ def main():
                     help="the candidate codecs, ';' between them (none always is one)")
     ap.add_argument("--grad-codecs", default=None,
                     help="the gradients' candidates, if not --codecs")
+    ap.add_argument("--microbatches", type=int, default=4,
+                    help="micro-batches a step, of %d images each" % MICROBATCH)
     ap.add_argument("--act-error", type=float, default=1e-3)
     ap.add_argument("--grad-error", type=float, default=1e-2)
     ap.add_argument("--build", default="build")
@@ -149,7 +155,8 @@ def main():
         L = len(prof.layers)
         for rate in a.rates.split(","):
             bps = bw.rate_bits(rate) / 8
-            p = ept.plan(prof, table, stages=2, microbatches=4, bandwidth=bps, latency=1e-4,
+            p = ept.plan(prof, table, stages=2, microbatches=a.microbatches, bandwidth=bps,
+                         latency=1e-4,
                          act_error_budget=a.act_error, grad_error_budget=a.grad_error)
             print(f"{model} at {rate}:\n{p.explain()}", flush=True)
             half, blind = L // 2 - 1, balanced_cut(prof)
