@@ -2,13 +2,14 @@
  * tensor against a device-to-device copy of the same tensor in the same run. */
 #include <cuda_runtime.h>
 #include <cudnn.h> /* types only: --cudnn opens the library at run time */
-#include <dlfcn.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <epipe/epipe.h>
+
+#include "dlopen_all.h"
 
 static void usage(void)
 {
@@ -149,28 +150,18 @@ static int run_decode(void *p)
     X(bwd, cudnnConvolutionBackwardData)
 
 static struct {
-#define FIELD(name, sym) decltype(&sym) name;
-    DNN_FNS(FIELD)
-#undef FIELD
+    DNN_FNS(EPIPE_CUDA_FIELD)
 } dnn;
 
 static int dnn_open(void)
 {
-    for (const char *name : {"libcudnn.so.9", "libcudnn.so", "libcudnn.so.8"}) {
-        void *so = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-        if (!so)
-            continue;
-        int all = 1;
-#define LOAD(name, sym)                                                                            \
-    *(void **)&dnn.name = dlsym(so, #sym);                                                         \
-    all = all && dnn.name;
-        DNN_FNS(LOAD)
-#undef LOAD
-        if (all)
-            return 1;
-        dlclose(so);
-    }
-    return 0;
+    static const char *const names[] = {"libcudnn.so.9", "libcudnn.so", "libcudnn.so.8"};
+    static const char *const syms[] = {DNN_FNS(EPIPE_CUDA_SYM)};
+#define SLOT(name, sym) (void **)&dnn.name,
+    void **const slots[] = {DNN_FNS(SLOT)};
+#undef SLOT
+    return epipe_cuda_dlopen_all(names, sizeof names / sizeof *names, syms, slots,
+                                 sizeof syms / sizeof *syms) != NULL;
 }
 
 struct dnn_ctx {

@@ -3,44 +3,37 @@
  * other codec works) without it, and loading it costs nothing to programs
  * that never multiply on a GPU. */
 #include <cublas_v2.h> /* types and constants only: the library is opened at run time */
-#include <dlfcn.h>
 #include <pthread.h>
 
 #include "cuda_impl.h"
+#include "dlopen_all.h"
 
 #ifndef EPIPE_CUBLAS_PATH
 #define EPIPE_CUBLAS_PATH "libcublas.so"
 #endif
 
+#define BLAS_FNS(X)                                                                                \
+    X(create, cublasCreate_v2)                                                                     \
+    X(destroy, cublasDestroy_v2)                                                                   \
+    X(set_stream, cublasSetStream_v2)                                                              \
+    X(gemm, cublasSgemmStridedBatched)
+
 static struct {
-    cublasStatus_t (*create)(cublasHandle_t *);
-    cublasStatus_t (*destroy)(cublasHandle_t);
-    cublasStatus_t (*set_stream)(cublasHandle_t, cudaStream_t);
-    cublasStatus_t (*gemm)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
-                           const float *, const float *, int, long long, const float *, int,
-                           long long, const float *, float *, int, long long, int);
+    BLAS_FNS(EPIPE_CUDA_FIELD)
 } blas;
 static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
 static int blas_ok;
 
 static void blas_open(void)
 {
-    const char *names[] = {"libcublas.so", EPIPE_CUBLAS_PATH, "libcublas.so.13", "libcublas.so.12",
-                           "libcublas.so.11"};
-    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
-        void *so = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-        if (!so)
-            continue;
-        *(void **)&blas.create = dlsym(so, "cublasCreate_v2");
-        *(void **)&blas.destroy = dlsym(so, "cublasDestroy_v2");
-        *(void **)&blas.set_stream = dlsym(so, "cublasSetStream_v2");
-        *(void **)&blas.gemm = dlsym(so, "cublasSgemmStridedBatched");
-        if (blas.create && blas.destroy && blas.set_stream && blas.gemm) {
-            blas_ok = 1;
-            return;
-        }
-        dlclose(so);
-    }
+    static const char *const names[] = {"libcublas.so", EPIPE_CUBLAS_PATH, "libcublas.so.13",
+                                        "libcublas.so.12", "libcublas.so.11"};
+    static const char *const syms[] = {BLAS_FNS(EPIPE_CUDA_SYM)};
+#define SLOT(name, sym) (void **)&blas.name,
+    void **const slots[] = {BLAS_FNS(SLOT)};
+#undef SLOT
+    blas_ok = epipe_cuda_dlopen_all(names, sizeof names / sizeof *names, syms, slots,
+                                    sizeof syms / sizeof *syms) != NULL;
 }
 
 int epipe_cuda_blas_available(void)

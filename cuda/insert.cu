@@ -24,13 +24,14 @@
  * legacy convolution API: deprecated in cuDNN 9, still shipped, and what
  * both frameworks call for a plain convolution. */
 #include <cudnn.h> /* types and constants only: the library is opened at run time */
-#include <dlfcn.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../codecs/inline/half.h"
 #include "cuda_impl.h"
+#include "dlopen_all.h"
 
 #ifndef EPIPE_CUDNN_PATH
 #define EPIPE_CUDNN_PATH "libcudnn.so"
@@ -64,32 +65,21 @@
     X(filt, cudnnConvolutionBackwardFilter)
 
 static struct {
-#define FIELD(name, sym) decltype(&sym) name;
-    DNN_FNS(FIELD)
-#undef FIELD
+    DNN_FNS(EPIPE_CUDA_FIELD)
 } dnn;
 static pthread_once_t dnn_once = PTHREAD_ONCE_INIT;
 static int dnn_ok;
 
 static void dnn_open(void)
 {
-    const char *names[] = {"libcudnn.so.9", EPIPE_CUDNN_PATH, "libcudnn.so", "libcudnn.so.8"};
-    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
-        void *so = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-        if (!so)
-            continue;
-        int all = 1;
-#define LOAD(name, sym)                                                                            \
-    *(void **)&dnn.name = dlsym(so, #sym);                                                         \
-    all = all && dnn.name;
-        DNN_FNS(LOAD)
-#undef LOAD
-        if (all) {
-            dnn_ok = 1;
-            return;
-        }
-        dlclose(so);
-    }
+    static const char *const names[] = {"libcudnn.so.9", EPIPE_CUDNN_PATH, "libcudnn.so",
+                                        "libcudnn.so.8"};
+    static const char *const syms[] = {DNN_FNS(EPIPE_CUDA_SYM)};
+#define SLOT(name, sym) (void **)&dnn.name,
+    void **const slots[] = {DNN_FNS(SLOT)};
+#undef SLOT
+    dnn_ok = epipe_cuda_dlopen_all(names, sizeof names / sizeof *names, syms, slots,
+                                   sizeof syms / sizeof *syms) != NULL;
 }
 
 int epipe_cuda_dnn_available(void)
@@ -289,89 +279,73 @@ template <typename Perf> static int pick(const Perf *perf, int n)
     return -1;
 }
 
-static int forward_algo(epipe_codec *c, ins_state *st)
+/* One convolution's algorithm, chosen once per shape: the heuristics'
+ * ranking in FMA math, pick()'s choice, the math it was chosen in and its
+ * workspace. query and size call that convolution's cuDNN functions. */
+template <typename Perf, typename Algo, typename Query, typename Size>
+static int choose(epipe_codec *c, ins_state *st, const char *what, int count, Query query,
+                  Size size, int *have, Algo *algo, cudnnMathType_t *math, size_t *space)
 {
-    if (st->have_fwd)
+    if (*have)
         return EPIPE_OK;
-    cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+    Perf perf[16];
     int n = 0, rc;
+    char doing[80];
+    snprintf(doing, sizeof doing, "choosing a %s algorithm", what);
     if ((rc = dnn_check(c, dnn.conv_math(st->conv, CUDNN_FMA_MATH), "choosing FMA math")) ||
-        (rc = dnn_check(c,
-                        dnn.fwd_algos(st->handle, st->x, st->w, st->conv, st->z,
-                                      CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf),
-                        "choosing a forward algorithm")))
+        (rc = dnn_check(c, query(count < 16 ? count : 16, &n, perf), doing)))
         return rc;
     int i = pick(perf, n);
     if (i < 0)
-        return epipe_cuda_fail(c, EPIPE_ENOTSUP,
-                               "insert: cuDNN has no forward algorithm for this shape");
+        return epipe_cuda_fail(c, EPIPE_ENOTSUP, "insert: cuDNN has no %s algorithm for this shape",
+                               what);
+    snprintf(doing, sizeof doing, "sizing the %s workspace", what);
     if ((rc = dnn_check(c, dnn.conv_math(st->conv, perf[i].mathType), "setting the math type")) ||
-        (rc = dnn_check(c,
-                        dnn.fwd_space(st->handle, st->x, st->w, st->conv, st->z, perf[i].algo,
-                                      &st->fwd_space),
-                        "sizing the forward workspace")))
+        (rc = dnn_check(c, size(perf[i].algo, space), doing)))
         return rc;
-    st->fwd = perf[i].algo;
-    st->fwd_math = perf[i].mathType;
-    st->have_fwd = 1;
+    *algo = perf[i].algo;
+    *math = perf[i].mathType;
+    *have = 1;
     return EPIPE_OK;
+}
+
+static int forward_algo(epipe_codec *c, ins_state *st)
+{
+    return choose<cudnnConvolutionFwdAlgoPerf_t>(
+        c, st, "forward", CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
+        [st](int cap, int *n, cudnnConvolutionFwdAlgoPerf_t *p) {
+            return dnn.fwd_algos(st->handle, st->x, st->w, st->conv, st->z, cap, n, p);
+        },
+        [st](cudnnConvolutionFwdAlgo_t a, size_t *bytes) {
+            return dnn.fwd_space(st->handle, st->x, st->w, st->conv, st->z, a, bytes);
+        },
+        &st->have_fwd, &st->fwd, &st->fwd_math, &st->fwd_space);
 }
 
 static int backward_algo(epipe_codec *c, ins_state *st)
 {
-    if (st->have_bwd)
-        return EPIPE_OK;
-    cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
-    int n = 0, rc;
-    if ((rc = dnn_check(c, dnn.conv_math(st->conv, CUDNN_FMA_MATH), "choosing FMA math")) ||
-        (rc = dnn_check(c,
-                        dnn.bwd_algos(st->handle, st->w, st->z, st->conv, st->x,
-                                      CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf),
-                        "choosing a transposed-convolution algorithm")))
-        return rc;
-    int i = pick(perf, n);
-    if (i < 0)
-        return epipe_cuda_fail(c, EPIPE_ENOTSUP,
-                               "insert: cuDNN has no transposed-convolution algorithm for this "
-                               "shape");
-    if ((rc = dnn_check(c, dnn.conv_math(st->conv, perf[i].mathType), "setting the math type")) ||
-        (rc = dnn_check(c,
-                        dnn.bwd_space(st->handle, st->w, st->z, st->conv, st->x, perf[i].algo,
-                                      &st->bwd_space),
-                        "sizing the transposed-convolution workspace")))
-        return rc;
-    st->bwd = perf[i].algo;
-    st->bwd_math = perf[i].mathType;
-    st->have_bwd = 1;
-    return EPIPE_OK;
+    return choose<cudnnConvolutionBwdDataAlgoPerf_t>(
+        c, st, "transposed-convolution", CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
+        [st](int cap, int *n, cudnnConvolutionBwdDataAlgoPerf_t *p) {
+            return dnn.bwd_algos(st->handle, st->w, st->z, st->conv, st->x, cap, n, p);
+        },
+        [st](cudnnConvolutionBwdDataAlgo_t a, size_t *bytes) {
+            return dnn.bwd_space(st->handle, st->w, st->z, st->conv, st->x, a, bytes);
+        },
+        &st->have_bwd, &st->bwd, &st->bwd_math, &st->bwd_space);
 }
 
 static int filter_algo(epipe_codec *c, ins_state *st)
 {
-    if (st->have_filt)
-        return EPIPE_OK;
-    cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
-    int n = 0, rc;
-    if ((rc = dnn_check(c, dnn.conv_math(st->conv, CUDNN_FMA_MATH), "choosing FMA math")) ||
-        (rc = dnn_check(c,
-                        dnn.filt_algos(st->handle, st->x, st->z, st->conv, st->w,
-                                       CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf),
-                        "choosing a filter-gradient algorithm")))
-        return rc;
-    int i = pick(perf, n);
-    if (i < 0)
-        return epipe_cuda_fail(c, EPIPE_ENOTSUP,
-                               "insert: cuDNN has no filter-gradient algorithm for this shape");
-    if ((rc = dnn_check(c, dnn.conv_math(st->conv, perf[i].mathType), "setting the math type")) ||
-        (rc = dnn_check(c,
-                        dnn.filt_space(st->handle, st->x, st->z, st->conv, st->w, perf[i].algo,
-                                       &st->filt_space),
-                        "sizing the filter-gradient workspace")))
-        return rc;
-    st->filt = perf[i].algo;
-    st->filt_math = perf[i].mathType;
-    st->have_filt = 1;
-    return EPIPE_OK;
+    return choose<cudnnConvolutionBwdFilterAlgoPerf_t>(
+        c, st, "filter-gradient", CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
+        [st](int cap, int *n, cudnnConvolutionBwdFilterAlgoPerf_t *p) {
+            return dnn.filt_algos(st->handle, st->x, st->z, st->conv, st->w, cap, n, p);
+        },
+        [st](cudnnConvolutionBwdFilterAlgo_t a, size_t *bytes) {
+            return dnn.filt_space(st->handle, st->x, st->z, st->conv, st->w, a, bytes);
+        },
+        &st->have_filt, &st->filt, &st->filt_math, &st->filt_space);
 }
 
 /* ---- the slots a backward reads ------------------------------------------- */

@@ -582,6 +582,21 @@ static void mixups(void)
     cudaFree(d);
 }
 
+/* The CPU's payload pc (wc bytes) decoded on the GPU into dd, from host
+ * memory or (from_device) a copy in device buffer dp; dd's values into yg. */
+static void decode_on_gpu(epipe_codec *gpu, const char *spec, const std::vector<uint8_t> &pc,
+                          size_t wc, uint8_t *dp, int from_device, DLTensor *dd,
+                          std::vector<float> &yg)
+{
+    CUDA_OK(cudaMemset(dd->data, 0, yg.size() * 4));
+    if (from_device)
+        CUDA_OK(cudaMemcpy(dp, pc.data(), wc, cudaMemcpyHostToDevice));
+    CHECK(epipe_codec_decode(gpu, from_device ? (const void *)dp : pc.data(), wc, dd) == EPIPE_OK,
+          "%s: gpu decode: %s", spec, epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    CUDA_OK(cudaMemcpy(yg.data(), dd->data, yg.size() * 4, cudaMemcpyDeviceToHost));
+}
+
 /* poweriter on the GPU (cuBLAS products, the factors' QR on the host):
  * over three warm-started steps, the GPU's payload decoded on the CPU stays
  * within 1e-4 of max|x| of the CPU's own round trip, and the CPU's payload
@@ -648,14 +663,7 @@ static void poweriter_close_to_cpu(const char *spec, int64_t nb, int64_t rows, i
               e1);
         /* the CPU's payload decoded on the GPU, from host and device memory */
         for (int from_device = 0; from_device < 2; from_device++) {
-            CUDA_OK(cudaMemset(dy, 0, n * 4));
-            if (from_device)
-                CUDA_OK(cudaMemcpy(dp, pc.data(), wc, cudaMemcpyHostToDevice));
-            CHECK(epipe_codec_decode(gpu, from_device ? (const void *)dp : pc.data(), wc, &dd) ==
-                      EPIPE_OK,
-                  "%s: gpu decode: %s", spec, epipe_codec_last_error(gpu));
-            CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
-            CUDA_OK(cudaMemcpy(yg.data(), dy, n * 4, cudaMemcpyDeviceToHost));
+            decode_on_gpu(gpu, spec, pc, wc, dp, from_device, &dd, yg);
             double e2 = rel(yg, yc);
             CHECK(e2 <= 1e-5, "%s step %u: the GPU decodes the CPU's payload %.3g off", spec, step,
                   e2);
@@ -788,14 +796,7 @@ static void insert_close_to_cpu(const char *spec, const std::vector<int64_t> &di
         CHECK(e1 <= (code16 ? 2 * tol : 1e-4), "%s step %d: the GPU's payload restores %.3g off",
               spec, step, e1);
         for (int from_device = 0; from_device < 2; from_device++) {
-            CUDA_OK(cudaMemset(dy, 0, n * 4));
-            if (from_device)
-                CUDA_OK(cudaMemcpy(dp, pc.data(), wc, cudaMemcpyHostToDevice));
-            CHECK(epipe_codec_decode(gpu, from_device ? (const void *)dp : pc.data(), wc, &dd) ==
-                      EPIPE_OK,
-                  "%s: gpu decode: %s", spec, epipe_codec_last_error(gpu));
-            CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
-            CUDA_OK(cudaMemcpy(yg.data(), dy, n * 4, cudaMemcpyDeviceToHost));
+            decode_on_gpu(gpu, spec, pc, wc, dp, from_device, &dd, yg);
             double e2 = rel_diff(yg.data(), yc.data(), yc.data(), n);
             CHECK(e2 <= 1e-5, "%s step %d: the GPU restores the CPU's payload %.3g off", spec, step,
                   e2);
