@@ -28,12 +28,22 @@ step() { # step NAME SECONDS command...
     tail -n 25 "$O/$name.log"
 }
 nvidia-smi -L 2>&1 | head -2
+# insert opens cuDNN at run time (libcudnn.so.9): the toolkit's, else the
+# one PyTorch's wheels bring; without it insert's CUDA tensors are staged
+# and the gpu suite's insert cases fail (they check the device's path).
+for d in /usr/local/cuda/lib64 "$(python3 -c 'import nvidia.cudnn, os; print(os.path.dirname(nvidia.cudnn.__file__) + "/lib")' 2>/dev/null)"; do
+    if [ -n "$d" ] && ls "$d"/libcudnn.so.9* >/dev/null 2>&1; then
+        export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
+        echo "cuDNN: $d"
+        break
+    fi
+done
 step gpu-codecs "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_codecs"
 specs="none cast:dtype=fp16 cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:bits=8,mode=sample
        sortquant:bits=8 sortquant:bits=4 sortquant:bits=8,mode=exact topk:ratio=0.1 topk:ratio=0.01
        kmeans:bits=4 kmeans:bits=8"
-# shellcheck disable=SC2086
 step gpu-stage "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_stage"
+# shellcheck disable=SC2086 # $specs: one word a spec
 step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
 # shellcheck disable=SC2086
 step bench-codec-host "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --payload host $specs
@@ -60,6 +70,7 @@ for codec in sortquant:bits=8 none; do
 done
 # GPU_CHECK_PROFILE=1: each kernel's time in one encode and decode (ncu)
 if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
+    # shellcheck disable=SC2086 # one word a spec
     step profile 120 ncu --csv --metrics gpu__time_duration.sum "$B/cuda/epipe-bench-cuda" \
         --reps 1 ${GPU_CHECK_PROFILE_SPECS:-quant:bits=8 sortquant:bits=8,mode=sample sortquant:bits=8}
 fi
