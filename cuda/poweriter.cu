@@ -1,8 +1,12 @@
 /* `poweriter` on CUDA tensors: the products that read the tensor (Q = M P,
  * P = Mᵀ Q, and the rebuild Y = P Qᵀ) as cuBLAS strided-batched GEMMs over
- * the B matrices, and everything small on the host with the CPU codec's
- * own code (the core's pi_* functions): the warm and cold starts, the
- * Householder QR of each rows x r factor, the records and their checks.
+ * the B matrices; each Q orthonormalised on the device by CholeskyQR2
+ * (G = QᵀQ by a batched GEMM, its Cholesky and Q R⁻¹ by the shared
+ * functions of codecs/inline/poweriter.h), the Q the CPU's Householder QR
+ * gives up to rounding; and everything small on the host with the CPU
+ * codec's own code (the core's pi_* functions): the warm and cold starts,
+ * the records and their checks. A Q too ill-conditioned for CholeskyQR
+ * (or a rank above 64) takes the host's Householder QR, as before.
  * Only the factors cross PCIe, so the payload is what crosses, as for the
  * other codecs. The GEMMs round differently from OpenBLAS, so payloads
  * are the CPU's within a tolerance (docs/codecs.md), not byte for byte.
@@ -11,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "../codecs/inline/poweriter.h"
 #include "cuda_impl.h"
 
 __global__ void pi_check_finite(const float *x, uint64_t n, epipe_cuda_status *st)
@@ -46,6 +51,85 @@ static int wait(epipe_codec *c, const char *what)
     return epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)), what);
 }
 
+/* Up to this rank each Q is orthonormalised on the device (CholeskyQR2,
+ * one thread a matrix for the r x r Cholesky); above it, on the host. */
+#define PI_DEVICE_QR_MAX_RANK 64
+
+/* R of each matrix's G = QᵀQ; a refusal (Q ill-conditioned) sets *flag. */
+__global__ void pi_chol_kernel(const float *G, uint64_t nb, unsigned r, float *R, int *flag)
+{
+    for (uint64_t b = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; b < nb;
+         b += (uint64_t)gridDim.x * blockDim.x)
+        if (epipe_hd_pi_chol(G + b * r * r, r, R + b * r * r))
+            atomicOr(flag, 1);
+}
+
+/* Each row of each Q times its R⁻¹, unless a Cholesky refused. */
+__global__ void pi_solve_kernel(float *Q, uint64_t nb, uint64_t rows, unsigned r, const float *R,
+                                const int *flag)
+{
+    if (*(volatile const int *)flag)
+        return;
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < nb * rows;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        uint64_t b = i / rows;
+        epipe_hd_pi_solve_row(Q + b * rows * r + i % rows, rows, r, R + b * r * r);
+    }
+}
+
+/* The iterations with every Q orthonormalised on the device by
+ * CholeskyQR2, the factors then copied into hq and hp: nothing crosses
+ * PCIe in between, and the stream is waited for once. *refused = 1 when a
+ * Cholesky refused a Q (nearly rank-deficient), for the caller to redo
+ * the encode with the host's Householder QR, which takes any Q. */
+static int device_iterations(epipe_codec *c, const float *x, const uint64_t v[4], unsigned r,
+                             float *dq, float *dp, float *hq, float *hp, int *refused)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    cudaStream_t s = epipe_cuda_stream(c);
+    const uint64_t nb = v[0], rows = v[1], cols = v[2];
+    const size_t gs = (size_t)(nb * r * r), qs = (size_t)(nb * rows * r),
+                 ps = (size_t)(nb * cols * r);
+    const int m = (int)rows, k = (int)cols, rr = (int)r;
+    void *w;
+    int rc;
+    if ((rc = epipe_cuda_grow(c, &h->work[2], 2 * gs * sizeof(float) + sizeof(int), &w)))
+        return rc;
+    float *G = (float *)w, *R = G + gs;
+    int *flag = (int *)(R + gs), flag_host = 0;
+    if ((rc = epipe_cuda_check(c, cudaMemsetAsync(flag, 0, sizeof(int), s), "clearing the flag")))
+        return rc;
+    for (uint64_t it = 0; it < v[3]; it++) {
+        if ((rc = epipe_cuda_gemm(c, "computing Q = M P", 1, 0, m, rr, k, x, k,
+                                  (long long)rows * cols, dp, k, (long long)cols * r, dq, m,
+                                  (long long)rows * r, (int)nb)))
+            return rc;
+        for (int pass = 0; pass < 2; pass++) {
+            if ((rc = epipe_cuda_gemm(c, "computing G = Qt Q", 1, 0, rr, rr, m, dq, m,
+                                      (long long)rows * r, dq, m, (long long)rows * r, G, rr,
+                                      (long long)r * r, (int)nb)))
+                return rc;
+            pi_chol_kernel<<<epipe_cuda_blocks(nb, 128), 128, 0, s>>>(G, nb, r, R, flag);
+            pi_solve_kernel<<<epipe_cuda_blocks(nb * rows, 256), 256, 0, s>>>(dq, nb, rows, r, R,
+                                                                              flag);
+            if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the QR kernels")))
+                return rc;
+        }
+        if ((rc = epipe_cuda_gemm(c, "computing P = Mt Q", 0, 0, k, rr, m, x, k,
+                                  (long long)rows * cols, dq, m, (long long)rows * r, dp, k,
+                                  (long long)cols * r, (int)nb)))
+            return rc;
+    }
+    if ((rc = copy(c, hq, dq, qs * sizeof(float), cudaMemcpyDeviceToHost, "copying Q down")) ||
+        (rc = copy(c, hp, dp, ps * sizeof(float), cudaMemcpyDeviceToHost, "copying P down")) ||
+        (rc = copy(c, &flag_host, flag, sizeof flag_host, cudaMemcpyDeviceToHost,
+                   "reading the QR's flag")) ||
+        (rc = wait(c, "waiting for the factors")))
+        return rc;
+    *refused = flag_host != 0;
+    return EPIPE_OK;
+}
+
 static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     const epipe_cuda_core *core = epipe_cuda_core_fns;
@@ -75,6 +159,19 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     if ((rc = core->pi_start(c, n, hp)) ||
         (rc = copy(c, dp, hp, ps * sizeof(float), cudaMemcpyHostToDevice, "copying P up")))
         return rc;
+    if (r <= PI_DEVICE_QR_MAX_RANK) {
+        int refused = 0;
+        if ((rc = device_iterations(c, x, v, r, (float *)dq, (float *)dp, hq, hp, &refused)))
+            return rc;
+        if (!refused)
+            return (rc = core->pi_finish(c, n, hq, hp, body)) ? rc
+                                                               : epipe_cuda_body_push(c, body, 0,
+                                                                                      len);
+        /* a Q CholeskyQR refused: start over with the host's QR */
+        if ((rc = core->pi_start(c, n, hp)) ||
+            (rc = copy(c, dp, hp, ps * sizeof(float), cudaMemcpyHostToDevice, "copying P up")))
+            return rc;
+    }
     const int m = (int)rows, k = (int)cols, rr = (int)r;
     for (uint64_t it = 0; it < v[3]; it++) {
         /* Q = M P: M row-major rows x cols is column-major cols x rows. */
