@@ -2,7 +2,8 @@
 stages, each stage's replicas all-reducing their gradients through
 torch.distributed (Gloo) with libepipe's compressed DDP hook. Uncompressed,
 the weights equal one process trained on the whole batches; compressed, it
-trains. The hook on a real DDP model, beside PyTorch's PowerSGD hook."""
+trains. The hook on a real DDP model, beside PyTorch's PowerSGD hook, on
+Gloo, and on NCCL where torch has a GPU."""
 import os
 import random
 import socket
@@ -119,17 +120,23 @@ DDP_SCRIPT = r'''
 import os, sys, torch, torch.distributed as dist
 import epipe.torch as ept
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-dist.init_process_group("gloo")
-rank = dist.get_rank()
+backend = os.environ.get("DDP_BACKEND", "gloo")  # nccl: one GPU a rank
+dist.init_process_group(backend)
+rank, world = dist.get_rank(), dist.get_world_size()
+dev = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else "cpu"
+if backend == "nccl":
+    torch.cuda.set_device(dev)
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
+                            torch.nn.Linear(256, 8)).to(dev)
 ref = [p.detach().clone() for p in model.parameters()]
 results = {}
 for name in ("plain", "epipe", "powersgd"):
     with torch.no_grad():
         for p, r in zip(model.parameters(), ref):
             p.copy_(r)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[dev.index] if backend == "nccl" else None)
     if name == "epipe":
         state = ept.CompressedAllreduceState("sortquant:bits=8")
         ddp.register_comm_hook(state, ept.compressed_allreduce_hook)
@@ -139,15 +146,15 @@ for name in ("plain", "epipe", "powersgd"):
                                psgd.powerSGD_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(64, 8, generator=g)
+    w = torch.randn(64, 8, generator=g).to(dev)
     for step in range(40):
-        x = torch.randn(32, 64, generator=g)[rank::2]
+        x = torch.randn(32, 64, generator=g)[rank::world].to(dev)
         loss = torch.nn.functional.mse_loss(ddp(x), x @ w)
         opt.zero_grad(); loss.backward(); opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    others = [torch.empty_like(flat) for _ in range(2)]
+    others = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(others, flat)
-    assert torch.equal(others[0], others[1]), name  # replicas stay identical
+    assert all(torch.equal(others[0], o) for o in others), name  # replicas stay identical
     results[name] = (flat, loss.item())
     del ddp
 if rank == 0:
@@ -159,10 +166,7 @@ dist.destroy_process_group()
 '''
 
 
-def test_hook_on_ddp_beside_powersgd(tmp_path):
-    script = tmp_path / "ddp_hooks.py"
-    script.write_text(DDP_SCRIPT)
-    p = torchrun(2, str(script), timeout=240)
+def check_hooks(p):
     assert p.returncode == 0, p.stdout[-4000:]
     res = {}
     for line in p.stdout.splitlines():
@@ -173,6 +177,25 @@ def test_hook_on_ddp_beside_powersgd(tmp_path):
     # 8-bit codes with error feedback: close to plain all-reduce, and trained
     rel, loss, plain = res["epipe"]
     assert rel < 0.02 and loss < 1.5 * plain, res
+
+
+def test_hook_on_ddp_beside_powersgd(tmp_path):
+    script = tmp_path / "ddp_hooks.py"
+    script.write_text(DDP_SCRIPT)
+    check_hooks(torchrun(2, str(script), timeout=240))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
+def test_hook_on_nccl(tmp_path, monkeypatch):
+    """The same on GPUs through NCCL: the payloads are encoded, all-gathered
+    and decoded on the GPU. NCCL takes one GPU a rank: two ranks where there
+    are two GPUs, else one (the hook still encodes, gathers and decodes)."""
+    if not torch.distributed.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    script = tmp_path / "ddp_hooks.py"
+    script.write_text(DDP_SCRIPT)
+    monkeypatch.setenv("DDP_BACKEND", "nccl")
+    check_hooks(torchrun(min(2, torch.cuda.device_count()), str(script), timeout=240))
 
 
 def test_state_refuses_a_bad_spec():

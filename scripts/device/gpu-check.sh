@@ -59,7 +59,7 @@ step bench-linear "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --reps 5
 step python-cuda "${GPU_CHECK_PYTHON_S:-120}" env PYTHONPATH="$PWD/python" \
     EPIPE_LIBRARY="$B/lib/libepipe.so.0" PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q \
     -p no:cacheprovider python/tests/test_cuda.py python/tests/test_codec.py \
-    python/tests/test_torch_api.py
+    python/tests/test_torch_api.py python/tests/test_dp_pp.py::test_hook_on_nccl
 # A CUDA-tensor pipeline step against its compute and codec kernels, with
 # each stage's trace summary (issue 11's overhead target)
 for codec in sortquant:bits=8 none; do
