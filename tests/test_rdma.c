@@ -647,6 +647,49 @@ static void test_killed_peer(void **state)
     killed_peer(20);
 }
 
+/* A send over a link the peer closed (its goodbye over verbs, which an
+ * aborting peer sends too) or that failed waits for the control plane's
+ * verdict, which can come after it: the error then names the peer's
+ * reason, the rank where a failure began, not only the link. Without a
+ * verdict within the wait, the link's own message. */
+struct verdict {
+    epipe_comm *c;
+    unsigned peer;
+};
+
+static void *late_verdict(void *p)
+{
+    struct verdict *v = p;
+    usleep(100 * 1000);
+    epipe_comm_peer_failed(v->c, v->peer, EPIPE_EPEER,
+                           "rank 1 was aborted after rank 3 failed: killed");
+    return NULL;
+}
+
+static void test_send_waits_for_the_verdict(void **state)
+{
+    (void)state;
+    epipe_comm *c[2];
+    make_group("rdma", c, 2, "timeout_ms=10000");
+    assert_int_equal(epipe_comm_send_gone(c[0], 1, 50, "rank 0: the rdma link to rank 1 is down"),
+                     EPIPE_EPEER);
+    assert_string_equal(epipe_comm_last_error(c[0]), "rank 0: the rdma link to rank 1 is down");
+    struct verdict v = {c[0], 1};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, late_verdict, &v), 0);
+    int rc = epipe_comm_send_gone(c[0], 1, 5000, "rank 0: the rdma link to rank 1 is down");
+    pthread_join(th, NULL);
+    assert_int_equal(rc, EPIPE_EPEER);
+    const char *e = epipe_comm_last_error(c[0]);
+    if (!strstr(e, "rank 3 failed"))
+        print_error("'%s' does not name rank 3\n", e);
+    assert_non_null(strstr(e, "cannot send to rank 1: it failed: rank 1 was aborted after rank 3"));
+    epipe_comm_abort(c[0]);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    expect_no_leaks();
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 4 && !strcmp(argv[1], "--peer"))
@@ -679,6 +722,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup(test_fault_setup, setup_env),
         cmocka_unit_test_setup(test_auto_mixed, setup_env),
         cmocka_unit_test_setup(test_killed_peer, setup_env),
+        cmocka_unit_test_setup(test_send_waits_for_the_verdict, setup_env),
         cmocka_unit_test_setup(test_leak_cycles, setup_env),
     };
     const char *only = getenv("EPIPE_TEST_RDMA_FILTER"); /* e.g. test_leak_cycles */

@@ -453,10 +453,17 @@ int epipe_rdma_send(struct rdma *r, struct rdma_link *l, epipe_msg *m)
 {
     pthread_mutex_lock(&l->lock);
     if (l->dead || l->peer_bye) {
+        int dead = l->dead;
         pthread_mutex_unlock(&l->lock);
         epipe_msg_free(m);
-        return epipe_fail_into(r->c->msg, EPIPE_EPEER, "rank %u: the rdma link to rank %u is %s",
-                               r->c->rank, l->peer, l->dead ? "down" : "closed: it left");
+        /* The peer's goodbye over verbs (sent by an aborting peer too) or
+         * the link's failure can overtake the TCP message that says why:
+         * wait for it, so that the error names where a failure began. */
+        char fallback[EPIPE_ERRMSG_MAX];
+        snprintf(fallback, sizeof fallback, "rank %u: the rdma link to rank %u is %s", r->c->rank,
+                 l->peer, dead ? "down" : "closed: it left");
+        int64_t ms = r->c->timeout_ms > 0 && r->c->timeout_ms < 2000 ? r->c->timeout_ms : 2000;
+        return epipe_comm_send_gone(r->c, l->peer, ms, fallback);
     }
     m->next = NULL;
     if (l->txq_tail)

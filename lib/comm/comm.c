@@ -307,6 +307,20 @@ void epipe_comm_peer_failed(epipe_comm *c, unsigned peer, int status, const char
     pthread_mutex_unlock(&c->lock);
 }
 
+/* Under c->lock, the peer not up or this rank aborted: the send's error.
+ * Say why the peer is gone, as receives do: the reason may name the rank
+ * where a failure began (rank 3 killed, relayed by rank 2). */
+static int send_refused_locked(epipe_comm *c, unsigned peer)
+{
+    int aborted = c->aborted, state = c->peer_state[peer];
+    return epipe_fail_into(
+        c->msg, EPIPE_EPEER, "rank %u: cannot send to rank %u: %s%s%s", c->rank, peer,
+        aborted                    ? "this rank was aborted"
+        : state == EPIPE_PEER_LEFT ? "it left the group"
+                                   : "it failed",
+        !aborted && c->peer_why[peer][0] ? ": " : "", aborted ? "" : c->peer_why[peer]);
+}
+
 int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m)
 {
     if (peer >= c->size || peer == c->rank) {
@@ -315,16 +329,8 @@ int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m)
                                c->rank, peer, c->size);
     }
     pthread_mutex_lock(&c->lock);
-    int aborted = c->aborted, state = c->peer_state[peer];
-    if (aborted || state != EPIPE_PEER_UP) {
-        /* Say why the peer is gone, as receives do: the reason may name the
-         * rank where a failure began (rank 3 killed, relayed by rank 2). */
-        int rc = epipe_fail_into(
-            c->msg, EPIPE_EPEER, "rank %u: cannot send to rank %u: %s%s%s", c->rank, peer,
-            aborted                    ? "this rank was aborted"
-            : state == EPIPE_PEER_LEFT ? "it left the group"
-                                       : "it failed",
-            !aborted && c->peer_why[peer][0] ? ": " : "", aborted ? "" : c->peer_why[peer]);
+    if (c->aborted || c->peer_state[peer] != EPIPE_PEER_UP) {
+        int rc = send_refused_locked(c, peer);
         pthread_mutex_unlock(&c->lock);
         epipe_msg_free(m);
         return rc;
@@ -342,6 +348,21 @@ static void deadline_after(struct timespec *ts, int64_t ms)
         ts->tv_sec++;
         ts->tv_nsec -= 1000000000;
     }
+}
+
+int epipe_comm_send_gone(epipe_comm *c, unsigned peer, int64_t ms, const char *fallback)
+{
+    struct timespec deadline;
+    deadline_after(&deadline, ms);
+    pthread_mutex_lock(&c->lock);
+    while (!c->aborted && c->peer_state[peer] == EPIPE_PEER_UP &&
+           pthread_cond_timedwait(&c->arrived, &c->lock, &deadline) == 0)
+        ;
+    int rc = !c->aborted && c->peer_state[peer] == EPIPE_PEER_UP
+                 ? epipe_fail_into(c->msg, EPIPE_EPEER, "%s", fallback)
+                 : send_refused_locked(c, peer);
+    pthread_mutex_unlock(&c->lock);
+    return rc;
 }
 
 /* Called with c->lock held; releases it while it busy-waits up to

@@ -123,6 +123,14 @@ void epipe_comm_peer_down(epipe_comm *c, unsigned peer, enum epipe_peer_state st
  * `status` (EPIPE_ECHECKSUM for a corrupted message, ...) not EPIPE_EPEER. */
 void epipe_comm_peer_failed(epipe_comm *c, unsigned peer, int status, const char *why);
 
+/* For a transport whose data path to peer has closed or failed before
+ * the control plane said why (an RDMA goodbye or error can overtake the
+ * TCP message that explains it): waits up to ms for the peer to leave the
+ * UP state (or this rank to be aborted), then fails the send as
+ * epipe_comm_send() would, naming the peer's reason; `fallback` is the
+ * message when the peer is still up after ms. Returns the status. */
+int epipe_comm_send_gone(epipe_comm *c, unsigned peer, int64_t ms, const char *fallback);
+
 /* Sends a sealed message (ownership passes, even on error). */
 int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m);
 /* Waits up to timeout_ms for the message of `kind`, step and micro-batch
