@@ -449,6 +449,48 @@ static void *tensor_ptr(const DLTensor *t)
     return (char *)t->data + t->byte_offset;
 }
 
+/* t's n values as dense fp32 on the device: t's own, or for a 16-bit t a
+ * converted copy in buf. */
+static int f32_in(epipe_codec *c, epipe_cuda_buf *buf, const DLTensor *t, uint64_t n,
+                  enum epipe_dtype dt, const char *doing, const float **out)
+{
+    *out = (const float *)tensor_ptr(t);
+    if (dt == EPIPE_DTYPE_F32 || !n)
+        return EPIPE_OK;
+    void *p;
+    int rc = epipe_cuda_grow(c, buf, n * sizeof(float), &p);
+    if (rc)
+        return rc;
+    stage_in_kernel<<<epipe_cuda_blocks(n, 256), 256, 0, epipe_cuda_stream(c)>>>(
+        (const uint16_t *)*out, n, dt == EPIPE_DTYPE_BF16, (float *)p);
+    *out = (const float *)p;
+    return epipe_cuda_check(c, cudaGetLastError(), doing);
+}
+
+/* Where fp32 results for t go: t itself, or for a 16-bit t buf, which
+ * f32_out_done() then converts into t. */
+static int f32_out(epipe_codec *c, epipe_cuda_buf *buf, DLTensor *t, uint64_t n,
+                   enum epipe_dtype dt, float **out)
+{
+    *out = (float *)tensor_ptr(t);
+    if (dt == EPIPE_DTYPE_F32 || !n)
+        return EPIPE_OK;
+    void *p;
+    int rc = epipe_cuda_grow(c, buf, n * sizeof(float), &p);
+    *out = (float *)p;
+    return rc;
+}
+
+static int f32_out_done(epipe_codec *c, DLTensor *t, uint64_t n, enum epipe_dtype dt,
+                        const float *y, const char *doing)
+{
+    if (dt == EPIPE_DTYPE_F32 || !n)
+        return EPIPE_OK;
+    stage_out_kernel<<<epipe_cuda_blocks(n, 256), 256, 0, epipe_cuda_stream(c)>>>(
+        y, n, dt == EPIPE_DTYPE_BF16, (uint16_t *)tensor_ptr(t));
+    return epipe_cuda_check(c, cudaGetLastError(), doing);
+}
+
 /* ---- error feedback (ef=1) ------------------------------------------------- */
 
 /* w = x + r; a sum that is not finite goes to the status, as a codec's
@@ -540,17 +582,9 @@ static int encode_on(epipe_codec *c, const epipe_codec_backend *be, const DLTens
     } else {
         memcpy(payload, hdr, EPIPE_PAYLOAD_HEADER);
     }
-    const float *x = (const float *)tensor_ptr(src);
-    if (dt != EPIPE_DTYPE_F32 && n) {
-        void *p;
-        if ((rc = epipe_cuda_grow(c, &h->stage, n * sizeof(float), &p)))
-            return rc;
-        stage_in_kernel<<<epipe_cuda_blocks(n, 256), 256, 0, s>>>(
-            (const uint16_t *)x, n, dt == EPIPE_DTYPE_BF16, (float *)p);
-        if ((rc = epipe_cuda_check(c, cudaGetLastError(), "staging the input")))
-            return rc;
-        x = (const float *)p;
-    }
+    const float *x;
+    if ((rc = f32_in(c, &h->stage, src, n, dt, "staging the input", &x)))
+        return rc;
     if (c->ef)
         return ef_encode(c, be, x, n, dt, payload, len, on_device, body);
     return be->encode(c, x, (size_t)n, body);
@@ -563,7 +597,6 @@ static int decode_on(epipe_codec *c, const epipe_codec_backend *be, const uint8_
     int on_device, rc = handle_state(c, dst->device.device_id, &h);
     if (rc || (rc = payload_bind(c, dst, payload, len, &on_device)))
         return rc;
-    cudaStream_t s = epipe_cuda_stream(c);
     const uint8_t *body = payload + EPIPE_PAYLOAD_HEADER;
     if (on_device) {
         /* What the host checks: in the mirror since the core's peek. */
@@ -574,21 +607,11 @@ static int decode_on(epipe_codec *c, const epipe_codec_backend *be, const uint8_
         h->peeked = NULL;
         body = h->mirror;
     }
-    float *y = (float *)tensor_ptr(dst);
-    if (dt != EPIPE_DTYPE_F32 && n) {
-        void *p;
-        if ((rc = epipe_cuda_grow(c, &h->stage, n * sizeof(float), &p)))
-            return rc;
-        y = (float *)p;
-    }
-    if ((rc = be->decode(c, body, (size_t)n, y)))
+    float *y;
+    if ((rc = f32_out(c, &h->stage, dst, n, dt, &y)) ||
+        (rc = be->decode(c, body, (size_t)n, y)))
         return rc;
-    if (dt != EPIPE_DTYPE_F32 && n) {
-        stage_out_kernel<<<epipe_cuda_blocks(n, 256), 256, 0, s>>>(y, n, dt == EPIPE_DTYPE_BF16,
-                                                                   (uint16_t *)tensor_ptr(dst));
-        return epipe_cuda_check(c, cudaGetLastError(), "converting the output");
-    }
-    return EPIPE_OK;
+    return f32_out_done(c, dst, n, dt, y, "converting the output");
 }
 
 /* The calls select the tensor's device and give the caller's thread its
@@ -650,35 +673,16 @@ static int cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int enc,
                          uint64_t n_out, enum epipe_dtype dt_out)
 {
     epipe_cuda_handle *h = NULL;
+    const float *a;
+    float *b;
     int rc = handle_state(c, gin->device.device_id, &h);
-    if (rc)
+    if (rc || (rc = f32_in(c, &h->stage, gin, n_in, dt_in, "staging the gradient", &a)) ||
+        (rc = f32_out(c, &h->grad_out, gout, n_out, dt_out, &b)))
         return rc;
-    cudaStream_t s = epipe_cuda_stream(c);
-    const float *a = (const float *)tensor_ptr(gin);
-    float *b = (float *)tensor_ptr(gout);
-    void *p;
-    if (dt_in != EPIPE_DTYPE_F32 && n_in) {
-        if ((rc = epipe_cuda_grow(c, &h->stage, n_in * sizeof(float), &p)))
-            return rc;
-        stage_in_kernel<<<epipe_cuda_blocks(n_in, 256), 256, 0, s>>>(
-            (const uint16_t *)a, n_in, dt_in == EPIPE_DTYPE_BF16, (float *)p);
-        if ((rc = epipe_cuda_check(c, cudaGetLastError(), "staging the gradient")))
-            return rc;
-        a = (const float *)p;
-    }
-    if (dt_out != EPIPE_DTYPE_F32 && n_out) {
-        if ((rc = epipe_cuda_grow(c, &h->grad_out, n_out * sizeof(float), &p)))
-            return rc;
-        b = (float *)p;
-    }
     const epipe_codec_train_ops *t = be->train;
     rc = enc ? t->encode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim)
              : t->decode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim);
-    if (rc || dt_out == EPIPE_DTYPE_F32 || !n_out)
-        return rc;
-    stage_out_kernel<<<epipe_cuda_blocks(n_out, 256), 256, 0, s>>>(
-        b, n_out, dt_out == EPIPE_DTYPE_BF16, (uint16_t *)tensor_ptr(gout));
-    return epipe_cuda_check(c, cudaGetLastError(), "converting the gradient");
+    return rc ? rc : f32_out_done(c, gout, n_out, dt_out, b, "converting the gradient");
 }
 
 static int cuda_synchronize(epipe_codec *c)
