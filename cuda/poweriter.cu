@@ -77,34 +77,41 @@ __global__ void pi_solve_kernel(float *Q, uint64_t nb, uint64_t rows, unsigned r
     }
 }
 
-/* The iterations with every Q orthonormalised on the device by
- * CholeskyQR2, the factors then copied into hq and hp: nothing crosses
- * PCIe in between, and the stream is waited for once. *refused = 1 when a
- * Cholesky refused a Q (nearly rank-deficient), for the caller to redo
- * the encode with the host's Householder QR, which takes any Q. */
-static int device_iterations(epipe_codec *c, const float *x, const uint64_t v[4], unsigned r,
-                             float *dq, float *dp, float *hq, float *hp, int *refused)
+/* The power iterations from the start in dp, leaving each matrix's Q and P
+ * in hq and hp. Q = M P and P = Mᵀ Q are batched GEMMs on the tensor; each
+ * Q is orthonormalised on the device by CholeskyQR2 (device_qr: nothing
+ * crosses PCIe until the end, and the stream is waited for once) or on the
+ * host by the CPU's Householder QR (Q down and up every iteration).
+ * *refused = 1 when a Cholesky refused a Q (nearly rank-deficient), for
+ * the caller to start over on the host's QR, which takes any Q. */
+static int iterate(epipe_codec *c, const float *x, const uint64_t v[4], unsigned r, int device_qr,
+                   float *dq, float *dp, float *hq, float *hp, int *refused)
 {
+    const epipe_cuda_core *core = epipe_cuda_core_fns;
     epipe_cuda_handle *h = epipe_cuda_h(c);
     cudaStream_t s = epipe_cuda_stream(c);
     const uint64_t nb = v[0], rows = v[1], cols = v[2];
     const size_t gs = (size_t)(nb * r * r), qs = (size_t)(nb * rows * r),
                  ps = (size_t)(nb * cols * r);
     const int m = (int)rows, k = (int)cols, rr = (int)r;
-    void *w;
-    int rc;
-    if ((rc = epipe_cuda_grow(c, &h->work[2], 2 * gs * sizeof(float) + sizeof(int), &w)))
-        return rc;
-    float *G = (float *)w, *R = G + gs;
-    int *flag = (int *)(R + gs), flag_host = 0;
-    if ((rc = epipe_cuda_check(c, cudaMemsetAsync(flag, 0, sizeof(int), s), "clearing the flag")))
-        return rc;
+    float *G = NULL, *R = NULL;
+    int *flag = NULL, flag_host = 0, rc;
+    if (device_qr) {
+        void *w;
+        if ((rc = epipe_cuda_grow(c, &h->work[2], 2 * gs * sizeof(float) + sizeof(int), &w)))
+            return rc;
+        G = (float *)w, R = G + gs, flag = (int *)(R + gs);
+        if ((rc = epipe_cuda_check(c, cudaMemsetAsync(flag, 0, sizeof(int), s),
+                                   "clearing the flag")))
+            return rc;
+    }
     for (uint64_t it = 0; it < v[3]; it++) {
+        /* Q = M P: M row-major rows x cols is column-major cols x rows. */
         if ((rc = epipe_cuda_gemm(c, "computing Q = M P", 1, 0, m, rr, k, x, k,
                                   (long long)rows * cols, dp, k, (long long)cols * r, dq, m,
                                   (long long)rows * r, (int)nb)))
             return rc;
-        for (int pass = 0; pass < 2; pass++) {
+        for (int pass = 0; device_qr && pass < 2; pass++) {
             if ((rc = epipe_cuda_gemm(c, "computing G = Qt Q", 1, 0, rr, rr, m, dq, m,
                                       (long long)rows * r, dq, m, (long long)rows * r, G, rr,
                                       (long long)r * r, (int)nb)))
@@ -115,15 +122,28 @@ static int device_iterations(epipe_codec *c, const float *x, const uint64_t v[4]
             if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the QR kernels")))
                 return rc;
         }
+        if (!device_qr) {
+            if ((rc = copy(c, hq, dq, qs * sizeof(float), cudaMemcpyDeviceToHost,
+                           "copying Q down")) ||
+                (rc = wait(c, "waiting for Q")))
+                return rc;
+            for (uint64_t b = 0; b < nb; b++)
+                if ((rc = core->pi_orthonormalize(c, hq + b * rows * r, (unsigned)rows, r, b)))
+                    return rc;
+            if ((rc = copy(c, dq, hq, qs * sizeof(float), cudaMemcpyHostToDevice, "copying Q up")))
+                return rc;
+        }
+        /* P = Mᵀ Q */
         if ((rc = epipe_cuda_gemm(c, "computing P = Mt Q", 0, 0, k, rr, m, x, k,
                                   (long long)rows * cols, dq, m, (long long)rows * r, dp, k,
                                   (long long)cols * r, (int)nb)))
             return rc;
     }
-    if ((rc = copy(c, hq, dq, qs * sizeof(float), cudaMemcpyDeviceToHost, "copying Q down")) ||
+    if ((device_qr &&
+         ((rc = copy(c, hq, dq, qs * sizeof(float), cudaMemcpyDeviceToHost, "copying Q down")) ||
+          (rc = copy(c, &flag_host, flag, sizeof flag_host, cudaMemcpyDeviceToHost,
+                     "reading the QR's flag")))) ||
         (rc = copy(c, hp, dp, ps * sizeof(float), cudaMemcpyDeviceToHost, "copying P down")) ||
-        (rc = copy(c, &flag_host, flag, sizeof flag_host, cudaMemcpyDeviceToHost,
-                   "reading the QR's flag")) ||
         (rc = wait(c, "waiting for the factors")))
         return rc;
     *refused = flag_host != 0;
@@ -156,43 +176,17 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         (rc = epipe_cuda_grow(c, &h->work[1], ps * sizeof(float), &dp)))
         return rc;
     float *hq = (float *)hw, *hp = hq + qs;
-    if ((rc = core->pi_start(c, n, hp)) ||
-        (rc = copy(c, dp, hp, ps * sizeof(float), cudaMemcpyHostToDevice, "copying P up")))
-        return rc;
-    if (r <= PI_DEVICE_QR_MAX_RANK) {
-        int refused = 0;
-        if ((rc = device_iterations(c, x, v, r, (float *)dq, (float *)dp, hq, hp, &refused)))
-            return rc;
-        if (!refused)
-            return (rc = core->pi_finish(c, n, hq, hp, body)) ? rc
-                                                               : epipe_cuda_body_push(c, body, 0,
-                                                                                      len);
-        /* a Q CholeskyQR refused: start over with the host's QR */
+    /* The device's QR where the rank allows; a Q it refuses sends the
+     * encode back to its start, on the host's QR (which refuses none). */
+    int device_qr = r <= PI_DEVICE_QR_MAX_RANK, refused = 0;
+    do {
         if ((rc = core->pi_start(c, n, hp)) ||
-            (rc = copy(c, dp, hp, ps * sizeof(float), cudaMemcpyHostToDevice, "copying P up")))
+            (rc = copy(c, dp, hp, ps * sizeof(float), cudaMemcpyHostToDevice, "copying P up")) ||
+            (rc = iterate(c, x, v, r, device_qr, (float *)dq, (float *)dp, hq, hp, &refused)))
             return rc;
-    }
-    const int m = (int)rows, k = (int)cols, rr = (int)r;
-    for (uint64_t it = 0; it < v[3]; it++) {
-        /* Q = M P: M row-major rows x cols is column-major cols x rows. */
-        if ((rc = epipe_cuda_gemm(c, "computing Q = M P", 1, 0, m, rr, k, x, k,
-                                  (long long)rows * cols, (const float *)dp, k, (long long)cols * r,
-                                  (float *)dq, m, (long long)rows * r, (int)nb)) ||
-            (rc = copy(c, hq, dq, qs * sizeof(float), cudaMemcpyDeviceToHost, "copying Q down")) ||
-            (rc = wait(c, "waiting for Q")))
-            return rc;
-        for (uint64_t b = 0; b < nb; b++)
-            if ((rc = core->pi_orthonormalize(c, hq + b * rows * r, (unsigned)rows, r, b)))
-                return rc;
-        /* P = Mᵀ Q */
-        if ((rc = copy(c, dq, hq, qs * sizeof(float), cudaMemcpyHostToDevice, "copying Q up")) ||
-            (rc = epipe_cuda_gemm(c, "computing P = Mt Q", 0, 0, k, rr, m, x, k,
-                                  (long long)rows * cols, (const float *)dq, m, (long long)rows * r,
-                                  (float *)dp, k, (long long)cols * r, (int)nb)))
-            return rc;
-    }
-    if ((rc = copy(c, hp, dp, ps * sizeof(float), cudaMemcpyDeviceToHost, "copying P down")) ||
-        (rc = wait(c, "waiting for P")) || (rc = core->pi_finish(c, n, hq, hp, body)))
+        device_qr = 0;
+    } while (refused);
+    if ((rc = core->pi_finish(c, n, hq, hp, body)))
         return rc;
     return epipe_cuda_body_push(c, body, 0, len);
 }
