@@ -190,6 +190,17 @@ static int state_for(epipe_codec *c, int conv, ins_state **out)
     return EPIPE_OK;
 }
 
+/* Values of a weight matrix ([K][C*k*k]), and of the code of v's tensor. */
+static size_t param_count(const epipe_cuda_insert_view *v)
+{
+    return (size_t)(v->K * v->C * v->k * v->k);
+}
+
+static uint64_t code_count(const epipe_cuda_insert_view *v)
+{
+    return (uint64_t)(v->B * v->K * (v->conv ? (v->H / v->k) * (v->W / v->k) : 1));
+}
+
 /* Parameter `which` (0 E, 1 Rt) on the device, copied up when the host's
  * differ from what the device holds. From pageable memory, the copy has
  * read the host's values when it returns; it runs after the work already
@@ -197,7 +208,7 @@ static int state_for(epipe_codec *c, int conv, ins_state **out)
 static int weights_for(epipe_codec *c, ins_state *st, const epipe_cuda_insert_view *v, int which,
                        const float **out)
 {
-    size_t n = (size_t)(v->K * v->C * v->k * v->k), bytes = n * sizeof(float);
+    size_t n = param_count(v), bytes = n * sizeof(float);
     const float *host = which ? v->Rt : v->E;
     if (st->wn != n) {
         for (int i = 0; i < 2; i++) {
@@ -279,39 +290,47 @@ template <typename Perf> static int pick(const Perf *perf, int n)
     return -1;
 }
 
-/* One convolution's algorithm, chosen once per shape: the heuristics'
- * ranking in FMA math, pick()'s choice, the math it was chosen in and its
- * workspace. query and size call that convolution's cuDNN functions. */
+/* One convolution made ready to run: its algorithm, chosen once per shape
+ * (the first of the heuristics' ranking in FMA math that pick() takes,
+ * the math it was chosen in and its workspace size), the descriptor set to
+ * that math, and its workspace in *ws (NULL when it needs none). query and
+ * size call that convolution's cuDNN functions. */
 template <typename Perf, typename Algo, typename Query, typename Size>
-static int choose(epipe_codec *c, ins_state *st, const char *what, int count, Query query,
-                  Size size, int *have, Algo *algo, cudnnMathType_t *math, size_t *space)
+static int ready(epipe_codec *c, ins_state *st, const char *what, int count, Query query,
+                 Size size, int *have, Algo *algo, cudnnMathType_t *math, size_t *space,
+                 void **ws)
 {
-    if (*have)
-        return EPIPE_OK;
-    Perf perf[16];
-    int n = 0, rc;
+    int rc;
     char doing[80];
-    snprintf(doing, sizeof doing, "choosing a %s algorithm", what);
-    if ((rc = dnn_check(c, dnn.conv_math(st->conv, CUDNN_FMA_MATH), "choosing FMA math")) ||
-        (rc = dnn_check(c, query(count < 16 ? count : 16, &n, perf), doing)))
+    if (!*have) {
+        Perf perf[16];
+        int n = 0;
+        snprintf(doing, sizeof doing, "choosing a %s algorithm", what);
+        if ((rc = dnn_check(c, dnn.conv_math(st->conv, CUDNN_FMA_MATH), "choosing FMA math")) ||
+            (rc = dnn_check(c, query(count < 16 ? count : 16, &n, perf), doing)))
+            return rc;
+        int i = pick(perf, n);
+        if (i < 0)
+            return epipe_cuda_fail(c, EPIPE_ENOTSUP,
+                                   "insert: cuDNN has no %s algorithm for this shape", what);
+        snprintf(doing, sizeof doing, "sizing the %s workspace", what);
+        if ((rc = dnn_check(c, dnn.conv_math(st->conv, perf[i].mathType),
+                            "setting the math type")) ||
+            (rc = dnn_check(c, size(perf[i].algo, space), doing)))
+            return rc;
+        *algo = perf[i].algo;
+        *math = perf[i].mathType;
+        *have = 1;
+    }
+    *ws = NULL;
+    if (*space && (rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->work[1], *space, ws)))
         return rc;
-    int i = pick(perf, n);
-    if (i < 0)
-        return epipe_cuda_fail(c, EPIPE_ENOTSUP, "insert: cuDNN has no %s algorithm for this shape",
-                               what);
-    snprintf(doing, sizeof doing, "sizing the %s workspace", what);
-    if ((rc = dnn_check(c, dnn.conv_math(st->conv, perf[i].mathType), "setting the math type")) ||
-        (rc = dnn_check(c, size(perf[i].algo, space), doing)))
-        return rc;
-    *algo = perf[i].algo;
-    *math = perf[i].mathType;
-    *have = 1;
-    return EPIPE_OK;
+    return dnn_check(c, dnn.conv_math(st->conv, *math), "setting the math type");
 }
 
-static int forward_algo(epipe_codec *c, ins_state *st)
+static int forward_ready(epipe_codec *c, ins_state *st, void **ws)
 {
-    return choose<cudnnConvolutionFwdAlgoPerf_t>(
+    return ready<cudnnConvolutionFwdAlgoPerf_t>(
         c, st, "forward", CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
         [st](int cap, int *n, cudnnConvolutionFwdAlgoPerf_t *p) {
             return dnn.fwd_algos(st->handle, st->x, st->w, st->conv, st->z, cap, n, p);
@@ -319,12 +338,12 @@ static int forward_algo(epipe_codec *c, ins_state *st)
         [st](cudnnConvolutionFwdAlgo_t a, size_t *bytes) {
             return dnn.fwd_space(st->handle, st->x, st->w, st->conv, st->z, a, bytes);
         },
-        &st->have_fwd, &st->fwd, &st->fwd_math, &st->fwd_space);
+        &st->have_fwd, &st->fwd, &st->fwd_math, &st->fwd_space, ws);
 }
 
-static int backward_algo(epipe_codec *c, ins_state *st)
+static int backward_ready(epipe_codec *c, ins_state *st, void **ws)
 {
-    return choose<cudnnConvolutionBwdDataAlgoPerf_t>(
+    return ready<cudnnConvolutionBwdDataAlgoPerf_t>(
         c, st, "transposed-convolution", CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
         [st](int cap, int *n, cudnnConvolutionBwdDataAlgoPerf_t *p) {
             return dnn.bwd_algos(st->handle, st->w, st->z, st->conv, st->x, cap, n, p);
@@ -332,12 +351,12 @@ static int backward_algo(epipe_codec *c, ins_state *st)
         [st](cudnnConvolutionBwdDataAlgo_t a, size_t *bytes) {
             return dnn.bwd_space(st->handle, st->w, st->z, st->conv, st->x, a, bytes);
         },
-        &st->have_bwd, &st->bwd, &st->bwd_math, &st->bwd_space);
+        &st->have_bwd, &st->bwd, &st->bwd_math, &st->bwd_space, ws);
 }
 
-static int filter_algo(epipe_codec *c, ins_state *st)
+static int filter_ready(epipe_codec *c, ins_state *st, void **ws)
 {
-    return choose<cudnnConvolutionBwdFilterAlgoPerf_t>(
+    return ready<cudnnConvolutionBwdFilterAlgoPerf_t>(
         c, st, "filter-gradient", CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
         [st](int cap, int *n, cudnnConvolutionBwdFilterAlgoPerf_t *p) {
             return dnn.filt_algos(st->handle, st->x, st->z, st->conv, st->w, cap, n, p);
@@ -345,7 +364,7 @@ static int filter_algo(epipe_codec *c, ins_state *st)
         [st](cudnnConvolutionBwdFilterAlgo_t a, size_t *bytes) {
             return dnn.filt_space(st->handle, st->x, st->z, st->conv, st->w, a, bytes);
         },
-        &st->have_filt, &st->filt, &st->filt_math, &st->filt_space);
+        &st->have_filt, &st->filt, &st->filt_math, &st->filt_space, ws);
 }
 
 /* ---- the slots a backward reads ------------------------------------------- */
@@ -502,18 +521,16 @@ static int ins_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
                                          "keeping the input"))))
             return rc;
     }
-    const uint64_t zn = (uint64_t)(v.B * v.K * (v.conv ? (v.H / v.k) * (v.W / v.k) : 1));
+    const uint64_t zn = code_count(&v);
     if (!zn)
         return EPIPE_OK;
     void *z, *out;
     if ((rc = epipe_cuda_grow(c, &h->work[0], zn * sizeof(float), &z)))
         return rc;
     if (v.conv) {
-        void *space = NULL;
+        void *space;
         const float one = 1.0f, zero = 0.0f;
-        if ((rc = describe(c, st, &v)) || (rc = forward_algo(c, st)) ||
-            (st->fwd_space && (rc = epipe_cuda_grow(c, &h->work[1], st->fwd_space, &space))) ||
-            (rc = dnn_check(c, dnn.conv_math(st->conv, st->fwd_math), "setting the math type")) ||
+        if ((rc = describe(c, st, &v)) || (rc = forward_ready(c, st, &space)) ||
             (rc = dnn_check(c,
                             dnn.fwd(st->handle, &one, st->x, x, st->w, E, st->conv, st->fwd, space,
                                     st->fwd_space, &zero, st->z, z),
@@ -549,7 +566,7 @@ static int ins_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     int rc = epipe_cuda_core_fns->ins_plan(c, c->shape, c->ndim, n, &v);
     if (rc || (rc = state_for(c, v.conv, &st)) || (rc = weights_for(c, st, &v, 1, &Rt)))
         return rc;
-    const uint64_t zn = (uint64_t)(v.B * v.K * (v.conv ? (v.H / v.k) * (v.W / v.k) : 1));
+    const uint64_t zn = code_count(&v);
     if (!zn)
         return EPIPE_OK;
     const void *in;
@@ -568,11 +585,9 @@ static int ins_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     if (!v.conv) /* Y [B][C] row-major is column-major C x B: Rt (column-major C x K) times Z */
         return epipe_cuda_gemm(c, "restoring (Y = Z Rt)", 0, 0, (int)v.C, (int)v.B, (int)v.K, Rt,
                                (int)v.C, 0, (const float *)z, (int)v.K, 0, y, (int)v.C, 0, 1);
-    void *space = NULL;
+    void *space;
     const float one = 1.0f, zero = 0.0f;
-    if ((rc = describe(c, st, &v)) || (rc = backward_algo(c, st)) ||
-        (st->bwd_space && (rc = epipe_cuda_grow(c, &h->work[1], st->bwd_space, &space))) ||
-        (rc = dnn_check(c, dnn.conv_math(st->conv, st->bwd_math), "setting the math type")))
+    if ((rc = describe(c, st, &v)) || (rc = backward_ready(c, st, &space)))
         return rc;
     return dnn_check(c,
                      dnn.bwd(st->handle, &one, st->w, Rt, st->z, z, st->conv, st->bwd, space,
@@ -635,7 +650,7 @@ static int backward_setup(epipe_codec *c, int enc, int64_t mb, const int64_t *zs
         (rc = state_for(c, v->conv, st)) || (rc = weights_for(c, *st, v, enc ? 0 : 1, w)) ||
         (v->conv && (rc = describe(c, *st, v))))
         return rc;
-    size_t wn = (size_t)(v->K * v->C * v->k * v->k);
+    size_t wn = param_count(v);
     return epipe_cuda_grow(c, &epipe_cuda_h(c)->work[0], wn * sizeof(float), dw);
 }
 
@@ -644,13 +659,10 @@ static int backward_setup(epipe_codec *c, int enc, int64_t mb, const int64_t *zs
 static int filter_gradient(epipe_codec *c, ins_state *st, const float *src, const float *dz,
                            void *dw)
 {
-    void *space = NULL;
+    void *space;
     const float one = 1.0f, zero = 0.0f;
-    int rc;
-    if ((rc = filter_algo(c, st)) ||
-        (st->filt_space &&
-         (rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->work[1], st->filt_space, &space))) ||
-        (rc = dnn_check(c, dnn.conv_math(st->conv, st->filt_math), "setting the math type")))
+    int rc = filter_ready(c, st, &space);
+    if (rc)
         return rc;
     return dnn_check(c,
                      dnn.filt(st->handle, &one, st->x, src, st->z, dz, st->conv, st->filt, space,
@@ -671,14 +683,11 @@ static int ins_encode_backward(epipe_codec *c, int64_t mb, const float *gz, cons
     int rc = backward_setup(c, 1, mb, zshape, zndim, xshape, xndim, &s, &v, &st, &E, &dw);
     if (rc)
         return rc;
-    const size_t wn = (size_t)(v.K * v.C * v.k * v.k);
+    const size_t wn = param_count(&v);
     if (v.B && v.conv) {
-        void *space = NULL;
+        void *space;
         const float one = 1.0f, zero = 0.0f;
-        if ((rc = backward_algo(c, st)) ||
-            (st->bwd_space && (rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->work[1], st->bwd_space,
-                                                    &space))) ||
-            (rc = dnn_check(c, dnn.conv_math(st->conv, st->bwd_math), "setting the math type")) ||
+        if ((rc = backward_ready(c, st, &space)) ||
             (rc = dnn_check(c,
                             dnn.bwd(st->handle, &one, st->w, E, st->z, gz, st->conv, st->bwd, space,
                                     st->bwd_space, &zero, st->x, gx),
@@ -712,14 +721,11 @@ static int ins_decode_backward(epipe_codec *c, int64_t mb, const float *gy, cons
     int rc = backward_setup(c, 0, mb, zshape, zndim, yshape, yndim, &s, &v, &st, &Rt, &dw);
     if (rc)
         return rc;
-    const size_t wn = (size_t)(v.K * v.C * v.k * v.k);
+    const size_t wn = param_count(&v);
     if (v.B && v.conv) {
-        void *space = NULL;
+        void *space;
         const float one = 1.0f, zero = 0.0f;
-        if ((rc = forward_algo(c, st)) ||
-            (st->fwd_space && (rc = epipe_cuda_grow(c, &epipe_cuda_h(c)->work[1], st->fwd_space,
-                                                    &space))) ||
-            (rc = dnn_check(c, dnn.conv_math(st->conv, st->fwd_math), "setting the math type")) ||
+        if ((rc = forward_ready(c, st, &space)) ||
             (rc = dnn_check(c,
                             dnn.fwd(st->handle, &one, st->x, gy, st->w, Rt, st->conv, st->fwd,
                                     space, st->fwd_space, &zero, st->z, gz),
