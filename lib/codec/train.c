@@ -102,14 +102,15 @@ static int backward(epipe_codec *c, const epipe_codec_backend *be, const epipe_c
                     enum epipe_dtype dt_in, DLTensor *gout, const char *out_name, uint64_t n_out,
                     enum epipe_dtype dt_out, int enc)
 {
-    if (be != c->ops->cpu && !epipe_tensor_is_cuda(gout))
-        return epipe_codec_fail(c, EPIPE_EINVAL,
-                                "%s: %s is a CUDA tensor and %s is not; give both on the "
-                                "handle's device",
-                                c->ops->name, in_name, out_name);
-    if (be != c->ops->cpu)
+    if (be != c->ops->cpu) {
+        if (!epipe_tensor_is_cuda(gout))
+            return epipe_codec_fail(c, EPIPE_EINVAL,
+                                    "%s: %s is a CUDA tensor and %s is not; give both on the "
+                                    "handle's device",
+                                    c->ops->name, in_name, out_name);
         return epipe_codec_cuda_backward(c, be, enc, mb, gin, in_name, n_in, dt_in, gout, out_name,
                                          n_out, dt_out);
+    }
     float *a = NULL, *b = NULL, *own_a = NULL, *own_b = NULL;
     int rc = epipe_codec_f32_view(c, gin, in_name, n_in, dt_in, &a, &own_a, 1);
     if (rc == EPIPE_OK &&

@@ -395,9 +395,9 @@ static int fake_insert_decode(epipe_codec *c, const uint8_t *payload, size_t len
     sizes(&v, &S, &P);
     size_t zn = (size_t)(v.B * v.K * S), esz = v.code16 ? 2 : 4;
     uint8_t *in = malloc(len);
-    float *y = calloc(n + 1, 4);
-    if (!in || !y || fakecuda_copy(in, payload, len)) {
-        free(in), free(y);
+    float *y = calloc(n + 1, 4), *codes = malloc(zn * 4 + 4);
+    if (!in || !y || !codes || fakecuda_copy(in, payload, len)) {
+        free(in), free(y), free(codes);
         return fail(c, EPIPE_EIO, "fakecuda: cannot read the payload");
     }
     for (size_t z = 0; z < zn && rc == EPIPE_OK; z++) {
@@ -405,29 +405,20 @@ static int fake_insert_decode(epipe_codec *c, const uint8_t *payload, size_t len
         uint32_t u = 0;
         for (size_t i = 0; i < esz; i++)
             u |= (uint32_t)o[i] << (8 * i);
-        float f = v.code16 ? epipe_hd_f16_to_f32((uint16_t)u) : epipe_hd_u2f(u);
-        if (!epipe_hd_finite(f)) {
+        codes[z] = v.code16 ? epipe_hd_f16_to_f32((uint16_t)u) : epipe_hd_u2f(u);
+        if (!epipe_hd_finite(codes[z]))
             rc = fail(c, EPIPE_EPROTO, "insert: code value %zu is not finite", z);
-            break;
-        }
+    }
+    for (size_t z = 0; z < zn && rc == EPIPE_OK; z++) {
         int64_t b = (int64_t)z / (v.K * S), kk = (int64_t)z / S % v.K, s = (int64_t)z % S;
         for (int64_t p = 0; p < P; p++)
-            y[patch_index(&v, b, s, p)] += f * v.Rt[kk * P + p];
+            y[patch_index(&v, b, s, p)] += codes[z] * v.Rt[kk * P + p];
     }
     if (rc == EPIPE_OK && fakecuda_copy((char *)dst->data + dst->byte_offset, y, n * 4))
         rc = fail(c, EPIPE_EIO, "fakecuda: cannot write the tensor");
-    if (rc == EPIPE_OK && c->microbatch >= 0 && insert_on == 2) { /* keep the code */
-        float *z = malloc(zn * 4 + 4);
-        for (size_t i = 0; z && i < zn; i++) {
-            uint32_t u = 0;
-            for (size_t b = 0; b < esz; b++)
-                u |= (uint32_t)in[EPIPE_PAYLOAD_HEADER + i * esz + b] << (8 * b);
-            z[i] = v.code16 ? epipe_hd_f16_to_f32((uint16_t)u) : epipe_hd_u2f(u);
-        }
-        rc = z ? slot_keep(c, 0, z, zn) : fail(c, EPIPE_ENOMEM, "fakecuda: no memory");
-        free(z);
-    }
-    free(in), free(y);
+    if (rc == EPIPE_OK && c->microbatch >= 0 && insert_on == 2) /* keep the code */
+        rc = slot_keep(c, 0, codes, zn);
+    free(in), free(y), free(codes);
     __atomic_add_fetch(&insert_calls, 1, __ATOMIC_RELAXED);
     return rc;
 }
