@@ -668,9 +668,9 @@ int epipe_cuda_take_nonfinite(epipe_codec *c, const epipe_cuda_status *st,
 /* A trainable codec's backward on CUDA tensors: fp32 device views of both
  * (16-bit gradients converted on the device, as encode_on does), the
  * backend's train op, and the result converted back. */
-static int cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int enc, unsigned mb,
-                         const DLTensor *gin, uint64_t n_in, enum epipe_dtype dt_in, DLTensor *gout,
-                         uint64_t n_out, enum epipe_dtype dt_out)
+static int backward_on(epipe_codec *c, const epipe_codec_backend *be, int enc, unsigned mb,
+                       const DLTensor *gin, uint64_t n_in, enum epipe_dtype dt_in, DLTensor *gout,
+                       uint64_t n_out, enum epipe_dtype dt_out)
 {
     epipe_cuda_handle *h = NULL;
     const float *a;
@@ -683,6 +683,19 @@ static int cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int enc,
     rc = enc ? t->encode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim)
              : t->decode_backward(c, mb, a, gin->shape, gin->ndim, b, gout->shape, gout->ndim);
     return rc ? rc : f32_out_done(c, gout, n_out, dt_out, b, "converting the gradient");
+}
+
+/* Like encode and decode, it gives the caller's thread its device back. */
+static int cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int enc, unsigned mb,
+                         const DLTensor *gin, uint64_t n_in, enum epipe_dtype dt_in, DLTensor *gout,
+                         uint64_t n_out, enum epipe_dtype dt_out)
+{
+    int prev = -1;
+    cudaGetDevice(&prev);
+    int rc = backward_on(c, be, enc, mb, gin, n_in, dt_in, gout, n_out, dt_out);
+    if (prev >= 0)
+        cudaSetDevice(prev);
+    return rc;
 }
 
 static int cuda_synchronize(epipe_codec *c)
