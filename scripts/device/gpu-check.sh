@@ -1,86 +1,144 @@
 #!/bin/sh
 # The GPU checks in one call, for a machine with a CUDA device: the gpu
-# suite's program (byte identity with the CPU, hostile payloads, mix-ups),
-# the codec benchmark against a device-to-device copy, the PyTorch
-# prototype-style sort quantization, and compute-sanitizer's memcheck and
-# racecheck over the kernels. Each step has its own time limit, so one that
-# hangs costs its limit and not the rest; each writes its log to OUTDIR.
+# suite's programs (byte identity with the CPU, hostile payloads, mix-ups,
+# stages with CUDA tensors), the Python binding on CUDA tensors, the codec
+# benchmarks against a device-to-device copy and against cuDNN, the pipeline
+# overhead with its trace, and compute-sanitizer's memcheck and racecheck.
 #
 # usage: scripts/device/gpu-check.sh BUILD OUTDIR
-#   BUILD holds lib/libepipe.so.0, cuda/libepipe-cuda.so,
-#   cuda/epipe-bench-cuda, tests/gpu/test_gpu_codecs and
-#   tests/gpu/test_gpu_stage (a meson build
-#   folder, or the same files copied: the device machine needs no meson).
+#   BUILD: what scripts/device/pack.sh gathers (lib/libepipe.so.0,
+#          cuda/libepipe-cuda.so, cuda/epipe-bench-cuda, tests/gpu/*, and
+#          deps.tar.gz with the libraries the device machine lacks), or a
+#          meson build folder on a machine that has those libraries.
+#
+# The device tool lends a few minutes a session and returns at most 8 files,
+# so the steps run most important first, under one budget
+# (GPU_CHECK_BUDGET_S, default 330 s: a second call fits in the same
+# session), each also under its own limit (so one that hangs costs its limit
+# and not the rest); a step that finds too little of the budget left is not
+# started and is named at the end. GPU_CHECK_ONLY="name ..." runs only the
+# steps whose names begin with one of those words (a second call: the ones
+# the first did not reach). Everything goes to OUTDIR/gpu-check.log, the
+# summary to OUTDIR/summary.txt and the end of stdout, the pipeline traces to
+# OUTDIR/overhead-*/.
 set -u
 export PATH="$PATH:/usr/local/cuda/bin"
 B=$(cd "$1" && pwd)
-O=$2
-mkdir -p "$O"
+mkdir -p "$2"
+O=$(cd "$2" && pwd)
+LOG=$O/gpu-check.log
+SUMMARY=$O/summary.txt
+: >"$LOG"
+: >"$SUMMARY"
+T0=$(date +%s)
+BUDGET=${GPU_CHECK_BUDGET_S:-330}
 export LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export EPIPE_CUDA_MODULE="$B/cuda/libepipe-cuda.so"
+if [ -f "$B/deps.tar.gz" ]; then
+    DEPS=$(mktemp -d)
+    tar -C "$DEPS" -xzf "$B/deps.tar.gz"
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$DEPS/deps"
+fi
+
+wanted() { # wanted NAME: is the step selected by GPU_CHECK_ONLY?
+    [ -z "${GPU_CHECK_ONLY:-}" ] && return 0
+    for w in $GPU_CHECK_ONLY; do
+        case $1 in "$w"*) return 0 ;; esac
+    done
+    return 1
+}
 step() { # step NAME SECONDS command...
     name=$1 limit=$2
     shift 2
+    wanted "$name" || return 0
+    left=$((T0 + BUDGET - $(date +%s)))
+    if [ "$left" -lt 20 ]; then
+        echo "$name: not started, ${left} s of the budget left" >>"$SUMMARY"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "==== $name (limit $limit s): $*" >>"$LOG"
     t0=$(date +%s)
-    timeout "$limit" "$@" >"$O/$name.log" 2>&1
+    timeout "$limit" "$@" >"$O/step.log" 2>&1
     rc=$?
-    echo "== $name: exit $rc in $(($(date +%s) - t0)) s"
-    tail -n 25 "$O/$name.log"
+    cat "$O/step.log" >>"$LOG"
+    case $rc in
+    0) verdict=passed ;;
+    77) verdict=skipped ;;
+    124) verdict="timed out" ;;
+    *) verdict=failed ;;
+    esac
+    # a program that runs but cannot check some part says SKIP: named here
+    skips=$(grep -c '^SKIP' "$O/step.log")
+    [ "$skips" -gt 0 ] && [ "$rc" -ne 77 ] && verdict="$verdict, $skips SKIP lines"
+    line="$name: $verdict (exit $rc) in $(($(date +%s) - t0)) s"
+    echo "$line" >>"$SUMMARY"
+    echo "== $line"
+    tail -n 12 "$O/step.log"
+    rm -f "$O/step.log"
 }
-nvidia-smi -L 2>&1 | head -2
+
+nvidia-smi -L 2>&1 | head -2 | tee -a "$LOG"
 # insert opens cuDNN at run time (libcudnn.so.9): the toolkit's, else the
 # one PyTorch's wheels bring; without it insert's CUDA tensors are staged
 # and the gpu suite's insert cases fail (they check the device's path).
 for d in /usr/local/cuda/lib64 "$(python3 -c 'import nvidia.cudnn, os; print(os.path.dirname(nvidia.cudnn.__file__) + "/lib")' 2>/dev/null)"; do
     if [ -n "$d" ] && ls "$d"/libcudnn.so.9* >/dev/null 2>&1; then
         export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
-        echo "cuDNN: $d"
+        echo "cuDNN: $d" | tee -a "$LOG"
         break
     fi
 done
+PY="env PYTHONPATH=$PWD/python EPIPE_LIBRARY=$B/lib/libepipe.so.0 PYTHONDONTWRITEBYTECODE=1 python3"
+
+# 1. Correctness: every kernel against the CPU's bytes, the stages.
 step gpu-codecs "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_codecs"
-specs="none cast:dtype=fp16 cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:bits=8,mode=sample
-       sortquant:bits=8 sortquant:bits=4 sortquant:bits=8,mode=exact topk:ratio=0.1 topk:ratio=0.01
-       kmeans:bits=4 kmeans:bits=8"
 step gpu-stage "${GPU_CHECK_TEST_S:-150}" "$B/tests/gpu/test_gpu_stage"
-# shellcheck disable=SC2086 # $specs: one word a spec
-step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
-# shellcheck disable=SC2086
-step bench-codec-host "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --payload host $specs
-# The codecs that read the shape, on the issue's [32,32,112,112]: poweriter
-# (cuBLAS products, its QR on the host) and insert (cuDNN's convolutions,
-# against the same convolutions called directly: --cudnn)
+# 2. The codecs that read the shape, on the issue's [32,32,112,112]: poweriter
+# (cuBLAS products, CholeskyQR2) and insert (cuDNN's convolutions, against
+# the same convolutions called directly: --cudnn)
 step bench-shaped "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --reps 5 --cudnn \
     --shape 32,32,112,112 poweriter:rank=3 insert:kind=conv,out=4,kernel=2 \
     insert:kind=conv,out=8,kernel=4,code=fp16
-step bench-linear "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --reps 5 \
-    --shape 4096,3136 insert:kind=linear,out=196
-# The Python binding on CUDA tensors (torch is on the device machine)
-step python-cuda "${GPU_CHECK_PYTHON_S:-120}" env PYTHONPATH="$PWD/python" \
-    EPIPE_LIBRARY="$B/lib/libepipe.so.0" PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q \
-    -p no:cacheprovider python/tests/test_cuda.py python/tests/test_codec.py \
-    python/tests/test_torch_api.py python/tests/test_dp_pp.py::test_hook_on_nccl
-# A CUDA-tensor pipeline step against its compute and codec kernels, with
+# 3. The Python binding on CUDA tensors (torch is on the device machine)
+# shellcheck disable=SC2086 # $PY: a command and its words
+step python-cuda "${GPU_CHECK_PYTHON_S:-120}" $PY -m pytest -q -p no:cacheprovider \
+    python/tests/test_cuda.py python/tests/test_codec.py python/tests/test_torch_api.py \
+    python/tests/test_dp_pp.py::test_hook_on_nccl
+# 4. A CUDA-tensor pipeline step against its compute and codec kernels, with
 # each stage's trace summary (issue 11's overhead target)
 for codec in sortquant:bits=8 none; do
-    step "overhead-${codec%%:*}" "${GPU_CHECK_PYTHON_S:-120}" env PYTHONPATH="$PWD/python" \
-        EPIPE_LIBRARY="$B/lib/libepipe.so.0" PYTHONDONTWRITEBYTECODE=1 \
-        python3 python/bench/bench_pipeline_overhead.py --device cuda --codec "$codec" \
-        --trace "$O/overhead-trace-${codec%%:*}"
+    # shellcheck disable=SC2086
+    step "overhead-${codec%%:*}" "${GPU_CHECK_PYTHON_S:-120}" $PY \
+        python/bench/bench_pipeline_overhead.py --device cuda --codec "$codec" \
+        --trace "$O/overhead-${codec%%:*}"
 done
+# 5. Throughput against a device-to-device copy, 12.8M values
+specs="none cast:dtype=fp16 cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:bits=8,mode=sample
+       sortquant:bits=8 sortquant:bits=4 sortquant:bits=8,mode=exact topk:ratio=0.1 topk:ratio=0.01
+       kmeans:bits=4 kmeans:bits=8"
+# shellcheck disable=SC2086 # $specs: one word a spec
+step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
+# 6. compute-sanitizer over the kernels, small tensors
+if command -v compute-sanitizer >/dev/null; then
+    for tool in ${GPU_CHECK_SANITIZERS:-memcheck racecheck}; do
+        step "sanitizer-$tool" "${GPU_CHECK_SANITIZER_S:-75}" env EPIPE_GPU_TEST_QUICK=1 \
+            compute-sanitizer --tool "$tool" --error-exitcode 1 "$B/tests/gpu/test_gpu_codecs"
+    done
+elif wanted sanitizer; then
+    echo "sanitizer: compute-sanitizer not on PATH" >>"$SUMMARY"
+fi
+# 7. The rest: measured before, or less central
+step bench-linear "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --reps 5 \
+    --shape 4096,3136 insert:kind=linear,out=196
+# shellcheck disable=SC2086
+step bench-codec-host "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --payload host $specs
+step bench-prototype "${GPU_CHECK_PROTO_S:-60}" python3 tools/torch/bench_sortquant_prototype.py
 # GPU_CHECK_PROFILE=1: each kernel's time in one encode and decode (ncu)
 if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
     # shellcheck disable=SC2086 # one word a spec
     step profile 120 ncu --csv --metrics gpu__time_duration.sum "$B/cuda/epipe-bench-cuda" \
         --reps 1 ${GPU_CHECK_PROFILE_SPECS:-quant:bits=8 sortquant:bits=8,mode=sample sortquant:bits=8}
 fi
-step bench-prototype "${GPU_CHECK_PROTO_S:-60}" python3 tools/torch/bench_sortquant_prototype.py
-if command -v compute-sanitizer >/dev/null; then
-    export EPIPE_GPU_TEST_QUICK=1
-    for tool in ${GPU_CHECK_SANITIZERS:-memcheck racecheck}; do
-        step "sanitizer-$tool" "${GPU_CHECK_SANITIZER_S:-75}" compute-sanitizer --tool "$tool" \
-            --error-exitcode 1 "$B/tests/gpu/test_gpu_codecs"
-    done
-else
-    echo "== compute-sanitizer: not on PATH"
-fi
+echo "== summary, $(($(date +%s) - T0)) s of a ${BUDGET} s budget"
+cat "$SUMMARY"
