@@ -1004,6 +1004,10 @@ int main(void)
         byte_identity("topk:ratio=0.3", n, 1, 2);
         byte_identity("sortquant:bits=8,mode=fit", n, 0, 0);
         byte_identity("sortquant:bits=8,mode=exact", n, 0, 0);
+        /* sample mode's radix select on half zeros of both signs (one bin
+         * takes half the sample) and on ties */
+        byte_identity("sortquant:bits=8,mode=sample", n, 0, 1);
+        byte_identity("sortquant:bits=12,split=6,mode=sample", n, 1, 2);
         /* zeros of both signs: an extreme that is 0 is the first zero */
         byte_identity("kmeans:bits=4", n, 0, 1);
         byte_identity("kmeans:bits=2", n, 1, 2);
