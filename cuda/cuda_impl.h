@@ -116,6 +116,11 @@ int epipe_cuda_body_in(epipe_codec *c, const uint8_t *body, size_t off, size_t b
  * device payload (a host payload holds them already). */
 int epipe_cuda_body_push(epipe_codec *c, const uint8_t *body, size_t off, size_t bytes);
 
+/* Blocks of `kernel` at `threads` a block resident at once on `device`:
+ * what a cooperative launch may have; 0 where it cannot launch. Asked once
+ * per device: cache is the caller's, one per kernel (0: not asked). */
+int epipe_cuda_coop_blocks(const void *kernel, unsigned threads, int device, int cache[64]);
+
 /* Blocks for n items at `threads` per block, capped so that a grid-stride
  * loop covers the rest. */
 static inline unsigned epipe_cuda_blocks(uint64_t n, unsigned threads)
@@ -248,6 +253,27 @@ __device__ static inline void epipe_cuda_pack_pass(const float *x, uint64_t n, i
             c[i] = g * 8 + i < n ? code_of(v[i], g * 8 + i) : 0u;
         epipe_cuda_store_codes(c, w, g, codes, code_bytes);
     });
+}
+
+/* The pack pass of a cooperative encode: block b's groups [g0, g1), the
+ * range whose extent it folded, last first, so that its first reads are
+ * the ones it made last, most likely still in L2. */
+template <class F>
+__device__ static inline void epipe_cuda_pack_back(const float *x, uint64_t n, int vec, unsigned w,
+                                                   uint8_t *codes, uint64_t code_bytes, uint64_t g0,
+                                                   uint64_t g1, F code_of)
+{
+    uint64_t count = g1 - g0;
+    for (int64_t r = threadIdx.x < count ? (int64_t)((count - 1 - threadIdx.x) / blockDim.x) : -1;
+         r >= 0; r--) {
+        uint64_t g = g0 + threadIdx.x + (uint64_t)r * blockDim.x;
+        float v[8];
+        uint32_t c[8];
+        epipe_cuda_load8f(x, n, g, vec, v);
+        for (unsigned i = 0; i < 8; i++)
+            c[i] = g * 8 + i < n ? code_of(v[i]) : 0u;
+        epipe_cuda_store_codes(c, w, g, codes, code_bytes);
+    }
 }
 
 /* The grid-stride pass of a decode kernel: n w-bit codes to the values

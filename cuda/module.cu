@@ -158,6 +158,22 @@ static int handle_state(epipe_codec *c, int device, epipe_cuda_handle **out)
     return EPIPE_OK;
 }
 
+int epipe_cuda_coop_blocks(const void *kernel, unsigned threads, int device, int cache[64])
+{
+    if (device < 0 || device >= 64)
+        return 0;
+    if (cache[device] == 0) {
+        int coop = 0, sms = 0, per = 0;
+        cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device);
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, (int)threads, 0) !=
+            cudaSuccess)
+            cudaGetLastError(), per = 0;
+        cache[device] = coop && sms > 0 && per > 0 ? sms * per : -1;
+    }
+    return cache[device] > 0 ? cache[device] : 0;
+}
+
 int epipe_cuda_grow(epipe_codec *c, epipe_cuda_buf *b, size_t bytes, void **p)
 {
     if (b->cap < bytes || !b->p) {

@@ -134,18 +134,8 @@ __global__ void __launch_bounds__(256)
     }
     __syncthreads();
     float min = tab[0], inv = tab[1];
-    uint8_t *codes = body + 8;
-    uint64_t count = g1 - g0;
-    for (int64_t r = threadIdx.x < count ? (int64_t)((count - 1 - threadIdx.x) / blockDim.x) : -1;
-         r >= 0; r--) {
-        uint64_t g = g0 + threadIdx.x + (uint64_t)r * blockDim.x;
-        float v[8];
-        uint32_t c[8];
-        epipe_cuda_load8f(x, n, g, vec, v);
-        for (unsigned i = 0; i < 8; i++)
-            c[i] = g * 8 + i < n ? epipe_hd_q_level(v[i], min, inv, levels) : 0u;
-        epipe_cuda_store_codes(c, w, g, codes, cb);
-    }
+    epipe_cuda_pack_back(x, n, vec, w, body + 8, cb, g0, g1,
+                         [=](float v) { return epipe_hd_q_level(v, min, inv, levels); });
 }
 
 __global__ void q_init(q_dev *t)
@@ -236,24 +226,11 @@ static dim3 rows_grid(uint64_t rows, uint64_t len)
  * tests cover both paths: their tensors are on either side). */
 #define QUANT_FUSED_MIN (1u << 16)
 
-/* Blocks of q_encode_fused that are resident at once on `device` (what a
- * cooperative launch may have), or 0 where it cannot launch; asked once
- * per device. */
+/* Blocks of q_encode_fused that a cooperative launch may have on `device`. */
 static int fused_blocks(int device)
 {
-    static int cache[64]; /* 0: not asked; -1: none */
-    if (device < 0 || device >= 64)
-        return 0;
-    if (cache[device] == 0) {
-        int coop = 0, sms = 0, per = 0;
-        cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device);
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, q_encode_fused, 256, 0) !=
-            cudaSuccess)
-            cudaGetLastError(), per = 0;
-        cache[device] = coop && sms > 0 && per > 0 ? sms * per : -1;
-    }
-    return cache[device] > 0 ? cache[device] : 0;
+    static int cache[64];
+    return epipe_cuda_coop_blocks((const void *)q_encode_fused, 256, device, cache);
 }
 
 static uint64_t code_bytes(uint64_t n, unsigned w)

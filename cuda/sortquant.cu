@@ -6,6 +6,7 @@
  * on the GPU, the plan on the host by the CPU's own code (a few hundred
  * KiB cross PCIe, and the stream is waited for once), then the same pack
  * pass. Byte-identical to the CPU by construction. */
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <string.h>
@@ -13,6 +14,8 @@
 #include "../codecs/inline/quant.h"
 #include "../codecs/inline/sortquant.h"
 #include "cuda_impl.h"
+
+namespace cg = cooperative_groups;
 
 __global__ void sq_gather(const float *x, uint64_t n, uint64_t m, float *out)
 {
@@ -234,6 +237,108 @@ static void sq_extent_launch(const float *x, uint64_t n, unsigned k, sq_tab t,
     }
     size_t sh = sizeof(uint32_t) * (3 * (size_t)k + 1);
     sq_extent<<<epipe_cuda_blocks(n, 256 * 8), 256, sh, s>>>(x, n, k, t, st);
+}
+
+/* mode=sample for up to 16 chunks in one cooperative launch, once the
+ * boundaries are in t: quant's fused encode with chunks. Each block folds
+ * the K extents of its own range of groups in registers (as sq_extent_k)
+ * into t.lo/t.hi, one atomic pair a chunk and block; the grid meets; every
+ * block makes the same table from them (sq_table's formulas; block 0 also
+ * writes it to the body and to t) and packs its range back to front, so
+ * that its first reads are the ones it made last, most likely still in L2.
+ * The extent and pack kernels read the tensor twice from device memory. */
+template <unsigned K>
+__global__ void __launch_bounds__(256)
+    sq_encode_fused(const float *x, uint64_t n, int vec, unsigned q, float levels, int zero,
+                    unsigned w, sq_tab t, uint8_t *body, uint64_t cb, epipe_cuda_status *st)
+{
+    cg::grid_group grid = cg::this_grid();
+    __shared__ float bnd[K + 1], mn[K], iv[K];
+    for (unsigned j = threadIdx.x; j <= K; j += blockDim.x)
+        bnd[j] = t.bnd[j];
+    __syncthreads();
+    uint64_t groups = (n + 7) / 8;
+    uint64_t g0 = groups * blockIdx.x / gridDim.x, g1 = groups * (blockIdx.x + 1) / gridDim.x;
+    uint32_t lo[K], hi[K];
+#pragma unroll
+    for (unsigned c = 0; c < K; c++) {
+        lo[c] = 0xffffffffu;
+        hi[c] = 0;
+    }
+    for (uint64_t g = g0 + threadIdx.x; g < g1; g += blockDim.x) {
+        float v[8];
+        epipe_cuda_load8f(x, n, g, vec, v);
+        for (unsigned i = 0; i < 8 && g * 8 + i < n; i++) {
+            if (!epipe_hd_finite(v[i])) {
+                epipe_cuda_note_nonfinite(st, v[i], g * 8 + i);
+                continue;
+            }
+            unsigned ch = epipe_hd_q_chunk(bnd, K, v[i]);
+            uint32_t key = epipe_cuda_key(v[i]);
+#pragma unroll
+            for (unsigned c = 0; c < K; c++)
+                if (c == ch) {
+                    lo[c] = key < lo[c] ? key : lo[c];
+                    hi[c] = key > hi[c] ? key : hi[c];
+                }
+        }
+    }
+#pragma unroll
+    for (unsigned c = 0; c < K; c++) {
+        epipe_cuda_block_minmax(lo[c], hi[c]);
+        if (threadIdx.x == 0 && lo[c] <= hi[c]) {
+            atomicMin(&t.lo[c], lo[c]);
+            atomicMax(&t.hi[c], hi[c]);
+        }
+    }
+    grid.sync();
+    for (unsigned c = threadIdx.x; c < K; c += blockDim.x) {
+        float min = 0.0f, step = 0.0f, inv = 0.0f;
+        uint32_t a = t.lo[c], b = t.hi[c];
+        if (a <= b) {
+            min = epipe_cuda_key_float(a) + 0.0f;
+            float max = epipe_cuda_key_float(b) + 0.0f;
+            step = epipe_hd_q_step(min, max, levels);
+            if (zero)
+                min = epipe_hd_q_zero_min(min, max, step, levels);
+            inv = step > 0.0f ? 1.0f / step : 0.0f;
+        }
+        mn[c] = min;
+        iv[c] = inv;
+        if (blockIdx.x == 0) {
+            t.min[c] = min;
+            t.step[c] = step;
+            t.inv[c] = inv;
+            uint32_t mu = __float_as_uint(min), su = __float_as_uint(step);
+            for (int i = 0; i < 4; i++) {
+                body[8 * c + i] = (uint8_t)(mu >> (8 * i));
+                body[8 * c + 4 + i] = (uint8_t)(su >> (8 * i));
+            }
+        }
+    }
+    __syncthreads();
+    epipe_cuda_pack_back(x, n, vec, w, body + 8 * K, cb, g0, g1, [=](float v) {
+        unsigned ch = epipe_hd_q_chunk(bnd, K, v);
+        return ch << q | epipe_hd_q_level(v, mn[ch], iv[ch], levels);
+    });
+}
+
+/* From this many values on, sample mode with 2 to 16 chunks takes the
+ * cooperative launch (quant's threshold; the tests cover both paths). */
+#define SQ_FUSED_MIN (1u << 16)
+
+/* sq_encode_fused for k chunks, and the blocks a cooperative launch of it
+ * may have on `device` (0: none, or k not 2, 4, 8 or 16). */
+static const void *sq_fused(unsigned k, int device, int *blocks)
+{
+    static int cache[4][64];
+    const void *f = k == 2    ? (const void *)sq_encode_fused<2>
+                    : k == 4  ? (const void *)sq_encode_fused<4>
+                    : k == 8  ? (const void *)sq_encode_fused<8>
+                    : k == 16 ? (const void *)sq_encode_fused<16>
+                              : NULL;
+    *blocks = f ? epipe_cuda_coop_blocks(f, 256, device, cache[31 - __builtin_clz(k) - 1]) : 0;
+    return f;
 }
 
 /* epipe_q_set_from_extent(): a chunk holding values spans [lo, hi]; with
@@ -597,6 +702,23 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         sq_gather<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
         if (select) {
             sq_select<<<k - 1, SQ_SEL_THREADS, 0, s>>>(smp, m, epipe_cuda_aligned16(smp), k, t);
+            int blocks;
+            const void *fused = sq_fused(k, h->device, &blocks);
+            if (n >= SQ_FUSED_MIN && blocks > 0) {
+                int vec = epipe_cuda_aligned16(x), zero = c->p[SQ_ZERO] != 0;
+                uint8_t *b = (uint8_t *)d;
+                epipe_cuda_status *st = h->status;
+                void *args[] = {(void *)&x,    (void *)&n,  (void *)&vec, (void *)&q,
+                                (void *)&levels, (void *)&zero, (void *)&bits, (void *)&t,
+                                (void *)&b,    (void *)&cb, (void *)&st};
+                if ((rc = epipe_cuda_check(c, cudaGetLastError(),
+                                           "launching the sortquant kernels")) ||
+                    (rc = epipe_cuda_check(
+                         c, cudaLaunchCooperativeKernel(fused, blocks, 256, args, 0, s),
+                         "launching the sortquant kernel")))
+                    return rc;
+                return epipe_cuda_body_flush(c, body, 0, d, tb + cb);
+            }
         } else {
             if ((rc = epipe_cuda_check(c,
                                        cub::DeviceRadixSort::SortKeys(tmp, sort_bytes, smp, sorted,

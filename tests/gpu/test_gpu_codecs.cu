@@ -465,9 +465,8 @@ static void kmeans_refuses_nonfinite(size_t n)
 }
 
 /* A NaN surfaces at synchronize with the CPU's message. */
-static void deferred_nonfinite(const char *spec)
+static void deferred_nonfinite(const char *spec, size_t n = 5000)
 {
-    size_t n = 5000;
     std::vector<float> x(n, 1.0f);
     x[3001] = NAN;
     x[4000] = INFINITY;
@@ -1020,6 +1019,9 @@ int main(void)
     deferred_nonfinite("sortquant:bits=8,mode=sample");
     deferred_nonfinite("sortquant:bits=8,mode=fit");
     deferred_nonfinite("sortquant:bits=8,mode=exact");
+    /* past 64K values: quant's and sample mode's cooperative launches */
+    deferred_nonfinite("quant:bits=8", 200000);
+    deferred_nonfinite("sortquant:bits=8,mode=sample", 200000);
     kmeans_refuses_nonfinite(5000);   /* the fit on all values */
     kmeans_refuses_nonfinite(300000); /* the fit on the sample */
     rows_match_cpu("quant:bits=2,rows=1", 16, 3136);
