@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 static int gpu_test_failures;
 #define CHECK(cond, ...)                                                                           \
@@ -38,6 +39,20 @@ static inline int gpu_test_devices_or_skip(void)
         exit(77);
     }
     return count;
+}
+
+/* A progress line: the part that starts, at seconds since the first part
+ * started, so that a run its time limit cut off shows where the time went. */
+static inline void gpu_test_part(const char *name)
+{
+    static struct timespec t0;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    if (!t0.tv_sec && !t0.tv_nsec)
+        t0 = t;
+    printf("[%7.1f s] %s\n", (double)(t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) / 1e9,
+           name);
+    fflush(stdout);
 }
 
 /* The program's exit status: 1 after any failure. */

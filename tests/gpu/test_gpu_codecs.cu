@@ -988,6 +988,7 @@ int main(void)
      * which are 10-100x slower, check the kernels, not the sizes) */
     const char *quick = getenv("EPIPE_GPU_TEST_QUICK");
     const size_t max_n = quick && *quick && strcmp(quick, "0") ? 5000 : SIZE_MAX;
+    gpu_test_part("byte identity");
     for (const char *s : specs)
         for (size_t n : sizes)
             for (size_t off : {0, 1})
@@ -996,6 +997,7 @@ int main(void)
                                   !strstr(s, "sortquant") || strstr(s, "mode=sample") ? 0
                                   : strstr(s, "mode=exact")                           ? 2
                                                                                       : 1);
+    gpu_test_part("byte identity, other data");
     for (size_t n : sizes) { /* the other data for fit and exact; ties for topk */
         if (n > max_n)
             continue;
@@ -1011,10 +1013,12 @@ int main(void)
         byte_identity("kmeans:bits=4", n, 0, 1);
         byte_identity("kmeans:bits=2", n, 1, 2);
     }
+    gpu_test_part("fp16 and bf16 tensors");
     for (const char *s : specs) {
         half_tensors(s, 0);
         half_tensors(s, 1);
     }
+    gpu_test_part("deferred errors");
     deferred_nonfinite("quant:bits=8");
     deferred_nonfinite("sortquant:bits=8,mode=sample");
     deferred_nonfinite("sortquant:bits=8,mode=fit");
@@ -1024,12 +1028,14 @@ int main(void)
     deferred_nonfinite("sortquant:bits=8,mode=sample", 200000);
     kmeans_refuses_nonfinite(5000);   /* the fit on all values */
     kmeans_refuses_nonfinite(300000); /* the fit on the sample */
+    gpu_test_part("rows and groups");
     rows_match_cpu("quant:bits=2,rows=1", 16, 3136);
     rows_match_cpu("quant:bits=3,rows=1", 5, 333); /* rows not 4-aligned, codes not bytes */
     rows_match_cpu("quant:bits=8,zero=1,rows=1", 70000, 3); /* rows past one grid's y */
     rows_match_cpu("quant:bits=4,rows=1", 1, 100000);  /* one row: the one-range path */
     rows_match_cpu("quant:bits=2,zero=1,group=196", 16, 3136); /* a range per channel */
     rows_match_cpu("quant:bits=3,group=111", 5, 333);          /* runs not 4-aligned */
+    gpu_test_part("error feedback");
     for (int dev = 0; dev < 2; dev++) {
         ef_matches_cpu("quant:bits=2,ef=1", dev);
         ef_matches_cpu("quant:bits=4,zero=1,ef=1", dev);
@@ -1038,6 +1044,7 @@ int main(void)
         ef_matches_cpu("cast:dtype=bf16,ef=1", dev);
         ef_matches_cpu("topk:ratio=0.05,ef=1", dev);
     }
+    gpu_test_part("insert");
     /* conv (cuDNN): [B,C,H,W] to [B,K,H/k,W/k]; linear (cuBLAS): [..., D] to [..., d] */
     insert_close_to_cpu("insert:kind=conv,out=4,kernel=2,seed=3", {3, 8, 6, 10}, 3 * 4 * 3 * 5, 0);
     insert_close_to_cpu("insert:kind=conv,ratio=0.25,kernel=4,code=fp16", {2, 4, 8, 8},
@@ -1045,11 +1052,14 @@ int main(void)
     insert_close_to_cpu("insert:kind=conv,out=4,kernel=2", {32, 32, 28, 28}, 32 * 4 * 14 * 14, 0);
     insert_close_to_cpu("insert:kind=linear,out=2,seed=3", {5, 7, 16}, 5 * 7 * 2, 0);
     insert_close_to_cpu("insert:kind=linear,out=8,code=fp16", {33, 64}, 33 * 8, 1);
+    gpu_test_part("poweriter");
     poweriter_close_to_cpu("poweriter:rank=3", 8, 16, 64);
     poweriter_close_to_cpu("poweriter:rank=2,iters=2,factors=fp16", 4, 32, 200);
     poweriter_close_to_cpu("poweriter:rank=4,warm=0", 3, 8, 8);
+    gpu_test_part("hostile payloads, mix-ups");
     hostile_table();
     hostile_device_payload();
     mixups();
+    gpu_test_part("done");
     return gpu_test_result();
 }
