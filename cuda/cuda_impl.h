@@ -371,6 +371,31 @@ static inline unsigned epipe_cuda_extent_blocks(uint64_t n)
     return epipe_cuda_blocks((n + 7) / 8, 256 * 16);
 }
 
+/* The table as epipe_q_set_chunk() makes it, from the extent keys (an
+ * empty extent, lo > hi, makes the empty table); zero=1 moves min so that
+ * 0 is a level, as the CPU does (quant, and each chunk of sortquant). */
+__device__ static inline void epipe_cuda_table_of(uint32_t lo, uint32_t hi, float levels, int zero,
+                                                  float *min, float *step, float *inv)
+{
+    *min = *step = *inv = 0.0f;
+    if (lo <= hi) {
+        *min = epipe_cuda_key_float(lo) + 0.0f; /* -0 becomes +0 */
+        float max = epipe_cuda_key_float(hi) + 0.0f;
+        *step = epipe_hd_q_step(*min, max, levels);
+        if (zero)
+            *min = epipe_hd_q_zero_min(*min, max, *step, levels);
+        *inv = *step > 0.0f ? 1.0f / *step : 0.0f;
+    }
+}
+
+/* A little-endian fp32 into a body. */
+__device__ static inline void epipe_cuda_put_f32(uint8_t *p, float f)
+{
+    uint32_t u = __float_as_uint(f);
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(u >> (8 * i));
+}
+
 /* A little-endian fp32 of a body (tables), on either side. */
 __host__ __device__ static inline float epipe_cuda_get_f32(const uint8_t *p)
 {

@@ -33,40 +33,16 @@ __global__ void epipe_cuda_extent(const float *x, uint64_t n, int vec, uint32_t 
     }
 }
 
-/* The table as epipe_q_set_chunk() makes it, from the extent keys (an
- * empty extent, lo > hi, makes the empty table); zero=1 moves min so that
- * 0 is a level, as the CPU does. */
-__device__ static void table_of(uint32_t lo, uint32_t hi, float levels, int zero, float *min,
-                                float *step, float *inv)
-{
-    *min = *step = *inv = 0.0f;
-    if (lo <= hi) {
-        *min = epipe_cuda_key_float(lo) + 0.0f; /* -0 becomes +0 */
-        float max = epipe_cuda_key_float(hi) + 0.0f;
-        *step = epipe_hd_q_step(*min, max, levels);
-        if (zero)
-            *min = epipe_hd_q_zero_min(*min, max, *step, levels);
-        *inv = *step > 0.0f ? 1.0f / *step : 0.0f;
-    }
-}
-
-__device__ static void put_f32(uint8_t *p, float f)
-{
-    uint32_t u = __float_as_uint(f);
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(u >> (8 * i));
-}
-
 /* The table and its 8 body bytes. */
 __global__ void q_finalize(q_dev *t, float levels, int zero, uint8_t *body)
 {
     float min, step, inv;
-    table_of(t->lo, t->hi, levels, zero, &min, &step, &inv);
+    epipe_cuda_table_of(t->lo, t->hi, levels, zero, &min, &step, &inv);
     t->min = min;
     t->step = step;
     t->inv = inv;
-    put_f32(body, min);
-    put_f32(body + 4, step);
+    epipe_cuda_put_f32(body, min);
+    epipe_cuda_put_f32(body + 4, step);
 }
 
 /* One range's codes: level, pack, w bytes out (fewer for the last). */
@@ -125,11 +101,11 @@ __global__ void __launch_bounds__(256)
     __shared__ float tab[2];
     if (threadIdx.x == 0) {
         float step, inv;
-        table_of(lo, hi, levels, zero, &tab[0], &step, &inv);
+        epipe_cuda_table_of(lo, hi, levels, zero, &tab[0], &step, &inv);
         tab[1] = inv;
         if (blockIdx.x == 0) {
-            put_f32(body, tab[0]);
-            put_f32(body + 4, step);
+            epipe_cuda_put_f32(body, tab[0]);
+            epipe_cuda_put_f32(body + 4, step);
         }
     }
     __syncthreads();
@@ -184,12 +160,12 @@ __global__ void q_rows_finalize(q_dev *t, uint64_t rows, float levels, int zero,
     for (uint64_t r = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; r < rows;
          r += (uint64_t)gridDim.x * blockDim.x) {
         float min, step, inv;
-        table_of(t[r].lo, t[r].hi, levels, zero, &min, &step, &inv);
+        epipe_cuda_table_of(t[r].lo, t[r].hi, levels, zero, &min, &step, &inv);
         t[r].min = min;
         t[r].step = step;
         t[r].inv = inv;
-        put_f32(body + r * size, min);
-        put_f32(body + r * size + 4, step);
+        epipe_cuda_put_f32(body + r * size, min);
+        epipe_cuda_put_f32(body + r * size + 4, step);
     }
 }
 

@@ -172,6 +172,43 @@ __global__ void sq_extent(const float *x, uint64_t n, unsigned k, sq_tab t, epip
         }
 }
 
+/* Folds group g's values (those below n) into the K chunk extents lo/hi,
+ * kept in registers: the chunk selects by compare, not by index. A
+ * non-finite value goes to the status instead. */
+template <unsigned K>
+__device__ static inline void sq_fold8(const float *v, uint64_t g, uint64_t n, const float *bnd,
+                                       uint32_t *lo, uint32_t *hi, epipe_cuda_status *st)
+{
+    for (unsigned i = 0; i < 8 && g * 8 + i < n; i++) {
+        if (!epipe_hd_finite(v[i])) {
+            epipe_cuda_note_nonfinite(st, v[i], g * 8 + i);
+            continue;
+        }
+        unsigned ch = epipe_hd_q_chunk(bnd, K, v[i]);
+        uint32_t key = epipe_cuda_key(v[i]);
+#pragma unroll
+        for (unsigned c = 0; c < K; c++)
+            if (c == ch) {
+                lo[c] = key < lo[c] ? key : lo[c];
+                hi[c] = key > hi[c] ? key : hi[c];
+            }
+    }
+}
+
+/* The block's K extents into t.lo/t.hi: one atomic pair a chunk. */
+template <unsigned K>
+__device__ static inline void sq_extents_out(uint32_t *lo, uint32_t *hi, sq_tab t)
+{
+#pragma unroll
+    for (unsigned c = 0; c < K; c++) {
+        epipe_cuda_block_minmax(lo[c], hi[c]);
+        if (threadIdx.x == 0 && lo[c] <= hi[c]) {
+            atomicMin(&t.lo[c], lo[c]);
+            atomicMax(&t.hi[c], hi[c]);
+        }
+    }
+}
+
 /* sq_extent for k <= 16 chunks: each thread keeps the k extents in
  * registers (the chunk selects by compare, not by index), the block
  * reduces them, and only the block's result meets an atomic. With k = 4
@@ -189,37 +226,9 @@ __global__ void sq_extent_k(const float *x, uint64_t n, int vec, sq_tab t, epipe
         lo[q] = 0xffffffffu;
         hi[q] = 0;
     }
-    uint64_t groups = (n + 7) / 8;
-    for (uint64_t g = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; g < groups;
-         g += (uint64_t)gridDim.x * blockDim.x) {
-        float v[8];
-        epipe_cuda_load8f(x, n, g, vec, v);
-        for (unsigned i = 0; i < 8 && g * 8 + i < n; i++) {
-            if (!epipe_hd_finite(v[i])) {
-                atomicMin(v[i] != v[i] ? &st->nan
-                          : v[i] > 0   ? &st->pinf
-                                       : &st->ninf,
-                          (unsigned long long)(g * 8 + i));
-                continue;
-            }
-            unsigned c = epipe_hd_q_chunk(bnd, K, v[i]);
-            uint32_t key = epipe_cuda_key(v[i]);
-#pragma unroll
-            for (unsigned q = 0; q < K; q++)
-                if (q == c) {
-                    lo[q] = key < lo[q] ? key : lo[q];
-                    hi[q] = key > hi[q] ? key : hi[q];
-                }
-        }
-    }
-#pragma unroll
-    for (unsigned q = 0; q < K; q++) {
-        epipe_cuda_block_minmax(lo[q], hi[q]);
-        if (threadIdx.x == 0 && lo[q] <= hi[q]) {
-            atomicMin(&t.lo[q], lo[q]);
-            atomicMax(&t.hi[q], hi[q]);
-        }
-    }
+    epipe_cuda_each_group8(x, n, vec,
+                           [&](float *v, uint64_t g) { sq_fold8<K>(v, g, n, bnd, lo, hi, st); });
+    sq_extents_out<K>(lo, hi, t);
 }
 
 /* The extent pass for k chunks on stream s. */
@@ -268,52 +277,16 @@ __global__ void __launch_bounds__(256)
     for (uint64_t g = g0 + threadIdx.x; g < g1; g += blockDim.x) {
         float v[8];
         epipe_cuda_load8f(x, n, g, vec, v);
-        for (unsigned i = 0; i < 8 && g * 8 + i < n; i++) {
-            if (!epipe_hd_finite(v[i])) {
-                epipe_cuda_note_nonfinite(st, v[i], g * 8 + i);
-                continue;
-            }
-            unsigned ch = epipe_hd_q_chunk(bnd, K, v[i]);
-            uint32_t key = epipe_cuda_key(v[i]);
-#pragma unroll
-            for (unsigned c = 0; c < K; c++)
-                if (c == ch) {
-                    lo[c] = key < lo[c] ? key : lo[c];
-                    hi[c] = key > hi[c] ? key : hi[c];
-                }
-        }
+        sq_fold8<K>(v, g, n, bnd, lo, hi, st);
     }
-#pragma unroll
-    for (unsigned c = 0; c < K; c++) {
-        epipe_cuda_block_minmax(lo[c], hi[c]);
-        if (threadIdx.x == 0 && lo[c] <= hi[c]) {
-            atomicMin(&t.lo[c], lo[c]);
-            atomicMax(&t.hi[c], hi[c]);
-        }
-    }
+    sq_extents_out<K>(lo, hi, t);
     grid.sync();
     for (unsigned c = threadIdx.x; c < K; c += blockDim.x) {
-        float min = 0.0f, step = 0.0f, inv = 0.0f;
-        uint32_t a = t.lo[c], b = t.hi[c];
-        if (a <= b) {
-            min = epipe_cuda_key_float(a) + 0.0f;
-            float max = epipe_cuda_key_float(b) + 0.0f;
-            step = epipe_hd_q_step(min, max, levels);
-            if (zero)
-                min = epipe_hd_q_zero_min(min, max, step, levels);
-            inv = step > 0.0f ? 1.0f / step : 0.0f;
-        }
-        mn[c] = min;
-        iv[c] = inv;
+        float step;
+        epipe_cuda_table_of(t.lo[c], t.hi[c], levels, zero, &mn[c], &step, &iv[c]);
         if (blockIdx.x == 0) {
-            t.min[c] = min;
-            t.step[c] = step;
-            t.inv[c] = inv;
-            uint32_t mu = __float_as_uint(min), su = __float_as_uint(step);
-            for (int i = 0; i < 4; i++) {
-                body[8 * c + i] = (uint8_t)(mu >> (8 * i));
-                body[8 * c + 4 + i] = (uint8_t)(su >> (8 * i));
-            }
+            epipe_cuda_put_f32(body + 8 * c, mn[c]);
+            epipe_cuda_put_f32(body + 8 * c + 4, step);
         }
     }
     __syncthreads();
@@ -341,28 +314,14 @@ static const void *sq_fused(unsigned k, int device, int *blocks)
     return f;
 }
 
-/* epipe_q_set_from_extent(): a chunk holding values spans [lo, hi]; with
- * zero=1 its min moves so that 0 is a level, as epipe_q_set_chunk() does. */
+/* Each chunk's table from its extent (epipe_q_set_from_extent()), into t
+ * and the body. */
 __global__ void sq_table(unsigned k, float levels, int zero, sq_tab t, uint8_t *body)
 {
     for (unsigned j = threadIdx.x; j < k; j += blockDim.x) {
-        float min = 0.0f, step = 0.0f, inv = 0.0f;
-        if (t.lo[j] <= t.hi[j]) {
-            min = epipe_cuda_key_float(t.lo[j]) + 0.0f;
-            float max = epipe_cuda_key_float(t.hi[j]) + 0.0f;
-            step = epipe_hd_q_step(min, max, levels);
-            if (zero)
-                min = epipe_hd_q_zero_min(min, max, step, levels);
-            inv = step > 0.0f ? 1.0f / step : 0.0f;
-        }
-        t.min[j] = min;
-        t.step[j] = step;
-        t.inv[j] = inv;
-        uint32_t a = __float_as_uint(min), b = __float_as_uint(step);
-        for (int i = 0; i < 4; i++) {
-            body[8 * j + i] = (uint8_t)(a >> (8 * i));
-            body[8 * j + 4 + i] = (uint8_t)(b >> (8 * i));
-        }
+        epipe_cuda_table_of(t.lo[j], t.hi[j], levels, zero, &t.min[j], &t.step[j], &t.inv[j]);
+        epipe_cuda_put_f32(body + 8 * j, t.min[j]);
+        epipe_cuda_put_f32(body + 8 * j + 4, t.step[j]);
     }
 }
 
