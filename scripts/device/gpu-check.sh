@@ -79,15 +79,25 @@ step() { # step NAME SECONDS command...
 }
 
 nvidia-smi -L 2>&1 | head -2 | tee -a "$LOG"
-# insert opens cuDNN at run time (libcudnn.so.9): the toolkit's, else the
-# one PyTorch's wheels bring; without it insert's CUDA tensors are staged
-# and the gpu suite's insert cases fail (they check the device's path).
-for d in /usr/local/cuda/lib64 "$(python3 -c 'import nvidia.cudnn, os; print(os.path.dirname(nvidia.cudnn.__file__) + "/lib")' 2>/dev/null)"; do
-    if [ -n "$d" ] && ls "$d"/libcudnn.so.9* >/dev/null 2>&1; then
-        export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
-        echo "cuDNN: $d" | tee -a "$LOG"
-        break
-    fi
+# The module opens cuBLAS (poweriter, insert's linear kind) and cuDNN
+# (insert's convolutions) at run time: the toolkit's, else the ones
+# PyTorch's wheels bring. Without them those codecs' CUDA tensors are staged
+# through the host and the gpu suite's poweriter and insert cases fail
+# (they check the device's path), so say which were found.
+wheel_lib() { # wheel_lib MODULE: the lib folder of an nvidia.* wheel
+    python3 -c "import os, nvidia.$1 as m; print(os.path.join(list(m.__path__)[0], 'lib'))" \
+        2>/dev/null
+}
+for lib in cublas cudnn; do
+    found=
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib "$(wheel_lib $lib)"; do
+        if [ -n "$d" ] && ls "$d"/lib$lib.so.* >/dev/null 2>&1; then
+            export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
+            found=$d
+            break
+        fi
+    done
+    echo "$lib: ${found:-not found}" | tee -a "$LOG" "$SUMMARY"
 done
 PY="env PYTHONPATH=$PWD/python EPIPE_LIBRARY=$B/lib/libepipe.so.0 PYTHONDONTWRITEBYTECODE=1 python3"
 
