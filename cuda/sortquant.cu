@@ -55,9 +55,12 @@ enum { SQ_SEL_THREADS = 1024, SQ_SEL_BINS = 2048, SQ_SEL_UNROLL = 4, SQ_SEL_MAX_
 
 /* hist[bin] += 1 for each lane whose `on` is set, one shared atomic per
  * distinct bin in the warp (ReLU samples put half their keys in one bin).
- * Every lane of the warp must call it. */
+ * Every lane of the warp must call it. After the first pass most keys lack
+ * the prefix: a warp with none skips the match. */
 __device__ static inline void sq_sel_count(uint32_t *hist, unsigned bin, bool on)
 {
+    if (!__any_sync(0xffffffffu, on))
+        return;
     unsigned peers = __match_any_sync(0xffffffffu, on ? bin : 0xffffffffu);
     if (on && (threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1))
         atomicAdd(&hist[bin], (uint32_t)__popc(peers));
