@@ -46,12 +46,18 @@ __global__ void sq_bounds(const float *sorted, uint64_t m, unsigned k, sq_tab t)
 /* mode=sample's boundaries without sorting the sample: block j - 1 finds the
  * key of rank epipe_hd_sq_rank(j, m, k) among the m sample keys by radix
  * select, 11, 11 and 10 bits a pass over the sample (4m bytes, which stay
- * in L2). CUB's sort of 65,536 values took five launches and about 55 us of
- * a 144 us encode on an H100 (ncu); this is one launch of k - 1 blocks
- * reading the sample three times. The keys order floats as CUB's sort
+ * in L2 up to SQ_SEL_MAX_M values). CUB's sort of 65,536 values took five
+ * launches and about 55 us of a 144 us encode on an H100 (ncu); this is
+ * one launch of k - 1 blocks reading the sample three times. The keys order floats as CUB's sort
  * does, so each boundary is the value the sort put at that rank. Block 0
  * also sets the ends and the empty extents, as sq_bounds does. */
-enum { SQ_SEL_THREADS = 1024, SQ_SEL_BINS = 2048, SQ_SEL_UNROLL = 4, SQ_SEL_MAX_K = 256 };
+enum { SQ_SEL_THREADS = 1024, SQ_SEL_BINS = 2048, SQ_SEL_UNROLL = 4 };
+
+/* The select's reach: each block reads 12m bytes at one SM's rate, so past
+ * about 2^18 sample values CUB's sort (the whole GPU) is faster; and k - 1
+ * blocks beyond 255 would take more than about two waves of SMs. */
+#define SQ_SEL_MAX_M (1u << 18)
+#define SQ_SEL_MAX_K 256u
 
 /* hist[bin] += 1 for each lane whose `on` is set, one shared atomic per
  * distinct bin in the warp (ReLU samples put half their keys in one bin).
@@ -256,7 +262,7 @@ static void sq_extent_launch(const float *x, uint64_t n, unsigned k, sq_tab t,
  * the K extents of its own range of groups in registers (as sq_extent_k)
  * into t.lo/t.hi, one atomic pair a chunk and block; the grid meets; every
  * block makes the same table from them (sq_table's formulas; block 0 also
- * writes it to the body and to t) and packs its range back to front, so
+ * writes it to the body) and packs its range back to front, so
  * that its first reads are the ones it made last, most likely still in L2.
  * The extent and pack kernels read the tensor twice from device memory. */
 template <unsigned K>
@@ -622,8 +628,10 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     epipe_cuda_handle *h = epipe_cuda_h(c);
     void *d, *tw, *sw;
     size_t sort_bytes = 0;
-    int select = k >= 2 && k <= SQ_SEL_MAX_K; /* else CUB sorts the sample */
-    if (m && !select &&
+    /* k = 1 needs no boundary (sq_bounds); else the select, or CUB's sort */
+    int select = k >= 2 && k <= SQ_SEL_MAX_K && m <= SQ_SEL_MAX_M;
+    int sort = k >= 2 && !select;
+    if (m && sort &&
         (rc = epipe_cuda_check(c,
                                cub::DeviceRadixSort::SortKeys(NULL, sort_bytes, (float *)NULL,
                                                               (float *)NULL, (int64_t)m),
@@ -661,7 +669,8 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     } else {
         float *smp = (float *)sw, *sorted = smp + m;
         void *tmp = (char *)sw + ((2 * m * sizeof(float) + 255) & ~(size_t)255);
-        sq_gather<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
+        if (k >= 2)
+            sq_gather<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
         if (select) {
             sq_select<<<k - 1, SQ_SEL_THREADS, 0, s>>>(smp, m, epipe_cuda_aligned16(smp), k, t);
             int blocks;
@@ -681,13 +690,15 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
                     return rc;
                 return epipe_cuda_body_flush(c, body, 0, d, tb + cb);
             }
-        } else {
+        } else if (sort) {
             if ((rc = epipe_cuda_check(c,
                                        cub::DeviceRadixSort::SortKeys(tmp, sort_bytes, smp, sorted,
                                                                       (int64_t)m, 0, 32, s),
                                        "sorting the sample")))
                 return rc;
             sq_bounds<<<1, tpb, 0, s>>>(sorted, m, k, t);
+        } else {
+            sq_bounds<<<1, tpb, 0, s>>>(NULL, 0, k, t); /* one chunk: only the ends */
         }
         sq_extent_launch(x, n, k, t, h->status, s);
     }

@@ -961,6 +961,9 @@ int main(void)
                            "sortquant:bits=12,split=8,mode=sample,sample=1024",
                            "sortquant:bits=16,split=12,mode=sample",
                            "sortquant:bits=4,split=1,mode=sample,zero=1",
+                           "sortquant:bits=8,split=3,mode=sample", /* 8 and 16 chunks: */
+                           "sortquant:bits=8,split=4,mode=sample", /* the fused kernels */
+                           "sortquant:bits=6,split=0,mode=sample", /* one chunk */
                            "sortquant:bits=8", /* mode=fit, the default, split chosen */
                            "sortquant:bits=4,mode=fit",
                            "sortquant:bits=2,mode=fit",
@@ -997,6 +1000,11 @@ int main(void)
                                   !strstr(s, "sortquant") || strstr(s, "mode=sample") ? 0
                                   : strstr(s, "mode=exact")                           ? 2
                                                                                       : 1);
+    /* just past 64K values, in quick runs too: the cooperative encodes
+     * (quant; sample mode with 2 to 16 chunks) under compute-sanitizer */
+    for (const char *s : {"quant:bits=8", "sortquant:bits=8,mode=sample",
+                          "sortquant:bits=8,split=4,mode=sample,zero=1"})
+        byte_identity(s, 65543, 1);
     gpu_test_part("byte identity, other data");
     for (size_t n : sizes) { /* the other data for fit and exact; ties for topk */
         if (n > max_n)
