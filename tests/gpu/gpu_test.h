@@ -50,8 +50,7 @@ static inline void gpu_test_part(const char *name)
     clock_gettime(CLOCK_MONOTONIC, &t);
     if (!t0.tv_sec && !t0.tv_nsec)
         t0 = t;
-    printf("[%7.1f s] %s\n", (double)(t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) / 1e9,
-           name);
+    printf("[%7.1f s] %s\n", (double)(t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) / 1e9, name);
     fflush(stdout);
 }
 
