@@ -285,8 +285,11 @@ static int create_stage(struct rank *r, epipe_comm *comm)
         r->has_last |= c->last;
         if (model_init(&c->model, r->dims, r->nlayers, c->l0, c->l1, r->rows, (int)o->microbatches,
                        o->seed) ||
-            (split && model_enable_split(&c->model)))
+            (split && model_enable_split(&c->model))) {
+            snprintf(r->err, sizeof r->err, "out of memory for layers %d to %d of the model",
+                     c->l0 + 1, c->l1);
             return EPIPE_ENOMEM;
+        }
     }
     return EPIPE_OK;
 }
@@ -422,6 +425,8 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
     for (unsigned mb = 0; !rc && mb < o->microbatches; mb++)
         if (!(r.dlogits[mb] = malloc(sizeof(float) * (size_t)r.rows * 10)))
             rc = EPIPE_ENOMEM;
+    if (rc)
+        snprintf(r.err, sizeof r.err, "out of memory for the batch buffers (%d images)", o->batch);
     if (!rc)
         rc = create_stage(&r, comm);
     res->holds_last = r.has_last;
@@ -509,6 +514,8 @@ static void run_rank(epipe_comm *comm, const struct options *o, const struct dat
                  r.err[0]  ? r.err
                  : r.stage ? epipe_stage_last_error(r.stage)
                            : epipe_last_error());
+        if (!res->error[0]) /* a failure that left no sentence: at least its status */
+            snprintf(res->error, sizeof res->error, "%s", epipe_strerror(rc));
         epipe_comm_abort(comm);
     }
     epipe_stage_destroy(r.stage);
