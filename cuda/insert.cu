@@ -440,12 +440,10 @@ __global__ void ins_code_out(const float *z, uint64_t n, int code16, uint8_t *ou
             else
                 out[2 * i] = (uint8_t)h, out[2 * i + 1] = (uint8_t)(h >> 8);
         } else {
-            uint32_t u = epipe_hd_f2u(v);
             if (aligned)
-                ((uint32_t *)out)[i] = u;
+                ((uint32_t *)out)[i] = epipe_hd_f2u(v);
             else
-                for (int b = 0; b < 4; b++)
-                    out[4 * i + b] = (uint8_t)(u >> (8 * b));
+                epipe_cuda_put_f32(out + 4 * i, v);
         }
     }
 }

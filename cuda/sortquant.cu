@@ -30,17 +30,27 @@ struct sq_tab {
     uint32_t *lo, *hi;
 };
 
-__global__ void sq_bounds(const float *sorted, uint64_t m, unsigned k, sq_tab t)
+/* By one block's threads: the ends of bnd, every extent empty, and unless
+ * `ends_only` (the select writes them) the inner boundaries, sorted's
+ * values at the CPU's ranks (INFINITY without sorted). */
+__device__ static void sq_bounds_set(const float *sorted, uint64_t m, unsigned k, int ends_only,
+                                     sq_tab t)
 {
     for (unsigned j = threadIdx.x; j <= k; j += blockDim.x) {
-        t.bnd[j] = j == 0              ? -INFINITY
-                   : j == k || !sorted ? INFINITY
-                                       : sorted[epipe_hd_sq_rank(j, m, k)];
+        if (j == 0 || j == k || !ends_only)
+            t.bnd[j] = j == 0              ? -INFINITY
+                       : j == k || !sorted ? INFINITY
+                                           : sorted[epipe_hd_sq_rank(j, m, k)];
         if (j < k) {
             t.lo[j] = 0xffffffffu;
             t.hi[j] = 0;
         }
     }
+}
+
+__global__ void sq_bounds(const float *sorted, uint64_t m, unsigned k, sq_tab t)
+{
+    sq_bounds_set(sorted, m, k, 0, t);
 }
 
 /* mode=sample's boundaries without sorting the sample: block j - 1 finds the
@@ -80,14 +90,7 @@ __global__ void __launch_bounds__(SQ_SEL_THREADS)
     __shared__ uint32_t hist[SQ_SEL_BINS];
     __shared__ uint32_t found_bin, found_rank;
     if (blockIdx.x == 0)
-        for (unsigned j = threadIdx.x; j <= k; j += blockDim.x) {
-            if (j == 0 || j == k)
-                t.bnd[j] = j == 0 ? -INFINITY : INFINITY;
-            if (j < k) {
-                t.lo[j] = 0xffffffffu;
-                t.hi[j] = 0;
-            }
-        }
+        sq_bounds_set(NULL, 0, k, 1, t);
     unsigned j = blockIdx.x + 1;
     uint32_t rank = (uint32_t)epipe_hd_sq_rank(j, m, k); /* m <= 2^24 */
     uint32_t prefix = 0, mask = 0;
@@ -362,8 +365,8 @@ __global__ void sq_decode(const uint8_t *codes, uint64_t n, unsigned k, unsigned
     extern __shared__ float tab[]; /* min [k], step [k] */
     for (unsigned j = threadIdx.x; j < k; j += blockDim.x) {
         const uint8_t *p = table + 8 * j;
-        tab[j] = __uint_as_float(p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24);
-        tab[k + j] = __uint_as_float(p[4] | p[5] << 8 | p[6] << 16 | (uint32_t)p[7] << 24);
+        tab[j] = epipe_cuda_get_f32(p);
+        tab[k + j] = epipe_cuda_get_f32(p + 4);
     }
     __syncthreads();
     uint64_t groups = (n + 7) / 8, bytes = (n * w + 7) / 8;
