@@ -1,0 +1,915 @@
+/* The CUDA emulator's runtime (tests/cudaemu/include/cudaemu.h): the CUDA
+ * runtime calls the module and the gpu suite make, on host memory, and the
+ * kernels' threads as fibers. Tests only; never installed.
+ *
+ * What it checks that a GPU would not always report: launch
+ * configurations (as the driver does), copies and sets that run past a
+ * device allocation or name the wrong kind of memory, kernels that do not
+ * meet at a barrier (a deadlock is reported, not waited on), and warps
+ * whose lanes disagree on an intrinsic's mask. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace
+{
+
+[[noreturn]] void fatal(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "cudaemu: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    abort();
+}
+
+/* ---- memory ------------------------------------------------------------- */
+
+enum mem_kind { MEM_DEVICE, MEM_HOST };
+struct allocation {
+    size_t size;
+    mem_kind kind;
+};
+std::mutex mem_lock;
+std::map<uintptr_t, allocation> allocations;
+
+/* The allocation holding [p, p + n), or NULL (with *partial set when p is
+ * inside one that ends too soon). */
+const allocation *find_allocation(const void *p, size_t n, uintptr_t *base, int *partial)
+{
+    std::lock_guard<std::mutex> g(mem_lock);
+    uintptr_t a = (uintptr_t)p;
+    auto it = allocations.upper_bound(a);
+    *partial = 0;
+    if (it == allocations.begin())
+        return NULL;
+    --it;
+    if (a >= it->first + it->second.size + (it->second.size == 0))
+        return NULL;
+    if (a + n > it->first + it->second.size) {
+        *partial = 1;
+        return NULL;
+    }
+    *base = it->first;
+    return &it->second;
+}
+
+/* Device and pinned memory: pages of their own with an inaccessible page
+ * right after, the block placed as near it as 256-byte alignment allows,
+ * so that a kernel that reads or writes past the end faults there. */
+struct mapping {
+    char *base;
+    size_t bytes;
+};
+std::map<uintptr_t, mapping> mappings;
+
+cudaError_t allocate(void **out, size_t size, mem_kind kind)
+{
+    if (!out)
+        return cudaErrorInvalidValue;
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), used = (size + 255) & ~(size_t)255;
+    size_t span = (used + page - 1) / page * page + page;
+    char *base = (char *)mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
+                              0);
+    if (base == MAP_FAILED)
+        return cudaErrorMemoryAllocation;
+    mprotect(base + span - page, page, PROT_NONE);
+    char *p = base + span - page - used;
+    /* garbage, as fresh device memory is: a kernel that reads what nobody
+     * wrote makes wrong bytes rather than lucky zeros */
+    memset(p, kind == MEM_DEVICE ? 0xcd : 0xab, used);
+    std::lock_guard<std::mutex> g(mem_lock);
+    allocations[(uintptr_t)p] = allocation{size, kind};
+    mappings[(uintptr_t)p] = mapping{base, span};
+    *out = p;
+    return cudaSuccess;
+}
+
+cudaError_t release(void *p, mem_kind kind)
+{
+    if (!p)
+        return cudaSuccess;
+    std::lock_guard<std::mutex> g(mem_lock);
+    auto it = allocations.find((uintptr_t)p);
+    if (it == allocations.end() || it->second.kind != kind)
+        return cudaErrorInvalidValue;
+    allocations.erase(it);
+    auto m = mappings.find((uintptr_t)p);
+    munmap(m->second.base, m->second.bytes);
+    mappings.erase(m);
+    return cudaSuccess;
+}
+
+/* 0 when [p, p + n) may be the `device` (1) or host (0) side of a copy. */
+int check_side(const void *p, size_t n, int device, const char *what)
+{
+    uintptr_t base;
+    int partial;
+    const allocation *a = find_allocation(p, n, &base, &partial);
+    if (partial) {
+        fprintf(stderr, "cudaemu: %s of %zu bytes at %p runs past its allocation\n", what, n, p);
+        return -1;
+    }
+    if (device && (!a || a->kind != MEM_DEVICE)) {
+        fprintf(stderr, "cudaemu: %s at %p is not device memory\n", what, p);
+        return -1;
+    }
+    if (!device && a && a->kind == MEM_DEVICE) {
+        fprintf(stderr, "cudaemu: %s at %p is device memory where host memory was named\n", what,
+                p);
+        return -1;
+    }
+    return 0;
+}
+
+int is_device(const void *p)
+{
+    uintptr_t base;
+    int partial;
+    const allocation *a = find_allocation(p, 1, &base, &partial);
+    return a && a->kind == MEM_DEVICE;
+}
+
+/* ---- errors ------------------------------------------------------------- */
+
+thread_local cudaError_t last_error = cudaSuccess;
+
+cudaError_t note(cudaError_t e)
+{
+    if (e != cudaSuccess)
+        last_error = e;
+    return e;
+}
+
+/* ---- the device --------------------------------------------------------- */
+
+const int emu_sms = 3; /* an odd number of blocks in cooperative launches */
+const int emu_blocks_per_sm = 2;
+const size_t emu_default_shared = 48 * 1024, emu_max_shared = 227 * 1024;
+thread_local int current_device = 0;
+
+int device_count()
+{
+    const char *e = getenv("CUDAEMU_DEVICES");
+    return e && *e ? atoi(e) : 1;
+}
+
+std::mutex attr_lock;
+std::map<const void *, size_t> max_dynamic_shared;
+std::map<const void *, cudaemu::invoker_fn> invokers;
+
+} // namespace
+
+/* ---- fibers --------------------------------------------------------------- */
+
+namespace cudaemu
+{
+CUDAEMU_TLS_EXPORT const thread_ctx *cudaemu_tl_ctx;
+namespace
+{
+
+struct fiber {
+    void *sp;
+    thread_ctx ctx;
+    unsigned lin;
+    bool done;
+    fiber *next, *prev; /* the ring of threads not yet exited */
+};
+
+struct warp_state {
+    unsigned alive, arrived, mask, gen;
+    warp_view view[2];
+};
+
+struct grid_state {
+    pthread_barrier_t barrier;
+};
+
+struct block_state {
+    fiber *fibers;
+    unsigned n, alive;
+    unsigned bar_arrived, bar_gen;
+    bool bar_grid; /* the barrier under way is a grid.sync */
+    warp_state *warps;
+    void *sched_sp;
+    body_fn body;
+    void *closure;
+    void *dyn;
+    grid_state *grid;
+    unsigned idle; /* resumptions since a thread last moved on */
+};
+
+#define CUDAEMU_TLS __thread __attribute__((tls_model("initial-exec")))
+CUDAEMU_TLS block_state *tl_block;
+CUDAEMU_TLS fiber *tl_fiber;
+
+/* Fiber stacks, per OS thread, reused launch after launch; a guard page
+ * under each, so that an overflow faults where it happens. */
+const size_t stack_bytes = 64 * 1024;
+struct stack_pool {
+    char *base = NULL;
+    size_t count = 0;
+    char *top(size_t i)
+    {
+        if (i >= count) {
+            if (base)
+                munmap(base, count * stack_bytes);
+            size_t page = (size_t)sysconf(_SC_PAGESIZE);
+            count = 1024;
+            base = (char *)mmap(NULL, count * stack_bytes, PROT_READ | PROT_WRITE,
+                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (base == MAP_FAILED)
+                fatal("no memory for %zu fiber stacks", count);
+            for (size_t k = 0; k < count; k++)
+                mprotect(base + k * stack_bytes, page, PROT_NONE);
+        }
+        return base + (i + 1) * stack_bytes;
+    }
+    ~stack_pool()
+    {
+        if (base)
+            munmap(base, count * stack_bytes);
+    }
+};
+thread_local stack_pool stacks;
+
+} // namespace
+} // namespace cudaemu
+
+extern "C" {
+void cudaemu_switch(void **save_sp, void *to_sp);
+void cudaemu_fiber_start(void);
+__attribute__((used)) void cudaemu_fiber_main(cudaemu::fiber *f);
+}
+
+#if defined(__x86_64__)
+/* Saves the callee-saved registers on this stack, stores its pointer in
+ * *save_sp and resumes the stack at to_sp (System V x86-64). */
+__asm__(".text\n"
+        ".globl cudaemu_switch\n"
+        ".hidden cudaemu_switch\n"
+        ".type cudaemu_switch,@function\n"
+        "cudaemu_switch:\n"
+        "    pushq %rbp\n"
+        "    pushq %rbx\n"
+        "    pushq %r12\n"
+        "    pushq %r13\n"
+        "    pushq %r14\n"
+        "    pushq %r15\n"
+        "    movq %rsp, (%rdi)\n"
+        "    movq %rsi, %rsp\n"
+        "    popq %r15\n"
+        "    popq %r14\n"
+        "    popq %r13\n"
+        "    popq %r12\n"
+        "    popq %rbx\n"
+        "    popq %rbp\n"
+        "    ret\n"
+        ".size cudaemu_switch,.-cudaemu_switch\n"
+        ".globl cudaemu_fiber_start\n"
+        ".hidden cudaemu_fiber_start\n"
+        ".type cudaemu_fiber_start,@function\n"
+        "cudaemu_fiber_start:\n"
+        "    movq %r12, %rdi\n"
+        "    call cudaemu_fiber_main@PLT\n"
+        "    ud2\n"
+        ".size cudaemu_fiber_start,.-cudaemu_fiber_start\n");
+#else
+#error "the CUDA emulator switches fibers on x86-64 only"
+#endif
+
+namespace cudaemu
+{
+namespace
+{
+
+void enter(fiber *f)
+{
+    tl_fiber = f;
+    cudaemu_tl_ctx = &f->ctx;
+}
+
+/* Hands this OS thread to the next live thread of the block; a whole
+ * round of threads resumed without any moving on is a deadlock. */
+void yield()
+{
+    block_state *b = tl_block;
+    fiber *f = tl_fiber, *to = f->next;
+    if (++b->idle > b->alive + 1)
+        fatal("block (%u,%u,%u): %u threads wait for each other: %u at a barrier, the rest at "
+              "warp intrinsics that do not meet",
+              f->ctx.bid.x, f->ctx.bid.y, f->ctx.bid.z, b->alive, b->bar_arrived);
+    if (to == f)
+        return;
+    enter(to);
+    cudaemu_switch(&f->sp, to->sp);
+}
+
+void release_block(block_state *b)
+{
+    if (b->bar_grid) {
+        int r = pthread_barrier_wait(&b->grid->barrier);
+        if (r && r != PTHREAD_BARRIER_SERIAL_THREAD)
+            fatal("grid barrier: %s", strerror(r));
+        b->bar_grid = false;
+    }
+    b->bar_arrived = 0;
+    b->bar_gen++;
+}
+
+void block_barrier(bool grid)
+{
+    block_state *b = tl_block;
+    if (b->bar_arrived && b->bar_grid != grid)
+        fatal("threads of block %u meet at __syncthreads and grid.sync at once",
+              b->fibers[0].ctx.bid.x);
+    b->bar_grid = grid;
+    b->idle = 0;
+    unsigned g = b->bar_gen;
+    if (++b->bar_arrived == b->alive)
+        release_block(b);
+    else
+        while (b->bar_gen == g)
+            yield();
+}
+
+void release_warp(block_state *b, warp_state *w)
+{
+    (void)b;
+    w->arrived = 0;
+    w->gen++;
+}
+
+} // namespace
+
+void syncthreads()
+{
+    block_barrier(false);
+}
+
+void grid_sync()
+{
+    if (!tl_block->grid)
+        fatal("grid.sync outside a cooperative launch");
+    block_barrier(true);
+}
+
+void *dynamic_shared()
+{
+    return tl_block->dyn;
+}
+
+const warp_view &warp_exchange(unsigned mask, uint64_t v)
+{
+    block_state *b = tl_block;
+    fiber *f = tl_fiber;
+    unsigned l = f->lin & 31;
+    warp_state *w = &b->warps[f->lin >> 5];
+    if (!(mask >> l & 1u))
+        fatal("lane %u of block %u calls a warp intrinsic with mask %#x, which leaves it out", l,
+              f->ctx.bid.x, mask);
+    unsigned g = w->gen;
+    warp_view *view = &w->view[g & 1];
+    if (!w->arrived) {
+        w->mask = mask;
+        view->in = 0;
+    } else if (w->mask != mask) {
+        fatal("lanes of warp %u (block %u) meet with masks %#x and %#x", f->lin >> 5, f->ctx.bid.x,
+              w->mask, mask);
+    }
+    view->v[l] = v;
+    view->in |= 1u << l;
+    b->idle = 0;
+    w->arrived |= 1u << l;
+    if ((w->arrived & w->alive & w->mask) == (w->alive & w->mask))
+        release_warp(b, w);
+    else
+        while (w->gen == g)
+            yield();
+    return *view;
+}
+
+void register_kernel(const void *kernel, invoker_fn invoke)
+{
+    std::lock_guard<std::mutex> g(attr_lock);
+    invokers[kernel] = invoke;
+}
+
+namespace
+{
+
+void exit_fiber(block_state *b, fiber *f)
+{
+    f->done = true;
+    b->alive--;
+    b->idle = 0;
+    f->prev->next = f->next;
+    f->next->prev = f->prev;
+    warp_state *w = &b->warps[f->lin >> 5];
+    w->alive &= ~(1u << (f->lin & 31));
+    if (w->arrived && (w->arrived & w->alive & w->mask) == (w->alive & w->mask))
+        release_warp(b, w);
+    if (b->bar_arrived && b->bar_arrived == b->alive)
+        release_block(b);
+}
+
+/* Runs one block's threads to the end on this OS thread. */
+void run_block(const cudaemu_cfg &cfg, uint3 bid, body_fn body, void *closure, grid_state *grid,
+               std::vector<char> &dyn)
+{
+    unsigned bx = cfg.block.x, by = cfg.block.y, n = bx * by * cfg.block.z;
+    std::vector<fiber> fibers(n);
+    std::vector<warp_state> warps((n + 31) / 32);
+    block_state b = {};
+    b.fibers = fibers.data();
+    b.n = b.alive = n;
+    b.warps = warps.data();
+    b.body = body;
+    b.closure = closure;
+    b.grid = grid;
+    if (!dyn.empty()) {
+        memset(dyn.data(), 0xee, dyn.size()); /* shared memory starts as garbage */
+        b.dyn = dyn.data();
+    }
+    for (unsigned i = 0; i < warps.size(); i++) {
+        unsigned lanes = n - i * 32 >= 32 ? 32 : n - i * 32;
+        warps[i] = warp_state{};
+        warps[i].alive = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        fiber *f = &fibers[i];
+        f->lin = i;
+        f->done = false;
+        f->ctx.tid = make_uint3(i % bx, i / bx % by, i / (bx * by));
+        f->ctx.bid = bid;
+        f->ctx.bdim = cfg.block;
+        f->ctx.gdim = cfg.grid;
+        f->ctx.lane = i & 31;
+        /* the first switch pops r15..rbp (r12: the fiber) and returns to
+         * cudaemu_fiber_start with the stack 16-byte aligned for its call */
+        void **sp = (void **)(stacks.top(i) - 72);
+        memset(sp, 0, 72);
+        sp[3] = f;
+        sp[6] = (void *)cudaemu_fiber_start;
+        f->sp = sp;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        fibers[i].next = &fibers[(i + 1) % n];
+        fibers[i].prev = &fibers[(i + n - 1) % n];
+    }
+    tl_block = &b;
+    enter(&fibers[0]);
+    cudaemu_switch(&b.sched_sp, fibers[0].sp); /* back when the last thread exits */
+    tl_block = NULL;
+    tl_fiber = NULL;
+    cudaemu_tl_ctx = NULL;
+}
+
+} // namespace
+
+cudaError_t launch(const void *kernel, const cudaemu_cfg &cfg, int cooperative, body_fn body,
+                   void *closure)
+{
+    const dim3 &g = cfg.grid, &t = cfg.block;
+    uint64_t threads = (uint64_t)t.x * t.y * t.z, blocks = (uint64_t)g.x * g.y * g.z;
+    size_t shared_cap = emu_default_shared;
+    {
+        std::lock_guard<std::mutex> lk(attr_lock);
+        auto it = max_dynamic_shared.find(kernel);
+        if (it != max_dynamic_shared.end())
+            shared_cap = it->second;
+    }
+    if (!threads || threads > 1024 || t.z > 64 || !blocks || g.x > 0x7fffffffu || g.y > 65535 ||
+        g.z > 65535)
+        return note(cudaErrorInvalidConfiguration);
+    if (cfg.shared > shared_cap) {
+        fprintf(stderr, "cudaemu: a launch asks %zu bytes of dynamic shared memory, above %zu\n",
+                cfg.shared, shared_cap);
+        return note(cudaErrorInvalidValue);
+    }
+    if (!cooperative) {
+        std::vector<char> dyn(cfg.shared);
+        /* last block first: a kernel that counts on block 0 running before
+         * the others (a race on a GPU) computes wrong here */
+        for (uint64_t k = blocks; k-- > 0;) {
+            uint3 bid = make_uint3((unsigned)(k % g.x), (unsigned)(k / g.x % g.y),
+                                   (unsigned)(k / ((uint64_t)g.x * g.y)));
+            run_block(cfg, bid, body, closure, NULL, dyn);
+        }
+        return cudaSuccess;
+    }
+    int per = threads <= 512 ? emu_blocks_per_sm : 1;
+    if (blocks > (uint64_t)(emu_sms * per))
+        return note(cudaErrorCooperativeLaunchTooLarge);
+    grid_state grid;
+    pthread_barrier_init(&grid.barrier, NULL, (unsigned)blocks);
+    std::vector<std::thread> team;
+    for (uint64_t k = 0; k < blocks; k++)
+        team.emplace_back([&, k] {
+            std::vector<char> dyn(cfg.shared);
+            uint3 bid = make_uint3((unsigned)(k % g.x), (unsigned)(k / g.x % g.y),
+                                   (unsigned)(k / ((uint64_t)g.x * g.y)));
+            run_block(cfg, bid, body, closure, &grid, dyn);
+        });
+    for (std::thread &th : team)
+        th.join();
+    pthread_barrier_destroy(&grid.barrier);
+    return cudaSuccess;
+}
+
+} // namespace cudaemu
+
+extern "C" void cudaemu_fiber_main(cudaemu::fiber *f)
+{
+    cudaemu::block_state *b = cudaemu::tl_block;
+    b->body(b->closure);
+    cudaemu::exit_fiber(b, f);
+    if (b->alive) {
+        cudaemu::enter(f->next);
+        cudaemu_switch(&f->sp, f->next->sp);
+    } else {
+        cudaemu_switch(&f->sp, b->sched_sp);
+    }
+    fatal("a finished CUDA thread was resumed");
+}
+
+/* ---- the runtime API ------------------------------------------------------ */
+
+extern "C" {
+
+cudaError_t cudaGetDeviceCount(int *count)
+{
+    int n = device_count();
+    if (!count)
+        return note(cudaErrorInvalidValue);
+    *count = n > 0 ? n : 0;
+    return n > 0 ? cudaSuccess : note(cudaErrorNoDevice);
+}
+
+cudaError_t cudaSetDevice(int device)
+{
+    if (device < 0 || device >= device_count())
+        return note(cudaErrorInvalidDevice);
+    current_device = device;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *device)
+{
+    if (!device)
+        return note(cudaErrorInvalidValue);
+    *device = current_device;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device)
+{
+    if (!prop)
+        return note(cudaErrorInvalidValue);
+    if (device < 0 || device >= device_count())
+        return note(cudaErrorInvalidDevice);
+    memset(prop, 0, sizeof *prop);
+    snprintf(prop->name, sizeof prop->name, "cudaemu (CUDA emulated on the CPU, tests only)");
+    prop->totalGlobalMem = (size_t)8 << 30;
+    prop->sharedMemPerBlock = emu_default_shared;
+    prop->sharedMemPerBlockOptin = emu_max_shared;
+    prop->warpSize = 32;
+    prop->maxThreadsPerBlock = 1024;
+    prop->maxThreadsDim[0] = prop->maxThreadsDim[1] = 1024;
+    prop->maxThreadsDim[2] = 64;
+    prop->maxGridSize[0] = 0x7fffffff;
+    prop->maxGridSize[1] = prop->maxGridSize[2] = 65535;
+    prop->multiProcessorCount = emu_sms;
+    prop->major = 9;
+    prop->cooperativeLaunch = 1;
+    prop->unifiedAddressing = 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device)
+{
+    if (!value)
+        return note(cudaErrorInvalidValue);
+    if (device < 0 || device >= device_count())
+        return note(cudaErrorInvalidDevice);
+    switch (attr) {
+    case cudaDevAttrCooperativeLaunch: *value = 1; break;
+    case cudaDevAttrMultiProcessorCount: *value = emu_sms; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)emu_max_shared; break;
+    case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
+    case cudaDevAttrWarpSize: *value = 32; break;
+    default: *value = 0; break;
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void *func,
+                                                          int block_size, size_t dynamic_shared)
+{
+    (void)func;
+    (void)dynamic_shared;
+    if (!blocks || block_size <= 0 || block_size > 1024)
+        return note(cudaErrorInvalidValue);
+    *blocks = block_size <= 512 ? emu_blocks_per_sm : 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFuncSetAttribute(const void *func, cudaFuncAttribute attr, int value)
+{
+    if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+        if (value < 0 || (size_t)value > emu_max_shared)
+            return note(cudaErrorInvalidValue);
+        std::lock_guard<std::mutex> g(attr_lock);
+        max_dynamic_shared[func] = (size_t)value;
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaLaunchCooperativeKernel(const void *func, dim3 grid, dim3 block, void **args,
+                                        size_t shared, cudaStream_t stream)
+{
+    cudaemu::invoker_fn invoke = NULL;
+    {
+        std::lock_guard<std::mutex> g(attr_lock);
+        auto it = invokers.find(func);
+        if (it != invokers.end())
+            invoke = it->second;
+    }
+    if (!invoke)
+        return note(cudaErrorInvalidDeviceFunction);
+    return invoke(func, cudaemu_cfg(grid, block, shared, stream), args);
+}
+
+cudaError_t cudaGetLastError(void)
+{
+    cudaError_t e = last_error;
+    last_error = cudaSuccess;
+    return e;
+}
+
+cudaError_t cudaPeekAtLastError(void)
+{
+    return last_error;
+}
+
+const char *cudaGetErrorName(cudaError_t e)
+{
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDeviceFunction: return "cudaErrorInvalidDeviceFunction";
+    case cudaErrorCooperativeLaunchTooLarge: return "cudaErrorCooperativeLaunchTooLarge";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    default: return "cudaErrorUnknown";
+    }
+}
+
+const char *cudaGetErrorString(cudaError_t e)
+{
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected (CUDAEMU_DEVICES=0)";
+    case cudaErrorInvalidDeviceFunction: return "invalid device function";
+    case cudaErrorCooperativeLaunchTooLarge: return "too many blocks in cooperative launch";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    default: return "unknown error";
+    }
+}
+
+cudaError_t cudaMalloc(void **p, size_t size)
+{
+    return note(allocate(p, size, MEM_DEVICE));
+}
+
+cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t stream)
+{
+    (void)stream;
+    return note(allocate(p, size, MEM_DEVICE));
+}
+
+cudaError_t cudaFree(void *p)
+{
+    return note(release(p, MEM_DEVICE));
+}
+
+cudaError_t cudaFreeAsync(void *p, cudaStream_t stream)
+{
+    (void)stream;
+    return note(release(p, MEM_DEVICE));
+}
+
+cudaError_t cudaHostAlloc(void **p, size_t size, unsigned flags)
+{
+    (void)flags;
+    return note(allocate(p, size, MEM_HOST));
+}
+
+cudaError_t cudaMallocHost(void **p, size_t size)
+{
+    return note(allocate(p, size, MEM_HOST));
+}
+
+cudaError_t cudaFreeHost(void *p)
+{
+    return note(release(p, MEM_HOST));
+}
+
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *attr, const void *p)
+{
+    if (!attr)
+        return note(cudaErrorInvalidValue);
+    memset(attr, 0, sizeof *attr);
+    uintptr_t base;
+    int partial;
+    const allocation *a = find_allocation(p, 1, &base, &partial);
+    if (!a) {
+        attr->type = cudaMemoryTypeUnregistered;
+        attr->device = -2;
+        return cudaSuccess;
+    }
+    attr->type = a->kind == MEM_DEVICE ? cudaMemoryTypeDevice : cudaMemoryTypeHost;
+    attr->device = 0;
+    attr->devicePointer = (void *)p;
+    attr->hostPointer = a->kind == MEM_HOST ? (void *)p : NULL;
+    return cudaSuccess;
+}
+
+static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
+{
+    if (!n)
+        return cudaSuccess;
+    int dst_dev = is_device(dst), src_dev = is_device(src);
+    switch (kind) {
+    case cudaMemcpyHostToHost: dst_dev = src_dev = 0; break;
+    case cudaMemcpyHostToDevice: dst_dev = 1, src_dev = 0; break;
+    case cudaMemcpyDeviceToHost: dst_dev = 0, src_dev = 1; break;
+    case cudaMemcpyDeviceToDevice: dst_dev = src_dev = 1; break;
+    case cudaMemcpyDefault: break;
+    default: return note(cudaErrorInvalidMemcpyDirection);
+    }
+    if (check_side(dst, n, dst_dev, "a copy's destination") ||
+        check_side(src, n, src_dev, "a copy's source"))
+        return note(cudaErrorInvalidValue);
+    memmove(dst, src, n);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
+{
+    return copy(dst, src, n, kind);
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind,
+                            cudaStream_t stream)
+{
+    (void)stream;
+    return copy(dst, src, n, kind);
+}
+
+cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
+                              size_t width, size_t height, cudaMemcpyKind kind, cudaStream_t stream)
+{
+    (void)stream;
+    if (width > dpitch || width > spitch)
+        return note(cudaErrorInvalidPitchValue);
+    for (size_t r = 0; r < height; r++) {
+        cudaError_t e = copy((char *)dst + r * dpitch, (const char *)src + r * spitch, width, kind);
+        if (e != cudaSuccess)
+            return e;
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void *p, int value, size_t n)
+{
+    if (n && check_side(p, n, 1, "a memset"))
+        return note(cudaErrorInvalidValue);
+    memset(p, value, n);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void *p, int value, size_t n, cudaStream_t stream)
+{
+    (void)stream;
+    return cudaMemset(p, value, n);
+}
+
+/* Streams and events: every call above runs to its end before it returns,
+ * so a stream is a name and synchronising is free. */
+cudaError_t cudaStreamCreate(cudaStream_t *s)
+{
+    if (!s)
+        return note(cudaErrorInvalidValue);
+    *s = (cudaStream_t)malloc(16);
+    return *s ? cudaSuccess : note(cudaErrorMemoryAllocation);
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
+{
+    (void)flags;
+    return cudaStreamCreate(s);
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t s)
+{
+    free(s);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t s)
+{
+    (void)s;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t s)
+{
+    (void)s;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize(void)
+{
+    return cudaSuccess;
+}
+
+struct emu_event {
+    struct timespec at;
+};
+
+cudaError_t cudaEventCreate(cudaEvent_t *e)
+{
+    if (!e)
+        return note(cudaErrorInvalidValue);
+    *e = (cudaEvent_t)calloc(1, sizeof(emu_event));
+    return *e ? cudaSuccess : note(cudaErrorMemoryAllocation);
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags)
+{
+    (void)flags;
+    return cudaEventCreate(e);
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t e)
+{
+    free(e);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
+{
+    (void)s;
+    if (!e)
+        return note(cudaErrorInvalidResourceHandle);
+    clock_gettime(CLOCK_MONOTONIC, &((emu_event *)e)->at);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t e)
+{
+    return e ? cudaSuccess : note(cudaErrorInvalidResourceHandle);
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t e)
+{
+    return e ? cudaSuccess : note(cudaErrorInvalidResourceHandle);
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
+{
+    (void)s;
+    (void)flags;
+    return e ? cudaSuccess : note(cudaErrorInvalidResourceHandle);
+}
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b)
+{
+    if (!ms || !a || !b)
+        return note(cudaErrorInvalidValue);
+    const struct timespec &x = ((emu_event *)a)->at, &y = ((emu_event *)b)->at;
+    *ms = (float)((y.tv_sec - x.tv_sec) * 1e3 + (y.tv_nsec - x.tv_nsec) / 1e6);
+    return cudaSuccess;
+}
+
+} // extern "C"
