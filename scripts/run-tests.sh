@@ -1,6 +1,8 @@
 #!/bin/sh
 # Sets up, builds and runs the whole test suite: the .clang-format check, a
-# -Werror build, a build without the BLAS codecs that is also a static+shared
+# -Werror build (with, where the CUDA toolkit is installed, the gpu suite's
+# programs run against the CUDA module compiled for the CPU emulator in
+# tests/cudaemu), a build without the BLAS codecs that is also a static+shared
 # build, the unit, fuzz, rdma and transport conformance suites under
 # ASan+UBSan and valgrind, and the libFuzzer targets for a few seconds each when clang is
 # present. Safe to run twice.
