@@ -21,6 +21,14 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define CUDAEMU_ASAN 1
+#else
+#define CUDAEMU_ASAN 0
+#endif
+
 namespace
 {
 
@@ -209,6 +217,7 @@ struct block_state {
     void *dyn;
     grid_state *grid;
     unsigned idle; /* resumptions since a thread last moved on */
+    fiber *first; /* the thread the block starts with */
 };
 
 #define CUDAEMU_TLS __thread __attribute__((tls_model("initial-exec")))
@@ -217,7 +226,7 @@ CUDAEMU_TLS fiber *tl_fiber;
 
 /* Fiber stacks, per OS thread, reused launch after launch; a guard page
  * under each, so that an overflow faults where it happens. */
-const size_t stack_bytes = 64 * 1024;
+const size_t stack_bytes = (CUDAEMU_ASAN ? 256 : 64) * 1024;
 struct stack_pool {
     char *base = NULL;
     size_t count = 0;
@@ -295,6 +304,40 @@ namespace cudaemu
 namespace
 {
 
+/* The stack a switch lands on, for AddressSanitizer (which must be told
+ * of every stack switch, or it reports the fibers' frames as overflows). */
+struct stack_span {
+    const void *bottom;
+    size_t size;
+};
+CUDAEMU_TLS const void *sched_bottom;
+CUDAEMU_TLS size_t sched_size;
+
+stack_span span_of(const fiber *f)
+{
+    if (!f)
+        return stack_span{sched_bottom, sched_size};
+    return stack_span{stacks.top(f->lin) - stack_bytes, stack_bytes};
+}
+
+/* Switches to fiber `to` (NULL: back to the scheduler's own stack),
+ * leaving the stack pointer to resume this one at *save. A fiber that
+ * exits passes dying = true. */
+void switch_to(void **save, const fiber *to, void *to_sp, bool dying)
+{
+#if CUDAEMU_ASAN
+    void *fake = NULL;
+    stack_span d = span_of(to);
+    __sanitizer_start_switch_fiber(dying ? NULL : &fake, d.bottom, d.size);
+    cudaemu_switch(save, to_sp);
+    __sanitizer_finish_switch_fiber(fake, NULL, NULL);
+#else
+    (void)to;
+    (void)dying;
+    cudaemu_switch(save, to_sp);
+#endif
+}
+
 void enter(fiber *f)
 {
     tl_fiber = f;
@@ -314,7 +357,7 @@ void yield()
     if (to == f)
         return;
     enter(to);
-    cudaemu_switch(&f->sp, to->sp);
+    switch_to(&f->sp, to, to->sp, false);
 }
 
 void release_block(block_state *b)
@@ -459,6 +502,11 @@ void run_block(const cudaemu_cfg &cfg, uint3 bid, body_fn body, void *closure, g
         f->ctx.lane = i & 31;
         /* the first switch pops r15..rbp (r12: the fiber) and returns to
          * cudaemu_fiber_start with the stack 16-byte aligned for its call */
+#if CUDAEMU_ASAN
+        /* the stack's last user exited without unwinding: its frames'
+         * redzones are still marked */
+        ASAN_UNPOISON_MEMORY_REGION(stacks.top(i) - stack_bytes, stack_bytes);
+#endif
         void **sp = (void **)(stacks.top(i) - 72);
         memset(sp, 0, 72);
         sp[3] = f;
@@ -470,8 +518,15 @@ void run_block(const cudaemu_cfg &cfg, uint3 bid, body_fn body, void *closure, g
         fibers[i].prev = &fibers[(i + n - 1) % n];
     }
     tl_block = &b;
-    enter(&fibers[0]);
-    cudaemu_switch(&b.sched_sp, fibers[0].sp); /* back when the last thread exits */
+    /* Thread n/2 goes first and the ring wraps: a block's threads run
+     * between sync points in the order n/2 .. n-1, 0 .. n/2-1. A missing
+     * __syncthreads then shows whichever way it goes: with thread 0 first,
+     * one that thread 0 writes before the others read would pass (they
+     * would always read after it), and with thread 0 last, one where they
+     * read before it overwrites. */
+    b.first = &fibers[n / 2];
+    enter(b.first);
+    switch_to(&b.sched_sp, b.first, b.first->sp, false); /* back when the last exits */
     tl_block = NULL;
     tl_fiber = NULL;
     cudaemu_tl_ctx = NULL;
@@ -534,13 +589,24 @@ cudaError_t launch(const void *kernel, const cudaemu_cfg &cfg, int cooperative, 
 extern "C" void cudaemu_fiber_main(cudaemu::fiber *f)
 {
     cudaemu::block_state *b = cudaemu::tl_block;
+#if CUDAEMU_ASAN
+    /* the first switch into this fiber: what it came from (the scheduler's
+     * stack, the first time on this OS thread) */
+    const void *from_bottom;
+    size_t from_size;
+    __sanitizer_finish_switch_fiber(NULL, &from_bottom, &from_size);
+    if (!cudaemu::sched_bottom && f == b->first) {
+        cudaemu::sched_bottom = from_bottom;
+        cudaemu::sched_size = from_size;
+    }
+#endif
     b->body(b->closure);
     cudaemu::exit_fiber(b, f);
     if (b->alive) {
         cudaemu::enter(f->next);
-        cudaemu_switch(&f->sp, f->next->sp);
+        cudaemu::switch_to(&f->sp, f->next, f->next->sp, true);
     } else {
-        cudaemu_switch(&f->sp, b->sched_sp);
+        cudaemu::switch_to(&f->sp, NULL, b->sched_sp, true);
     }
     fatal("a finished CUDA thread was resumed");
 }
