@@ -217,7 +217,7 @@ struct block_state {
     void *dyn;
     grid_state *grid;
     unsigned idle; /* resumptions since a thread last moved on */
-    fiber *first; /* the thread the block starts with */
+    fiber *first;  /* the thread the block starts with */
 };
 
 #define CUDAEMU_TLS __thread __attribute__((tls_model("initial-exec")))
@@ -232,9 +232,9 @@ struct stack_pool {
     size_t count = 0;
     char *top(size_t i)
     {
-        if (i >= count) {
-            if (base)
-                munmap(base, count * stack_bytes);
+        if (i >= 1024) /* launch() refuses larger blocks */
+            fatal("a block of more than 1024 threads");
+        if (!base) {
             size_t page = (size_t)sysconf(_SC_PAGESIZE);
             count = 1024;
             base = (char *)mmap(NULL, count * stack_bytes, PROT_READ | PROT_WRITE,
