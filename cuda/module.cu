@@ -26,6 +26,10 @@ int epipe_cuda_check(epipe_codec *c, cudaError_t e, const char *doing)
 {
     if (e == cudaSuccess)
         return EPIPE_OK;
+    /* The runtime also records every failed call as the thread's last
+     * error; reported here, it must not be taken by the next launch's
+     * cudaGetLastError() for that launch's own (a sticky error stays). */
+    cudaGetLastError();
     return epipe_cuda_fail(c, e == cudaErrorMemoryAllocation ? EPIPE_ENOMEM : EPIPE_EIO,
                            "%s: CUDA error while %s: %s (%s)", c->ops->name, doing,
                            cudaGetErrorName(e), cudaGetErrorString(e));
