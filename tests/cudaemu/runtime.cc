@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -41,6 +42,27 @@ namespace
     fprintf(stderr, "\n");
     va_end(ap);
     abort();
+}
+
+/* Fault injection (cudaemu_fail_at()): the n-th call that can fail (an
+ * allocation, a copy, a set, a launch, a synchronisation) fails once; with
+ * `sticky`, it and every fallible call after it fail with
+ * cudaErrorIllegalAddress, as every call does after a kernel faults. */
+std::atomic<long> fallible_calls{0}, fail_at{0};
+std::atomic<int> fail_sticky{0}, failed_sticky{0};
+
+/* cudaSuccess, or the error to return instead of doing the call */
+cudaError_t injected(cudaError_t kind)
+{
+    if (failed_sticky)
+        return cudaErrorIllegalAddress;
+    long n = ++fallible_calls;
+    if (!fail_at || n != fail_at)
+        return cudaSuccess;
+    if (!fail_sticky)
+        return kind;
+    failed_sticky = 1;
+    return cudaErrorIllegalAddress;
 }
 
 /* ---- memory ------------------------------------------------------------- */
@@ -87,6 +109,8 @@ cudaError_t allocate(void **out, size_t size, mem_kind kind)
 {
     if (!out)
         return cudaErrorInvalidValue;
+    if (cudaError_t e = injected(cudaErrorMemoryAllocation))
+        return e;
     size_t page = (size_t)sysconf(_SC_PAGESIZE), used = (size + 255) & ~(size_t)255;
     size_t span = (used + page - 1) / page * page + page;
     char *base = (char *)mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
@@ -153,6 +177,7 @@ int is_device(const void *p)
 /* ---- errors ------------------------------------------------------------- */
 
 thread_local cudaError_t last_error = cudaSuccess;
+
 
 cudaError_t note(cudaError_t e)
 {
@@ -546,6 +571,8 @@ cudaError_t launch(const void *kernel, const cudaemu_cfg &cfg, int cooperative, 
         if (it != max_dynamic_shared.end())
             shared_cap = it->second;
     }
+    if (cudaError_t e = injected(cudaErrorLaunchFailure))
+        return note(e);
     if (!threads || threads > 1024 || t.z > 64 || !blocks || g.x > 0x7fffffffu || g.y > 65535 ||
         g.z > 65535)
         return note(cudaErrorInvalidConfiguration);
@@ -614,6 +641,19 @@ extern "C" void cudaemu_fiber_main(cudaemu::fiber *f)
 /* ---- the runtime API ------------------------------------------------------ */
 
 extern "C" {
+
+void cudaemu_fail_at(long n, int sticky)
+{
+    fallible_calls = 0;
+    fail_sticky = sticky;
+    failed_sticky = 0;
+    fail_at = n;
+}
+
+long cudaemu_fallible_calls(void)
+{
+    return fallible_calls;
+}
 
 cudaError_t cudaGetDeviceCount(int *count)
 {
@@ -742,6 +782,8 @@ const char *cudaGetErrorName(cudaError_t e)
     case cudaErrorInvalidDeviceFunction: return "cudaErrorInvalidDeviceFunction";
     case cudaErrorCooperativeLaunchTooLarge: return "cudaErrorCooperativeLaunchTooLarge";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
     default: return "cudaErrorUnknown";
     }
 }
@@ -758,6 +800,8 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaErrorInvalidDeviceFunction: return "invalid device function";
     case cudaErrorCooperativeLaunchTooLarge: return "too many blocks in cooperative launch";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     default: return "unknown error";
     }
 }
@@ -824,6 +868,8 @@ static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kin
 {
     if (!n)
         return cudaSuccess;
+    if (cudaError_t e = injected(cudaErrorLaunchFailure))
+        return note(e);
     int dst_dev = is_device(dst), src_dev = is_device(src);
     switch (kind) {
     case cudaMemcpyHostToHost: dst_dev = src_dev = 0; break;
@@ -868,6 +914,8 @@ cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t 
 
 cudaError_t cudaMemset(void *p, int value, size_t n)
 {
+    if (cudaError_t e = injected(cudaErrorLaunchFailure))
+        return note(e);
     if (n && check_side(p, n, 1, "a memset"))
         return note(cudaErrorInvalidValue);
     memset(p, value, n);
@@ -905,7 +953,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 cudaError_t cudaStreamSynchronize(cudaStream_t s)
 {
     (void)s;
-    return cudaSuccess;
+    return note(injected(cudaErrorLaunchFailure));
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t s)
@@ -916,7 +964,7 @@ cudaError_t cudaStreamQuery(cudaStream_t s)
 
 cudaError_t cudaDeviceSynchronize(void)
 {
-    return cudaSuccess;
+    return note(injected(cudaErrorLaunchFailure));
 }
 
 struct emu_event {
@@ -954,7 +1002,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
 
 cudaError_t cudaEventSynchronize(cudaEvent_t e)
 {
-    return e ? cudaSuccess : note(cudaErrorInvalidResourceHandle);
+    return e ? note(injected(cudaErrorLaunchFailure)) : note(cudaErrorInvalidResourceHandle);
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t e)

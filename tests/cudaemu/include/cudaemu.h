@@ -46,6 +46,14 @@
 #define __shared__ static thread_local
 #define __launch_bounds__(...)
 
+/* For tests of error paths: the n-th CUDA call that can fail from now on
+ * (an allocation, a copy, a set, a launch, a synchronisation) fails, once
+ * (cudaErrorMemoryAllocation or cudaErrorLaunchFailure), or with `sticky`
+ * it and every such call after it (cudaErrorIllegalAddress, as after a
+ * kernel fault); n = 0 turns it off. The count of such calls since. */
+extern "C" void cudaemu_fail_at(long n, int sticky);
+extern "C" long cudaemu_fallible_calls(void);
+
 namespace cudaemu
 {
 /* The running CUDA thread. */

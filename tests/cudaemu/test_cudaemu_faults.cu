@@ -1,0 +1,207 @@
+/* CUDA errors mid-call, under the emulator (tests/cudaemu/): for each
+ * codec, every CUDA call an encode and a decode make is failed in turn
+ * (cudaemu_fail_at). Each failure must come back as EPIPE_ENOMEM or
+ * EPIPE_EIO with a message naming the CUDA error, from the call or from the
+ * next epipe_codec_synchronize(), never lost, never a crash or a hang; and
+ * the handle must work again once CUDA does (the same bytes as before,
+ * where the codec keeps no state between calls). Then a sticky error (as
+ * after a kernel fault): every later call fails the same way. Exit 77
+ * without the emulator's device. */
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <string>
+#include <vector>
+
+#include <epipe/epipe.h>
+
+#include "gpu_test.h"
+
+struct fault_case {
+    const char *spec;
+    std::vector<int64_t> shape;
+    int stateful; /* keeps state between calls (ef=1, warm starts, learning) */
+};
+
+static DLTensor tensor(int type, void *data, std::vector<int64_t> &shape)
+{
+    DLTensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.device.device_type = (DLDeviceType)type;
+    t.ndim = (int)shape.size();
+    t.shape = shape.data();
+    t.dtype.code = kDLFloat;
+    t.dtype.bits = 32;
+    t.dtype.lanes = 1;
+    return t;
+}
+
+/* The statuses of one encode (none without x), synchronize, decode (none
+ * without ref), synchronize; 1 when every failure among them is reported
+ * as the header promises. */
+static int round_trip(epipe_codec *c, DLTensor *x, uint8_t *payload, size_t cap, size_t *written,
+                      const uint8_t *ref, size_t ref_n, DLTensor *y, int rc[4], const char *what)
+{
+    rc[0] = x ? epipe_codec_encode(c, x, payload, cap, written) : EPIPE_OK;
+    std::string m0 = rc[0] ? epipe_codec_last_error(c) : "";
+    rc[1] = epipe_codec_synchronize(c);
+    std::string m1 = rc[1] ? epipe_codec_last_error(c) : "";
+    rc[2] = ref ? epipe_codec_decode(c, ref, ref_n, y) : EPIPE_OK;
+    std::string m2 = rc[2] ? epipe_codec_last_error(c) : "";
+    rc[3] = epipe_codec_synchronize(c);
+    std::string m3 = rc[3] ? epipe_codec_last_error(c) : "";
+    const std::string *msg[4] = {&m0, &m1, &m2, &m3};
+    int ok = 1;
+    for (int i = 0; i < 4; i++) {
+        if (rc[i] == EPIPE_OK)
+            continue;
+        int named = strstr(msg[i]->c_str(), "CUDA error while") != NULL;
+        CHECK((rc[i] == EPIPE_EIO || rc[i] == EPIPE_ENOMEM) && named,
+              "%s: call %d returned %d: %s", what, i, rc[i], msg[i]->c_str());
+        ok &= (rc[i] == EPIPE_EIO || rc[i] == EPIPE_ENOMEM) && named;
+    }
+    return ok;
+}
+
+static void sweep(const fault_case &fc)
+{
+    std::vector<int64_t> shape = fc.shape;
+    size_t n = 1;
+    for (int64_t d : shape)
+        n *= (size_t)d;
+    std::vector<float> x(n);
+    uint64_t s = n * 2654435761u + 7;
+    for (size_t i = 0; i < n; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        x[i] = (float)((double)(s >> 11) / 9007199254740992.0 - 0.5) * (float)(1 + i % 5);
+    }
+    epipe_codec *c;
+    if (epipe_codec_create(&c, fc.spec) != EPIPE_OK) {
+        printf("SKIP %s: %s\n", fc.spec, epipe_last_error());
+        return;
+    }
+    float *dx, *dy;
+    uint8_t *pin;
+    size_t cap = 0, wref = 0, w = 0;
+    CUDA_OK(cudaMalloc((void **)&dx, n * 4));
+    CUDA_OK(cudaMalloc((void **)&dy, n * 4));
+    CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+    DLTensor tx = tensor(kDLCUDA, dx, shape), ty = tensor(kDLCUDA, dy, shape);
+    CHECK(epipe_codec_max_encoded_size(c, &tx, &cap) == EPIPE_OK, "%s: size", fc.spec);
+    CUDA_OK(cudaHostAlloc((void **)&pin, cap, cudaHostAllocDefault));
+    std::vector<uint8_t> ref(cap);
+    std::vector<float> yref(n), y(n);
+
+    /* a clean run: the reference, and how many fallible calls it makes */
+    int rc[4];
+    cudaemu_fail_at(0, 0);
+    round_trip(c, &tx, pin, cap, &wref, NULL, 0, &ty, rc, fc.spec);
+    CHECK(rc[0] == EPIPE_OK && rc[1] == EPIPE_OK, "%s: clean encode: %s", fc.spec,
+          epipe_codec_last_error(c));
+    memcpy(ref.data(), pin, wref);
+    cudaemu_fail_at(0, 0);
+    round_trip(c, &tx, pin, cap, &w, ref.data(), wref, &ty, rc, fc.spec);
+    long calls = cudaemu_fallible_calls();
+    CUDA_OK(cudaMemcpy(yref.data(), dy, n * 4, cudaMemcpyDeviceToHost));
+    CHECK(calls > 0, "%s: no fallible CUDA calls", fc.spec);
+
+    int lost = 0;
+    for (long k = 1; k <= calls; k++) {
+        char what[200];
+        snprintf(what, sizeof what, "%s, CUDA call %ld of %ld failed", fc.spec, k, calls);
+        cudaemu_fail_at(k, 0);
+        round_trip(c, &tx, pin, cap, &w, ref.data(), wref, &ty, rc, what);
+        long made = cudaemu_fallible_calls();
+        cudaemu_fail_at(0, 0);
+        /* the failed call was made: some status must say so */
+        if (made >= k && !(rc[0] || rc[1] || rc[2] || rc[3])) {
+            CHECK(0, "%s: no call reported it", what);
+            lost++;
+        }
+        /* and the handle works again, with the same bytes */
+        round_trip(c, &tx, pin, cap, &w, NULL, 0, &ty, rc, what);
+        CHECK(rc[0] == EPIPE_OK && rc[1] == EPIPE_OK, "%s: encode after it: %s", what,
+              epipe_codec_last_error(c));
+        if (!fc.stateful && rc[0] == EPIPE_OK)
+            CHECK(w == wref && memcmp(pin, ref.data(), wref) == 0,
+                  "%s: the encode after it made other bytes", what);
+        round_trip(c, NULL, pin, cap, &w, ref.data(), wref, &ty, rc, what);
+        CHECK(rc[2] == EPIPE_OK && rc[3] == EPIPE_OK, "%s: decode after it: %s", what,
+              epipe_codec_last_error(c));
+        CUDA_OK(cudaMemcpy(y.data(), dy, n * 4, cudaMemcpyDeviceToHost));
+        if (!fc.stateful)
+            CHECK(memcmp(y.data(), yref.data(), n * 4) == 0,
+                  "%s: the decode after it made other floats", what);
+        if (lost > 3)
+            break;
+    }
+    printf("%-40s %ld CUDA calls failed in turn\n", fc.spec, calls);
+    CUDA_OK(cudaFreeHost(pin));
+    CUDA_OK(cudaFree(dx));
+    CUDA_OK(cudaFree(dy));
+    epipe_codec_destroy(c);
+}
+
+/* After a sticky error every call fails, naming it; nothing crashes. */
+static void sticky(void)
+{
+    std::vector<int64_t> shape = {4096};
+    epipe_codec *c;
+    CHECK(epipe_codec_create(&c, "quant:bits=8") == EPIPE_OK, "%s", epipe_last_error());
+    float *dx, *dy;
+    uint8_t *dev;
+    size_t cap = 0, w = 0;
+    CUDA_OK(cudaMalloc((void **)&dx, 4096 * 4));
+    CUDA_OK(cudaMalloc((void **)&dy, 4096 * 4));
+    CUDA_OK(cudaMemset(dx, 0, 4096 * 4));
+    DLTensor tx = tensor(kDLCUDA, dx, shape), ty = tensor(kDLCUDA, dy, shape);
+    CHECK(epipe_codec_max_encoded_size(c, &tx, &cap) == EPIPE_OK, "size");
+    CUDA_OK(cudaMalloc((void **)&dev, cap));
+    int rc[4];
+    cudaemu_fail_at(0, 0);
+    round_trip(c, &tx, dev, cap, &w, NULL, 0, &ty, rc, "sticky: clean");
+    CHECK(rc[0] == EPIPE_OK && rc[1] == EPIPE_OK, "sticky: clean encode");
+    size_t clean = w;
+    cudaemu_fail_at(2, 1);
+    for (int round = 0; round < 3; round++) {
+        round_trip(c, &tx, dev, cap, &w, dev, clean, &ty, rc, "after a sticky error");
+        CHECK(rc[0] || rc[1], "round %d: the encode after a sticky error succeeded", round);
+        CHECK(rc[2] || rc[3], "round %d: the decode after a sticky error succeeded", round);
+        CHECK(strstr(epipe_codec_last_error(c), "cudaErrorIllegalAddress") != NULL,
+              "round %d: the error does not name it: %s", round, epipe_codec_last_error(c));
+    }
+    cudaemu_fail_at(0, 0);
+    epipe_codec_destroy(c);
+    cudaFree(dev);
+    cudaFree(dx);
+    cudaFree(dy);
+}
+
+int main(void)
+{
+    gpu_test_devices_or_skip();
+    const fault_case cases[] = {
+        {"none", {5000}, 0},
+        {"cast:dtype=bf16", {5000}, 0},
+        {"quant:bits=8", {5000}, 0},
+        {"quant:bits=8", {70000}, 0}, /* the cooperative encode */
+        {"quant:bits=3,rows=1", {40, 125}, 0},
+        {"quant:bits=2,zero=1,group=25", {40, 125}, 0},
+        {"quant:bits=4,ef=1", {5000}, 1},
+        {"sortquant:bits=8,mode=sample", {5000}, 0},
+        {"sortquant:bits=8,mode=sample", {70000}, 0}, /* select, cooperative encode */
+        {"sortquant:bits=8", {5000}, 0},
+        {"sortquant:bits=4,mode=exact", {5000}, 0},
+        {"topk:ratio=0.1", {5000}, 0},
+        {"kmeans:bits=2", {5000}, 0},
+        {"poweriter:rank=2", {4, 16, 20}, 1},
+        {"insert:kind=linear,out=4", {10, 32}, 1},
+        {"insert:kind=conv,out=2,kernel=2", {2, 3, 8, 8}, 1},
+    };
+    for (const fault_case &fc : cases)
+        sweep(fc);
+    sticky();
+    return gpu_test_result();
+}
