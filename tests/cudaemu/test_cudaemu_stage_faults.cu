@@ -92,7 +92,8 @@ static void *run_rank(void *p)
     }
     if (rc) {
         if (!a->msg[0])
-            snprintf(a->msg, sizeof a->msg, "%s", st ? epipe_stage_last_error(st) : epipe_last_error());
+            snprintf(a->msg, sizeof a->msg, "%s",
+                     st ? epipe_stage_last_error(st) : epipe_last_error());
         epipe_comm_abort(a->comm); /* wakes the other rank */
     }
     a->rc = rc;
