@@ -199,6 +199,21 @@ EMU_EXPORT cudnnStatus_t cudnnGetConvolutionBackwardFilterAlgorithm_v7(
         return CUDNN_STATUS_BAD_PARAM;
     return one_algo(cap, n, perf);
 }
+/* cudnnFind*: the same one algorithm, "measured" */
+EMU_EXPORT cudnnStatus_t cudnnFindConvolutionForwardAlgorithm(
+    cudnnHandle_t h, cudnnTensorDescriptor_t x, cudnnFilterDescriptor_t w,
+    cudnnConvolutionDescriptor_t cv, cudnnTensorDescriptor_t y, int cap, int *n,
+    cudnnConvolutionFwdAlgoPerf_t *perf)
+{
+    return cudnnGetConvolutionForwardAlgorithm_v7(h, x, w, cv, y, cap, n, perf);
+}
+EMU_EXPORT cudnnStatus_t cudnnFindConvolutionBackwardDataAlgorithm(
+    cudnnHandle_t h, cudnnFilterDescriptor_t w, cudnnTensorDescriptor_t dy,
+    cudnnConvolutionDescriptor_t cv, cudnnTensorDescriptor_t dx, int cap, int *n,
+    cudnnConvolutionBwdDataAlgoPerf_t *perf)
+{
+    return cudnnGetConvolutionBackwardDataAlgorithm_v7(h, w, dy, cv, dx, cap, n, perf);
+}
 EMU_EXPORT cudnnStatus_t cudnnGetConvolutionForwardWorkspaceSize(
     cudnnHandle_t h, cudnnTensorDescriptor_t x, cudnnFilterDescriptor_t w,
     cudnnConvolutionDescriptor_t cv, cudnnTensorDescriptor_t y, cudnnConvolutionFwdAlgo_t a,
