@@ -82,35 +82,24 @@ class BlockScan
     TempStorage &s_;
 };
 
+/* The sum is a scan's aggregate. */
 template <class T, int BLOCK_DIM_X, BlockReduceAlgorithm ALGORITHM = BLOCK_REDUCE_WARP_REDUCTIONS,
           int BLOCK_DIM_Y = 1, int BLOCK_DIM_Z = 1, int ARCH = 0>
 class BlockReduce
 {
+    typedef BlockScan<T, BLOCK_DIM_X, BLOCK_SCAN_RAKING, BLOCK_DIM_Y, BLOCK_DIM_Z> scan_t;
+
   public:
-    enum { THREADS = BLOCK_DIM_X * BLOCK_DIM_Y * BLOCK_DIM_Z };
-    struct TempStorage {
-        T v[THREADS];
-        T total;
-    };
+    typedef typename scan_t::TempStorage TempStorage;
     explicit BlockReduce(TempStorage &s) : s_(s)
     {
     }
     /* valid in thread 0 (here in every thread, which CUB does not promise) */
     T Sum(T in)
     {
-        unsigned t = cudaemu_linear_tid();
-        s_.v[t] = in;
-        __syncthreads();
-        if (t == 0) {
-            T run = s_.v[0];
-            for (unsigned i = 1; i < THREADS; i++)
-                run = run + s_.v[i];
-            s_.total = run;
-        }
-        __syncthreads();
-        T r = s_.total;
-        __syncthreads();
-        return r;
+        T before, total;
+        scan_t(s_).ExclusiveSum(in, before, total);
+        return total;
     }
 
   private:
