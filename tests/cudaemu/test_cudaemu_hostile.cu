@@ -1,0 +1,197 @@
+/* Hostile payloads decoded on the GPU against the CPU, under the emulator
+ * (tests/cudaemu/): for each codec, valid payloads are mutated at random
+ * (bits flipped, bytes set, truncated, lengthened; mostly in the header
+ * and tables, where the checks are) and decoded by both backends. They must
+ * agree: both refuse it with the same status, or both accept it and write
+ * the same floats, bit for bit. The GPU decodes from pinned host memory or
+ * from device memory by turns, and a refusal may come from the call or
+ * from the next synchronize (the deferred checks). A differential fuzz of
+ * the CUDA decoders, whose host checks and kernels no libFuzzer target
+ * reaches. EPIPE_HOSTILE_ROUNDS: rounds a codec (2000). Exit 77 without
+ * the emulator's device. */
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+#include <epipe/epipe.h>
+
+#include "gpu_test.h"
+
+static uint64_t rng = 0x243f6a8885a308d3ull;
+static uint64_t next_random(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+
+static DLTensor tensor(int type, void *data, int64_t *shape, int ndim)
+{
+    DLTensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.device.device_type = (DLDeviceType)type;
+    t.ndim = ndim;
+    t.shape = shape;
+    t.dtype.code = kDLFloat;
+    t.dtype.bits = 32;
+    t.dtype.lanes = 1;
+    return t;
+}
+
+/* One mutation of p (length n, at most cap); its description in what. */
+static size_t mutate(uint8_t *p, size_t n, size_t cap, char *what, size_t wcap)
+{
+    /* mostly the first 96 bytes: the header, the tables, topk's first entries */
+    size_t span = n < 96 || next_random() % 4 == 0 ? n : 96;
+    size_t at = span ? next_random() % span : 0;
+    switch (next_random() % 6) {
+    case 0:
+    case 1: {
+        unsigned bit = (unsigned)(next_random() % 8);
+        if (n)
+            p[at] ^= (uint8_t)(1u << bit);
+        snprintf(what, wcap, "bit %u of byte %zu flipped", bit, at);
+        return n;
+    }
+    case 2: {
+        static const uint8_t vals[] = {0x00, 0xff, 0x7f, 0x80, 0x01};
+        uint8_t v = next_random() % 2 ? vals[next_random() % 5] : (uint8_t)next_random();
+        if (n)
+            p[at] = v;
+        snprintf(what, wcap, "byte %zu set to %#x", at, v);
+        return n;
+    }
+    case 3: { /* a float of a table set to something extreme */
+        static const uint32_t f[] = {0x7fc00000u, 0x7f800000u, 0xff800000u, 0x80000000u,
+                                     0x00000001u, 0x7f7fffffu};
+        uint32_t v = f[next_random() % 6];
+        size_t a = n >= 4 ? (at & ~(size_t)3) % (n - 3) : 0;
+        if (n >= 4)
+            memcpy(p + a, &v, 4);
+        snprintf(what, wcap, "bytes %zu..%zu set to the float bits %#x", a, a + 3, v);
+        return n;
+    }
+    case 4: {
+        size_t m = n ? next_random() % n : 0;
+        snprintf(what, wcap, "truncated from %zu to %zu bytes", n, m);
+        return m;
+    }
+    default: {
+        size_t m = n + 1 + next_random() % 16;
+        m = m > cap ? cap : m;
+        for (size_t i = n; i < m; i++)
+            p[i] = (uint8_t)next_random();
+        snprintf(what, wcap, "lengthened from %zu to %zu bytes", n, m);
+        return m;
+    }
+    }
+}
+
+static void differential(const char *spec, int64_t rows, int64_t cols, int rounds)
+{
+    int64_t shape[2] = {rows, cols};
+    size_t n = (size_t)(rows * cols);
+    std::vector<float> x(n), yc(n), yg(n);
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)((i * 2654435761u) % 4001) / 1000.0f - 2.0f + (i % 17 == 0 ? 30.0f : 0.0f);
+    epipe_codec *cpu, *gpu;
+    if (epipe_codec_create(&cpu, spec) != EPIPE_OK) {
+        printf("SKIP %s: %s\n", spec, epipe_last_error());
+        return;
+    }
+    CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    DLTensor hx = tensor(kDLCPU, x.data(), shape, 2), hy = tensor(kDLCPU, yc.data(), shape, 2);
+    size_t cap = 0, w = 0;
+    CHECK(epipe_codec_max_encoded_size(cpu, &hx, &cap) == EPIPE_OK, "%s: size", spec);
+    cap += 32; /* room to lengthen */
+    std::vector<uint8_t> good(cap), bad(cap);
+    CHECK(epipe_codec_encode(cpu, &hx, good.data(), cap, &w) == EPIPE_OK, "%s: encode: %s", spec,
+          epipe_codec_last_error(cpu));
+    float *dy;
+    uint8_t *pin, *dev;
+    CUDA_OK(cudaMalloc((void **)&dy, n * 4));
+    CUDA_OK(cudaHostAlloc((void **)&pin, cap, cudaHostAllocDefault));
+    CUDA_OK(cudaMalloc((void **)&dev, cap));
+    DLTensor dd = tensor(kDLCUDA, dy, shape, 2);
+    int refused = 0, accepted = 0, disagreed = 0;
+    for (int r = 0; r < rounds && disagreed < 5; r++) {
+        memcpy(bad.data(), good.data(), w);
+        char what[160];
+        size_t m = mutate(bad.data(), w, cap, what, sizeof what);
+        if (next_random() % 3 == 0) { /* two mutations */
+            char more[160];
+            m = mutate(bad.data(), m, cap, more, sizeof more);
+            snprintf(what + strlen(what), sizeof what - strlen(what), ", then %s", more);
+        }
+        int rc_c = epipe_codec_decode(cpu, bad.data(), m, &hy);
+        int on_device = r % 2;
+        uint8_t *p = on_device ? dev : pin;
+        CUDA_OK(cudaMemcpy(p, bad.data(), m ? m : 1, cudaMemcpyDefault));
+        CUDA_OK(cudaMemset(dy, 0xcd, n * 4));
+        int rc_g = epipe_codec_decode(gpu, p, m, &dd);
+        int rc_s = epipe_codec_synchronize(gpu);
+        int rc = rc_g ? rc_g : rc_s;
+        if (rc_g && rc_s)
+            CHECK(0, "%s: %s: a refused decode left a deferred error %d", spec, what, rc_s);
+        if (rc_c != rc) {
+            CHECK(0, "%s (%s payload): %s: the CPU returns %d (%s), the GPU %d (%s)", spec,
+                  on_device ? "device" : "pinned", what, rc_c,
+                  rc_c ? epipe_codec_last_error(cpu) : "", rc,
+                  rc ? epipe_codec_last_error(gpu) : "");
+            disagreed++;
+            continue;
+        }
+        if (rc) {
+            refused++;
+            continue;
+        }
+        accepted++;
+        CUDA_OK(cudaMemcpy(yg.data(), dy, n * 4, cudaMemcpyDeviceToHost));
+        if (memcmp(yc.data(), yg.data(), n * 4)) {
+            size_t i = 0;
+            while (!memcmp(&yc[i], &yg[i], 4))
+                i++;
+            CHECK(0, "%s (%s payload): %s: both accept it, and value %zu is %a on the CPU, %a on "
+                     "the GPU",
+                  spec, on_device ? "device" : "pinned", what, i, (double)yc[i], (double)yg[i]);
+            disagreed++;
+        }
+    }
+    printf("%-36s %4d refused by both, %4d accepted by both with the same floats\n", spec, refused,
+           accepted);
+    CUDA_OK(cudaFree(dy));
+    CUDA_OK(cudaFreeHost(pin));
+    CUDA_OK(cudaFree(dev));
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+}
+
+int main(void)
+{
+    gpu_test_devices_or_skip();
+    const char *env = getenv("EPIPE_HOSTILE_ROUNDS");
+    int rounds = env && atoi(env) > 0 ? atoi(env) : 2000;
+    const char *specs[] = {"none",
+                           "cast:dtype=fp16",
+                           "cast:dtype=bf16",
+                           "quant:bits=8",
+                           "quant:bits=3",
+                           "quant:bits=4,zero=1",
+                           "sortquant:bits=8,mode=sample",
+                           "sortquant:bits=4",
+                           "sortquant:bits=8,mode=exact",
+                           "sortquant:bits=12,split=6,mode=sample",
+                           "topk:ratio=0.1",
+                           "topk:ratio=0.01",
+                           "kmeans:bits=2",
+                           "kmeans:bits=4"};
+    for (const char *s : specs)
+        differential(s, 40, 125, rounds);
+    differential("quant:bits=4,rows=1", 40, 125, rounds);
+    differential("quant:bits=2,group=25", 40, 125, rounds);
+    return gpu_test_result();
+}
