@@ -1,15 +1,24 @@
-/* Hostile payloads decoded on the GPU against the CPU, under the emulator
- * (tests/cudaemu/): for each codec, valid payloads are mutated at random
- * (bits flipped, bytes set, truncated, lengthened; mostly in the header
- * and tables, where the checks are) and decoded by both backends. They must
- * agree: both refuse it with the same status, or both accept it and write
- * the same floats, bit for bit. The GPU decodes from pinned host memory or
- * from device memory by turns, and a refusal may come from the call or
- * from the next synchronize (the deferred checks). A differential fuzz of
- * the CUDA decoders, whose host checks and kernels no libFuzzer target
- * reaches. EPIPE_HOSTILE_ROUNDS: rounds a codec (2000). Exit 77 without
- * the emulator's device. */
+/* Hostile payloads decoded on the GPU against the CPU, and extreme tensors
+ * encoded by both, under the emulator (tests/cudaemu/): a differential
+ * fuzz of the CUDA module's payload checks and kernels, which no libFuzzer
+ * target reaches.
+ *
+ * Decoders: for each codec, valid payloads are mutated at random (bits
+ * flipped, bytes set, truncated, lengthened; mostly in the header and
+ * tables, where the checks are) and decoded by both backends, the GPU from
+ * pinned host memory and from device memory by turns. Both must refuse a
+ * payload with the same status (the GPU's may come from the next
+ * synchronize: the deferred checks), or both accept it and write the same
+ * floats, bit for bit. EPIPE_HOSTILE_ROUNDS: rounds a codec (2000).
+ *
+ * Encoders: tensors of constants, zeros of both signs, subnormals, huge
+ * outliers, ties and the odd NaN or infinity, 1 to 70,000 values, encoded
+ * by both: the same status, and the same bytes when both accept.
+ * EPIPE_HOSTILE_ENCODES: rounds a codec (24).
+ *
+ * Exit 77 without the emulator's device. */
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,6 +179,99 @@ static void differential(const char *spec, int64_t rows, int64_t cols, int round
     epipe_codec_destroy(gpu);
 }
 
+/* Tensors at the edges, for the encoders: constants, mostly zeros, zeros
+ * of both signs, subnormals, huge outliers, heavy ties, and now and then a
+ * NaN or an infinity; sizes from 1 to past the cooperative paths' 64K. */
+static size_t extreme_tensor(std::vector<float> &x, int64_t cols, char *what, size_t wcap)
+{
+    static const size_t sizes[] = {1, 2, 7, 8, 9, 250, 1000, 4096, 5000, 65536, 70000};
+    size_t n = sizes[next_random() % (sizeof sizes / sizeof *sizes)];
+    n = (n + (size_t)cols - 1) / (size_t)cols * (size_t)cols; /* whole rows */
+    x.resize(n);
+    unsigned kind = (unsigned)(next_random() % 8);
+    static const char *const kinds[] = {"a constant", "mostly zeros", "zeros of both signs",
+                                        "subnormals", "huge outliers", "heavy ties",
+                                        "spread over 60 binades", "uniform"};
+    float c = (float)((int)(next_random() % 7) - 3) * 0.75f;
+    for (size_t i = 0; i < n; i++) {
+        float u = (float)((double)(next_random() >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
+        switch (kind) {
+        case 0: x[i] = c; break;
+        case 1: x[i] = next_random() % 50 ? 0.0f : u; break;
+        case 2: x[i] = next_random() % 2 ? 0.0f : -0.0f; break;
+        case 3: x[i] = u * 1e-40f; break;
+        case 4: x[i] = next_random() % 100 ? u : u * 3e37f; break;
+        case 5: x[i] = (float)(int)(u * 3.0f); break;
+        case 6: x[i] = u * ldexpf(1.0f, (int)(next_random() % 60) - 30); break;
+        default: x[i] = u; break;
+        }
+    }
+    int special = next_random() % 8 == 0;
+    if (special) {
+        static const float sp[] = {NAN, INFINITY, -INFINITY};
+        x[next_random() % n] = sp[next_random() % 3];
+    }
+    snprintf(what, wcap, "%zu values, %s%s", n, kinds[kind], special ? ", one not finite" : "");
+    return n;
+}
+
+/* Encodes extreme tensors with both backends: the same status, and the
+ * same bytes when both accept. */
+static void differential_encode(const char *spec, int64_t cols, int rounds)
+{
+    epipe_codec *cpu, *gpu;
+    if (epipe_codec_create(&cpu, spec) != EPIPE_OK) {
+        printf("SKIP %s: %s\n", spec, epipe_last_error());
+        return;
+    }
+    CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    std::vector<float> x;
+    std::vector<uint8_t> pc, pg;
+    int refused = 0, same = 0, disagreed = 0;
+    for (int r = 0; r < rounds && disagreed < 5; r++) {
+        char what[120];
+        size_t n = extreme_tensor(x, cols, what, sizeof what);
+        int64_t shape[2] = {(int64_t)n / cols, cols};
+        DLTensor hx = tensor(kDLCPU, x.data(), shape, 2);
+        size_t cap = 0, wc = 0, wg = 0;
+        CHECK(epipe_codec_max_encoded_size(cpu, &hx, &cap) == EPIPE_OK, "%s: size", spec);
+        pc.resize(cap);
+        pg.resize(cap);
+        float *dx;
+        uint8_t *pin;
+        CUDA_OK(cudaMalloc((void **)&dx, n * 4));
+        CUDA_OK(cudaHostAlloc((void **)&pin, cap, cudaHostAllocDefault));
+        CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+        DLTensor dxt = tensor(kDLCUDA, dx, shape, 2);
+        int rc_c = epipe_codec_encode(cpu, &hx, pc.data(), cap, &wc);
+        int rc_g = epipe_codec_encode(gpu, &dxt, pin, cap, &wg);
+        int rc_s = epipe_codec_synchronize(gpu);
+        int rc = rc_g ? rc_g : rc_s;
+        if (rc_c != rc) {
+            CHECK(0, "%s: %s: the CPU returns %d (%s), the GPU %d (%s)", spec, what, rc_c,
+                  rc_c ? epipe_codec_last_error(cpu) : "", rc,
+                  rc ? epipe_codec_last_error(gpu) : "");
+            disagreed++;
+        } else if (rc) {
+            refused++;
+        } else if (wc != wg || memcmp(pc.data(), pin, wc)) {
+            size_t i = 0;
+            while (i < wc && i < wg && pc[i] == pin[i])
+                i++;
+            CHECK(0, "%s: %s: both accept it; payloads of %zu and %zu bytes differ first at %zu",
+                  spec, what, wc, wg, i);
+            disagreed++;
+        } else {
+            same++;
+        }
+        CUDA_OK(cudaFree(dx));
+        CUDA_OK(cudaFreeHost(pin));
+    }
+    printf("%-36s %4d refused by both, %4d encoded to the same bytes\n", spec, refused, same);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+}
+
 int main(void)
 {
     gpu_test_devices_or_skip();
@@ -193,5 +295,13 @@ int main(void)
         differential(s, 40, 125, rounds);
     differential("quant:bits=4,rows=1", 40, 125, rounds);
     differential("quant:bits=2,group=25", 40, 125, rounds);
+    /* the encoders on extreme tensors (25 values a row for rows=1 and
+     * group=25); fewer rounds: the tensors are larger */
+    env = getenv("EPIPE_HOSTILE_ENCODES");
+    int encodes = env && atoi(env) > 0 ? atoi(env) : 24;
+    for (const char *s : specs)
+        differential_encode(s, 1, encodes);
+    differential_encode("quant:bits=4,rows=1", 25, encodes);
+    differential_encode("quant:bits=2,group=25,zero=1", 25, encodes);
     return gpu_test_result();
 }
