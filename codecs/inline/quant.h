@@ -26,10 +26,13 @@ EPIPE_HD uint32_t epipe_hd_q_level(float x, float min, float inv, float levels)
 /* The step for a chunk spanning [min, max] with `levels` steps: 0 when
  * max == min, otherwise (max - min) / levels rounded to float, at least
  * FLT_MIN (so 1/step is finite) and small enough that min + levels * step
- * is finite. min and max must be finite (else the loop would not end). */
+ * is finite. 0 too when min or max is not finite: the CPU never asks, but
+ * a CUDA encode builds its tables before its deferred check refuses the
+ * input, and with min = -inf the search below would never end (a hung
+ * kernel, found by tests/cudaemu's hostile-emu). */
 EPIPE_HD float epipe_hd_q_step(float min, float max, float levels)
 {
-    if (!(max > min))
+    if (!(max > min) || !epipe_hd_finite(min) || !epipe_hd_finite(max))
         return 0.0f;
     double s = ((double)max - (double)min) / (double)levels;
     float f = s < (double)FLT_MAX ? (float)s : FLT_MAX;

@@ -488,6 +488,36 @@ static void deferred_nonfinite(const char *spec, size_t n = 5000)
     cudaFree(d);
 }
 
+/* One infinity alone, of either sign: refused by synchronize, naming it,
+ * and never a hang (a chunk whose extent reached -inf once made the table
+ * kernel's step search loop forever: exact mode sorts every value, the
+ * infinities too). */
+static void deferred_infinity(const char *spec, float inf, size_t n = 5000)
+{
+    std::vector<float> x(n);
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)(i % 97) - 48.0f;
+    x[n / 3] = inf;
+    int64_t shape[1] = {(int64_t)n};
+    epipe_codec *g;
+    epipe_codec_create(&g, spec);
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&d, n * 4));
+    CUDA_OK(cudaMemcpy(d, x.data(), n * 4, cudaMemcpyHostToDevice));
+    DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+    std::vector<uint8_t> p(n * 4 + 64);
+    size_t w;
+    char want[64];
+    snprintf(want, sizeof want, "index %zu is %s", n / 3, inf > 0 ? "+inf" : "-inf");
+    int rc = epipe_codec_encode(g, &ds, p.data(), p.size(), &w);
+    if (rc == EPIPE_OK)
+        rc = epipe_codec_synchronize(g);
+    CHECK(rc == EPIPE_EINVAL && strstr(epipe_codec_last_error(g), want), "%s: %s: %d '%s'", spec,
+          want, rc, epipe_codec_last_error(g));
+    epipe_codec_destroy(g);
+    cudaFree(d);
+}
+
 /* A corrupt table is refused before any kernel runs (the body is host
  * memory), with the CPU's status. */
 static void hostile_table(void)
@@ -1034,6 +1064,12 @@ int main(void)
     /* past 64K values: quant's and sample mode's cooperative launches */
     deferred_nonfinite("quant:bits=8", 200000);
     deferred_nonfinite("sortquant:bits=8,mode=sample", 200000);
+    for (const char *s : {"quant:bits=8", "quant:bits=4,rows=1", "sortquant:bits=8,mode=sample",
+                          "sortquant:bits=8,mode=fit", "sortquant:bits=8,mode=exact",
+                          "sortquant:bits=12,split=6,mode=exact", "topk:ratio=0.1"})
+        for (float inf : {-INFINITY, INFINITY})
+            deferred_infinity(s, inf);
+    deferred_infinity("sortquant:bits=8,mode=sample", -INFINITY, 200000);
     kmeans_refuses_nonfinite(5000);   /* the fit on all values */
     kmeans_refuses_nonfinite(300000); /* the fit on the sample */
     gpu_test_part("rows and groups");
