@@ -178,7 +178,6 @@ int is_device(const void *p)
 
 thread_local cudaError_t last_error = cudaSuccess;
 
-
 cudaError_t note(cudaError_t e)
 {
     if (e != cudaSuccess)
@@ -189,7 +188,11 @@ cudaError_t note(cudaError_t e)
 /* ---- the device --------------------------------------------------------- */
 
 const int emu_sms = 3; /* an odd number of blocks in cooperative launches */
-const int emu_blocks_per_sm = 2;
+/* Blocks of `threads` one "SM" holds at once (cooperative launches). */
+int blocks_per_sm(uint64_t threads)
+{
+    return threads <= 512 ? 2 : 1;
+}
 const size_t emu_default_shared = 48 * 1024, emu_max_shared = 227 * 1024;
 thread_local int current_device = 0;
 
@@ -253,15 +256,14 @@ CUDAEMU_TLS fiber *tl_fiber;
  * under each, so that an overflow faults where it happens. */
 const size_t stack_bytes = (CUDAEMU_ASAN ? 256 : 64) * 1024;
 struct stack_pool {
+    static const size_t count = 1024; /* launch() refuses larger blocks */
     char *base = NULL;
-    size_t count = 0;
     char *top(size_t i)
     {
-        if (i >= 1024) /* launch() refuses larger blocks */
-            fatal("a block of more than 1024 threads");
+        if (i >= count)
+            fatal("a block of more than %zu threads", count);
         if (!base) {
             size_t page = (size_t)sysconf(_SC_PAGESIZE);
-            count = 1024;
             base = (char *)mmap(NULL, count * stack_bytes, PROT_READ | PROT_WRITE,
                                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
             if (base == MAP_FAILED)
@@ -413,9 +415,14 @@ void block_barrier(bool grid)
             yield();
 }
 
-void release_warp(block_state *b, warp_state *w)
+/* Every lane of the exchange's mask that has not exited has arrived. */
+bool warp_met(const warp_state *w)
 {
-    (void)b;
+    return (w->arrived & w->alive & w->mask) == (w->alive & w->mask);
+}
+
+void release_warp(warp_state *w)
+{
     w->arrived = 0;
     w->gen++;
 }
@@ -461,8 +468,8 @@ const warp_view &warp_exchange(unsigned mask, uint64_t v)
     view->in |= 1u << l;
     b->idle = 0;
     w->arrived |= 1u << l;
-    if ((w->arrived & w->alive & w->mask) == (w->alive & w->mask))
-        release_warp(b, w);
+    if (warp_met(w))
+        release_warp(w);
     else
         while (w->gen == g)
             yield();
@@ -487,8 +494,8 @@ void exit_fiber(block_state *b, fiber *f)
     f->next->prev = f->prev;
     warp_state *w = &b->warps[f->lin >> 5];
     w->alive &= ~(1u << (f->lin & 31));
-    if (w->arrived && (w->arrived & w->alive & w->mask) == (w->alive & w->mask))
-        release_warp(b, w);
+    if (w->arrived && warp_met(w))
+        release_warp(w);
     if (b->bar_arrived && b->bar_arrived == b->alive)
         release_block(b);
 }
@@ -592,8 +599,7 @@ cudaError_t launch(const void *kernel, const cudaemu_cfg &cfg, int cooperative, 
         }
         return cudaSuccess;
     }
-    int per = threads <= 512 ? emu_blocks_per_sm : 1;
-    if (blocks > (uint64_t)(emu_sms * per))
+    if (blocks > (uint64_t)(emu_sms * blocks_per_sm(threads)))
         return note(cudaErrorCooperativeLaunchTooLarge);
     grid_state grid;
     pthread_barrier_init(&grid.barrier, NULL, (unsigned)blocks);
@@ -728,7 +734,7 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const voi
     (void)dynamic_shared;
     if (!blocks || block_size <= 0 || block_size > 1024)
         return note(cudaErrorInvalidValue);
-    *blocks = block_size <= 512 ? emu_blocks_per_sm : 1;
+    *blocks = blocks_per_sm((uint64_t)block_size);
     return cudaSuccess;
 }
 

@@ -130,8 +130,20 @@ template <class K> static inline uint64_t cudaemu_radix_key(K k)
     }
 }
 
-/* A scratch size for the first call; the second checks it was given. */
+/* CUB's two calls: the first (temp NULL) asks the scratch size, which is
+ * answered, *sized set; the second must give that much. */
 static const size_t cudaemu_temp_bytes = 64;
+template <class N>
+static inline cudaError_t cudaemu_temp(const void *temp, size_t &temp_bytes, N num_items,
+                                       bool *sized)
+{
+    *sized = !temp;
+    if (!temp) {
+        temp_bytes = cudaemu_temp_bytes;
+        return cudaSuccess;
+    }
+    return temp_bytes < cudaemu_temp_bytes || num_items < 0 ? cudaErrorInvalidValue : cudaSuccess;
+}
 
 struct DeviceRadixSort {
     template <class K, class V, class N>
@@ -140,12 +152,10 @@ struct DeviceRadixSort {
                                  int end_bit = sizeof(K) * 8, cudaStream_t stream = 0)
     {
         (void)stream;
-        if (!temp) {
-            temp_bytes = cudaemu_temp_bytes;
-            return cudaSuccess;
-        }
-        if (temp_bytes < cudaemu_temp_bytes || num_items < 0)
-            return cudaErrorInvalidValue;
+        bool sized;
+        cudaError_t e = cudaemu_temp(temp, temp_bytes, num_items, &sized);
+        if (sized || e != cudaSuccess)
+            return e;
         size_t n = (size_t)num_items;
         uint64_t mask = end_bit - begin_bit >= 64 ? ~0ull : ((1ull << (end_bit - begin_bit)) - 1);
         std::vector<size_t> order(n);
@@ -183,12 +193,10 @@ struct DeviceSelect {
                           N num_items, Op select_op, cudaStream_t stream = 0)
     {
         (void)stream;
-        if (!temp) {
-            temp_bytes = cudaemu_temp_bytes;
-            return cudaSuccess;
-        }
-        if (temp_bytes < cudaemu_temp_bytes || num_items < 0)
-            return cudaErrorInvalidValue;
+        bool sized;
+        cudaError_t e = cudaemu_temp(temp, temp_bytes, num_items, &sized);
+        if (sized || e != cudaSuccess)
+            return e;
         size_t k = 0;
         for (size_t i = 0; i < (size_t)num_items; i++)
             if (select_op(in[i]))
