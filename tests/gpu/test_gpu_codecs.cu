@@ -464,22 +464,33 @@ static void kmeans_refuses_nonfinite(size_t n)
     cudaFree(d);
 }
 
+/* x copied to the device and encoded there into p by a fresh handle of
+ * spec (in *g, with the device copy in *d: the caller synchronizes, and
+ * keeps p until then, and frees both); the encode's status. */
+static int encode_on_device(const char *spec, const std::vector<float> &x,
+                            std::vector<uint8_t> &p, epipe_codec **g, float **d)
+{
+    size_t n = x.size();
+    int64_t shape[1] = {(int64_t)n};
+    epipe_codec_create(g, spec);
+    CUDA_OK(cudaMalloc((void **)d, n * 4));
+    CUDA_OK(cudaMemcpy(*d, x.data(), n * 4, cudaMemcpyHostToDevice));
+    DLTensor ds = tensor(kDLCUDA, *d, shape, 32, kDLFloat);
+    p.resize(n * 4 + 64);
+    size_t w;
+    return epipe_codec_encode(*g, &ds, p.data(), p.size(), &w);
+}
+
 /* A NaN surfaces at synchronize with the CPU's message. */
 static void deferred_nonfinite(const char *spec, size_t n = 5000)
 {
     std::vector<float> x(n, 1.0f);
     x[3001] = NAN;
     x[4000] = INFINITY;
-    int64_t shape[1] = {(int64_t)n};
+    std::vector<uint8_t> p;
     epipe_codec *g;
-    epipe_codec_create(&g, spec);
     float *d;
-    CUDA_OK(cudaMalloc((void **)&d, n * 4));
-    CUDA_OK(cudaMemcpy(d, x.data(), n * 4, cudaMemcpyHostToDevice));
-    DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
-    std::vector<uint8_t> p(n * 4 + 64);
-    size_t w;
-    CHECK(epipe_codec_encode(g, &ds, p.data(), p.size(), &w) == EPIPE_OK, "enqueue");
+    CHECK(encode_on_device(spec, x, p, &g, &d) == EPIPE_OK, "enqueue");
     CHECK(epipe_codec_synchronize(g) == EPIPE_EINVAL, "%s: deferred NaN not reported", spec);
     CHECK(strstr(epipe_codec_last_error(g), "index 3001 is NaN") != NULL, "%s: message '%s'", spec,
           epipe_codec_last_error(g));
@@ -498,18 +509,12 @@ static void deferred_infinity(const char *spec, float inf, size_t n = 5000)
     for (size_t i = 0; i < n; i++)
         x[i] = (float)(i % 97) - 48.0f;
     x[n / 3] = inf;
-    int64_t shape[1] = {(int64_t)n};
-    epipe_codec *g;
-    epipe_codec_create(&g, spec);
-    float *d;
-    CUDA_OK(cudaMalloc((void **)&d, n * 4));
-    CUDA_OK(cudaMemcpy(d, x.data(), n * 4, cudaMemcpyHostToDevice));
-    DLTensor ds = tensor(kDLCUDA, d, shape, 32, kDLFloat);
-    std::vector<uint8_t> p(n * 4 + 64);
-    size_t w;
     char want[64];
     snprintf(want, sizeof want, "index %zu is %s", n / 3, inf > 0 ? "+inf" : "-inf");
-    int rc = epipe_codec_encode(g, &ds, p.data(), p.size(), &w);
+    std::vector<uint8_t> p;
+    epipe_codec *g;
+    float *d;
+    int rc = encode_on_device(spec, x, p, &g, &d);
     if (rc == EPIPE_OK)
         rc = epipe_codec_synchronize(g);
     CHECK(rc == EPIPE_EINVAL && strstr(epipe_codec_last_error(g), want), "%s: %s: %d '%s'", spec,
