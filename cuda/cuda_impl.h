@@ -71,14 +71,6 @@ int epipe_cuda_fail(epipe_codec *c, int status, const char *fmt, ...)
 /* EPIPE_ENOMEM for allocation errors, else EPIPE_EIO, naming the CUDA
  * error and what was being done; EPIPE_OK for cudaSuccess. */
 int epipe_cuda_check(epipe_codec *c, cudaError_t e, const char *doing);
-/* The status of the launches and copies enqueued since the last check (the
- * runtime keeps the last failure until it is read). Called before a kernel
- * that writes where earlier kernels' results say: after a failed launch
- * those are garbage, and the kernel would write out of bounds. */
-static inline int epipe_cuda_enqueued(epipe_codec *c, const char *doing)
-{
-    return epipe_cuda_check(c, cudaGetLastError(), doing);
-}
 /* Clears the deferred status word on the handle's stream, once what it
  * held has been reported. */
 int epipe_cuda_status_clear(epipe_codec *c);

@@ -360,8 +360,10 @@ static int topk_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     tk_select<TK_BINS3><<<1, TK_THREADS, 0, s>>>(h3, st, 3);
     tk_count<<<cblocks, 256, 0, s>>>(cand, cmag, st, R, gt, eq);
     tk_offsets<<<1, TK_MAX_BLOCKS, 0, s>>>(nb, st, gt, eq, quota, off);
-    /* the emit writes where the offsets say */
-    if ((rc = epipe_cuda_enqueued(c, "launching the topk kernels")))
+    /* The emit writes where the offsets say: after a failed launch before
+     * it they are garbage, so the launches' status (the runtime keeps the
+     * last failure until read) is read first. */
+    if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the topk kernels")))
         return rc;
     tk_emit<<<nb, TK_THREADS, 0, s>>>(x, n, R, k, st, quota, off, (uint8_t *)d);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the topk kernels")))
