@@ -14,15 +14,9 @@
 #include "../codecs/inline/quant.h"
 #include "../codecs/inline/sortquant.h"
 #include "cuda_impl.h"
+#include "select.cuh"
 
 namespace cg = cooperative_groups;
-
-__global__ void sq_gather(const float *x, uint64_t n, uint64_t m, float *out)
-{
-    for (uint64_t k = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; k < m;
-         k += (uint64_t)gridDim.x * blockDim.x)
-        out[k] = x[epipe_hd_sq_sample_pos(k, n, m)];
-}
 
 /* Device table: bnd[k + 1], then lo/hi keys [k], then min, step, inv [k]. */
 struct sq_tab {
@@ -58,10 +52,11 @@ __global__ void sq_bounds(const float *sorted, uint64_t m, unsigned k, sq_tab t)
  * select, 11, 11 and 10 bits a pass over the sample (4m bytes, which stay
  * in L2 up to SQ_SEL_MAX_M values). CUB's sort of 65,536 values took five
  * launches and about 55 us of a 144 us encode on an H100 (ncu); this is
- * one launch of k - 1 blocks reading the sample three times. The keys order floats as CUB's sort
- * does, so each boundary is the value the sort put at that rank. Block 0
- * also sets the ends and the empty extents, as sq_bounds does. */
-enum { SQ_SEL_THREADS = 1024, SQ_SEL_BINS = 2048, SQ_SEL_UNROLL = 4 };
+ * one launch of k - 1 blocks reading the sample three times. The keys
+ * order floats as CUB's sort does, so each boundary is the value the sort
+ * put at that rank. Block 0 also sets the ends and the empty extents, as
+ * sq_bounds does. */
+enum { SQ_SEL_THREADS = EPIPE_CUDA_SEL_THREADS };
 
 /* The select's reach: each block reads 12m bytes at one SM's rate, so past
  * about 2^18 sample values CUB's sort (the whole GPU) is faster; and k - 1
@@ -69,86 +64,24 @@ enum { SQ_SEL_THREADS = 1024, SQ_SEL_BINS = 2048, SQ_SEL_UNROLL = 4 };
 #define SQ_SEL_MAX_M (1u << 18)
 #define SQ_SEL_MAX_K 256u
 
-/* hist[bin] += 1 for each lane whose `on` is set, one shared atomic per
- * distinct bin in the warp (ReLU samples put half their keys in one bin).
- * Every lane of the warp must call it. After the first pass most keys lack
- * the prefix: a warp with none skips the match. */
-__device__ static inline void sq_sel_count(uint32_t *hist, unsigned bin, bool on)
-{
-    if (!__any_sync(0xffffffffu, on))
-        return;
-    unsigned peers = __match_any_sync(0xffffffffu, on ? bin : 0xffffffffu);
-    if (on && (threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1))
-        atomicAdd(&hist[bin], (uint32_t)__popc(peers));
-}
+/* The sample's order: CUB's sort's, -0.0 a key of its own below +0.0. */
+struct sq_sel_key {
+    __device__ uint32_t operator()(float v) const
+    {
+        return epipe_cuda_key(v);
+    }
+};
 
 __global__ void __launch_bounds__(SQ_SEL_THREADS)
     sq_select(const float *smp, uint64_t m, int vec, unsigned k, sq_tab t)
 {
-    typedef cub::BlockScan<uint32_t, SQ_SEL_THREADS> scan_t;
-    __shared__ typename scan_t::TempStorage tmp;
-    __shared__ uint32_t hist[SQ_SEL_BINS];
-    __shared__ uint32_t found_bin, found_rank;
     if (blockIdx.x == 0)
         sq_bounds_set(NULL, 0, k, 1, t);
     unsigned j = blockIdx.x + 1;
     uint32_t rank = (uint32_t)epipe_hd_sq_rank(j, m, k); /* m <= 2^24 */
-    uint32_t prefix = 0, mask = 0;
-    const float4 *s4 = (const float4 *)smp; /* read as such where vec says aligned */
-    uint64_t quads = (m + 3) / 4, per_round = (uint64_t)SQ_SEL_THREADS * SQ_SEL_UNROLL;
-    for (unsigned pass = 0; pass < 3; pass++) {
-        unsigned shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
-        uint32_t bins = pass < 2 ? 2048u : 1024u;
-        for (unsigned b = threadIdx.x; b < SQ_SEL_BINS; b += blockDim.x)
-            hist[b] = 0;
-        __syncthreads();
-        /* every thread runs the same rounds (sq_sel_count needs the whole
-         * warp); a round's loads are issued before any is used */
-        for (uint64_t r = 0; r < quads; r += per_round) {
-            float v[SQ_SEL_UNROLL][4];
-#pragma unroll
-            for (unsigned u = 0; u < SQ_SEL_UNROLL; u++) {
-                uint64_t g = r + threadIdx.x + (uint64_t)u * SQ_SEL_THREADS;
-                if (vec && (g + 1 < quads || (g + 1 == quads && m % 4 == 0))) {
-                    float4 f = s4[g];
-                    v[u][0] = f.x;
-                    v[u][1] = f.y;
-                    v[u][2] = f.z;
-                    v[u][3] = f.w;
-                } else {
-                    for (unsigned i = 0; i < 4; i++)
-                        v[u][i] = g * 4 + i < m ? smp[g * 4 + i] : 0.0f;
-                }
-            }
-#pragma unroll
-            for (unsigned u = 0; u < SQ_SEL_UNROLL; u++)
-#pragma unroll
-                for (unsigned i = 0; i < 4; i++) {
-                    uint64_t at = (r + threadIdx.x + (uint64_t)u * SQ_SEL_THREADS) * 4 + i;
-                    uint32_t key = epipe_cuda_key(v[u][i]);
-                    sq_sel_count(hist, key >> shift & (bins - 1),
-                                 at < m && (key & mask) == prefix);
-                }
-        }
-        __syncthreads();
-        /* the bin holding the rank-th candidate, and its rank there */
-        uint32_t c0 = hist[2 * threadIdx.x], c1 = hist[2 * threadIdx.x + 1], before;
-        scan_t(tmp).ExclusiveSum(c0 + c1, before);
-        if (before <= rank && rank < before + c0) {
-            found_bin = 2 * threadIdx.x;
-            found_rank = rank - before;
-        } else if (before + c0 <= rank && rank < before + c0 + c1) {
-            found_bin = 2 * threadIdx.x + 1;
-            found_rank = rank - before - c0;
-        }
-        __syncthreads();
-        prefix |= found_bin << shift;
-        mask |= (bins - 1) << shift;
-        rank = found_rank;
-        __syncthreads(); /* all have read found_* before the next pass writes them */
-    }
+    uint32_t key = epipe_cuda_select(smp, m, vec, rank, sq_sel_key());
     if (threadIdx.x == 0)
-        t.bnd[j] = epipe_cuda_key_float(prefix);
+        t.bnd[j] = epipe_cuda_key_float(key);
 }
 
 __global__ void sq_extent(const float *x, uint64_t n, unsigned k, sq_tab t, epipe_cuda_status *st)
@@ -419,7 +352,7 @@ static int sq_encode_fit(epipe_codec *c, const float *x, size_t n, uint8_t *body
     epipe_cuda_extent<<<epipe_cuda_extent_blocks(n), 256, 0, s>>>(x, n, epipe_cuda_aligned16(x),
                                                                   ext, h->status);
     if (m < n)
-        sq_gather<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
+        epipe_cuda_sample<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the extent kernels")) ||
         (rc = epipe_cuda_check(
              c, cudaMemcpyAsync(hext, ext, 2 * sizeof(uint32_t), cudaMemcpyDeviceToHost, s),
@@ -673,7 +606,7 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         float *smp = (float *)sw, *sorted = smp + m;
         void *tmp = (char *)sw + ((2 * m * sizeof(float) + 255) & ~(size_t)255);
         if (k >= 2)
-            sq_gather<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
+            epipe_cuda_sample<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
         if (select) {
             sq_select<<<k - 1, SQ_SEL_THREADS, 0, s>>>(smp, m, epipe_cuda_aligned16(smp), k, t);
             int blocks;
