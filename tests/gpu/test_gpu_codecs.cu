@@ -10,6 +10,7 @@
 
 #include <epipe/epipe.h>
 
+#include "../../codecs/inline/sortquant.h"
 #include "gpu_test.h"
 
 static DLTensor tensor(int type, void *data, int64_t *shape, int bits, int code)
@@ -37,22 +38,12 @@ static void fill(std::vector<float> &x, unsigned seed)
     }
 }
 
-/* Encodes x on the CPU and on the GPU (pinned payload) and compares the
- * bytes; decodes each payload on the other side and compares the floats. */
-static void byte_identity(const char *spec, size_t n, size_t offset, int relu = 0)
+/* Encodes x[offset..] on the CPU and on the GPU (pinned payload) and
+ * compares the bytes; decodes each payload on the other side and compares
+ * the floats. */
+static void byte_identity_of(const char *spec, std::vector<float> &x, size_t offset)
 {
-    std::vector<float> x(n + offset);
-    fill(x, (unsigned)n);
-    /* relu: half zeros, a third of them -0 (the fit's extent must not care
-     * which zero it met first) */
-    for (size_t i = 0; relu && i < x.size(); i++)
-        if (x[i] <= 0.0f)
-            x[i] = i % 3 ? 0.0f : -0.0f;
-    /* relu == 2: also few distinct values, so that exact mode's boundaries
-     * cut through runs of equal values (ties by index) */
-    for (size_t i = 0; relu == 2 && i < x.size(); i++)
-        if (x[i] != 0.0f)
-            x[i] = (float)(int)(x[i] * 2.0f);
+    size_t n = x.size() - offset;
     int64_t shape[1] = {(int64_t)n};
     epipe_codec *cpu, *gpu;
     CHECK(epipe_codec_create(&cpu, spec) == EPIPE_OK, "%s", epipe_last_error());
@@ -121,6 +112,43 @@ static void byte_identity(const char *spec, size_t n, size_t offset, int relu = 
     cudaFree(dx);
     cudaFree(dy);
     cudaFreeHost(pg);
+}
+
+/* byte_identity_of on n values (from the 4-byte `offset` on) of the suite's
+ * data: spread over a few binades; with `relu`, half zeros, a third of
+ * them -0 (the fit's extent must not care which zero it met first); with
+ * relu == 2, also few distinct values, so that exact mode's boundaries cut
+ * through runs of equal values (ties by index). */
+static void byte_identity(const char *spec, size_t n, size_t offset, int relu = 0)
+{
+    std::vector<float> x(n + offset);
+    fill(x, (unsigned)n);
+    for (size_t i = 0; relu && i < x.size(); i++)
+        if (x[i] <= 0.0f)
+            x[i] = i % 3 ? 0.0f : -0.0f;
+    for (size_t i = 0; relu == 2 && i < x.size(); i++)
+        if (x[i] != 0.0f)
+            x[i] = (float)(int)(x[i] * 2.0f);
+    byte_identity_of(spec, x, offset);
+}
+
+/* topk's CUDA encode stages the entries at or above a magnitude drawn from
+ * a sample of x (sortquant's strata) and stages every entry again when
+ * fewer than k reach it. Here the sample holds large values that x holds
+ * nowhere else, so the sample's threshold is above the k-th largest, and
+ * the second pass must run for the bytes to be the CPU's. */
+static void topk_sample_misses(size_t n, double ratio, uint64_t m)
+{
+    std::vector<float> x(n);
+    fill(x, 11);
+    for (size_t i = 0; i < n; i++)
+        x[i] *= 0.01f;
+    uint64_t k = (uint64_t)ceil(ratio * (double)n);
+    for (uint64_t j = 0; j < m && j < k / 2; j++) /* far fewer than k, but most of the sample's */
+        x[epipe_hd_sq_sample_pos(j * (m / (k / 2)), n, m)] = 100.0f + (float)j;
+    char spec[64];
+    snprintf(spec, sizeof spec, "topk:ratio=%g", ratio);
+    byte_identity_of(spec, x, 0);
 }
 
 /* Hostile bytes in a device payload: the tables and padding the host
@@ -1038,8 +1066,13 @@ int main(void)
     /* just past 64K values, in quick runs too: the cooperative encodes
      * (quant; sample mode with 2 to 16 chunks) under compute-sanitizer */
     for (const char *s : {"quant:bits=8", "sortquant:bits=8,mode=sample",
-                          "sortquant:bits=8,split=4,mode=sample,zero=1"})
+                          "sortquant:bits=8,split=4,mode=sample,zero=1", "topk:ratio=0.01"})
         byte_identity(s, 65543, 1);
+    /* topk past 64K (one cooperative launch), ties at the threshold; and
+     * both paths with a sample that misleads */
+    byte_identity("topk:ratio=0.3", 65543, 0, 2);
+    topk_sample_misses(65543, 0.05, 16384);
+    topk_sample_misses(40009, 0.05, 16384);
     gpu_test_part("byte identity, other data");
     for (size_t n : sizes) { /* the other data for fit and exact; ties for topk */
         if (n > max_n)
