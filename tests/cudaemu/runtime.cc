@@ -281,6 +281,15 @@ struct stack_pool {
 };
 thread_local stack_pool stacks;
 
+/* Where in its stack fiber i starts: stacks whose tops lie a multiple of
+ * 64 KiB apart all map to the same cache sets, and a block's threads take
+ * turns every few instructions, so each switch missed the cache. Starting
+ * fiber i (i mod 128) lines lower spreads them over 128 sets. */
+size_t stack_color(size_t i)
+{
+    return (i % 128) * 64;
+}
+
 } // namespace
 } // namespace cudaemu
 
@@ -500,6 +509,42 @@ void exit_fiber(block_state *b, fiber *f)
         release_block(b);
 }
 
+/* CUDAEMU_SHUFFLE=SEED (a campaign, not CI): each block's threads run
+ * between sync points in a pseudo-random order, and an ordinary launch's
+ * blocks too, drawn afresh for every block and launch; 0 or unset: the
+ * fixed orders below. */
+uint64_t shuffle_seed()
+{
+    static const uint64_t seed = [] {
+        const char *e = getenv("CUDAEMU_SHUFFLE");
+        return e ? strtoull(e, NULL, 10) : 0;
+    }();
+    return seed;
+}
+
+uint64_t shuffle_mix(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* 0 .. n-1 in an order drawn from `key` (Fisher-Yates). */
+std::vector<uint64_t> shuffled(uint64_t n, uint64_t key)
+{
+    std::vector<uint64_t> order(n);
+    for (uint64_t i = 0; i < n; i++)
+        order[i] = i;
+    for (uint64_t i = n; i > 1; i--) {
+        key = shuffle_mix(key);
+        std::swap(order[i - 1], order[key % i]);
+    }
+    return order;
+}
+
+std::atomic<uint64_t> shuffle_draws{0};
+
 /* Runs one block's threads to the end on this OS thread. */
 void run_block(const cudaemu_cfg &cfg, uint3 bid, body_fn body, void *closure, grid_state *grid,
                std::vector<char> &dyn)
@@ -539,24 +584,29 @@ void run_block(const cudaemu_cfg &cfg, uint3 bid, body_fn body, void *closure, g
          * redzones are still marked */
         ASAN_UNPOISON_MEMORY_REGION(stacks.top(i) - stack_bytes, stack_bytes);
 #endif
-        void **sp = (void **)(stacks.top(i) - 72);
+        void **sp = (void **)(stacks.top(i) - stack_color(i) - 72);
         memset(sp, 0, 72);
         sp[3] = f;
         sp[6] = (void *)cudaemu_fiber_start;
         f->sp = sp;
     }
-    for (unsigned i = 0; i < n; i++) {
-        fibers[i].next = &fibers[(i + 1) % n];
-        fibers[i].prev = &fibers[(i + n - 1) % n];
-    }
-    tl_block = &b;
     /* Thread n/2 goes first and the ring wraps: a block's threads run
      * between sync points in the order n/2 .. n-1, 0 .. n/2-1. A missing
      * __syncthreads then shows whichever way it goes: with thread 0 first,
      * one that thread 0 writes before the others read would pass (they
      * would always read after it), and with thread 0 last, one where they
      * read before it overwrites. */
-    b.first = &fibers[n / 2];
+    std::vector<uint64_t> order;
+    if (uint64_t seed = shuffle_seed())
+        order = shuffled(n, seed ^ shuffle_mix(++shuffle_draws));
+    for (unsigned i = 0; i < n; i++) {
+        unsigned at = order.empty() ? (n / 2 + i) % n : (unsigned)order[i];
+        unsigned next = order.empty() ? (at + 1) % n : (unsigned)order[(i + 1) % n];
+        fibers[at].next = &fibers[next];
+        fibers[next].prev = &fibers[at];
+    }
+    tl_block = &b;
+    b.first = &fibers[order.empty() ? n / 2 : order[0]];
     enter(b.first);
     switch_to(&b.sched_sp, b.first, b.first->sp, false); /* back when the last exits */
     tl_block = NULL;
@@ -592,7 +642,11 @@ cudaError_t launch(const void *kernel, const cudaemu_cfg &cfg, int cooperative, 
         std::vector<char> dyn(cfg.shared);
         /* last block first: a kernel that counts on block 0 running before
          * the others (a race on a GPU) computes wrong here */
-        for (uint64_t k = blocks; k-- > 0;) {
+        std::vector<uint64_t> order;
+        if (uint64_t seed = shuffle_seed())
+            order = shuffled(blocks, seed ^ shuffle_mix(++shuffle_draws));
+        for (uint64_t j = blocks; j-- > 0;) {
+            uint64_t k = order.empty() ? j : order[j];
             uint3 bid = make_uint3((unsigned)(k % g.x), (unsigned)(k / g.x % g.y),
                                    (unsigned)(k / ((uint64_t)g.x * g.y)));
             run_block(cfg, bid, body, closure, NULL, dyn);
