@@ -190,11 +190,20 @@ __global__ void q_rows_decode(const uint8_t *body, uint64_t rows, uint64_t len, 
     }
 }
 
+/* The block of a rows launch: a thread per group of eight values of a
+ * row, in whole warps, 32 to 256 (short rows, from group=K or a narrow
+ * [B, D], would leave most of 256 threads idle). */
+static unsigned rows_threads(uint64_t len)
+{
+    uint64_t groups = (len + 7) / 8, t = (groups + 31) / 32 * 32;
+    return t < 32 ? 32 : t > 256 ? 256 : (unsigned)t;
+}
+
 /* The grid of a rows launch: up to 64 blocks along a row, the rows along
  * y (at most 65535 at once; the kernels loop for more). */
 static dim3 rows_grid(uint64_t rows, uint64_t len)
 {
-    unsigned bx = epipe_cuda_blocks((len + 7) / 8, 256);
+    unsigned bx = epipe_cuda_blocks((len + 7) / 8, rows_threads(len));
     return dim3(bx < 64 ? bx : 64, (unsigned)(rows < 65535 ? rows : 65535));
 }
 
@@ -231,12 +240,12 @@ static int quant_encode_rows(epipe_codec *c, const float *x, uint64_t rows, uint
         return rc;
     int vec = epipe_cuda_aligned16(x) && len % 4 == 0; /* every row's start aligned */
     dim3 grid = rows_grid(rows, len);
-    unsigned rb = epipe_cuda_blocks(rows, 256);
+    unsigned rb = epipe_cuda_blocks(rows, 256), rt = rows_threads(len);
     q_rows_init<<<rb, 256, 0, s>>>((q_dev *)tw, rows);
-    q_rows_extent<<<grid, 256, 0, s>>>(x, rows, len, vec, (q_dev *)tw, h->status);
+    q_rows_extent<<<grid, rt, 0, s>>>(x, rows, len, vec, (q_dev *)tw, h->status);
     q_rows_finalize<<<rb, 256, 0, s>>>((q_dev *)tw, rows, levels, zero, (uint8_t *)d, size);
-    q_rows_pack<<<grid, 256, 0, s>>>(x, rows, len, vec, (const q_dev *)tw, levels, w,
-                                     (uint8_t *)d, size, cb);
+    q_rows_pack<<<grid, rt, 0, s>>>(x, rows, len, vec, (const q_dev *)tw, levels, w,
+                                    (uint8_t *)d, size, cb);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the quant rows kernels")))
         return rc;
     return epipe_cuda_body_flush(c, body, 0, d, rows * size);
@@ -337,7 +346,7 @@ static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     if (rows > 1) {
         if ((rc = epipe_cuda_body_in(c, body, 0, rows * size, &d)))
             return rc;
-        q_rows_decode<<<rows_grid(rows, len), 256, 0, s>>>(
+        q_rows_decode<<<rows_grid(rows, len), rows_threads(len), 0, s>>>(
             (const uint8_t *)d, rows, len, size, w, epipe_cuda_aligned16(y) && len % 4 == 0, y);
         return epipe_cuda_check(c, cudaGetLastError(), "launching the quant rows decode kernel");
     }
