@@ -218,13 +218,17 @@ static void bad_input_is_refused(void **state)
     refused(l, 3, NULL, 0, &b, EPIPE_EINVAL, "0 micro-batches");
     refused(NULL, 3, NULL, 0, &o, EPIPE_EINVAL, "must be given");
     {
-        /* a problem too large to tabulate is refused, not attempted */
+        /* a problem too large to tabulate is refused, not attempted: from
+         * its size alone (stages x layers), before anything is built, or
+         * once the codec options a boundary are known */
         static epipe_plan_layer many[200000];
         for (size_t i = 0; i < 200000; i++)
             many[i] = layer(1, 1);
         b = o;
         b.stages = 1000;
-        refused(many, 200000, NULL, 0, &b, EPIPE_EINVAL, "cells; at most");
+        refused(many, 200000, NULL, 0, &b, EPIPE_EINVAL, "make at least 200201001 cells; at most");
+        epipe_plan_codec one = {"quant:bits=8", 7, 0, 0.01, 0.01, 0.25, 0}; /* not dominated */
+        refused(many, 20000, &one, 1, &b, EPIPE_EINVAL, "x 2 codec options a boundary make");
     }
     assert_int_equal(epipe_plan_create(NULL, l, 3, NULL, 0, &o), EPIPE_EINVAL);
     /* results of NULL */

@@ -81,7 +81,9 @@ typedef struct epipe_plan epipe_plan;
  * codec candidates `codecs` (may be NULL with ncodecs 0: "none" only).
  * Returns EPIPE_OK with the plan in *out; EPIPE_EINVAL naming the bad
  * input (a NaN or negative cost, a codec entry for a boundary that does
- * not exist, more stages than layers, an unknown schedule...);
+ * not exist, more stages than layers, an unknown schedule, a problem
+ * whose tables would pass 2^25 cells: (stages + 1) x (layers + 1) x the
+ * most codec options of a boundary...);
  * EPIPE_ENOTSUP naming the limit when no split fits the memory limit;
  * EPIPE_ENOMEM. Messages in epipe_last_error(). Thread-safe; the inputs
  * are only read and may be freed after the call. */

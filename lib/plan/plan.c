@@ -58,6 +58,9 @@ struct split {
     unsigned *option;
 };
 
+/* Cells of the programme's tables (24 bytes each) a plan may have. */
+#define PLAN_MAX_CELLS ((size_t)1 << 25)
+
 struct epipe_plan {
     unsigned L, P, M;
     epipe_plan_layer *layers;
@@ -69,8 +72,8 @@ struct epipe_plan {
     struct split best, blind;
     int kind, blind_kind;
     double step, blind_step;
-    char **pool;
-    size_t npool;
+    char **pool; /* the codec specs the candidates point to */
+    size_t npool, pool_cap;
 };
 
 /* ---- inputs -------------------------------------------------------------- */
@@ -80,12 +83,18 @@ static int finite_nonneg(double v)
     return isfinite(v) && v >= 0;
 }
 
+/* A copy of s in the plan's pool (grown by doubling: a profile may hold a
+ * million layers). */
 static char *keep(epipe_plan *p, const char *s)
 {
-    char **grown = realloc(p->pool, (p->npool + 1) * sizeof *grown);
-    if (!grown)
-        return NULL;
-    p->pool = grown;
+    if (p->npool == p->pool_cap) {
+        size_t cap = p->pool_cap ? 2 * p->pool_cap : 16;
+        char **grown = realloc(p->pool, cap * sizeof *grown);
+        if (!grown)
+            return NULL;
+        p->pool = grown;
+        p->pool_cap = cap;
+    }
     size_t n = strlen(s) + 1;
     char *c = malloc(n);
     if (c) {
@@ -578,10 +587,12 @@ static int setup(epipe_plan *p, const epipe_plan_layer *layers, size_t nlayers,
                                   x, y, bw, lat);
         }
     /* candidates: "none" first, then the entries within the budgets */
+    const char *none = keep(p, "none");
+    if (!none)
+        return epipe_fail(EPIPE_ENOMEM, "epipe_plan_create: out of memory");
     for (unsigned k = 0; k + 1 < p->L; k++) {
         struct boundary *b = &p->bnd[k];
-        const char *none = keep(p, "none");
-        if (!none || add_cand(&b->act, &b->nact, none, 0, 0, 1, 0) ||
+        if (add_cand(&b->act, &b->nact, none, 0, 0, 1, 0) ||
             add_cand(&b->grad, &b->ngrad, none, 0, 0, 1, 0))
             return epipe_fail(EPIPE_ENOMEM, "epipe_plan_create: out of memory");
     }
@@ -737,6 +748,15 @@ EPIPE_API int epipe_plan_create(epipe_plan **out, const epipe_plan_layer *layers
     for (size_t i = 0; i < ncodecs; i++)
         if ((rc = check_codec(&codecs[i], i, nlayers)))
             return rc;
+    /* The programme's tables hold (stages + 1) x (layers + 1) x (codec
+     * options a boundary) cells: where even one option is too many, the
+     * problem is refused before anything is built. */
+    size_t least = ((size_t)opts->stages + 1) * (nlayers + 1);
+    if (least > PLAN_MAX_CELLS)
+        return epipe_fail(EPIPE_EINVAL,
+                          "epipe_plan_create: %u stages x %zu layers make at least %zu cells; at "
+                          "most %zu (fewer stages or a coarser profile)",
+                          opts->stages, nlayers, least, PLAN_MAX_CELLS);
     epipe_plan *p = calloc(1, sizeof *p);
     if (!p)
         return epipe_fail(EPIPE_ENOMEM, "epipe_plan_create: out of memory");
@@ -750,11 +770,11 @@ EPIPE_API int epipe_plan_create(epipe_plan **out, const epipe_plan_layer *layers
     for (unsigned k = 0; k + 1 < p->L; k++)
         d.O = p->bnd[k].nopt > d.O ? p->bnd[k].nopt : d.O;
     size_t cells = (size_t)(p->P + 1) * (p->L + 1) * d.O, per_cut = (size_t)(p->L + 1) * d.O;
-    if (cells > ((size_t)1 << 25)) { /* 24 bytes a cell: the programme's tables */
+    if (cells > PLAN_MAX_CELLS) {
         rc = epipe_fail(EPIPE_EINVAL,
                         "epipe_plan_create: %u stages x %u layers x %u codec options a boundary "
                         "make %zu cells; at most %zu (fewer candidates or a coarser profile)",
-                        p->P, p->L, d.O, cells, (size_t)1 << 25);
+                        p->P, p->L, d.O, cells, PLAN_MAX_CELLS);
         goto fail;
     }
     d.f = malloc(cells * sizeof *d.f);
