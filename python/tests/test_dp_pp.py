@@ -162,7 +162,14 @@ if rank == 0:
         d = (results[name][0] - results["plain"][0]).norm() / results["plain"][0].norm()
         print(f"RESULT {name} rel_diff {d:.5f} loss {results[name][1]:.5f} plain "
               f"{results['plain'][1]:.5f}", flush=True)
+dist.barrier()  # neither replica tears down its links while the other still uses them
 dist.destroy_process_group()
+# Torch 1.13's teardown at interpreter exit now and then ends in std::terminate
+# ("terminate called without an active exception", SIGABRT) after everything
+# above has passed: once in CI, 2 of 12 runs beside CPU hogs. This test is
+# about the hook, so the process leaves without that teardown.
+sys.stdout.flush()
+os._exit(0)
 '''
 
 
