@@ -16,4 +16,6 @@ if ! why=$("$PY" -c "import torch, pytest" 2>&1); then
 fi
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONDONTWRITEBYTECODE=1
-exec "$PY" -m pytest -q -p no:cacheprovider python/tests "$@"
+# The arguments go to pytest; without any, the whole of python/tests.
+[ $# -gt 0 ] || set -- python/tests
+exec "$PY" -m pytest -q -p no:cacheprovider "$@"
