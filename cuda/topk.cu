@@ -42,7 +42,7 @@ enum {
     TK_BINS2 = 4096,          /* bits 19..8 */
     TK_BINS3 = 256,           /* bits 7..0 */
     TK_MAX_RANGES = 1024,     /* 4 per thread in the emit's offset scans */
-    TK_SAMPLE = 16384,
+    TK_SAMPLE = 16384,        /* tests/gpu's topk_sample_misses() is built on it */
 };
 
 /* From this many values on, the phases take one cooperative launch. */
