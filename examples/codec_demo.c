@@ -64,14 +64,23 @@ int main(int argc, char **argv)
             specs[nspecs++] = default_specs[i];
 
     uint32_t count, pixels;
-    float *x = idx_load_images(path, 0, 0, &count, &pixels); /* zero mean, unit variance */
-    if (!x)
+    char why[1200];
+    /* zero mean, unit variance */
+    float *x = idx_load_images(path, 0, 0, &count, &pixels, why, sizeof why);
+    if (!x) {
+        fprintf(stderr, "epipe-codec-demo: %s\n", why);
         return 1;
+    }
     int64_t shape[4] = {count, 1, 28, 28};
     if (pixels != 28 * 28)
         shape[2] = pixels, shape[3] = 1;
     size_t n = (size_t)count * pixels;
     float *y = calloc(n, sizeof *y);
+    if (!y) {
+        fprintf(stderr, "epipe-codec-demo: out of memory for a %zu-value tensor\n", n);
+        free(x);
+        return 1;
+    }
     DLTensor src = {
         .data = x, .device = {kDLCPU, 0}, .ndim = 4, .dtype = {kDLFloat, 32, 1}, .shape = shape};
     DLTensor dst = src;

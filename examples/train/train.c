@@ -45,6 +45,9 @@ static double now(void)
 
 /* ---- one rank ------------------------------------------------------------ */
 
+/* Fashion-MNIST's classes: the network's outputs, and the bound on a label. */
+#define CLASSES 10
+
 /* The network's widths dims[0..n] (input, hidden..., classes); returns its
  * layer count n. dims has room for MODEL_MAX_LAYERS + 2. */
 static int model_widths(const struct options *o, const struct dataset *d, int *dims)
@@ -52,7 +55,7 @@ static int model_widths(const struct options *o, const struct dataset *d, int *d
     dims[0] = (int)d->pixels;
     for (int i = 0; i < o->nhidden; i++)
         dims[i + 1] = o->hidden[i];
-    dims[o->nhidden + 1] = 10;
+    dims[o->nhidden + 1] = CLASSES;
     return o->nhidden + 1;
 }
 
@@ -588,14 +591,33 @@ static int load_data(const struct options *o, struct dataset *d)
         snprintf(path[i], sizeof path[i], "%s/%s", o->data_dir, names[i]);
     /* Fashion-MNIST's pixel mean and standard deviation (bytes 0..255). */
     uint32_t n1, n2, px2;
-    d->train_x = idx_load_images(path[0], 72.94, 90.02, &d->ntrain, &d->pixels);
-    d->train_y = d->train_x ? idx_load_labels(path[1], &n1) : NULL;
-    d->test_x = d->train_y ? idx_load_images(path[2], 72.94, 90.02, &d->ntest, &px2) : NULL;
-    d->test_y = d->test_x ? idx_load_labels(path[3], &n2) : NULL;
-    if (!d->test_y)
+    char why[1200];
+    d->train_x = idx_load_images(path[0], 72.94, 90.02, &d->ntrain, &d->pixels, why, sizeof why);
+    d->train_y = d->train_x ? idx_load_labels(path[1], CLASSES, &n1, why, sizeof why) : NULL;
+    d->test_x = d->train_y
+                    ? idx_load_images(path[2], 72.94, 90.02, &d->ntest, &px2, why, sizeof why)
+                    : NULL;
+    d->test_y = d->test_x ? idx_load_labels(path[3], CLASSES, &n2, why, sizeof why) : NULL;
+    if (!d->test_y) {
+        fprintf(stderr, "epipe-train: %s\n", why);
         return -1;
+    }
     if (n1 != d->ntrain || n2 != d->ntest || px2 != d->pixels) {
-        fprintf(stderr, "epipe-train: image and label files of %s disagree\n", o->data_dir);
+        fprintf(stderr,
+                "epipe-train: the image and label files of %s disagree: %u and %u training, "
+                "%u and %u test items, %u and %u pixels\n",
+                o->data_dir, d->ntrain, n1, d->ntest, n2, d->pixels, px2);
+        return -1;
+    }
+    /* A step takes one batch, and so does the evaluation: fewer images
+     * would train or test nothing and print a meaningless accuracy. */
+    long ntrain = o->train_limit > 0 && o->train_limit < (long)d->ntrain ? o->train_limit
+                                                                         : (long)d->ntrain;
+    if (ntrain < o->batch || d->ntest < (uint32_t)o->batch) {
+        fprintf(stderr,
+                "epipe-train: %ld training and %u test images in %s: each must be at least "
+                "one batch (--batch %d)\n",
+                ntrain, d->ntest, o->data_dir, o->batch);
         return -1;
     }
     return 0;
