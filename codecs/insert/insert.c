@@ -197,10 +197,13 @@ static uint64_t splitmix(uint64_t *s)
 }
 
 /* E: K random rows, orthonormalised (modified Gram-Schmidt in double).
- * Uniform draws and sqrt only, so every machine gets the same bits. */
-static void init_orthonormal(float *E, int64_t K, int64_t P, uint64_t seed)
+ * Uniform draws and sqrt only, so every machine gets the same bits.
+ * 0, or -1 when there is no memory for the double-precision rows. */
+static int init_orthonormal(float *E, int64_t K, int64_t P, uint64_t seed)
 {
     double *m = malloc(sizeof(double) * (size_t)(K * P));
+    if (!m)
+        return -1;
     uint64_t s = seed * 0x2545f4914f6cdd1dull + 1;
     for (int64_t r = 0; r < K; r++) {
         for (;;) {
@@ -230,6 +233,7 @@ static void init_orthonormal(float *E, int64_t K, int64_t P, uint64_t seed)
     for (int64_t i = 0; i < K * P; i++)
         E[i] = (float)m[i];
     free(m);
+    return 0;
 }
 
 static void view(DLTensor *t, float *data, int64_t *shape, int ndim)
@@ -263,7 +267,8 @@ int epipe_insert_ensure_params(epipe_codec *c, int64_t cin)
         if (!st->w[i] || !st->g[i])
             return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no memory for %zu parameters", n);
     }
-    init_orthonormal(st->w[0], K, P, (uint64_t)c->p[I_SEED]);
+    if (init_orthonormal(st->w[0], K, P, (uint64_t)c->p[I_SEED]))
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "insert: no memory to draw %zu parameters", n);
     memcpy(st->w[1], st->w[0], n * sizeof(float)); /* orthonormal rows: pinv = transpose */
     int nd = kind(c) == KIND_CONV ? 4 : 2;
     for (int i = 0; i < 2; i++) {
