@@ -23,7 +23,9 @@ int epipe_tcp_ctl_step(struct epipe_tcp_rdv *s)
     if (rc == 0)
         return 0;
     if (rc < 0) {
-        s->ctl_heard = 1;
+        /* a connection that failed says nothing more; a read that found
+         * no memory here may still tell rank 0 why */
+        s->ctl_heard = rc != EPIPE_ENOMEM;
         return epipe_tcp_refail(rc, "rendezvous: rank %u: the connection to rank 0", s->rank);
     }
     struct epipe_tcp_hello h;

@@ -166,6 +166,8 @@ static int watch_rank(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, uns
     int rc = epipe_tcp_reader_step(g->fd[q], r);
     if (rc == 0)
         return 0;
+    if (rc == EPIPE_ENOMEM) /* this rank's shortage, not rank q's failure */
+        return epipe_tcp_refail(rc, "rendezvous: rank 0, reading from rank %u", q);
     char why[EPIPE_ERRMSG_MAX];
     struct epipe_tcp_hello h;
     if (rc < 0)
@@ -370,13 +372,15 @@ int epipe_tcp_setup_rank0(struct epipe_tcp_rdv *s, const char *master_addr, unsi
     g.nonce_s = calloc(s->size, sizeof *g.nonce_s);
     g.rd = calloc(s->size, sizeof *g.rd);
     g.ready = calloc(s->size, 1);
-    if (!g.fd || !g.hi || !g.nonce_s || !g.rd || !g.ready) {
-        rc = epipe_fail(EPIPE_ENOMEM, "out of memory");
-    } else {
-        for (unsigned q = 0; q < s->size; q++)
-            g.fd[q] = -1;
+    /* no connection yet, whatever else failed: the loop below closes
+     * only the registry's descriptors */
+    for (unsigned q = 0; g.fd && q < s->size; q++)
+        g.fd[q] = -1;
+    if (!g.fd || !g.hi || !g.nonce_s || !g.rd || !g.ready)
+        rc = epipe_fail(EPIPE_ENOMEM, "rendezvous: rank 0: no memory for a registry of %u ranks",
+                        s->size);
+    else
         rc = epipe_tcp_accept_loop(s, &g, lfd);
-    }
     close(lfd);
     for (unsigned q = 1; g.fd && q < s->size; q++) {
         if (g.fd[q] < 0)

@@ -68,9 +68,15 @@ int epipe_tcp_resolve(const char *host, unsigned port, int passive, struct socka
     snprintf(ps, sizeof ps, "%u", port);
     struct addrinfo *res;
     int rc = getaddrinfo(host, ps, &hints, &res);
-    if (rc)
-        return epipe_fail(EPIPE_EINVAL, "cannot resolve '%s': %s", host ? host : "(any)",
-                          gai_strerror(rc));
+    if (rc) {
+        /* A name that does not resolve is the caller's; the resolver
+         * running out of memory or failing for now is not. */
+        int status = rc == EAI_MEMORY                      ? EPIPE_ENOMEM
+                     : rc == EAI_AGAIN || rc == EAI_SYSTEM ? EPIPE_EIO
+                                                           : EPIPE_EINVAL;
+        return epipe_fail(status, "cannot resolve '%s': %s", host ? host : "(any)",
+                          rc == EAI_SYSTEM ? strerror(errno) : gai_strerror(rc));
+    }
     struct addrinfo *pick = res;
     for (struct addrinfo *a = res; a; a = a->ai_next)
         if (a->ai_family == AF_INET) { /* prefer IPv4 when a name has both */

@@ -131,7 +131,9 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
  *                   rank that says another world size; two processes with
  *                   the same rank; a peer whose encrypt setting differs
  *   EPIPE_EIO       cannot listen (the port is in use, the address is not
- *                   this host's)
+ *                   this host's), or the name lookup failed for now (the
+ *                   resolver's EAI_AGAIN or a system error; a name that
+ *                   does not resolve is EPIPE_EINVAL)
  *   EPIPE_ETIMEDOUT the master is unreachable, or a rank did not join, in time
  *   EPIPE_EVERSION  a peer speaks another wire version
  *   EPIPE_EAUTH     a peer lacks the key or holds another one
