@@ -194,7 +194,9 @@ static void tcp_abort(epipe_comm *c)
     char why[EPIPE_ERRMSG_MAX];
     snprintf(why, sizeof why, "rank %u was aborted", c->rank);
     pthread_mutex_lock(&c->lock); /* name the failure that made it abort, if any */
-    for (unsigned p = 0; p < c->size; p++)
+    if (c->self_status)
+        snprintf(why, sizeof why, "rank %u failed: %.200s", c->rank, c->self_why);
+    for (unsigned p = 0; !c->self_status && p < c->size; p++)
         if (c->peer_state[p] == EPIPE_PEER_FAILED) {
             snprintf(why, sizeof why, "rank %u was aborted after rank %u failed: %s", c->rank, p,
                      c->peer_why[p]);
@@ -225,6 +227,8 @@ static void tcp_free(struct tcp *t)
     free(t->count);
     free(t->rr);
     free(t->staging);
+    free(t->pf);
+    free(t->pf_conn);
     free(t);
 }
 
@@ -319,9 +323,12 @@ int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const e
         t->count = calloc(size, sizeof *t->count);
         t->rr = calloc(size, sizeof *t->rr);
         t->staging = malloc(STAGING);
+        t->pf = calloc(nlinks + 1, sizeof *t->pf);
+        t->pf_conn = calloc(nlinks + 1, sizeof *t->pf_conn);
         t->record = epipe_tcp_record_size();
     }
-    if (!t || t->evfd < 0 || !t->conns || !t->first || !t->count || !t->rr || !t->staging) {
+    if (!t || t->evfd < 0 || !t->conns || !t->first || !t->count || !t->rr || !t->staging ||
+        !t->pf || !t->pf_conn) {
         for (unsigned i = 0; i < nlinks; i++)
             close(links[i].fd);
         free(links);

@@ -3,6 +3,7 @@
 #ifndef EPIPE_TRANSPORT_TCP_CONN_H
 #define EPIPE_TRANSPORT_TCP_CONN_H
 
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -82,6 +83,11 @@ struct tcp {
     int started;
     int stop; /* atomic */
     uint8_t *staging;
+    /* the progress thread's poll set and the connection of each entry
+     * ([nconns + 1]: the event fd first), made with the communicator so
+     * that the thread itself allocates nothing */
+    struct pollfd *pf;
+    unsigned *pf_conn;
     size_t record; /* body bytes per sealed record (encrypt=1) */
     void *upper;   /* the rdma transport's state when it runs on these links */
 };

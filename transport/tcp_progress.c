@@ -187,9 +187,15 @@ static int header_done(struct tcp *t, struct conn *k)
     }
     k->rx = epipe_comm_msg_new(k->t->c, k->hlen - EPIPE_WIRE_HEADER_SIZE + (size_t)h.payload_len);
     if (!k->rx) {
-        snprintf(detail, sizeof detail, "no memory for a %llu-byte message",
-                 (unsigned long long)h.payload_len);
-        epipe_tcp_corrupt(t, k, EPIPE_ENOMEM, detail);
+        /* This rank's failure, not the peer's: the message is lost, so the
+         * rank cannot go on (its receives say so, its peers are told),
+         * and the connection, whose bytes can no longer be followed, is
+         * cut. */
+        snprintf(detail, sizeof detail, "no memory for a %llu-byte message from rank %u",
+                 (unsigned long long)h.payload_len, k->peer);
+        epipe_log_warn((int)c->rank, "tcp", "%s", detail);
+        epipe_comm_fail_self(c, EPIPE_ENOMEM, detail);
+        epipe_tcp_conn_close(k, 1);
         return EPIPE_ENOMEM;
     }
     k->rx->hdr = h;
@@ -377,17 +383,8 @@ static int64_t housekeeping(struct tcp *t, int64_t now)
 void *epipe_tcp_progress(void *arg)
 {
     struct tcp *t = arg;
-    struct pollfd *pf = calloc(t->nconns + 1, sizeof *pf);
-    unsigned *idx = calloc(t->nconns + 1, sizeof *idx);
-    if (!pf || !idx) {
-        free(pf);
-        free(idx);
-        epipe_log_warn((int)t->c->rank, "tcp", "progress thread: out of memory");
-        for (unsigned p = 0; p < t->c->size; p++)
-            if (t->count[p])
-                epipe_comm_peer_down(t->c, p, EPIPE_PEER_FAILED, "this rank ran out of memory");
-        return NULL;
-    }
+    struct pollfd *pf = t->pf;
+    unsigned *idx = t->pf_conn;
     /* Closing flushes what was sent: it gives up only when no byte has
      * moved for `patience` ms (a dead or stuck peer), however long a slow
      * link takes to carry the queue (a forward-only pass can queue many
@@ -458,7 +455,5 @@ void *epipe_tcp_progress(void *arg)
             }
         }
     }
-    free(pf);
-    free(idx);
     return NULL;
 }

@@ -147,7 +147,11 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
  * silent); a peer whose message fails its checks (its CRC, its header)
  * is cut off and receives from it return that check's status:
  * EPIPE_ECHECKSUM, EPIPE_EPROTO or EPIPE_ETOOBIG (EPIPE_EAUTH for an
- * encrypted record whose tag fails); the message names it. */
+ * encrypted record whose tag fails); the message names it. A rank that
+ * finds no memory for a message arriving from a peer has lost it and
+ * cannot go on: its receives and sends return EPIPE_ENOMEM ("rank R: no
+ * memory for a N-byte message from rank P"), and its peers get
+ * EPIPE_EPEER naming it, as after epipe_comm_abort(). */
 EPIPE_API int epipe_comm_create_tcp(epipe_comm **out, unsigned rank, unsigned size,
                                     const char *master_addr, unsigned master_port,
                                     const char *options);

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -313,6 +314,9 @@ void epipe_comm_peer_failed(epipe_comm *c, unsigned peer, int status, const char
 static int send_refused_locked(epipe_comm *c, unsigned peer)
 {
     int aborted = c->aborted, state = c->peer_state[peer];
+    if (aborted && c->self_status)
+        return epipe_fail_into(c->msg, c->self_status, "rank %u: cannot send to rank %u: %s",
+                               c->rank, peer, c->self_why);
     return epipe_fail_into(
         c->msg, EPIPE_EPEER, "rank %u: cannot send to rank %u: %s%s%s", c->rank, peer,
         aborted                    ? "this rank was aborted"
@@ -422,7 +426,9 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
             return EPIPE_OK;
         }
         int rc = EPIPE_OK;
-        if (c->aborted)
+        if (c->aborted && c->self_status)
+            rc = epipe_fail_into(c->msg, c->self_status, "rank %u: %s", c->rank, c->self_why);
+        else if (c->aborted)
             rc = epipe_fail_into(c->msg, EPIPE_EPEER, "rank %u was aborted", c->rank);
         else if (c->peer_state[peer] != EPIPE_PEER_UP)
             rc = epipe_fail_into(c->msg, c->peer_status[peer] ? c->peer_status[peer] : EPIPE_EPEER,
@@ -462,9 +468,27 @@ EPIPE_API void epipe_comm_abort(epipe_comm *c)
         return;
     pthread_mutex_lock(&c->lock);
     c->aborted = 1;
+    /* a receive spinning without the lock watches arrivals, not aborted */
+    __atomic_add_fetch(&c->arrivals, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&c->arrived);
     pthread_mutex_unlock(&c->lock);
     if (c->ops->abort)
+        c->ops->abort(c);
+}
+
+void epipe_comm_fail_self(epipe_comm *c, int status, const char *why)
+{
+    pthread_mutex_lock(&c->lock);
+    int first = !c->aborted;
+    if (first) {
+        c->aborted = 1;
+        c->self_status = status;
+        snprintf(c->self_why, sizeof c->self_why, "%s", why);
+    }
+    __atomic_add_fetch(&c->arrivals, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&c->arrived);
+    pthread_mutex_unlock(&c->lock);
+    if (first && c->ops->abort)
         c->ops->abort(c);
 }
 

@@ -100,6 +100,9 @@ struct epipe_comm {
     pthread_cond_t arrived;
     epipe_msg *inbox, *inbox_tail;
     int aborted;
+    int self_status;                    /* with self_why: this rank failed by itself
+                                         (epipe_comm_fail_self); 0: aborted, or up */
+    char self_why[EPIPE_ERRMSG_MAX];    /* why, without the rank ("no memory for ...") */
     uint64_t arrivals;                  /* counts deliveries and peer changes (spinners
                                     read it without the lock) */
     unsigned char *peer_state;          /* [size] enum epipe_peer_state */
@@ -122,6 +125,13 @@ void epipe_comm_peer_down(epipe_comm *c, unsigned peer, enum epipe_peer_state st
 /* The same as peer_down(FAILED), but receives from the peer return
  * `status` (EPIPE_ECHECKSUM for a corrupted message, ...) not EPIPE_EPEER. */
 void epipe_comm_peer_failed(epipe_comm *c, unsigned peer, int status, const char *why);
+
+/* This rank cannot go on because of something here, not at a peer (a
+ * transport thread found no memory for a message, now lost): aborts it as
+ * epipe_comm_abort() does, but its receives and sends return `status`
+ * with "rank R: why", and the transport tells the peers why. The first
+ * call wins. Any thread. */
+void epipe_comm_fail_self(epipe_comm *c, int status, const char *why);
 
 /* For a transport whose data path to peer has closed or failed before
  * the control plane said why (an RDMA goodbye or error can overtake the

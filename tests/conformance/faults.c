@@ -32,18 +32,26 @@ static void *abort_later(void *p)
     return NULL;
 }
 
+/* arg: non-NULL to make rank 2's receive busy-wait (EPIPE_COMM_SPIN_US)
+ * through the moment of the abort */
 static int abort_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
 {
-    (void)size, (void)arg;
+    (void)size;
     epipe_msg *m;
     double t0 = conf_now();
     if (rank == 2) {
-        /* A receive blocked in this rank wakes when another thread aborts. */
+        /* A receive blocked in this rank wakes when another thread aborts,
+         * asleep or spinning: a spin that ends without an arrival must not
+         * then sleep through the abort until its timeout. */
+        if (arg)
+            CHECK(epipe_comm_set_param(c, EPIPE_COMM_SPIN_US, 1000000) == EPIPE_OK);
         pthread_t th;
         CHECK(pthread_create(&th, NULL, abort_later, c) == 0);
         CHECK_RC(c, epipe_comm_recv(c, 1, ACT, 1, 0, LONG_MS, &m), EPIPE_EPEER);
         pthread_join(th, NULL);
-        CHECK_WITHIN(conf_now() - t0, 3.0);
+        /* spinning: the others stay until 2 s, so a receive that slept
+         * through the abort would only wake when they leave */
+        CHECK_WITHIN(conf_now() - t0, arg ? 1.4 : 3.0);
         CHECK_MSG(c, "rank 2 was aborted");
         CHECK_RC(c, epipe_comm_send(c, 1, conf_msg(GRAD, 2, 1, 1, 0, 4, 1)), EPIPE_EPEER);
         CHECK_MSG(c, "aborted");
@@ -58,6 +66,11 @@ static int abort_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
             CHECK_MSG(c, "aborted");
         CHECK_RC(c, epipe_comm_send(c, 2, conf_msg(ACT, rank, 2, 1, 0, 4, 1)), EPIPE_EPEER);
         CHECK_MSG(c, "rank 2");
+        if (arg) { /* no news from here for rank 2 before 2 s */
+            double left = (double)conf_ms(2000) / 1e3 - (conf_now() - t0);
+            if (left > 0)
+                usleep((useconds_t)(left * 1e6));
+        }
     }
     epipe_comm_destroy(c);
     return CONF_PASS;
@@ -66,6 +79,12 @@ static int abort_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
 static int test_abort(void)
 {
     return conf_run(3, "timeout_ms=10000", abort_rank, NULL, 0, 60);
+}
+
+static int test_abort_spinning(void)
+{
+    static int spin = 1;
+    return conf_run(3, "timeout_ms=10000", abort_rank, &spin, 0, 60);
 }
 
 /* ---- a peer process killed (kill -9), during a transfer ---------------- */
@@ -281,6 +300,7 @@ static int test_too_big(void)
 
 const struct conf_test conf_fault_tests[] = {
     {"abort", test_abort, NULL},
+    {"abort-spinning", test_abort_spinning, NULL},
     {"dead-peer", test_dead_peer, NOT_PROCS},
     {"stopped-peer", test_stopped_peer, NOT_PROCS},
     {"corrupt", test_corrupt, NULL},
