@@ -8,8 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "stage/stage_raw.h"
-
 const int host_dims[] = {6, 12, 12, 12, 12, 3};
 const int host_nlayers = 5;
 
@@ -690,51 +688,4 @@ void host_reference_async(int weights, unsigned stages, unsigned microbatches, i
             for (int k = 0; k < 2; k++)
                 free(rs[s].acc_w[k][l]), free(rs[s].acc_b[k][l]);
         }
-}
-
-static int put(struct host_raw_layout *L, unsigned g, uint32_t kind, unsigned mb)
-{
-    unsigned r = L->placement[g], chunk = 0;
-    for (unsigned k = 0; k < g; k++)
-        chunk += L->placement[k] == r;
-    if (r >= HOST_RAW_MAX_RANKS || L->n[r] >= HOST_RAW_MAX_OPS)
-        return -1;
-    L->ops[r][L->n[r]++] = (epipe_op){.kind = kind, .microbatch = mb, .chunk = chunk};
-    return 0;
-}
-
-int host_build_raw(struct host_raw_layout *L)
-{
-    int bad = L->P > HOST_RAW_MAX_STAGES;
-    memset(L->n, 0, sizeof L->n);
-    for (unsigned mb = 0; !bad && mb < L->m; mb++)
-        for (unsigned g = 0; g < L->P; g++) {
-            if (g > 0)
-                bad |= put(L, g, EPIPE_OP_RECV_ACT, mb);
-            bad |= put(L, g, EPIPE_OP_FORWARD, mb);
-            if (g + 1 < L->P)
-                bad |= put(L, g, EPIPE_OP_SEND_ACT, mb);
-        }
-    for (unsigned mb = 0; !bad && mb < L->m; mb++)
-        for (unsigned g = L->P; g-- > 0;) {
-            if (g + 1 < L->P)
-                bad |= put(L, g, EPIPE_OP_RECV_GRAD, mb);
-            bad |= put(L, g, L->split ? EPIPE_OP_BACKWARD_INPUT : EPIPE_OP_BACKWARD, mb);
-            if (g > 0)
-                bad |= put(L, g, EPIPE_OP_SEND_GRAD, mb);
-        }
-    for (unsigned mb = 0; !bad && L->split && mb < L->m; mb++)
-        for (unsigned g = 0; g < L->P; g++)
-            bad |= put(L, g, EPIPE_OP_BACKWARD_WEIGHT, mb);
-    return bad ? -1 : 0;
-}
-
-int host_create_raw(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg)
-{
-    const struct host_raw_layout *L = cfg->create_arg;
-    unsigned r = epipe_comm_rank(comm);
-    if (r >= HOST_RAW_MAX_RANKS)
-        return EPIPE_EINVAL;
-    return epipe_stage_create_raw(out, comm, L->m, L->P, L->placement, L->ops[r], L->n[r],
-                                  L->split);
 }

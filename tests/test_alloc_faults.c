@@ -1,0 +1,721 @@
+/* Starved of memory: every allocation libepipe makes during a codec's
+ * round trip, and during a few steps of a pipeline of threads, fails in
+ * turn, once (the k-th fails, the rest succeed) and for good (the k-th and
+ * every later one fail). Each time the call that met the failure returns
+ * EPIPE_ENOMEM with a message (its pipeline peers EPIPE_EPEER), nothing
+ * crashes or hangs, nothing leaks (the blocks live after the handles are
+ * destroyed are those live before), and the same work run again afterwards
+ * gives the reference run's bytes: a failure leaves no state behind. Work
+ * that recovers from a failed allocation by itself must still give the
+ * reference's bytes.
+ *
+ * The program defines malloc and its relatives over glibc's __libc_*
+ * functions, and fails only allocations asked for by libepipe.so or by
+ * libc on its behalf (strdup, stdio): this program's own (the pipeline
+ * host's model), OpenBLAS's and the dynamic loader's are left alone. Where
+ * libepipe is linked statically (a static build) the codec half fails this
+ * executable's allocations instead, and the pipeline half is skipped.
+ * Under AddressSanitizer, which owns malloc, it reports a skip (exit 77). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <link.h>
+#include <malloc.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <epipe/epipe.h>
+
+#include "pipeline_host.h"
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define NO_INTERPOSE 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) ||                        \
+    __has_feature(memory_sanitizer)
+#define NO_INTERPOSE 1
+#endif
+#endif
+
+#ifndef NO_INTERPOSE
+
+/* ---- the allocator ------------------------------------------------------- */
+
+extern void *__libc_malloc(size_t);
+extern void *__libc_calloc(size_t, size_t);
+extern void *__libc_realloc(void *, size_t);
+extern void __libc_free(void *);
+extern void *__libc_memalign(size_t, size_t);
+
+static atomic_int armed;         /* count and fail candidates */
+static atomic_long seen;         /* candidates met while armed */
+static atomic_long fail_at;      /* the candidate that fails (1-based); 0: none */
+static atomic_int fail_for_good; /* and every one after it */
+static atomic_long live;         /* blocks allocated and not freed, all callers */
+
+/* The code whose allocations are candidates: libepipe (or this
+ * executable, where it holds libepipe) and libc. */
+static struct {
+    uintptr_t lo, hi;
+} ranges[16];
+static int nranges, shared_lib;
+
+static int is_candidate(const void *caller)
+{
+    uintptr_t a = (uintptr_t)caller;
+    for (int i = 0; i < nranges; i++)
+        if (a >= ranges[i].lo && a < ranges[i].hi)
+            return 1;
+    return 0;
+}
+
+static int should_fail(const void *caller)
+{
+    if (!atomic_load(&armed) || !is_candidate(caller))
+        return 0;
+    long n = atomic_fetch_add(&seen, 1) + 1, k = atomic_load(&fail_at);
+    return k && (n == k || (atomic_load(&fail_for_good) && n > k));
+}
+
+static void *counted(void *p)
+{
+    if (p)
+        atomic_fetch_add(&live, 1);
+    return p;
+}
+
+void *malloc(size_t n)
+{
+    if (should_fail(__builtin_return_address(0))) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    return counted(__libc_malloc(n));
+}
+
+void *calloc(size_t n, size_t size)
+{
+    if (should_fail(__builtin_return_address(0))) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    return counted(__libc_calloc(n, size));
+}
+
+void *realloc(void *p, size_t n)
+{
+    if (should_fail(__builtin_return_address(0))) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    void *q = __libc_realloc(p, n);
+    if (!p && q)
+        atomic_fetch_add(&live, 1);
+    else if (p && !q && !n) /* glibc: realloc(p, 0) frees p */
+        atomic_fetch_sub(&live, 1);
+    return q;
+}
+
+void free(void *p)
+{
+    if (p)
+        atomic_fetch_sub(&live, 1);
+    __libc_free(p);
+}
+
+static void *aligned(size_t align, size_t n, const void *caller)
+{
+    if (should_fail(caller)) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    return counted(__libc_memalign(align, n));
+}
+
+int posix_memalign(void **out, size_t align, size_t n)
+{
+    if (align < sizeof(void *) || (align & (align - 1)))
+        return EINVAL;
+    void *p = aligned(align, n, __builtin_return_address(0));
+    if (!p)
+        return ENOMEM;
+    *out = p;
+    return 0;
+}
+
+void *aligned_alloc(size_t align, size_t n)
+{
+    return aligned(align, n, __builtin_return_address(0));
+}
+
+void *memalign(size_t align, size_t n)
+{
+    return aligned(align, n, __builtin_return_address(0));
+}
+
+/* ctx: 1 to take this executable, 0 for libepipe.so and libc. */
+static int find_ranges(struct dl_phdr_info *info, size_t size, void *ctx)
+{
+    (void)size;
+    const char *name = info->dlpi_name;
+    int exe = !name || !name[0], lib = !exe && strstr(name, "/libepipe.so");
+    if (!(exe ? *(int *)ctx : lib || strstr(name, "/libc.so")))
+        return 0;
+    shared_lib |= lib;
+    for (int i = 0; i < info->dlpi_phnum && nranges < 16; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        if (ph->p_type == PT_LOAD && (ph->p_flags & PF_X)) {
+            ranges[nranges].lo = info->dlpi_addr + ph->p_vaddr;
+            ranges[nranges].hi = ranges[nranges].lo + ph->p_memsz;
+            nranges++;
+        }
+    }
+    return 0;
+}
+
+/* ---- the round trips ----------------------------------------------------- */
+
+#define N 8192
+#define CAP (N * 8 + 4096)
+
+/* What a round trip produced, compared with the reference's. */
+struct trip {
+    int rc;
+    const char *call;
+    char msg[512];
+    size_t len[2];
+    uint8_t pay[2][CAP];
+    float y[N], gx[N];
+};
+
+static float x[N], gy[N];
+static struct trip ref, got;
+static int64_t shape[4] = {8, 4, 16, 16};
+
+static DLTensor view(float *data)
+{
+    return (DLTensor){.data = data,
+                      .device = {kDLCPU, 0},
+                      .ndim = 4,
+                      .dtype = {kDLFloat, 32, 1},
+                      .shape = shape};
+}
+
+static int failed(struct trip *t, int rc, const char *call, const char *msg)
+{
+    t->rc = rc;
+    t->call = call;
+    snprintf(t->msg, sizeof t->msg, "%s", msg ? msg : "(null)");
+    return rc;
+}
+
+/* Encode (twice: error feedback carries state), decode, and for a trainable
+ * codec both backwards, on fresh handles, freed before it returns. */
+static int round_trip(const char *spec, struct trip *t)
+{
+    epipe_codec *enc = NULL, *dec = NULL;
+    DLTensor src = view(x), out = view(t->y), g = view(gy), gin = view(t->gx);
+    float *code = NULL;
+    int rc = epipe_codec_create(&enc, spec);
+    if (rc) {
+        failed(t, rc, "create", epipe_last_error());
+        goto done;
+    }
+    rc = epipe_codec_create(&dec, spec);
+    if (rc) {
+        failed(t, rc, "create (decoder)", epipe_last_error());
+        goto done;
+    }
+    int trainable = epipe_codec_trainable(enc);
+    if (trainable && ((rc = epipe_codec_set_param(enc, EPIPE_CODEC_MICROBATCH, 0)) ||
+                      (rc = epipe_codec_set_param(dec, EPIPE_CODEC_MICROBATCH, 0)))) {
+        failed(t, rc, "set_param", epipe_codec_last_error(enc));
+        goto done;
+    }
+    size_t cap;
+    rc = epipe_codec_max_encoded_size(enc, &src, &cap);
+    if (rc || cap > CAP) {
+        failed(t, rc ? rc : EPIPE_ENOSPC, "max_encoded_size", epipe_codec_last_error(enc));
+        goto done;
+    }
+    for (int i = 0; i < 2; i++) {
+        rc = epipe_codec_encode(enc, &src, t->pay[i], CAP, &t->len[i]);
+        if (rc) {
+            failed(t, rc, "encode", epipe_codec_last_error(enc));
+            goto done;
+        }
+    }
+    rc = epipe_codec_decode(dec, t->pay[1], t->len[1], &out);
+    if (rc) {
+        failed(t, rc, "decode", epipe_codec_last_error(dec));
+        goto done;
+    }
+    if (trainable) {
+        int cnd;
+        int64_t cshape[EPIPE_CODEC_MAX_NDIM];
+        rc = epipe_codec_code_shape(enc, &src, &cnd, cshape);
+        size_t cn = 1;
+        for (int i = 0; !rc && i < cnd; i++)
+            cn *= (size_t)cshape[i];
+        /* the test's own buffer: not a candidate */
+        atomic_store(&armed, 0);
+        code = calloc(cn, sizeof *code);
+        atomic_store(&armed, 1);
+        DLTensor gc = {.data = code,
+                       .device = {kDLCPU, 0},
+                       .ndim = cnd,
+                       .dtype = {kDLFloat, 32, 1},
+                       .shape = cshape};
+        if (rc || !code) {
+            failed(t, rc ? rc : EPIPE_ENOMEM, "code_shape", epipe_codec_last_error(enc));
+            goto done;
+        }
+        /* the second encode replaced the first's kept input: a key of its
+         * own for the backward */
+        if ((rc = epipe_codec_decode_backward(dec, 0, &g, &gc))) {
+            failed(t, rc, "decode_backward", epipe_codec_last_error(dec));
+            goto done;
+        }
+        if ((rc = epipe_codec_encode_backward(enc, 0, &gc, &gin))) {
+            failed(t, rc, "encode_backward", epipe_codec_last_error(enc));
+            goto done;
+        }
+    }
+    t->rc = 0;
+done:
+    epipe_codec_destroy(enc);
+    epipe_codec_destroy(dec);
+    atomic_store(&armed, 0);
+    free(code);
+    return rc;
+}
+
+static int same(const struct trip *a, const struct trip *b)
+{
+    for (int i = 0; i < 2; i++)
+        if (a->len[i] != b->len[i] || memcmp(a->pay[i], b->pay[i], a->len[i]))
+            return 0;
+    return !memcmp(a->y, b->y, sizeof a->y) && !memcmp(a->gx, b->gx, sizeof a->gx);
+}
+
+/* Every lossy codec and the library's allocation paths: handle and
+ * spec, scratch, error feedback, sample/exact/fit sortquant, per-row and
+ * per-group ranges, kmeans, topk, the BLAS codecs and a chain. */
+static const char *const specs[] = {
+    "none",
+    "cast:dtype=fp16",
+    "quant:bits=8",
+    "quant:bits=4,rows=1",
+    "quant:bits=2,group=64,zero=1",
+    "quant:bits=4,ef=1",
+    "sortquant:bits=8",
+    "sortquant:bits=8,mode=sample",
+    "sortquant:bits=6,mode=exact",
+    "sortquant:bits=4,zero=1,ef=1",
+    "kmeans:bits=3",
+    "topk:ratio=0.1",
+    "topk:ratio=0.05,ef=1",
+    "poweriter:rank=2",
+    "insert:kind=conv,ratio=0.5,kernel=2",
+    "insert:kind=linear,out=8|quant:bits=5",
+};
+#define NSPECS (sizeof specs / sizeof specs[0])
+
+static int check_spec(const char *spec)
+{
+    int bad = 0;
+    memset(&ref, 0, sizeof ref);
+    atomic_store(&fail_at, 0);
+    atomic_store(&armed, 1);
+    if (round_trip(spec, &ref) == EPIPE_ENOTSUP) { /* insert, poweriter without BLAS */
+        printf("SKIP %s: %s\n", spec, ref.msg);
+        return 0;
+    }
+    if (ref.rc) {
+        printf("FAIL %s: the reference run failed in %s: %s\n", spec, ref.call, ref.msg);
+        return 1;
+    }
+    /* count the candidates of one round trip */
+    atomic_store(&seen, 0);
+    atomic_store(&armed, 1);
+    round_trip(spec, &got);
+    long total = atomic_load(&seen);
+    if (!same(&ref, &got)) {
+        printf("FAIL %s: two unstarved runs differ\n", spec);
+        return 1;
+    }
+    long recovered = 0;
+    for (int mode = 0; mode < 2; mode++)
+        for (long k = 1; k <= total; k++) {
+            long before = atomic_load(&live);
+            atomic_store(&seen, 0);
+            atomic_store(&fail_for_good, mode);
+            atomic_store(&fail_at, k);
+            atomic_store(&armed, 1);
+            memset(&got, 0, sizeof got);
+            int rc = round_trip(spec, &got);
+            atomic_store(&fail_at, 0);
+            long after = atomic_load(&live);
+            const char *how = mode ? "from allocation" : "allocation";
+            if (rc == EPIPE_OK) {
+                recovered++;
+                if (!same(&ref, &got)) {
+                    printf("FAIL %s: %s %ld of %ld failed, and the call succeeded with other "
+                           "bytes\n",
+                           spec, how, k, total);
+                    bad = 1;
+                }
+            } else if (rc != EPIPE_ENOMEM || !got.msg[0]) {
+                printf("FAIL %s: %s %ld of %ld failed: %s returned %d (%s), message \"%s\"\n",
+                       spec, how, k, total, got.call, rc, epipe_status_name(rc), got.msg);
+                bad = 1;
+            }
+            if (after != before) {
+                printf("FAIL %s: %s %ld of %ld failed in %s: %ld blocks leaked\n", spec, how, k,
+                       total, rc ? got.call : "(no call)", after - before);
+                bad = 1;
+            }
+            /* the same round trip again, unstarved */
+            memset(&got, 0, sizeof got);
+            atomic_store(&armed, 1);
+            if (round_trip(spec, &got) || !same(&ref, &got)) {
+                printf("FAIL %s: after %s %ld of %ld failed, the next round trip %s\n", spec,
+                       how, k, total, got.rc ? got.msg : "gave other bytes");
+                bad = 1;
+            }
+            if (bad)
+                return 1;
+        }
+    printf("ok %s: %ld allocations, each failed once and for good; %ld runs recovered by "
+           "themselves\n",
+           spec, total, recovered);
+    return bad;
+}
+
+/* ---- the pipelines ------------------------------------------------------- */
+
+static atomic_long log_lines;
+
+static void count_log(void *user, int level, const char *subsys, int rank, const char *message)
+{
+    (void)user, (void)level, (void)subsys, (void)rank, (void)message;
+    atomic_fetch_add(&log_lines, 1);
+}
+
+#define MAX_RANKS 3
+
+/* What a pipeline run produced: each rank's status and message, and the
+ * trained layers and last loss, compared with the reference's. */
+struct run {
+    int comm_rc;
+    char comm_msg[256];
+    int rc[MAX_RANKS];
+    char msg[MAX_RANKS][256];
+    double last_loss;
+    float w[HOST_MAX_LAYERS][16 * 16], b[HOST_MAX_LAYERS][16];
+};
+
+static struct run pref, pgot;
+
+/* A TCP rank: its communicator made in its own thread, then the host. */
+struct tcp_rank {
+    struct host_rank *a;
+    unsigned rank, size, port;
+    const char *options;
+    int rc;
+    char msg[256];
+};
+
+static void *tcp_rank_thread(void *p)
+{
+    struct tcp_rank *t = p;
+
+    t->rc = epipe_comm_create(&t->a->comm, "tcp", t->rank, t->size, "127.0.0.1", t->port,
+                              t->options);
+    if (t->rc)
+        snprintf(t->msg, sizeof t->msg, "%s", epipe_last_error());
+    else
+        host_rank_thread(t->a);
+    return NULL;
+}
+
+static unsigned free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) ||
+        getsockname(fd, (struct sockaddr *)&a, &len)) {
+        printf("FAIL: no free port\n");
+        exit(1);
+    }
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+/* cfg on p ranks, threads of one process: over inproc where tcp_options
+ * is NULL, else over TCP on loopback with those options, which end in
+ * "init_timeout_ms=" (the value is added here). */
+static void pipeline(const struct host_config *cfg, unsigned p, const char *tcp_options,
+                     struct run *out)
+{
+    static struct host_rank a[MAX_RANKS];
+    static struct tcp_rank t[MAX_RANKS];
+    epipe_comm *c[MAX_RANKS];
+    pthread_t tid[MAX_RANKS];
+    memset(out, 0, sizeof *out);
+    if (!tcp_options && (out->comm_rc = epipe_comm_create_inproc(c, p))) {
+        snprintf(out->comm_msg, sizeof out->comm_msg, "%s", epipe_last_error());
+        atomic_store(&armed, 0);
+        return;
+    }
+    int armed_now = atomic_exchange(&armed, 0); /* the port is the test's */
+    unsigned port = tcp_options ? free_port() : 0;
+    /* A starved rank may fail before rank 0 listens, and then the others
+     * wait out the rendezvous: a short one keeps the sweep short, a long
+     * one keeps an unstarved run safe on a loaded machine. */
+    char opts[128];
+    if (tcp_options)
+        snprintf(opts, sizeof opts, "%s%d", tcp_options, atomic_load(&fail_at) ? 1000 : 20000);
+    atomic_store(&armed, armed_now);
+    for (unsigned r = 0; r < p; r++) {
+        memset(&a[r], 0, sizeof a[r]);
+        a[r].comm = tcp_options ? NULL : c[r];
+        a[r].cfg = *cfg;
+        t[r] = (struct tcp_rank){.a = &a[r], .rank = r, .size = p, .port = port,
+                                 .options = opts};
+        if (pthread_create(&tid[r], NULL, tcp_options ? tcp_rank_thread : host_rank_thread,
+                           tcp_options ? (void *)&t[r] : (void *)&a[r])) {
+            atomic_store(&armed, 0);
+            printf("FAIL: no thread for rank %u\n", r);
+            exit(1);
+        }
+    }
+    for (unsigned r = 0; r < p; r++)
+        pthread_join(tid[r], NULL);
+    atomic_store(&armed, 0);
+    for (unsigned r = 0; r < p; r++) {
+        struct host_result *res = &a[r].res;
+        if (tcp_options && t[r].rc) {
+            out->rc[r] = t[r].rc;
+            snprintf(out->msg[r], sizeof out->msg[r], "epipe_comm_create: %s", t[r].msg);
+            continue;
+        }
+        out->rc[r] = res->rc;
+        snprintf(out->msg[r], sizeof out->msg[r], "%s", res->error);
+        if (res->holds_last)
+            out->last_loss = res->last_loss;
+        for (int l = 0; l < host_nlayers; l++)
+            if (res->owns[l]) {
+                const mlp_layer *L = &res->layers[l];
+                memcpy(out->w[l], L->w, sizeof(float) * (size_t)(L->in * L->out));
+                memcpy(out->b[l], L->b, sizeof(float) * (size_t)L->out);
+            }
+        host_result_free(res);
+    }
+}
+
+static int same_run(const struct run *a, const struct run *b)
+{
+    return !memcmp(a->w, b->w, sizeof a->w) && !memcmp(a->b, b->b, sizeof a->b) &&
+           a->last_loss == b->last_loss;
+}
+
+/* One starved run judged: 0 when it failed as it should or succeeded with
+ * the reference's result. */
+static int judge_run(const char *what, const char *how, long k, long total, unsigned p,
+                     const struct run *r)
+{
+    if (r->comm_rc) {
+        if (r->comm_rc == EPIPE_ENOMEM && r->comm_msg[0])
+            return 0;
+        printf("FAIL %s: %s %ld of %ld failed: epipe_comm_create_inproc returned %s (\"%s\")\n",
+               what, how, k, total, epipe_status_name(r->comm_rc), r->comm_msg);
+        return 1;
+    }
+    int nomem = 0, failed = 0, bad = 0;
+    for (unsigned q = 0; q < p; q++) {
+        int rc = r->rc[q];
+        failed |= rc != 0;
+        nomem |= rc == EPIPE_ENOMEM;
+        /* A rank waiting in the TCP rendezvous for one that failed before
+         * it could say so (a master that never listened) can only time
+         * out. */
+        int waited = rc == EPIPE_ETIMEDOUT && !strncmp(r->msg[q], "epipe_comm_create:", 18);
+        if ((rc && rc != EPIPE_ENOMEM && rc != EPIPE_EPEER && !waited) || (rc && !r->msg[q][0]))
+            bad = 1;
+    }
+    if (!failed && !same_run(&pref, r)) {
+        printf("FAIL %s: %s %ld of %ld failed, and the run succeeded with other results\n", what,
+               how, k, total);
+        return 1;
+    }
+    if (bad || (failed && !nomem)) {
+        printf("FAIL %s: %s %ld of %ld failed:", what, how, k, total);
+        for (unsigned q = 0; q < p; q++)
+            printf(" rank %u %s (\"%s\")", q, epipe_status_name(r->rc[q]), r->msg[q]);
+        printf("\n");
+        return 1;
+    }
+    return 0;
+}
+
+static int check_pipeline(const char *what, const struct host_config *cfg, unsigned p,
+                          const char *tcp)
+{
+    atomic_store(&fail_at, 0);
+    atomic_store(&seen, 0);
+    atomic_store(&armed, 1);
+    pipeline(cfg, p, tcp, &pref);
+    long total = atomic_load(&seen);
+    for (unsigned q = 0; q < p; q++)
+        if (pref.comm_rc || pref.rc[q]) {
+            printf("FAIL %s: the reference run failed: %s\n", what,
+                   pref.comm_rc ? pref.comm_msg : pref.msg[q]);
+            return 1;
+        }
+    long recovered = 0;
+    for (int mode = 0; mode < 2; mode++)
+        for (long k = 1; k <= total; k++) {
+            const char *how = mode ? "from allocation" : "allocation";
+            long before = atomic_load(&live);
+            atomic_store(&seen, 0);
+            atomic_store(&fail_for_good, mode);
+            atomic_store(&fail_at, k);
+            atomic_store(&armed, 1);
+            pipeline(cfg, p, tcp, &pgot);
+            atomic_store(&fail_at, 0);
+            long after = atomic_load(&live);
+            int bad = judge_run(what, how, k, total, p, &pgot);
+            recovered += !pgot.comm_rc && !pgot.rc[0] && !pgot.rc[1] && !pgot.rc[p - 1];
+            if (after != before) {
+                printf("FAIL %s: %s %ld of %ld failed: %ld blocks leaked\n", what, how, k, total,
+                       after - before);
+                bad = 1;
+            }
+            atomic_store(&armed, 1);
+            pipeline(cfg, p, tcp, &pgot);
+            int again = pgot.comm_rc;
+            for (unsigned q = 0; q < p; q++)
+                again |= pgot.rc[q];
+            if (again || !same_run(&pref, &pgot)) {
+                printf("FAIL %s: after %s %ld of %ld failed, the next run %s\n", what, how, k,
+                       total, again ? "failed" : "gave other results");
+                bad = 1;
+            }
+            if (bad)
+                return 1;
+        }
+    printf("ok %s: about %ld allocations, each failed once and for good; %ld runs recovered "
+           "by themselves\n",
+           what, total, recovered);
+    return 0;
+}
+
+static int check_pipelines(void)
+{
+    static const unsigned client_server[] = {0, 1, 0};
+    const struct {
+        const char *what;
+        unsigned p;
+        struct host_config cfg;
+        const char *tcp; /* NULL: inproc; else pipeline()'s tcp_options */
+    } cases[] = {
+        {"1f1b on 3 ranks, sortquant activations, quant gradients with error feedback",
+         3,
+         {.schedule = "1f1b",
+          .microbatches = 4,
+          .steps = 2,
+          .act_codec = "sortquant:bits=8",
+          .grad_codec = "quant:bits=8,ef=1"},
+         NULL},
+        {"zb-h1 client-server (0,1,0) through the op stream, topk activations",
+         2,
+         {.schedule = "zb-h1",
+          .microbatches = 4,
+          .steps = 2,
+          .act_codec = "topk:ratio=0.5",
+          .use_op_stream = 1,
+          .split = 1,
+          .placement = client_server,
+          .placement_len = 3},
+         NULL},
+        {"interleaved, 2 chunks a rank on 2 ranks, uncompressed",
+         2,
+         {.schedule = "interleaved", .microbatches = 4, .steps = 2, .chunks = 2},
+         NULL},
+        {"1f1b on 2 ranks over TCP, sortquant both ways",
+         2,
+         {.schedule = "1f1b",
+          .microbatches = 2,
+          .steps = 2,
+          .act_codec = "sortquant:bits=8",
+          .grad_codec = "sortquant:bits=8,zero=1"},
+         "init_timeout_ms="},
+    };
+    int bad = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        bad |= check_pipeline(cases[i].what, &cases[i].cfg, cases[i].p, cases[i].tcp);
+    return bad;
+}
+
+int main(void)
+{
+    int take_exe = 0;
+    dl_iterate_phdr(find_ranges, &take_exe);
+    if (!shared_lib) { /* a static build: libepipe is in this executable */
+        take_exe = 1;
+        nranges = 0;
+        dl_iterate_phdr(find_ranges, &take_exe);
+    }
+    if (nranges < 2) {
+        printf("FAIL: found %d code ranges (libepipe and libc expected)\n", nranges);
+        return 1;
+    }
+    /* a run that hangs fails the test instead of waiting out 30 s */
+    setenv("EPIPE_TIMEOUT_MS", "10000", 1);
+    /* the library's warnings of the failures it meets would be thousands
+     * of lines: counted, not printed */
+    epipe_set_log_callback(count_log, NULL);
+    uint64_t s = 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < N; i++) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        x[i] = (float)((double)(s >> 11) / 9007199254740992.0 * 4 - 2);
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        gy[i] = (float)((double)(s >> 11) / 9007199254740992.0 - 0.5);
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("starving libepipe's allocations, codec by codec\n");
+    int bad = 0;
+    for (size_t i = 0; i < NSPECS; i++)
+        bad |= check_spec(specs[i]);
+    if (shared_lib) {
+        printf("starving libepipe's allocations in pipelines of threads\n");
+        bad |= check_pipelines();
+    } else {
+        printf("SKIP pipelines: libepipe is linked statically, so its allocations cannot be "
+               "told from the pipeline host's\n");
+    }
+    printf("%ld log lines from the library, not shown\n", atomic_load(&log_lines));
+    return bad;
+}
+
+#else /* NO_INTERPOSE */
+
+int main(void)
+{
+    printf("SKIP: built with a sanitizer that owns malloc; the allocation faults need "
+           "glibc's\n");
+    return 77;
+}
+
+#endif
