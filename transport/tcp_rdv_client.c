@@ -23,9 +23,11 @@ int epipe_tcp_ctl_step(struct epipe_tcp_rdv *s)
     if (rc == 0)
         return 0;
     if (rc < 0) {
-        /* a connection that failed says nothing more; a read that found
-         * no memory here may still tell rank 0 why */
-        s->ctl_heard = rc != EPIPE_ENOMEM;
+        /* Nothing more is said on it, even when the failure is this rank's
+         * (no memory for what rank 0 sent): that may have been GO, after
+         * which rank 0 reads records, and a plain ERROR would look like
+         * tampering. Rank 0 sees the connection close. */
+        s->ctl_heard = 1;
         return epipe_tcp_refail(rc, "rendezvous: rank %u: the connection to rank 0", s->rank);
     }
     struct epipe_tcp_hello h;

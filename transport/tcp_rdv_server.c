@@ -319,12 +319,6 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
             }
         }
     }
-    if (rc == EPIPE_OK && g) { /* every rank is connected: go */
-        struct epipe_tcp_hello go = {.type = HT_GO, .rank = 0, .size = s->size};
-        for (unsigned q = 1; q < s->size && rc == EPIPE_OK; q++)
-            if ((rc = epipe_tcp_send_hello(g->fd[q], &go, 0, q, s->deadline)))
-                rc = epipe_tcp_refail(rc, "rendezvous: telling rank %u to go", q);
-    }
     if (dropped)
         epipe_log_info((int)s->rank, "rendezvous",
                        "dropped %llu pending connections in all "
@@ -382,21 +376,39 @@ int epipe_tcp_setup_rank0(struct epipe_tcp_rdv *s, const char *master_addr, unsi
     else
         rc = epipe_tcp_accept_loop(s, &g, lfd);
     close(lfd);
-    for (unsigned q = 1; g.fd && q < s->size; q++) {
+    /* Every rank is connected. The links are made before GO, so that a
+     * failure here still reaches the ranks as an ERROR while they wait
+     * for GO: after it they may encrypt, and a plain message would look
+     * like tampering. Registration connections before `linked` are the
+     * links' now (epipe_tcp_setup closes those on failure); ranks before
+     * `told` have their GO. */
+    unsigned linked = 1, told = 1;
+    for (; rc == EPIPE_OK && g.fd && linked < s->size; linked++) {
+        unsigned q = linked;
         if (g.fd[q] < 0)
             continue;
         epipe_tcp_link_note(&s->hs, 0, g.hi[q].nonce, g.nonce_s[q], g.hi[q].flags,
                             epipe_tcp_crypt_flags(s->o));
-        if (rc == EPIPE_OK)
-            rc = epipe_tcp_add_link(s, g.fd[q], q, 0);
-        if (rc) {
-            char why[EPIPE_ERRMSG_MAX];
-            snprintf(why, sizeof why, "rank 0: %s", epipe_last_error());
-            epipe_tcp_send_error(g.fd[q], 0, q, 0, rc, why);
-            epipe_clear_error();
-            epipe_fail(rc, "%s", why + 8);
-            close(g.fd[q]);
+        if ((rc = epipe_tcp_add_link(s, g.fd[q], q, 0)))
+            break;
+    }
+    struct epipe_tcp_hello go = {.type = HT_GO, .rank = 0, .size = s->size};
+    for (; rc == EPIPE_OK && told < s->size; told++)
+        if ((rc = epipe_tcp_send_hello(g.fd[told], &go, 0, told, s->deadline)))
+            rc = epipe_tcp_refail(rc, "rendezvous: telling rank %u to go", told);
+    if (rc && g.fd) {
+        char why[EPIPE_ERRMSG_MAX];
+        snprintf(why, sizeof why, "rank 0: %s", epipe_last_error());
+        for (unsigned q = 1; q < s->size; q++) {
+            if (g.fd[q] < 0)
+                continue;
+            if (q >= told) /* the others heard GO: they see the connection close */
+                epipe_tcp_send_error(g.fd[q], 0, q, 0, rc, why);
+            if (q >= linked)
+                close(g.fd[q]);
         }
+        epipe_clear_error();
+        epipe_fail(rc, "%s", why + 8);
     }
     for (unsigned q = 0; g.rd && q < s->size; q++)
         if (g.rd[q]) {
