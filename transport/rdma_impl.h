@@ -147,7 +147,8 @@ int epipe_rdma_send(struct rdma *r, struct rdma_link *l, epipe_msg *m);
 void epipe_rdma_link_fail(struct rdma_link *l, int status, const char *why);
 int epipe_rdma_post_ctl(struct rdma_link *l, uint32_t imm);
 void *epipe_rdma_progress(void *arg);
-/* Under l->lock: tear l down reporting status and why (NULL: quietly);
+/* Under l->lock: tear l down reporting status and why (NULL: quietly;
+ * EPIPE_ENOMEM: this rank's own shortage, which fails the rank itself);
  * the same for a protocol error (EPIPE_EPROTO); post a receive; act on an
  * arrived immediate; start what the send queue holds. */
 void epipe_rdma_fail_locked(struct rdma_link *l, int status, const char *why);

@@ -144,6 +144,16 @@ void epipe_rdma_fail_locked(struct rdma_link *l, int status, const char *why)
     r->v.modify_qp(l->qp, &a, IBV_QP_STATE); /* flushes what is posted */
     release_tx(l, 0);
     release_rx(l);
+    if (status == EPIPE_ENOMEM && why) {
+        /* This rank's shortage, not the peer's failure: a message is lost,
+         * so the rank cannot go on. Its receives and sends say so; its
+         * peers hear why over TCP (the abort). */
+        char mine[EPIPE_ERRMSG_MAX];
+        snprintf(mine, sizeof mine, "rdma: %s from rank %u", why, l->peer);
+        epipe_log_warn((int)c->rank, "rdma", "%s", mine);
+        epipe_comm_fail_self(c, EPIPE_ENOMEM, mine);
+        return;
+    }
     if (l->peer_bye || !why)
         return;
     char text[EPIPE_ERRMSG_MAX];

@@ -78,7 +78,7 @@ static int pend(struct rdma_link *l, epipe_msg *m, int lrx)
     struct rdma_pend *p = malloc(sizeof *p);
     if (!p) {
         epipe_msg_free(m);
-        epipe_rdma_fail_locked(l, EPIPE_ENOMEM, "out of memory");
+        epipe_rdma_fail_locked(l, EPIPE_ENOMEM, "no memory to hold a message in order");
         return EPIPE_ENOMEM;
     }
     *p = (struct rdma_pend){.m = m, .lrx = lrx};
