@@ -30,14 +30,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <pthread.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <epipe/epipe.h>
 
+#include "loopback.h"
 #include "pipeline_host.h"
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -521,16 +519,12 @@ static void *tcp_rank_thread(void *p)
 
 static unsigned free_port(void)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) ||
-        getsockname(fd, (struct sockaddr *)&a, &len)) {
+    unsigned port = loopback_free_port();
+    if (!port) {
         printf("FAIL: no free port\n");
         exit(1);
     }
-    close(fd);
-    return ntohs(a.sin_port);
+    return port;
 }
 
 /* How the ranks of a pipeline meet: inproc where tcp_options is NULL,

@@ -10,14 +10,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 
 #include "codec/codec_impl.h"
 #include "codec/payload.h"
 #include "conform.h"
+#include "loopback.h"
 
 struct conf_transport conf_tp;
 
@@ -126,16 +124,12 @@ int conf_expect(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step, uint
 
 static unsigned free_port(void)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) ||
-        getsockname(fd, (struct sockaddr *)&a, &len)) {
+    unsigned port = loopback_free_port();
+    if (!port) {
         perror("conformance: no free port");
         exit(CONF_FAIL);
     }
-    close(fd);
-    return ntohs(a.sin_port);
+    return port;
 }
 
 struct rank_job {
