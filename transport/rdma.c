@@ -11,108 +11,10 @@
 #include "../lib/log.h"
 #include "rdma.h"
 #include "rdma_impl.h"
+#include "rdma_info.h"
 #include "tcp_setup.h"
 
-/* ---- queue-pair information, exchanged on each TCP link ----------------- */
-
-#define INFO_SIZE 96
-#define INFO_VERSION 1
 #define READY_MAGIC "EPRDREDY"
-
-struct info {
-    int usable;
-    char why[40]; /* why not, when not usable */
-    uint8_t mtu;
-    uint32_t qpn, psn;
-    uint8_t gid[16];
-    uint16_t lid;
-    uint64_t ring;
-    uint32_t ring_rkey;
-};
-
-static int corrupt_field = -1; /* tests: epipe_rdma_debug_corrupt_info */
-
-void epipe_rdma_debug_corrupt_info(int field)
-{
-    corrupt_field = field;
-}
-
-static void info_encode(const struct info *in, uint8_t p[INFO_SIZE])
-{
-    memset(p, 0, INFO_SIZE);
-    memcpy(p, "EPRD", 4);
-    epipe_tcp_put_u16(p + 4, INFO_VERSION);
-    p[6] = (uint8_t)in->usable;
-    p[7] = in->mtu;
-    epipe_put_u32(p + 8, in->qpn);
-    epipe_put_u32(p + 12, in->psn);
-    memcpy(p + 16, in->gid, 16);
-    epipe_tcp_put_u16(p + 32, in->lid);
-    epipe_tcp_put_u16(p + 34, RDMA_SLOTS);
-    epipe_put_u32(p + 36, RDMA_SLOT_SIZE);
-    epipe_put_u64(p + 40, in->ring);
-    epipe_put_u32(p + 48, in->ring_rkey);
-    epipe_tcp_put_u16(p + 52, RDMA_RING);
-    epipe_tcp_put_u16(p + 54, RDMA_LARGE);
-    memcpy(p + 56, in->why, strnlen(in->why, sizeof in->why - 1));
-    switch (corrupt_field) {
-    case 0: p[0] = 'X'; break;               /* magic */
-    case 1: p[7] = 9; break;                 /* path mtu */
-    case 2: epipe_put_u32(p + 8, 0); break;  /* qp number */
-    case 3: epipe_put_u32(p + 36, 7); break; /* slot size */
-    case 4: memset(p + 56, 'x', 40); break;  /* text without its end */
-    default: break;
-    }
-}
-
-/* EPIPE_EPROTO naming the bad field. */
-static int info_decode(const uint8_t *p, size_t len, struct info *out, unsigned peer)
-{
-    memset(out, 0, sizeof *out);
-    const char *bad = NULL;
-    if (len != INFO_SIZE)
-        bad = "length";
-    else if (memcmp(p, "EPRD", 4))
-        bad = "magic";
-    else if (epipe_tcp_get_u16(p + 4) != INFO_VERSION)
-        return epipe_fail(EPIPE_EVERSION,
-                          "rdma: rank %u speaks queue-pair information version "
-                          "%u, this rank %d",
-                          peer, epipe_tcp_get_u16(p + 4), INFO_VERSION);
-    else if (p[6] > 1)
-        bad = "usable flag";
-    else if (!memchr(p + 56, 0, 40))
-        bad = "reason text (not terminated)";
-    if (!bad && p[6]) {
-        out->usable = 1;
-        out->mtu = p[7];
-        out->qpn = epipe_get_u32(p + 8);
-        out->psn = epipe_get_u32(p + 12);
-        memcpy(out->gid, p + 16, 16);
-        out->lid = (uint16_t)epipe_tcp_get_u16(p + 32);
-        out->ring = epipe_get_u64(p + 40);
-        out->ring_rkey = epipe_get_u32(p + 48);
-        if (out->mtu < IBV_MTU_256 || out->mtu > IBV_MTU_4096)
-            bad = "path mtu";
-        else if (out->qpn == 0 || out->qpn > 0xffffff)
-            bad = "queue pair number";
-        else if (out->psn > 0xffffff)
-            bad = "packet sequence number";
-        else if (epipe_tcp_get_u16(p + 34) != RDMA_SLOTS ||
-                 epipe_get_u32(p + 36) != RDMA_SLOT_SIZE ||
-                 epipe_tcp_get_u16(p + 52) != RDMA_RING || epipe_tcp_get_u16(p + 54) != RDMA_LARGE)
-            bad = "slot or ring geometry";
-        else if (!out->ring)
-            bad = "ring address";
-    }
-    if (bad)
-        return epipe_fail(EPIPE_EPROTO,
-                          "rdma: rank %u sent malformed queue-pair information: "
-                          "bad %s",
-                          peer, bad);
-    memcpy(out->why, p + 56, 40);
-    return EPIPE_OK;
-}
 
 /* Reads one HELLO-kind message from a link; its payload in r. */
 static int read_hello(int fd, struct epipe_tcp_reader *rd, int64_t deadline, unsigned peer)
@@ -134,7 +36,7 @@ static int read_hello(int fd, struct epipe_tcp_reader *rd, int64_t deadline, uns
     return EPIPE_OK;
 }
 
-static int to_rts(struct rdma *r, struct rdma_link *l, const struct info *pi)
+static int to_rts(struct rdma *r, struct rdma_link *l, const struct epipe_rdma_info *pi)
 {
     struct ibv_qp_attr a;
     memset(&a, 0, sizeof a);
@@ -415,7 +317,7 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
     for (unsigned i = 0; i < nlinks; i++)
         npeers += links[i].stream == 0;
     int64_t deadline = epipe_now_ms() + o.init_timeout_ms;
-    struct info *peer_info = calloc(npeers ? npeers : 1, sizeof *peer_info);
+    struct epipe_rdma_info *peer_info = calloc(npeers ? npeers : 1, sizeof *peer_info);
     int *lfd = calloc(npeers ? npeers : 1, sizeof *lfd);
     unsigned char *both = calloc(npeers ? npeers : 1, 1); /* both sides offered rdma */
     r->links = calloc(npeers ? npeers : 1, sizeof *r->links);
@@ -464,7 +366,7 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
         struct rdma_link *l = &r->links[k];
         if (!both[k])
             continue;
-        struct info me = {.usable = local_ok};
+        struct epipe_rdma_info me = {.usable = local_ok};
         if (local_ok) {
             me.mtu = (uint8_t)r->dev.port_attr.active_mtu;
             me.qpn = l->qp->qp_num;
@@ -476,8 +378,8 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
         } else {
             snprintf(me.why, sizeof me.why, "%.39s", local_why);
         }
-        uint8_t p[INFO_SIZE];
-        info_encode(&me, p);
+        uint8_t p[EPIPE_RDMA_INFO_SIZE];
+        epipe_rdma_info_encode(&me, p);
         rc = epipe_tcp_send_msg(lfd[k], EPIPE_WIRE_HELLO, rank, l->peer, 0, 0, p, sizeof p,
                                 deadline);
     }
@@ -487,7 +389,8 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
         struct epipe_tcp_reader rd = {0};
         rc = read_hello(lfd[k], &rd, deadline, r->links[k].peer);
         if (rc == EPIPE_OK)
-            rc = info_decode(rd.payload, (size_t)rd.h.payload_len, &peer_info[k], r->links[k].peer);
+            rc = epipe_rdma_info_decode(rd.payload, (size_t)rd.h.payload_len, &peer_info[k],
+                                        r->links[k].peer);
         epipe_tcp_reader_reset(&rd);
     }
     for (unsigned k = 0; rc == EPIPE_OK && k < npeers; k++) {
