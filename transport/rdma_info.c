@@ -48,8 +48,7 @@ void epipe_rdma_info_encode(const struct epipe_rdma_info *in, uint8_t p[EPIPE_RD
     }
 }
 
-int epipe_rdma_info_decode(const uint8_t *p, size_t len, struct epipe_rdma_info *out,
-                           unsigned peer)
+int epipe_rdma_info_decode(const uint8_t *p, size_t len, struct epipe_rdma_info *out, unsigned peer)
 {
     memset(out, 0, sizeof *out);
     const char *bad = NULL;
@@ -96,4 +95,3 @@ int epipe_rdma_info_decode(const uint8_t *p, size_t len, struct epipe_rdma_info 
     memcpy(out->why, p + 56, 40);
     return EPIPE_OK;
 }
-
