@@ -471,10 +471,14 @@ static int check_spec(const char *spec)
 
 static atomic_long log_lines;
 
+static atomic_int trace_warned; /* the trace said it is incomplete */
+
 static void count_log(void *user, int level, const char *subsys, int rank, const char *message)
 {
-    (void)user, (void)level, (void)subsys, (void)rank, (void)message;
+    (void)user, (void)level, (void)rank, (void)message;
     atomic_fetch_add(&log_lines, 1);
+    if (!strcmp(subsys, "trace"))
+        atomic_store(&trace_warned, 1);
 }
 
 #define MAX_RANKS 3
@@ -487,6 +491,8 @@ struct run {
     int rc[MAX_RANKS];
     char msg[MAX_RANKS][256];
     double last_loss;
+    long spans;       /* in the trace files, when traced */
+    int trace_warned; /* and the library said some are missing */
     float w[HOST_MAX_LAYERS][16 * 16], b[HOST_MAX_LAYERS][16];
 };
 
@@ -532,13 +538,35 @@ static unsigned free_port(void)
  * "init_timeout_ms=" (the value is added here). */
 struct link {
     const char *transport, *tcp_options;
+    const char *trace; /* the stem of the ranks' trace files, STEM-R.json (the
+                          options name them too), or NULL */
 };
+
+/* The spans in the trace files of `stem` for p ranks (each span has one
+ * "ph"), which it deletes; -1 for a file that is not there. */
+static long count_spans(const char *stem, unsigned p)
+{
+    long n = 0;
+    for (unsigned r = 0; r < p; r++) {
+        char path[128], line[1024];
+        snprintf(path, sizeof path, "%s-%u.json", stem, r);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            return -1;
+        while (fgets(line, sizeof line, f))
+            n += strstr(line, "\"ph\"") != NULL;
+        fclose(f);
+        unlink(path);
+    }
+    return n;
+}
 
 /* cfg on p ranks, threads of one process, joined as `how` says. */
 static void pipeline(const struct host_config *cfg, unsigned p, const struct link *how,
                      struct run *out)
 {
     const char *tcp_options = how->tcp_options;
+    atomic_store(&trace_warned, 0);
     static struct host_rank a[MAX_RANKS];
     static struct tcp_rank t[MAX_RANKS];
     epipe_comm *c[MAX_RANKS];
@@ -599,6 +627,10 @@ static void pipeline(const struct host_config *cfg, unsigned p, const struct lin
             }
         host_result_free(res);
     }
+    if (how->trace) { /* written when the last stage of each file closed */
+        out->spans = count_spans(how->trace, p);
+        out->trace_warned = atomic_load(&trace_warned);
+    }
 }
 
 static int same_run(const struct run *a, const struct run *b)
@@ -636,6 +668,12 @@ static int judge_run(const char *what, const char *how, long k, long total, unsi
                how, k, total);
         return 1;
     }
+    if (!failed && r->spans != pref.spans && !r->trace_warned) {
+        printf("FAIL %s: %s %ld of %ld failed, and the trace holds %ld spans, not %ld, without a "
+               "word\n",
+               what, how, k, total, r->spans, pref.spans);
+        return 1;
+    }
     if (bad || (failed && !nomem)) {
         printf("FAIL %s: %s %ld of %ld failed:", what, how, k, total);
         for (unsigned q = 0; q < p; q++)
@@ -657,6 +695,10 @@ static int check_pipeline(const char *what, const struct host_config *cfg, unsig
     if (pref.rc[0] == EPIPE_ENOTSUP) { /* no libsodium, no verbs provider */
         printf("SKIP %s: %s\n", what, pref.msg[0]);
         return 0;
+    }
+    if (tcp->trace && pref.spans <= 0) {
+        printf("FAIL %s: the reference run wrote no trace to %s-R.json\n", what, tcp->trace);
+        return 1;
     }
     for (unsigned q = 0; q < p; q++)
         if (pref.comm_rc || pref.rc[q]) {
@@ -701,7 +743,7 @@ static int check_pipeline(const char *what, const struct host_config *cfg, unsig
             int again = pgot.comm_rc;
             for (unsigned q = 0; q < p; q++)
                 again |= pgot.rc[q];
-            if (again || !same_run(&pref, &pgot)) {
+            if (again || !same_run(&pref, &pgot) || pgot.spans != pref.spans) {
                 printf("FAIL %s: after %s %ld of %ld failed, the next run %s\n", what, how, k,
                        total, again ? "failed" : "gave other results");
                 bad = 1;
@@ -715,15 +757,17 @@ static int check_pipeline(const char *what, const struct host_config *cfg, unsig
     return 0;
 }
 
-static int check_pipelines(const char *key_file)
+static int check_pipelines(const char *key_file, const char *trace_stem)
 {
     static const unsigned client_server[] = {0, 1, 0};
-    static const struct link inproc = {NULL, NULL}, tcp = {"tcp", "init_timeout_ms="},
-                             rdma = {"rdma", "init_timeout_ms="};
-    static char crypt_options[300];
+    static const struct link inproc = {NULL, NULL, NULL}, rdma = {"rdma", "init_timeout_ms=", NULL};
+    static char crypt_options[300], trace_options[300];
     snprintf(crypt_options, sizeof crypt_options,
              "key_file=%s,encrypt=1,init_timeout_ms=", key_file);
-    const struct link tcp_crypt = {"tcp", crypt_options};
+    /* the plain TCP pipeline also records a trace (written at destroy) */
+    snprintf(trace_options, sizeof trace_options, "trace=%s-%%r.json,init_timeout_ms=", trace_stem);
+    const struct link tcp_crypt = {"tcp", crypt_options, NULL},
+                      tcp = {"tcp", trace_options, trace_stem};
     const struct {
         const char *what;
         unsigned p;
@@ -753,7 +797,7 @@ static int check_pipelines(const char *key_file)
          2,
          {.schedule = "interleaved", .microbatches = 4, .steps = 2, .chunks = 2},
          &inproc},
-        {"1f1b on 2 ranks over TCP, sortquant both ways",
+        {"1f1b on 2 ranks over TCP, sortquant both ways, traced",
          2,
          {.schedule = "1f1b",
           .microbatches = 2,
@@ -816,7 +860,9 @@ int main(void)
             return 1;
         }
         close(fd);
-        bad |= check_pipelines(key);
+        char stem[64];
+        snprintf(stem, sizeof stem, "/tmp/epipe-alloc-faults-trace-%d", (int)getpid());
+        bad |= check_pipelines(key, stem);
         unlink(key);
     } else {
         printf("SKIP pipelines: libepipe is linked statically, so its allocations cannot be "

@@ -45,6 +45,7 @@ struct trace_file {
     unsigned users;
     struct spans spans; /* of the stages that closed */
     struct strs strs;   /* their strings */
+    uint64_t dropped;   /* spans lost for want of memory, said when written */
 };
 
 struct epipe_trace {
@@ -53,6 +54,7 @@ struct epipe_trace {
     struct spans spans; /* this stage's, not yet handed over */
     struct strs strs;   /* their strings */
     size_t annotated;   /* spans [0, annotated) went through epipe_trace_args */
+    uint64_t dropped;   /* spans lost for want of memory */
 };
 
 static pthread_mutex_t files_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -103,6 +105,8 @@ epipe_trace *epipe_trace_open(const char *path, unsigned rank, int one_process_p
     if (!full || !t) {
         free(full);
         free(t);
+        epipe_log_msg(EPIPE_LOG_WARN, (int)rank, "trace",
+                      "no memory to record the trace to %s: this stage is not traced", path);
         return NULL;
     }
     t->stage = rank;
@@ -122,6 +126,8 @@ epipe_trace *epipe_trace_open(const char *path, unsigned rank, int one_process_p
     free(full);
     if (!f) {
         free(t);
+        epipe_log_msg(EPIPE_LOG_WARN, (int)rank, "trace",
+                      "no memory to record the trace to %s: this stage is not traced", path);
         return NULL;
     }
     t->file = f;
@@ -147,8 +153,14 @@ static void free_stretch(const struct spans *sp, size_t first, double *t0, doubl
 
 void epipe_trace_span(epipe_trace *t, const char *name, const char *cat, double t0, double t1)
 {
-    if (!t || spans_reserve(&t->spans, 1))
-        return; /* a trace is best effort: drop the span, never fail a step */
+    if (!t)
+        return;
+    /* A trace is best effort: without memory the span is dropped (and the
+     * count said when the file is written), and the step goes on. */
+    if (spans_reserve(&t->spans, 1)) {
+        t->dropped++;
+        return;
+    }
     if (!strcmp(cat, "compute")) {
         size_t first = t->spans.n;
         while (first > 0 && t->spans.v[first - 1].t0 >= t0 &&
@@ -290,7 +302,10 @@ void epipe_trace_close(epipe_trace *t)
         strs_move(&f->strs, &t->strs, &t->spans);
         memcpy(f->spans.v + f->spans.n, t->spans.v, t->spans.n * sizeof *t->spans.v);
         f->spans.n += t->spans.n;
+    } else {
+        t->dropped += t->spans.n;
     }
+    f->dropped += t->dropped;
     int last = --f->users == 0;
     if (last)
         for (struct trace_file **p = &files; *p; p = &(*p)->next)
@@ -305,6 +320,11 @@ void epipe_trace_close(epipe_trace *t)
     if (last) {
         if (f->spans.n)
             write_trace(f->path, &f->spans);
+        if (f->dropped)
+            epipe_log_msg(EPIPE_LOG_WARN, -1, "trace",
+                          "%llu spans of %s were dropped for want of memory: the trace is "
+                          "incomplete",
+                          (unsigned long long)f->dropped, f->path);
         free(f->spans.v);
         strs_free(&f->strs);
         free(f->path);
