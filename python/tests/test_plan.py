@@ -75,6 +75,7 @@ def test_profile_codec_table_and_plan(tmp_path):
     prof.save(path)
     back = ept.Profile.load(path)
     assert back.layers == prof.layers and torch.equal(back.samples[2][1], prof.samples[2][1])
+    assert isinstance(back.samples[2], tuple)
     # a slow link: the plan compresses and beats the blind plan
     p = ept.plan(prof, table, stages=2, microbatches=4, bandwidth=1e6)
     assert p.step_seconds <= p.blind_step_seconds
@@ -129,3 +130,58 @@ def test_profile_statistic():
         ept.codec_table(prof, ["quant:bits=8"], statistic="best")
     table, _ = ept.codec_table(prof, ["quant:bits=8"], reps=3, statistic="median")
     assert len(table) == 2 and all(e["encode_s"] > 0 for e in table)
+
+
+class _Payload:
+    """Unpickling this runs code: what a hostile samples file would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_profile_load_treats_the_files_as_hostile(tmp_path):
+    """Profile.load never runs code from a samples file (torch.load with
+    weights_only), reads samples only beside the profile, and refuses
+    malformed documents with a ValueError naming the file."""
+    layers = [{"forward_s": 1e-3, "backward_s": 2e-3, "out_bytes": 4096.0}] * 3
+    path = tmp_path / "prof.json"
+
+    def write(doc):
+        path.write_text(json.dumps(doc))
+
+    # a samples file that would run code when unpickled
+    marker = tmp_path / "pwned"
+    torch.save([(_Payload(str(marker)), torch.zeros(1))] * 2, str(tmp_path / "evil.pt"))
+    write({"version": 1, "layers": layers, "samples": "evil.pt"})
+    with pytest.raises(ValueError, match="not a samples file of tensors"):
+        ept.Profile.load(str(path))
+    assert not marker.exists()
+    # samples only beside the profile
+    for name in ("../prof.json.samples.pt", "/etc/passwd", "..", "sub/x.pt"):
+        write({"version": 1, "layers": layers, "samples": name})
+        with pytest.raises(ValueError, match="must name a file beside the profile"):
+            ept.Profile.load(str(path))
+    # the samples must be one tensor pair per boundary
+    torch.save([(torch.zeros(2), torch.zeros(2))], str(tmp_path / "short.pt"))
+    write({"version": 1, "layers": layers, "samples": "short.pt"})
+    with pytest.raises(ValueError, match="expected 2 .activation, gradient. tensor pairs"):
+        ept.Profile.load(str(path))
+    torch.save([(torch.zeros(2), torch.zeros(2))] * 2, str(tmp_path / "ok.pt"))
+    write({"version": 1, "layers": layers, "samples": "ok.pt"})
+    assert len(ept.Profile.load(str(path)).samples) == 2
+    # malformed documents
+    for doc, why in ((None, "a JSON object expected"), ([], "a JSON object expected"),
+                     ({"version": 2, "layers": layers}, "profile version 2"),
+                     ({"version": 1, "layers": {}}, "non-empty list of objects"),
+                     ({"version": 1, "layers": []}, "non-empty list of objects"),
+                     ({"version": 1, "layers": ["forward_s"]}, "non-empty list of objects"),
+                     ({"version": 1, "layers": layers, "meta": 3}, "'meta' must be an object")):
+        write(doc)
+        with pytest.raises(ValueError, match=why):
+            ept.Profile.load(str(path))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a profile .JSON"):
+        ept.Profile.load(str(path))

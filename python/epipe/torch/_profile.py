@@ -82,16 +82,47 @@ class Profile:
 
     @classmethod
     def load(cls, path):
+        """A profile save() wrote. The file is treated as untrusted: its
+        layers must be a list of objects, its samples file a plain name
+        beside it, read with torch.load(weights_only=True) (tensors only,
+        never code) and holding a pair of tensors per boundary; anything
+        else is a ValueError naming the file and the fault."""
         with open(path) as f:
-            doc = json.load(f)
+            try:
+                doc = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not a profile (JSON: {e})") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: not a profile (a JSON object expected)")
         if doc.get("version") != PROFILE_VERSION:
             raise ValueError(f"{path}: profile version {doc.get('version')!r}; this epipe reads "
                              f"{PROFILE_VERSION}")
+        layers = doc.get("layers")
+        if not isinstance(layers, list) or not layers or \
+                not all(isinstance(d, dict) for d in layers):
+            raise ValueError(f"{path}: 'layers' must be a non-empty list of objects")
+        meta = doc.get("meta")
+        if meta is not None and not isinstance(meta, dict):
+            raise ValueError(f"{path}: 'meta' must be an object")
         samples = None
-        if doc.get("samples"):
-            samples = torch.load(os.path.join(os.path.dirname(os.path.abspath(path)),
-                                              doc["samples"]))
-        return cls(doc["layers"], samples, doc.get("meta"))
+        name = doc.get("samples")
+        if name:
+            if not isinstance(name, str) or os.path.basename(name) != name or \
+                    name in (".", ".."):
+                raise ValueError(f"{path}: 'samples' must name a file beside the profile, "
+                                 f"not {name!r}")
+            side = os.path.join(os.path.dirname(os.path.abspath(path)), name)
+            try:
+                samples = torch.load(side, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - the unpickler's refusal, whatever it is
+                raise ValueError(f"{side}: not a samples file of tensors ({e})") from None
+            if not isinstance(samples, list) or len(samples) != len(layers) - 1 or \
+                    not all(isinstance(p, (list, tuple)) and len(p) == 2 and
+                            all(isinstance(t, torch.Tensor) for t in p) for p in samples):
+                raise ValueError(f"{side}: expected {len(layers) - 1} (activation, gradient) "
+                                 "tensor pairs, one per boundary")
+            samples = [tuple(p) for p in samples]
+        return cls(layers, samples, meta)
 
 
 def profile(layers, example, target=None, loss_fn=None, *, reps=3, statistic="min"):
