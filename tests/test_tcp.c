@@ -3,6 +3,7 @@
  * connections, authentication, framing cut mid-message. What every
  * transport shares (ordering, tags, faults...) is in tests/conformance/. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -17,6 +18,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -489,6 +491,51 @@ static void test_port_in_use(void **state)
     close(fd);
 }
 
+/* Rank 0 that cannot accept a connection for want of descriptors fails at
+ * once with the cause, instead of polling the connection, which stays in
+ * the backlog, until its init timeout while the peer waits for an answer.
+ * The peer is a child process (its own descriptors), dialling until it gets
+ * through. */
+static void test_accept_out_of_descriptors(void **state)
+{
+    (void)state;
+    unsigned port = test_free_port();
+    pid_t child = fork();
+    assert_true(child >= 0);
+    if (child == 0) {
+        for (int i = 0; i < 500; i++) {
+            int fd = socket(AF_INET, SOCK_STREAM, 0);
+            struct sockaddr_in a = {.sin_family = AF_INET,
+                                    .sin_port = htons((uint16_t)port),
+                                    .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+            if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0)
+                pause(); /* held open until killed */
+            close(fd);
+            usleep(10000);
+        }
+        _exit(1);
+    }
+    int lowest = dup(0); /* the next descriptor rank 0 opens: its listener */
+    assert_true(lowest >= 0);
+    close(lowest);
+    struct rlimit old, lim;
+    assert_int_equal(getrlimit(RLIMIT_NOFILE, &old), 0);
+    lim = old;
+    lim.rlim_cur = (rlim_t)lowest + 1; /* the listener, and nothing more */
+    assert_int_equal(setrlimit(RLIMIT_NOFILE, &lim), 0);
+    struct rank_arg a0;
+    start_rank(&a0, 0, 2, port, "init_timeout_ms=5000");
+    pthread_join(a0.th, NULL);
+    setrlimit(RLIMIT_NOFILE, &old);
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    print_message("%s (%.2f s)\n", a0.err, a0.seconds);
+    assert_int_equal(a0.rc, EPIPE_EIO);
+    assert_null(a0.c);
+    assert_non_null(strstr(a0.err, "cannot accept a connection"));
+    assert_non_null(strstr(a0.err, strerror(EMFILE)));
+}
+
 static void test_unreachable_master(void **state)
 {
     (void)state;
@@ -821,6 +868,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_listen_choice),
         cmocka_unit_test(test_port_in_use),
         cmocka_unit_test(test_unreachable_master),
+        cmocka_unit_test(test_accept_out_of_descriptors),
         cmocka_unit_test(test_world_size_mismatch),
         cmocka_unit_test(test_garbage_and_version),
         cmocka_unit_test(test_master_version),

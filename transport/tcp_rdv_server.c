@@ -251,7 +251,11 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
                 pf[1 + npend + nw++] = (struct pollfd){.fd = g->fd[q], .events = POLLIN};
         if (!g && s->ctl >= 0)
             pf[1 + npend + nw++] = (struct pollfd){.fd = s->ctl, .events = POLLIN};
-        int n = poll(pf, 1 + npend + nw, epipe_tcp_left_ms(s->deadline));
+        /* Past the deadline nothing is awaited any more: connections that
+         * keep arriving (a flood) must not keep the rendezvous alive. */
+        int n = epipe_now_ms() >= s->deadline
+                    ? 0
+                    : poll(pf, 1 + npend + nw, epipe_tcp_left_ms(s->deadline));
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0) {
@@ -297,6 +301,17 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
             struct sockaddr_storage ss;
             socklen_t len = sizeof ss;
             int fd = accept4(lfd, (struct sockaddr *)&ss, &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+            if (fd < 0 &&
+                (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
+                /* Out of descriptors or memory here: the connection stays
+                 * in the backlog, so polling again would spin until the
+                 * init timeout while the peer waits for an answer. */
+                rc = epipe_fail(errno == EMFILE || errno == ENFILE ? EPIPE_EIO : EPIPE_ENOMEM,
+                                "rendezvous: rank %u: cannot accept a connection: %s%s", s->rank,
+                                strerror(errno),
+                                errno == EMFILE ? " (raise the limit, ulimit -n)" : "");
+                break;
+            }
             if (fd >= 0) {
                 if (npend == MAX_PENDING) {
                     unsigned v = evictee(pend, npend);
