@@ -474,6 +474,7 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
     r->tcp_ops = c->ops;
     c->ops = &rdma_ops;
     r->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    int ev_errno = errno;
     for (unsigned k = 0; k < kept && rc == EPIPE_OK; k++) {
         r->links[k].idx = k;
         pthread_mutex_lock(&r->links[k].lock);
@@ -481,8 +482,10 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
         pthread_mutex_unlock(&r->links[k].lock);
     }
     if (rc == EPIPE_OK && kept) {
-        if (r->evfd < 0 || pthread_create(&r->thread, NULL, epipe_rdma_progress, r))
-            rc = epipe_fail(EPIPE_EIO, "rdma: cannot start the progress thread");
+        int e = r->evfd < 0 ? ev_errno : pthread_create(&r->thread, NULL, epipe_rdma_progress, r);
+        if (e)
+            rc = epipe_fail(EPIPE_EIO, "rdma: cannot start the progress thread (%s: %s)",
+                            r->evfd < 0 ? "its event fd" : "pthread_create", strerror(e));
         else
             r->started = 1;
     }

@@ -2,6 +2,7 @@
  * and the probe that finds a device with an active port (rdma_verbs.h). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -123,10 +124,13 @@ int epipe_verbs_probe(const epipe_verbs *v, epipe_verbs_dev *d)
                           want);
     }
     snprintf(d->name, sizeof d->name, "%s", v->get_device_name(dev));
+    errno = 0;
     d->ctx = v->open_device(dev);
+    int why = errno; /* ibv_open_device sets it where the open itself failed */
     v->free_device_list(list);
     if (!d->ctx)
-        return epipe_fail(EPIPE_ENOTSUP, "rdma: cannot open RDMA device %s", d->name);
+        return epipe_fail(EPIPE_ENOTSUP, "rdma: cannot open RDMA device %s (%s)", d->name,
+                          why ? strerror(why) : "no reason given");
     struct ibv_device_attr da;
     memset(&da, 0, sizeof da);
     if (v->query_device(d->ctx, &da) == 0)

@@ -314,10 +314,12 @@ int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const e
         qsort(links, nlinks, sizeof *links, cmp_link);
     epipe_comm *c = epipe_comm_alloc(&tcp_ops, rank, size);
     struct tcp *t = c ? calloc(1, sizeof *t) : NULL;
+    int ev_errno = 0;
     if (t) {
         t->c = c;
         t->o = *o;
         t->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+        ev_errno = errno;
         t->conns = calloc(nlinks ? nlinks : 1, sizeof *t->conns);
         t->first = calloc(size, sizeof *t->first);
         t->count = calloc(size, sizeof *t->count);
@@ -333,12 +335,17 @@ int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const e
             close(links[i].fd);
         free(links);
         epipe_tcp_key_wipe(&key);
+        int no_fd = t && t->evfd < 0;
         if (t) {
             t->nconns = 0;
             tcp_free(t);
         }
         if (c)
             epipe_comm_free(c);
+        if (no_fd) /* out of descriptors (EMFILE) most likely, which is not memory */
+            return epipe_fail(ev_errno == ENOMEM ? EPIPE_ENOMEM : EPIPE_EIO,
+                              "tcp: cannot make the progress thread's event fd: %s",
+                              strerror(ev_errno));
         return epipe_fail(EPIPE_ENOMEM, "tcp: out of memory");
     }
     c->tp = t;
