@@ -1,7 +1,7 @@
 /* The pipeline host's raw op lists (pipeline_host.h): the runtime without a
  * schedule kind, through the library's internal epipe_stage_create_raw().
  * Apart from pipeline_host.c so that a host linked against the public
- * libepipe.so alone (test_alloc_faults.c) can use the rest. */
+ * libepipe.so alone (test_starvation.c) can use the rest. */
 #include <string.h>
 
 #include "pipeline_host.h"

@@ -1,4 +1,6 @@
-/* Starved of memory: every allocation libepipe makes during a codec's
+/* Starved of memory and of file descriptors.
+ *
+ * Memory: every allocation libepipe makes during a codec's
  * round trip, and during a few steps of a pipeline of threads (over
  * inproc, TCP with its rendezvous, encrypted TCP, and rdma over the test
  * verbs provider where the environment names it), fails in turn, once (the
@@ -18,7 +20,12 @@
  * provider's and the dynamic loader's are left alone. Where
  * libepipe is linked statically (a static build) the codec half fails this
  * executable's allocations instead, and the pipeline half is skipped.
- * Under AddressSanitizer, which owns malloc, it reports a skip (exit 77). */
+ * Under AddressSanitizer, which owns malloc, it reports a skip (exit 77).
+ *
+ * Descriptors: the pipelines over TCP and rdma run under every
+ * RLIMIT_NOFILE from the descriptors already open up to the first that
+ * lets them succeed twice: each run that fails names the cause ("Too many
+ * open files") on some rank, and none leaves a descriptor open. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <link.h>
@@ -30,7 +37,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <fcntl.h>
 #include <pthread.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <epipe/epipe.h>
@@ -500,6 +509,9 @@ static struct run pref, pgot;
 
 /* 1: starved runs get the long rendezvous timeout too. */
 static int patient_rendezvous;
+/* > 0: the ranks of the next pipeline run with at most this many open
+ * descriptors in the process (RLIMIT_NOFILE). */
+static rlim_t fd_limit;
 
 /* A TCP rank: its communicator made in its own thread, then the host. */
 struct tcp_rank {
@@ -583,11 +595,19 @@ static void pipeline(const struct host_config *cfg, unsigned p, const struct lin
      * wait out the rendezvous: a short one keeps the sweep short, a long
      * one keeps an unstarved run (or a starved one run again, see
      * check_pipeline) safe on a loaded machine. */
-    char opts[128];
+    char opts[400];
+    int starved = atomic_load(&fail_at) || fd_limit;
     if (tcp_options)
         snprintf(opts, sizeof opts, "%s%d", tcp_options,
-                 atomic_load(&fail_at) && !patient_rendezvous ? 300 : 20000);
+                 starved && !patient_rendezvous ? (fd_limit ? 1000 : 300) : 20000);
     atomic_store(&armed, armed_now);
+    struct rlimit unlimited;
+    getrlimit(RLIMIT_NOFILE, &unlimited);
+    if (fd_limit) { /* from here to the end of the ranks */
+        struct rlimit lim = unlimited;
+        lim.rlim_cur = fd_limit;
+        setrlimit(RLIMIT_NOFILE, &lim);
+    }
     for (unsigned r = 0; r < p; r++) {
         memset(&a[r], 0, sizeof a[r]);
         a[r].comm = tcp_options ? NULL : c[r];
@@ -608,6 +628,8 @@ static void pipeline(const struct host_config *cfg, unsigned p, const struct lin
     for (unsigned r = 0; r < p; r++)
         pthread_join(tid[r], NULL);
     atomic_store(&armed, 0);
+    if (fd_limit)
+        setrlimit(RLIMIT_NOFILE, &unlimited);
     for (unsigned r = 0; r < p; r++) {
         struct host_result *res = &a[r].res;
         if (tcp_options && t[r].rc) {
@@ -757,6 +779,81 @@ static int check_pipeline(const char *what, const struct host_config *cfg, unsig
     return 0;
 }
 
+/* ---- file descriptors ---------------------------------------------------- */
+
+/* Descriptors open in this process. */
+static long open_fds(void)
+{
+    long n = 0;
+    for (int fd = 0; fd < 65536; fd++)
+        n += fcntl(fd, F_GETFD) != -1;
+    return n;
+}
+
+/* The pipeline with the process's descriptor limit at every value from
+ * the descriptors already open up, until it succeeds twice in a row: each
+ * failing run names the cause ("Too many open files") on at least one rank
+ * and returns only descriptor-starvation statuses, a run that succeeds
+ * equals the reference, and no descriptor is left open. */
+static int check_fd_starvation(const char *what, const struct host_config *cfg, unsigned p,
+                               const struct link *how)
+{
+    pipeline(cfg, p, how, &pref);
+    for (unsigned q = 0; q < p; q++)
+        if (pref.rc[q] == EPIPE_ENOTSUP) {
+            printf("SKIP %s: %s\n", what, pref.msg[q]);
+            return 0;
+        } else if (pref.rc[q]) {
+            printf("FAIL %s: the reference run failed: %s\n", what, pref.msg[q]);
+            return 1;
+        }
+    const char *cause = strerror(EMFILE);
+    long base = open_fds(), failed_runs = 0, lim = base;
+    for (int in_row = 0; in_row < 2; lim++) {
+        if (lim > base + 256) {
+            printf("FAIL %s: still failing with %ld descriptors\n", what, lim);
+            return 1;
+        }
+        int failed = 0, named = 0, odd = 0;
+        for (int patience = 0; patience < 2; patience++) {
+            fd_limit = (rlim_t)lim;
+            patient_rendezvous = patience;
+            pipeline(cfg, p, how, &pgot);
+            fd_limit = 0;
+            failed = named = odd = 0;
+            for (unsigned q = 0; q < p; q++) {
+                int rc = pgot.rc[q];
+                failed |= rc != 0;
+                named |= strstr(pgot.msg[q], cause) != NULL;
+                odd |= rc && (!pgot.msg[q][0] ||
+                              (rc != EPIPE_EIO && rc != EPIPE_ENOTSUP && rc != EPIPE_ETIMEDOUT &&
+                               rc != EPIPE_EPEER && rc != EPIPE_ENOMEM));
+            }
+            if (!failed || named) /* else a slow rendezvous, perhaps: once more, patiently */
+                break;
+        }
+        long left = open_fds();
+        int bad = left != base || odd || (failed && !named) || (!failed && !same_run(&pref, &pgot));
+        if (bad) {
+            printf("FAIL %s, at most %ld descriptors (%ld open before):", what, lim, base);
+            if (left != base)
+                printf(" %ld left open;", left - base);
+            if (!failed && !same_run(&pref, &pgot))
+                printf(" it succeeded with other results;");
+            for (unsigned q = 0; q < p; q++)
+                printf(" rank %u %s (\"%s\")", q, epipe_status_name(pgot.rc[q]), pgot.msg[q]);
+            printf("\n");
+            return 1;
+        }
+        failed_runs += failed;
+        in_row = failed ? 0 : in_row + 1;
+    }
+    printf("ok %s: %ld descriptor limits failed, each naming the cause, nothing left open; runs "
+           "from %ld descriptors on\n",
+           what, failed_runs, lim - 2);
+    return 0;
+}
+
 static int check_pipelines(const char *key_file, const char *trace_stem)
 {
     static const unsigned client_server[] = {0, 1, 0};
@@ -817,6 +914,12 @@ static int check_pipelines(const char *key_file, const char *trace_stem)
     int bad = 0;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         bad |= check_pipeline(cases[i].what, &cases[i].cfg, cases[i].p, cases[i].how);
+    /* the same pipelines over the transports that open descriptors,
+     * short of them */
+    printf("starving them of file descriptors\n");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (cases[i].how->transport)
+            bad |= check_fd_starvation(cases[i].what, &cases[i].cfg, cases[i].p, cases[i].how);
     return bad;
 }
 
