@@ -90,6 +90,15 @@ r = call(run, "-n1", sh, "-c", "echo $1", "x", "--np=9")
 if r.returncode or "--np=9" not in r.stdout:
     fail(f"epipe-run parsed its program's options: {r.stdout!r} {r.stderr!r}")
 refused("epipe-run", [run, "--np=0", sh], "--np 0: give a count")
+# The benchmarks' numbers are checked whole and in range too (-m -1 read as
+# 4294967295 micro-batches; --fwd-ms nan hung).
+refused("epipe-bench", [bench, "pipeline", "-m", "-1"], "-m '-1' is not an integer in 1..4096")
+refused("epipe-bench", [bench, "pipeline", "--fwd-ms=nan"], "--fwd-ms 'nan' is not a number")
+refused("epipe-bench", [bench, "codec", "none", "--threads=-1"], "--threads '-1' is not an integer")
+refused("epipe-bench", [bench, "transport", "--streams=9"], "--streams '9' is not an integer in 1..8")
+refused("epipe-bench", [bench, "crc", "--reps=2x"], "--reps '2x' is not an integer")
+refused("epipe-run", [run, "--grace=soon", "-n1", sh], "--grace 'soon' is not a number in 0..3600")
+refused("epipe-run", [run, "--grace=nan", "-n1", sh], "not a number")
 
 if train:
     a = call(train, "--epochs", "0")
@@ -99,6 +108,29 @@ if train:
     else:
         print("ok: epipe-train --epochs 0 == --epochs=0:", a.stderr.strip())
     refused("epipe-train", [train, "--lr"], "'--lr' needs a value")
+    # Numbers are checked whole, in range, before anything runs: no atoi
+    # that reads "12x" as 12, 99999999999 as a wrapped int or "abc" as 0.
+    for opt, value, why in (("--batch", "0", "not an integer in 1..1048576"),
+                            ("--batch", "99999999999", "not an integer in 1..1048576"),
+                            ("--batch", "12x", "not an integer"),
+                            ("--microbatches", "65", "not an integer in 1..64"),
+                            ("--stages", "", "not an integer in 1..64"),
+                            ("--seed", "abc", "not an integer"),
+                            ("--train-limit", "-3", "not an integer in 1.."),
+                            ("--lr", "nan", "not a number in 0..1e+06"),
+                            ("--lr", "inf", "not a number"),
+                            ("--lr", "-1", "not a number"),
+                            ("--momentum", "1", "not a number in 0..0.9999"),
+                            ("--codec-lr", "-2", "not a number"),
+                            ("--blas-threads", "0", "not an integer in 1..256"),
+                            ("--chunks", "9", "not an integer in 1..8"),
+                            ("--hidden", "5,", "bad --hidden '5,'"),
+                            ("--hidden", "1,2,3,4,5,6,7,8", "at most 7")):
+        r = call(train, f"{opt}={value}")
+        if r.returncode != 2 or why not in r.stderr or f"'{value}'" not in r.stderr:
+            fail(f"epipe-train {opt}={value}: exit {r.returncode}, {r.stderr.strip()!r}")
+        else:
+            print(f"ok: epipe-train {opt}={value}: {r.stderr.strip()}")
 
 print("ok" if ok else "failed")
 sys.exit(0 if ok else 1)

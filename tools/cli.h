@@ -3,8 +3,10 @@
 #ifndef EPIPE_TOOLS_CLI_H
 #define EPIPE_TOOLS_CLI_H
 
+#include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The option getopt_long() just returned, without its value: "--stages"
@@ -40,5 +42,55 @@ static inline void epipe_cli_bad_option(const char *prog, char **argv, int c)
     else
         fprintf(stderr, "%s: unknown option '-%c'\n", prog, optopt);
 }
+
+/* v as a whole decimal number in [lo, hi]: 0 and *out, or -1 after
+ * "PROG: OPT 'v' is not an integer in lo..hi" (an empty value, trailing
+ * characters, an overflow included). */
+static inline int epipe_cli_int(const char *prog, const char *opt, const char *v, long long lo,
+                                long long hi, long long *out)
+{
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (end == v || *end || errno == ERANGE || x < lo || x > hi) {
+        fprintf(stderr, "%s: %s '%s' is not an integer in %lld..%lld\n", prog, opt, v, lo, hi);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+/* v as a finite number in [lo, hi]: 0 and *out, or -1 after "PROG: OPT
+ * 'v' is not a number in lo..hi" (nan and inf refused). */
+static inline int epipe_cli_real(const char *prog, const char *opt, const char *v, double lo,
+                                 double hi, double *out)
+{
+    char *end;
+    double x = strtod(v, &end);
+    if (end == v || *end || !(x >= lo && x <= hi)) {
+        fprintf(stderr, "%s: %s '%s' is not a number in %g..%g\n", prog, opt, v, lo, hi);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+/* For parsers that return 2 (the exit status) on a bad option: optarg as
+ * an integer or a finite number in [lo, hi] into dst, or the message and
+ * `return 2`. */
+#define EPIPE_CLI_INT(prog, opt, lo, hi, dst)                                                      \
+    do {                                                                                           \
+        long long x_;                                                                              \
+        if (epipe_cli_int(prog, opt, optarg, lo, hi, &x_))                                         \
+            return 2;                                                                              \
+        dst = x_;                                                                                  \
+    } while (0)
+#define EPIPE_CLI_REAL(prog, opt, lo, hi, dst)                                                     \
+    do {                                                                                           \
+        double x_;                                                                                 \
+        if (epipe_cli_real(prog, opt, optarg, lo, hi, &x_))                                        \
+            return 2;                                                                              \
+        dst = x_;                                                                                  \
+    } while (0)
 
 #endif

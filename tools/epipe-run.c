@@ -168,7 +168,10 @@ int main(int argc, char **argv)
                 return 2;
             }
             break;
-        case O_GRACE: grace = atof(optarg); break;
+        case O_GRACE:
+            if (epipe_cli_real("epipe-run", "--grace", optarg, 0, 3600, &grace))
+                return 2;
+            break;
         default: /* ':' or '?' */
             epipe_cli_bad_option("epipe-run", argv, opt);
             usage(stderr);

@@ -1,6 +1,8 @@
 /* epipe-train's command line: its usage text and the parser that fills the
  * options (schedule, chunks, placement, codecs, model and training knobs). */
 #define _POSIX_C_SOURCE 200809L
+#include <limits.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,22 +115,32 @@ int train_parse_args(int argc, char **argv, struct options *o)
     };
     opterr = 0;
     int opt, stages_set = 0;
+/* The value of the option being parsed as an integer or a finite number in
+ * [lo, hi], into dst, or a message and -1. */
+#define INT_OPT(name, lo, hi, dst)                                                                 \
+    do {                                                                                           \
+        long long x_;                                                                              \
+        if (epipe_cli_int("epipe-train", name, v, lo, hi, &x_))                                    \
+            return -1;                                                                             \
+        dst = x_;                                                                                  \
+    } while (0)
+#define REAL_OPT(name, lo, hi, dst)                                                                \
+    do {                                                                                           \
+        double x_;                                                                                 \
+        if (epipe_cli_real("epipe-train", name, v, lo, hi, &x_))                                   \
+            return -1;                                                                             \
+        dst = (float)x_;                                                                           \
+    } while (0)
     while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
         const char *v = optarg;
         switch (opt) {
         case 'h': train_usage(stdout); exit(0);
         case O_QUIET: o->quiet = 1; break;
         case O_STAGES:
-            o->stages = (unsigned)atoi(v);
+            INT_OPT("--stages", 1, 64, o->stages);
             stages_set = o->stages_set = 1;
             break;
-        case O_CHUNKS:
-            o->chunks = (unsigned)atoi(v);
-            if (o->chunks < 1 || o->chunks > 8) {
-                fprintf(stderr, "epipe-train: --chunks %s is not in 1..8\n", v);
-                return -1;
-            }
-            break;
+        case O_CHUNKS: INT_OPT("--chunks", 1, 8, o->chunks); break;
         case O_PLACEMENT:
             o->nplace = 0;
             for (const char *p = v; *p;) {
@@ -146,7 +158,7 @@ int train_parse_args(int argc, char **argv, struct options *o)
                 p = *end ? end + 1 : end;
             }
             break;
-        case O_MB: o->microbatches = (unsigned)atoi(v); break;
+        case O_MB: INT_OPT("--microbatches", 1, MODEL_MAX_MB, o->microbatches); break;
         case O_SCHEDULE:
             o->schedule = v;
             o->schedule_set = 1;
@@ -186,22 +198,27 @@ int train_parse_args(int argc, char **argv, struct options *o)
                 o->link_latency = x / 1e3;
             break;
         }
-        case O_EPOCHS: o->epochs = atoi(v); break;
-        case O_BATCH: o->batch = atoi(v); break;
-        case O_LR: o->lr = (float)atof(v); break;
-        case O_MOMENTUM: o->momentum = (float)atof(v); break;
-        case O_CODEC_LR: o->codec_lr = (float)atof(v); break;
-        case O_SEED: o->seed = strtoull(v, NULL, 10); break;
-        case O_TRAIN_LIMIT: o->train_limit = atol(v); break;
+        case O_EPOCHS: INT_OPT("--epochs", 1, 1000000, o->epochs); break;
+        case O_BATCH: INT_OPT("--batch", 1, 1 << 20, o->batch); break;
+        case O_LR: REAL_OPT("--lr", 0, 1e6, o->lr); break;
+        /* the built-in SGD's range (epipe_codec_sgd_step): below 1 */
+        case O_MOMENTUM: REAL_OPT("--momentum", 0, 0.9999, o->momentum); break;
+        case O_CODEC_LR: REAL_OPT("--codec-lr", 0, 1e6, o->codec_lr); break;
+        case O_SEED: INT_OPT("--seed", 0, LLONG_MAX, o->seed); break;
+        case O_TRAIN_LIMIT: INT_OPT("--train-limit", 1, INT32_MAX, o->train_limit); break;
         case O_DATA: o->data_dir = v; break;
-        case O_BLAS_THREADS: o->blas_threads = atoi(v); break;
+        case O_BLAS_THREADS: INT_OPT("--blas-threads", 1, 256, o->blas_threads); break;
         case O_HIDDEN:
             o->nhidden = 0;
-            for (const char *p = v; *p && o->nhidden < MODEL_MAX_LAYERS - 1;) {
+            for (const char *p = v; *p;) {
                 char *end;
                 long w = strtol(p, &end, 10);
-                if (end == p || w < 1 || w > 65536) {
-                    fprintf(stderr, "epipe-train: bad --hidden '%s'\n", v);
+                if (end == p || w < 1 || w > 65536 || (*end && *end != ',') ||
+                    (*end == ',' && !end[1]) || o->nhidden == MODEL_MAX_LAYERS - 1) {
+                    fprintf(stderr,
+                            "epipe-train: bad --hidden '%s': widths 1..65536, comma-separated, "
+                            "at most %d\n",
+                            v, MODEL_MAX_LAYERS - 1);
                     return -1;
                 }
                 o->hidden[o->nhidden++] = (int)w;
@@ -263,10 +280,6 @@ int train_parse_args(int argc, char **argv, struct options *o)
     } else if (o->plan_out || o->link_rate > 0 || o->plan_error >= 0 || o->plan_codecs) {
         fprintf(stderr, "epipe-train: --plan-out, --link, --plan-codecs and --plan-error go "
                         "with --plan\n");
-        return -1;
-    }
-    if (o->blas_threads < 1 || o->blas_threads > 256) {
-        fprintf(stderr, "epipe-train: --blas-threads %d is not in 1..256\n", o->blas_threads);
         return -1;
     }
     return 0;
