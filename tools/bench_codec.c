@@ -509,11 +509,9 @@ int bench_codec_main(int argc, char **argv)
                 return 2;
             }
             break;
-        case O_THREADS: o.threads = atoi(optarg); break;
+        case O_THREADS: EPIPE_CLI_INT("epipe-bench codec", "--threads", 0, 256, o.threads); break;
         case O_REPS:
-            o.reps = atoi(optarg);
-            if (o.reps < 1)
-                o.reps = 1;
+            EPIPE_CLI_INT("epipe-bench codec", "--reps", 1, 1000000, o.reps);
             reps_set = 1;
             break;
         case O_DEVICE:

@@ -79,7 +79,7 @@ int bench_crc_main(int argc, char **argv)
         switch (opt) {
         case 'h': usage(stdout); return 0;
         case O_JSON: json = 1; break;
-        case O_REPS: reps = atoi(optarg); break;
+        case O_REPS: EPIPE_CLI_INT("epipe-bench crc", "--reps", 1, 1000000, reps); break;
         case O_SIZES: nsizes = parse_sizes(optarg, sizes, 16); break;
         default: /* ':' or '?' */
             epipe_cli_bad_option("epipe-bench crc", argv, opt);

@@ -159,7 +159,7 @@ static void *stage_main(void *p)
     if (a->rc == EPIPE_OK) /* schedules without a flush: the backwards in flight */
         a->rc = epipe_stage_drain(st);
     if (a->rc) {
-        snprintf(a->err, sizeof a->err, "%s", epipe_stage_last_error(st));
+        snprintf(a->err, sizeof a->err, "%s", st ? epipe_stage_last_error(st) : epipe_last_error());
         epipe_comm_abort(a->comm);
     }
     epipe_stage_destroy(st);
@@ -392,18 +392,20 @@ int bench_pipeline_main(int argc, char **argv)
         switch (opt) {
         case 'h': usage(stdout); return 0;
         case O_JSON: o.json = 1; break;
-        case O_SPIN_US: o.spin_us = atol(optarg); break;
+        case O_SPIN_US:
+            EPIPE_CLI_INT("epipe-bench pipeline", "--spin-us", 0, 1000000, o.spin_us);
+            break;
         case O_SPIN: o.spin = 1; break;
         case O_KIND: o.kind = optarg; break;
         case O_CODEC: o.codec = optarg; break;
-        case 'p': o.p = (unsigned)atoi(optarg); break;
-        case 'm': o.m = (unsigned)atoi(optarg); break;
-        case O_STEPS: o.steps = atoi(optarg); break;
-        case O_FWD: o.fwd_ms = atof(optarg); break;
-        case O_BWD: o.bwd_ms = atof(optarg); break;
-        case O_ELEMS: o.elems = atoi(optarg); break;
-        case O_W: o.w_ms = atof(optarg); break;
-        case O_CHUNKS: o.chunks = (unsigned)atoi(optarg); break;
+        case 'p': EPIPE_CLI_INT("epipe-bench pipeline", "-p", 1, 64, o.p); break;
+        case 'm': EPIPE_CLI_INT("epipe-bench pipeline", "-m", 1, 4096, o.m); break;
+        case O_STEPS: EPIPE_CLI_INT("epipe-bench pipeline", "--steps", 1, 1000000, o.steps); break;
+        case O_FWD: EPIPE_CLI_REAL("epipe-bench pipeline", "--fwd-ms", 0, 10000, o.fwd_ms); break;
+        case O_BWD: EPIPE_CLI_REAL("epipe-bench pipeline", "--bwd-ms", 0, 10000, o.bwd_ms); break;
+        case O_ELEMS: EPIPE_CLI_INT("epipe-bench pipeline", "--elems", 1, 1 << 28, o.elems); break;
+        case O_W: EPIPE_CLI_REAL("epipe-bench pipeline", "--w-ms", 0, 10000, o.w_ms); break;
+        case O_CHUNKS: EPIPE_CLI_INT("epipe-bench pipeline", "--chunks", 1, 8, o.chunks); break;
         case O_COMPARE: o.compare = 1; break;
         default: /* ':' or '?' */
             epipe_cli_bad_option("epipe-bench pipeline", argv, opt);

@@ -470,9 +470,11 @@ int bench_transport_main(int argc, char **argv)
         case O_QUICK: c.quick = 1; break;
         case O_RAW_HOT: c.raw_hot = 1; break;
         case O_SIZES: sizes = optarg; break;
-        case O_SPIN_US: c.spin_us = atoi(optarg); break;
-        case O_STREAMS: c.streams = (unsigned)atoi(optarg); break;
-        case O_REPS: c.reps = atoi(optarg); break;
+        case O_SPIN_US:
+            EPIPE_CLI_INT("epipe-bench transport", "--spin-us", 0, 1000000, c.spin_us);
+            break;
+        case O_STREAMS: EPIPE_CLI_INT("epipe-bench transport", "--streams", 1, 8, c.streams); break;
+        case O_REPS: EPIPE_CLI_INT("epipe-bench transport", "--reps", 1, 1000000, c.reps); break;
         case O_OPTIONS: c.options = optarg; break;
         case O_COMPARE: c.compare = optarg; break;
         case O_TRANSPORT: c.transport = optarg; break;
