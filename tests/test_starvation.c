@@ -22,11 +22,16 @@
  * executable's allocations instead, and the pipeline half is skipped.
  * Under AddressSanitizer, which owns malloc, it reports a skip (exit 77).
  *
+ * Threads: every thread libepipe starts in those pipelines fails to start
+ * in turn (pthread_create, defined here too, returns EAGAIN): a failure is
+ * EPIPE_EIO naming the thread, or the run goes on without it unchanged.
+ *
  * Descriptors: the pipelines over TCP and rdma run under every
  * RLIMIT_NOFILE from the descriptors already open up to the first that
  * lets them succeed twice: each run that fails names the cause ("Too many
  * open files") on some rank, and none leaves a descriptor open. */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <link.h>
 #include <malloc.h>
@@ -241,6 +246,25 @@ void *memalign(size_t align, size_t n)
 }
 
 /* ctx: 1 to take this executable, 0 for libepipe.so and libc. */
+/* Threads: pthread_create asked for by libepipe fails as allocations do,
+ * when thread_fail_at is set (EAGAIN, as when a process is at its task
+ * limit). */
+static atomic_long thread_seen, thread_fail_at;
+static atomic_int thread_fail_for_good;
+
+int pthread_create(pthread_t *th, const pthread_attr_t *attr, void *(*fn)(void *), void *arg)
+{
+    static int (*real)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+    if (!real)
+        *(void **)&real = dlsym(RTLD_NEXT, "pthread_create");
+    if (is_candidate(__builtin_return_address(0))) {
+        long n = atomic_fetch_add(&thread_seen, 1) + 1, k = atomic_load(&thread_fail_at);
+        if (k && (n == k || (atomic_load(&thread_fail_for_good) && n > k)))
+            return EAGAIN;
+    }
+    return real(th, attr, fn, arg);
+}
+
 static int find_ranges(struct dl_phdr_info *info, size_t size, void *ctx)
 {
     (void)size;
@@ -854,6 +878,68 @@ static int check_fd_starvation(const char *what, const struct host_config *cfg, 
     return 0;
 }
 
+/* ---- threads --------------------------------------------------------------- */
+
+/* Every thread libepipe starts in the pipeline fails to start in turn, once
+ * and from then on: a run that fails must say so (a message naming the
+ * thread it could not start, on some rank) with EPIPE_EIO there and
+ * EPIPE_EPEER or a rendezvous timeout elsewhere, a run that goes on
+ * without the thread (a helper it can do without) must equal the
+ * reference, and the next run must too. */
+static int check_thread_starvation(const char *what, const struct host_config *cfg, unsigned p,
+                                   const struct link *how)
+{
+    atomic_store(&thread_seen, 0);
+    pipeline(cfg, p, how, &pref);
+    long total = atomic_load(&thread_seen), recovered = 0;
+    for (unsigned q = 0; q < p; q++)
+        if (pref.rc[q] == EPIPE_ENOTSUP) {
+            printf("SKIP %s: %s\n", what, pref.msg[q]);
+            return 0;
+        }
+    for (int mode = 0; mode < 2; mode++)
+        for (long k = 1; k <= total; k++) {
+            long fds = open_fds(), blocks = live_blocks();
+            atomic_store(&thread_seen, 0);
+            atomic_store(&thread_fail_for_good, mode);
+            atomic_store(&thread_fail_at, k);
+            pipeline(cfg, p, how, &pgot);
+            atomic_store(&thread_fail_at, 0);
+            int failed = pgot.comm_rc, named = 0, odd = 0;
+            for (unsigned q = 0; q < p; q++) {
+                int rc = pgot.rc[q];
+                failed |= rc;
+                named |= rc == EPIPE_EIO && strstr(pgot.msg[q], "thread") != NULL;
+                odd |= rc &&
+                       (!pgot.msg[q][0] || (rc != EPIPE_EIO && rc != EPIPE_EPEER &&
+                                            !(rc == EPIPE_ETIMEDOUT &&
+                                              !strncmp(pgot.msg[q], "epipe_comm_create:", 18))));
+            }
+            int bad = odd || (failed && !named) || (!failed && !same_run(&pref, &pgot)) ||
+                      open_fds() != fds || live_blocks() != blocks;
+            recovered += !failed;
+            if (!bad) { /* and the next run is whole again */
+                pipeline(cfg, p, how, &pgot);
+                for (unsigned q = 0; q < p; q++)
+                    bad |= pgot.rc[q] != 0;
+                bad |= pgot.comm_rc || !same_run(&pref, &pgot);
+            }
+            if (bad) {
+                printf("FAIL %s: thread %ld of %ld %s:", what, k, total,
+                       mode ? "and every later one failed to start" : "failed to start");
+                for (unsigned q = 0; q < p; q++)
+                    printf(" rank %u %s (\"%s\")", q, epipe_status_name(pgot.rc[q]), pgot.msg[q]);
+                printf(" (%ld descriptors, %ld blocks more than before)\n", open_fds() - fds,
+                       live_blocks() - blocks);
+                return 1;
+            }
+        }
+    printf("ok %s: %ld threads, each refused once and for good; %ld runs went on without "
+           "it\n",
+           what, total, recovered);
+    return 0;
+}
+
 static int check_pipelines(const char *key_file, const char *trace_stem)
 {
     static const unsigned client_server[] = {0, 1, 0};
@@ -914,6 +1000,12 @@ static int check_pipelines(const char *key_file, const char *trace_stem)
     int bad = 0;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         bad |= check_pipeline(cases[i].what, &cases[i].cfg, cases[i].p, cases[i].how);
+    /* the transports that start threads (progress, CRC helper), short of
+     * them; inproc starts none */
+    printf("starving them of threads\n");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (cases[i].how->transport)
+            bad |= check_thread_starvation(cases[i].what, &cases[i].cfg, cases[i].p, cases[i].how);
     /* the same pipelines over the transports that open descriptors,
      * short of them */
     printf("starving them of file descriptors\n");
