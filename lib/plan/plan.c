@@ -74,6 +74,10 @@ struct epipe_plan {
     double step, blind_step;
     char **pool; /* the codec specs the candidates point to */
     size_t npool, pool_cap;
+    /* the first simulation that failed (not for memory: out of memory, a
+     * bug): the plan fails with it rather than skip the candidate */
+    int sim_err;
+    char sim_why[EPIPE_ERRMSG_MAX];
 };
 
 /* ---- inputs -------------------------------------------------------------- */
@@ -474,8 +478,9 @@ static const struct option *split_opt(const epipe_plan *p, const struct split *s
 }
 
 /* The simulated step time of a split under schedule kind `kind`; NAN if it
- * breaks the memory limit. */
-static double simulate(const epipe_plan *p, const struct split *sp, int kind, int blind)
+ * breaks the memory limit, or if the simulation failed (p->sim_err says
+ * so, and the plan fails with it). */
+static double simulate(epipe_plan *p, const struct split *sp, int kind, int blind)
 {
     unsigned P = p->P;
     for (unsigned s = 0; s < P; s++)
@@ -484,7 +489,9 @@ static double simulate(const epipe_plan *p, const struct split *sp, int kind, in
     epipe_schedule *sch = NULL;
     epipe_sim *sim = NULL;
     double t = NAN;
-    if (epipe_schedule_create(&sch, plan_kinds[kind], P, p->M) || epipe_sim_create(&sim, sch))
+    int rc = EPIPE_OK;
+    if (p->sim_err || (rc = epipe_schedule_create(&sch, plan_kinds[kind], P, p->M)) ||
+        (rc = epipe_sim_create(&sim, sch)))
         goto out;
     int split_bw = epipe_schedule_splits_backward(sch) == 1;
     for (unsigned s = 0; s < P; s++) {
@@ -521,9 +528,13 @@ static double simulate(const epipe_plan *p, const struct split *sp, int kind, in
             u += p->layers[l].update_s;
         update = u > update ? u : update;
     }
-    if (epipe_sim_run(sim) == EPIPE_OK)
+    if ((rc = epipe_sim_run(sim)) == EPIPE_OK)
         t = epipe_sim_makespan(sim) + update;
 out:
+    if (isnan(t) && !p->sim_err && rc) {
+        p->sim_err = rc;
+        snprintf(p->sim_why, sizeof p->sim_why, "%s", epipe_last_error());
+    }
     epipe_sim_destroy(sim);
     epipe_schedule_destroy(sch);
     return t;
@@ -806,6 +817,10 @@ EPIPE_API int epipe_plan_create(epipe_plan **out, const epipe_plan_layer *layers
     if (p->blind_kind >= 0)
         judge(p, &p->blind, use, 0);
     refine(p, use, &tmp);
+    if (p->sim_err) {
+        rc = epipe_fail(p->sim_err, "epipe_plan_create: simulating a candidate: %s", p->sim_why);
+        goto fail;
+    }
     if (p->kind < 0) {
         rc = epipe_fail(EPIPE_ENOTSUP,
                         "epipe_plan_create: no split of %u layers into %u stages fits %g bytes "
