@@ -500,6 +500,113 @@ static int check_spec(const char *spec)
     return bad;
 }
 
+/* ---- the planner and the simulator ---------------------------------------- */
+
+/* A workload of plain calls: 0 with a digest of what it computed, or the
+ * status of the call that failed with its message in why. */
+typedef int (*work_fn)(char *digest, size_t cap, char *why, size_t whycap);
+
+/* A plan for a 6-layer chain on 3 stages with 2 codecs a boundary. */
+static int plan_work(char *digest, size_t cap, char *why, size_t whycap)
+{
+    epipe_plan_layer layers[6];
+    epipe_plan_codec codecs[20];
+    size_t nc = 0;
+    for (int l = 0; l < 6; l++) {
+        layers[l] = (epipe_plan_layer){.forward_s = 1e-3 * (l + 1),
+                                       .backward_s = 2e-3 * (l + 1),
+                                       .weight_s = 1e-3 * (l + 1),
+                                       .out_bytes = 4e6 / (l + 1),
+                                       .param_bytes = 1e5,
+                                       .stash_bytes = 2e6};
+        for (unsigned d = 0; l < 5 && d < 2; d++) {
+            codecs[nc++] = (epipe_plan_codec){
+                "sortquant:bits=8", (unsigned)l, d, 1e-4, 1e-4, 0.26, 1e-4};
+            codecs[nc++] = (epipe_plan_codec){"quant:bits=4", (unsigned)l, d,   5e-5,
+                                              5e-5,           0.13,        1e-2};
+        }
+    }
+    epipe_plan_options o = EPIPE_PLAN_OPTIONS_INIT;
+    o.stages = 3, o.microbatches = 8, o.bandwidth = 1.25e7;
+    epipe_plan *plan = NULL;
+    int rc = epipe_plan_create(&plan, layers, 6, codecs, nc, &o);
+    if (rc) {
+        snprintf(why, whycap, "%s", epipe_last_error());
+        return rc;
+    }
+    int n = snprintf(digest, cap, "%s %a %u %u |", epipe_plan_schedule(plan),
+                     epipe_plan_step_seconds(plan), epipe_plan_first_layer(plan, 1),
+                     epipe_plan_first_layer(plan, 2));
+    for (unsigned b = 0; b < 2 && n > 0 && (size_t)n < cap; b++)
+        for (unsigned d = 0; d < 2 && (size_t)n < cap; d++)
+            n += snprintf(digest + n, cap - (size_t)n, " %s", epipe_plan_codec_spec(plan, b, d));
+    if (n > 0 && (size_t)n < cap)
+        epipe_plan_explain(plan, digest + n, cap - (size_t)n);
+    epipe_plan_destroy(plan);
+    return EPIPE_OK;
+}
+
+/* zb-h1 on 4 stages, 8 micro-batches, simulated with a cost per stage. */
+static int sim_work(char *digest, size_t cap, char *why, size_t whycap)
+{
+    epipe_schedule *sc = NULL;
+    epipe_sim *sim = NULL;
+    int rc = epipe_schedule_create(&sc, "zb-h1", 4, 8);
+    if (!rc)
+        rc = epipe_sim_create(&sim, sc);
+    for (unsigned st = 0; !rc && st < 4; st++)
+        rc = epipe_sim_set_cost(sim, EPIPE_SIM_FORWARD, st, 1.0 + st);
+    if (!rc)
+        rc = epipe_sim_run(sim);
+    if (rc)
+        snprintf(why, whycap, "%s", epipe_last_error());
+    else
+        snprintf(digest, cap, "%a", epipe_sim_makespan(sim));
+    epipe_sim_destroy(sim);
+    epipe_schedule_destroy(sc);
+    return rc;
+}
+
+/* Every allocation of fn failed in turn, once and for good: EPIPE_ENOMEM
+ * with a message, or the reference's digest; nothing leaks. */
+static int check_work(const char *what, work_fn fn)
+{
+    static char ref_digest[8192], digest[8192];
+    char why[512] = "";
+    atomic_store(&fail_at, 0);
+    atomic_store(&seen, 0);
+    atomic_store(&armed, 1);
+    int rc = fn(ref_digest, sizeof ref_digest, why, sizeof why);
+    atomic_store(&armed, 0);
+    long total = atomic_load(&seen);
+    if (rc) {
+        printf("FAIL %s: the reference run failed: %s\n", what, why);
+        return 1;
+    }
+    for (int mode = 0; mode < 2; mode++)
+        for (long k = 1; k <= total; k++) {
+            long before = live_blocks();
+            why[0] = digest[0] = '\0';
+            atomic_store(&seen, 0);
+            atomic_store(&fail_for_good, mode);
+            atomic_store(&fail_at, k);
+            atomic_store(&armed, 1);
+            rc = fn(digest, sizeof digest, why, sizeof why);
+            atomic_store(&armed, 0);
+            atomic_store(&fail_at, 0);
+            const char *how = mode ? "from allocation" : "allocation";
+            if ((rc && (rc != EPIPE_ENOMEM || !why[0])) || (!rc && strcmp(digest, ref_digest)) ||
+                live_blocks() != before) {
+                printf("FAIL %s: %s %ld of %ld failed: %s (\"%s\"), %ld blocks leaked%s\n", what,
+                       how, k, total, epipe_status_name(rc), why, live_blocks() - before,
+                       !rc && strcmp(digest, ref_digest) ? ", another result" : "");
+                return 1;
+            }
+        }
+    printf("ok %s: %ld allocations, each failed once and for good\n", what, total);
+    return 0;
+}
+
 /* ---- the pipelines ------------------------------------------------------- */
 
 static atomic_long log_lines;
@@ -1045,6 +1152,8 @@ int main(void)
     int bad = 0;
     for (size_t i = 0; i < NSPECS; i++)
         bad |= check_spec(specs[i]);
+    bad |= check_work("the planner: 6 layers on 3 stages, 2 codecs a boundary", plan_work);
+    bad |= check_work("the schedule simulator: zb-h1, 4 stages, 8 micro-batches", sim_work);
     if (shared_lib) {
         printf("starving libepipe's allocations in pipelines of threads\n");
         char key[] = "/tmp/epipe-alloc-faults-key-XXXXXX";
