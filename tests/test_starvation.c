@@ -346,17 +346,28 @@ static int round_trip(const char *spec, struct trip *t)
         failed(t, rc ? rc : EPIPE_ENOSPC, "max_encoded_size", epipe_codec_last_error(enc));
         goto done;
     }
+    /* activation deltas: the rows are samples 0..7, sent whole the first
+     * time and as deltas the second */
+    static const uint64_t ids[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    int delta = strstr(spec, "delta=1") != NULL;
     for (int i = 0; i < 2; i++) {
+        if (delta && (rc = epipe_codec_set_samples(enc, ids, 8))) {
+            failed(t, rc, "set_samples", epipe_codec_last_error(enc));
+            goto done;
+        }
         rc = epipe_codec_encode(enc, &src, t->pay[i], CAP, &t->len[i]);
         if (rc) {
             failed(t, rc, "encode", epipe_codec_last_error(enc));
             goto done;
         }
     }
-    rc = epipe_codec_decode(dec, t->pay[1], t->len[1], &out);
-    if (rc) {
-        failed(t, rc, "decode", epipe_codec_last_error(dec));
-        goto done;
+    /* both, in order: a delta needs the rows the first one stored */
+    for (int i = 0; i < 2; i++) {
+        rc = epipe_codec_decode(dec, t->pay[i], t->len[i], &out);
+        if (rc) {
+            failed(t, rc, "decode", epipe_codec_last_error(dec));
+            goto done;
+        }
     }
     if (trainable) {
         int cnd;
@@ -408,7 +419,8 @@ static int same(const struct trip *a, const struct trip *b)
 
 /* Every lossy codec and the library's allocation paths: handle and
  * spec, scratch, error feedback, sample/exact/fit sortquant, per-row and
- * per-group ranges, kmeans, topk, the BLAS codecs and a chain. */
+ * per-group ranges, kmeans, topk, the BLAS codecs, a chain, and
+ * activation deltas (stored rows on both sides). */
 static const char *const specs[] = {
     "none",
     "cast:dtype=fp16",
@@ -426,6 +438,8 @@ static const char *const specs[] = {
     "poweriter:rank=2",
     "insert:kind=conv,ratio=0.5,kernel=2",
     "insert:kind=linear,out=8|quant:bits=5",
+    "quant:bits=2,delta=1",
+    "sortquant:bits=4,delta=1,delta_raw=0",
 };
 #define NSPECS (sizeof specs / sizeof specs[0])
 
@@ -444,6 +458,7 @@ static int check_spec(const char *spec)
         return 1;
     }
     /* count the candidates of one round trip */
+    memset(&got, 0, sizeof got);
     atomic_store(&seen, 0);
     atomic_store(&armed, 1);
     round_trip(spec, &got);
