@@ -52,8 +52,13 @@ def version_number():
 
 
 def _enc(s):
+    """s for a C string argument. A NUL inside would end the string there and
+    drop the rest without a word ("quant:bits=8\\0,ef=1" would lose ef=1):
+    refused."""
     if not isinstance(s, str):
         raise TypeError(f"expected a str, got {type(s).__name__}")
+    if "\0" in s:
+        raise ValueError(f"{s!r} holds a NUL character, where a C string would end")
     return s.encode("utf-8")
 
 

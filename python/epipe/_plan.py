@@ -3,6 +3,7 @@ points, a codec per boundary and direction, and the schedule, from a profile
 of a chain of layers and a table of measured codec costs. docs/planner.md."""
 import ctypes
 
+from ._core import _enc
 from ._lib import PlanCodec, PlanLayer, PlanOptions, check, lib
 
 LAYER_FIELDS = ("forward_s", "backward_s", "weight_s", "out_bytes", "param_bytes", "stash_bytes",
@@ -26,7 +27,7 @@ def _codec(i, d):
     if d["dir"] not in _DIRS:
         raise ValueError(f"plan: codec entry {i} has dir {d['dir']!r}; use 'activation' or "
                          "'gradient'")
-    return PlanCodec(str(d["spec"]).encode(), int(d["layer"]), _DIRS[d["dir"]],
+    return PlanCodec(_enc(str(d["spec"])), int(d["layer"]), _DIRS[d["dir"]],
                      float(d["encode_s"]), float(d["decode_s"]), float(d["wire_ratio"]),
                      float(d.get("error", 0.0)))
 
@@ -76,7 +77,7 @@ class Plan:
         o.param_copies = float(param_copies)
         o.act_error_budget = -1.0 if act_error_budget is None else float(act_error_budget)
         o.grad_error_budget = -1.0 if grad_error_budget is None else float(grad_error_budget)
-        o.schedules = ",".join(schedules).encode() if schedules else None
+        o.schedules = _enc(",".join(schedules)) if schedules else None
         h = ctypes.c_void_p()
         check(lib.epipe_plan_create(ctypes.byref(h), larr, len(layers), carr, len(codecs),
                                     ctypes.byref(o)), "epipe_plan_create")

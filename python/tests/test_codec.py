@@ -112,6 +112,15 @@ def test_spec_errors_name_the_bad_part(spec, needle):
     assert needle in str(e)
 
 
+def test_a_nul_in_a_spec_is_refused():
+    """ctypes would pass "quant:bits=8\\0,ef=1" as "quant:bits=8": the rest
+    would be lost without a word."""
+    with pytest.raises(ValueError, match="NUL"):
+        epipe.Codec("quant:bits=8\0,ef=1")
+    with pytest.raises(ValueError, match="NUL"):
+        epipe.Codec("none\0")
+
+
 def test_wrong_dtype_raises():
     c = epipe.Codec("sortquant:bits=8")
     with pytest.raises(epipe.Error) as ei:
