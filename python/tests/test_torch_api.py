@@ -3,6 +3,8 @@ the same weights as one process (codec none, CPU, threads over inproc) for
 GPipe, 1F1B, ZB-H1 and interleaved; eval() runs forwards only; splitting by
 index, by parameters and by given boundaries; bad input raises."""
 import copy
+import threading
+import time
 
 import pytest
 
@@ -193,5 +195,63 @@ def test_bad_input():
         wrong = ept.PipelineStage(torch.nn.Linear(2, 2), 0, 2, comm=comms[0])
         with pytest.raises(ValueError, match="pipeline stages"):
             ept.Schedule1F1B(wrong, 2, loss_fn=mse)
+    finally:
+        comms[0].close()
+
+
+def test_a_step_that_raises_stops_the_pipeline():
+    """An exception in the middle of a step (the host's module here) leaves
+    the op stream part way: the schedule aborts its communicator, so the
+    other rank's step fails at once (not at its timeout), and every later
+    step on either rank raises, naming the first failure. Arguments refused
+    before any op cost nothing: the schedule goes on."""
+    class Fails(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 3:  # the third micro-batch of the first step
+                raise RuntimeError("the host's module failed")
+            return self.lin(x)
+
+    comms = epipe.Comm.inproc(2)
+    x, t = torch.randn(BATCH, 6), torch.randn(BATCH, 6)
+    seen = [None, None]
+    done = threading.Event()  # rank 1's step is over: rank 0 may leave
+
+    def body(r):
+        stage = ept.PipelineStage(Fails() if r == 0 else torch.nn.Linear(6, 6), r, 2,
+                                  comm=comms[r])
+        with ept.Schedule1F1B(stage, MB, loss_fn=mse, timeout_ms=60000) as sched:
+            if r == 1:
+                with pytest.raises(ValueError, match="loss_fn and target"):
+                    sched.step(x)  # refused before any op: not a failed step
+            t0 = time.monotonic()
+            with pytest.raises(Exception) as first:
+                sched.step(x, target=t)
+            seen[r] = (type(first.value).__name__, str(first.value), time.monotonic() - t0)
+            if r == 1:
+                done.set()
+            else:  # stays, so that only the abort can wake rank 1 (leaving would too)
+                done.wait(20)
+            with pytest.raises(RuntimeError, match="an earlier step failed"):
+                sched.step(x, target=t)
+
+    raise_first(run_threads(comms, body))
+    assert seen[0][0] == "RuntimeError" and "the host's module failed" in seen[0][1]
+    assert seen[1][0] == "Error" and "EPIPE_EPEER" in seen[1][1], seen[1]
+    assert seen[1][2] < 10, seen[1]  # woken by the abort, not by rank 0 leaving at 20 s
+
+
+@pytest.mark.parametrize("n", [0, -3, 10**9, 2.5, True])
+def test_microbatch_count_is_checked(n):
+    comms = epipe.Comm.inproc(1)
+    try:
+        st = ept.PipelineStage(torch.nn.Linear(2, 2), 0, 1, comm=comms[0])
+        with pytest.raises(ValueError, match="n_microbatches must be an int in 1..65536"):
+            ept.Schedule1F1B(st, n, loss_fn=mse)
     finally:
         comms[0].close()

@@ -34,8 +34,14 @@ class PipelineSchedule:
         if len(num) != 1:
             raise ValueError(f"{type(self).__name__}: the stages disagree on num_stages: "
                              f"{sorted(num)}")
-        self.n_microbatches = int(n_microbatches)
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or \
+                not 1 <= n_microbatches <= 65536:
+            raise ValueError(f"{type(self).__name__}: n_microbatches must be an int in 1..65536, "
+                             f"not {n_microbatches!r}")
+        self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
+        self._broken = None  # why a step failed: the op stream cannot be resumed
+        self._in_ops = False
         first = self.stages[0]
         self.comm = first.comm if first.comm is not None else core.Comm.from_env()
         chunks = len(self.stages)
@@ -147,14 +153,36 @@ class PipelineSchedule:
         return h, taps
 
     # -- the step
+    def _guarded(self, run, *args, **kwargs):
+        """run(...) for step() or eval(). An exception in the middle of a
+        step (the host's module, its loss, a peer) leaves the op stream part
+        way through the schedule, where no later step can pick it up: the
+        communicator is aborted so the peers stop at once instead of waiting
+        out their timeout (as a failing callback does in C), and every later
+        call says why."""
+        if self._broken is not None:
+            raise RuntimeError(f"{type(self).__name__}: an earlier step failed ({self._broken}); "
+                               "its pipeline cannot go on: make new stages and a new schedule")
+        self._in_ops = False  # set once the op stream has given an op
+        try:
+            return run(*args, **kwargs)
+        except BaseException as e:
+            if self._in_ops:  # a refusal of the arguments before that costs nothing
+                self._broken = f"{type(e).__name__}: {e}"
+                self.comm.abort()
+            raise
+
     def step(self, *args, target=None, losses=None):
         """One training step (under torch.no_grad(): a forward-only one, as
         eval()). The first stage's rank passes the batch's inputs, the last
         stage's the target; other ranks pass nothing. Returns the last
         stage's output (the micro-batches' outputs concatenated) on its rank,
-        None elsewhere."""
+        None elsewhere. If it raises, the schedule is done (see _guarded)."""
         if not torch.is_grad_enabled():
             return self.eval(*args, target=target, losses=losses)
+        return self._guarded(self._step, *args, target=target, losses=losses)
+
+    def _step(self, *args, target=None, losses=None):
         st, m = self._stage, self.n_microbatches
         xs = self._split(args[0]) if any(c.is_first for c in self._chunks) else None
         holds_last = any(c.is_last for c in self._chunks)
@@ -165,6 +193,7 @@ class PipelineSchedule:
         self._learn_batch(args[0] if xs is not None else None, target if holds_last else None)
         outputs, saved = [None] * m, {}
         split_weights = self.kind in ("zb-h1", "zb-v")
+        self._in_ops = True
         for op in st.ops():
             mb, ps = op.microbatch, self._chunks[op.chunk]
             key = (op.chunk, mb)
@@ -219,7 +248,11 @@ class PipelineSchedule:
     def eval(self, *args, target=None, losses=None):
         """A forward-only step (evaluation): no gradient crosses. Returns the
         last stage's output on its rank (and appends loss_fn's values to
-        `losses` when target is given), None elsewhere."""
+        `losses` when target is given), None elsewhere. If it raises, the
+        schedule is done, as after step()."""
+        return self._guarded(self._eval, *args, target=target, losses=losses)
+
+    def _eval(self, *args, target=None, losses=None):
         st, m = self._stage, self.n_microbatches
         xs = self._split(args[0]) if any(c.is_first for c in self._chunks) else None
         holds_last = any(c.is_last for c in self._chunks)
@@ -227,6 +260,7 @@ class PipelineSchedule:
         outputs = [None] * m
         st.training = False
         st.set_param(core.STAGE_BATCH_SIZE, 0)  # evaluation batches have their own size
+        self._in_ops = True
         try:
             for op in st.ops():
                 mb, ps = op.microbatch, self._chunks[op.chunk]
