@@ -268,7 +268,13 @@ EPIPE_EXPERIMENTAL int epipe_stage_codec_sgd_step(epipe_stage *stage, double lr,
  * Every tensor message carries a fingerprint of the sender's schedule
  * (kind, ranks, micro-batches, placement): a rank that receives one from a
  * peer running another schedule fails with EPIPE_EPROTO naming both
- * kinds, and aborts its communicator so that no peer waits. */
+ * kinds, and aborts its communicator so that no peer waits.
+ *
+ * A step cannot be abandoned part way: next_op after a host gave up in
+ * the middle of a step returns the rest of that step's ops. A host whose
+ * own compute failed mid-step (as a callback returning nonzero does for
+ * epipe_stage_step) calls epipe_comm_abort() so that its peers stop at
+ * once rather than at their timeout, and destroys the stage. */
 EPIPE_API int epipe_stage_next_op(epipe_stage *stage, epipe_op *op);
 EPIPE_API int epipe_stage_recv_activation(epipe_stage *stage, unsigned microbatch,
                                           const DLTensor **input);
