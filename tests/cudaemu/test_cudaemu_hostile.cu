@@ -146,7 +146,7 @@ static void differential(const char *spec, int64_t rows, int64_t cols, int round
         if (next_random() % 3 == 0) { /* two mutations */
             char more[160];
             m = mutate(bad.data(), m, cap, more, sizeof more);
-            snprintf(what + strlen(what), sizeof what - strlen(what), ", then %s", more);
+            snprintf(what + strlen(what), sizeof what - strlen(what), ", then %.100s", more);
         }
         int rc_c = epipe_codec_decode(cpu, bad.data(), m, &hy);
         int on_device = r % 2;
