@@ -1071,6 +1071,7 @@ static int check_pipelines(const char *key_file, const char *trace_stem)
              "key_file=%s,encrypt=1,init_timeout_ms=", key_file);
     /* the plain TCP pipeline also records a trace (written at destroy) */
     snprintf(trace_options, sizeof trace_options, "trace=%s-%%r.json,init_timeout_ms=", trace_stem);
+    static const struct link tcp_mesh = {"tcp", "topology=mesh,streams=2,init_timeout_ms=", NULL};
     const struct link tcp_crypt = {"tcp", crypt_options, NULL},
                       tcp = {"tcp", trace_options, trace_stem};
     const struct {
@@ -1118,6 +1119,10 @@ static int check_pipelines(const char *key_file, const char *trace_stem)
          2,
          {.schedule = "1f1b", .microbatches = 2, .steps = 2, .act_codec = "sortquant:bits=8"},
          &rdma},
+        {"gpipe on 3 ranks over TCP, every pair joined by 2 streams",
+         3,
+         {.schedule = "gpipe", .microbatches = 2, .steps = 1, .act_codec = "quant:bits=8"},
+         &tcp_mesh},
     };
     int bad = 0;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
