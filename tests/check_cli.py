@@ -94,8 +94,10 @@ refused("epipe-run", [run, "--np=0", sh], "--np 0: give a count")
 # 4294967295 micro-batches; --fwd-ms nan hung).
 refused("epipe-bench", [bench, "pipeline", "-m", "-1"], "-m '-1' is not an integer in 1..4096")
 refused("epipe-bench", [bench, "pipeline", "--fwd-ms=nan"], "--fwd-ms 'nan' is not a number")
-refused("epipe-bench", [bench, "codec", "none", "--threads=-1"], "--threads '-1' is not an integer")
-refused("epipe-bench", [bench, "transport", "--streams=9"], "--streams '9' is not an integer in 1..8")
+refused("epipe-bench", [bench, "codec", "none", "--threads=-1"],
+        "--threads '-1' is not an integer")
+refused("epipe-bench", [bench, "transport", "--streams=9"],
+        "--streams '9' is not an integer in 1..8")
 refused("epipe-bench", [bench, "crc", "--reps=2x"], "--reps '2x' is not an integer")
 refused("epipe-run", [run, "--grace=soon", "-n1", sh], "--grace 'soon' is not a number in 0..3600")
 refused("epipe-run", [run, "--grace=nan", "-n1", sh], "not a number")

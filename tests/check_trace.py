@@ -21,6 +21,30 @@ def fail(msg):
     sys.exit("FAIL: " + msg)
 
 
+# Files that are not the library's traces are refused with the file and the
+# fault (exit 1), not a Python traceback.
+with tempfile.TemporaryDirectory() as d:
+    for name, text, why in (("nojson", "{not json", "Expecting property name"),
+                            ("list", "[]", "not a Chrome trace"),
+                            ("events", '{"traceEvents": 5}', "not a Chrome trace"),
+                            ("event", '{"traceEvents": [7]}', "event 0 is not an object"),
+                            ("pid", '{"traceEvents": [{"ph": "M", "pid": [1]}]}',
+                             "event 0: 'pid' must be an integer"),
+                            ("args", '{"traceEvents": [{"ph": "X", "args": 3}]}',
+                             "event 0: 'args' must be an object"),
+                            ("message", '{"traceEvents": [{"ph": "X", "name": "decode", "pid": 1, '
+                             '"ts": 0, "args": {"direction": "activation", "step": "a", '
+                             '"microbatch": 0}}]}', "event 0: a message slice needs")):
+        path = os.path.join(d, name + ".json")
+        with open(path, "w") as f:
+            f.write(text)
+        r = subprocess.run([sys.executable, merge, os.path.join(d, "out.json"), path],
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 1 or why not in r.stderr or path not in r.stderr or \
+                "Traceback" in r.stderr:
+            fail("merge of %s: exit %d, %r" % (name, r.returncode, r.stderr[-300:]))
+    print("ok: malformed trace files refused, each naming the fault")
+
 with tempfile.TemporaryDirectory() as d:
     env = dict(os.environ, EPIPE_TRACE=os.path.join(d, "run.json"))
     r = subprocess.run([run, "-n", str(STAGES), "--", trainer, SPEC], env=env,

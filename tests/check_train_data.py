@@ -3,9 +3,10 @@
 IDX set (gzip and plain) trains, and every malformed one (missing, wrong
 magic, truncated, implausible shape, a label that is no class, image and
 label files that disagree, fewer images than a batch, bytes after the
-data, a gzip stream cut short, corrupt or failing its checksum) is refused with exit 1 and a message naming the file and the
-problem, before any training. Needs no Fashion-MNIST: the files are made
-here. Usage: check_train_data.py EPIPE_TRAIN."""
+data, a gzip stream cut short, corrupt or failing its checksum) is refused
+with exit 1 and a message naming the file and the problem, before any
+training. Needs no Fashion-MNIST: the files are made here. Usage:
+check_train_data.py EPIPE_TRAIN."""
 import gzip
 import os
 import random
@@ -73,7 +74,8 @@ def refused(what, files, needles, extra=()):
     err = r.stderr
     missing = [n for n in needles if n.format(d=d) not in err]
     if r.returncode != 1 or "test accuracy" in r.stdout or missing or "Sanitizer" in err:
-        print(f"FAIL: {what}: exit {r.returncode}, missing {missing}\n{r.stdout[-300:]}{err[-600:]}")
+        print(f"FAIL: {what}: exit {r.returncode}, missing {missing}\n"
+              f"{r.stdout[-300:]}{err[-600:]}")
         ok = False
     else:
         print(f"ok: {what}: {err.strip().splitlines()[-1]}")
