@@ -28,7 +28,9 @@ class Error(Exception):
         self.name = status_name(self.status)
         self.message = message or strerror(self.status)
         self.function = function
-        where = f"{function}: " if function else ""
+        # the library's messages often start with the function already
+        where = f"{function}: " if function and not self.message.startswith(
+            f"{function}:") else ""
         super().__init__(f"{where}{self.message} [{self.name}]")
 
 

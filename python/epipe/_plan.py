@@ -53,6 +53,9 @@ class Plan:
         layers, codecs = list(layers), list(codecs)
         if not layers:
             raise ValueError("plan: no layers")
+        for name, v in (("stages", stages), ("microbatches", microbatches)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"plan: {name} must be a positive int, not {v!r}")
         larr = (PlanLayer * len(layers))(*(_layer(i, d) for i, d in enumerate(layers)))
         carr = (PlanCodec * max(1, len(codecs)))(*(_codec(i, d) for i, d in enumerate(codecs)))
         o = PlanOptions()

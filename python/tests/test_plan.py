@@ -185,3 +185,15 @@ def test_profile_load_treats_the_files_as_hostile(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not a profile .JSON"):
         ept.Profile.load(str(path))
+
+
+@pytest.mark.parametrize("field,value", [("stages", -1), ("stages", 0), ("microbatches", -2),
+                                         ("microbatches", 2.5), ("stages", True)])
+def test_plan_counts_are_checked(field, value):
+    """A negative count was passed to C as a huge unsigned one ("4294967295
+    stages"): refused here, naming the field and the value."""
+    layers = [{"forward_s": 1e-3, "backward_s": 2e-3, "out_bytes": 4096.0}] * 2
+    kw = {"stages": 1, "microbatches": 1, "bandwidth": 1e9}
+    kw[field] = value
+    with pytest.raises(ValueError, match=f"plan: {field} must be a positive int"):
+        epipe.Plan(layers, **kw)
