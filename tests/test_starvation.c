@@ -36,6 +36,7 @@
 #include <link.h>
 #include <malloc.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -317,10 +318,16 @@ static int failed(struct trip *t, int rc, const char *call, const char *msg)
     return rc;
 }
 
-/* Encode (twice: error feedback carries state), decode, and for a trainable
- * codec both backwards, on fresh handles, freed before it returns. */
-static int round_trip(const char *spec, struct trip *t)
+/* A workload of plain calls on fresh handles, freed before it returns:
+ * 0 with what it computed in t (compared with the reference's by same()),
+ * or the status of the call that failed, named in t with its message. */
+typedef int (*work_fn)(const void *arg, struct trip *t);
+
+/* Codec `arg` (a spec): encode (twice: error feedback carries state),
+ * decode, and for a trainable codec both backwards. */
+static int round_trip(const void *arg, struct trip *t)
 {
+    const char *spec = arg;
     epipe_codec *enc = NULL, *dec = NULL;
     DLTensor src = view(x), out = view(t->y), g = view(gy), gin = view(t->gx);
     float *code = NULL;
@@ -404,7 +411,6 @@ static int round_trip(const char *spec, struct trip *t)
 done:
     epipe_codec_destroy(enc);
     epipe_codec_destroy(dec);
-    atomic_store(&armed, 0);
     free(code);
     return rc;
 }
@@ -443,28 +449,35 @@ static const char *const specs[] = {
 };
 #define NSPECS (sizeof specs / sizeof specs[0])
 
-static int check_spec(const char *spec)
+/* Every allocation of fn(arg) failed in turn, once and for good: the call
+ * that met it returns EPIPE_ENOMEM with a message, or the work recovers
+ * with the reference's result; nothing leaks; the next unstarved run gives
+ * the reference's result again. */
+static int check_work(const char *what, work_fn fn, const void *arg)
 {
     int bad = 0;
     memset(&ref, 0, sizeof ref);
     atomic_store(&fail_at, 0);
     atomic_store(&armed, 1);
-    if (round_trip(spec, &ref) == EPIPE_ENOTSUP) { /* insert, poweriter without BLAS */
-        printf("SKIP %s: %s\n", spec, ref.msg);
+    int rc = fn(arg, &ref);
+    atomic_store(&armed, 0);
+    if (rc == EPIPE_ENOTSUP) { /* insert, poweriter without BLAS */
+        printf("SKIP %s: %s\n", what, ref.msg);
         return 0;
     }
     if (ref.rc) {
-        printf("FAIL %s: the reference run failed in %s: %s\n", spec, ref.call, ref.msg);
+        printf("FAIL %s: the reference run failed in %s: %s\n", what, ref.call, ref.msg);
         return 1;
     }
-    /* count the candidates of one round trip */
+    /* count the candidates of one run */
     memset(&got, 0, sizeof got);
     atomic_store(&seen, 0);
     atomic_store(&armed, 1);
-    round_trip(spec, &got);
+    fn(arg, &got);
+    atomic_store(&armed, 0);
     long total = atomic_load(&seen);
     if (!same(&ref, &got)) {
-        printf("FAIL %s: two unstarved runs differ\n", spec);
+        printf("FAIL %s: two unstarved runs differ\n", what);
         return 1;
     }
     long recovered = 0;
@@ -474,36 +487,39 @@ static int check_spec(const char *spec)
             atomic_store(&seen, 0);
             atomic_store(&fail_for_good, mode);
             atomic_store(&fail_at, k);
-            atomic_store(&armed, 1);
             memset(&got, 0, sizeof got);
-            int rc = round_trip(spec, &got);
+            atomic_store(&armed, 1);
+            rc = fn(arg, &got);
+            atomic_store(&armed, 0);
             atomic_store(&fail_at, 0);
             long after = live_blocks();
             const char *how = mode ? "from allocation" : "allocation";
             if (rc == EPIPE_OK) {
                 recovered++;
                 if (!same(&ref, &got)) {
-                    printf("FAIL %s: %s %ld of %ld failed, and the call succeeded with other "
-                           "bytes\n",
-                           spec, how, k, total);
+                    printf("FAIL %s: %s %ld of %ld failed, and the call succeeded with another "
+                           "result\n",
+                           what, how, k, total);
                     bad = 1;
                 }
             } else if (rc != EPIPE_ENOMEM || !got.msg[0]) {
-                printf("FAIL %s: %s %ld of %ld failed: %s returned %d (%s), message \"%s\"\n", spec,
+                printf("FAIL %s: %s %ld of %ld failed: %s returned %d (%s), message \"%s\"\n", what,
                        how, k, total, got.call, rc, epipe_status_name(rc), got.msg);
                 bad = 1;
             }
             if (after != before) {
-                printf("FAIL %s: %s %ld of %ld failed in %s: %ld blocks leaked\n", spec, how, k,
+                printf("FAIL %s: %s %ld of %ld failed in %s: %ld blocks leaked\n", what, how, k,
                        total, rc ? got.call : "(no call)", after - before);
                 bad = 1;
             }
-            /* the same round trip again, unstarved */
+            /* the same work again, unstarved */
             memset(&got, 0, sizeof got);
             atomic_store(&armed, 1);
-            if (round_trip(spec, &got) || !same(&ref, &got)) {
-                printf("FAIL %s: after %s %ld of %ld failed, the next round trip %s\n", spec, how,
-                       k, total, got.rc ? got.msg : "gave other bytes");
+            rc = fn(arg, &got);
+            atomic_store(&armed, 0);
+            if (rc || !same(&ref, &got)) {
+                printf("FAIL %s: after %s %ld of %ld failed, the next run %s\n", what, how, k,
+                       total, got.rc ? got.msg : "gave another result");
                 bad = 1;
             }
             if (bad)
@@ -511,19 +527,30 @@ static int check_spec(const char *spec)
         }
     printf("ok %s: %ld allocations, each failed once and for good; %ld runs recovered by "
            "themselves\n",
-           spec, total, recovered);
-    return bad;
+           what, total, recovered);
+    return 0;
 }
 
 /* ---- the planner and the simulator ---------------------------------------- */
 
-/* A workload of plain calls: 0 with a digest of what it computed, or the
- * status of the call that failed with its message in why. */
-typedef int (*work_fn)(char *digest, size_t cap, char *why, size_t whycap);
+/* The planner's and the simulator's results as text, where same() looks:
+ * payload 0. */
+static void digest(struct trip *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void digest(struct trip *t, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    size_t n = t->len[0];
+    int w = vsnprintf((char *)t->pay[0] + n, CAP - n, fmt, ap);
+    va_end(ap);
+    if (w > 0)
+        t->len[0] = n + (size_t)w < CAP ? n + (size_t)w : CAP - 1;
+}
 
 /* A plan for a 6-layer chain on 3 stages with 2 codecs a boundary. */
-static int plan_work(char *digest, size_t cap, char *why, size_t whycap)
+static int plan_work(const void *arg, struct trip *t)
 {
+    (void)arg;
     epipe_plan_layer layers[6];
     epipe_plan_codec codecs[20];
     size_t nc = 0;
@@ -545,25 +572,24 @@ static int plan_work(char *digest, size_t cap, char *why, size_t whycap)
     o.stages = 3, o.microbatches = 8, o.bandwidth = 1.25e7;
     epipe_plan *plan = NULL;
     int rc = epipe_plan_create(&plan, layers, 6, codecs, nc, &o);
-    if (rc) {
-        snprintf(why, whycap, "%s", epipe_last_error());
-        return rc;
-    }
-    int n = snprintf(digest, cap, "%s %a %u %u |", epipe_plan_schedule(plan),
-                     epipe_plan_step_seconds(plan), epipe_plan_first_layer(plan, 1),
-                     epipe_plan_first_layer(plan, 2));
-    for (unsigned b = 0; b < 2 && n > 0 && (size_t)n < cap; b++)
-        for (unsigned d = 0; d < 2 && (size_t)n < cap; d++)
-            n += snprintf(digest + n, cap - (size_t)n, " %s", epipe_plan_codec_spec(plan, b, d));
-    if (n > 0 && (size_t)n < cap)
-        epipe_plan_explain(plan, digest + n, cap - (size_t)n);
+    if (rc)
+        return failed(t, rc, "epipe_plan_create", epipe_last_error());
+    digest(t, "%s %a %u %u |", epipe_plan_schedule(plan), epipe_plan_step_seconds(plan),
+           epipe_plan_first_layer(plan, 1), epipe_plan_first_layer(plan, 2));
+    for (unsigned b = 0; b < 2; b++)
+        for (unsigned d = 0; d < 2; d++)
+            digest(t, " %s", epipe_plan_codec_spec(plan, b, d));
+    static char explained[32768];
+    epipe_plan_explain(plan, explained, sizeof explained);
+    digest(t, " %s", explained);
     epipe_plan_destroy(plan);
     return EPIPE_OK;
 }
 
 /* zb-h1 on 4 stages, 8 micro-batches, simulated with a cost per stage. */
-static int sim_work(char *digest, size_t cap, char *why, size_t whycap)
+static int sim_work(const void *arg, struct trip *t)
 {
+    (void)arg;
     epipe_schedule *sc = NULL;
     epipe_sim *sim = NULL;
     int rc = epipe_schedule_create(&sc, "zb-h1", 4, 8);
@@ -574,52 +600,12 @@ static int sim_work(char *digest, size_t cap, char *why, size_t whycap)
     if (!rc)
         rc = epipe_sim_run(sim);
     if (rc)
-        snprintf(why, whycap, "%s", epipe_last_error());
+        failed(t, rc, "the simulation", epipe_last_error());
     else
-        snprintf(digest, cap, "%a", epipe_sim_makespan(sim));
+        digest(t, "%a", epipe_sim_makespan(sim));
     epipe_sim_destroy(sim);
     epipe_schedule_destroy(sc);
     return rc;
-}
-
-/* Every allocation of fn failed in turn, once and for good: EPIPE_ENOMEM
- * with a message, or the reference's digest; nothing leaks. */
-static int check_work(const char *what, work_fn fn)
-{
-    static char ref_digest[8192], digest[8192];
-    char why[512] = "";
-    atomic_store(&fail_at, 0);
-    atomic_store(&seen, 0);
-    atomic_store(&armed, 1);
-    int rc = fn(ref_digest, sizeof ref_digest, why, sizeof why);
-    atomic_store(&armed, 0);
-    long total = atomic_load(&seen);
-    if (rc) {
-        printf("FAIL %s: the reference run failed: %s\n", what, why);
-        return 1;
-    }
-    for (int mode = 0; mode < 2; mode++)
-        for (long k = 1; k <= total; k++) {
-            long before = live_blocks();
-            why[0] = digest[0] = '\0';
-            atomic_store(&seen, 0);
-            atomic_store(&fail_for_good, mode);
-            atomic_store(&fail_at, k);
-            atomic_store(&armed, 1);
-            rc = fn(digest, sizeof digest, why, sizeof why);
-            atomic_store(&armed, 0);
-            atomic_store(&fail_at, 0);
-            const char *how = mode ? "from allocation" : "allocation";
-            if ((rc && (rc != EPIPE_ENOMEM || !why[0])) || (!rc && strcmp(digest, ref_digest)) ||
-                live_blocks() != before) {
-                printf("FAIL %s: %s %ld of %ld failed: %s (\"%s\"), %ld blocks leaked%s\n", what,
-                       how, k, total, epipe_status_name(rc), why, live_blocks() - before,
-                       !rc && strcmp(digest, ref_digest) ? ", another result" : "");
-                return 1;
-            }
-        }
-    printf("ok %s: %ld allocations, each failed once and for good\n", what, total);
-    return 0;
 }
 
 /* ---- the pipelines ------------------------------------------------------- */
@@ -1171,9 +1157,9 @@ int main(void)
     printf("starving libepipe's allocations, codec by codec\n");
     int bad = 0;
     for (size_t i = 0; i < NSPECS; i++)
-        bad |= check_spec(specs[i]);
-    bad |= check_work("the planner: 6 layers on 3 stages, 2 codecs a boundary", plan_work);
-    bad |= check_work("the schedule simulator: zb-h1, 4 stages, 8 micro-batches", sim_work);
+        bad |= check_work(specs[i], round_trip, specs[i]);
+    bad |= check_work("the planner: 6 layers on 3 stages, 2 codecs a boundary", plan_work, NULL);
+    bad |= check_work("the schedule simulator: zb-h1, 4 stages, 8 micro-batches", sim_work, NULL);
     if (shared_lib) {
         printf("starving libepipe's allocations in pipelines of threads\n");
         char key[] = "/tmp/epipe-alloc-faults-key-XXXXXX";
