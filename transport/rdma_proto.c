@@ -150,7 +150,6 @@ void epipe_rdma_fail_locked(struct rdma_link *l, int status, const char *why)
          * peers hear why over TCP (the abort). */
         char mine[EPIPE_ERRMSG_MAX];
         snprintf(mine, sizeof mine, "rdma: %s from rank %u", why, l->peer);
-        epipe_log_warn((int)c->rank, "rdma", "%s", mine);
         epipe_comm_fail_self(c, EPIPE_ENOMEM, mine);
         return;
     }

@@ -193,7 +193,6 @@ static int header_done(struct tcp *t, struct conn *k)
          * cut. */
         snprintf(detail, sizeof detail, "no memory for a %llu-byte message from rank %u",
                  (unsigned long long)h.payload_len, k->peer);
-        epipe_log_warn((int)c->rank, "tcp", "%s", detail);
         epipe_comm_fail_self(c, EPIPE_ENOMEM, detail);
         epipe_tcp_conn_close(k, 1);
         return EPIPE_ENOMEM;

@@ -9,6 +9,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "../log.h"
+
 /* Large message buffers are kept for reuse: a stage sends and receives
  * messages of the same few sizes every step, and a fresh large block costs
  * a page fault per 4 KiB on first touch (glibc maps and unmaps blocks over
@@ -462,33 +464,40 @@ EPIPE_API void epipe_comm_destroy(epipe_comm *c)
         c->ops->destroy(c);
 }
 
-EPIPE_API void epipe_comm_abort(epipe_comm *c)
+/* Marks this rank aborted (with its own status and reason when status is
+ * nonzero and it was not aborted yet) and wakes every receive; 1 if it was
+ * not aborted before. */
+static int mark_aborted(epipe_comm *c, int status, const char *why)
 {
-    if (!c)
-        return;
     pthread_mutex_lock(&c->lock);
+    int first = !c->aborted;
     c->aborted = 1;
+    if (first && status) {
+        c->self_status = status;
+        snprintf(c->self_why, sizeof c->self_why, "%s", why);
+    }
     /* a receive spinning without the lock watches arrivals, not aborted */
     __atomic_add_fetch(&c->arrivals, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&c->arrived);
     pthread_mutex_unlock(&c->lock);
+    return first;
+}
+
+EPIPE_API void epipe_comm_abort(epipe_comm *c)
+{
+    if (!c)
+        return;
+    mark_aborted(c, 0, NULL);
     if (c->ops->abort)
         c->ops->abort(c);
 }
 
 void epipe_comm_fail_self(epipe_comm *c, int status, const char *why)
 {
-    pthread_mutex_lock(&c->lock);
-    int first = !c->aborted;
-    if (first) {
-        c->aborted = 1;
-        c->self_status = status;
-        snprintf(c->self_why, sizeof c->self_why, "%s", why);
-    }
-    __atomic_add_fetch(&c->arrivals, 1, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&c->arrived);
-    pthread_mutex_unlock(&c->lock);
-    if (first && c->ops->abort)
+    if (!mark_aborted(c, status, why))
+        return;
+    epipe_log_warn((int)c->rank, "comm", "this rank cannot go on: %s", why);
+    if (c->ops->abort)
         c->ops->abort(c);
 }
 

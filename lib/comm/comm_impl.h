@@ -129,8 +129,8 @@ void epipe_comm_peer_failed(epipe_comm *c, unsigned peer, int status, const char
 /* This rank cannot go on because of something here, not at a peer (a
  * transport thread found no memory for a message, now lost): aborts it as
  * epipe_comm_abort() does, but its receives and sends return `status`
- * with "rank R: why", and the transport tells the peers why. The first
- * call wins. Any thread. */
+ * with "rank R: why", the log says why, and the transport tells the peers
+ * why. The first call wins. Any thread. */
 void epipe_comm_fail_self(epipe_comm *c, int status, const char *why);
 
 /* For a transport whose data path to peer has closed or failed before
