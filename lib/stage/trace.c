@@ -102,27 +102,22 @@ epipe_trace *epipe_trace_open(const char *path, unsigned rank, int one_process_p
         return NULL;
     char *full = rank_path(path, rank, one_process_per_rank);
     epipe_trace *t = calloc(1, sizeof *t);
-    if (!full || !t) {
-        free(full);
-        free(t);
-        epipe_log_msg(EPIPE_LOG_WARN, (int)rank, "trace",
-                      "no memory to record the trace to %s: this stage is not traced", path);
-        return NULL;
+    struct trace_file *f = NULL;
+    if (full && t) {
+        pthread_mutex_lock(&files_lock);
+        f = files;
+        while (f && strcmp(f->path, full))
+            f = f->next;
+        if (!f && (f = calloc(1, sizeof *f))) {
+            f->path = full;
+            full = NULL;
+            f->next = files;
+            files = f;
+        }
+        if (f)
+            f->users++;
+        pthread_mutex_unlock(&files_lock);
     }
-    t->stage = rank;
-    pthread_mutex_lock(&files_lock);
-    struct trace_file *f = files;
-    while (f && strcmp(f->path, full))
-        f = f->next;
-    if (!f && (f = calloc(1, sizeof *f))) {
-        f->path = full;
-        full = NULL;
-        f->next = files;
-        files = f;
-    }
-    if (f)
-        f->users++;
-    pthread_mutex_unlock(&files_lock);
     free(full);
     if (!f) {
         free(t);
@@ -130,6 +125,7 @@ epipe_trace *epipe_trace_open(const char *path, unsigned rank, int one_process_p
                       "no memory to record the trace to %s: this stage is not traced", path);
         return NULL;
     }
+    t->stage = rank;
     t->file = f;
     return t;
 }
