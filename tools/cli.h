@@ -75,22 +75,24 @@ static inline int epipe_cli_real(const char *prog, const char *opt, const char *
     return 0;
 }
 
-/* For parsers that return 2 (the exit status) on a bad option: optarg as
- * an integer or a finite number in [lo, hi] into dst, or the message and
- * `return 2`. */
-#define EPIPE_CLI_INT(prog, opt, lo, hi, dst)                                                      \
+/* In a getopt_long loop: optarg as an integer or a finite number in
+ * [lo, hi] into dst, or the message and `return fail` (EPIPE_CLI_INT and
+ * EPIPE_CLI_REAL: return 2, the exit status of a bad option). */
+#define EPIPE_CLI_INT_OR(fail, prog, opt, lo, hi, dst)                                             \
     do {                                                                                           \
         long long x_;                                                                              \
         if (epipe_cli_int(prog, opt, optarg, lo, hi, &x_))                                         \
-            return 2;                                                                              \
+            return fail;                                                                           \
         dst = x_;                                                                                  \
     } while (0)
-#define EPIPE_CLI_REAL(prog, opt, lo, hi, dst)                                                     \
+#define EPIPE_CLI_REAL_OR(fail, prog, opt, lo, hi, dst)                                            \
     do {                                                                                           \
         double x_;                                                                                 \
         if (epipe_cli_real(prog, opt, optarg, lo, hi, &x_))                                        \
-            return 2;                                                                              \
+            return fail;                                                                           \
         dst = x_;                                                                                  \
     } while (0)
+#define EPIPE_CLI_INT(prog, opt, lo, hi, dst) EPIPE_CLI_INT_OR(2, prog, opt, lo, hi, dst)
+#define EPIPE_CLI_REAL(prog, opt, lo, hi, dst) EPIPE_CLI_REAL_OR(2, prog, opt, lo, hi, dst)
 
 #endif

@@ -115,22 +115,10 @@ int train_parse_args(int argc, char **argv, struct options *o)
     };
     opterr = 0;
     int opt, stages_set = 0;
-/* The value of the option being parsed as an integer or a finite number in
- * [lo, hi], into dst, or a message and -1. */
-#define INT_OPT(name, lo, hi, dst)                                                                 \
-    do {                                                                                           \
-        long long x_;                                                                              \
-        if (epipe_cli_int("epipe-train", name, v, lo, hi, &x_))                                    \
-            return -1;                                                                             \
-        dst = x_;                                                                                  \
-    } while (0)
-#define REAL_OPT(name, lo, hi, dst)                                                                \
-    do {                                                                                           \
-        double x_;                                                                                 \
-        if (epipe_cli_real("epipe-train", name, v, lo, hi, &x_))                                   \
-            return -1;                                                                             \
-        dst = (float)x_;                                                                           \
-    } while (0)
+/* The option's value as an integer or a finite number in [lo, hi], into
+ * dst, or a message and -1 (tools/cli.h). */
+#define INT_OPT(name, lo, hi, dst) EPIPE_CLI_INT_OR(-1, "epipe-train", name, lo, hi, dst)
+#define REAL_OPT(name, lo, hi, dst) EPIPE_CLI_REAL_OR(-1, "epipe-train", name, lo, hi, dst)
     while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
         const char *v = optarg;
         switch (opt) {
