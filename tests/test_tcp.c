@@ -491,6 +491,31 @@ static void test_port_in_use(void **state)
     close(fd);
 }
 
+/* A connection to 127.0.0.1:port, dialled every 10 ms up to `tries`
+ * times (the listener may not be up yet); -1 if none got through. */
+static int try_connect(unsigned port, int tries)
+{
+    for (int i = 0; i < tries; i++) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET,
+                                .sin_port = htons((uint16_t)port),
+                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0)
+            return fd;
+        close(fd);
+        usleep(10000);
+    }
+    return -1;
+}
+
+static int connect_to(unsigned port)
+{
+    int fd = try_connect(port, 200);
+    if (fd < 0)
+        fail_msg("cannot connect to port %u", port);
+    return fd;
+}
+
 /* Rank 0 that cannot accept a connection for want of descriptors fails at
  * once with the cause, instead of polling the connection, which stays in
  * the backlog, until its init timeout while the peer waits for an answer.
@@ -502,17 +527,9 @@ static void test_accept_out_of_descriptors(void **state)
     unsigned port = test_free_port();
     pid_t child = fork();
     assert_true(child >= 0);
-    if (child == 0) {
-        for (int i = 0; i < 500; i++) {
-            int fd = socket(AF_INET, SOCK_STREAM, 0);
-            struct sockaddr_in a = {.sin_family = AF_INET,
-                                    .sin_port = htons((uint16_t)port),
-                                    .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-            if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0)
-                pause(); /* held open until killed */
-            close(fd);
-            usleep(10000);
-        }
+    if (child == 0) { /* no cmocka here: a failure would run on in the child */
+        if (try_connect(port, 500) >= 0)
+            pause(); /* held open until killed */
         _exit(1);
     }
     int lowest = dup(0); /* the next descriptor rank 0 opens: its listener */
@@ -589,22 +606,6 @@ static char *capture_end(void)
     fclose(capture);
     fprintf(stderr, "%s", buf); /* keep it visible in the test log */
     return buf;
-}
-
-static int connect_to(unsigned port)
-{
-    for (int i = 0; i < 200; i++) {
-        int fd = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in a = {.sin_family = AF_INET,
-                                .sin_port = htons((uint16_t)port),
-                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-        if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0)
-            return fd;
-        close(fd);
-        usleep(10000);
-    }
-    fail_msg("cannot connect to port %u", port);
-    return -1;
 }
 
 static void test_garbage_and_version(void **state)
