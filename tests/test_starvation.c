@@ -630,7 +630,7 @@ struct run {
     int comm_rc;
     char comm_msg[256];
     int rc[MAX_RANKS];
-    char msg[MAX_RANKS][256];
+    char msg[MAX_RANKS][512]; /* the library's message (up to 255) and a prefix */
     double last_loss;
     long spans;       /* in the trace files, when traced */
     int trace_warned; /* and the library said some are missing */
