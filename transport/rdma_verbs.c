@@ -57,7 +57,13 @@ int epipe_verbs_open(epipe_verbs *v)
     dlerror();
     v->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!v->lib) {
+        /* dlerror() starts with the path again ("PATH: cannot open shared
+         * object file: ..."): without it a long path no longer pushes the
+         * reason out of the 255-character message */
         const char *e = dlerror();
+        size_t n = strlen(path);
+        if (e && !strncmp(e, path, n) && e[n] == ':' && e[n + 1] == ' ')
+            e += n + 2;
         return epipe_fail(EPIPE_ENOTSUP, "rdma: cannot load the verbs library %s%s (%s)", path,
                           env && *env ? " (from EPIPE_IBVERBS_LIB)" : "", e ? e : "dlopen failed");
     }
