@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../lib/clones.h"
 #include "../lib/codec/codec_impl.h"
 #include "inline/quant.h"
 
@@ -106,13 +107,9 @@ void epipe_q_decode_ref(const epipe_qtab *t, const uint8_t *codes, size_t n, flo
 /* ---- helpers for the vector kernels (quantize_common.c, select.c) ------ */
 
 /* Hot kernels are built twice, for AVX2 and for the baseline, and picked
- * at load time. Neither clone enables FMA, and the build passes
- * -ffp-contract=off, so both round exactly like the scalar references. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define Q_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define Q_CLONES
-#endif
+ * at load time (lib/clones.h); both round exactly like the scalar
+ * references. */
+#define Q_CLONES EPIPE_CLONES
 #define Q_INLINE static inline __attribute__((always_inline))
 
 /* GCC vector extensions: 8 lanes, two SSE registers on the baseline.

@@ -3,6 +3,7 @@
  * constant (packing at widths 2..6 and table decoding at 1..4 have AVX2
  * paths); other widths use a 64-bit accumulator; 8 and 16 are copies. */
 #include "bitpack.h"
+#include "clones.h"
 
 #include <string.h>
 
@@ -14,11 +15,7 @@
 
 /* Built for AVX2 and for the baseline and picked at load time (as the
  * quantizer kernels are, codecs/quantize_common.h); both give the same bits. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define BP_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define BP_CLONES
-#endif
+#define BP_CLONES EPIPE_CLONES
 #define BP_INLINE static inline __attribute__((always_inline))
 
 #if defined(__x86_64__) && defined(__GNUC__) && BP_LE
