@@ -37,7 +37,7 @@ static int inproc_send(epipe_comm *c, unsigned peer, epipe_msg *m)
     /* The receiver's side of a network transport: strict parse, then hand
      * over. A bad message is the sender's bug, reported to the receiver as
      * a failed peer and to the sender as the parse error. */
-    epipe_wire_limits lim = {.max_payload = dst->max_message};
+    epipe_wire_limits lim = {.max_payload = __atomic_load_n(&dst->max_message, __ATOMIC_RELAXED)};
     const uint8_t *payload;
     int rc = epipe_wire_parse(m->data, m->len, &lim, &m->hdr, &payload);
     if (rc == EPIPE_OK && (m->hdr.src_stage != c->rank || m->hdr.dst_stage != peer))
@@ -122,9 +122,9 @@ static struct inproc_hub *hub_new(unsigned size)
     return hub;
 }
 
-static epipe_comm *member_new(struct inproc_hub *hub, unsigned rank)
+static epipe_comm *member_new(struct inproc_hub *hub, unsigned rank, const epipe_comm_settings *s)
 {
-    epipe_comm *c = epipe_comm_alloc(&inproc_ops, rank, hub->size);
+    epipe_comm *c = epipe_comm_alloc(&inproc_ops, rank, hub->size, s);
     if (c)
         c->tp = hub;
     return c;
@@ -139,7 +139,6 @@ static int check_size(const char *who, unsigned size)
 
 int epipe_inproc_create_all(epipe_comm **comms, unsigned size, const epipe_comm_settings *s)
 {
-    (void)s; /* applied by the caller */
     int rc = check_size("epipe_comm_create_inproc", size);
     if (rc)
         return rc;
@@ -148,7 +147,7 @@ int epipe_inproc_create_all(epipe_comm **comms, unsigned size, const epipe_comm_
     if (!hub)
         return epipe_fail(EPIPE_ENOMEM, "epipe_comm_create_inproc: out of memory");
     for (unsigned r = 0; r < size; r++) {
-        epipe_comm *c = member_new(hub, r);
+        epipe_comm *c = member_new(hub, r, s);
         if (!c) {
             for (unsigned k = 0; k < r; k++)
                 epipe_comm_free(comms[k]), comms[k] = NULL;
@@ -272,7 +271,7 @@ int epipe_inproc_join(epipe_comm **out, unsigned rank, unsigned size, const epip
         g->next = reg_head;
         reg_head = g;
     }
-    epipe_comm *c = rc ? NULL : member_new(g->hub, rank);
+    epipe_comm *c = rc ? NULL : member_new(g->hub, rank, s);
     if (!rc && !c) {
         rc = epipe_fail(EPIPE_ENOMEM, "inproc: out of memory");
         if (g->joined == 0) {

@@ -257,7 +257,8 @@ static int open_verbs(struct rdma *r)
 }
 
 int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const char *master_addr,
-                           unsigned master_port, const char *options, int is_auto)
+                           unsigned master_port, const char *options, int is_auto,
+                           const epipe_comm_settings *s)
 {
     epipe_clear_error();
     *out = NULL;
@@ -272,7 +273,7 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
         return rc;
     if (o.encrypt) {
         if (is_auto)
-            return epipe_tcp_comm_create(out, rank, size, master_addr, master_port, options);
+            return epipe_tcp_comm_create(out, rank, size, master_addr, master_port, options, s);
         return epipe_fail(EPIPE_ENOTSUP, "rdma: encrypt=1 is for tcp only (RDMA writes go to "
                                          "memory in clear)");
     }
@@ -454,7 +455,7 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
     free(peer_info);
     free(both);
     epipe_comm *c = NULL;
-    rc = epipe_tcp_comm_start(&c, rank, size, &o, &key, links, nlinks);
+    rc = epipe_tcp_comm_start(&c, rank, size, &o, s, &key, links, nlinks);
     if (rc) {
         char keep[EPIPE_ERRMSG_MAX];
         snprintf(keep, sizeof keep, "%s", epipe_last_error());

@@ -12,7 +12,8 @@
  * to every neighbour where both sides have an active device, tcp to the
  * others, and the log says which and why. */
 int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const char *master_addr,
-                           unsigned master_port, const char *options, int is_auto);
+                           unsigned master_port, const char *options, int is_auto,
+                           const epipe_comm_settings *s);
 
 /* ---- test hooks ---- */
 

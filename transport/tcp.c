@@ -286,7 +286,7 @@ static int cmp_link(const void *a, const void *b)
 }
 
 static int create(epipe_comm **out, unsigned rank, unsigned size, const char *master_addr,
-                  unsigned master_port, const epipe_tcp_opts *o)
+                  unsigned master_port, const epipe_tcp_opts *o, const epipe_comm_settings *s)
 {
     epipe_tcp_key key = {0};
     int rc;
@@ -301,18 +301,19 @@ static int create(epipe_comm **out, unsigned rank, unsigned size, const char *ma
         epipe_tcp_key_wipe(&key);
         return rc;
     }
-    return epipe_tcp_comm_start(out, rank, size, o, &key, links, nlinks);
+    return epipe_tcp_comm_start(out, rank, size, o, s, &key, links, nlinks);
 }
 
 int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const epipe_tcp_opts *o,
-                         epipe_tcp_key *keyp, epipe_tcp_link *links, unsigned nlinks)
+                         const epipe_comm_settings *s, epipe_tcp_key *keyp, epipe_tcp_link *links,
+                         unsigned nlinks)
 {
     epipe_tcp_key key = *keyp;
     int rc = EPIPE_OK;
     epipe_tcp_key_wipe(keyp);
     if (nlinks)
         qsort(links, nlinks, sizeof *links, cmp_link);
-    epipe_comm *c = epipe_comm_alloc(&tcp_ops, rank, size);
+    epipe_comm *c = epipe_comm_alloc(&tcp_ops, rank, size, s);
     struct tcp *t = c ? calloc(1, sizeof *t) : NULL;
     int ev_errno = 0;
     if (t) {
@@ -349,8 +350,6 @@ int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const e
         return epipe_fail(EPIPE_ENOMEM, "tcp: out of memory");
     }
     c->tp = t;
-    c->timeout_ms = o->timeout_ms;
-    c->spin_us = o->spin_us;
     int64_t now = epipe_now_ms();
     int aes_links = 0;
     for (unsigned i = 0; i < nlinks; i++) {
@@ -413,7 +412,7 @@ int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const e
 
 /* epipe_comm_create_tcp() and "tcp" in epipe_comm_create() (lib/comm/create.c). */
 int epipe_tcp_comm_create(epipe_comm **out, unsigned rank, unsigned size, const char *master_addr,
-                          unsigned master_port, const char *options)
+                          unsigned master_port, const char *options, const epipe_comm_settings *s)
 {
     epipe_clear_error();
     if (!out)
@@ -432,7 +431,7 @@ int epipe_tcp_comm_create(epipe_comm **out, unsigned rank, unsigned size, const 
     epipe_tcp_opts o;
     int rc = epipe_tcp_opts_parse(&o, options);
     if (rc == EPIPE_OK)
-        rc = create(out, rank, size, master_addr, master_port, &o);
+        rc = create(out, rank, size, master_addr, master_port, &o, s);
     if (rc)
         epipe_log_info((int)rank, "tcp", "init failed: %s", epipe_last_error());
     return rc;

@@ -110,9 +110,10 @@ int epipe_tcp_setup(unsigned rank, unsigned size, const char *master_addr, unsig
 /* The communicator over links from epipe_tcp_setup (sorted here): takes
  * the links (array and fds) and wipes *key in every case. create() runs
  * setup then this; the rdma transport exchanges queue-pair information on
- * the links' sockets in between. */
+ * the links' sockets in between. s: the common settings (epipe_comm_alloc). */
 int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const epipe_tcp_opts *o,
-                         epipe_tcp_key *key, epipe_tcp_link *links, unsigned nlinks);
+                         const epipe_comm_settings *s, epipe_tcp_key *key, epipe_tcp_link *links,
+                         unsigned nlinks);
 
 /* Whether ranks a and b are joined under the topology, and how many streams. */
 unsigned epipe_tcp_streams_between(const epipe_tcp_opts *o, unsigned a, unsigned b);

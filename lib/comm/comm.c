@@ -218,11 +218,16 @@ int epipe_msg_seal(epipe_msg *m, size_t payload_len)
     return rc;
 }
 
-epipe_comm *epipe_comm_alloc(const epipe_transport_ops *ops, unsigned rank, unsigned size)
+epipe_comm *epipe_comm_alloc(const epipe_transport_ops *ops, unsigned rank, unsigned size,
+                             const epipe_comm_settings *s)
 {
     epipe_comm *c = calloc(1, sizeof *c);
     if (!c)
         return NULL;
+    if (s->trace[0] && !(c->trace = strdup(s->trace))) {
+        free(c);
+        return NULL;
+    }
     c->peer_state = calloc(size, 1);
     c->peer_why = calloc(size, sizeof *c->peer_why);
     c->peer_status = calloc(size, sizeof *c->peer_status);
@@ -242,15 +247,17 @@ epipe_comm *epipe_comm_alloc(const epipe_transport_ops *ops, unsigned rank, unsi
         free(c->peer_state);
         free(c->peer_why);
         free(c->peer_status);
+        free(c->trace);
         free(c);
         return NULL;
     }
     c->ops = ops;
     c->rank = rank;
     c->size = size;
-    c->timeout_ms = 30000;
-    c->max_message = UINT64_C(1) << 32;
-    c->spin_us = 50;
+    c->timeout_ms = s->timeout_ms;
+    c->max_message = s->max_message;
+    c->spin_us = s->spin_us;
+    c->pool->cap = s->buffer_cache;
     return c;
 }
 
@@ -546,7 +553,7 @@ EPIPE_API int epipe_comm_set_param(epipe_comm *c, epipe_comm_param param, int64_
             return epipe_fail_into(c->msg, EPIPE_EINVAL,
                                    "EPIPE_COMM_MAX_MESSAGE = %lld is out of range 4096..2^40",
                                    (long long)value);
-        c->max_message = (uint64_t)value;
+        __atomic_store_n(&c->max_message, (uint64_t)value, __ATOMIC_RELAXED);
         return EPIPE_OK;
     case EPIPE_COMM_BUFFER_CACHE:
         if (value < 0 || value > (INT64_C(1) << 40))
@@ -575,7 +582,9 @@ EPIPE_API int epipe_comm_get_param(const epipe_comm *c, epipe_comm_param param, 
     case EPIPE_COMM_SPIN_US:
         *value = __atomic_load_n(&c->spin_us, __ATOMIC_RELAXED);
         return EPIPE_OK;
-    case EPIPE_COMM_MAX_MESSAGE: *value = (int64_t)c->max_message; return EPIPE_OK;
+    case EPIPE_COMM_MAX_MESSAGE:
+        *value = (int64_t)__atomic_load_n(&c->max_message, __ATOMIC_RELAXED);
+        return EPIPE_OK;
     case EPIPE_COMM_BUFFER_CACHE:
         pthread_mutex_lock(&c->pool->lock);
         *value = (int64_t)c->pool->cap;

@@ -73,8 +73,6 @@ typedef struct epipe_comm_settings {
  * names a bad value and where it came from. */
 int epipe_comm_settings_resolve(epipe_comm_settings *s, const char *options, char *rest,
                                 size_t restcap);
-/* Applies s to a new handle (timeouts, spin, limits, cache cap, trace). */
-int epipe_comm_settings_apply(epipe_comm *c, const epipe_comm_settings *s);
 
 /* Transport entry points, called by epipe_comm_create() (lib/comm/create.c). */
 int epipe_inproc_join(epipe_comm **out, unsigned rank, unsigned size, const epipe_comm_settings *s);
@@ -83,7 +81,7 @@ int epipe_inproc_create_all(epipe_comm **comms, unsigned size, const epipe_comm_
  * 0 when no such group is forming (tests). */
 unsigned epipe_inproc_pending(const char *name);
 int epipe_tcp_comm_create(epipe_comm **out, unsigned rank, unsigned size, const char *master_addr,
-                          unsigned master_port, const char *options);
+                          unsigned master_port, const char *options, const epipe_comm_settings *s);
 
 struct epipe_comm {
     const epipe_transport_ops *ops;
@@ -111,8 +109,12 @@ struct epipe_comm {
                                     return; 0 means EPIPE_EPEER */
 };
 
-/* Allocates the common part for a transport. NULL when out of memory. */
-epipe_comm *epipe_comm_alloc(const epipe_transport_ops *ops, unsigned rank, unsigned size);
+/* Allocates the common part for a transport, with the settings s
+ * (timeouts, spin, message limit, cache cap, trace) already in place: a
+ * peer may deliver to the handle as soon as the transport publishes it, so
+ * nothing it reads may be set later. NULL when out of memory. */
+epipe_comm *epipe_comm_alloc(const epipe_transport_ops *ops, unsigned rank, unsigned size,
+                             const epipe_comm_settings *s);
 /* Frees the common part (queued messages included); transports call it
  * last in their destroy. */
 void epipe_comm_free(epipe_comm *c);

@@ -122,17 +122,6 @@ int epipe_comm_settings_resolve(epipe_comm_settings *s, const char *options, cha
     return EPIPE_OK;
 }
 
-int epipe_comm_settings_apply(epipe_comm *c, const epipe_comm_settings *s)
-{
-    __atomic_store_n(&c->timeout_ms, s->timeout_ms, __ATOMIC_RELAXED);
-    __atomic_store_n(&c->spin_us, s->spin_us, __ATOMIC_RELAXED);
-    c->max_message = s->max_message;
-    int rc = epipe_comm_set_param(c, EPIPE_COMM_BUFFER_CACHE, (int64_t)s->buffer_cache);
-    if (rc == EPIPE_OK && s->trace[0] && !(c->trace = strdup(s->trace)))
-        rc = epipe_fail(EPIPE_ENOMEM, "comm: out of memory");
-    return rc;
-}
-
 /* ---- creation by name --------------------------------------------------- */
 
 /* The transport `name` asks for: the argument, else EPIPE_TRANSPORT, else
@@ -214,7 +203,7 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
         snprintf(rest + n, sizeof rest - n, "%stimeout_ms=%lld,spin_us=%lld,init_timeout_ms=%lld",
                  n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
                  (long long)s.init_timeout_ms);
-        rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
+        rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest, &s);
     } else if (!strcmp(name, "rdma") || !strcmp(name, "tcp")) { /* rdma, or auto's tcp */
         int is_auto = !strcmp(name, "tcp");
         if (s.group[0])
@@ -224,7 +213,7 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                  n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
                  (long long)s.init_timeout_ms);
 #ifdef EPIPE_HAVE_RDMA
-        rc = epipe_rdma_comm_create(out, rank, size, master_addr, master_port, rest, is_auto);
+        rc = epipe_rdma_comm_create(out, rank, size, master_addr, master_port, rest, is_auto, &s);
 #else
         if (!is_auto)
             return epipe_fail(EPIPE_ENOTSUP,
@@ -232,17 +221,13 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                               "libepipe (transport '%s' from %s)",
                               name, why);
         epipe_log_debug(-1, "comm", "auto: transport tcp (rdma is not built into this libepipe)");
-        rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest);
+        rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest, &s);
 #endif
     } else {
         return epipe_fail(EPIPE_EINVAL,
                           "comm: unknown transport '%s' (from %s; known: tcp, "
                           "inproc, rdma, auto)",
                           name, why);
-    }
-    if (rc == EPIPE_OK && (rc = epipe_comm_settings_apply(*out, &s))) {
-        epipe_comm_destroy(*out);
-        *out = NULL;
     }
     return rc;
 }
@@ -259,10 +244,6 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size)
     int rc = epipe_comm_settings_resolve(&s, NULL, rest, sizeof rest);
     if (rc == EPIPE_OK)
         rc = epipe_inproc_create_all(comms, size, &s);
-    for (unsigned r = 0; rc == EPIPE_OK && r < size; r++)
-        if ((rc = epipe_comm_settings_apply(comms[r], &s)))
-            for (unsigned k = 0; k < size; k++)
-                epipe_comm_destroy(comms[k]), comms[k] = NULL;
     return rc;
 }
 
