@@ -9,7 +9,7 @@
 #ifndef EPIPE_CLONES_H
 #define EPIPE_CLONES_H
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) &&    \
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) &&       \
     !defined(__SANITIZE_THREAD__)
 #define EPIPE_CLONES __attribute__((target_clones("avx2", "default")))
 #else

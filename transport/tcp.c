@@ -238,7 +238,10 @@ static void tcp_destroy(epipe_comm *c)
     if (t->started) {
         for (unsigned i = 0; i < t->nconns; i++) {
             struct conn *k = &t->conns[i];
-            epipe_msg *m = k->fd >= 0
+            /* The progress thread may close k meanwhile; enqueue checks again
+             * under the lock. */
+            int open = __atomic_load_n(&k->fd, __ATOMIC_RELAXED) >= 0;
+            epipe_msg *m = open
                                ? epipe_tcp_control_msg(t, EPIPE_WIRE_BYE, k->peer, c->rank, 0, NULL)
                                : NULL;
             if (m)
