@@ -4,8 +4,9 @@
 # programs run against the CUDA module compiled for the CPU emulator in
 # tests/cudaemu), a build without the BLAS codecs that is also a static+shared
 # build, the unit, fuzz, rdma and transport conformance suites under
-# ASan+UBSan and valgrind, and the libFuzzer targets for a few seconds each when clang is
-# present. Safe to run twice.
+# ASan+UBSan and valgrind, the threaded tests under ThreadSanitizer, and the
+# libFuzzer targets for a few seconds each when clang is present. Safe to
+# run twice.
 set -eu
 cd "$(dirname "$0")/.."
 sh scripts/ci/setup-debian.sh
@@ -44,6 +45,30 @@ ninja -C build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     meson test -C build-asan --print-errorlogs --num-processes 2 --suite unit --suite fuzz \
     --suite rdma --suite conformance
+
+echo "== ThreadSanitizer (the threaded parts: transports, stages, codec threads)"
+# Progress threads, the stage runtime and the codec thread pool, in the
+# suites that run them (the Python drivers and the compute sweeps left
+# out, and tcp-attacks: the rendezvous server it attacks is one thread).
+# GCC's TSan cannot map its shadow memory under some kernels' address
+# randomisation; a probe program tells, and then the stage runs without it.
+configure build-tsan -Db_sanitize=thread -Db_lundef=false -Doptimization=1 -Dcuda=disabled \
+    -Dfuzz=disabled
+ninja -C build-tsan
+printf 'int main(void) { return 0; }\n' | cc -fsanitize=thread -x c - -o build-tsan/tsan-probe
+norand=
+if ! build-tsan/tsan-probe 2>/dev/null; then
+    norand='setarch -R'
+    $norand build-tsan/tsan-probe || { echo "ThreadSanitizer cannot run on this kernel"; exit 1; }
+    echo "(without address randomisation: TSan's shadow memory needs it on this kernel)"
+fi
+tsan_test() {
+    TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $norand meson test -C build-tsan \
+        --no-rebuild --print-errorlogs --num-processes 2 --timeout-multiplier 3 "$@"
+}
+tsan_test --suite unit --suite conformance --suite rdma --no-suite compute --no-suite examples \
+    --no-suite conformance-rdma-device
+tsan_test tcp tcp-crypt tcp-faults tcp-pipeline
 
 echo "== valgrind (memcheck)"
 # The 'compute' tests (large tensors, wide schedule sweeps) run under
