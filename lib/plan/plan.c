@@ -285,6 +285,16 @@ struct dp {
     unsigned *order; /* [(L+1) * O] */
     double *env, *envb;
     unsigned *envo;
+    struct keyed_opt *keyed; /* [O]: dp_sort's work */
+};
+
+/* An option and its in_cost, sorted by cost and then index (so ties keep
+ * their order): the key travels with the option, where a comparator
+ * looking it up would need a context qsort cannot pass, and a global one
+ * would race with another thread's plan. */
+struct keyed_opt {
+    double cost;
+    unsigned opt;
 };
 
 static size_t at(const epipe_plan *p, const struct dp *d, unsigned s, unsigned j, unsigned o)
@@ -308,13 +318,12 @@ static const struct option *opt_of(const epipe_plan *p, unsigned j, unsigned o, 
     return blind ? &p->bnd[j - 1].none_opt : &p->bnd[j - 1].opt[o];
 }
 
-static const epipe_plan *sort_plan;
-static unsigned sort_cut;
 static int by_in_cost(const void *x, const void *y)
 {
-    double a = opt_of(sort_plan, sort_cut, *(const unsigned *)x, 0)->in_cost,
-           b = opt_of(sort_plan, sort_cut, *(const unsigned *)y, 0)->in_cost;
-    return (a > b) - (a < b);
+    const struct keyed_opt *a = x, *b = y;
+    if (a->cost != b->cost)
+        return a->cost < b->cost ? -1 : 1;
+    return (a->opt > b->opt) - (a->opt < b->opt);
 }
 
 /* Sorts each cut's options by in_cost (what they cost the stage after). */
@@ -323,10 +332,10 @@ static void dp_sort(const epipe_plan *p, struct dp *d)
     for (unsigned i = 0; i <= p->L; i++) {
         unsigned *ord = d->order + (size_t)i * d->O, n = nopt(p, i, 0);
         for (unsigned q = 0; q < n; q++)
-            ord[q] = q;
-        sort_plan = p;
-        sort_cut = i;
-        qsort(ord, n, sizeof *ord, by_in_cost);
+            d->keyed[q] = (struct keyed_opt){opt_of(p, i, q, 0)->in_cost, q};
+        qsort(d->keyed, n, sizeof *d->keyed, by_in_cost);
+        for (unsigned q = 0; q < n; q++)
+            ord[q] = d->keyed[q].opt;
     }
 }
 
@@ -683,6 +692,7 @@ static void dp_free(struct dp *d)
     free(d->env);
     free(d->envb);
     free(d->envo);
+    free(d->keyed);
 }
 
 /* Local search with the simulator itself: from the best plan, move each
@@ -796,7 +806,9 @@ EPIPE_API int epipe_plan_create(epipe_plan **out, const epipe_plan_layer *layers
     d.env = malloc(per_cut * sizeof *d.env);
     d.envb = malloc(per_cut * sizeof *d.envb);
     d.envo = malloc(per_cut * sizeof *d.envo);
-    if (!d.f || !d.g || !d.from || !d.from_opt || !d.order || !d.env || !d.envb || !d.envo) {
+    d.keyed = malloc(d.O * sizeof *d.keyed);
+    if (!d.f || !d.g || !d.from || !d.from_opt || !d.order || !d.env || !d.envb || !d.envo ||
+        !d.keyed) {
         rc = epipe_fail(EPIPE_ENOMEM, "epipe_plan_create: out of memory for %zu cells", cells);
         goto fail;
     }
