@@ -3,6 +3,9 @@
  * - epipe_comm_set_param(TIMEOUT_MS, SPIN_US) and epipe_comm_get_param()
  *   from another thread while a pipeline runs over the communicator
  *   (comm.h), over inproc and tcp;
+ * - the same pipeline over tcp while its threads take a signal every
+ *   300 us without SA_RESTART, as under a profiler's timer: every call
+ *   that returns EINTR carries on;
  * - epipe_set_log_callback() from any thread while library threads log:
  *   once it returns, the previous callback is not running and is never
  *   called again (common.h);
@@ -16,12 +19,14 @@
 #include <pthread.h>
 #include <sched.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/time.h>
 #include <time.h>
 
 #include <cmocka.h>
@@ -105,6 +110,12 @@ static void run_rank(struct rank_arg *a)
 static void *rank_main(void *arg)
 {
     struct rank_arg *a = arg;
+    /* The ranks and their transports' threads take the signals of
+     * signals_interrupt_a_pipeline, not the test's other threads. */
+    sigset_t alarm;
+    sigemptyset(&alarm);
+    sigaddset(&alarm, SIGALRM);
+    pthread_sigmask(SIG_UNBLOCK, &alarm, NULL);
     epipe_comm *c;
     a->rc = epipe_comm_create(&c, a->transport, a->rank, 2, "127.0.0.1", a->port,
                               !strcmp(a->transport, "inproc") ? "group=knobs" : NULL);
@@ -198,6 +209,40 @@ static void knobs_change_while_running_tcp(void **state)
 {
     (void)state;
     knobs_change_while_running("tcp");
+}
+
+/* A host whose threads take signals without SA_RESTART (a profiler's
+ * timer): every blocking call that returns EINTR must carry on. */
+static unsigned alarms;
+static void on_alarm(int sig)
+{
+    (void)sig;
+    ADD(&alarms, 1);
+}
+
+static void signals_interrupt_a_pipeline(const char *transport)
+{
+    struct sigaction sa = {.sa_handler = on_alarm};
+    sigemptyset(&sa.sa_mask);
+    assert_int_equal(sigaction(SIGALRM, &sa, NULL), 0);
+    sigset_t alarm, mask;
+    sigemptyset(&alarm);
+    sigaddset(&alarm, SIGALRM);
+    pthread_sigmask(SIG_BLOCK, &alarm, &mask); /* the ranks unblock it */
+    struct itimerval every = {{0, 300}, {0, 300}}, off = {{0, 0}, {0, 0}};
+    assert_int_equal(setitimer(ITIMER_REAL, &every, NULL), 0);
+    knobs_change_while_running(transport);
+    setitimer(ITIMER_REAL, &off, NULL);
+    /* The handler stays: a signal still pending (valgrind delivers late)
+     * would exit the program under the default disposition. */
+    pthread_sigmask(SIG_SETMASK, &mask, NULL);
+    assert_true(LOAD(&alarms) > 0);
+}
+
+static void signals_interrupt_a_pipeline_tcp(void **state)
+{
+    (void)state;
+    signals_interrupt_a_pipeline("tcp");
 }
 
 /* ---- the log callback replaced while other threads log ------------------- */
@@ -339,11 +384,19 @@ static int plan_once(double *step_s, char *schedule)
         l[i] = (epipe_plan_layer){.forward_s = 1e-3 * (1 + i % 3),
                                   .backward_s = 2e-3 * (1 + i % 3),
                                   .out_bytes = 4e6 / (1 + i)};
-    epipe_plan_codec c[2] = {
-        {.spec = "sortquant:bits=8", .layer = 1, .encode_s = 1e-4, .decode_s = 1e-4,
-         .wire_ratio = 0.26, .error = 1e-4},
-        {.spec = "quant:bits=4", .layer = 2, .dir = 1, .encode_s = 1e-4, .decode_s = 1e-4,
-         .wire_ratio = 0.13, .error = 1e-3}};
+    epipe_plan_codec c[2] = {{.spec = "sortquant:bits=8",
+                              .layer = 1,
+                              .encode_s = 1e-4,
+                              .decode_s = 1e-4,
+                              .wire_ratio = 0.26,
+                              .error = 1e-4},
+                             {.spec = "quant:bits=4",
+                              .layer = 2,
+                              .dir = 1,
+                              .encode_s = 1e-4,
+                              .decode_s = 1e-4,
+                              .wire_ratio = 0.13,
+                              .error = 1e-3}};
     epipe_plan_options o = EPIPE_PLAN_OPTIONS_INIT;
     o.stages = 3;
     o.microbatches = 8;
@@ -374,8 +427,7 @@ static void *reader_main(void *arg)
             break;
         size_t cap = 0, len = 0;
         uint8_t *buf = NULL;
-        if ((r->rc = epipe_codec_max_encoded_size(c, &t, &cap)) == EPIPE_OK &&
-            !(buf = malloc(cap)))
+        if ((r->rc = epipe_codec_max_encoded_size(c, &t, &cap)) == EPIPE_OK && !(buf = malloc(cap)))
             r->rc = EPIPE_ENOMEM;
         if (r->rc == EPIPE_OK)
             r->rc = epipe_codec_encode(c, &t, buf, cap, &len);
@@ -423,6 +475,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(knobs_change_while_running_inproc),
         cmocka_unit_test(knobs_change_while_running_tcp),
+        cmocka_unit_test(signals_interrupt_a_pipeline_tcp),
         cmocka_unit_test(log_callback_replaced_while_logging),
         cmocka_unit_test(shared_schedule_plans_and_codecs),
     };
