@@ -278,6 +278,46 @@ class Codec(_Handle):
 # ---- communicators ----------------------------------------------------------
 
 
+def _rendezvous(create, function):
+    """The handle create(pointer) makes, or Error. A rendezvous waits for
+    every rank, up to its init timeout (120 s by default), inside one C
+    call, and Python runs its SIGINT handler only once a call returns: on
+    the main thread the call runs on a helper thread instead, so that Ctrl-C
+    raises KeyboardInterrupt at once. The helper then finishes on its own
+    and leaves the group it may still make."""
+    def run(box):
+        h = ctypes.c_void_p()
+        rc = create(ctypes.byref(h))
+        msg = _s(lib.epipe_last_error()) if rc < 0 else ""  # thread-local: read here
+        with box["lock"]:
+            if box["abandoned"]:
+                if rc >= 0 and h.value:
+                    lib.epipe_comm_destroy(h.value)
+                return
+            box["result"] = (rc, msg, h.value)
+
+    box = {"lock": threading.Lock(), "abandoned": False, "result": None}
+    if threading.current_thread() is not threading.main_thread():
+        run(box)  # only the main thread takes KeyboardInterrupt
+    else:
+        t = threading.Thread(target=run, args=(box,), name="epipe-rendezvous", daemon=True)
+        t.start()
+        try:
+            while t.is_alive():
+                t.join(0.25)
+        except BaseException:
+            with box["lock"]:
+                box["abandoned"] = True
+                done = box["result"]
+            if done and done[0] >= 0 and done[2]:
+                lib.epipe_comm_destroy(done[2])
+            raise
+    rc, msg, h = box["result"]
+    if rc < 0:
+        raise Error(rc, msg, function)
+    return h
+
+
 class Comm(_Handle):
     """This rank's end of a group. Create with Comm.from_env(), Comm.tcp() or
     Comm.inproc(n) (a list of n joined in this process, one per thread)."""
@@ -298,18 +338,16 @@ class Comm(_Handle):
     def from_env(cls, options=None):
         """Rank, size and master from the environment (EPIPE_*, torchrun,
         Open MPI, PMI, Slurm; docs/transport.md), over TCP."""
-        h = ctypes.c_void_p()
-        check(lib.epipe_comm_create_from_env(ctypes.byref(h), _enc(options) if options else None),
-              "epipe_comm_create_from_env")
-        return cls(h.value)
+        opts = _enc(options) if options else None
+        return cls(_rendezvous(lambda h: lib.epipe_comm_create_from_env(h, opts),
+                               "epipe_comm_create_from_env"))
 
     @classmethod
     def tcp(cls, rank, size, master_addr, master_port, options=None):
-        h = ctypes.c_void_p()
-        check(lib.epipe_comm_create_tcp(ctypes.byref(h), int(rank), int(size), _enc(master_addr),
-                                        int(master_port), _enc(options) if options else None),
-              "epipe_comm_create_tcp")
-        return cls(h.value)
+        args = (int(rank), int(size), _enc(master_addr), int(master_port),
+                _enc(options) if options else None)
+        return cls(_rendezvous(lambda h: lib.epipe_comm_create_tcp(h, *args),
+                               "epipe_comm_create_tcp"))
 
     def close(self):
         """Closes this rank's stages, then leaves the group."""

@@ -1,0 +1,80 @@
+"""Communicators over TCP from Python: a rendezvous from the main thread
+and from another, its errors, and Ctrl-C in the middle of one."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import epipe
+
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tcp_pair_from_the_main_thread_and_another():
+    port = free_port()
+    got = {}
+
+    def rank1():
+        try:
+            got[1] = epipe.Comm.tcp(1, 2, "127.0.0.1", port, "init_timeout_ms=20000")
+        except Exception as e:  # noqa: BLE001 - reported below
+            got[1] = e
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    c0 = epipe.Comm.tcp(0, 2, "127.0.0.1", port, "init_timeout_ms=20000")
+    t.join()
+    c1 = got[1]
+    assert isinstance(c1, epipe.Comm), c1
+    try:
+        assert (c0.rank, c0.size, c1.rank, c1.size) == (0, 2, 1, 2)
+        assert c0.transport == c1.transport == "tcp"
+    finally:
+        c1.close()
+        c0.close()
+
+
+def test_rendezvous_errors_keep_their_message():
+    # the message is the calling thread's in C: the binding must read it on
+    # the thread that made the call
+    try:
+        epipe.Comm.tcp(0, 2, "127.0.0.1", free_port(), "no_such_option=1")
+    except epipe.Error as e:
+        assert e.name == "EPIPE_EINVAL"
+        assert e.function == "epipe_comm_create_tcp"
+        assert "unknown option 'no_such_option'" in e.message
+    else:
+        raise AssertionError("an unknown option was accepted")
+
+
+def test_ctrl_c_interrupts_a_rendezvous():
+    # Rank 0 of 2 waits for a rank 1 that never comes, for up to 60 s; Ctrl-C
+    # must end it at once, not when the C call gives up.
+    script = (
+        "import sys, epipe\n"
+        "print('waiting', flush=True)\n"
+        f"epipe.Comm.tcp(0, 2, '127.0.0.1', {free_port()}, 'init_timeout_ms=60000')\n")
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "waiting"
+        time.sleep(0.5)  # inside the rendezvous by now
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+        waited = time.monotonic() - t0
+    finally:
+        p.kill()
+        p.wait()
+    assert "KeyboardInterrupt" in err, err
+    assert waited < 10, f"Ctrl-C took {waited:.1f} s to end a rendezvous"
