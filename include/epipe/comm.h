@@ -31,10 +31,15 @@ typedef struct epipe_comm epipe_comm;
  *             EPIPE_ETIMEDOUT naming the missing ranks). master_addr and
  *             master_port are ignored. A group of one needs no name. Once a
  *             group is complete its name may be used again by a new group.
- *   "rdma"    answers EPIPE_ENOTSUP: the RDMA transport is not built yet.
- *   "auto", NULL or ""   EPIPE_TRANSPORT from the environment if set, else
- *             tcp when size > 1 or the ranks come from the environment,
- *             else inproc.
+ *   "rdma"    processes: the TCP rendezvous, then tensors over RDMA verbs
+ *             (docs/rdma.md); libibverbs is opened at run time.
+ *             EPIPE_ENOTSUP names what is missing (verbs library, device,
+ *             active port, a neighbour that cannot), or says the transport
+ *             is not built into this libepipe.
+ *   "auto", NULL or ""   EPIPE_TRANSPORT from the environment if set, else,
+ *             when size > 1 or the ranks come from the environment, tcp
+ *             with RDMA to every neighbour where both ends have an active
+ *             device (the log says which and why), else inproc.
  * An explicit name other than "auto" wins over EPIPE_TRANSPORT.
  *
  * Rendezvous from the environment: rank = size = EPIPE_COMM_FROM_ENV reads
@@ -68,7 +73,8 @@ typedef struct epipe_comm epipe_comm;
  * Returns EPIPE_OK and *out, owned by the caller (epipe_comm_destroy); on
  * error *out is NULL and the message names the cause: EPIPE_EINVAL (bad
  * argument, option, transport name, or an inproc group whose ranks disagree
- * on its size or repeat a rank), EPIPE_ENOTSUP (rdma), EPIPE_ETIMEDOUT, and
+ * on its size or repeat a rank), EPIPE_ENOTSUP (rdma that cannot run
+ * here), EPIPE_ETIMEDOUT, and
  * the transport's own errors (epipe_comm_create_tcp). Thread-safe; blocks
  * until the group is formed. */
 #define EPIPE_COMM_FROM_ENV (~0u)
