@@ -553,6 +553,75 @@ static void test_accept_out_of_descriptors(void **state)
     assert_non_null(strstr(a0.err, strerror(EMFILE)));
 }
 
+/* A fork's child cannot use its parent's communicator, and gives up its
+ * copies of the sockets at once: a rank that dies while a child it forked
+ * lives on (a data loader's worker) is seen gone by its peers at once, not
+ * when the child exits. In the child, calls on the handle return
+ * EPIPE_ESTATE and epipe_comm_destroy releases nothing (the progress
+ * thread it would join is not there). */
+static void test_fork_child_gives_up_the_connections(void **state)
+{
+    (void)state;
+    unsigned port = test_free_port();
+    int report[2], done[2]; /* the worker's findings to the test; "checked" to rank 1 */
+    assert_int_equal(pipe(report), 0);
+    assert_int_equal(pipe(done), 0);
+    pid_t rank1 = fork();
+    assert_true(rank1 >= 0);
+    if (rank1 == 0) { /* no cmocka in the children */
+        epipe_comm *c;
+        if (epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", port, "timeout_ms=20000"))
+            _exit(2);
+        pid_t worker = fork();
+        if (worker == 0) {
+            int64_t v;
+            epipe_msg *m = NULL;
+            char ok = epipe_comm_get_param(c, EPIPE_COMM_TIMEOUT_MS, &v) == EPIPE_ESTATE &&
+                              epipe_comm_recv(c, 0, EPIPE_WIRE_ACTIVATION, 0, 0, 100, &m) ==
+                                  EPIPE_ESTATE &&
+                              strstr(epipe_comm_last_error(c), "forked")
+                          ? 'y'
+                          : 'n';
+            epipe_comm_abort(c);
+            epipe_comm_destroy(c); /* must return */
+            pid_t me = getpid();
+            ssize_t w = write(report[1], &ok, 1) + write(report[1], &me, sizeof me) +
+                        write(done[1], &ok, 1);
+            (void)w;
+            sleep(20); /* outlives its parent by far, unless killed */
+            _exit(0);
+        }
+        char got;
+        ssize_t r = read(done[0], &got, 1); /* the worker has checked */
+        (void)r;
+        _exit(worker > 0 ? 0 : 3); /* dies without a goodbye, the worker living on */
+    }
+    epipe_comm *c;
+    assert_int_equal(epipe_comm_create_tcp(&c, 0, 2, "127.0.0.1", port, "timeout_ms=20000"),
+                     EPIPE_OK);
+    int st;
+    assert_int_equal(waitpid(rank1, &st, 0), rank1);
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    char ok = 0;
+    pid_t worker = 0;
+    assert_int_equal(read(report[0], &ok, 1), 1);
+    assert_int_equal(read(report[0], &worker, sizeof worker), sizeof worker);
+    double t0 = now_s();
+    epipe_msg *m = NULL;
+    int rc = epipe_comm_recv(c, 1, EPIPE_WIRE_ACTIVATION, 0, 0, 10000, &m);
+    double waited = now_s() - t0;
+    print_message("rank 0: %s after %.2f s: %s\n", epipe_status_name(rc), waited,
+                  epipe_comm_last_error(c));
+    epipe_comm_destroy(c);
+    kill(worker, SIGKILL); /* an orphan now: init reaps it */
+    for (int i = 0; i < 2; i++)
+        close(report[i]), close(done[i]);
+    assert_int_equal(ok, 'y');
+    assert_int_equal(rc, EPIPE_EPEER);
+    assert_true(waited < 5.0); /* the worker sleeps 20 s; heartbeats trust 20 s */
+}
+
 static void test_unreachable_master(void **state)
 {
     (void)state;
@@ -863,6 +932,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_first_host),
         cmocka_unit_test(test_options),
         cmocka_unit_test(test_close_after_large_send),
+        cmocka_unit_test(test_fork_child_gives_up_the_connections),
         cmocka_unit_test(test_from_env),
         cmocka_unit_test(test_streams_mesh),
         cmocka_unit_test(test_pipeline_topology),

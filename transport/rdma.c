@@ -179,11 +179,15 @@ static void rdma_destroy(epipe_comm *c)
     tops->destroy(c);
 }
 
+/* A fork's child closes the TCP side's sockets (the links' rendezvous and
+ * fallback connections, and what tells a peer this rank is gone); the
+ * verbs resources it leaves alone. */
 static const epipe_transport_ops rdma_ops = {
     .name = "rdma",
     .send = rdma_send,
     .destroy = rdma_destroy,
     .abort = rdma_abort,
+    .forked = epipe_tcp_forked,
 };
 
 int epipe_rdma_debug_inject(epipe_comm *c, unsigned peer, int what)

@@ -255,11 +255,27 @@ static void tcp_destroy(epipe_comm *c)
     epipe_comm_free(c);
 }
 
+/* A fork's child: closes its copies of the sockets and the event fd, so
+ * the parent's connections end when the parent does (lib/comm/comm.c). */
+void epipe_tcp_forked(epipe_comm *c)
+{
+    struct tcp *t = c->tp;
+    for (unsigned i = 0; i < t->nconns; i++)
+        if (t->conns[i].fd >= 0) {
+            close(t->conns[i].fd);
+            t->conns[i].fd = -1;
+        }
+    if (t->evfd >= 0)
+        close(t->evfd);
+    t->evfd = -1;
+}
+
 static const epipe_transport_ops tcp_ops = {
     .name = "tcp",
     .send = tcp_send,
     .destroy = tcp_destroy,
     .abort = tcp_abort,
+    .forked = epipe_tcp_forked,
 };
 
 int epipe_tcp_debug_send_raw(epipe_comm *c, unsigned peer, const void *bytes, size_t len,

@@ -115,6 +115,10 @@ int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const e
                          const epipe_comm_settings *s, epipe_tcp_key *key, epipe_tcp_link *links,
                          unsigned nlinks);
 
+/* The transport's fork hook (epipe_transport_ops.forked), which rdma's
+ * shares: closes the child's copies of the handle's descriptors. */
+void epipe_tcp_forked(epipe_comm *c);
+
 /* Whether ranks a and b are joined under the topology, and how many streams. */
 unsigned epipe_tcp_streams_between(const epipe_tcp_opts *o, unsigned a, unsigned b);
 

@@ -14,7 +14,15 @@ extern "C" {
  * Thread safety: one thread at a time may call functions on a handle,
  * except epipe_comm_abort(), which any thread may call at any time (to
  * wake a stage blocked in a receive). Transports may run threads of their
- * own; they end when the handle is destroyed. */
+ * own; they end when the handle is destroyed.
+ *
+ * Fork: a child made by fork() cannot use its parent's communicators (it
+ * has none of their threads). At the fork the child closes its copies of
+ * their sockets, so that a parent that dies is seen gone by its peers at
+ * once even while children it forked live on (a data loader's workers).
+ * In the child, calls on such a handle return EPIPE_ESTATE (stages over it
+ * fail with it) and epipe_comm_destroy() releases nothing and returns at
+ * once; the parent keeps using and destroys it as before. */
 typedef struct epipe_comm epipe_comm;
 
 /* ---- Creating a communicator by transport name (docs/transport.md) ------

@@ -334,8 +334,85 @@ static int send_refused_locked(epipe_comm *c, unsigned peer)
         !aborted && c->peer_why[peer][0] ? ": " : "", aborted ? "" : c->peer_why[peer]);
 }
 
+/* ---- fork ---------------------------------------------------------------
+ *
+ * A child of fork() has the parent's memory but only the thread that
+ * forked: no progress threads, and any lock another thread held stays
+ * held. It cannot use the parent's communicators. Its copies of their
+ * sockets would keep the parent's connections open, though: a parent
+ * killed while children it forked live on (a data loader's workers) would
+ * look alive to its peers until the children exited. So the child closes
+ * them at once, and every call on such a handle returns at once. */
+
+static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
+static epipe_comm *live;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void)
+{
+    pthread_mutex_lock(&live_lock); /* the list is whole in the child */
+}
+
+static void fork_parent(void)
+{
+    pthread_mutex_unlock(&live_lock);
+}
+
+static void fork_child(void)
+{
+    for (epipe_comm *c = live; c; c = c->live_next) {
+        c->orphaned = 1;
+        if (c->ops->forked)
+            c->ops->forked(c);
+    }
+    live = NULL; /* this process owns none of them */
+    pthread_mutex_unlock(&live_lock);
+}
+
+static void atfork_init(void)
+{
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+}
+
+void epipe_comm_publish(epipe_comm *c)
+{
+    pthread_once(&atfork_once, atfork_init);
+    pthread_mutex_lock(&live_lock);
+    c->live_next = live;
+    if (live)
+        live->live_prev = c;
+    live = c;
+    pthread_mutex_unlock(&live_lock);
+}
+
+static void unpublish(epipe_comm *c)
+{
+    pthread_mutex_lock(&live_lock);
+    if (c->live_prev)
+        c->live_prev->live_next = c->live_next;
+    else if (live == c)
+        live = c->live_next;
+    if (c->live_next)
+        c->live_next->live_prev = c->live_prev;
+    c->live_prev = c->live_next = NULL;
+    pthread_mutex_unlock(&live_lock);
+}
+
+#define ORPHANED_FMT                                                                               \
+    "rank %u: this communicator belongs to the process that forked this one; a child cannot use "  \
+    "it"
+
+static int orphaned(epipe_comm *c)
+{
+    return epipe_fail_into(c->msg, EPIPE_ESTATE, ORPHANED_FMT, c->rank);
+}
+
 int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m)
 {
+    if (c->orphaned) {
+        epipe_msg_free(m);
+        return orphaned(c);
+    }
     if (peer >= c->size || peer == c->rank) {
         epipe_msg_free(m);
         return epipe_fail_into(c->msg, EPIPE_EINVAL, "rank %u: cannot send to rank %u of %u",
@@ -413,6 +490,8 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
     struct timespec deadline;
     deadline_after(&deadline, timeout_ms);
     *out = NULL;
+    if (c->orphaned)
+        return orphaned(c);
     if (peer >= c->size || peer == c->rank)
         return epipe_fail_into(c->msg, EPIPE_EINVAL, "rank %u: cannot receive from rank %u of %u",
                                c->rank, peer, c->size);
@@ -467,8 +546,10 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
 
 EPIPE_API void epipe_comm_destroy(epipe_comm *c)
 {
-    if (c)
-        c->ops->destroy(c);
+    if (!c || c->orphaned)
+        return; /* a fork's child: its parent's handle, released by the parent */
+    unpublish(c);
+    c->ops->destroy(c);
 }
 
 /* Marks this rank aborted (with its own status and reason when status is
@@ -492,7 +573,7 @@ static int mark_aborted(epipe_comm *c, int status, const char *why)
 
 EPIPE_API void epipe_comm_abort(epipe_comm *c)
 {
-    if (!c)
+    if (!c || c->orphaned)
         return;
     mark_aborted(c, 0, NULL);
     if (c->ops->abort)
@@ -533,6 +614,8 @@ EPIPE_API int epipe_comm_set_param(epipe_comm *c, epipe_comm_param param, int64_
     epipe_clear_error();
     if (!c)
         return epipe_fail(EPIPE_EINVAL, "epipe_comm_set_param: comm is NULL");
+    if (c->orphaned)
+        return orphaned(c);
     switch (param) {
     case EPIPE_COMM_TIMEOUT_MS:
         if (value < 1 || value > 86400000)
@@ -575,6 +658,8 @@ EPIPE_API int epipe_comm_get_param(const epipe_comm *c, epipe_comm_param param, 
     epipe_clear_error();
     if (!c || !value)
         return epipe_fail(EPIPE_EINVAL, "epipe_comm_get_param: comm or value is NULL");
+    if (c->orphaned)
+        return epipe_fail(EPIPE_ESTATE, ORPHANED_FMT, c->rank);
     switch (param) {
     case EPIPE_COMM_TIMEOUT_MS:
         *value = __atomic_load_n(&c->timeout_ms, __ATOMIC_RELAXED);

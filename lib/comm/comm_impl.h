@@ -49,6 +49,11 @@ typedef struct epipe_transport_ops {
     void (*destroy)(epipe_comm *c);
     /* Optional: tells peers this rank failed (epipe_comm_abort). */
     void (*abort)(epipe_comm *c);
+    /* Optional: in the child of a fork(), closes the child's copies of the
+     * handle's descriptors. It takes no lock and joins no thread: the
+     * child has only the thread that forked, and a lock another thread
+     * held stays held there. */
+    void (*forked)(epipe_comm *c);
 } epipe_transport_ops;
 
 enum epipe_peer_state { EPIPE_PEER_UP = 0, EPIPE_PEER_LEFT = 1, EPIPE_PEER_FAILED = 2 };
@@ -93,6 +98,9 @@ struct epipe_comm {
     epipe_msgpool *pool; /* this handle's buffer cache */
     char *trace;         /* trace=PATH, or NULL */
     char msg[EPIPE_ERRMSG_MAX];
+    /* The live handles of this process (epipe_comm_publish), for fork. */
+    epipe_comm *live_prev, *live_next;
+    int orphaned; /* this process is a fork's child: the handle is its parent's */
 
     pthread_mutex_t lock; /* guards everything below */
     pthread_cond_t arrived;
@@ -108,6 +116,10 @@ struct epipe_comm {
     int *peer_status;                   /* [size] what receives from a failed peer
                                     return; 0 means EPIPE_EPEER */
 };
+
+/* Adds a handle epipe_comm_create made to the live handles of the process,
+ * which a fork's child gives up (epipe/comm.h, "Fork"). */
+void epipe_comm_publish(epipe_comm *c);
 
 /* Allocates the common part for a transport, with the settings s
  * (timeouts, spin, message limit, cache cap, trace) already in place: a

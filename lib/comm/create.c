@@ -229,6 +229,8 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                           "inproc, rdma, auto)",
                           name, why);
     }
+    if (rc == EPIPE_OK)
+        epipe_comm_publish(*out);
     return rc;
 }
 
@@ -244,6 +246,8 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size)
     int rc = epipe_comm_settings_resolve(&s, NULL, rest, sizeof rest);
     if (rc == EPIPE_OK)
         rc = epipe_inproc_create_all(comms, size, &s);
+    for (unsigned r = 0; rc == EPIPE_OK && r < size; r++)
+        epipe_comm_publish(comms[r]);
     return rc;
 }
 
