@@ -371,7 +371,10 @@ static void fork_child(void)
 
 static void atfork_init(void)
 {
-    pthread_atfork(fork_prepare, fork_parent, fork_child);
+    if (pthread_atfork(fork_prepare, fork_parent, fork_child) != 0)
+        epipe_log_warn(-1, "comm",
+                       "cannot register the fork handler (out of memory): a child this "
+                       "process forks keeps its connections open");
 }
 
 void epipe_comm_publish(epipe_comm *c)
