@@ -43,6 +43,33 @@ def test_tcp_pair_from_the_main_thread_and_another():
         c0.close()
 
 
+def test_a_forked_child_cannot_use_the_parents_comm():
+    port = free_port()
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault(
+        1, epipe.Comm.tcp(1, 2, "127.0.0.1", port, "init_timeout_ms=20000")))
+    t.start()
+    c0 = epipe.Comm.tcp(0, 2, "127.0.0.1", port, "init_timeout_ms=20000")
+    t.join()
+    c1 = got[1]
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest here, only an exit status
+            status = 1
+            try:
+                c0.set_param(epipe.COMM_TIMEOUT_MS, 1000)
+            except epipe.Error as e:
+                status = 0 if e.name == "EPIPE_ESTATE" and "forked" in e.message else 2
+            c0.close()  # returns at once, releasing nothing
+            os._exit(status)
+        _, st = os.waitpid(pid, 0)
+        assert os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0, st
+        c0.set_param(epipe.COMM_TIMEOUT_MS, 1000)  # the parent's is unchanged
+    finally:
+        c1.close()
+        c0.close()
+
+
 def test_rendezvous_errors_keep_their_message():
     # the message is the calling thread's in C: the binding must read it on
     # the thread that made the call
