@@ -2,6 +2,7 @@
  * writes its own trace file, uses its own buffer caches, and both reach the
  * one process-wide log callback with their group and rank in the text. */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -9,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -222,6 +224,40 @@ static void two_pipelines_share_nothing(void **state)
     rmdir(dir);
 }
 
+/* A trace path naming a FIFO: the stage's destruction once waited for a
+ * reader for ever (and a reader that left would have killed the process
+ * with SIGPIPE). Now the trace is refused in the log, naming why. Also a
+ * trace into a directory, refused with the system's reason. */
+static void trace_into_a_fifo_or_a_directory(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/epipe-fifo-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char fifo[64], opts[160];
+    snprintf(fifo, sizeof fifo, "%s/trace.json", dir);
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    epipe_set_log_callback(keep_line, "fifo");
+    const char *paths[2] = {fifo, dir};
+    for (int i = 0; i < 2; i++) {
+        snprintf(opts, sizeof opts, "trace=%s", paths[i]);
+        epipe_comm *c;
+        epipe_stage *st;
+        assert_int_equal(epipe_comm_create(&c, "inproc", 0, 1, NULL, 0, opts), EPIPE_OK);
+        assert_int_equal(epipe_stage_create(&st, c, "gpipe", 2), EPIPE_OK);
+        epipe_op op;
+        while (epipe_stage_next_op(st, &op) == EPIPE_OK && op.kind != EPIPE_OP_NONE)
+            ;                    /* one step of a single stage: compute spans only */
+        epipe_stage_destroy(st); /* writes the trace: must not wait */
+        epipe_comm_destroy(c);
+    }
+    epipe_set_log_callback(NULL, NULL);
+    assert_true(logged("|trace|", "it is a FIFO with no reader"));
+    assert_true(logged("|trace|", strerror(EISDIR)));
+    assert_true(logged("|trace|", "give the path of a regular file"));
+    unlink(fifo);
+    rmdir(dir);
+}
+
 int main(void)
 {
     /* Read once, at the first message: set before anything logs. */
@@ -229,6 +265,7 @@ int main(void)
     unsetenv("EPIPE_LOG_SUBSYS");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(two_pipelines_share_nothing),
+        cmocka_unit_test(trace_into_a_fifo_or_a_directory),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

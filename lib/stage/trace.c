@@ -4,11 +4,15 @@
 #define _POSIX_C_SOURCE 200809L
 #include "trace.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "../log.h"
 
@@ -253,13 +257,42 @@ static void strs_move(struct strs *to, struct strs *from, struct spans *sp)
     from->v = NULL, from->n = 0;
 }
 
+/* The trace file, created or emptied, or NULL (logged). Only a regular
+ * file: opening a FIFO for writing waits for a reader, at stage
+ * destruction, for ever; and a reader that goes away would kill the host
+ * with SIGPIPE. O_NONBLOCK makes the open of one fail instead of waiting. */
+static FILE *open_trace(const char *path)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY | O_NONBLOCK, 0666);
+    const char *why = NULL;
+    struct stat st;
+    if (fd < 0)
+        why = errno == ENXIO ? "it is a FIFO with no reader" : strerror(errno);
+    else if (fstat(fd, &st) != 0)
+        why = strerror(errno);
+    else if (!S_ISREG(st.st_mode))
+        why = S_ISFIFO(st.st_mode)   ? "it is a FIFO"
+              : S_ISCHR(st.st_mode)  ? "it is a character device"
+              : S_ISSOCK(st.st_mode) ? "it is a socket"
+                                     : "it is not a regular file";
+    else if (ftruncate(fd, 0) != 0 || fcntl(fd, F_SETFL, 0) != 0)
+        why = strerror(errno);
+    FILE *f = why ? NULL : fdopen(fd, "w");
+    if (!f) {
+        epipe_log_msg(EPIPE_LOG_ERROR, -1, "trace",
+                      "cannot write the trace to %s: %s (give the path of a regular file)", path,
+                      why ? why : strerror(errno));
+        if (fd >= 0)
+            close(fd);
+    }
+    return f;
+}
+
 static void write_trace(const char *path, const struct spans *sp)
 {
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        epipe_log_msg(EPIPE_LOG_ERROR, -1, "trace", "cannot write the trace to %s", path);
+    FILE *f = open_trace(path);
+    if (!f)
         return;
-    }
     const struct span *spans = sp->v;
     size_t nspans = sp->n;
     unsigned max_stage = 0;
