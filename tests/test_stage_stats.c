@@ -29,7 +29,8 @@ struct rank {
     epipe_boundary_stats b;
     int b_rc, b1_rc;
     char b1_msg[256];
-    int started, finished; /* atomics: the reader polls them */
+    int started, finished;  /* atomics: the reader polls them */
+    int watched, unwatched; /* a reader reads the stage; it is done (atomic) */
 };
 
 static int fwd(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
@@ -64,6 +65,9 @@ static void *rank_main(void *p)
     for (int i = 0; !r->rc && i < r->steps; i++)
         r->rc = epipe_stage_step(st);
     __atomic_store_n(&r->finished, 1, __ATOMIC_RELEASE);
+    /* The reader may be inside a getter still: the stage outlives it. */
+    while (r->watched && !__atomic_load_n(&r->unwatched, __ATOMIC_ACQUIRE))
+        sched_yield();
     r->stats.struct_size = sizeof r->stats;
     epipe_stage_get_stats(st, &r->stats);
     r->b.struct_size = sizeof r->b;
@@ -84,6 +88,7 @@ static void run(struct rank *r, int steps, void *(*reader)(void *), void *reader
     for (int i = 0; i < 2; i++) {
         memset(&r[i], 0, sizeof r[i]);
         r[i].comm = c[i], r[i].steps = steps;
+        r[i].watched = i == 0 && reader; /* the reader reads rank 0 */
         assert_int_equal(pthread_create(&tid[i], NULL, rank_main, &r[i]), 0);
     }
     if (reader)
@@ -187,6 +192,7 @@ static void *reader(void *p)
         a->reads++;
         sched_yield(); /* a monitor, not a spinner: let the stages run */
     }
+    __atomic_store_n(&r->unwatched, 1, __ATOMIC_RELEASE);
     return NULL;
 }
 
