@@ -1,5 +1,6 @@
 """Codec, Comm and Stage: thin wrappers over the opaque libepipe handles."""
 import ctypes
+import operator
 import threading
 import weakref
 from collections import namedtuple
@@ -60,6 +61,19 @@ def _enc(s):
     if "\0" in s:
         raise ValueError(f"{s!r} holds a NUL character, where a C string would end")
     return s.encode("utf-8")
+
+
+def _uint(v, what, hi=0xFFFFFFFF):
+    """v for a C unsigned argument: an integer in 0..hi, else an error naming
+    it. ctypes would turn -1 into 4294967295 and 2**40 into 0 without a
+    word, and the library would then name a value the caller never gave."""
+    try:
+        v = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, not {type(v).__name__}") from None
+    if not 0 <= v <= hi:
+        raise ValueError(f"{what} must be in 0..{hi}, not {v}")
+    return v
 
 
 def _s(b):
@@ -287,7 +301,11 @@ def _rendezvous(create, function):
     and leaves the group it may still make."""
     def run(box):
         h = ctypes.c_void_p()
-        rc = create(ctypes.byref(h))
+        try:
+            rc = create(ctypes.byref(h))
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            box["error"] = e
+            return
         msg = _s(lib.epipe_last_error()) if rc < 0 else ""  # thread-local: read here
         with box["lock"]:
             if box["abandoned"]:
@@ -296,7 +314,7 @@ def _rendezvous(create, function):
                 return
             box["result"] = (rc, msg, h.value)
 
-    box = {"lock": threading.Lock(), "abandoned": False, "result": None}
+    box = {"lock": threading.Lock(), "abandoned": False, "result": None, "error": None}
     if threading.current_thread() is not threading.main_thread():
         run(box)  # only the main thread takes KeyboardInterrupt
     else:
@@ -312,6 +330,8 @@ def _rendezvous(create, function):
             if done and done[0] >= 0 and done[2]:
                 lib.epipe_comm_destroy(done[2])
             raise
+    if box["error"] is not None:
+        raise box["error"]
     rc, msg, h = box["result"]
     if rc < 0:
         raise Error(rc, msg, function)
@@ -330,9 +350,10 @@ class Comm(_Handle):
 
     @classmethod
     def inproc(cls, size):
-        arr = (ctypes.c_void_p * int(size))()
-        check(lib.epipe_comm_create_inproc(arr, int(size)), "epipe_comm_create_inproc")
-        return [cls(arr[i]) for i in range(int(size))]
+        size = _uint(size, "size")
+        arr = (ctypes.c_void_p * size)()
+        check(lib.epipe_comm_create_inproc(arr, size), "epipe_comm_create_inproc")
+        return [cls(arr[i]) for i in range(size)]
 
     @classmethod
     def from_env(cls, options=None):
@@ -344,7 +365,8 @@ class Comm(_Handle):
 
     @classmethod
     def tcp(cls, rank, size, master_addr, master_port, options=None):
-        args = (int(rank), int(size), _enc(master_addr), int(master_port),
+        args = (_uint(rank, "rank"), _uint(size, "size"), _enc(master_addr),
+                _uint(master_port, "master_port", 65535),
                 _enc(options) if options else None)
         return cls(_rendezvous(lambda h: lib.epipe_comm_create_tcp(h, *args),
                                "epipe_comm_create_tcp"))
@@ -575,14 +597,14 @@ class Stage(_Handle):
 
     def recv_activation(self, microbatch, copy=False):
         p = ctypes.POINTER(_lib.DLTensor)()
-        self._check(lib.epipe_stage_recv_activation(self._handle(), int(microbatch),
+        self._check(lib.epipe_stage_recv_activation(self._handle(), _uint(microbatch, "microbatch"),
                                                     ctypes.byref(p)),
                     "epipe_stage_recv_activation")
         return wrap_lent(p, copy)
 
     def recv_gradient(self, microbatch, copy=False):
         p = ctypes.POINTER(_lib.DLTensor)()
-        self._check(lib.epipe_stage_recv_gradient(self._handle(), int(microbatch),
+        self._check(lib.epipe_stage_recv_gradient(self._handle(), _uint(microbatch, "microbatch"),
                                                   ctypes.byref(p)),
                     "epipe_stage_recv_gradient")
         return wrap_lent(p, copy)
@@ -591,7 +613,8 @@ class Stage(_Handle):
         """Encodes and sends; the tensor may be reused as soon as this returns."""
         self._follow_stream(tensor)
         v = DLView(tensor)
-        self._check(lib.epipe_stage_send_activation(self._handle(), int(microbatch), v.ptr),
+        mb = _uint(microbatch, "microbatch")
+        self._check(lib.epipe_stage_send_activation(self._handle(), mb, v.ptr),
                     "epipe_stage_send_activation")
 
     def set_samples(self, microbatch, ids, rows=None):
@@ -607,13 +630,15 @@ class Stage(_Handle):
         codec, kept by neither side. Later stages need nothing: the ids
         travel with the activations."""
         arr, count = _sample_ids(ids, rows)
-        self._check(lib.epipe_stage_set_samples(self._handle(), int(microbatch), arr, count),
+        mb = _uint(microbatch, "microbatch")
+        self._check(lib.epipe_stage_set_samples(self._handle(), mb, arr, count),
                     "epipe_stage_set_samples")
 
     def send_gradient(self, microbatch, tensor):
         self._follow_stream(tensor)
         v = DLView(tensor)
-        self._check(lib.epipe_stage_send_gradient(self._handle(), int(microbatch), v.ptr),
+        mb = _uint(microbatch, "microbatch")
+        self._check(lib.epipe_stage_send_gradient(self._handle(), mb, v.ptr),
                     "epipe_stage_send_gradient")
 
     # -- statistics

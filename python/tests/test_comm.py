@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 import epipe
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,6 +70,34 @@ def test_a_forked_child_cannot_use_the_parents_comm():
     finally:
         c1.close()
         c0.close()
+
+
+@pytest.mark.parametrize("args, what", [
+    ((-1, 2, "127.0.0.1", 29500), "rank must be in 0..4294967295, not -1"),
+    ((0, 2**32, "127.0.0.1", 29500), "size must be in 0..4294967295, not 4294967296"),
+    ((0, 2, "127.0.0.1", 2**40), "master_port must be in 0..65535, not 1099511627776"),
+    ((0, 2, "127.0.0.1", -5), "master_port must be in 0..65535, not -5"),
+])
+def test_numbers_ctypes_would_wrap_are_refused(args, what):
+    # ctypes passes -1 as 4294967295 (EPIPE_COMM_FROM_ENV, for a rank!) and
+    # 2**40 as 0, and the library would name numbers nobody gave
+    with pytest.raises(ValueError, match=what.replace("..", r"\.\.")):
+        epipe.Comm.tcp(*args)
+
+
+def test_a_microbatch_must_be_a_non_negative_int():
+    comms = epipe.Comm.inproc(2)
+    try:
+        st = epipe.Stage(comms[0], "gpipe", 2)
+        with pytest.raises(ValueError, match="microbatch must be in"):
+            st.recv_gradient(-1)
+        with pytest.raises(TypeError, match="microbatch must be an int, not float"):
+            st.recv_gradient(1.5)
+        with pytest.raises(TypeError, match="size must be an int"):
+            epipe.Comm.inproc("3")
+    finally:
+        for c in comms:
+            c.close()
 
 
 def test_rendezvous_errors_keep_their_message():
