@@ -35,10 +35,10 @@ def _sample_ids(ids, rows=None):
     if ids is None:
         if rows is None:
             raise TypeError("set_samples: ids None (untracked rows) needs rows=, the row count")
-        return None, int(rows)
+        return None, _uint(rows, "set_samples: rows", 2**64 - 1)
     ids = [int(i) for i in ids]
-    if any(i < 0 for i in ids):
-        raise ValueError("set_samples: sample ids must be non-negative integers")
+    if any(not 0 <= i < 2**64 for i in ids):
+        raise ValueError("set_samples: sample ids must be integers in 0..2**64-1")
     return (ctypes.c_uint64 * max(1, len(ids)))(*ids), len(ids)
 
 
@@ -462,21 +462,24 @@ class Stage(_Handle):
         h = ctypes.c_void_p()
         if chunks is None and placement is None:
             check(lib.epipe_stage_create(ctypes.byref(h), comm._handle(), _enc(schedule),
-                                         int(microbatches)), "epipe_stage_create")
+                                         _uint(microbatches, "microbatches")),
+                  "epipe_stage_create")
         else:
             # chunks per rank (None/0: the schedule's default) and placement
             # (the rank of each pipeline stage; None: the schedule's default)
             lay = _lib.ScheduleLayout()
             lay.struct_size = ctypes.sizeof(lay)
-            lay.chunks = int(chunks or 0)
+            lay.chunks = _uint(chunks or 0, "chunks")
             if placement is not None:
                 if isinstance(placement, str):
                     placement = [int(x) for x in placement.split(",")]
-                arr = (ctypes.c_uint * len(placement))(*[int(x) for x in placement])
+                arr = (ctypes.c_uint * len(placement))(
+                    *[_uint(x, "placement entry") for x in placement])
                 lay.placement = ctypes.cast(arr, ctypes.POINTER(ctypes.c_uint))
                 lay.placement_len = len(placement)
             check(lib.epipe_stage_create_layout(ctypes.byref(h), comm._handle(),
-                                                _enc(schedule), int(microbatches),
+                                                _enc(schedule),
+                                                _uint(microbatches, "microbatches"),
                                                 ctypes.byref(lay)),
                   "epipe_stage_create_layout")
         self._h = h.value
@@ -523,7 +526,7 @@ class Stage(_Handle):
         """The pipeline stage that chunk `chunk` of this rank is, and the
         pipeline's stage count, as (stage, stages)."""
         st, n = ctypes.c_uint(), ctypes.c_uint()
-        check(lib.epipe_stage_chunk_stage(self._handle(), int(chunk), ctypes.byref(st),
+        check(lib.epipe_stage_chunk_stage(self._handle(), _uint(chunk, "chunk"), ctypes.byref(st),
                                           ctypes.byref(n)), "epipe_stage_chunk_stage")
         return int(st.value), int(n.value)
 
@@ -539,8 +542,9 @@ class Stage(_Handle):
         """direction: ACTIVATION or GRADIENT (or "activation"/"gradient")."""
         if isinstance(direction, str):
             direction = {"activation": ACTIVATION, "gradient": GRADIENT}[direction]
-        self._check(lib.epipe_stage_set_codec(self._handle(), int(direction), int(boundary),
-                                              _enc(spec)), "epipe_stage_set_codec")
+        self._check(lib.epipe_stage_set_codec(self._handle(), int(direction),
+                                              _uint(boundary, "boundary"), _enc(spec)),
+                    "epipe_stage_set_codec")
 
     def set_param(self, param, value):
         self._check(lib.epipe_stage_set_param(self._handle(), int(param), int(value)),

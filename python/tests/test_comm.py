@@ -85,7 +85,7 @@ def test_numbers_ctypes_would_wrap_are_refused(args, what):
         epipe.Comm.tcp(*args)
 
 
-def test_a_microbatch_must_be_a_non_negative_int():
+def test_indices_and_counts_must_be_non_negative_ints():
     comms = epipe.Comm.inproc(2)
     try:
         st = epipe.Stage(comms[0], "gpipe", 2)
@@ -95,6 +95,14 @@ def test_a_microbatch_must_be_a_non_negative_int():
             st.recv_gradient(1.5)
         with pytest.raises(TypeError, match="size must be an int"):
             epipe.Comm.inproc("3")
+        with pytest.raises(ValueError, match="microbatches must be in"):
+            epipe.Stage(comms[0], "gpipe", -4)
+        with pytest.raises(ValueError, match="boundary must be in"):
+            st.set_codec("activation", "none", boundary=-2)
+        with pytest.raises(ValueError, match="placement entry must be in"):
+            epipe.Stage(comms[0], "1f1b", 2, placement=[0, -1])
+        with pytest.raises(ValueError, match="sample ids must be integers in"):
+            st.set_samples(0, [2**64])
     finally:
         for c in comms:
             c.close()
