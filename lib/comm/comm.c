@@ -348,13 +348,21 @@ static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static epipe_comm *live;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
+/* The list, and each handle's buffer cache, are whole and unlocked in the
+ * child: a child that destroys a stage it inherited hands its buffers back
+ * through the cache. (Order: live_lock, then a cache's lock, as nowhere
+ * else are both taken.) */
 static void fork_prepare(void)
 {
-    pthread_mutex_lock(&live_lock); /* the list is whole in the child */
+    pthread_mutex_lock(&live_lock);
+    for (epipe_comm *c = live; c; c = c->live_next)
+        pthread_mutex_lock(&c->pool->lock);
 }
 
 static void fork_parent(void)
 {
+    for (epipe_comm *c = live; c; c = c->live_next)
+        pthread_mutex_unlock(&c->pool->lock);
     pthread_mutex_unlock(&live_lock);
 }
 
@@ -364,8 +372,12 @@ static void fork_child(void)
         c->orphaned = 1;
         if (c->ops->forked)
             c->ops->forked(c);
+        pthread_mutex_unlock(&c->pool->lock);
     }
     live = NULL; /* this process owns none of them */
+    /* rdma's hook looks freed buffers up in registration caches that are
+     * the parent's; a new rdma communicator in the child sets it again */
+    __atomic_store_n(&free_hook, NULL, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&live_lock);
 }
 

@@ -62,6 +62,24 @@ struct epipe_trace {
 };
 
 static pthread_mutex_t files_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t files_atfork_once = PTHREAD_ONCE_INIT;
+
+/* Held across fork(), so that a child that destroys a stage it inherited
+ * finds the list whole and unlocked. */
+static void files_lock_take(void)
+{
+    pthread_mutex_lock(&files_lock);
+}
+
+static void files_lock_give(void)
+{
+    pthread_mutex_unlock(&files_lock);
+}
+
+static void files_atfork(void)
+{
+    pthread_atfork(files_lock_take, files_lock_give, files_lock_give);
+}
 static struct trace_file *files;
 
 /* The file this process writes: the path as given when every rank is in
@@ -108,6 +126,7 @@ epipe_trace *epipe_trace_open(const char *path, unsigned rank, int one_process_p
     epipe_trace *t = calloc(1, sizeof *t);
     struct trace_file *f = NULL;
     if (full && t) {
+        pthread_once(&files_atfork_once, files_atfork);
         pthread_mutex_lock(&files_lock);
         f = files;
         while (f && strcmp(f->path, full))

@@ -55,6 +55,7 @@ def test_a_forked_child_cannot_use_the_parents_comm():
     t.join()
     c1 = got[1]
     try:
+        st = epipe.Stage(c0, "gpipe", 2)
         pid = os.fork()
         if pid == 0:  # the child: no pytest here, only an exit status
             status = 1
@@ -62,6 +63,7 @@ def test_a_forked_child_cannot_use_the_parents_comm():
                 c0.set_param(epipe.COMM_TIMEOUT_MS, 1000)
             except epipe.Error as e:
                 status = 0 if e.name == "EPIPE_ESTATE" and "forked" in e.message else 2
+            st.close()
             c0.close()  # returns at once, releasing nothing
             os._exit(status)
         _, st = os.waitpid(pid, 0)
