@@ -107,9 +107,8 @@ void epipe_q_decode_ref(const epipe_qtab *t, const uint8_t *codes, size_t n, flo
 /* ---- helpers for the vector kernels (quantize_common.c, select.c) ------ */
 
 /* Hot kernels are built twice, for AVX2 and for the baseline, and picked
- * at load time (lib/clones.h); both round exactly like the scalar
- * references. */
-#define Q_CLONES EPIPE_CLONES
+ * at load time (EPIPE_CLONES, lib/clones.h); both round exactly like the
+ * scalar references. */
 #define Q_INLINE static inline __attribute__((always_inline))
 
 /* GCC vector extensions: 8 lanes, two SSE registers on the baseline.

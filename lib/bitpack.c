@@ -13,9 +13,8 @@
 #define BP_LE 0
 #endif
 
-/* Built for AVX2 and for the baseline and picked at load time (as the
- * quantizer kernels are, codecs/quantize_common.h); both give the same bits. */
-#define BP_CLONES EPIPE_CLONES
+/* The two entry points are built for AVX2 and for the baseline and picked
+ * at load time (EPIPE_CLONES, lib/clones.h); both give the same bits. */
 #define BP_INLINE static inline __attribute__((always_inline))
 
 #if defined(__x86_64__) && defined(__GNUC__) && BP_LE
@@ -207,7 +206,7 @@ static __attribute__((target("avx2"))) size_t pack_avx2(const uint16_t *c, size_
 }
 #endif
 
-BP_CLONES void epipe_bitpack(const uint16_t *codes, size_t n, unsigned w, uint8_t *out)
+EPIPE_CLONES void epipe_bitpack(const uint16_t *codes, size_t n, unsigned w, uint8_t *out)
 {
     if (w == 8) {
         for (size_t i = 0; i < n; i++)
@@ -243,7 +242,7 @@ BP_CLONES void epipe_bitpack(const uint16_t *codes, size_t n, unsigned w, uint8_
     pack_acc(codes + 8 * g, n - 8 * g, w, out + g * w);
 }
 
-BP_CLONES void epipe_bitunpack(const uint8_t *in, size_t n, unsigned w, uint16_t *codes)
+EPIPE_CLONES void epipe_bitunpack(const uint8_t *in, size_t n, unsigned w, uint16_t *codes)
 {
     if (w == 8) {
         for (size_t i = 0; i < n; i++)

@@ -65,7 +65,7 @@ static void select_small(const float *x, size_t n, const uint64_t *rank, size_t 
 /* Order keys of x[0..n) into keys[] (n <= KB); *bad becomes NaN if some x
  * is NaN or infinite. */
 #define KB 1024
-Q_CLONES static void keys_block(const float *x, size_t n, uint32_t *keys, float *bad)
+EPIPE_CLONES static void keys_block(const float *x, size_t n, uint32_t *keys, float *bad)
 {
     const vf zero = vsplat(0.0f);
     vf acc = zero;
@@ -143,8 +143,8 @@ static inline void gather_one(const struct sel_ctx *c, uint32_t k, uint64_t *off
 
 /* Appends the low key halves of x[0..n) that fall in wanted buckets: a
  * vector range test first, the bucket table only for hits. */
-Q_CLONES static void gather_block(const float *x, size_t n, const struct sel_ctx *c, uint64_t *off,
-                                  uint64_t *heq)
+EPIPE_CLONES static void gather_block(const float *x, size_t n, const struct sel_ctx *c,
+                                      uint64_t *off, uint64_t *heq)
 {
     vi lo[MAX_RANGES], hi[MAX_RANGES], hv[MAX_HEAVY], eq[MAX_HEAVY];
     for (unsigned r = 0; r < c->nranges; r++) {

@@ -195,7 +195,7 @@ static void tie_count_task(void *p, unsigned task, unsigned ntasks)
     }
 }
 
-Q_CLONES static size_t count_equal(const float *x, size_t n, float v)
+EPIPE_CLONES static size_t count_equal(const float *x, size_t n, float v)
 {
     size_t m = 0;
     for (size_t i = 0; i < n; i++)
@@ -203,8 +203,8 @@ Q_CLONES static size_t count_equal(const float *x, size_t n, float v)
     return m;
 }
 
-Q_CLONES static void replace_equal(const float *x, size_t n, float v, uint16_t *codes,
-                                   uint16_t code)
+EPIPE_CLONES static void replace_equal(const float *x, size_t n, float v, uint16_t *codes,
+                                       uint16_t code)
 {
     for (size_t i = 0; i < n; i++)
         codes[i] = x[i] == v ? code : codes[i];
