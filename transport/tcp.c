@@ -419,7 +419,7 @@ int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const e
                    "rank %u of %u connected: %u connection(s), topology %s, "
                    "%u stream(s) per neighbour, timeout %lld ms%s%s%s",
                    rank, size, nlinks, o->mesh ? "mesh" : "pipeline", o->streams,
-                   (long long)o->timeout_ms, o->key_file[0] ? ", authenticated" : "",
+                   (long long)c->timeout_ms, o->key_file[0] ? ", authenticated" : "",
                    o->encrypt ? ", encrypted: " : "",
                    !o->encrypt                ? ""
                    : aes_links == (int)nlinks ? "AES-256-GCM"

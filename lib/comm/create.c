@@ -193,36 +193,32 @@ EPIPE_API int epipe_comm_create(epipe_comm **out, const char *transport, unsigne
                               "buffer_cache, trace)",
                               rest);
         rc = epipe_inproc_join(out, rank, size, &s);
-    } else if (!strcmp(name, "tcp") && strcmp(why, "auto")) {
-        if (s.group[0])
-            return epipe_fail(EPIPE_EINVAL, "tcp: option group is for inproc only");
-        /* tcp needs the resolved values while it is being created: the
-         * rendezvous its init timeout, the progress thread (started before
-         * it returns) the liveness timeout its heartbeats are paced by. */
-        size_t n = strlen(rest);
-        snprintf(rest + n, sizeof rest - n, "%stimeout_ms=%lld,spin_us=%lld,init_timeout_ms=%lld",
-                 n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
-                 (long long)s.init_timeout_ms);
-        rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest, &s);
-    } else if (!strcmp(name, "rdma") || !strcmp(name, "tcp")) { /* rdma, or auto's tcp */
-        int is_auto = !strcmp(name, "tcp");
+    } else if (!strcmp(name, "tcp") || !strcmp(name, "rdma")) {
+        int is_auto = !strcmp(name, "tcp") && !strcmp(why, "auto"); /* tcp, rdma where both can */
         if (s.group[0])
             return epipe_fail(EPIPE_EINVAL, "%s: option group is for inproc only", name);
-        size_t n = strlen(rest); /* as for tcp, above */
-        snprintf(rest + n, sizeof rest - n, "%stimeout_ms=%lld,spin_us=%lld,init_timeout_ms=%lld",
-                 n ? "," : "", (long long)s.timeout_ms, (long long)s.spin_us,
+        /* The handle gets s (epipe_comm_alloc); the rendezvous, which runs
+         * before there is one, reads its init timeout from the options. */
+        size_t n = strlen(rest);
+        snprintf(rest + n, sizeof rest - n, "%sinit_timeout_ms=%lld", n ? "," : "",
                  (long long)s.init_timeout_ms);
+        if (!strcmp(name, "tcp") && !is_auto) {
+            rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest, &s);
+        } else {
 #ifdef EPIPE_HAVE_RDMA
-        rc = epipe_rdma_comm_create(out, rank, size, master_addr, master_port, rest, is_auto, &s);
+            rc = epipe_rdma_comm_create(out, rank, size, master_addr, master_port, rest, is_auto,
+                                        &s);
 #else
-        if (!is_auto)
-            return epipe_fail(EPIPE_ENOTSUP,
-                              "comm: the rdma transport is not built into this "
-                              "libepipe (transport '%s' from %s)",
-                              name, why);
-        epipe_log_debug(-1, "comm", "auto: transport tcp (rdma is not built into this libepipe)");
-        rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest, &s);
+            if (!is_auto)
+                return epipe_fail(EPIPE_ENOTSUP,
+                                  "comm: the rdma transport is not built into this "
+                                  "libepipe (transport '%s' from %s)",
+                                  name, why);
+            epipe_log_debug(-1, "comm",
+                            "auto: transport tcp (rdma is not built into this libepipe)");
+            rc = epipe_tcp_comm_create(out, rank, size, master_addr, master_port, rest, &s);
 #endif
+        }
     } else {
         return epipe_fail(EPIPE_EINVAL,
                           "comm: unknown transport '%s' (from %s; known: tcp, "
