@@ -33,14 +33,8 @@
 
 #include <epipe/epipe.h>
 
+#include "clock.h"
 #include "testutil.h"
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
@@ -302,7 +296,7 @@ static void log_callback_replaced_while_logging(void **state)
     }
     /* SINKS swaps, or as many as 2 s allow (under valgrind, say). */
     unsigned busy_at_swap = 0, used = SINKS;
-    int64_t start = now_ms();
+    int64_t start = epipe_now_ms();
     for (unsigned i = 0; i < SINKS; i++) {
         if (i > 0) { /* once replaced, the previous sink is not running: retired */
             epipe_set_log_callback(sink_fn, &sinks[i]);
@@ -310,9 +304,9 @@ static void log_callback_replaced_while_logging(void **state)
             STORE(&sinks[i - 1].retired, 1);
         }
         /* Until a logger has called the current sink (a second at most). */
-        for (int64_t t0 = now_ms(); !LOAD(&sinks[i].calls) && now_ms() - t0 < 1000;)
+        for (int64_t t0 = epipe_now_ms(); !LOAD(&sinks[i].calls) && epipe_now_ms() - t0 < 1000;)
             nanosleep(&(struct timespec){.tv_nsec = 20000}, NULL);
-        if (now_ms() - start > 2000) {
+        if (epipe_now_ms() - start > 2000) {
             used = i + 1;
             break;
         }
