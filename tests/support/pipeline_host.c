@@ -77,6 +77,11 @@ struct host {
     int weights;
     uint64_t version;
     struct stash stash[HOST_STASH];
+    /* host_config.before_call */
+    const struct host_config *cfg;
+    int in_step, started, hook_failed;
+    uint64_t hook_serial;
+    char hook_error[512];
 };
 
 static DLTensor view2d(float *data, int64_t *shape, int rows, int cols)
@@ -307,40 +312,68 @@ static int backward_weight(void *user, unsigned mb)
     return 0;
 }
 
+/* Runs host_config.before_call, if any, before a call on the stage. */
+static int hook(struct host *h, enum host_call_kind kind, unsigned mb, const DLTensor *t)
+{
+    if (!h->cfg->before_call)
+        return 0;
+    struct host_call call = {.stage = h->stage,
+                             .kind = kind,
+                             .microbatch = mb,
+                             .tensor = t,
+                             .microbatches = h->m,
+                             .rank = h->s,
+                             .in_step = h->in_step,
+                             .started = h->started,
+                             .serial = h->hook_serial++,
+                             .arg = h->cfg->hook_arg};
+    if (!h->cfg->before_call(&call))
+        return 0;
+    h->hook_failed = 1;
+    snprintf(h->hook_error, sizeof h->hook_error, "%s", call.error);
+    return EPIPE_EINTERNAL;
+}
+
 /* The op stream, driven the way a host with its own control flow would. */
 static int step_op_stream(struct host *h, int split)
 {
     epipe_op op;
     int rc;
     for (;;) {
-        if ((rc = epipe_stage_next_op(h->stage, &op)))
+        if ((rc = hook(h, HOST_NEXT_OP, 0, NULL)) || (rc = epipe_stage_next_op(h->stage, &op)))
             return rc;
+        h->started = 1;
+        h->in_step = op.kind != EPIPE_OP_NONE;
         if (op.kind == EPIPE_OP_NONE)
             return EPIPE_OK;
         unsigned mb = op.microbatch;
         const struct hchunk *c = &h->ch[op.chunk];
         const DLTensor *in = NULL, *out = NULL;
         if (op.kind == EPIPE_OP_FORWARD) {
-            if (!c->first && (rc = epipe_stage_recv_activation(h->stage, mb, &in)))
+            if (!c->first && ((rc = hook(h, HOST_RECV_ACTIVATION, mb, NULL)) ||
+                              (rc = epipe_stage_recv_activation(h->stage, mb, &in))))
                 return rc;
             if (forward(h, mb, in, &out))
                 return EPIPE_ECALLBACK;
             if (c->last) {
                 double v;
                 loss(h, mb, &v);
-            } else if ((rc = epipe_stage_send_activation(h->stage, mb, out))) {
+            } else if ((rc = hook(h, HOST_SEND_ACTIVATION, mb, out)) ||
+                       (rc = epipe_stage_send_activation(h->stage, mb, out))) {
                 return rc;
             }
         } else if (op.kind == EPIPE_OP_BACKWARD_WEIGHT) {
             if (split && backward_weight(h, mb))
                 return EPIPE_ECALLBACK;
         } else {
-            if (!c->last && (rc = epipe_stage_recv_gradient(h->stage, mb, &in)))
+            if (!c->last && ((rc = hook(h, HOST_RECV_GRADIENT, mb, NULL)) ||
+                             (rc = epipe_stage_recv_gradient(h->stage, mb, &in))))
                 return rc;
             int input_only = split && op.kind == EPIPE_OP_BACKWARD_INPUT;
             if (input_only ? backward_common(h, mb, in, &out, 1) : backward(h, mb, in, &out))
                 return EPIPE_ECALLBACK;
-            if (!c->first && (rc = epipe_stage_send_gradient(h->stage, mb, out)))
+            if (!c->first && ((rc = hook(h, HOST_SEND_GRADIENT, mb, out)) ||
+                              (rc = epipe_stage_send_gradient(h->stage, mb, out))))
                 return rc;
         }
     }
@@ -403,6 +436,7 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
     h.nsteps = cfg->steps;
     h.rows = HOST_BATCH / (int)h.m;
     h.layers = res->layers;
+    h.cfg = cfg;
     h.gbuf[0] = calloc((size_t)(h.rows * 16), sizeof(float));
     h.gbuf[1] = calloc((size_t)(h.rows * 16), sizeof(float));
 
@@ -459,7 +493,9 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
     res->rc = rc;
     if (rc) {
         snprintf(res->error, sizeof res->error, "%s",
-                 h.stage ? epipe_stage_last_error(h.stage) : epipe_last_error());
+                 h.hook_failed ? h.hook_error
+                 : h.stage     ? epipe_stage_last_error(h.stage)
+                               : epipe_last_error());
         epipe_comm_abort(comm);
     }
     res->stats.struct_size = sizeof res->stats;

@@ -16,6 +16,8 @@ extern const int host_nlayers;
 #define HOST_BATCH 16
 #define HOST_LR 0.1f
 
+struct host_call;
+
 struct host_config {
     const char *schedule;
     unsigned microbatches;
@@ -38,11 +40,39 @@ struct host_config {
      * run raw op lists); arg is theirs. */
     int (*create)(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg);
     const void *create_arg;
+    /* Op stream only: called before each call the host makes on the
+     * stage, to make calls of its own first (tests of misuse). Nonzero
+     * stops the host: res->rc is then EPIPE_EINTERNAL and res->error the
+     * hook's call->error. */
+    int (*before_call)(struct host_call *call);
+    void *hook_arg;
+};
+
+/* What the op-stream host is about to do, for host_config.before_call. */
+enum host_call_kind {
+    HOST_NEXT_OP,
+    HOST_RECV_ACTIVATION,
+    HOST_SEND_ACTIVATION,
+    HOST_RECV_GRADIENT,
+    HOST_SEND_GRADIENT
+};
+struct host_call {
+    epipe_stage *stage;
+    enum host_call_kind kind;
+    unsigned microbatch;    /* the op's; for HOST_NEXT_OP, unset */
+    const DLTensor *tensor; /* what a send will send */
+    unsigned microbatches;
+    unsigned rank;
+    int in_step;     /* next_op has given an op of this step, not yet NONE */
+    int started;     /* next_op has been called on this stage */
+    uint64_t serial; /* the hook's calls on this rank so far */
+    void *arg;       /* host_config.hook_arg */
+    char error[512];
 };
 
 struct host_result {
     int rc; /* first error status, or EPIPE_OK */
-    char error[256];
+    char error[512];
     double first_loss, last_loss; /* last stage: mean loss of the first and last step */
     epipe_stage_stats stats;
     /* The activations of the boundary below this stage as sent (index 0:

@@ -1,0 +1,401 @@
+/* A refused call changes nothing. Every rank of a pipeline driven by the op
+ * stream makes, before each of its calls on the stage, one to three calls
+ * that the header says must be refused (out of order, for another
+ * micro-batch, a bad tensor, a NULL, a knob that only changes between
+ * steps), chosen at random. Each must fail with the status and a message
+ * that names the mistake, leave the op in progress as it was, and the
+ * training must end bit for bit where the same run without them ends:
+ * error-feedback residuals, codec state and the schedule's position
+ * included. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "pipeline_host.h"
+
+#define MAX_P 4
+#define STEPS 3
+
+struct misuse_run {
+    uint64_t seed;
+    /* per rank, written by that rank's thread only */
+    unsigned made[MAX_P], kinds_seen[MAX_P][32];
+};
+
+static uint64_t mix(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* Big enough for any tensor below, so that a check the library forgot
+ * shows as a wrong status, not as a read past the end. */
+static float scratch[1 << 14];
+
+/* A tensor like `like` (or a plausible activation when NULL), which the
+ * caller then spoils. */
+static DLTensor tensor_like(const DLTensor *like, int64_t *shape, unsigned m)
+{
+    DLTensor t = {.data = scratch, .device = {kDLCPU, 0}, .ndim = 2, .dtype = {kDLFloat, 32, 1}};
+    shape[0] = HOST_BATCH / m, shape[1] = 12;
+    if (like) {
+        t.ndim = like->ndim;
+        t.dtype = like->dtype;
+        memcpy(shape, like->shape, sizeof(int64_t) * (size_t)like->ndim);
+    }
+    t.shape = shape;
+    return t;
+}
+
+static const char *call_name(enum host_call_kind k)
+{
+    static const char *const names[] = {"next_op", "recv_activation", "send_activation",
+                                        "recv_gradient", "send_gradient"};
+    return names[k];
+}
+
+/* A micro-batch other than the op's: another index, or one out of range. */
+static unsigned other_mb(const struct host_call *c, uint64_t r)
+{
+    if (r % 4 == 0 || c->microbatches == 1)
+        return (r >> 8) % 2 ? c->microbatches : 0xffffffffu;
+    unsigned k = 1 + (unsigned)((r >> 8) % (c->microbatches - 1));
+    return (c->microbatch + k) % c->microbatches;
+}
+
+enum misuse {
+    M_RECV_ACT,
+    M_RECV_GRAD,
+    M_SEND_ACT,
+    M_SEND_GRAD,
+    M_NEXT_OP,
+    M_NEXT_OP_NULL,
+    M_RECV_NULL,
+    M_STEP,
+    M_DRAIN,
+    M_SGD,
+    M_TRAINING,
+    M_CUDA_DEVICE,
+    M_SET_CODEC,
+    M_BAD_TENSOR,
+    M_COUNT
+};
+
+/* One refused call fit for the moment c describes; 0 with *rc and *want
+ * set, or -1 when this misuse does not fit here (then nothing was called). */
+static int misuse(struct host_call *c, enum misuse which, uint64_t r, int *rc, int *want,
+                  const char **needle, char *what, size_t cap)
+{
+    epipe_stage *st = c->stage;
+    enum host_call_kind k = c->kind;
+    int64_t shape[20];
+    DLTensor t = tensor_like(c->tensor, shape, c->microbatches);
+    const DLTensor *got;
+    epipe_op op;
+    unsigned mb = (unsigned)(r >> 16) % c->microbatches;
+    *want = EPIPE_ESTATE;
+    *needle = NULL;
+    switch (which) {
+    case M_RECV_ACT:
+    case M_RECV_GRAD: {
+        int act = which == M_RECV_ACT;
+        /* the same micro-batch is the call about to be made */
+        if (k == (act ? HOST_RECV_ACTIVATION : HOST_RECV_GRADIENT))
+            mb = other_mb(c, r);
+        snprintf(what, cap, "recv_%s(%u)", act ? "activation" : "gradient", mb);
+        *rc = act ? epipe_stage_recv_activation(st, mb, &got)
+                  : epipe_stage_recv_gradient(st, mb, &got);
+        return 0;
+    }
+    case M_SEND_ACT:
+    case M_SEND_GRAD: {
+        int act = which == M_SEND_ACT;
+        /* sending before receiving is allowed; sending what is about to be
+         * sent is the call itself */
+        if (k == (act ? HOST_RECV_ACTIVATION : HOST_RECV_GRADIENT) ||
+            k == (act ? HOST_SEND_ACTIVATION : HOST_SEND_GRADIENT))
+            mb = other_mb(c, r);
+        snprintf(what, cap, "send_%s(%u)", act ? "activation" : "gradient", mb);
+        *rc = act ? epipe_stage_send_activation(st, mb, &t) : epipe_stage_send_gradient(st, mb, &t);
+        return 0;
+    }
+    case M_NEXT_OP:
+        if (k == HOST_NEXT_OP)
+            return -1;
+        snprintf(what, cap, "next_op");
+        *needle = k == HOST_RECV_ACTIVATION || k == HOST_RECV_GRADIENT ? "without receiving"
+                                                                       : "without sending";
+        *rc = epipe_stage_next_op(st, &op);
+        return 0;
+    case M_NEXT_OP_NULL:
+        snprintf(what, cap, "next_op(NULL)");
+        *want = EPIPE_EINVAL, *needle = "NULL";
+        *rc = epipe_stage_next_op(st, NULL);
+        return 0;
+    case M_RECV_NULL:
+        snprintf(what, cap, "recv_%s(%u, NULL)", r & 1 ? "activation" : "gradient", mb);
+        *want = EPIPE_EINVAL, *needle = "NULL";
+        *rc = r & 1 ? epipe_stage_recv_activation(st, mb, NULL)
+                    : epipe_stage_recv_gradient(st, mb, NULL);
+        return 0;
+    case M_STEP:
+        snprintf(what, cap, "epipe_stage_step");
+        *needle = "callbacks";
+        *rc = epipe_stage_step(st);
+        return 0;
+    case M_DRAIN:
+        if (!c->in_step)
+            return -1; /* between steps it is allowed */
+        snprintf(what, cap, "epipe_stage_drain");
+        *needle = "middle of a step";
+        *rc = epipe_stage_drain(st);
+        return 0;
+    case M_SGD:
+        if (!c->in_step)
+            return -1;
+        snprintf(what, cap, "epipe_stage_codec_sgd_step");
+        *needle = "between steps";
+        *rc = epipe_stage_codec_sgd_step(st, 0.01, 0);
+        return 0;
+    case M_TRAINING:
+    case M_CUDA_DEVICE:
+        if (!c->in_step)
+            return -1;
+        snprintf(what, cap, "set_param(%s)",
+                 which == M_TRAINING ? "EPIPE_STAGE_TRAINING" : "EPIPE_STAGE_CUDA_DEVICE");
+        *needle = "between steps";
+        *rc = epipe_stage_set_param(st, which == M_TRAINING ? EPIPE_STAGE_TRAINING
+                                                            : EPIPE_STAGE_CUDA_DEVICE,
+                                    which == M_TRAINING ? 1 : -1);
+        return 0;
+    case M_SET_CODEC:
+        if (!c->started)
+            return -1;
+        snprintf(what, cap, "set_codec");
+        *needle = "before the first step";
+        *rc = epipe_stage_set_codec(st, r & 1 ? EPIPE_DIR_ACTIVATION : EPIPE_DIR_GRADIENT,
+                                    EPIPE_ALL_BOUNDARIES, "quant:bits=8");
+        return 0;
+    case M_BAD_TENSOR: {
+        int act = k == HOST_SEND_ACTIVATION;
+        if (!act && k != HOST_SEND_GRADIENT)
+            return -1;
+        mb = c->microbatch;
+        *want = EPIPE_EINVAL;
+        const DLTensor *arg = &t;
+        switch ((r >> 24) % (act ? 10 : 12)) {
+        case 0:
+            arg = NULL, *needle = "NULL";
+            snprintf(what, cap, "a NULL tensor");
+            break;
+        case 1:
+            t.dtype.code = kDLInt, *needle = "dtype int32";
+            snprintf(what, cap, "an int32 tensor");
+            break;
+        case 2:
+            t.dtype.bits = 64, *needle = "dtype fp64";
+            snprintf(what, cap, "a float64 tensor");
+            break;
+        case 3:
+            t.dtype.lanes = 2, *needle = "lanes";
+            snprintf(what, cap, "a tensor of 2 lanes");
+            break;
+        case 4:
+            shape[0]++, *needle = act ? "rows" : "shape";
+            snprintf(what, cap, "a tensor with one row too many");
+            break;
+        case 5:
+            t.ndim = 0;
+            snprintf(what, cap, "a tensor of no dimension");
+            break;
+        case 6:
+            shape[t.ndim - 1] = -3;
+            snprintf(what, cap, "a tensor with a dimension of -3");
+            break;
+        case 7:
+            t.ndim = 17;
+            for (int d = 2; d < 17; d++)
+                shape[d] = 1;
+            snprintf(what, cap, "a tensor of 17 dimensions");
+            break;
+        case 8:
+            t.data = NULL, *needle = "NULL";
+            snprintf(what, cap, "a tensor with no data");
+            break;
+        case 9:
+            shape[t.ndim - 1] = INT64_MAX / 2;
+            *want = EPIPE_EOVERFLOW;
+            snprintf(what, cap, "a tensor of 2^62 columns");
+            break;
+        case 10: /* gradients only: unlike the activation received */
+            shape[t.ndim - 1]++, *needle = "shape";
+            snprintf(what, cap, "a gradient one column wider than its activation");
+            break;
+        default:
+            t.dtype.code = kDLBfloat, t.dtype.bits = 16, *needle = "dtype";
+            snprintf(what, cap, "a bf16 gradient of an fp32 activation");
+            break;
+        }
+        size_t n = strlen(what);
+        snprintf(what + n, cap - n, " to send_%s(%u)", act ? "activation" : "gradient", mb);
+        *rc = act ? epipe_stage_send_activation(st, mb, arg)
+                  : epipe_stage_send_gradient(st, mb, arg);
+        return 0;
+    }
+    case M_COUNT:
+        break;
+    }
+    return -1;
+}
+
+static int same_op(const epipe_op *a, int rca, const epipe_op *b, int rcb)
+{
+    return rca == rcb && a->kind == b->kind && a->microbatch == b->microbatch &&
+           a->chunk == b->chunk && a->weight_version == b->weight_version;
+}
+
+/* host_config.before_call: one to three refused calls. */
+static int refuse_some(struct host_call *c)
+{
+    struct misuse_run *run = c->arg;
+    uint64_t r = mix(run->seed ^ ((uint64_t)c->rank << 40) ^ c->serial);
+    int count = 1 + (int)(r % 3);
+    for (int i = 0; i < count; i++) {
+        r = mix(r);
+        epipe_op before, after;
+        int rcb = epipe_stage_current_op(c->stage, &before);
+        int rc, want;
+        const char *needle;
+        char what[160];
+        enum misuse which = (enum misuse)((r >> 4) % M_COUNT);
+        if (misuse(c, which, r, &rc, &want, &needle, what, sizeof what))
+            continue;
+        run->made[c->rank]++;
+        run->kinds_seen[c->rank][which]++;
+        char msg[200];
+        snprintf(msg, sizeof msg, "%s", epipe_last_error());
+        int rca = epipe_stage_current_op(c->stage, &after);
+        if (rc != want || (needle && !strstr(msg, needle)) || !msg[0])
+            snprintf(c->error, sizeof c->error,
+                     "rank %u, before its %s: %s gave %s '%s'; wanted %s naming '%s'", c->rank,
+                     call_name(c->kind), what, epipe_status_name(rc), msg,
+                     epipe_status_name(want), needle ? needle : "");
+        else if (!same_op(&before, rcb, &after, rca))
+            snprintf(c->error, sizeof c->error,
+                     "rank %u, before its %s: the refused %s changed the op in progress", c->rank,
+                     call_name(c->kind), what);
+        else
+            continue;
+        return 1;
+    }
+    return 0;
+}
+
+static void run_ranks(unsigned p, const struct host_config *cfg, struct host_rank *a)
+{
+    assert_int_equal(host_run_threads(p, cfg, a), 0);
+    int failed = 0;
+    for (unsigned r = 0; r < p; r++)
+        if (a[r].res.rc) {
+            print_error("%s on %u ranks, rank %u: %s: %s\n", cfg->schedule, p, r,
+                        epipe_status_name(a[r].res.rc), a[r].res.error);
+            failed = 1;
+        }
+    if (failed)
+        fail();
+}
+
+/* Bit for bit: the refusals left no trace in the training. */
+static void assert_same_training(const struct host_rank *x, const struct host_rank *y, unsigned p,
+                                 const char *what)
+{
+    for (unsigned r = 0; r < p; r++) {
+        for (int l = 0; l < host_nlayers; l++) {
+            if (!x[r].res.owns[l])
+                continue;
+            const mlp_layer *u = &x[r].res.layers[l], *v = &y[r].res.layers[l];
+            if (memcmp(u->w, v->w, sizeof(float) * (size_t)(u->in * u->out)) ||
+                memcmp(u->b, v->b, sizeof(float) * (size_t)u->out))
+                fail_msg("%s: rank %u layer %d differs from the run without misuse", what, r, l);
+        }
+        if (x[r].res.last_loss != y[r].res.last_loss)
+            fail_msg("%s: rank %u's last loss %.17g, %.17g without misuse", what, r,
+                     x[r].res.last_loss, y[r].res.last_loss);
+        assert_true(x[r].res.stats.act_sent_wire == y[r].res.stats.act_sent_wire);
+        assert_true(x[r].res.stats.grad_sent_wire == y[r].res.stats.grad_sent_wire);
+    }
+}
+
+static void refused_calls_change_nothing(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *kind;
+        unsigned ranks, chunks, m;
+        int split;
+        const char *act, *grad;
+    } runs[] = {
+        {"gpipe", 2, 0, 4, 0, NULL, NULL},
+        {"1f1b", 3, 0, 4, 0, "quant:bits=8", "sortquant:bits=4,ef=1"},
+        {"1f1b", 4, 0, 8, 0, "sortquant:bits=6", "quant:bits=4,ef=1"},
+        {"interleaved", 2, 2, 4, 0, "cast:dtype=bf16", NULL},
+        {"zb-h1", 3, 0, 4, 1, NULL, "quant:bits=8,ef=1"},
+        {"1f1b-async", 3, 0, 4, 0, NULL, NULL},
+        {"1f1b-2bw", 2, 0, 4, 0, "quant:bits=8", NULL},
+    };
+    unsigned total = 0, seen[M_COUNT] = {0};
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+        for (uint64_t seed = 1; seed <= 3; seed++) {
+            struct host_config cfg = {.schedule = runs[i].kind,
+                                      .microbatches = runs[i].m,
+                                      .steps = STEPS,
+                                      .use_op_stream = 1,
+                                      .split = runs[i].split,
+                                      .chunks = runs[i].chunks,
+                                      .act_codec = runs[i].act,
+                                      .grad_codec = runs[i].grad};
+            struct host_rank clean[MAX_P], dirty[MAX_P];
+            run_ranks(runs[i].ranks, &cfg, clean);
+            struct misuse_run mr = {.seed = seed * 1000003 + i};
+            cfg.before_call = refuse_some;
+            cfg.hook_arg = &mr;
+            run_ranks(runs[i].ranks, &cfg, dirty);
+            char what[96];
+            snprintf(what, sizeof what, "%s on %u ranks, seed %llu", runs[i].kind, runs[i].ranks,
+                     (unsigned long long)seed);
+            assert_same_training(dirty, clean, runs[i].ranks, what);
+            for (unsigned r = 0; r < runs[i].ranks; r++) {
+                assert_true(mr.made[r] > 0);
+                total += mr.made[r];
+                for (int w = 0; w < M_COUNT; w++)
+                    seen[w] += mr.kinds_seen[r][w];
+                host_result_free(&clean[r].res);
+                host_result_free(&dirty[r].res);
+            }
+        }
+    }
+    unsigned least = ~0u;
+    for (int w = 0; w < M_COUNT; w++)
+        least = seen[w] < least ? seen[w] : least;
+    print_message("%u refused calls, each kind of misuse at least %u times\n", total, least);
+    for (int w = 0; w < M_COUNT; w++)
+        assert_true(seen[w] > 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(refused_calls_change_nothing),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
