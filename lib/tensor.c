@@ -32,6 +32,20 @@ int epipe_tensor_inspect(const DLTensor *t, const char *what, char *handle_msg, 
     return epipe_tensor_inspect_on(t, what, handle_msg, numel, dtype, 0);
 }
 
+/* How a DLPack type code is written before its bits ("int" in int32);
+ * NULL for a code we do not name. */
+static const char *dlpack_code_name(uint8_t code)
+{
+    switch (code) {
+    case kDLInt: return "int";
+    case kDLUInt: return "uint";
+    case kDLFloat: return "fp";
+    case kDLBfloat: return "bf";
+    case kDLComplex: return "complex";
+    default: return NULL;
+    }
+}
+
 int epipe_tensor_inspect_on(const DLTensor *t, const char *what, char *handle_msg, uint64_t *numel,
                             enum epipe_dtype *dtype, int cuda_ok)
 {
@@ -56,9 +70,14 @@ int epipe_tensor_inspect_on(const DLTensor *t, const char *what, char *handle_ms
         *dtype = EPIPE_DTYPE_F16;
     else if (t->dtype.code == kDLBfloat && t->dtype.bits == 16)
         *dtype = EPIPE_DTYPE_BF16;
+    else if (dlpack_code_name(t->dtype.code))
+        return epipe_fail_into(handle_msg, EPIPE_EINVAL,
+                               "%s has dtype %s%u; supported: fp32, fp16, bf16", what,
+                               dlpack_code_name(t->dtype.code), (unsigned)t->dtype.bits);
     else
         return epipe_fail_into(handle_msg, EPIPE_EINVAL,
-                               "%s has dtype code %u with %u bits; supported: fp32, fp16, bf16",
+                               "%s has DLPack dtype code %u with %u bits; supported: fp32, fp16, "
+                               "bf16",
                                what, (unsigned)t->dtype.code, (unsigned)t->dtype.bits);
     if (t->ndim < 0 || t->ndim > EPIPE_MAX_NDIM)
         return epipe_fail_into(handle_msg, EPIPE_EINVAL, "%s has ndim %d; supported 0..%d", what,
