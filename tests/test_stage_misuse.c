@@ -59,8 +59,8 @@ static DLTensor tensor_like(const DLTensor *like, int64_t *shape, unsigned m)
 
 static const char *call_name(enum host_call_kind k)
 {
-    static const char *const names[] = {"next_op", "recv_activation", "send_activation",
-                                        "recv_gradient", "send_gradient"};
+    static const char *const names[] = {"next_op",       "recv_activation", "send_activation",
+                                        "recv_gradient", "send_gradient",   "callback"};
     return names[k];
 }
 
@@ -71,6 +71,17 @@ static unsigned other_mb(const struct host_call *c, uint64_t r)
         return (r >> 8) % 2 ? c->microbatches : 0xffffffffu;
     unsigned k = 1 + (unsigned)((r >> 8) % (c->microbatches - 1));
     return (c->microbatch + k) % c->microbatches;
+}
+
+/* Callbacks a refused epipe_stage_set_callbacks would have set. */
+static int never_forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
+{
+    return 7;
+}
+
+static int never_backward(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
+{
+    return 7;
 }
 
 enum misuse {
@@ -87,6 +98,7 @@ enum misuse {
     M_TRAINING,
     M_CUDA_DEVICE,
     M_SET_CODEC,
+    M_SET_CALLBACKS,
     M_BAD_TENSOR,
     M_COUNT
 };
@@ -174,9 +186,9 @@ static int misuse(struct host_call *c, enum misuse which, uint64_t r, int *rc, i
         snprintf(what, cap, "set_param(%s)",
                  which == M_TRAINING ? "EPIPE_STAGE_TRAINING" : "EPIPE_STAGE_CUDA_DEVICE");
         *needle = "between steps";
-        *rc = epipe_stage_set_param(st, which == M_TRAINING ? EPIPE_STAGE_TRAINING
-                                                            : EPIPE_STAGE_CUDA_DEVICE,
-                                    which == M_TRAINING ? 1 : -1);
+        *rc = epipe_stage_set_param(
+            st, which == M_TRAINING ? EPIPE_STAGE_TRAINING : EPIPE_STAGE_CUDA_DEVICE,
+            which == M_TRAINING ? 1 : -1);
         return 0;
     case M_SET_CODEC:
         if (!c->started)
@@ -186,6 +198,17 @@ static int misuse(struct host_call *c, enum misuse which, uint64_t r, int *rc, i
         *rc = epipe_stage_set_codec(st, r & 1 ? EPIPE_DIR_ACTIVATION : EPIPE_DIR_GRADIENT,
                                     EPIPE_ALL_BOUNDARIES, "quant:bits=8");
         return 0;
+    case M_SET_CALLBACKS: {
+        if (!c->in_step)
+            return -1;
+        epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
+        cb.forward = never_forward;
+        cb.backward = never_backward;
+        snprintf(what, cap, "set_callbacks");
+        *needle = "between steps";
+        *rc = epipe_stage_set_callbacks(st, &cb);
+        return 0;
+    }
     case M_BAD_TENSOR: {
         int act = k == HOST_SEND_ACTIVATION;
         if (!act && k != HOST_SEND_GRADIENT)
@@ -252,8 +275,7 @@ static int misuse(struct host_call *c, enum misuse which, uint64_t r, int *rc, i
                   : epipe_stage_send_gradient(st, mb, arg);
         return 0;
     }
-    case M_COUNT:
-        break;
+    case M_COUNT: break;
     }
     return -1;
 }
@@ -280,6 +302,10 @@ static int refuse_some(struct host_call *c)
         enum misuse which = (enum misuse)((r >> 4) % M_COUNT);
         if (misuse(c, which, r, &rc, &want, &needle, what, sizeof what))
             continue;
+        /* inside a callback the stage is mid-op: everything that drives it
+         * is refused, naming the callback */
+        if (c->kind == HOST_IN_CALLBACK && want == EPIPE_ESTATE)
+            needle = "from inside the";
         run->made[c->rank]++;
         run->kinds_seen[c->rank][which]++;
         char msg[200];
@@ -288,8 +314,8 @@ static int refuse_some(struct host_call *c)
         if (rc != want || (needle && !strstr(msg, needle)) || !msg[0])
             snprintf(c->error, sizeof c->error,
                      "rank %u, before its %s: %s gave %s '%s'; wanted %s naming '%s'", c->rank,
-                     call_name(c->kind), what, epipe_status_name(rc), msg,
-                     epipe_status_name(want), needle ? needle : "");
+                     call_name(c->kind), what, epipe_status_name(rc), msg, epipe_status_name(want),
+                     needle ? needle : "");
         else if (!same_op(&before, rcb, &after, rca))
             snprintf(c->error, sizeof c->error,
                      "rank %u, before its %s: the refused %s changed the op in progress", c->rank,
@@ -336,9 +362,10 @@ static void assert_same_training(const struct host_rank *x, const struct host_ra
     }
 }
 
-static void refused_calls_change_nothing(void **state)
+/* Each configuration trained with and without the refused calls, by the
+ * op stream (stream = 1) or by callbacks that make them from inside. */
+static void refuse_while_training(int stream)
 {
-    (void)state;
     static const struct {
         const char *kind;
         unsigned ranks, chunks, m;
@@ -359,7 +386,7 @@ static void refused_calls_change_nothing(void **state)
             struct host_config cfg = {.schedule = runs[i].kind,
                                       .microbatches = runs[i].m,
                                       .steps = STEPS,
-                                      .use_op_stream = 1,
+                                      .use_op_stream = stream,
                                       .split = runs[i].split,
                                       .chunks = runs[i].chunks,
                                       .act_codec = runs[i].act,
@@ -385,17 +412,87 @@ static void refused_calls_change_nothing(void **state)
         }
     }
     unsigned least = ~0u;
-    for (int w = 0; w < M_COUNT; w++)
+    for (int w = 0; w < M_COUNT; w++) {
+        if (!stream && w == M_BAD_TENSOR)
+            continue; /* callbacks do not send: their sends are refused as calls */
         least = seen[w] < least ? seen[w] : least;
+        if (!seen[w])
+            fail_msg("misuse %d was never made", w);
+    }
     print_message("%u refused calls, each kind of misuse at least %u times\n", total, least);
-    for (int w = 0; w < M_COUNT; w++)
-        assert_true(seen[w] > 0);
+}
+
+static void refused_calls_change_nothing(void **state)
+{
+    (void)state;
+    refuse_while_training(1);
+}
+
+/* The calls that drive the stage, made from inside its callbacks while
+ * epipe_stage_step runs them, are refused and change nothing either; they
+ * used to run (a next_op there skipped the op the step was in). */
+static void calls_from_inside_a_callback_are_refused(void **state)
+{
+    (void)state;
+    refuse_while_training(0);
+}
+
+/* epipe_stage_destroy from inside a callback is not carried out (it would
+ * free the stage under the step that called it): an error is logged, the
+ * step goes on, and the stage is freed by the host's later destroy. */
+static struct {
+    epipe_stage *st;
+    int called, logged;
+} self_destroy;
+
+static void count_destroy_line(void *user, int level, const char *subsys, int rank,
+                               const char *message)
+{
+    (void)user, (void)subsys, (void)rank;
+    if (level == EPIPE_LOG_ERROR && strstr(message, "epipe_stage_destroy called from inside"))
+        self_destroy.logged++;
+}
+
+static int destroying_forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
+{
+    self_destroy.called++;
+    epipe_stage_destroy(self_destroy.st);
+    return 0;
+}
+
+static int plain_backward(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
+{
+    return 0;
+}
+
+static void destroy_from_inside_a_callback_is_refused(void **state)
+{
+    (void)state;
+    epipe_comm *c[1];
+    assert_int_equal(epipe_comm_create_inproc(c, 1), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&self_destroy.st, c[0], "1f1b", 2), EPIPE_OK);
+    epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
+    cb.forward = destroying_forward;
+    cb.backward = plain_backward;
+    assert_int_equal(epipe_stage_set_callbacks(self_destroy.st, &cb), EPIPE_OK);
+    epipe_set_log_callback(count_destroy_line, NULL);
+    assert_int_equal(epipe_stage_step(self_destroy.st), EPIPE_OK);
+    epipe_set_log_callback(NULL, NULL);
+    assert_int_equal(self_destroy.called, 2);
+    assert_int_equal(self_destroy.logged, 2);
+    epipe_stage_stats s = {.struct_size = sizeof s};
+    assert_int_equal(epipe_stage_get_stats(self_destroy.st, &s), EPIPE_OK);
+    assert_int_equal(s.steps, 1);
+    epipe_stage_destroy(self_destroy.st);
+    epipe_comm_destroy(c[0]);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(refused_calls_change_nothing),
+        cmocka_unit_test(calls_from_inside_a_callback_are_refused),
+        cmocka_unit_test(destroy_from_inside_a_callback_is_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

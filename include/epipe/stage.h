@@ -59,7 +59,8 @@ EPIPE_API int epipe_stage_create_layout(epipe_stage **out, epipe_comm *comm, con
 
 /* Frees the stage, its codecs and every buffer it lent. Messages still in
  * flight to peers are delivered first on the transports that queue them.
- * NULL is a no-op. */
+ * NULL is a no-op. From inside one of the stage's callbacks it frees
+ * nothing and logs an error (see "Callbacks"). */
 EPIPE_API void epipe_stage_destroy(epipe_stage *stage);
 
 /* Which way a tensor crosses a boundary. */
@@ -311,7 +312,16 @@ EPIPE_API int epipe_stage_current_op(const epipe_stage *stage, epipe_op *op);
  *      received gradient (NULL on the last stage, which starts from its
  *      loss); set *grad_input to the gradient to send (ignored on stage 0).
  *  loss(user, mb, &value): optional, last stage only, after forward: the
- *      micro-batch's loss, summed into the statistics. */
+ *      micro-batch's loss, summed into the statistics.
+ *
+ * Inside a callback the stage is in the middle of an op. A callback may
+ * read it (epipe_stage_current_op, _get_param, _get_stats, _codec, ...)
+ * and set the knobs that may change at any time; the calls that drive it
+ * (next_op, the receives and sends, step, drain, set_callbacks, set_codec,
+ * codec_sgd_step, EPIPE_STAGE_TRAINING, EPIPE_STAGE_CUDA_DEVICE) return
+ * EPIPE_ESTATE naming the callback, and change nothing.
+ * epipe_stage_destroy() there is not carried out: it logs an error and
+ * returns, and the stage stays usable. */
 typedef struct epipe_stage_callbacks {
     size_t struct_size;
     void *user;
@@ -338,7 +348,8 @@ typedef struct epipe_stage_callbacks {
         sizeof(epipe_stage_callbacks), NULL, NULL, NULL, NULL, NULL, NULL                          \
     }
 
-/* Copies the callbacks (the stage keeps cb->user, not cb). A struct_size
+/* Copies the callbacks (the stage keeps cb->user, not cb), between steps
+ * (EPIPE_ESTATE in the middle of one, op stream included). A struct_size
  * from an older header leaves the fields it lacks NULL. EPIPE_EINVAL if
  * struct_size is 0 or larger than this library knows, forward is NULL,
  * neither backward nor the split pair is set, only one of the pair is

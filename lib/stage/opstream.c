@@ -164,6 +164,8 @@ EPIPE_API int epipe_stage_next_op(epipe_stage *st, epipe_op *op)
 {
     if (!st || !op)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_next_op: stage or op is NULL");
+    if (st->in_callback)
+        return refuse_in_callback(st, "epipe_stage_next_op");
     enter(st);
     return leave(st, epipe_stage_advance(st, op));
 }
@@ -596,6 +598,8 @@ EPIPE_API int epipe_stage_recv_activation(epipe_stage *st, unsigned mb, const DL
 {
     if (!st || !input)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_recv_activation: stage or input is NULL");
+    if (st->in_callback)
+        return refuse_in_callback(st, "epipe_stage_recv_activation");
     enter(st);
     return leave(st, epipe_stage_recv_tensor(st, mb, DIR_ACT, input));
 }
@@ -604,6 +608,8 @@ EPIPE_API int epipe_stage_recv_gradient(epipe_stage *st, unsigned mb, const DLTe
 {
     if (!st || !grad)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_recv_gradient: stage or grad is NULL");
+    if (st->in_callback)
+        return refuse_in_callback(st, "epipe_stage_recv_gradient");
     enter(st);
     return leave(st, epipe_stage_recv_tensor(st, mb, DIR_GRAD, grad));
 }
@@ -612,6 +618,8 @@ EPIPE_API int epipe_stage_send_activation(epipe_stage *st, unsigned mb, const DL
 {
     if (!st)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_send_activation: stage is NULL");
+    if (st->in_callback)
+        return refuse_in_callback(st, "epipe_stage_send_activation");
     enter(st);
     return leave(st, epipe_stage_send_tensor(st, mb, DIR_ACT, output));
 }
@@ -620,6 +628,8 @@ EPIPE_API int epipe_stage_send_gradient(epipe_stage *st, unsigned mb, const DLTe
 {
     if (!st)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_send_gradient: stage is NULL");
+    if (st->in_callback)
+        return refuse_in_callback(st, "epipe_stage_send_gradient");
     enter(st);
     return leave(st, epipe_stage_send_tensor(st, mb, DIR_GRAD, grad));
 }

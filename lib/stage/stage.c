@@ -7,6 +7,7 @@
 
 #include "../codec/codec_internal.h"
 #include "../codec/cuda_core.h"
+#include "../log.h"
 #include "stage_impl.h"
 
 /* ---- create, configure, destroy ---------------------------------------- */
@@ -264,6 +265,13 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
 {
     if (!st)
         return;
+    if (st->in_callback) { /* freeing it would pull the step out from under its callback */
+        epipe_log_msg(EPIPE_LOG_ERROR, (int)st->s, "stage",
+                      "epipe_stage_destroy called from inside the %s callback: ignored, the "
+                      "stage is not freed; destroy it after epipe_stage_step returns",
+                      st->in_callback);
+        return;
+    }
     for (unsigned i = 0; st->ch && i < st->nch; i++) {
         struct chunk *c = &st->ch[i];
         free_lent(c->act_in, st->m);
@@ -311,6 +319,8 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
         return fail(st, EPIPE_EINVAL,
                     "boundary %u does not exist: %u pipeline stages have boundaries 0..%d",
                     boundary, st->P, (int)st->P - 2);
+    if (st->in_callback)
+        return refuse_in_callback(st, "epipe_stage_set_codec");
     if (st->started)
         return fail(st, EPIPE_ESTATE, "codecs can only be set before the first step");
     epipe_codec *probe;
@@ -416,6 +426,8 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
                         "EPIPE_STAGE_TRAINING = %lld: use 1 (train) or 0 "
                         "(forward only)",
                         (long long)value);
+        if (st->in_callback)
+            return refuse_in_callback(st, "EPIPE_STAGE_TRAINING");
         if (st->in_step)
             return fail(st, EPIPE_ESTATE, "EPIPE_STAGE_TRAINING can only change between steps");
         if (!value && st->flowing)
@@ -431,6 +443,8 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
                         "EPIPE_STAGE_CUDA_DEVICE = %lld: use -1 (host memory) or a CUDA device "
                         "index",
                         (long long)value);
+        if (st->in_callback)
+            return refuse_in_callback(st, "EPIPE_STAGE_CUDA_DEVICE");
         if (st->in_step)
             return fail(st, EPIPE_ESTATE, "EPIPE_STAGE_CUDA_DEVICE can only change between steps");
         char why[1400];
@@ -540,6 +554,8 @@ EPIPE_API int epipe_stage_codec_sgd_step(epipe_stage *st, double lr, double mome
     epipe_clear_error();
     if (!st)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_codec_sgd_step: stage is NULL");
+    if (st->in_callback)
+        return refuse_in_callback(st, "epipe_stage_codec_sgd_step");
     if (st->in_step)
         return fail(st, EPIPE_ESTATE, "epipe_stage_codec_sgd_step can only run between steps");
     for (unsigned k = 0; k < st->nch; k++) {

@@ -137,6 +137,9 @@ struct epipe_stage {
     int64_t batch;
     epipe_stage_callbacks cb;
     int has_cb;
+    /* The callback running now ("forward", ...), or NULL: calls that
+     * drive the stage are refused from inside one. */
+    const char *in_callback;
     int tracing;
     epipe_trace *trace; /* this stage's spans (NULL: tracing off) */
 
@@ -181,6 +184,20 @@ __attribute__((format(printf, 3, 4))) static inline int fail(epipe_stage *st, in
     vsnprintf(text, sizeof text, fmt, ap);
     va_end(ap);
     return epipe_fail_into(st->msg, status, "stage %u: %s", st->s, text);
+}
+
+/* EPIPE_ESTATE for a call that drives the stage (the op stream, a step,
+ * the knobs that change between steps) made from inside one of its
+ * callbacks: epipe_stage_step is in the middle of the op, and would go on
+ * from a state the call had changed under it. */
+static inline int refuse_in_callback(epipe_stage *st, const char *call)
+{
+    if (!st->in_callback)
+        return EPIPE_OK;
+    return fail(st, EPIPE_ESTATE,
+                "%s called from inside the %s callback of micro-batch %u: the stage receives, "
+                "sends and moves to the next op itself around its callbacks",
+                call, st->in_callback, st->cur.microbatch);
 }
 
 /* Host compute is the time between the stage's calls within a step. */

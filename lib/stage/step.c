@@ -17,6 +17,10 @@ EPIPE_API int epipe_stage_set_callbacks(epipe_stage *st, const epipe_stage_callb
                     "callbacks struct_size %zu: this library knows sizes up to %zu (use "
                     "EPIPE_STAGE_CALLBACKS_INIT)",
                     cb->struct_size, sizeof st->cb);
+    if (st->in_callback)
+        return refuse_in_callback(st, "epipe_stage_set_callbacks");
+    if (st->in_step)
+        return fail(st, EPIPE_ESTATE, "callbacks can only change between steps");
     epipe_stage_callbacks c = EPIPE_STAGE_CALLBACKS_INIT;
     memcpy(&c, cb, cb->struct_size);
     const char *kind = st->kind;
@@ -58,7 +62,10 @@ static int run_op(epipe_stage *st, const epipe_op *op)
         /* a host without split callbacks ran the whole backward at the
          * input-gradient op: nothing is left */
         st->mark = now();
-        if (st->cb.backward_weight && (rc = st->cb.backward_weight(st->cb.user, mb)))
+        st->in_callback = "backward_weight";
+        rc = st->cb.backward_weight ? st->cb.backward_weight(st->cb.user, mb) : 0;
+        st->in_callback = NULL;
+        if (rc)
             return callback_failed(st, "backward_weight", mb, rc);
         enter(st);
         return EPIPE_OK;
@@ -67,11 +74,17 @@ static int run_op(epipe_stage *st, const epipe_op *op)
         if (st->need_recv && (rc = epipe_stage_recv_tensor(st, mb, DIR_ACT, &in)))
             return rc;
         st->mark = now();
-        if ((rc = st->cb.forward(st->cb.user, mb, in, &out)))
+        st->in_callback = "forward";
+        rc = st->cb.forward(st->cb.user, mb, in, &out);
+        st->in_callback = NULL;
+        if (rc)
             return callback_failed(st, "forward", mb, rc);
         if (last && st->cb.loss) {
             double v;
-            if ((rc = st->cb.loss(st->cb.user, mb, &v)))
+            st->in_callback = "loss";
+            rc = st->cb.loss(st->cb.user, mb, &v);
+            st->in_callback = NULL;
+            if (rc)
                 return callback_failed(st, "loss", mb, rc);
             st->st.loss_sum += v;
             st->st.loss_count++;
@@ -84,8 +97,10 @@ static int run_op(epipe_stage *st, const epipe_op *op)
             return rc;
         st->mark = now();
         int input_only = op->kind == EPIPE_OP_BACKWARD_INPUT && st->cb.backward_input;
+        st->in_callback = input_only ? "backward_input" : "backward";
         rc = input_only ? st->cb.backward_input(st->cb.user, mb, in, &out)
                         : st->cb.backward(st->cb.user, mb, in, &out);
+        st->in_callback = NULL;
         if (rc)
             return callback_failed(st, input_only ? "backward_input" : "backward", mb, rc);
         enter(st);
@@ -100,6 +115,8 @@ EPIPE_API int epipe_stage_step(epipe_stage *st)
     epipe_clear_error();
     if (!st)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_step: stage is NULL");
+    if (st->in_callback)
+        return refuse_in_callback(st, "epipe_stage_step");
     if (!st->has_cb)
         return fail(st, EPIPE_ESTATE,
                     "epipe_stage_step needs callbacks (epipe_stage_set_callbacks)");
@@ -127,6 +144,8 @@ EPIPE_API int epipe_stage_drain(epipe_stage *st)
     epipe_clear_error();
     if (!st)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_drain: stage is NULL");
+    if (st->in_callback)
+        return refuse_in_callback(st, "epipe_stage_drain");
     if (st->in_step)
         return fail(st, EPIPE_ESTATE, "epipe_stage_drain called in the middle of a step");
     if (!st->flowing)

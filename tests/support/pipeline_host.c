@@ -334,6 +334,34 @@ static int hook(struct host *h, enum host_call_kind kind, unsigned mb, const DLT
     return EPIPE_EINTERNAL;
 }
 
+/* The callbacks as the stage sees them when a hook is set: the hook runs
+ * inside each, before the host's own. */
+static int hooked_forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
+{
+    return hook(user, HOST_IN_CALLBACK, mb, NULL) ? 9 : forward(user, mb, in, out);
+}
+
+static int hooked_loss(void *user, unsigned mb, double *value)
+{
+    return hook(user, HOST_IN_CALLBACK, mb, NULL) ? 9 : loss(user, mb, value);
+}
+
+static int hooked_backward(void *user, unsigned mb, const DLTensor *gout, const DLTensor **gin)
+{
+    return hook(user, HOST_IN_CALLBACK, mb, NULL) ? 9 : backward(user, mb, gout, gin);
+}
+
+static int hooked_backward_input(void *user, unsigned mb, const DLTensor *gout,
+                                 const DLTensor **gin)
+{
+    return hook(user, HOST_IN_CALLBACK, mb, NULL) ? 9 : backward_input(user, mb, gout, gin);
+}
+
+static int hooked_backward_weight(void *user, unsigned mb)
+{
+    return hook(user, HOST_IN_CALLBACK, mb, NULL) ? 9 : backward_weight(user, mb);
+}
+
 /* The op stream, driven the way a host with its own control flow would. */
 static int step_op_stream(struct host *h, int split)
 {
@@ -452,13 +480,14 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
         rc = epipe_stage_set_param(h.stage, EPIPE_STAGE_BATCH_SIZE, HOST_BATCH);
     epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
     cb.user = &h;
-    cb.forward = forward;
-    cb.loss = loss;
+    int hooked = cfg->before_call != NULL;
+    cb.forward = hooked ? hooked_forward : forward;
+    cb.loss = hooked ? hooked_loss : loss;
     if (cfg->split) {
-        cb.backward_input = backward_input;
-        cb.backward_weight = backward_weight;
+        cb.backward_input = hooked ? hooked_backward_input : backward_input;
+        cb.backward_weight = hooked ? hooked_backward_weight : backward_weight;
     } else {
-        cb.backward = backward;
+        cb.backward = hooked ? hooked_backward : backward;
     }
     /* the op-stream host calls its functions itself (and so runs the drain
      * through the op stream too) */
@@ -469,6 +498,8 @@ void host_run(epipe_comm *comm, const struct host_config *cfg, struct host_resul
     for (int step = 0; rc == EPIPE_OK && step < cfg->steps; step++) {
         h.step = step;
         h.step_loss = 0;
+        if (!cfg->use_op_stream)
+            h.started = h.in_step = 1; /* for the hook, inside the callbacks */
         rc = cfg->use_op_stream ? step_op_stream(&h, cfg->split) : epipe_stage_step(h.stage);
         if (rc == EPIPE_OK && cfg->codec_lr > 0)
             rc = epipe_stage_codec_sgd_step(h.stage, cfg->codec_lr, cfg->codec_momentum);

@@ -40,10 +40,10 @@ struct host_config {
      * run raw op lists); arg is theirs. */
     int (*create)(epipe_stage **out, epipe_comm *comm, const struct host_config *cfg);
     const void *create_arg;
-    /* Op stream only: called before each call the host makes on the
-     * stage, to make calls of its own first (tests of misuse). Nonzero
-     * stops the host: res->rc is then EPIPE_EINTERNAL and res->error the
-     * hook's call->error. */
+    /* Called before each call an op-stream host makes on the stage, and
+     * at the start of each callback, to make calls of its own first (tests
+     * of misuse). Nonzero stops the host (in a callback, by returning 9):
+     * res->error is then the hook's call->error. */
     int (*before_call)(struct host_call *call);
     void *hook_arg;
 };
@@ -54,7 +54,8 @@ enum host_call_kind {
     HOST_RECV_ACTIVATION,
     HOST_SEND_ACTIVATION,
     HOST_RECV_GRADIENT,
-    HOST_SEND_GRADIENT
+    HOST_SEND_GRADIENT,
+    HOST_IN_CALLBACK /* callbacks: at the start of each, which then go on */
 };
 struct host_call {
     epipe_stage *stage;
