@@ -255,6 +255,50 @@ static void nonfinite_refused(void **state)
     }
 }
 
+/* Every codec with ef, on a tensor large enough for four workers: a
+ * non-finite value at the start, the middle or the end of what one worker
+ * reads, and a buffer one byte short, are refused and leave the residual
+ * as it was: the next payload equals that of a handle that never saw them. */
+static void refusals_keep_the_residual(void **state)
+{
+    (void)state;
+    static const char *const specs[] = {
+        "cast:dtype=bf16,ef=1",           "quant:bits=4,ef=1",  "quant:bits=4,rows=1,ef=1",
+        "sortquant:bits=4,ef=1",          "kmeans:bits=2,ef=1", "topk:ratio=0.1,ef=1",
+#ifdef EPIPE_HAVE_BLAS
+        "poweriter:rank=2,shared=1,ef=1",
+#endif
+    };
+    enum { ROWS = 512, COLS = 1024, NV = ROWS * COLS };
+    float *x = malloc(sizeof(float) * NV), *bad = malloc(sizeof(float) * NV);
+    assert_non_null(x), assert_non_null(bad);
+    test_fill(x, NV, DIST_NORMAL, 17);
+    int64_t shape[2] = {ROWS, COLS};
+    DLTensor t = view(x, shape, 2), tb = view(bad, shape, 2);
+    static const size_t at[] = {0, NV / 4 - 1, NV / 2 + 5, NV - 1};
+    for (size_t s = 0; s < sizeof specs / sizeof specs[0]; s++) {
+        epipe_codec *c = test_codec(specs[s], 4, 0), *ref = test_codec(specs[s], 4, 0);
+        free(enc(c, &t, 0).buf); /* a residual to keep */
+        free(enc(ref, &t, 0).buf);
+        size_t cap, w;
+        assert_int_equal(epipe_codec_max_encoded_size(c, &t, &cap), EPIPE_OK);
+        uint8_t *buf = malloc(cap);
+        for (size_t k = 0; k < sizeof at / sizeof at[0]; k++) {
+            memcpy(bad, x, sizeof(float) * NV);
+            bad[at[k]] = k % 2 ? NAN : -INFINITY;
+            if (epipe_codec_encode(c, &tb, buf, cap, &w) != EPIPE_EINVAL)
+                fail_msg("%s: a non-finite value at %zu was not refused", specs[s], at[k]);
+        }
+        assert_int_equal(epipe_codec_encode(c, &t, buf, cap - 1, &w), EPIPE_ENOSPC);
+        test_payload p = enc(c, &t, 0), q = enc(ref, &t, 0);
+        if (!same(&p, &q))
+            fail_msg("%s: a refused encode changed the next payload", specs[s]);
+        free(p.buf), free(q.buf), free(buf);
+        epipe_codec_destroy(c), epipe_codec_destroy(ref);
+    }
+    free(x), free(bad);
+}
+
 /* x + r overflowing fp32 is refused by name (fp16 saturates 3e38 to 65504,
  * so the residual is about 3e38 after one step), and the residual kept. */
 static void overflow_refused(void **state)
@@ -359,6 +403,7 @@ int main(void)
         cmocka_unit_test(slots_are_independent),
         cmocka_unit_test(resets),
         cmocka_unit_test(nonfinite_refused),
+        cmocka_unit_test(refusals_keep_the_residual),
         cmocka_unit_test(spec_key),
         cmocka_unit_test(overflow_refused),
         cmocka_unit_test(slot_limit_and_reference),
