@@ -199,6 +199,23 @@ def test_bad_input():
         comms[0].close()
 
 
+@pytest.mark.parametrize("make,what", [(lambda y: (y, y), "a tuple"), (lambda y: None, "None")])
+def test_a_module_must_return_one_tensor(make, what):
+    class Returns(torch.nn.Module):
+        def forward(self, x):
+            return make(x)
+
+    comms = epipe.Comm.inproc(1)
+    try:
+        st = ept.PipelineStage(Returns(), 0, 1, comm=comms[0])
+        with ept.Schedule1F1B(st, 2, loss_fn=mse) as s:
+            with pytest.raises(TypeError, match=f"returned {what}; a pipeline stage must return "
+                                                f"one tensor"):
+                s.step(torch.zeros(4, 2), target=torch.zeros(4, 2))
+    finally:
+        comms[0].close()
+
+
 def test_a_step_that_raises_stops_the_pipeline():
     """An exception in the middle of a step (the host's module here) leaves
     the op stream part way: the schedule aborts its communicator, so the

@@ -124,7 +124,18 @@ class PipelineSchedule:
             mb, copy=copy or ps.device.type not in ("cpu", "cuda")).to(ps.device)
 
     @staticmethod
-    def _forward(ps, x, split_weights):
+    def _output(ps, out):
+        """out, checked: a stage hands one tensor to the next (or to the
+        loss); anything else would fail later with a message about
+        something else."""
+        if not isinstance(out, torch.Tensor):
+            what = "None" if out is None else f"a {type(out).__name__}"
+            raise TypeError(f"PipelineStage {ps.stage_index}: its module returned {what}; a "
+                            f"pipeline stage must return one tensor")
+        return out
+
+    @classmethod
+    def _forward(cls, ps, x, split_weights):
         """ps's forward on x: (output, taps). For the schedules that defer
         the weight gradients, taps lists (output, parameters) of each child
         of an nn.Sequential that has trainable parameters, so that the
@@ -139,7 +150,7 @@ class PipelineSchedule:
                 or mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
                 or getattr(mod, "_backward_pre_hooks", None)
                 or not torch.is_grad_enabled()):
-            return mod(x), None
+            return cls._output(ps, mod(x)), None
         taps, h = [], x
         for child in mod:
             h = child(h)
@@ -150,7 +161,7 @@ class PipelineSchedule:
                 taps = None  # a tuple out: the weight op starts at the stage's output
             elif h.requires_grad:
                 taps.append((h, params))
-        return h, taps
+        return cls._output(ps, h), taps
 
     # -- the step
     def _guarded(self, run, *args, **kwargs):
@@ -265,7 +276,7 @@ class PipelineSchedule:
             for op in st.ops():
                 mb, ps = op.microbatch, self._chunks[op.chunk]
                 x = xs[mb].to(ps.device) if ps.is_first else self._recv_act(ps, mb, False)
-                out = ps.submod(x)
+                out = self._output(ps, ps.submod(x))
                 if ps.is_last:
                     outputs[mb] = out
                     if ts is not None and losses is not None and self.loss_fn is not None:
