@@ -133,6 +133,23 @@ if train:
             fail(f"epipe-train {opt}={value}: exit {r.returncode}, {r.stderr.strip()!r}")
         else:
             print(f"ok: epipe-train {opt}={value}: {r.stderr.strip()}")
+    # Choices that only the library or the layout can judge are judged
+    # before any rank starts: one line, exit 2, naming the option.
+    for args, why in ((["--act-codec", "sortquant:bits=99"],
+                       "bad --act-codec 'sortquant:bits=99': sortquant: key 'bits' = 99"),
+                      (["--grad-codec", "quant:bitz=4"], "bad --grad-codec 'quant:bitz=4'"),
+                      (["--act-codec", "quant:bits=8,ef=1"], "ef=1 (error feedback) is for grad"),
+                      (["--placement", "0,3"], "rank 1 holds no pipeline stage"),
+                      (["--placement", "0,1,0,1,1"], "lists 5 pipeline stages but the model "
+                                                      "has 3 layers"),
+                      (["--stages", "4"], "--stages 4: the model has 3 layers")):
+        r = call(train, *args)
+        lines = r.stderr.strip().splitlines()
+        if r.returncode != 2 or len(lines) != 1 or why not in lines[0] or r.stdout:
+            fail(f"epipe-train {' '.join(args)}: exit {r.returncode}, {r.stderr.strip()!r}, "
+                 f"stdout {r.stdout[:100]!r}")
+        else:
+            print(f"ok: epipe-train {' '.join(args)}: {lines[0]}")
 
 print("ok" if ok else "failed")
 sys.exit(0 if ok else 1)

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <epipe/epipe.h>
+
 #include "../common/idx.h"
 #include "cli.h" /* tools/cli.h */
 #include "options.h"
@@ -238,16 +240,56 @@ int train_parse_args(int argc, char **argv, struct options *o)
                     ranks - 1, o->stages);
             return -1;
         }
+        for (unsigned r = 0; r < ranks; r++) {
+            unsigned i = 0;
+            while (i < o->nplace && o->placement[i] != r)
+                i++;
+            if (i == o->nplace) {
+                fprintf(stderr,
+                        "epipe-train: --placement names rank %u, so ranks 0..%u run, but rank %u "
+                        "holds no pipeline stage\n",
+                        ranks - 1, ranks - 1, r);
+                return -1;
+            }
+        }
+        if (o->nplace > (unsigned)o->nhidden + 1) {
+            fprintf(stderr,
+                    "epipe-train: --placement lists %u pipeline stages but the model has %d "
+                    "layers (one layer a stage at least)\n",
+                    o->nplace, o->nhidden + 1);
+            return -1;
+        }
         o->stages = ranks;
     }
     /* with --plan and no --stages the plan says how many (checked then) */
     int stages_known = !o->plan || stages_set;
-    if (o->epochs < 1 || o->stages < 1 || (stages_known && o->stages > (unsigned)o->nhidden + 1)) {
+    if (o->stages < 1 || (stages_known && !o->nplace && o->stages > (unsigned)o->nhidden + 1)) {
         fprintf(stderr,
-                "epipe-train: need --epochs >= 1 and 1 <= --stages <= %d (one layer a "
-                "stage at least)\n",
-                o->nhidden + 1);
+                "epipe-train: --stages %u: the model has %d layers, and each stage needs one at "
+                "least\n",
+                o->stages, o->nhidden + 1);
         return -1;
+    }
+    /* the codecs' own checks, before any rank starts (--plan chooses its own) */
+    const char *specs[2] = {o->act_codec, o->grad_codec}, *names[2] = {"act", "grad"};
+    for (int k = 0; k < 2 && !o->plan; k++) {
+        epipe_codec *probe;
+        if (specs[k] && epipe_codec_create(&probe, specs[k]) != EPIPE_OK) {
+            fprintf(stderr, "epipe-train: bad --%s-codec '%s': %s\n", names[k], specs[k],
+                    epipe_last_error());
+            return -1;
+        }
+        double ef = 0;
+        if (specs[k] && k == 0 && epipe_codec_spec_param(probe, "ef", &ef) == EPIPE_OK && ef == 1) {
+            fprintf(stderr,
+                    "epipe-train: bad --act-codec '%s': ef=1 (error feedback) is for "
+                    "gradients (--grad-codec)\n",
+                    specs[k]);
+            epipe_codec_destroy(probe);
+            return -1;
+        }
+        if (specs[k])
+            epipe_codec_destroy(probe);
     }
     if (o->plan) {
         const char *clash = o->codecs_set                ? "--act-codec/--grad-codec"

@@ -763,7 +763,7 @@ static int main_rank(struct options *o, const struct dataset *d)
     run_rank(comm, o, d, &res);
     epipe_comm_destroy(comm);
     if (res.rc) {
-        fprintf(stderr, "epipe-train: stage %u: %s\n", s, res.error);
+        fprintf(stderr, "epipe-train: rank %u: %s\n", s, res.error);
         return 1;
     }
     const epipe_stage_stats *st = &res.stats;
@@ -858,7 +858,7 @@ int main(int argc, char **argv)
     for (unsigned s = 0; s < p; s++) {
         pthread_join(tid[s], NULL);
         if (res[s].rc) {
-            fprintf(stderr, "epipe-train: stage %u: %s\n", s, res[s].error);
+            fprintf(stderr, "epipe-train: rank %u: %s\n", s, res[s].error);
             failed = 1;
         }
     }
