@@ -44,7 +44,7 @@ configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Doptimizat
 ninja -C build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     meson test -C build-asan --print-errorlogs --num-processes 2 --suite unit --suite fuzz \
-    --suite rdma --suite conformance
+    --suite rdma --suite conformance --suite examples --suite tools
 
 echo "== ThreadSanitizer (the threaded parts: transports, stages, codec threads)"
 # Progress threads, the stage runtime and the codec thread pool, in the

@@ -823,8 +823,10 @@ int main(int argc, char **argv)
     if (o.codec_lr < 0)
         o.codec_lr = o.lr;
     struct dataset d = {0};
-    if (load_data(&o, &d))
+    if (load_data(&o, &d)) {
+        free(d.train_x), free(d.train_y), free(d.test_x), free(d.test_y);
         return 1;
+    }
     static struct train_plan plan;
     if (setup_plan(&o, &d, &plan, launched_as_rank())) {
         free(d.train_x), free(d.train_y), free(d.test_x), free(d.test_y);
