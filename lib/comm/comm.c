@@ -351,7 +351,11 @@ static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 /* The list, and each handle's buffer cache, are whole and unlocked in the
  * child: a child that destroys a stage it inherited hands its buffers back
  * through the cache. (Order: live_lock, then a cache's lock, as nowhere
- * else are both taken.) */
+ * else are both taken.) The log callback's lock is not taken here: it
+ * would wait for callbacks in flight on other threads, and a Python host's
+ * callback waits for the interpreter lock that the thread calling fork()
+ * holds. A child that forks while another thread logs through a callback
+ * can still log; only epipe_set_log_callback() would wait there. */
 static void fork_prepare(void)
 {
     pthread_mutex_lock(&live_lock);
