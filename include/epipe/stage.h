@@ -248,7 +248,10 @@ EPIPE_EXPERIMENTAL int epipe_stage_codec_sgd_step(epipe_stage *stage, double lr,
  * gradients of i; it neither receives nor sends (EPIPE_ESTATE, naming the
  * op, if it tries).
  * A call out of this order, or for another micro-batch, returns
- * EPIPE_ESTATE with a message that says what was expected.
+ * EPIPE_ESTATE with a message that says what was expected. A refused call
+ * (this one, or a bad tensor's EPIPE_EINVAL) changes nothing: the op in
+ * progress and the codecs' state stay as they were, so the host may make
+ * the right call next.
  *
  * Tensor lifetimes: a received activation is owned by the stage and stays
  * valid until the backward of its micro-batch on that chunk is over (the
