@@ -24,6 +24,7 @@
 
 #include "../transport/rdma.h"
 #include "../transport/rdma_reg.h"
+#include "clock.h"
 #include "comm/comm_impl.h"
 #include "testutil.h"
 
@@ -507,6 +508,130 @@ static void test_fault_setup(void **state)
     unsetenv("EPIPE_FAKEVERBS_FAIL");
 }
 
+/* ---- every verbs call fails in turn -------------------------------------- */
+
+static long provider_calls(const char *op)
+{
+    void *h = dlopen(fakeverbs, RTLD_NOW | RTLD_NOLOAD);
+    if (!h)
+        return -1;
+    long (*f)(const char *) = (long (*)(const char *))dlsym(h, "fakeverbs_calls");
+    long n = f ? f(op) : -1;
+    dlclose(h);
+    return n;
+}
+
+/* The sweep's workload: a group of two, then 6 messages each way of three
+ * sizes (eager, and the rendezvous path's one and several chunks), each
+ * received and checked. 0 when all arrived; 1 when the group or a
+ * receive failed as a fault may make it fail: every failure a status with
+ * a message, every message that arrived whole, and, once a rank has seen
+ * its link fail, every later receive on it failing too. -1 (why filled)
+ * otherwise. */
+static int verbs_workload(char *why, size_t cap, long *calls)
+{
+    epipe_comm *c[2];
+    int rc[2];
+    char err[2][256];
+    try_group("rdma", c, 2, "timeout_ms=4000,init_timeout_ms=8000", rc, err);
+    if (rc[0] || rc[1]) {
+        for (int r = 0; r < 2; r++) {
+            if (rc[r] && !err[r][0]) {
+                snprintf(why, cap, "rank %d's creation failed (%s) without a message", r,
+                         epipe_status_name(rc[r]));
+                return -1;
+            }
+            epipe_comm_destroy(c[r]);
+        }
+        return 1;
+    }
+    static const size_t sizes[3] = {8, 40000, 300000};
+    enum { K = 6 };
+    int failed[2] = {0, 0}, bad = 0;
+    for (uint32_t i = 0; i < K; i++)
+        for (unsigned r = 0; r < 2; r++) {
+            epipe_msg *m = make_act(r, 1 - r, 3, i, sizes[i % 3], 100 * r + i);
+            if (epipe_comm_send(c[r], 1 - r, m) != EPIPE_OK)
+                failed[r] = 1; /* the send took the message and reported the link down */
+        }
+    for (unsigned r = 0; r < 2 && !bad; r++)
+        for (uint32_t i = 0; i < K && !bad; i++) {
+            epipe_msg *m = NULL;
+            int got = epipe_comm_recv(c[r], 1 - r, EPIPE_WIRE_ACTIVATION, 3, i, 6000, &m);
+            if (got == EPIPE_OK && failed[r] == 2) {
+                snprintf(why, cap, "rank %u received micro-batch %u after its link failed", r, i);
+                bad = 1;
+            } else if (got == EPIPE_OK) {
+                size_t n = sizes[i % 3];
+                float *want = malloc(n * sizeof *want);
+                test_fill(want, n, DIST_NORMAL, 100 * (1 - r) + i);
+                if (m->hdr.shape[0] != n ||
+                    memcmp(m->data + m->hdr.header_len + 16, want, n * sizeof *want)) {
+                    snprintf(why, cap, "rank %u: micro-batch %u arrived damaged", r, i);
+                    bad = 1;
+                }
+                free(want);
+                epipe_msg_free(m);
+            } else if (got != EPIPE_EPEER || !epipe_comm_last_error(c[r])[0]) {
+                snprintf(why, cap, "rank %u: micro-batch %u: %s '%s', wanted EPIPE_EPEER", r, i,
+                         epipe_status_name(got), epipe_comm_last_error(c[r]));
+                bad = 1;
+            } else {
+                failed[r] = 2;
+            }
+        }
+    static const char *const ops[4] = {"reg_mr", "create_qp", "modify_qp", "post_send"};
+    for (int k = 0; calls && k < 4; k++) /* before the provider is unloaded */
+        calls[k] = provider_calls(ops[k]);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    return bad ? -1 : failed[0] || failed[1];
+}
+
+/* Every registration, queue-pair creation and transition, and (a spread
+ * of) the sends of a small workload fail in turn: each run either
+ * completes or fails as verbs_workload allows, promptly, and leaves
+ * nothing registered or open. */
+static void test_every_verbs_call_fails_in_turn(void **state)
+{
+    static const char *const ops[4] = {"reg_mr", "create_qp", "modify_qp", "post_send"};
+    char why[256] = "";
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+    long calls[4];
+    if (verbs_workload(why, sizeof why, calls) != 0)
+        fail_msg("the workload without faults: %s", why[0] ? why : "a failure");
+    expect_no_leaks();
+    int runs = 0, failures = 0;
+    double slowest = 0;
+    for (int k = 0; k < 4; k++) {
+        if (calls[k] <= 0)
+            fail_msg("the provider counted %ld calls of %s", calls[k], ops[k]);
+        /* every call of the rare ops; 24 sends spread over the run */
+        long step = calls[k] > 24 ? calls[k] / 24 : 1;
+        for (long n = 1; n <= calls[k]; n += step) {
+            char spec[64];
+            snprintf(spec, sizeof spec, "%s:%ld", ops[k], n);
+            setenv("EPIPE_FAKEVERBS_FAIL", spec, 1);
+            int64_t t0 = epipe_now_ms();
+            int out = verbs_workload(why, sizeof why, NULL);
+            double took = (double)(epipe_now_ms() - t0) / 1000;
+            if (out < 0)
+                fail_msg("%s: %s", spec, why);
+            failures += out;
+            runs++;
+            slowest = took > slowest ? took : slowest;
+            if (took > 3.0)
+                fail_msg("%s: the run took %.1f s: a failure waited for a timeout", spec, took);
+            expect_no_leaks();
+        }
+    }
+    unsetenv("EPIPE_FAKEVERBS_FAIL");
+    print_message("%d runs, each with one verbs call failing (%ld registrations, %ld queue-pair "
+                  "creations, %ld transitions, %ld sends in a run): %d failed cleanly, the rest "
+                  "completed; slowest %.2f s\n",
+                  runs, calls[0], calls[1], calls[2], calls[3], failures, slowest);
+}
+
 /* Connect, exchange, fault, tear down, many times: nothing leaks. */
 static void test_leak_cycles(void **state)
 {
@@ -720,6 +845,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup(test_fault_qp_error, setup_env),
         cmocka_unit_test_setup(test_fault_registration, setup_env),
         cmocka_unit_test_setup(test_fault_setup, setup_env),
+        cmocka_unit_test_setup(test_every_verbs_call_fails_in_turn, setup_env),
         cmocka_unit_test_setup(test_auto_mixed, setup_env),
         cmocka_unit_test_setup(test_killed_peer, setup_env),
         cmocka_unit_test_setup(test_send_waits_for_the_verdict, setup_env),

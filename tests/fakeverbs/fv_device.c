@@ -48,6 +48,23 @@ FV_EXPORT int fakeverbs_live(const char *what)
     return -1;
 }
 
+/* Calls of an op that EPIPE_FAKEVERBS_FAIL can fail ("reg_mr",
+ * "create_qp", "modify_qp", "post_send") since the device was last opened
+ * with no other user; -1 for another name. */
+FV_EXPORT long fakeverbs_calls(const char *op);
+FV_EXPORT long fakeverbs_calls(const char *op)
+{
+    static const char *const ops[4] = {"reg_mr", "create_qp", "modify_qp", "post_send"};
+    for (int i = 0; op && i < 4; i++)
+        if (strcmp(op, ops[i]) == 0) {
+            pthread_mutex_lock(&fv_nic.lock);
+            long n = (long)fv_nic.calls[i];
+            pthread_mutex_unlock(&fv_nic.lock);
+            return n;
+        }
+    return -1;
+}
+
 uint64_t fv_now_ns(void)
 {
     struct timespec ts;
