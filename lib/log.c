@@ -3,12 +3,15 @@
 #define _POSIX_C_SOURCE 200809L
 #include "log.h"
 
+#include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 #include <unistd.h>
 
 static pthread_once_t log_once = PTHREAD_ONCE_INIT;
@@ -30,6 +33,30 @@ EPIPE_API void epipe_set_log_callback(epipe_log_fn fn, void *user)
     pthread_rwlock_unlock(&log_cb_lock);
 }
 
+/* Writes a line to stderr without SIGPIPE: a host whose stderr is a pipe
+ * nobody reads any more (a log collector that went away, `trainer | head`)
+ * must not be killed by a library's warning. SIGPIPE is blocked on this
+ * thread for the write; one it raised is taken back unless the same signal
+ * was already pending for the thread before (then it is the host's). */
+static void write_stderr(const char *line, size_t len)
+{
+    sigset_t pipe_only, old, pending;
+    sigemptyset(&pipe_only);
+    sigaddset(&pipe_only, SIGPIPE);
+    sigemptyset(&pending);
+    sigpending(&pending);
+    int was_pending = sigismember(&pending, SIGPIPE);
+    int blocked = pthread_sigmask(SIG_BLOCK, &pipe_only, &old) == 0;
+    ssize_t w = write(STDERR_FILENO, line, len);
+    if (blocked && w < 0 && errno == EPIPE && !was_pending) {
+        const struct timespec now = {0, 0};
+        while (sigtimedwait(&pipe_only, NULL, &now) < 0 && errno == EINTR)
+            ;
+    }
+    if (blocked)
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
 static void log_init(void)
 {
     const char *v = getenv("EPIPE_LOG");
@@ -41,11 +68,15 @@ static void log_init(void)
                 log_level = i, found = 1;
         if (!found && !strcasecmp(v, "warning"))
             log_level = EPIPE_LOG_WARN, found = 1;
-        if (!found)
-            fprintf(stderr,
-                    "epipe: log: EPIPE_LOG=%s is not one of error, warn, info, debug; "
-                    "using warn\n",
-                    v);
+        if (!found) {
+            char line[300];
+            int n = snprintf(line, sizeof line,
+                             "epipe: log: EPIPE_LOG=%.200s is not one of error, warn, info, "
+                             "debug; using warn\n",
+                             v);
+            if (n > 0)
+                write_stderr(line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
+        }
     }
     const char *s = getenv("EPIPE_LOG_SUBSYS");
     if (s && *s && strlen(s) + 3 < sizeof log_subsys)
@@ -94,6 +125,5 @@ void epipe_log_msg(int level, int rank, const char *subsys, const char *fmt, ...
     if (len > sizeof line - 2)
         len = sizeof line - 2;
     line[len++] = '\n';
-    ssize_t w = write(STDERR_FILENO, line, len);
-    (void)w;
+    write_stderr(line, len);
 }

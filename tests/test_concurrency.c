@@ -11,7 +11,9 @@
  *   called again (common.h);
  * - one schedule read by many threads, and epipe_plan_create() and codec
  *   handles made and used by many threads at once, give what one thread
- *   gets (schedule.h, plan.h, codec.h).
+ *   gets (schedule.h, plan.h, codec.h);
+ * - a log line into a stderr pipe nobody reads raises no SIGPIPE, and
+ *   leaves one the host had pending (common.h).
  *
  * Each check holds in any build; CI also runs this program under
  * ThreadSanitizer, which reports a data race on the way. */
@@ -27,13 +29,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/time.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
 #include <epipe/epipe.h>
 
 #include "clock.h"
+#include "log.h"
 #include "testutil.h"
 
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
@@ -461,6 +466,54 @@ static void shared_schedule_plans_and_codecs(void **state)
     epipe_schedule_destroy(s);
 }
 
+/* A log line to a stderr that is a pipe nobody reads any more does not
+ * kill the host with SIGPIPE (the default action), and a SIGPIPE the host
+ * had already pending, blocked, stays pending for it. In a child: the
+ * parent checks how it ended. */
+static int child_logs_into_a_closed_pipe(int host_pipe_pending)
+{
+    int p[2];
+    if (pipe(p) || dup2(p[1], STDERR_FILENO) < 0)
+        return 3;
+    close(p[0]), close(p[1]);
+    signal(SIGPIPE, SIG_DFL);
+    sigset_t pipe_only;
+    sigemptyset(&pipe_only);
+    sigaddset(&pipe_only, SIGPIPE);
+    if (host_pipe_pending) {
+        pthread_sigmask(SIG_BLOCK, &pipe_only, NULL);
+        raise(SIGPIPE);
+    }
+    epipe_set_log_callback(NULL, NULL);
+    for (int i = 0; i < 3; i++)
+        epipe_log_msg(EPIPE_LOG_ERROR, 0, "test", "a line nobody reads (%d)", i);
+    if (host_pipe_pending) {
+        sigset_t pending;
+        sigpending(&pending);
+        return sigismember(&pending, SIGPIPE) ? 0 : 4; /* the host's is still there */
+    }
+    return 0;
+}
+
+static void log_lines_into_a_closed_pipe(void **state)
+{
+    (void)state;
+    for (int pending = 0; pending < 2; pending++) {
+        fflush(NULL);
+        pid_t pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0)
+            _exit(child_logs_into_a_closed_pipe(pending));
+        int st = 0;
+        assert_int_equal(waitpid(pid, &st, 0), pid);
+        if (WIFSIGNALED(st))
+            fail_msg("the child was killed by signal %d (SIGPIPE is %d)", WTERMSIG(st), SIGPIPE);
+        assert_true(WIFEXITED(st));
+        if (WEXITSTATUS(st))
+            fail_msg("pending %d: the child exited %d", pending, WEXITSTATUS(st));
+    }
+}
+
 int main(void)
 {
     /* Read once, at the first message: set before anything logs. */
@@ -470,6 +523,7 @@ int main(void)
         cmocka_unit_test(knobs_change_while_running_inproc),
         cmocka_unit_test(knobs_change_while_running_tcp),
         cmocka_unit_test(signals_interrupt_a_pipeline_tcp),
+        cmocka_unit_test(log_lines_into_a_closed_pipe),
         cmocka_unit_test(log_callback_replaced_while_logging),
         cmocka_unit_test(shared_schedule_plans_and_codecs),
     };

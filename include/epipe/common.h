@@ -100,7 +100,8 @@ typedef void (*epipe_log_fn)(void *user, int level, const char *subsys, int rank
                              const char *message);
 
 /* Routes every message of this process to fn(user, ...) instead of stderr;
- * fn NULL restores stderr. Process-wide by design, as NCCL's: messages
+ * fn NULL restores stderr. (A line written to a stderr that is a pipe
+ * nobody reads any more is dropped without raising SIGPIPE.) Process-wide by design, as NCCL's: messages
  * also come from where no handle exists (the environment, a rendezvous
  * before its communicator is made), and one host has one log. Messages name
  * their rank and, where there is one, their group (inproc) or peer address
