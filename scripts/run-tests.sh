@@ -91,7 +91,7 @@ EPIPE_CONF_TIME_SCALE=5 meson test -C build-test --print-errorlogs --num-process
     --timeout-multiplier 10
 
 if command -v clang >/dev/null 2>&1 && [ -n "$(find /usr/lib/llvm-*/lib/clang -name 'libclang_rt.fuzzer*.a' 2>/dev/null | head -n 1)" ]; then
-    echo "== libFuzzer (10 s a target)"
+    echo "== libFuzzer (10 s a target, two at a time)"
     CC=clang configure build-fuzz -Dfuzz=enabled -Db_sanitize=address,undefined -Db_lundef=false -Dtests=true
     # the libFuzzer binaries only (the replay drivers and the rest of the
     # tests ran above)
@@ -100,15 +100,40 @@ if command -v clang >/dev/null 2>&1 && [ -n "$(find /usr/lib/llvm-*/lib/clang -n
     [ -n "$targets" ] || { echo "no libFuzzer targets in build-fuzz"; exit 1; }
     # shellcheck disable=SC2086 # one target per word
     ninja -C build-fuzz $targets
-    for t in $targets; do
-        f=build-fuzz/$t
-        name=$(basename "$f")
+    fuzz_one() { # a target for 10 s from its seed corpus; nonzero on a crash
+        name=$(basename "$1")
         work=$(mktemp -d)
         cp tests/fuzz/corpus/"${name#fuzz_}"/* "$work"/ 2>/dev/null || true
-        "$f" -max_total_time=10 -rss_limit_mb=2048 "$work" >/dev/null 2>build-fuzz/"$name".log ||
-            { tail -n 40 build-fuzz/"$name".log; exit 1; }
-        echo "$name: $(grep -c . build-fuzz/"$name".log) log lines, no crash"
+        rc=0
+        "build-fuzz/$1" -max_total_time=10 -rss_limit_mb=2048 "$work" >/dev/null \
+            2>build-fuzz/"$name".log || rc=$?
         rm -rf "$work"
+        return $rc
+    }
+    # two targets at a time, a core each
+    # shellcheck disable=SC2086 # one target per word
+    set -- $targets
+    while [ $# -gt 0 ]; do
+        a=$1 b=
+        shift
+        fuzz_one "$a" &
+        pa=$!
+        if [ $# -gt 0 ]; then
+            b=$1
+            shift
+            fuzz_one "$b" &
+            pb=$!
+        fi
+        for t in $a $b; do
+            name=$(basename "$t")
+            if [ "$t" = "$a" ]; then p=$pa; else p=$pb; fi
+            if wait "$p"; then
+                echo "$name: $(grep -c . build-fuzz/"$name".log) log lines, no crash"
+            else
+                tail -n 40 build-fuzz/"$name".log
+                exit 1
+            fi
+        done
     done
 else
     echo "== libFuzzer: skipped (clang with libclang-rt-*-dev not installed)"
