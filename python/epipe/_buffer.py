@@ -50,18 +50,22 @@ class Buffer:
         if torch is not None and isinstance(obj, torch.Tensor):
             # a CUDA tensor is a payload in device memory, which the library
             # takes with CUDA tensors (it refuses it with CPU tensors)
-            if obj.device.type not in ("cpu", "cuda") or not obj.is_contiguous():
-                raise TypeError("a byte buffer tensor must be a contiguous CPU or CUDA tensor")
+            if obj.device.type not in ("cpu", "cuda") or not obj.is_contiguous() or \
+                    obj.dtype != torch.uint8:
+                raise TypeError(f"a byte buffer tensor must be a contiguous uint8 tensor on the "
+                                f"CPU or CUDA; got a{' non-contiguous' * (not obj.is_contiguous())} "
+                                f"{obj.dtype} tensor on {obj.device}")
             return obj.data_ptr(), obj.numel() * obj.element_size()
         self.view = _Py_buffer()
         flags = _PyBUF_WRITABLE if self.writable else _PyBUF_SIMPLE
         try:
             if _get_buffer(obj, ctypes.byref(self.view), flags) != 0:
                 raise TypeError  # pythonapi raises the Python error itself
-        except (TypeError, BufferError) as e:
-            what = "a writable" if self.writable else "a"
-            raise TypeError(f"expected {what} contiguous buffer (bytes, bytearray, "
-                            f"memoryview, array), got {type(obj).__name__}: {e}") from None
+        except (TypeError, BufferError, ValueError) as e:
+            what = ("a writable contiguous buffer (bytearray, writable memoryview, array, "
+                    "uint8 tensor)" if self.writable else
+                    "a contiguous buffer (bytes, bytearray, memoryview, array, uint8 tensor)")
+            raise TypeError(f"expected {what}, got {type(obj).__name__}: {e}") from None
         self.held = True
         return self.view.buf or 0, self.view.len
 

@@ -90,6 +90,22 @@ def test_encode_into_other_buffers(kind):
     assert got == ref
 
 
+@pytest.mark.parametrize("out,why", [
+    (lambda n: bytes(n), "writable"),
+    (lambda n: memoryview(bytearray(n)).toreadonly(), "writable"),
+    (lambda n: torch.zeros(n, dtype=torch.float32), "uint8 tensor"),
+    (lambda n: torch.zeros(2 * n, dtype=torch.uint8)[::2], "non-contiguous"),
+    (lambda n: [0] * n, "got list"),
+])
+def test_out_that_is_not_writable_bytes_is_refused(out, why):
+    """A float tensor was taken as raw memory and the payload returned as a
+    float tensor of as many elements as it had bytes."""
+    x = _x()
+    c = epipe.Codec("quant:bits=8")
+    with pytest.raises(TypeError, match=why):
+        c.encode(x, out=out(c.max_encoded_size(x)))
+
+
 def test_too_small_out_names_the_size_needed():
     x = _x()
     c = epipe.Codec("none")
