@@ -56,10 +56,12 @@ static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const ch
             return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s': use 0 or 1", what, val);
         o->encrypt = val[0] == '1';
     } else {
+        /* every transport also takes max_message, buffer_cache and trace,
+         * which epipe_comm_create consumes before the options come here */
         return epipe_fail(EPIPE_EINVAL,
                           "tcp: unknown option '%s' (known: timeout_ms, init_timeout_ms, "
                           "heartbeat_ms, spin_us, streams, topology, listen_addr, ifname, "
-                          "key_file, encrypt)",
+                          "key_file, encrypt, max_message, buffer_cache, trace)",
                           key);
     }
     return EPIPE_OK;
