@@ -67,6 +67,25 @@ static void lists_and_versions(void **state)
             }
 }
 
+/* At the limits: 100 stages, where rank s still holds p - s versions (a
+ * count that stopped at 65 once), and 65536 micro-batches on two stages
+ * (their replay at creation took O(m^2): 38 s on this VM, now 0.07 s). */
+static void versions_of_long_pipelines(void **state)
+{
+    (void)state;
+    epipe_schedule *sc;
+    assert_int_equal(epipe_schedule_create(&sc, "1f1b-async", 100, 128), EPIPE_OK);
+    for (unsigned s = 0; s < 100; s++)
+        assert_int_equal(epipe_schedule_weight_versions(sc, s), 100 - s);
+    epipe_schedule_destroy(sc);
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(epipe_schedule_create(&sc, kinds[k], 2, 65536), EPIPE_OK);
+        assert_int_equal(epipe_schedule_weight_versions(sc, 0), 2);
+        assert_int_equal(epipe_schedule_weight_versions(sc, 1), 1);
+        epipe_schedule_destroy(sc);
+    }
+}
+
 /* The steady list of the first of 4 stages (w = 3), m = 5: pairs "forward
  * j, backward j-3", the first three backwards of the previous step, with
  * the version offsets the header gives. */
@@ -176,6 +195,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(lists_and_versions),
+        cmocka_unit_test(versions_of_long_pipelines),
         cmocka_unit_test(steady_list_and_its_versions),
         cmocka_unit_test(no_bubble_between_steps),
         cmocka_unit_test(refusals),

@@ -153,15 +153,39 @@ int epipe_sched_async_run(const struct epipe_sched_layout *l, unsigned m, unsign
  * lists describe; the first list always): *versions[r] receives the most
  * weight versions rank r must hold at once (the current one, and every one
  * an in-flight micro-batch's forward used). */
+/* Live micro-batches per weight version, and how many versions have any:
+ * what a rank holds, kept as ops come instead of counted over every
+ * micro-batch at each op (that was O(m^2) a list). */
+struct held {
+    uint32_t *count; /* by version */
+    unsigned distinct;
+};
+
+static void held_add(struct held *h, uint64_t v)
+{
+    if (h->count[v]++ == 0)
+        h->distinct++;
+}
+
+static void held_drop(struct held *h, uint64_t v)
+{
+    if (--h->count[v] == 0)
+        h->distinct--;
+}
+
 int epipe_sched_async_versions(const struct epipe_sched_layout *l, unsigned m, int mode,
                                unsigned steps, epipe_op *const *phase_ops[3],
                                const size_t *phase_counts[3], unsigned *versions)
 {
+    /* versions count updates: at most one per backward, or one per list */
+    size_t nver = (size_t)(steps + 1) * m + 2;
     uint64_t *fv = malloc(sizeof *fv * m);
     unsigned char *live = malloc(m);
-    if (!fv || !live) {
+    struct held h = {calloc(nver, sizeof *h.count), 0};
+    if (!fv || !live || !h.count) {
         free(fv);
         free(live);
+        free(h.count);
         return epipe_fail(EPIPE_ENOMEM, "schedule: out of memory");
     }
     int rc = EPIPE_OK;
@@ -178,8 +202,11 @@ int epipe_sched_async_versions(const struct epipe_sched_layout *l, unsigned m, i
                 const epipe_op *op = &phase_ops[ph][r][i];
                 uint64_t v;
                 if (op->kind == EPIPE_OP_FORWARD) {
+                    if (live[op->microbatch])
+                        held_drop(&h, fv[op->microbatch]);
                     v = fv[op->microbatch] = upd;
                     live[op->microbatch] = 1;
+                    held_add(&h, v);
                 } else if (op->kind == EPIPE_OP_BACKWARD) {
                     v = fv[op->microbatch];
                 } else {
@@ -194,20 +221,11 @@ int epipe_sched_async_versions(const struct epipe_sched_layout *l, unsigned m, i
                     break;
                 }
                 /* distinct versions held: the current one and the in-flight ones */
-                unsigned held = 1;
-                uint64_t seen[64];
-                unsigned ns = 0;
-                for (unsigned j = 0; j < m; j++) {
-                    if (!live[j] || fv[j] == upd)
-                        continue;
-                    unsigned q = 0;
-                    while (q < ns && seen[q] != fv[j])
-                        q++;
-                    if (q == ns && ns < 64)
-                        seen[ns++] = fv[j], held++;
-                }
+                unsigned held = 1 + h.distinct - (upd < nver && h.count[upd] ? 1 : 0);
                 most = held > most ? held : most;
                 if (op->kind == EPIPE_OP_BACKWARD) {
+                    if (live[op->microbatch])
+                        held_drop(&h, fv[op->microbatch]);
                     live[op->microbatch] = 0;
                     if (mode == EPIPE_WEIGHTS_STASHED)
                         upd++;
@@ -216,9 +234,13 @@ int epipe_sched_async_versions(const struct epipe_sched_layout *l, unsigned m, i
             if (mode == EPIPE_WEIGHTS_DOUBLE)
                 upd++; /* the host's update after each list */
         }
+        for (unsigned j = 0; j < m; j++) /* the next rank starts with none held */
+            if (live[j])
+                held_drop(&h, fv[j]);
         versions[r] = most;
     }
     free(fv);
     free(live);
+    free(h.count);
     return rc;
 }
