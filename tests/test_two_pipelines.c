@@ -5,12 +5,15 @@
 #include <errno.h>
 #include <pthread.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -258,6 +261,59 @@ static void trace_into_a_fifo_or_a_directory(void **state)
     rmdir(dir);
 }
 
+/* A trace that cannot be written whole (the disk full; here the file-size
+ * limit, which fails the same write() with EFBIG) is removed, and the log
+ * says why: a cut-off JSON file is no trace. In a child, whose limit the
+ * test's own output does not share. */
+static int child_writes_a_trace_too_large(const char *path)
+{
+    signal(SIGXFSZ, SIG_IGN); /* the write fails instead of killing */
+    struct rlimit lim = {512, 512};
+    if (setrlimit(RLIMIT_FSIZE, &lim))
+        return 3;
+    char opts[160];
+    snprintf(opts, sizeof opts, "trace=%s", path);
+    epipe_set_log_callback(keep_line, "fsize");
+    epipe_comm *c;
+    epipe_stage *st;
+    if (epipe_comm_create(&c, "inproc", 0, 1, NULL, 0, opts) ||
+        epipe_stage_create(&st, c, "gpipe", 8))
+        return 4;
+    epipe_op op;
+    for (int step = 0; step < 4; step++) /* a few kB of spans */
+        while (epipe_stage_next_op(st, &op) == EPIPE_OK && op.kind != EPIPE_OP_NONE)
+            ;
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(c);
+    epipe_set_log_callback(NULL, NULL);
+    if (!logged("|trace|", strerror(EFBIG)) || !logged("|trace|", "the partial file is removed"))
+        return 5;
+    return access(path, F_OK) == 0 ? 6 : 0;
+}
+
+static void a_trace_that_cannot_be_written_whole_is_removed(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/epipe-fsize-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char path[64];
+    snprintf(path, sizeof path, "%s/trace.json", dir);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0)
+        _exit(child_writes_a_trace_too_large(path));
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    unlink(path);
+    rmdir(dir);
+    assert_true(WIFEXITED(st));
+    if (WEXITSTATUS(st))
+        fail_msg("the child exited %d (5: no log line naming EFBIG and the removal; 6: the "
+                 "partial trace was left)",
+                 WEXITSTATUS(st));
+}
+
 int main(void)
 {
     /* Read once, at the first message: set before anything logs. */
@@ -266,6 +322,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(two_pipelines_share_nothing),
         cmocka_unit_test(trace_into_a_fifo_or_a_directory),
+        cmocka_unit_test(a_trace_that_cannot_be_written_whole_is_removed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

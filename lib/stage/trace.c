@@ -336,8 +336,18 @@ static void write_trace(const char *path, const struct spans *sp)
         fprintf(f, "}%s\n", i + 1 < nspans ? "," : "");
     }
     fprintf(f, "]}\n");
-    if (fclose(f) != 0)
-        epipe_log_msg(EPIPE_LOG_ERROR, -1, "trace", "error writing the trace to %s", path);
+    errno = 0;
+    int failed = fflush(f) != 0 || ferror(f);
+    int why = errno;
+    if (fclose(f) != 0 && !failed)
+        failed = 1, why = errno;
+    if (failed) {
+        /* a trace cut off part way is not JSON: no viewer opens it */
+        int removed = unlink(path) == 0;
+        epipe_log_msg(EPIPE_LOG_ERROR, -1, "trace", "cannot write the trace to %s: %s%s", path,
+                      why ? strerror(why) : "a write failed",
+                      removed ? " (the partial file is removed)" : "");
+    }
 }
 
 void epipe_trace_close(epipe_trace *t)
