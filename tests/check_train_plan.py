@@ -87,5 +87,27 @@ with tempfile.TemporaryDirectory() as tmp:
     with open(bad, "w") as f:
         f.write(text.replace("act 0 sortquant", "act 0 nosuchcodec"))
     refused("a plan with an unknown codec", ["--plan", bad], "nosuchcodec")
+    refused("a plan written where no folder is", ["--plan", plan, "--plan-out",
+                                                   os.path.join(tmp, "no", "p.txt")],
+            "cannot write the plan to " + os.path.join(tmp, "no", "p.txt") +
+            ": No such file or directory")
+
+    # A plan that cannot be written whole (a full disk; here the file-size
+    # limit, whose write fails with EFBIG) is named and removed: a cut-off
+    # plan file would only be refused when read.
+    def small_files():
+        import resource
+        import signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+
+    cut = os.path.join(tmp, "cut.txt")
+    r = subprocess.run([train, "--plan", plan, "--plan-out", cut, *SMALL], capture_output=True,
+                       text=True, timeout=120, preexec_fn=small_files)
+    if r.returncode == 0 or "File too large" not in r.stderr or os.path.exists(cut):
+        fail(f"a plan cut off by the file-size limit: exit {r.returncode}, {r.stderr[-400:]!r}, "
+             f"file left: {os.path.exists(cut)}")
+    else:
+        print("ok: a plan cut off by the file-size limit is named and removed")
 
 sys.exit(0 if ok else 1)

@@ -708,8 +708,19 @@ static int setup_plan(struct options *o, const struct dataset *d, struct train_p
     o->layout = plan;
     if (o->plan_out) {
         FILE *f = fopen(o->plan_out, "w");
-        if (!f || train_plan_write(f, plan) || fclose(f)) {
-            fprintf(stderr, "epipe-train: cannot write the plan to %s\n", o->plan_out);
+        int werr = f ? 0 : errno;
+        if (f) {
+            errno = 0;
+            if (train_plan_write(f, plan))
+                werr = errno ? errno : EIO;
+            if (fclose(f) && !werr)
+                werr = errno;
+            if (werr) /* a plan cut off part way would be refused when read: none is better */
+                unlink(o->plan_out);
+        }
+        if (werr) {
+            fprintf(stderr, "epipe-train: cannot write the plan to %s: %s\n", o->plan_out,
+                    strerror(werr));
             return 1;
         }
         printf("epipe-train: plan written to %s\n", o->plan_out);
