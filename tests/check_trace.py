@@ -44,6 +44,27 @@ with tempfile.TemporaryDirectory() as d:
                 "Traceback" in r.stderr:
             fail("merge of %s: exit %d, %r" % (name, r.returncode, r.stderr[-300:]))
     print("ok: malformed trace files refused, each naming the fault")
+    # An output that cannot be written: a missing folder, and one cut off
+    # by the file-size limit (a full disk's failure), which is removed.
+    good = os.path.join(d, "good.json")
+    with open(good, "w") as f:
+        json.dump({"traceEvents": [{"ph": "X", "name": "F0", "pid": 1, "ts": i, "dur": 1}
+                                   for i in range(200)]}, f)
+
+    def small_files():
+        import resource
+        import signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+
+    for out, why, limit in ((os.path.join(d, "no", "out.json"), "No such file", None),
+                            (os.path.join(d, "cut.json"), "File too large", small_files)):
+        r = subprocess.run([sys.executable, merge, out, good], capture_output=True, text=True,
+                           timeout=60, preexec_fn=limit)
+        if r.returncode != 1 or why not in r.stderr or "Traceback" in r.stderr or \
+                os.path.exists(out):
+            fail("merge into %s: exit %d, %r" % (out, r.returncode, r.stderr[-300:]))
+    print("ok: an output that cannot be written is named, and none is left")
 
 with tempfile.TemporaryDirectory() as d:
     env = dict(os.environ, EPIPE_TRACE=os.path.join(d, "run.json"))
