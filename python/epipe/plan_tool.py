@@ -40,6 +40,49 @@ def size(text):
     return v
 
 
+def _plan(a, ap):
+    """The plan the arguments ask for; OSError for a file that cannot be
+    read or written, ValueError (or epipe.Error) for one that is not what it
+    should be and for a plan refused."""
+    from . import Plan
+
+    with open(a.profile) as f:
+        try:
+            doc = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{a.profile}: not a profile (JSON: {e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{a.profile}: not a profile (a JSON object expected)")
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or not layers:
+        ap.error(f"{a.profile}: no 'layers' list (write it with epipe.torch.profile().save())")
+    table = []
+    if a.codec_table:
+        with open(a.codec_table) as f:
+            try:
+                table = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{a.codec_table}: not a codec table (JSON: {e})") from None
+        if not isinstance(table, list):
+            raise ValueError(f"{a.codec_table}: not a codec table (a JSON list expected)")
+    if a.codecs:
+        from .torch._profile import Profile, codec_table
+
+        prof = Profile.load(a.profile)
+        specs = [s for s in a.codecs.split(";") if s.strip()]
+        measured, skipped = codec_table(prof, specs)
+        for spec, k, d, why in skipped:
+            print(f"epipe-plan: {spec} skipped on boundary {k} ({d}): {why}", file=sys.stderr)
+        table += measured
+        if a.save_table:
+            with open(a.save_table, "w") as f:
+                json.dump(measured, f, indent=1)
+    return Plan(layers, table, stages=a.stages, microbatches=a.microbatches,
+                bandwidth=a.bandwidth, latency=a.latency, memory=a.memory,
+                act_error_budget=a.act_error, grad_error_budget=a.grad_error,
+                schedules=a.schedules.split(",") if a.schedules else None)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="epipe-plan", description=__doc__.splitlines()[0])
     ap.add_argument("profile")
@@ -57,35 +100,14 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
 
-    from . import Error, Plan
+    from . import Error
 
-    with open(a.profile) as f:
-        doc = json.load(f)
-    layers = doc.get("layers")
-    if not isinstance(layers, list) or not layers:
-        ap.error(f"{a.profile}: no 'layers' list (write it with epipe.torch.profile().save())")
-    table = []
-    if a.codec_table:
-        with open(a.codec_table) as f:
-            table = json.load(f)
-    if a.codecs:
-        from .torch._profile import Profile, codec_table
-
-        prof = Profile.load(a.profile)
-        specs = [s for s in a.codecs.split(";") if s.strip()]
-        measured, skipped = codec_table(prof, specs)
-        for spec, k, d, why in skipped:
-            print(f"epipe-plan: {spec} skipped on boundary {k} ({d}): {why}", file=sys.stderr)
-        table += measured
-        if a.save_table:
-            with open(a.save_table, "w") as f:
-                json.dump(measured, f, indent=1)
     try:
-        p = Plan(layers, table, stages=a.stages, microbatches=a.microbatches,
-                 bandwidth=a.bandwidth, latency=a.latency, memory=a.memory,
-                 act_error_budget=a.act_error, grad_error_budget=a.grad_error,
-                 schedules=a.schedules.split(",") if a.schedules else None)
-    except (Error, ValueError) as e:
+        p = _plan(a, ap)
+    except OSError as e:  # a file named on the command line: not a traceback
+        print(f"epipe-plan: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except (Error, ValueError) as e:  # JSON that is not what it should be, a refused plan
         print(f"epipe-plan: {e}", file=sys.stderr)
         return 1
     if a.json:

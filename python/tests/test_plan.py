@@ -100,6 +100,18 @@ def test_profile_codec_table_and_plan(tmp_path):
                         "--microbatches", "4", "--bandwidth", "fast"], capture_output=True,
                        text=True, timeout=120, env=env)
     assert r.returncode == 2 and "bad rate 'fast'" in r.stderr
+    # files that cannot be read, or are not what they should be: one line, no traceback
+    bad = str(tmp_path / "bad.json")
+    with open(bad, "w") as f:
+        f.write("{not json")
+    for args, why in (([str(tmp_path / "missing.json")], "No such file or directory"),
+                      ([bad], "not a profile (JSON"),
+                      ([path, "--codec-table", bad], "not a codec table (JSON"),
+                      ([path, "--codec-table", path], "not a codec table (a JSON list")):
+        r = subprocess.run([sys.executable, "-m", "epipe.plan_tool", *args, "--stages", "2",
+                            "--microbatches", "4", "--bandwidth", "1Gbit"], capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert r.returncode == 1 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_profile_of_a_chain_starting_without_parameters():
