@@ -52,9 +52,9 @@ class Buffer:
             # takes with CUDA tensors (it refuses it with CPU tensors)
             if obj.device.type not in ("cpu", "cuda") or not obj.is_contiguous() or \
                     obj.dtype != torch.uint8:
+                how = "" if obj.is_contiguous() else " non-contiguous"
                 raise TypeError(f"a byte buffer tensor must be a contiguous uint8 tensor on the "
-                                f"CPU or CUDA; got a{' non-contiguous' * (not obj.is_contiguous())} "
-                                f"{obj.dtype} tensor on {obj.device}")
+                                f"CPU or CUDA; got a{how} {obj.dtype} tensor on {obj.device}")
             return obj.data_ptr(), obj.numel() * obj.element_size()
         self.view = _Py_buffer()
         flags = _PyBUF_WRITABLE if self.writable else _PyBUF_SIMPLE
