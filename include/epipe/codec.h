@@ -171,7 +171,8 @@ EPIPE_API int epipe_codec_max_encoded_size(const epipe_codec *codec, const DLTen
 
 /* Encodes src into dst[0..capacity). src: fp32 (any codec), fp16 or bf16;
  * on the CPU (kDLCPU or kDLCUDAHost): any shape and any strides, contiguous
- * or not; or on a CUDA device (kDLCUDA, dense: see "CUDA tensors" below).
+ * or not, any byte_offset (data off element boundaries are read through a
+ * copy); dst, and decode's src, at any address; or on a CUDA device (kDLCUDA, dense: see "CUDA tensors" below).
  * The codec core picks the codec's backend from src's DLPack device
  * (docs/codec-backends.md). The CPU backend is synchronous: when the call
  * returns, dst holds the payload and src may be reused; the CUDA backend

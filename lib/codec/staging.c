@@ -2,6 +2,7 @@
  * fp16 and bf16 host tensors, through the handle's scratch buffer (and, for
  * the backward calls, of CUDA tensors, through host copies). */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,9 +21,14 @@ static float *scratch(epipe_codec *c, size_t n)
     return c->scratch;
 }
 
+/* The kernels read and write such a tensor in place: dense fp32 whose
+ * first element is 4-byte aligned (DLPack allows any byte_offset; a tensor
+ * whose data do not start on an element boundary is staged like a strided
+ * one, element by element with memcpy). */
 static int dense_f32(const DLTensor *t, enum epipe_dtype dt)
 {
-    return dt == EPIPE_DTYPE_F32 && epipe_tensor_is_dense(t);
+    return dt == EPIPE_DTYPE_F32 && epipe_tensor_is_dense(t) &&
+           ((uintptr_t)t->data + t->byte_offset) % sizeof(float) == 0;
 }
 
 int epipe_codec_stage_in(epipe_codec *c, const DLTensor *src, uint64_t n, enum epipe_dtype dt,
