@@ -293,6 +293,40 @@ static int write_delta_corpus(const char *root)
     return 0;
 }
 
+/* fuzz_codec_encode: each spec on [4, 16] tensors in four forms (fp32;
+ * fp16 one byte off; bf16 transposed; fp32 three bytes off, two threads),
+ * and one fp32 tensor holding NaN, infinities, a denormal and -0. */
+static void write_encode_corpus(const char *root)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/codec_encode", root);
+    mkdir(dir, 0755);
+    static const uint8_t forms[4] = {0x00, 0x05, 0x12, 0x2c};
+    for (size_t s = 0; s < FUZZ_NSPECS; s++)
+        for (int f = 0; f < 5; f++) {
+            uint8_t buf[3 + 64 * 4];
+            size_t esz = f < 4 && (forms[f] & 3) ? 2 : 4;
+            buf[0] = (uint8_t)s, buf[1] = f < 4 ? forms[f] : 0, buf[2] = 3;
+            for (int i = 0; i < 64; i++) {
+                float x = sinf((float)i * 0.7f) * (float)(1 + i % 7);
+                if (f == 4) {
+                    static const float odd[6] = {NAN, INFINITY, -INFINITY, 1e-40f, -0.0f, 3e38f};
+                    x = i % 9 < 6 ? odd[i % 9] : x;
+                }
+                if (esz == 4) {
+                    memcpy(buf + 3 + 4 * i, &x, 4);
+                } else { /* the top half of the fp32: a bf16, and some fp16 */
+                    uint32_t u;
+                    memcpy(&u, &x, 4);
+                    buf[3 + 2 * i] = (uint8_t)(u >> 16), buf[4 + 2 * i] = (uint8_t)(u >> 24);
+                }
+            }
+            char name[32];
+            snprintf(name, sizeof name, "enc-%zu-%d", s, f);
+            write_file(dir, name, buf, 3 + 64 * esz);
+        }
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -369,5 +403,6 @@ int main(int argc, char **argv)
     }
     write_wire_corpus(argv[1]);
     write_tcp_corpus(argv[1]);
+    write_encode_corpus(argv[1]);
     return write_delta_corpus(argv[1]);
 }
