@@ -197,7 +197,10 @@ EPIPE_API void epipe_comm_destroy(epipe_comm *comm);
 
 /* Marks this rank as failed: its blocked and later receives, and its peers'
  * receives from it, return EPIPE_EPEER. Use it to stop a pipeline when one
- * stage hits an error the others cannot see. Any thread; never blocks. */
+ * stage hits an error the others cannot see. Any thread; never waits for
+ * the network or a peer. It takes the handle's lock briefly, so it is not
+ * async-signal-safe: from a signal handler (Ctrl-C), set a flag or write
+ * to a pipe that a thread of yours watches, and call it from there. */
 EPIPE_API void epipe_comm_abort(epipe_comm *comm);
 
 EPIPE_API unsigned epipe_comm_rank(const epipe_comm *comm);
