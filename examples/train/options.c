@@ -233,25 +233,24 @@ int train_parse_args(int argc, char **argv, struct options *o)
     }
     if (o->nplace) {
         unsigned ranks = 0;
-        for (unsigned i = 0; i < o->nplace; i++)
+        unsigned char holds[64] = {0}; /* ranks are 0..63 (parsed above) */
+        for (unsigned i = 0; i < o->nplace; i++) {
             ranks = o->placement[i] + 1 > ranks ? o->placement[i] + 1 : ranks;
+            holds[o->placement[i]] = 1;
+        }
         if (stages_set && o->stages != ranks) {
             fprintf(stderr, "epipe-train: --placement names ranks 0..%u but --stages is %u\n",
                     ranks - 1, o->stages);
             return -1;
         }
-        for (unsigned r = 0; r < ranks; r++) {
-            unsigned i = 0;
-            while (i < o->nplace && o->placement[i] != r)
-                i++;
-            if (i == o->nplace) {
+        for (unsigned r = 0; r < ranks; r++)
+            if (!holds[r]) {
                 fprintf(stderr,
                         "epipe-train: --placement names rank %u, so ranks 0..%u run, but rank %u "
                         "holds no pipeline stage\n",
                         ranks - 1, ranks - 1, r);
                 return -1;
             }
-        }
         if (o->nplace > (unsigned)o->nhidden + 1) {
             fprintf(stderr,
                     "epipe-train: --placement lists %u pipeline stages but the model has %d "
@@ -274,22 +273,23 @@ int train_parse_args(int argc, char **argv, struct options *o)
     const char *specs[2] = {o->act_codec, o->grad_codec}, *names[2] = {"act", "grad"};
     for (int k = 0; k < 2 && !o->plan; k++) {
         epipe_codec *probe;
-        if (specs[k] && epipe_codec_create(&probe, specs[k]) != EPIPE_OK) {
+        if (!specs[k])
+            continue;
+        if (epipe_codec_create(&probe, specs[k]) != EPIPE_OK) {
             fprintf(stderr, "epipe-train: bad --%s-codec '%s': %s\n", names[k], specs[k],
                     epipe_last_error());
             return -1;
         }
         double ef = 0;
-        if (specs[k] && k == 0 && epipe_codec_spec_param(probe, "ef", &ef) == EPIPE_OK && ef == 1) {
+        int ef_on_act = k == 0 && epipe_codec_spec_param(probe, "ef", &ef) == EPIPE_OK && ef == 1;
+        epipe_codec_destroy(probe);
+        if (ef_on_act) {
             fprintf(stderr,
                     "epipe-train: bad --act-codec '%s': ef=1 (error feedback) is for "
                     "gradients (--grad-codec)\n",
                     specs[k]);
-            epipe_codec_destroy(probe);
             return -1;
         }
-        if (specs[k])
-            epipe_codec_destroy(probe);
     }
     if (o->plan) {
         const char *clash = o->codecs_set                ? "--act-codec/--grad-codec"
