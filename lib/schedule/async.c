@@ -221,7 +221,7 @@ int epipe_sched_async_versions(const struct epipe_sched_layout *l, unsigned m, i
                     break;
                 }
                 /* distinct versions held: the current one and the in-flight ones */
-                unsigned held = 1 + h.distinct - (upd < nver && h.count[upd] ? 1 : 0);
+                unsigned held = 1 + h.distinct - (h.count[upd] ? 1 : 0);
                 most = held > most ? held : most;
                 if (op->kind == EPIPE_OP_BACKWARD) {
                     if (live[op->microbatch])

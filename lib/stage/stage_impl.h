@@ -188,12 +188,11 @@ __attribute__((format(printf, 3, 4))) static inline int fail(epipe_stage *st, in
 
 /* EPIPE_ESTATE for a call that drives the stage (the op stream, a step,
  * the knobs that change between steps) made from inside one of its
- * callbacks: epipe_stage_step is in the middle of the op, and would go on
- * from a state the call had changed under it. */
+ * callbacks (the caller checks st->in_callback): epipe_stage_step is in
+ * the middle of the op, and would go on from a state the call had changed
+ * under it. */
 static inline int refuse_in_callback(epipe_stage *st, const char *call)
 {
-    if (!st->in_callback)
-        return EPIPE_OK;
     return fail(st, EPIPE_ESTATE,
                 "%s called from inside the %s callback of micro-batch %u: the stage receives, "
                 "sends and moves to the next op itself around its callbacks",
