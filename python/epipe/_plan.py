@@ -2,9 +2,25 @@
 points, a codec per boundary and direction, and the schedule, from a profile
 of a chain of layers and a table of measured codec costs. docs/planner.md."""
 import ctypes
+import json
 
 from ._core import _enc
 from ._lib import PlanCodec, PlanLayer, PlanOptions, check, lib
+
+def read_json(path, what, kind):
+    """The JSON document in path (a profile, a codec table), which must be a
+    `kind` (dict or list): ValueError naming the file and `what` it should
+    be otherwise. OSError when it cannot be read."""
+    with open(path) as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not {what} (JSON: {e})") from None
+    if not isinstance(doc, kind):
+        noun = "object" if kind is dict else "list"
+        raise ValueError(f"{path}: not {what} (a JSON {noun} expected)")
+    return doc
+
 
 LAYER_FIELDS = ("forward_s", "backward_s", "weight_s", "out_bytes", "param_bytes", "stash_bytes",
                 "update_s")

@@ -44,27 +44,13 @@ def _plan(a, ap):
     """The plan the arguments ask for; OSError for a file that cannot be
     read or written, ValueError (or epipe.Error) for one that is not what it
     should be and for a plan refused."""
-    from . import Plan
+    from ._plan import Plan, read_json
 
-    with open(a.profile) as f:
-        try:
-            doc = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{a.profile}: not a profile (JSON: {e})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{a.profile}: not a profile (a JSON object expected)")
+    doc = read_json(a.profile, "a profile", dict)
     layers = doc.get("layers")
     if not isinstance(layers, list) or not layers:
         ap.error(f"{a.profile}: no 'layers' list (write it with epipe.torch.profile().save())")
-    table = []
-    if a.codec_table:
-        with open(a.codec_table) as f:
-            try:
-                table = json.load(f)
-            except ValueError as e:
-                raise ValueError(f"{a.codec_table}: not a codec table (JSON: {e})") from None
-        if not isinstance(table, list):
-            raise ValueError(f"{a.codec_table}: not a codec table (a JSON list expected)")
+    table = read_json(a.codec_table, "a codec table", list) if a.codec_table else []
     if a.codecs:
         from .torch._profile import Profile, codec_table
 

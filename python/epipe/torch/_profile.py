@@ -10,7 +10,7 @@ import time
 import torch
 
 from .. import _core
-from .._plan import Plan
+from .._plan import Plan, read_json
 
 PROFILE_VERSION = 1
 
@@ -87,13 +87,7 @@ class Profile:
         beside it, read with torch.load(weights_only=True) (tensors only,
         never code) and holding a pair of tensors per boundary; anything
         else is a ValueError naming the file and the fault."""
-        with open(path) as f:
-            try:
-                doc = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not a profile (JSON: {e})") from None
-        if not isinstance(doc, dict):
-            raise ValueError(f"{path}: not a profile (a JSON object expected)")
+        doc = read_json(path, "a profile", dict)
         if doc.get("version") != PROFILE_VERSION:
             raise ValueError(f"{path}: profile version {doc.get('version')!r}; this epipe reads "
                              f"{PROFILE_VERSION}")
