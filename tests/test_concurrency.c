@@ -29,7 +29,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/time.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -470,8 +469,9 @@ static void shared_schedule_plans_and_codecs(void **state)
  * kill the host with SIGPIPE (the default action), and a SIGPIPE the host
  * had already pending, blocked, stays pending for it. In a child: the
  * parent checks how it ended. */
-static int child_logs_into_a_closed_pipe(int host_pipe_pending)
+static int child_logs_into_a_closed_pipe(const void *arg)
 {
+    int host_pipe_pending = *(const int *)arg;
     int p[2];
     if (pipe(p) || dup2(p[1], STDERR_FILENO) < 0)
         return 3;
@@ -499,18 +499,11 @@ static void log_lines_into_a_closed_pipe(void **state)
 {
     (void)state;
     for (int pending = 0; pending < 2; pending++) {
-        fflush(NULL);
-        pid_t pid = fork();
-        assert_true(pid >= 0);
-        if (pid == 0)
-            _exit(child_logs_into_a_closed_pipe(pending));
-        int st = 0;
-        assert_int_equal(waitpid(pid, &st, 0), pid);
-        if (WIFSIGNALED(st))
-            fail_msg("the child was killed by signal %d (SIGPIPE is %d)", WTERMSIG(st), SIGPIPE);
-        assert_true(WIFEXITED(st));
-        if (WEXITSTATUS(st))
-            fail_msg("pending %d: the child exited %d", pending, WEXITSTATUS(st));
+        int st = test_in_child(child_logs_into_a_closed_pipe, &pending);
+        if (st < 0)
+            fail_msg("the child was killed by signal %d (SIGPIPE is %d)", -st, SIGPIPE);
+        if (st)
+            fail_msg("pending %d: the child exited %d", pending, st);
     }
 }
 

@@ -13,7 +13,6 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -21,6 +20,7 @@
 #include <epipe/epipe.h>
 
 #include "comm/comm_impl.h"
+#include "testutil.h"
 
 /* ---- the log callback: every message, kept for the checks ---------------- */
 
@@ -265,8 +265,9 @@ static void trace_into_a_fifo_or_a_directory(void **state)
  * limit, which fails the same write() with EFBIG) is removed, and the log
  * says why: a cut-off JSON file is no trace. In a child, whose limit the
  * test's own output does not share. */
-static int child_writes_a_trace_too_large(const char *path)
+static int child_writes_a_trace_too_large(const void *arg)
 {
+    const char *path = arg;
     signal(SIGXFSZ, SIG_IGN); /* the write fails instead of killing */
     struct rlimit lim = {512, 512};
     if (setrlimit(RLIMIT_FSIZE, &lim))
@@ -298,20 +299,13 @@ static void a_trace_that_cannot_be_written_whole_is_removed(void **state)
     assert_non_null(mkdtemp(dir));
     char path[64];
     snprintf(path, sizeof path, "%s/trace.json", dir);
-    fflush(NULL);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0)
-        _exit(child_writes_a_trace_too_large(path));
-    int st = 0;
-    assert_int_equal(waitpid(pid, &st, 0), pid);
+    int st = test_in_child(child_writes_a_trace_too_large, path);
     unlink(path);
     rmdir(dir);
-    assert_true(WIFEXITED(st));
-    if (WEXITSTATUS(st))
-        fail_msg("the child exited %d (5: no log line naming EFBIG and the removal; 6: the "
-                 "partial trace was left)",
-                 WEXITSTATUS(st));
+    if (st)
+        fail_msg("the child ended with %d (5: no log line naming EFBIG and the removal; 6: the "
+                 "partial trace was left; below 0: killed by that signal)",
+                 st);
 }
 
 int main(void)

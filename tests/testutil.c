@@ -6,9 +6,11 @@
 #include <netinet/in.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -193,4 +195,19 @@ unsigned test_free_port(void)
     getsockname(fd, (struct sockaddr *)&a, &len);
     close(fd);
     return ntohs(a.sin_port);
+}
+
+int test_in_child(int (*fn)(const void *arg), const void *arg)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0)
+        _exit(fn(arg));
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    if (WIFSIGNALED(st))
+        return -WTERMSIG(st);
+    assert_true(WIFEXITED(st));
+    return WEXITSTATUS(st);
 }

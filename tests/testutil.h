@@ -57,6 +57,12 @@ void test_expect_proto(const char *spec, const test_payload *p, size_t n, const 
 struct epipe_msg *test_activation_msg(unsigned src, unsigned dst, uint64_t step, uint32_t mb,
                                       const float *x, size_t n);
 
+/* Runs fn(arg) in a child of fork() (the test's output flushed first, so
+ * that the child does not write it again) and returns the exit status the
+ * child's return value gave, or minus the signal that killed it. For checks
+ * that change the whole process: limits, signal dispositions, stderr. */
+int test_in_child(int (*fn)(const void *arg), const void *arg);
+
 /* A TCP port on 127.0.0.1 that was free a moment ago (bound, read, closed). */
 unsigned test_free_port(void);
 
