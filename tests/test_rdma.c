@@ -510,6 +510,9 @@ static void test_fault_setup(void **state)
 
 /* ---- every verbs call fails in turn -------------------------------------- */
 
+/* The verbs calls the test provider can fail (EPIPE_FAKEVERBS_FAIL). */
+static const char *const verbs_ops[4] = {"reg_mr", "create_qp", "modify_qp", "post_send"};
+
 static long provider_calls(const char *op)
 {
     void *h = dlopen(fakeverbs, RTLD_NOW | RTLD_NOLOAD);
@@ -580,9 +583,8 @@ static int verbs_workload(char *why, size_t cap, long *calls)
                 failed[r] = 2;
             }
         }
-    static const char *const ops[4] = {"reg_mr", "create_qp", "modify_qp", "post_send"};
     for (int k = 0; calls && k < 4; k++) /* before the provider is unloaded */
-        calls[k] = provider_calls(ops[k]);
+        calls[k] = provider_calls(verbs_ops[k]);
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
     return bad ? -1 : failed[0] || failed[1];
@@ -594,7 +596,6 @@ static int verbs_workload(char *why, size_t cap, long *calls)
  * nothing registered or open. */
 static void test_every_verbs_call_fails_in_turn(void **state)
 {
-    static const char *const ops[4] = {"reg_mr", "create_qp", "modify_qp", "post_send"};
     char why[256] = "";
     unsetenv("EPIPE_FAKEVERBS_FAIL");
     long calls[4];
@@ -605,12 +606,12 @@ static void test_every_verbs_call_fails_in_turn(void **state)
     double slowest = 0;
     for (int k = 0; k < 4; k++) {
         if (calls[k] <= 0)
-            fail_msg("the provider counted %ld calls of %s", calls[k], ops[k]);
+            fail_msg("the provider counted %ld calls of %s", calls[k], verbs_ops[k]);
         /* every call of the rare ops; 24 sends spread over the run */
         long step = calls[k] > 24 ? calls[k] / 24 : 1;
         for (long n = 1; n <= calls[k]; n += step) {
             char spec[64];
-            snprintf(spec, sizeof spec, "%s:%ld", ops[k], n);
+            snprintf(spec, sizeof spec, "%s:%ld", verbs_ops[k], n);
             setenv("EPIPE_FAKEVERBS_FAIL", spec, 1);
             int64_t t0 = epipe_now_ms();
             int out = verbs_workload(why, sizeof why, NULL);

@@ -48,15 +48,16 @@ FV_EXPORT int fakeverbs_live(const char *what)
     return -1;
 }
 
-/* Calls of an op that EPIPE_FAKEVERBS_FAIL can fail ("reg_mr",
- * "create_qp", "modify_qp", "post_send") since the device was last opened
- * with no other user; -1 for another name. */
+/* The ops EPIPE_FAKEVERBS_FAIL can fail, by FV_FAIL_* index. */
+static const char *const fv_fail_ops[4] = {"reg_mr", "create_qp", "modify_qp", "post_send"};
+
+/* Calls of an op of fv_fail_ops since the device was last opened with no
+ * other user; -1 for another name. */
 FV_EXPORT long fakeverbs_calls(const char *op);
 FV_EXPORT long fakeverbs_calls(const char *op)
 {
-    static const char *const ops[4] = {"reg_mr", "create_qp", "modify_qp", "post_send"};
     for (int i = 0; op && i < 4; i++)
-        if (strcmp(op, ops[i]) == 0) {
+        if (strcmp(op, fv_fail_ops[i]) == 0) {
             pthread_mutex_lock(&fv_nic.lock);
             long n = (long)fv_nic.calls[i];
             pthread_mutex_unlock(&fv_nic.lock);
@@ -94,7 +95,6 @@ static void fv_parse_env(void)
     memset(fv_nic.calls, 0, sizeof fv_nic.calls);
     memset(fv_nic.fail_at, 0, sizeof fv_nic.fail_at);
     const char *f = getenv("EPIPE_FAKEVERBS_FAIL");
-    static const char *const ops[4] = {"reg_mr", "create_qp", "modify_qp", "post_send"};
     while (f && *f) {
         const char *colon = strchr(f, ':');
         if (!colon)
@@ -102,7 +102,8 @@ static void fv_parse_env(void)
         char *end;
         unsigned long n = strtoul(colon + 1, &end, 10);
         for (int i = 0; i < 4; i++)
-            if ((size_t)(colon - f) == strlen(ops[i]) && strncmp(f, ops[i], strlen(ops[i])) == 0)
+            if ((size_t)(colon - f) == strlen(fv_fail_ops[i]) &&
+                strncmp(f, fv_fail_ops[i], strlen(fv_fail_ops[i])) == 0)
                 fv_nic.fail_at[i] = n;
         f = *end == ',' ? end + 1 : "";
     }
