@@ -337,8 +337,45 @@ static void test_first_host(void **state)
     assert_string_equal(h, "a010-ib");
     assert_int_equal(epipe_rdv_first_host("x,y", h, sizeof h), EPIPE_OK);
     assert_string_equal(h, "x");
+    assert_int_equal(epipe_rdv_first_host("rack[2-3]-n[007-010,1]", h, sizeof h), EPIPE_OK);
+    assert_string_equal(h, "rack2-n007");
+    assert_int_equal(epipe_rdv_first_host("n[09-10]", h, sizeof h), EPIPE_OK);
+    assert_string_equal(h, "n09");
     assert_int_equal(epipe_rdv_first_host("n[1-2", h, sizeof h), EPIPE_EINVAL);
     assert_int_equal(epipe_rdv_first_host("", h, sizeof h), EPIPE_EINVAL);
+    /* Malformed anywhere in the list, with the reason. */
+    static const struct {
+        const char *list, *why;
+    } bad[] = {
+        {"n[3-1]", "the range 3-1 in node list 'n[3-1]' runs backwards"},
+        {"a,n[010-9]", "the range 010-9 in node list"},
+        {"n[]", "is not numbers"},
+        {"n[-3]", "is not numbers"},
+        {"n[1-]", "is not numbers"},
+        {"n[1-x]", "is not numbers"},
+        {"n[1,,2]", "is not numbers"},
+        {"n[1[2]]", "is not numbers"},
+        {"a,b[1-2", "unbalanced '['"},
+        {"a,b]", "unbalanced ']'"},
+        {"a,,b", "an empty entry"},
+        {"a,", "an empty entry"},
+        {",a", "an empty entry"},
+        {"a b", "a space or control character"},
+        {"a,b\tc", "a space or control character"},
+        {"[1-2]", "the first host '1' of node list '[1-2]' is a number"},
+        {"10", "is a number"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        epipe_clear_error();
+        assert_int_equal(epipe_rdv_first_host(bad[i].list, h, sizeof h), EPIPE_EINVAL);
+        if (!strstr(epipe_last_error(), bad[i].why))
+            fail_msg("'%s': %s", bad[i].list, epipe_last_error());
+    }
+    /* The first host fits exactly, or is refused: never cut short. */
+    assert_int_equal(epipe_rdv_first_host("ab[12-13]", h, 5), EPIPE_OK);
+    assert_string_equal(h, "ab12");
+    assert_int_equal(epipe_rdv_first_host("ab[12-13]", h, 4), EPIPE_EINVAL);
+    assert_int_equal(epipe_rdv_first_host("abcd,e", h, 4), EPIPE_EINVAL);
 }
 
 static void test_options(void **state)

@@ -130,45 +130,109 @@ static int env_uint(const char *name, unsigned long max, unsigned long *out)
     return EPIPE_OK;
 }
 
+/* Compares two runs of decimal digits by value, leading zeros aside. */
+static int digits_cmp(const char *a, size_t na, const char *b, size_t nb)
+{
+    while (na > 1 && *a == '0')
+        a++, na--;
+    while (nb > 1 && *b == '0')
+        b++, nb--;
+    if (na != nb)
+        return na < nb ? -1 : 1;
+    return memcmp(a, b, na);
+}
+
+/* One bracket of a node list, *pp just past its '[': numbers and ascending
+ * ranges, comma-separated ("03-05,9"). The first number goes to out[*o...]
+ * when out is given. Leaves *pp past the ']'. */
+static int node_ranges(const char *list, const char **pp, char *out, size_t *o, size_t cap)
+{
+    const char *p = *pp;
+    for (int item = 0;; item++) {
+        const char *lo = p;
+        while (*p >= '0' && *p <= '9')
+            p++;
+        size_t nlo = (size_t)(p - lo);
+        if (nlo && *p == '-') {
+            const char *hi = ++p;
+            while (*p >= '0' && *p <= '9')
+                p++;
+            size_t nhi = (size_t)(p - hi);
+            if (nhi && digits_cmp(lo, nlo, hi, nhi) > 0)
+                return epipe_fail(EPIPE_EINVAL,
+                                  "rendezvous: the range %.*s-%.*s in node list '%s' runs "
+                                  "backwards",
+                                  (int)nlo, lo, (int)nhi, hi, list);
+            if (!nhi)
+                nlo = 0;
+        }
+        if (!nlo || (*p != ',' && *p != ']'))
+            return epipe_fail(EPIPE_EINVAL,
+                              *p ? "rendezvous: a range in node list '%s' is not numbers"
+                                 : "rendezvous: unbalanced '[' in node list '%s'",
+                              list);
+        if (item == 0 && out) {
+            if (*o + nlo >= cap)
+                return epipe_fail(EPIPE_EINVAL, "rendezvous: host name in '%s' too long", list);
+            memcpy(out + *o, lo, nlo);
+            *o += nlo;
+        }
+        if (*p++ == ']') {
+            *pp = p;
+            return EPIPE_OK;
+        }
+    }
+}
+
 int epipe_rdv_first_host(const char *list, char *out, size_t cap)
 {
-    /* First entry: up to a top-level comma. "pre[03-05,9]suf" -> "pre03suf". */
-    size_t o = 0;
-    const char *p = list;
-    if (!p || !*p)
+    /* The whole list is checked; the first host is the first entry with the
+     * first number of each bracket: "pre[03-05,9]suf,b1" -> "pre03suf". */
+    if (!list || !*list)
         return epipe_fail(EPIPE_EINVAL, "rendezvous: empty Slurm node list");
     if (cap == 0)
         return epipe_fail(EPIPE_EINVAL, "rendezvous: no room for a host name");
-    while (*p && *p != ',') {
-        if (*p == ']')
-            return epipe_fail(EPIPE_EINVAL, "rendezvous: unbalanced ']' in node list '%s'", list);
-        if (*p == '[') {
-            p++;
-            while (*p >= '0' && *p <= '9') { /* the first number */
-                if (o + 1 >= cap)
-                    return epipe_fail(EPIPE_EINVAL, "rendezvous: host name in '%s' too long", list);
-                out[o++] = *p++;
-            }
-            if (*p != ',' && *p != '-' && *p != ']')
-                return epipe_fail(EPIPE_EINVAL,
-                                  "rendezvous: a range in node list '%s' is not "
-                                  "numbers",
+    size_t o = 0;
+    int first = 1, entry_empty = 1;
+    for (const char *p = list;;) {
+        if (*p == ',' || *p == '\0') {
+            if (entry_empty)
+                return epipe_fail(EPIPE_EINVAL, "rendezvous: an empty entry in node list '%s'",
                                   list);
-            while (*p && *p != ']')
-                p++;
-            if (*p != ']')
-                return epipe_fail(EPIPE_EINVAL, "rendezvous: unbalanced '[' in node list '%s'",
-                                  list);
+            if (!*p)
+                break;
+            first = 0;
+            entry_empty = 1;
             p++;
             continue;
         }
-        if (o + 1 >= cap)
-            return epipe_fail(EPIPE_EINVAL, "rendezvous: host name in '%s' too long", list);
-        out[o++] = *p++;
+        entry_empty = 0;
+        if (*p == '[') {
+            p++;
+            int rc = node_ranges(list, &p, first ? out : NULL, &o, cap);
+            if (rc)
+                return rc;
+            continue;
+        }
+        if (*p == ']')
+            return epipe_fail(EPIPE_EINVAL, "rendezvous: unbalanced ']' in node list '%s'", list);
+        if ((unsigned char)*p <= ' ' || *p == 0x7f)
+            return epipe_fail(EPIPE_EINVAL,
+                              "rendezvous: a space or control character in node list '%s'", list);
+        if (first) {
+            if (o + 1 >= cap)
+                return epipe_fail(EPIPE_EINVAL, "rendezvous: host name in '%s' too long", list);
+            out[o++] = *p;
+        }
+        p++;
     }
     out[o] = '\0';
-    if (!o)
-        return epipe_fail(EPIPE_EINVAL, "rendezvous: no host in node list '%s'", list);
+    /* The resolver would take "1" or "10" for an IPv4 address. */
+    if (strspn(out, "0123456789") == o)
+        return epipe_fail(EPIPE_EINVAL,
+                          "rendezvous: the first host '%s' of node list '%s' is a number, not a "
+                          "host name",
+                          out, list);
     return EPIPE_OK;
 }
 

@@ -1,5 +1,6 @@
 /* Fuzz target: Slurm's node-list parser (epipe_rdv_first_host). Byte 0 is
- * the output capacity; the rest the list. The host fits and is plain. */
+ * the output capacity; the rest the list. The host fits, is plain and is not
+ * a number. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,7 +27,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             abort();
     } else {
         size_t n = strnlen(out, cap);
-        if (n == 0 || n >= cap || strpbrk(out, ",[]"))
+        if (n == 0 || n >= cap || strpbrk(out, ",[] \t") || strspn(out, "0123456789") == n)
             abort();
     }
     free(list);

@@ -221,7 +221,10 @@ static void write_tcp_corpus(const char *root)
                  {64, "[]"},
                  {64, "pre[007]suf,x"},
                  {64, ",node1"},
-                 {8, "r[1-2]c[3-4]"}};
+                 {8, "r[1-2]c[3-4]"},
+                 {64, "n[09-10],m[3-1]"},
+                 {64, "a[1,,2]"},
+                 {64, "[1-2]"}};
     snprintf(dir, sizeof dir, "%s/nodelist", root);
     mkdir(dir, 0755);
     for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
