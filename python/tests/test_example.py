@@ -80,6 +80,8 @@ def test_fmnist_schedule_trains_with_the_torch_front_end():
     acc = float(line[0].split("test accuracy ", 1)[1].split("%")[0])
     sps = float(line[0].split("; ", 1)[1].split()[0])
     assert acc > 40 and sps > 0, line[0]
+    import torch  # --device auto: the GPU where torch has one
+    assert line[0].endswith("on cuda:0" if torch.cuda.is_available() else "on cpu"), line[0]
 
 
 def _wire_share(extra):

@@ -183,6 +183,24 @@ def test_bad_input():
         ept.PipelineStage(torch.nn.Linear(2, 2), 3, 3)
     with pytest.raises(TypeError, match="nn.Module"):
         ept.PipelineStage(lambda x: x, 0, 1)
+    # the device: named, checked against what torch sees and where the module is
+    with pytest.raises(ValueError, match="device 'gpu' is not a device"):
+        ept.PipelineStage(torch.nn.Linear(2, 2), 0, 1, "gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
+            ept.PipelineStage(torch.nn.Linear(2, 2), 0, 1, "cuda")
+    else:
+        with pytest.raises(ValueError, match="CUDA device"):
+            ept.PipelineStage(torch.nn.Linear(2, 2).cuda(), 0, 1,
+                              f"cuda:{torch.cuda.device_count()}")
+        with pytest.raises(ValueError, match="'weight' is on cpu"):
+            ept.PipelineStage(torch.nn.Linear(2, 2), 0, 1, "cuda")
+    with pytest.raises(ValueError, match=r"PipelineStage 1: the module's parameter '0.weight' "
+                                         r"is on meta, not the stage's device cpu; "
+                                         r".*module.to\('cpu'\)"):
+        ept.PipelineStage(torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta")), 1, 2)
+    with pytest.raises(ValueError, match="buffer 'running_mean' is on meta"):
+        ept.PipelineStage(torch.nn.BatchNorm1d(2, device="meta", affine=False), 0, 1)
     comms = epipe.Comm.inproc(1)
     try:
         st = ept.PipelineStage(torch.nn.Linear(2, 2), 0, 1, comm=comms[0])

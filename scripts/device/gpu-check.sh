@@ -3,7 +3,8 @@
 # suite's programs (byte identity with the CPU, hostile payloads, mix-ups,
 # stages with CUDA tensors), the Python binding on CUDA tensors, the codec
 # benchmarks against a device-to-device copy and against cuDNN, the pipeline
-# overhead with its trace, and compute-sanitizer's memcheck and racecheck.
+# overhead with its trace, the split CNN example with its stages on the GPU,
+# and compute-sanitizer's memcheck and racecheck.
 #
 # usage: scripts/device/gpu-check.sh BUILD OUTDIR
 #   BUILD: what scripts/device/pack.sh gathers (lib/libepipe.so.0,
@@ -115,6 +116,21 @@ step bench-shaped "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" --reps 5
 step python-cuda "${GPU_CHECK_PYTHON_S:-120}" $PY -m pytest -q -p no:cacheprovider \
     python/tests/test_cuda.py python/tests/test_codec.py python/tests/test_torch_api.py \
     python/tests/test_dp_pp.py::test_hook_on_nccl
+# 3b. examples/torch/fmnist_schedule.py with its three stages on the GPU,
+# on the Fashion-MNIST subset pack.sh carries: it must learn and say cuda
+if [ -d "$B/fmnist" ] && [ -x "$B/tools/epipe-run" ]; then
+    # shellcheck disable=SC2016 # $1 and $2: the inner sh's
+    step example-cuda "${GPU_CHECK_PYTHON_S:-120}" sh -c '
+        out=$(env PYTHONPATH="$1/python" EPIPE_LIBRARY="$2/lib/libepipe.so.0" \
+            PYTHONDONTWRITEBYTECODE=1 "$2/tools/epipe-run" -n 3 -- python3 \
+            examples/torch/fmnist_schedule.py --device auto --data "$2/fmnist" \
+            --train-limit 3840 --test-limit 1000 2>&1)
+        rc=$?
+        echo "$out"
+        [ "$rc" = 0 ] && echo "$out" | grep -q "test accuracy .* on cuda:0$"' sh "$PWD" "$B"
+elif wanted example; then
+    echo "example-cuda: pack.sh carried no Fashion-MNIST subset or no epipe-run" >>"$SUMMARY"
+fi
 # 4. A CUDA-tensor pipeline step against its compute and codec kernels, with
 # each stage's trace summary (issue 11's overhead target)
 for codec in sortquant:bits=8 none; do

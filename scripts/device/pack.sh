@@ -23,8 +23,8 @@ if [ ! -f "$B/build.ninja" ]; then
         -Dauth=disabled -Drdma=disabled -Dfuzz=disabled
 fi
 files="lib/libepipe.so.0 cuda/libepipe-cuda.so cuda/epipe-bench-cuda
-       tests/gpu/test_gpu_codecs tests/gpu/test_gpu_stage"
-meson compile -C "$B" epipe epipe-cuda epipe-bench-cuda test_gpu_codecs test_gpu_stage
+       tests/gpu/test_gpu_codecs tests/gpu/test_gpu_stage tools/epipe-run"
+meson compile -C "$B" epipe epipe-cuda epipe-bench-cuda test_gpu_codecs test_gpu_stage epipe-run
 rm -rf "$O"
 mkdir -p "$O/deps"
 for f in $files; do
@@ -52,4 +52,28 @@ find "$O" -type f -exec strip --strip-debug {} +
 ls "$O/deps"
 tar -C "$O" -czf "$O/deps.tar.gz" deps
 rm -r "$O/deps"
+# The first 3,840 training and 1,000 test images of Fashion-MNIST (about
+# 1 MB), for examples/torch on the GPU: the device machine has no dataset.
+data=/usr/share/datasets/fashion-mnist
+if [ -f "$data/train-images-idx3-ubyte.gz" ]; then
+    python3 - "$data" "$O/fmnist" <<'EOF'
+import gzip, os, struct, sys
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+for pre, keep in (("train", 3840), ("t10k", 1000)):
+    for kind in ("images-idx3", "labels-idx1"):
+        name = f"{pre}-{kind}-ubyte.gz"
+        with gzip.open(os.path.join(src, name), "rb") as f:
+            raw = f.read()
+        ndim = raw[3]
+        dims = list(struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim]))
+        item = len(raw[4 + 4 * ndim:]) // dims[0]
+        dims[0] = min(keep, dims[0])
+        body = raw[4 + 4 * ndim:4 + 4 * ndim + dims[0] * item]
+        with gzip.open(os.path.join(dst, name), "wb") as f:
+            f.write(raw[:4] + struct.pack(f">{ndim}I", *dims) + body)
+EOF
+else
+    echo "pack.sh: no Fashion-MNIST in $data: the example-cuda step will be skipped" >&2
+fi
 du -sh "$O"
