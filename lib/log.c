@@ -18,6 +18,11 @@ static pthread_once_t log_once = PTHREAD_ONCE_INIT;
 static int log_level = EPIPE_LOG_WARN;
 static char log_subsys[256]; /* ",tcp,rendezvous," or "" for all */
 
+/* Every subsystem a log call names: EPIPE_LOG_SUBSYS names from these
+ * (common.h lists them too). */
+static const char *const log_subsystems[] = {"auth",       "comm",  "inproc", "rdma",
+                                             "rendezvous", "stage", "tcp",    "trace"};
+
 /* The host's callback: process-wide by design (epipe/common.h). Callers of
  * it hold the lock for reading, so a new setting waits for calls in flight
  * and the old callback is never called after epipe_set_log_callback(). */
@@ -57,6 +62,52 @@ static void write_stderr(const char *line, size_t len)
         pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
+/* A warning about the variables, straight to stderr: it is about the
+ * process's environment, and is written inside the first log call, before
+ * the filters it concerns exist. */
+__attribute__((format(printf, 1, 2))) static void log_init_warn(const char *fmt, ...)
+{
+    char line[400];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        write_stderr(line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
+}
+
+/* EPIPE_LOG_SUBSYS: kept as ",a,b," for the search in epipe_log_enabled().
+ * A name no log call uses (a typo, say) would silently hide that
+ * subsystem's messages: each is named in a warning. */
+static void log_init_subsys(const char *s)
+{
+    if (strlen(s) + 3 > sizeof log_subsys) {
+        log_init_warn("epipe: log: EPIPE_LOG_SUBSYS=%.200s... is too long; logging every "
+                      "subsystem\n",
+                      s);
+        return;
+    }
+    snprintf(log_subsys, sizeof log_subsys, ",%s,", s);
+    char known[128] = "";
+    for (size_t i = 0; i < sizeof log_subsystems / sizeof log_subsystems[0]; i++)
+        snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", i ? ", " : "",
+                 log_subsystems[i]);
+    for (const char *p = s; *p;) {
+        size_t n = strcspn(p, ",");
+        int found = 0;
+        for (size_t i = 0; i < sizeof log_subsystems / sizeof log_subsystems[0]; i++)
+            found |= strlen(log_subsystems[i]) == n && !strncmp(log_subsystems[i], p, n);
+        if (!found && n) {
+            char name[64];
+            snprintf(name, sizeof name, "%.*s", (int)(n < 63 ? n : 63), p);
+            log_init_warn("epipe: log: EPIPE_LOG_SUBSYS names '%s', which is not a subsystem "
+                          "(%s)\n",
+                          name, known);
+        }
+        p += n + (p[n] == ',');
+    }
+}
+
 static void log_init(void)
 {
     const char *v = getenv("EPIPE_LOG");
@@ -68,19 +119,14 @@ static void log_init(void)
                 log_level = i, found = 1;
         if (!found && !strcasecmp(v, "warning"))
             log_level = EPIPE_LOG_WARN, found = 1;
-        if (!found) {
-            char line[300];
-            int n = snprintf(line, sizeof line,
-                             "epipe: log: EPIPE_LOG=%.200s is not one of error, warn, info, "
-                             "debug; using warn\n",
-                             v);
-            if (n > 0)
-                write_stderr(line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
-        }
+        if (!found)
+            log_init_warn("epipe: log: EPIPE_LOG=%.200s is not one of error, warn, info, "
+                          "debug; using warn\n",
+                          v);
     }
     const char *s = getenv("EPIPE_LOG_SUBSYS");
-    if (s && *s && strlen(s) + 3 < sizeof log_subsys)
-        snprintf(log_subsys, sizeof log_subsys, ",%s,", s);
+    if (s && *s)
+        log_init_subsys(s);
 }
 
 int epipe_log_enabled(int level, const char *subsys)

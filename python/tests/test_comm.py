@@ -145,3 +145,27 @@ def test_ctrl_c_interrupts_a_rendezvous():
         p.wait()
     assert "KeyboardInterrupt" in err, err
     assert waited < 10, f"Ctrl-C took {waited:.1f} s to end a rendezvous"
+
+
+@pytest.mark.parametrize("env, lines, said", [
+    ({"EPIPE_LOG": "loud"}, 1,
+     ["EPIPE_LOG=loud is not one of error, warn, info, debug; using warn"]),
+    ({"EPIPE_LOG_SUBSYS": "tcp,rendevous,,x"}, 2,
+     ["names 'rendevous', which is not a subsystem (auth, comm, inproc, rdma, rendezvous, stage, "
+      "tcp, trace)", "names 'x', which is not a subsystem"]),
+    ({"EPIPE_LOG_SUBSYS": "tcp," * 80}, 1, ["EPIPE_LOG_SUBSYS=tcp,tcp,", "is too long"]),
+    ({"EPIPE_LOG": "INFO", "EPIPE_LOG_SUBSYS": "comm,tcp"}, 0, []),
+])
+def test_log_variables_are_checked(env, lines, said):
+    # Read at the first log call of a process; a value that would silently
+    # hide messages (a misspelt subsystem) is named on stderr.
+    script = "import epipe\nfor c in epipe.Comm.inproc(2): c.close()\n"
+    full = {k: v for k, v in os.environ.items() if k not in ("EPIPE_LOG", "EPIPE_LOG_SUBSYS")}
+    full.update(env, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", script], env=full, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("epipe: log:")]) == lines, \
+        r.stderr
+    for s in said:
+        assert s in r.stderr, r.stderr
