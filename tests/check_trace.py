@@ -65,6 +65,35 @@ with tempfile.TemporaryDirectory() as d:
                 os.path.exists(out):
             fail("merge into %s: exit %d, %r" % (out, r.returncode, r.stderr[-300:]))
     print("ok: an output that cannot be written is named, and none is left")
+    # ... and one that existed stays as it was.
+    kept = os.path.join(d, "kept.json")
+    with open(kept, "w") as f:
+        f.write('{"traceEvents": []}')
+    r = subprocess.run([sys.executable, merge, kept, good], capture_output=True, text=True,
+                       timeout=60, preexec_fn=small_files)
+    with open(kept) as f:
+        if r.returncode != 1 or f.read() != '{"traceEvents": []}':
+            fail("a failed merge into an existing file changed it: exit %d" % r.returncode)
+    # The inputs are never written: a rank's trace as OUT (the slip of leaving
+    # OUT out: "epipe-trace-merge run.rank*.json"), OUT among the inputs, an
+    # option where OUT goes.
+    ranks = [os.path.join(d, "run.rank%d.json" % k) for k in range(2)]
+    for path in ranks:
+        with open(path, "w") as f:
+            f.write('{"traceEvents": []}')
+    for args, why in ((ranks, "run.rank0.json is a rank's trace, not a merged one"),
+                      ([good, good], "good.json is also an input"),
+                      ([kept, ranks[0], kept], "kept.json is also an input"),
+                      (["-o", kept, good], "unknown option '-o'")):
+        before = {p: open(p).read() for p in (good, kept, *ranks)}
+        r = subprocess.run([sys.executable, merge, *args], capture_output=True, text=True,
+                           timeout=60)
+        after = {p: open(p).read() for p in before}
+        if r.returncode != 2 or why not in r.stderr or before != after or \
+                os.path.exists(os.path.join(d, "-o")):
+            fail("merge %s: exit %d, %r, inputs changed: %s" %
+                 (args, r.returncode, r.stderr[-300:], before != after))
+    print("ok: the inputs are never the output")
 
 with tempfile.TemporaryDirectory() as d:
     env = dict(os.environ, EPIPE_TRACE=os.path.join(d, "run.json"))
