@@ -109,5 +109,20 @@ with tempfile.TemporaryDirectory() as tmp:
              f"file left: {os.path.exists(cut)}")
     else:
         print("ok: a plan cut off by the file-size limit is named and removed")
+    # ... and a plan file already there stays as it was, even the one read
+    # (--plan X --plan-out X).
+    with open(plan) as f:
+        before = f.read()
+    r = subprocess.run([train, "--plan", plan, "--plan-out", plan, *SMALL], capture_output=True,
+                       text=True, timeout=120, preexec_fn=small_files)
+    with open(plan) as f:
+        after = f.read()
+    if r.returncode == 0 or "File too large" not in r.stderr or after != before:
+        fail(f"a failed --plan-out over the plan read: exit {r.returncode}, "
+             f"{r.stderr[-400:]!r}, file changed: {after != before}")
+    elif [n for n in os.listdir(tmp) if n.startswith(os.path.basename(plan) + ".")]:
+        fail(f"a temporary file was left: {os.listdir(tmp)}")
+    else:
+        print("ok: a failed --plan-out leaves the file there as it was")
 
 sys.exit(0 if ok else 1)

@@ -4,7 +4,10 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #define LINE_MAX_LEN 512
 #define MAGIC "epipe-train-plan 1"
@@ -222,4 +225,39 @@ int train_plan_write(FILE *f, const struct train_plan *p)
     for (unsigned b = 0; b + 1 < p->stages; b++)
         fprintf(f, "act %u %s\ngrad %u %s\n", b, p->act[b], b, p->grad[b]);
     return fflush(f) || ferror(f) ? -1 : 0;
+}
+
+int train_plan_save(const char *path, const struct train_plan *p)
+{
+    size_t n = strlen(path);
+    char *tmp = malloc(n + 8);
+    if (!tmp)
+        return ENOMEM;
+    memcpy(tmp, path, n);
+    memcpy(tmp + n, ".XXXXXX", 8);
+    int fd = mkstemp(tmp), err = 0;
+    FILE *f = NULL;
+    if (fd < 0) {
+        err = errno;
+    } else {
+        mode_t mask = umask(0); /* the mode a plain fopen() would give */
+        umask(mask);
+        if (fchmod(fd, 0666 & ~mask) != 0 || !(f = fdopen(fd, "w")))
+            err = errno;
+    }
+    if (f) {
+        errno = 0;
+        if (train_plan_write(f, p))
+            err = errno ? errno : EIO;
+        if (fclose(f) != 0 && !err)
+            err = errno;
+    } else if (fd >= 0) {
+        close(fd);
+    }
+    if (!err && rename(tmp, path) != 0)
+        err = errno;
+    if (err && fd >= 0)
+        unlink(tmp);
+    free(tmp);
+    return err;
 }

@@ -35,4 +35,9 @@ int train_plan_load(const char *path, struct train_plan *p, char *err, size_t ca
 /* Writes p in the format train_plan_parse() reads. 0, or -1 (errno). */
 int train_plan_write(FILE *f, const struct train_plan *p);
 
+/* Writes p to the file at path whole or not at all: through a temporary
+ * file beside it, renamed over path at the end, so a failure (a full disk)
+ * leaves path as it was. 0, or the errno of the failure. */
+int train_plan_save(const char *path, const struct train_plan *p);
+
 #endif

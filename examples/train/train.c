@@ -707,17 +707,7 @@ static int setup_plan(struct options *o, const struct dataset *d, struct train_p
     o->schedule = plan->schedule;
     o->layout = plan;
     if (o->plan_out) {
-        FILE *f = fopen(o->plan_out, "w");
-        int werr = f ? 0 : errno;
-        if (f) {
-            errno = 0;
-            if (train_plan_write(f, plan))
-                werr = errno ? errno : EIO;
-            if (fclose(f) && !werr)
-                werr = errno;
-            if (werr) /* a plan cut off part way would be refused when read: none is better */
-                unlink(o->plan_out);
-        }
+        int werr = train_plan_save(o->plan_out, plan);
         if (werr) {
             fprintf(stderr, "epipe-train: cannot write the plan to %s: %s\n", o->plan_out,
                     strerror(werr));
