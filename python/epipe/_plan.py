@@ -3,6 +3,8 @@ points, a codec per boundary and direction, and the schedule, from a profile
 of a chain of layers and a table of measured codec costs. docs/planner.md."""
 import ctypes
 import json
+import os
+import tempfile
 
 from ._core import _enc
 from ._lib import PlanCodec, PlanLayer, PlanOptions, check, lib
@@ -20,6 +22,27 @@ def read_json(path, what, kind):
         noun = "object" if kind is dict else "list"
         raise ValueError(f"{path}: not {what} (a JSON {noun} expected)")
     return doc
+
+
+def write_json(path, doc):
+    """doc as JSON at path, whole or not at all: written to a temporary file
+    beside path and renamed over it, so a failure (a full disk) leaves path
+    as it was, even when it is the file just read."""
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",
+                               dir=os.path.dirname(path) or ".")
+    try:
+        mask = os.umask(0)  # the mode open(path, "w") would give
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
+        with os.fdopen(fd, "w") as f:
+            fd = -1
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(tmp)
+        raise
 
 
 LAYER_FIELDS = ("forward_s", "backward_s", "weight_s", "out_bytes", "param_bytes", "stash_bytes",

@@ -44,7 +44,7 @@ def _plan(a, ap):
     """The plan the arguments ask for; OSError for a file that cannot be
     read or written, ValueError (or epipe.Error) for one that is not what it
     should be and for a plan refused."""
-    from ._plan import Plan, read_json
+    from ._plan import Plan, read_json, write_json
 
     doc = read_json(a.profile, "a profile", dict)
     layers = doc.get("layers")
@@ -61,8 +61,7 @@ def _plan(a, ap):
             print(f"epipe-plan: {spec} skipped on boundary {k} ({d}): {why}", file=sys.stderr)
         table += measured
         if a.save_table:
-            with open(a.save_table, "w") as f:
-                json.dump(measured, f, indent=1)
+            write_json(a.save_table, measured)
     return Plan(layers, table, stages=a.stages, microbatches=a.microbatches,
                 bandwidth=a.bandwidth, latency=a.latency, memory=a.memory,
                 act_error_budget=a.act_error, grad_error_budget=a.grad_error,

@@ -76,6 +76,16 @@ def test_profile_codec_table_and_plan(tmp_path):
     back = ept.Profile.load(path)
     assert back.layers == prof.layers and torch.equal(back.samples[2][1], prof.samples[2][1])
     assert isinstance(back.samples[2], tuple)
+    # a save that fails part way (here what cannot be JSON, at the end) leaves
+    # the file there as it was, and no temporary file beside it
+    with open(path) as f:
+        before = f.read()
+    with pytest.raises(TypeError):
+        ept.Profile(prof.layers, meta={"z": object()}).save(path)
+    with open(path) as f:
+        assert f.read() == before
+    assert sorted(os.listdir(tmp_path)) == ["prof.json", "prof.json.samples.pt"]
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~_umask()
     # a slow link: the plan compresses and beats the blind plan
     p = ept.plan(prof, table, stages=2, microbatches=4, bandwidth=1e6)
     assert p.step_seconds <= p.blind_step_seconds
@@ -209,3 +219,9 @@ def test_plan_counts_are_checked(field, value):
     kw[field] = value
     with pytest.raises(ValueError, match=f"plan: {field} must be a positive int"):
         epipe.Plan(layers, **kw)
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -2,7 +2,6 @@
 chain, forward and backward time, output and stash bytes, parameter bytes,
 and a sample of each boundary's activation and gradient; per codec and
 boundary, measured encode and decode time, wire ratio and error."""
-import json
 import os
 import statistics
 import time
@@ -10,7 +9,7 @@ import time
 import torch
 
 from .. import _core
-from .._plan import Plan, read_json
+from .._plan import Plan, read_json, write_json
 
 PROFILE_VERSION = 1
 
@@ -77,8 +76,7 @@ class Profile:
             side = path + ".samples.pt"
             torch.save([(a.cpu(), g.cpu()) for a, g in self.samples], side)
             doc["samples"] = os.path.basename(side)
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(path, doc)
 
     @classmethod
     def load(cls, path):
