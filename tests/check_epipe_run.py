@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """epipe-run cleans up after its ranks and starts as many as asked: processes a
 rank leaves in its process group get SIGTERM when every rank has exited (and
-SIGKILL 5 s later), whatever the ranks' status; a low soft limit on open files
-is raised for the launcher alone. Usage: check_epipe_run.py EPIPE_RUN."""
+SIGKILL 5 s later), whatever the ranks' status; ranks get SIGTERM when the
+launcher is killed outright; a low soft limit on open files is raised for the
+launcher alone. Usage: check_epipe_run.py EPIPE_RUN."""
 import os
 import resource
 import signal
@@ -110,6 +111,30 @@ with tempfile.TemporaryDirectory() as d:
         fail(f"own session: exit {r.returncode} in {dt:.2f} s, alive {still} of {pids}")
     else:
         print(f"own session: left alone, launcher done in {dt:.2f} s")
+
+
+# The launcher killed outright (SIGKILL: it can stop nothing itself): the
+# kernel sends each rank SIGTERM (PR_SET_PDEATHSIG) instead of leaving them
+# running with no one reading their output.
+with tempfile.TemporaryDirectory() as d:
+    p = subprocess.Popen([run, "-n", "2", "--", "sh", "-c",
+                          'echo $$ > "$1/$EPIPE_RANK.tmp"; mv "$1/$EPIPE_RANK.tmp" '
+                          '"$1/$EPIPE_RANK"; exec sleep 60', "sh", d],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 10
+    while len([n for n in os.listdir(d) if not n.endswith(".tmp")]) < 2 and \
+            time.monotonic() < end:
+        time.sleep(0.02)
+    pids = left_pids(d)
+    p.kill()
+    p.wait()
+    survivors = gone_soon(pids)
+    for q in survivors:
+        os.kill(q, signal.SIGKILL)
+    if len(pids) != 2 or survivors:
+        fail(f"launcher killed: ranks {pids}, {survivors} outlived it")
+    else:
+        print("launcher killed by SIGKILL: both ranks ended")
 
 
 # Open files: two pipes per rank stay open in the launcher. A soft limit of 64

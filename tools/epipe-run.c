@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -73,7 +74,8 @@ static void usage(FILE *f)
            "exits with the first failing rank's status (128+signal for a signal), else 0; a\n"
            "rank killed by a signal within 0.2 s after another failed counts as the first.\n"
            "Each rank leads its own process group. Processes left in it after its rank\n"
-           "exits get SIGTERM once every rank has exited, then SIGKILL 5 s later.\n");
+           "exits get SIGTERM once every rank has exited, then SIGKILL 5 s later. If\n"
+           "epipe-run itself is killed, the kernel sends each rank SIGTERM.\n");
 }
 
 static int free_port(void)
@@ -339,6 +341,7 @@ int main(int argc, char **argv)
     }
     char nbuf[16];
     snprintf(nbuf, sizeof nbuf, "%ld", n);
+    pid_t launcher = getpid();
     for (unsigned r = 0; r < (unsigned)n; r++) {
         int pout[2], perr[2];
         if (pipe2(pout, O_CLOEXEC)) {
@@ -359,7 +362,12 @@ int main(int argc, char **argv)
         if (pid == 0) {
             char rb[16];
             snprintf(rb, sizeof rb, "%u", r);
-            setpgid(0, 0); /* the terminal's Ctrl-C reaches epipe-run, which forwards it */
+            /* A launcher killed outright (SIGKILL, the OOM killer) cannot stop
+             * its ranks: the kernel sends them SIGTERM instead of leaving them
+             * running without anyone reading their output. */
+            if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != launcher)
+                _exit(127); /* the launcher is already gone */
+            setpgid(0, 0);  /* the terminal's Ctrl-C reaches epipe-run, which forwards it */
             signal(SIGINT, SIG_DFL);
             signal(SIGTERM, SIG_DFL);
             signal(SIGCHLD, SIG_DFL);
