@@ -118,8 +118,22 @@ int epipe_cuda_body_push(epipe_codec *c, const uint8_t *body, size_t off, size_t
 
 /* Blocks of `kernel` at `threads` a block resident at once on `device`:
  * what a cooperative launch may have; 0 where it cannot launch. Asked once
- * per device: cache is the caller's, one per kernel (0: not asked). */
-int epipe_cuda_coop_blocks(const void *kernel, unsigned threads, int device, int cache[64]);
+ * per device: cache is the caller's, one per kernel (0: not asked, -1: no
+ * cooperative launch); *entry is set to the device's entry in it (NULL for
+ * a device past the cache), for epipe_cuda_coop_launch(). */
+int epipe_cuda_coop_blocks(const void *kernel, unsigned threads, int device, int cache[64],
+                           int **entry);
+
+/* A cooperative launch for a caller that has a multi-launch path for the
+ * same work. 1 when launched; 0 when the launch was refused as one whose
+ * blocks cannot all be resident (cudaErrorCooperativeLaunchTooLarge: the
+ * context has fewer SMs than the device reports, as an MPS client with a
+ * thread percentage or a green context does; or cudaErrorNotSupported):
+ * the error is cleared and *entry set to -1, so that this and later calls
+ * on the device take the multi-launch path; any other failure is reported
+ * (EPIPE_EIO, naming `what`). */
+int epipe_cuda_coop_launch(epipe_codec *c, const void *kernel, unsigned blocks, unsigned threads,
+                           void **args, cudaStream_t s, int *entry, const char *what);
 
 /* Blocks for n items at `threads` per block, capped so that a grid-stride
  * loop covers the rest. */

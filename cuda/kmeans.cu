@@ -177,9 +177,14 @@ static int fit_sampled(epipe_codec *c, const float *x, size_t n, size_t m, uint8
     float *tails = (float *)malloc((t ? t : 1) * sizeof *tails);
     if (!tails)
         return epipe_cuda_fail(c, EPIPE_ENOMEM, "kmeans: no host memory for %llu tail values", t);
-    if ((rc = epipe_cuda_check(
-             c, cudaMemcpy(tails, w2, t * sizeof *tails, cudaMemcpyDeviceToHost),
-             "copying the tails to the host")) == EPIPE_OK)
+    /* on the codec's stream: a plain cudaMemcpy would go on the legacy
+     * default stream and wait for the work of every blocking stream (a
+     * host's whole compute queue) */
+    if ((rc = epipe_cuda_check(c,
+                               cudaMemcpyAsync(tails, w2, t * sizeof *tails,
+                                               cudaMemcpyDeviceToHost, s),
+                               "copying the tails to the host")) == EPIPE_OK &&
+        (rc = epipe_cuda_check(c, cudaStreamSynchronize(s), "waiting for the tails")) == EPIPE_OK)
         rc = core->km_fit(c, NULL, n, lo, hi, hs, m, tails, (size_t)t, body, mid);
     free(tails);
     return rc;

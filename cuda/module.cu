@@ -162,10 +162,13 @@ static int handle_state(epipe_codec *c, int device, epipe_cuda_handle **out)
     return EPIPE_OK;
 }
 
-int epipe_cuda_coop_blocks(const void *kernel, unsigned threads, int device, int cache[64])
+int epipe_cuda_coop_blocks(const void *kernel, unsigned threads, int device, int cache[64],
+                           int **entry)
 {
+    *entry = NULL;
     if (device < 0 || device >= 64)
         return 0;
+    *entry = &cache[device];
     if (cache[device] == 0) {
         int coop = 0, sms = 0, per = 0;
         cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device);
@@ -176,6 +179,20 @@ int epipe_cuda_coop_blocks(const void *kernel, unsigned threads, int device, int
         cache[device] = coop && sms > 0 && per > 0 ? sms * per : -1;
     }
     return cache[device] > 0 ? cache[device] : 0;
+}
+
+int epipe_cuda_coop_launch(epipe_codec *c, const void *kernel, unsigned blocks, unsigned threads,
+                           void **args, cudaStream_t s, int *entry, const char *what)
+{
+    cudaError_t e = cudaLaunchCooperativeKernel(kernel, blocks, threads, args, 0, s);
+    if (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) {
+        cudaGetLastError(); /* not sticky: leave nothing for the next check */
+        if (entry)
+            *entry = -1;
+        return 0;
+    }
+    int rc = epipe_cuda_check(c, e, what);
+    return rc ? rc : 1;
 }
 
 int epipe_cuda_grow(epipe_codec *c, epipe_cuda_buf *b, size_t bytes, void **p)

@@ -211,11 +211,12 @@ static dim3 rows_grid(uint64_t rows, uint64_t len)
  * tests cover both paths: their tensors are on either side). */
 #define QUANT_FUSED_MIN (1u << 16)
 
-/* Blocks of q_encode_fused that a cooperative launch may have on `device`. */
-static int fused_blocks(int device)
+/* Blocks of q_encode_fused that a cooperative launch may have on `device`,
+ * and its cache entry (epipe_cuda_coop_launch()). */
+static int fused_blocks(int device, int **entry)
 {
     static int cache[64];
-    return epipe_cuda_coop_blocks((const void *)q_encode_fused, 256, device, cache);
+    return epipe_cuda_coop_blocks((const void *)q_encode_fused, 256, device, cache, entry);
 }
 
 static uint64_t code_bytes(uint64_t n, unsigned w)
@@ -268,7 +269,8 @@ static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     if ((rc = epipe_cuda_body_out(c, 0, 8 + cb, &d)) ||
         (rc = epipe_cuda_grow(c, &h->work[0], sizeof(q_dev), &tw)))
         return rc;
-    int vec = epipe_cuda_aligned16(x), blocks = fused_blocks(h->device);
+    int *coop;
+    int vec = epipe_cuda_aligned16(x), blocks = fused_blocks(h->device, &coop);
     if (n >= QUANT_FUSED_MIN && blocks > 0) {
         void *part;
         if ((rc = epipe_cuda_grow(c, &h->work[1], 2 * sizeof(uint32_t) * (size_t)blocks, &part)))
@@ -278,13 +280,11 @@ static int quant_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         void *args[] = {(void *)&x, (void *)&n,  (void *)&vec,  (void *)&levels,
                         (void *)&zero, (void *)&w, (void *)&b, (void *)&cb,
                         (void *)&part, (void *)&st};
-        if ((rc = epipe_cuda_check(
-                 c,
-                 cudaLaunchCooperativeKernel((const void *)q_encode_fused, blocks, 256, args, 0, s),
-                 "launching the quant kernel")))
-            return rc;
-        return epipe_cuda_body_flush(c, body, 0, d, 8 + cb);
-    }
+        rc = epipe_cuda_coop_launch(c, (const void *)q_encode_fused, (unsigned)blocks, 256, args,
+                                    s, coop, "launching the quant kernel");
+        if (rc)
+            return rc < 0 ? rc : epipe_cuda_body_flush(c, body, 0, d, 8 + cb);
+    } /* else, or refused: the same work in four launches */
     q_init<<<1, 1, 0, s>>>((q_dev *)tw);
     if (n)
         epipe_cuda_extent<<<epipe_cuda_extent_blocks(n), 256, 0, s>>>(x, n, vec, (uint32_t *)tw,

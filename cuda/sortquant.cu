@@ -246,8 +246,9 @@ __global__ void __launch_bounds__(256)
 #define SQ_FUSED_MIN (1u << 16)
 
 /* sq_encode_fused for k chunks, and the blocks a cooperative launch of it
- * may have on `device` (0: none, or k not 2, 4, 8 or 16). */
-static const void *sq_fused(unsigned k, int device, int *blocks)
+ * may have on `device` (0: none, or k not 2, 4, 8 or 16), with their cache
+ * entry (epipe_cuda_coop_launch()). */
+static const void *sq_fused(unsigned k, int device, int *blocks, int **entry)
 {
     static int cache[4][64];
     const void *f = k == 2    ? (const void *)sq_encode_fused<2>
@@ -255,7 +256,9 @@ static const void *sq_fused(unsigned k, int device, int *blocks)
                     : k == 8  ? (const void *)sq_encode_fused<8>
                     : k == 16 ? (const void *)sq_encode_fused<16>
                               : NULL;
-    *blocks = f ? epipe_cuda_coop_blocks(f, 256, device, cache[31 - __builtin_clz(k) - 1]) : 0;
+    *entry = NULL;
+    *blocks =
+        f ? epipe_cuda_coop_blocks(f, 256, device, cache[31 - __builtin_clz(k) - 1], entry) : 0;
     return f;
 }
 
@@ -609,8 +612,8 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
             epipe_cuda_sample<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
         if (select) {
             sq_select<<<k - 1, SQ_SEL_THREADS, 0, s>>>(smp, m, epipe_cuda_aligned16(smp), k, t);
-            int blocks;
-            const void *fused = sq_fused(k, h->device, &blocks);
+            int blocks, *coop;
+            const void *fused = sq_fused(k, h->device, &blocks, &coop);
             if (n >= SQ_FUSED_MIN && blocks > 0) {
                 int vec = epipe_cuda_aligned16(x), zero = c->p[SQ_ZERO] != 0;
                 uint8_t *b = (uint8_t *)d;
@@ -619,13 +622,13 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
                                 (void *)&levels, (void *)&zero, (void *)&bits, (void *)&t,
                                 (void *)&b,    (void *)&cb, (void *)&st};
                 if ((rc = epipe_cuda_check(c, cudaGetLastError(),
-                                           "launching the sortquant kernels")) ||
-                    (rc = epipe_cuda_check(
-                         c, cudaLaunchCooperativeKernel(fused, blocks, 256, args, 0, s),
-                         "launching the sortquant kernel")))
+                                           "launching the sortquant kernels")))
                     return rc;
-                return epipe_cuda_body_flush(c, body, 0, d, tb + cb);
-            }
+                rc = epipe_cuda_coop_launch(c, fused, (unsigned)blocks, 256, args, s, coop,
+                                            "launching the sortquant kernel");
+                if (rc)
+                    return rc < 0 ? rc : epipe_cuda_body_flush(c, body, 0, d, tb + cb);
+            } /* else, or refused: the extents, then the code and pack passes */
         } else if (sort) {
             if ((rc = epipe_cuda_check(c,
                                        cub::DeviceRadixSort::SortKeys(tmp, sort_bytes, smp, sorted,

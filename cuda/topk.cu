@@ -370,11 +370,12 @@ __global__ void __launch_bounds__(TK_THREADS) tk_finish(tk_job a)
     }
 }
 
-/* Blocks of tk_finish that a cooperative launch may have on `device`. */
-static int finish_blocks(int device)
+/* Blocks of tk_finish that a cooperative launch may have on `device`, and
+ * its cache entry (epipe_cuda_coop_launch()). */
+static int finish_blocks(int device, int **entry)
 {
     static int cache[64];
-    return epipe_cuda_coop_blocks((const void *)tk_finish, TK_THREADS, device, cache);
+    return epipe_cuda_coop_blocks((const void *)tk_finish, TK_THREADS, device, cache, entry);
 }
 
 static uint64_t topk_count(const epipe_codec *c, uint64_t n) /* as codecs/topk.c */
@@ -450,15 +451,17 @@ static int topk_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
      * is read first. */
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the topk kernels")))
         return rc;
-    int blocks = finish_blocks(h->device);
+    int *coop, launched = 0;
+    int blocks = finish_blocks(h->device, &coop);
     if (n >= TK_COOP_MIN && blocks > 0) {
         unsigned grid = nb < (unsigned)blocks ? nb : (unsigned)blocks;
         void *args[] = {(void *)&a};
-        cudaError_t e =
-            cudaLaunchCooperativeKernel((const void *)tk_finish, grid, TK_THREADS, args, 0, s);
-        if ((rc = epipe_cuda_check(c, e, "launching the topk kernel")))
-            return rc;
-    } else {
+        launched = epipe_cuda_coop_launch(c, (const void *)tk_finish, grid, TK_THREADS, args, s,
+                                          coop, "launching the topk kernel");
+        if (launched < 0)
+            return launched;
+    }
+    if (!launched) { /* the same phases in four launches */
         for (int phase = 0; phase < 4; phase++) {
             if (phase == 3 &&
                 (rc = epipe_cuda_check(c, cudaGetLastError(), "launching the topk kernels")))

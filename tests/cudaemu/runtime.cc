@@ -188,6 +188,9 @@ cudaError_t note(cudaError_t e)
 /* ---- the device --------------------------------------------------------- */
 
 const int emu_sms = 3; /* an odd number of blocks in cooperative launches */
+/* SMs a cooperative launch may fill: fewer than the device reports where a
+ * test sets it (cudaemu_limit_coop_sms()), as under MPS. */
+std::atomic<int> coop_sms{emu_sms};
 /* Blocks of `threads` one "SM" holds at once (cooperative launches). */
 int blocks_per_sm(uint64_t threads)
 {
@@ -653,7 +656,7 @@ cudaError_t launch(const void *kernel, const cudaemu_cfg &cfg, int cooperative, 
         }
         return cudaSuccess;
     }
-    if (blocks > (uint64_t)(emu_sms * blocks_per_sm(threads)))
+    if (blocks > (uint64_t)coop_sms * (uint64_t)blocks_per_sm(threads))
         return note(cudaErrorCooperativeLaunchTooLarge);
     grid_state grid;
     pthread_barrier_init(&grid.barrier, NULL, (unsigned)blocks);
@@ -708,6 +711,11 @@ void cudaemu_fail_at(long n, int sticky)
     fail_sticky = sticky;
     failed_sticky = 0;
     fail_at = n;
+}
+
+void cudaemu_limit_coop_sms(int sms)
+{
+    coop_sms = sms > 0 && sms < emu_sms ? sms : emu_sms;
 }
 
 long cudaemu_fallible_calls(void)

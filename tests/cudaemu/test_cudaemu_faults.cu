@@ -5,8 +5,9 @@
  * next epipe_codec_synchronize(), never lost, never a crash or a hang; and
  * the handle must work again once CUDA does (the same bytes as before,
  * where the codec keeps no state between calls). Then a sticky error (as
- * after a kernel fault): every later call fails the same way. Exit 77
- * without the emulator's device. */
+ * after a kernel fault): every later call fails the same way. Then a
+ * cooperative launch refused for want of SMs: the encodes fall back. Exit
+ * 77 without the emulator's device. */
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -179,6 +180,50 @@ static void sticky(void)
     cudaFree(dy);
 }
 
+/* A context with fewer SMs than the device reports (an MPS client with a
+ * thread percentage, a green context) refuses the cooperative launches
+ * sized by the device's count: quant's, sample-mode sortquant's and topk's
+ * encodes then take their multi-launch paths, with the same bytes, and keep
+ * to them. Run last: the refusal is remembered for the device. */
+static void cooperative_launch_refused(void)
+{
+    const char *specs[] = {"quant:bits=8", "sortquant:bits=8,mode=sample", "topk:ratio=0.1"};
+    std::vector<int64_t> shape = {70000};
+    size_t n = 70000;
+    std::vector<float> x(n);
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)((i * 2654435761u) % 10007) / 10007.0f - 0.5f;
+    float *dx;
+    CUDA_OK(cudaMalloc((void **)&dx, n * 4));
+    CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+    DLTensor tx = tensor(kDLCUDA, dx, shape);
+    for (const char *spec : specs) {
+        epipe_codec *c;
+        CHECK(epipe_codec_create(&c, spec) == EPIPE_OK, "%s", epipe_last_error());
+        size_t cap = 0, w[3] = {0, 0, 0};
+        CHECK(epipe_codec_max_encoded_size(c, &tx, &cap) == EPIPE_OK, "%s: size", spec);
+        std::vector<uint8_t> out[3];
+        for (int k = 0; k < 3; k++) { /* the cooperative launch, refused, remembered */
+            cudaemu_limit_coop_sms(k ? 1 : 0);
+            uint8_t *pin;
+            CUDA_OK(cudaHostAlloc((void **)&pin, cap, cudaHostAllocDefault));
+            int rc = epipe_codec_encode(c, &tx, pin, cap, &w[k]);
+            if (rc == EPIPE_OK)
+                rc = epipe_codec_synchronize(c);
+            CHECK(rc == EPIPE_OK, "%s, encode %d with fewer SMs: %s", spec, k,
+                  epipe_codec_last_error(c));
+            out[k].assign(pin, pin + w[k]);
+            CUDA_OK(cudaFreeHost(pin));
+        }
+        for (int k = 1; k < 3; k++)
+            CHECK(out[k] == out[0], "%s: encode %d with fewer SMs made other bytes", spec, k);
+        printf("%-40s a refused cooperative launch: the same %zu bytes\n", spec, w[0]);
+        epipe_codec_destroy(c);
+    }
+    cudaemu_limit_coop_sms(0);
+    CUDA_OK(cudaFree(dx));
+}
+
 int main(void)
 {
     gpu_test_devices_or_skip();
@@ -203,5 +248,6 @@ int main(void)
     for (const fault_case &fc : cases)
         sweep(fc);
     sticky();
+    cooperative_launch_refused();
     return gpu_test_result();
 }

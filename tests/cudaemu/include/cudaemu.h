@@ -53,6 +53,10 @@
  * kernel fault); n = 0 turns it off. The count of such calls since. */
 extern "C" void cudaemu_fail_at(long n, int sticky);
 extern "C" long cudaemu_fallible_calls(void);
+/* Cooperative launches may fill only `sms` of the device's SMs (a context
+ * given fewer than the device reports, as under MPS): bigger ones fail with
+ * cudaErrorCooperativeLaunchTooLarge. 0 lifts the limit. */
+extern "C" void cudaemu_limit_coop_sms(int sms);
 
 namespace cudaemu
 {
