@@ -101,6 +101,13 @@ refused("epipe-bench", [bench, "transport", "--streams=9"],
 refused("epipe-bench", [bench, "crc", "--reps=2x"], "--reps '2x' is not an integer")
 refused("epipe-run", [run, "--grace=soon", "-n1", sh], "--grace 'soon' is not a number in 0..3600")
 refused("epipe-run", [run, "--grace=nan", "-n1", sh], "not a number")
+for bad in ("abc", "0", "65536", "123456789012345678", "80x", "-1"):
+    r = subprocess.run([run, "-n1", sh, "-c", "echo started"], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, EPIPE_MASTER_PORT=bad))
+    if r.returncode != 2 or "started" in r.stdout or \
+            f"EPIPE_MASTER_PORT='{bad}' is not a port number in 1..65535" not in r.stderr:
+        fail(f"epipe-run with EPIPE_MASTER_PORT={bad}: exit {r.returncode}, {r.stderr!r}")
+print("ok: epipe-run refuses an EPIPE_MASTER_PORT that is not a port, before any rank starts")
 
 if train:
     a = call(train, "--epochs", "0")

@@ -276,7 +276,15 @@ int main(int argc, char **argv)
     char port[16];
     const char *env_port = getenv("EPIPE_MASTER_PORT");
     if (env_port && *env_port) {
-        snprintf(port, sizeof port, "%s", env_port);
+        char *end;
+        errno = 0;
+        long p = strtol(env_port, &end, 10);
+        if (*end || errno || p < 1 || p > 65535 || env_port[0] == '+' || env_port[0] == ' ') {
+            fprintf(stderr, "epipe-run: EPIPE_MASTER_PORT='%s' is not a port number in 1..65535\n",
+                    env_port);
+            return 2;
+        }
+        snprintf(port, sizeof port, "%ld", p);
     } else {
         int p = free_port();
         if (p < 0) {
