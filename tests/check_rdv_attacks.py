@@ -51,7 +51,7 @@ print("authentication:", "on" if have_auth else "off (built without libsodium)")
 # 1. Memory bomb: connections whose hello header claims ~75 MB and that then
 # push payload bytes. Rank 0's resident memory stays within a few MB per
 # pending connection, and the group still completes.
-CONNS, PUSH, CLAIM = 32, 4 << 20, 152 + 72 * 1048576
+CONNS, PUSH, CLAIM = 32, 4 << 20, 160 + 72 * 1048576
 port = free_port()
 r0 = Rank(0, 3, port, keyed)
 if not wait_listening(port):

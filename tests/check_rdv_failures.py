@@ -91,4 +91,28 @@ if not good:
     fail("the group did not train after rank 2 registered again:\n" +
          "\n".join(r.text() for r in [r0] + rest))
 
+# 3. A rank of another job that does not check the job tags itself (a
+# scripted one: the library's own refuses at the challenge, check_tcp_faults)
+# is refused by rank 0 after its proof, alone, whatever world size it
+# claims; the real ranks then train.
+port = free_port()
+r0 = Rank(0, 2, port, dict(LONG, EPIPE_JOB_ID="job-a"))
+for size in (5, 2):
+    try:
+        if not r0.wait_log("listens on"):
+            raise RuntimeError("rank 0 does not listen")
+        register(port, 1, size, 1, job=0x1234).close()
+        fail("rank 0 welcomed a rank of another job (world size %d)" % size)
+    except (OSError, RuntimeError) as e:
+        if "is from another job (job tag 0000000000001234" not in str(e):
+            fail("rank 0 did not refuse the other job's rank of %d as such: %s" % (size, e))
+        else:
+            print("another job's rank of %d: %s" % (size, str(e)[:150]))
+r1 = Rank(1, 2, port, dict(LONG, EPIPE_JOB_ID="job-a"))
+if not all([r.finish(timeout=30) for r in (r0, r1)]):
+    fail("the job did not train after another job's rank was refused:\n" +
+         "\n".join(r.text() for r in (r0, r1)))
+else:
+    print("the job trained after refusing another job's rank twice")
+
 sys.exit(0 if ok else 1)

@@ -96,7 +96,7 @@ def free_port():
 def clean_env():
     e = {k: v for k, v in os.environ.items()
          if not k.startswith(("EPIPE_", "OMPI_", "PMI_", "SLURM_", "MPI_LOCALNRANKS"))
-         and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+         and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     e["EPIPE_LOG"] = "info"
     e["EPIPE_TIMEOUT_MS"] = "10000"
     return e
@@ -189,4 +189,43 @@ with tempfile.TemporaryDirectory() as d:
     print("same key, encrypted: launcher exit %d in %.2f s" % (r.returncode, dt))
     if (r.returncode != 0 or "rank 2: ok" not in r.stdout) and "libsodium" not in r.stdout:
         fail("an encrypted group should train:\n%s%s" % (r.stdout, r.stderr))
+# 4. Two jobs given one master port: ranks of job B reach job A's rank 0
+# before A's own rank 1 does. Each is refused alone, whatever world size it
+# claims (another size used to fail A's whole rendezvous; the same size let
+# B's rank take A's place), and A trains once its own rank 1 arrives.
+port = free_port()
+
+
+def job_rank(job, rank, size, extra=()):
+    e = clean_env()
+    e.update(EPIPE_RANK=str(rank), EPIPE_WORLD_SIZE=str(size), EPIPE_MASTER_ADDR="127.0.0.1",
+             EPIPE_MASTER_PORT=str(port), EPIPE_JOB_ID=job)
+    return subprocess.Popen([trainer, "--steps", "2", *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=e)
+
+
+a0 = job_rank("job-a", 0, 2, ["--options", "init_timeout_ms=20000"])
+time.sleep(0.3)
+for size in (3, 2):
+    t0 = time.time()
+    b = job_rank("job-b", 1, size, ["--options", "init_timeout_ms=5000"])
+    o, er = b.communicate(timeout=30)
+    print("job B's rank 1 of %d at job A's port: exit %d in %.2f s" % (size, b.returncode,
+                                                                        time.time() - t0))
+    if b.returncode == 0 or "EPIPE_EINVAL" not in o or "from another job" not in o or \
+            time.time() - t0 > 4:
+        fail("job B's rank 1 of %d should be refused at once as another job's:\n%s%s"
+             % (size, o, er))
+    if a0.poll() is not None:
+        fail("job A's rank 0 ended when job B's rank 1 of %d knocked:\n%s%s"
+             % (size, *a0.communicate()))
+        break
+a1 = job_rank("job-a", 1, 2)
+outs = [q.communicate(timeout=30) for q in (a0, a1)]
+for k, (q, (o, er)) in enumerate(zip((a0, a1), outs)):
+    if q.returncode != 0 or "rank %d: ok" % k not in o:
+        fail("job A's rank %d after job B's were refused: exit %s\n%s%s" % (k, q.returncode, o, er))
+refusals = [l for l in outs[0][1].splitlines() if "from another job" in l]
+print("job A trained; its rank 0 logged %d refusal(s): %s" % (len(refusals),
+                                                             refusals[0][:160] if refusals else ""))
 sys.exit(0 if ok else 1)

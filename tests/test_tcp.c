@@ -154,6 +154,9 @@ static const char *all_vars[] = {
     "EPIPE_TCP_TOPOLOGY",
     "EPIPE_INIT_TIMEOUT_MS",
     "EPIPE_HEARTBEAT_MS",
+    "EPIPE_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_JOB_ID",
 };
 
 static void clear_env(void)
@@ -401,6 +404,34 @@ static void test_options(void **state)
     setenv("EPIPE_TIMEOUT_MS", "-4", 1);
     assert_int_equal(epipe_tcp_opts_parse(&o, NULL), EPIPE_EINVAL);
     assert_non_null(strstr(epipe_last_error(), "EPIPE_TIMEOUT_MS"));
+    clear_env();
+    /* The job: EPIPE_JOB_ID, else torchrun's run id (not its "none"), else
+     * Slurm's job id; job= over all; none known gives tag 0. */
+    assert_int_equal(epipe_tcp_opts_parse(&o, NULL), EPIPE_OK);
+    assert_string_equal(o.job, "");
+    assert_true(epipe_tcp_job_tag(&o) == 0);
+    setenv("SLURM_JOB_ID", "4711", 1);
+    setenv("TORCHELASTIC_RUN_ID", "none", 1);
+    assert_int_equal(epipe_tcp_opts_parse(&o, NULL), EPIPE_OK);
+    assert_string_equal(o.job, "4711");
+    assert_string_equal(o.job_source, "SLURM_JOB_ID");
+    uint64_t slurm = epipe_tcp_job_tag(&o);
+    setenv("TORCHELASTIC_RUN_ID", "a1b2", 1);
+    assert_int_equal(epipe_tcp_opts_parse(&o, NULL), EPIPE_OK);
+    assert_string_equal(o.job_source, "TORCHELASTIC_RUN_ID");
+    assert_true(epipe_tcp_job_tag(&o) != slurm && epipe_tcp_job_tag(&o) != 0);
+    setenv("EPIPE_JOB_ID", "mine", 1);
+    assert_int_equal(epipe_tcp_opts_parse(&o, NULL), EPIPE_OK);
+    assert_string_equal(o.job, "mine");
+    assert_string_equal(o.job_source, "EPIPE_JOB_ID");
+    assert_int_equal(epipe_tcp_opts_parse(&o, "job=other"), EPIPE_OK);
+    assert_string_equal(o.job, "other");
+    assert_string_equal(o.job_source, "option job");
+    assert_int_equal(epipe_tcp_opts_parse(&o, "job="), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_last_error(), "is not a job name of 1..127 characters"));
+    char long_job[160] = "job=";
+    memset(long_job + 4, 'j', 128);
+    assert_int_equal(epipe_tcp_opts_parse(&o, long_job), EPIPE_EINVAL);
     clear_env();
     epipe_comm *c = (epipe_comm *)1;
     assert_int_equal(epipe_comm_create_tcp(&c, 2, 2, "127.0.0.1", 1, NULL), EPIPE_EINVAL);

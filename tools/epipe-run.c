@@ -317,6 +317,19 @@ int main(int argc, char **argv)
         }
     }
 
+    /* The job's name for the rendezvous, unless the caller gave one: a rank
+     * of another job that reaches this job's port is refused. */
+    char job[48];
+    {
+        unsigned long long r[2] = {0, 0};
+        int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || read(fd, r, sizeof r) != (ssize_t)sizeof r)
+            r[0] = (unsigned long long)getpid() << 32 ^ (unsigned long long)(now() * 1e9);
+        if (fd >= 0)
+            close(fd);
+        snprintf(job, sizeof job, "epipe-run-%016llx%016llx", r[0], r[1]);
+    }
+
     if (pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK)) {
         perror("epipe-run: pipe");
         return 1;
@@ -392,6 +405,7 @@ int main(int argc, char **argv)
             setenv("EPIPE_LOCAL_WORLD_SIZE", nbuf, 1);
             setenv("EPIPE_MASTER_ADDR", "127.0.0.1", 1);
             setenv("EPIPE_MASTER_PORT", port, 1);
+            setenv("EPIPE_JOB_ID", job, 0); /* one job: a rendezvous refuses another's ranks */
             execvp(prog[0], prog);
             fprintf(stderr, "epipe-run: cannot run %s: %s\n", prog[0], strerror(errno));
             _exit(127);

@@ -417,10 +417,11 @@ int epipe_tcp_comm_start(epipe_comm **out, unsigned rank, unsigned size, const e
     }
     epipe_log_info((int)rank, "tcp",
                    "rank %u of %u connected: %u connection(s), topology %s, "
-                   "%u stream(s) per neighbour, timeout %lld ms%s%s%s",
+                   "%u stream(s) per neighbour, timeout %lld ms, job %s%s%s%s%s%s%s",
                    rank, size, nlinks, o->mesh ? "mesh" : "pipeline", o->streams,
-                   (long long)c->timeout_ms, o->key_file[0] ? ", authenticated" : "",
-                   o->encrypt ? ", encrypted: " : "",
+                   (long long)c->timeout_ms, o->job[0] ? o->job : "unnamed",
+                   o->job[0] ? " (from " : "", o->job_source, o->job[0] ? ")" : "",
+                   o->key_file[0] ? ", authenticated" : "", o->encrypt ? ", encrypted: " : "",
                    !o->encrypt                ? ""
                    : aes_links == (int)nlinks ? "AES-256-GCM"
                    : aes_links                ? "AES-256-GCM and ChaCha20-Poly1305"

@@ -51,6 +51,14 @@ static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const ch
             return epipe_fail(EPIPE_EINVAL, "tcp: %s is longer than %zu characters", what,
                               sizeof o->key_file - 1);
         strcpy(o->key_file, val);
+    } else if (!strcmp(key, "job")) {
+        if (!*val || strlen(val) >= sizeof o->job)
+            return epipe_fail(EPIPE_EINVAL,
+                              "tcp: %s = '%.40s' is not a job name of 1..%zu "
+                              "characters",
+                              what, val, sizeof o->job - 1);
+        strcpy(o->job, val);
+        snprintf(o->job_source, sizeof o->job_source, "%s", what);
     } else if (!strcmp(key, "encrypt")) { /* crypt: encrypted links */
         if (strcmp(val, "0") && strcmp(val, "1"))
             return epipe_fail(EPIPE_EINVAL, "tcp: %s = '%s': use 0 or 1", what, val);
@@ -61,7 +69,7 @@ static int set_opt(epipe_tcp_opts *o, const char *key, const char *val, const ch
         return epipe_fail(EPIPE_EINVAL,
                           "tcp: unknown option '%s' (known: timeout_ms, init_timeout_ms, "
                           "heartbeat_ms, spin_us, streams, topology, listen_addr, ifname, "
-                          "key_file, encrypt, max_message, buffer_cache, trace)",
+                          "key_file, encrypt, job, max_message, buffer_cache, trace)",
                           key);
     }
     return EPIPE_OK;
@@ -72,11 +80,17 @@ int epipe_tcp_opts_parse(epipe_tcp_opts *o, const char *spec)
     static const struct {
         const char *var, *key;
     } vars[] = {
-        {"EPIPE_TIMEOUT_MS", "timeout_ms"},     {"EPIPE_INIT_TIMEOUT_MS", "init_timeout_ms"},
-        {"EPIPE_HEARTBEAT_MS", "heartbeat_ms"}, {"EPIPE_TCP_STREAMS", "streams"},
-        {"EPIPE_TCP_TOPOLOGY", "topology"},     {"EPIPE_LISTEN_ADDR", "listen_addr"},
-        {"EPIPE_SPIN_US", "spin_us"},           {"EPIPE_IFNAME", "ifname"},
-        {"EPIPE_AUTH_KEY_FILE", "key_file"},    {"EPIPE_ENCRYPT", "encrypt"},
+        {"EPIPE_TIMEOUT_MS", "timeout_ms"},
+        {"EPIPE_INIT_TIMEOUT_MS", "init_timeout_ms"},
+        {"EPIPE_HEARTBEAT_MS", "heartbeat_ms"},
+        {"EPIPE_TCP_STREAMS", "streams"},
+        {"EPIPE_TCP_TOPOLOGY", "topology"},
+        {"EPIPE_LISTEN_ADDR", "listen_addr"},
+        {"EPIPE_SPIN_US", "spin_us"},
+        {"EPIPE_IFNAME", "ifname"},
+        {"EPIPE_AUTH_KEY_FILE", "key_file"},
+        {"EPIPE_ENCRYPT", "encrypt"},
+        {"EPIPE_JOB_ID", "job"},
     };
     memset(o, 0, sizeof *o);
     o->timeout_ms = 30000;
@@ -88,6 +102,16 @@ int epipe_tcp_opts_parse(epipe_tcp_opts *o, const char *spec)
         int rc;
         if (v && *v && (rc = set_opt(o, vars[i].key, v, vars[i].var)))
             return rc;
+    }
+    /* The launchers' own job ids, where EPIPE_JOB_ID is not set: the same on
+     * every rank of one job. torchrun's is "none" unless a run id is given. */
+    static const char *const job_vars[] = {"TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"};
+    for (size_t i = 0; i < 2 && !o->job[0]; i++) {
+        const char *v = getenv(job_vars[i]);
+        if (v && *v && strcmp(v, "none") && strlen(v) < sizeof o->job) {
+            strcpy(o->job, v);
+            snprintf(o->job_source, sizeof o->job_source, "%s", job_vars[i]);
+        }
     }
     if (!spec || !*spec)
         return EPIPE_OK;
@@ -109,6 +133,16 @@ int epipe_tcp_opts_parse(epipe_tcp_opts *o, const char *spec)
             return rc;
     }
     return EPIPE_OK;
+}
+
+uint64_t epipe_tcp_job_tag(const epipe_tcp_opts *o)
+{
+    if (!o->job[0])
+        return 0;
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
+    for (const char *p = o->job; *p; p++)
+        h = (h ^ (unsigned char)*p) * 0x100000001b3ull;
+    return h ? h : 1;
 }
 
 /* ---- rendezvous from the environment ----------------------------------- */

@@ -26,6 +26,7 @@ void epipe_tcp_hello_encode(const struct epipe_tcp_hello *h, uint8_t *p)
     memcpy(p + 24, h->addr, strnlen(h->addr, EPIPE_TCP_ADDR_MAX - 1));
     memcpy(p + 88, h->nonce, EPIPE_TCP_NONCE);
     memcpy(p + 120, h->mac, EPIPE_TCP_MAC);
+    epipe_put_u64(p + 152, h->job);
 }
 
 int epipe_tcp_hello_decode(const uint8_t *p, size_t len, struct epipe_tcp_hello *h)
@@ -48,6 +49,7 @@ int epipe_tcp_hello_decode(const uint8_t *p, size_t len, struct epipe_tcp_hello 
     memcpy(h->addr, p + 24, EPIPE_TCP_ADDR_MAX - 1);
     memcpy(h->nonce, p + 88, EPIPE_TCP_NONCE);
     memcpy(h->mac, p + 120, EPIPE_TCP_MAC);
+    h->job = epipe_get_u64(p + 152);
     if (h->type < HT_REGISTER || h->type > HT_GO)
         return epipe_fail(EPIPE_EPROTO, "hello type %u is unknown", h->type);
     return EPIPE_OK;
@@ -216,7 +218,8 @@ int epipe_tcp_client_handshake(struct epipe_tcp_rdv *s, int fd, unsigned type, u
                                  .rank = s->rank,
                                  .size = s->size,
                                  .stream = stream,
-                                 .port = (uint16_t)s->my_port};
+                                 .port = (uint16_t)s->my_port,
+                                 .job = epipe_tcp_job_tag(s->o)};
     snprintf(me.addr, sizeof me.addr, "%s", s->my_addr);
     epipe_tcp_random(me.nonce, sizeof me.nonce);
     struct epipe_tcp_reader r = {0};
@@ -261,6 +264,19 @@ int epipe_tcp_client_handshake(struct epipe_tcp_rdv *s, int fd, unsigned type, u
             goto out;
         }
         epipe_tcp_mac(s->key, 'C', me.nonce, ch.nonce, s->rank, peer, stream, proof.mac);
+    }
+    if (ch.job && me.job && ch.job != me.job) { /* before the world size: it explains that */
+        rc = epipe_fail(EPIPE_EINVAL,
+                        "%s is from another job (job tag %016llx; this rank's is %016llx, from "
+                        "%s): do two jobs share the master port? Give each its own "
+                        "EPIPE_MASTER_PORT",
+                        who, (unsigned long long)ch.job, (unsigned long long)me.job,
+                        s->o->job_source);
+        char text[EPIPE_ERRMSG_MAX];
+        snprintf(text, sizeof text, "%s", epipe_last_error());
+        epipe_tcp_send_error(fd, s->rank, peer, s->rank, EPIPE_EINVAL, text);
+        epipe_fail(EPIPE_EINVAL, "%s", text);
+        goto out;
     }
     char cw[160]; /* both sides encrypt, or neither; the keys come from this handshake */
     if (epipe_tcp_crypt_mismatch(s->o, ch.flags, peer, cw, sizeof cw)) {
@@ -363,7 +379,8 @@ int epipe_tcp_accept_step(struct epipe_tcp_rdv *s, struct epipe_tcp_pending *p)
                                               epipe_tcp_crypt_flags(s->o),
                                      .rank = s->rank,
                                      .size = s->size,
-                                     .stream = h.stream};
+                                     .stream = h.stream,
+                                     .job = epipe_tcp_job_tag(s->o)};
         epipe_tcp_random(p->nonce_s, sizeof p->nonce_s);
         memcpy(ch.nonce, p->nonce_s, sizeof ch.nonce);
         if (s->key->on)

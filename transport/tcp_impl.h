@@ -25,12 +25,21 @@ typedef struct epipe_tcp_opts {
     char ifname[EPIPE_TCP_ADDR_MAX];      /* EPIPE_IFNAME */
     char key_file[512];                   /* EPIPE_AUTH_KEY_FILE */
     int encrypt;                          /* encrypt=1 (EPIPE_ENCRYPT); needs key_file */
-    int offer_rdma; /* set by the rdma transport (not an option): hellos carry HF_RDMA */
+    /* job=: which job the rank belongs to (EPIPE_JOB_ID, else torchrun's
+     * TORCHELASTIC_RUN_ID, else SLURM_JOB_ID; "" when none says): a
+     * rendezvous refuses a rank of another job (docs/transport.md) */
+    char job[128];
+    char job_source[32]; /* where job came from: "EPIPE_JOB_ID", "option job", ... */
+    int offer_rdma;      /* set by the rdma transport (not an option): hellos carry HF_RDMA */
 } epipe_tcp_opts;
 
 /* Fills *o from defaults, the environment and spec (NULL or "" for none).
  * EPIPE_EINVAL naming the bad key or variable; sets the thread's error. */
 int epipe_tcp_opts_parse(epipe_tcp_opts *o, const char *spec);
+
+/* The 64-bit tag of o->job that hellos carry (a hash, never 0), or 0 when
+ * no job is known: two tags that are both nonzero and differ are two jobs. */
+uint64_t epipe_tcp_job_tag(const epipe_tcp_opts *o);
 
 /* Where rank, size and master came from, as found in the environment. */
 typedef struct epipe_rdv_env {

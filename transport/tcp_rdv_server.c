@@ -41,6 +41,20 @@ static int serve(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, struct e
     char why[EPIPE_ERRMSG_MAX];
     struct epipe_tcp_hello h = p->hi;
     int is_reg = h.type == HT_REGISTER;
+    uint64_t job = epipe_tcp_job_tag(s->o);
+    if (h.job && job && h.job != job) {
+        /* First: a rank of another job that found this port (two jobs given
+         * one master port) is turned away alone, whatever it says of its
+         * world size and rank, and this job goes on without it. */
+        snprintf(why, sizeof why,
+                 "rank %u at %s is from another job (job tag %016llx; rank %u's is %016llx, "
+                 "from %s): do two jobs share this master port? Give each its own "
+                 "EPIPE_MASTER_PORT",
+                 h.rank, p->from, (unsigned long long)h.job, s->rank, (unsigned long long)job,
+                 s->o->job_source);
+        epipe_tcp_refuse(s, p, EPIPE_EINVAL, why);
+        return 1;
+    }
     if (h.size != s->size) {
         snprintf(why, sizeof why,
                  "mismatched world size: rank %u at %s says %u ranks, rank %u "

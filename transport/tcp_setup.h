@@ -12,11 +12,11 @@
 #include "../lib/tensor.h"
 #include "tcp_impl.h"
 
-/* ---- the HELLO payload (docs/transport.md): 152 bytes, little-endian ---- */
+/* ---- the HELLO payload (docs/transport.md): 160 bytes, little-endian ---- */
 
 #define HELLO_MAGIC "EPTH"
-#define HELLO_VERSION 2
-#define HELLO_SIZE 152
+#define HELLO_VERSION 3
+#define HELLO_SIZE 160
 #define TABLE_ENTRY 72
 /* The most an unauthenticated peer can make this rank allocate for one
  * message: a hello or a refusal's text. Only the rank table, read from rank 0
@@ -33,6 +33,7 @@ struct epipe_tcp_hello {
     uint16_t port;
     char addr[EPIPE_TCP_ADDR_MAX];
     uint8_t nonce[EPIPE_TCP_NONCE], mac[EPIPE_TCP_MAC];
+    uint64_t job; /* the sender's job tag (epipe_tcp_job_tag()), 0: none known */
 };
 
 /* Writes the HELLO_SIZE bytes of h to p. */

@@ -24,7 +24,7 @@ static void check_hello(const uint8_t *p, size_t n)
     if (epipe_tcp_hello_decode(buf, sizeof buf, &h2) != EPIPE_OK || h.type != h2.type ||
         h.flags != h2.flags || h.rank != h2.rank || h.size != h2.size || h.stream != h2.stream ||
         h.port != h2.port || strcmp(h.addr, h2.addr) || memcmp(h.nonce, h2.nonce, sizeof h.nonce) ||
-        memcmp(h.mac, h2.mac, sizeof h.mac))
+        memcmp(h.mac, h2.mac, sizeof h.mac) || h.job != h2.job)
         abort();
 }
 

@@ -47,10 +47,10 @@ def frame(kind, payload, src=0, dst=0, claim=None):
 HT_REGISTER, HT_CHALLENGE, HT_PROOF, HT_WELCOME, HT_TABLE = 1, 3, 4, 5, 6
 
 
-def hello(htype, rank, size, flags=0, stream=0, port=1):
-    p = b"EPTH" + struct.pack("<BBHIIIH", htype, flags, 2, rank, size, stream, port) + bytes(2)
-    p += b"127.0.0.1".ljust(64, b"\0") + os.urandom(32) + bytes(32)
-    assert len(p) == 152
+def hello(htype, rank, size, flags=0, stream=0, port=1, job=0):
+    p = b"EPTH" + struct.pack("<BBHIIIH", htype, flags, 3, rank, size, stream, port) + bytes(2)
+    p += b"127.0.0.1".ljust(64, b"\0") + os.urandom(32) + bytes(32) + struct.pack("<Q", job)
+    assert len(p) == 160
     return frame(HELLO, p, src=rank)
 
 
@@ -154,13 +154,16 @@ def wait_listening(port, timeout=20):
     return False
 
 
-def register(port, rank, size, listen_port):
-    """Registers as `rank` (no key) with rank 0 at port; returns the socket
-    once rank 0 has welcomed it, or raises."""
+def register(port, rank, size, listen_port, job=0):
+    """Registers as `rank` (no key; job tag `job`, 0 for none) with rank 0 at
+    port; returns the socket once rank 0 has welcomed it, or raises (with
+    rank 0's ERROR text, if it sent one)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=20)
-    s.sendall(hello(HT_REGISTER, rank, size, port=listen_port))
+    s.sendall(hello(HT_REGISTER, rank, size, port=listen_port, job=job))
     for want in (HT_CHALLENGE, HT_WELCOME):
         m = recv_msg(s)
+        if m and m[0] == ERROR:
+            raise RuntimeError("rank 0 refused: " + m[1].decode(errors="replace"))
         if not m or m[0] != HELLO or m[1][4] != want:
             raise RuntimeError("rank 0 answered %r, not hello type %d" % (m, want))
         if want == HT_CHALLENGE:
