@@ -104,7 +104,7 @@ for size in (5, 2):
         register(port, 1, size, 1, job=0x1234).close()
         fail("rank 0 welcomed a rank of another job (world size %d)" % size)
     except (OSError, RuntimeError) as e:
-        if "is from another job (job tag 0000000000001234" not in str(e):
+        if "is from another job (tag 0000000000001234" not in str(e):
             fail("rank 0 did not refuse the other job's rank of %d as such: %s" % (size, e))
         else:
             print("another job's rank of %d: %s" % (size, str(e)[:150]))

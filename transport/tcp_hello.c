@@ -267,9 +267,9 @@ int epipe_tcp_client_handshake(struct epipe_tcp_rdv *s, int fd, unsigned type, u
     }
     if (ch.job && me.job && ch.job != me.job) { /* before the world size: it explains that */
         rc = epipe_fail(EPIPE_EINVAL,
-                        "%s is from another job (job tag %016llx; this rank's is %016llx, from "
-                        "%s): do two jobs share the master port? Give each its own "
-                        "EPIPE_MASTER_PORT",
+                        "%s is from another job (tag %016llx; this rank's %016llx, from %s): two "
+                        "jobs on one master port need their own EPIPE_MASTER_PORT; one job "
+                        "launched in parts, one EPIPE_JOB_ID on every rank",
                         who, (unsigned long long)ch.job, (unsigned long long)me.job,
                         s->o->job_source);
         char text[EPIPE_ERRMSG_MAX];

@@ -47,9 +47,9 @@ static int serve(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, struct e
          * one master port) is turned away alone, whatever it says of its
          * world size and rank, and this job goes on without it. */
         snprintf(why, sizeof why,
-                 "rank %u at %s is from another job (job tag %016llx; rank %u's is %016llx, "
-                 "from %s): do two jobs share this master port? Give each its own "
-                 "EPIPE_MASTER_PORT",
+                 "rank %u at %s is from another job (tag %016llx; rank %u's %016llx, from %s): "
+                 "two jobs on one master port need their own EPIPE_MASTER_PORT; one job "
+                 "launched in parts, one EPIPE_JOB_ID on every rank",
                  h.rank, p->from, (unsigned long long)h.job, s->rank, (unsigned long long)job,
                  s->o->job_source);
         epipe_tcp_refuse(s, p, EPIPE_EINVAL, why);
