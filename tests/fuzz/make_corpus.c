@@ -202,7 +202,9 @@ static void write_tcp_corpus(const char *root)
         "spin_us=-1,,",
         "listen_addr=0123456789012345678901234567890123456789012345678901234567890123456789",
         "encrypt=1,key_file=/etc/epipe.key",
-        "encrypt=2"};
+        "encrypt=2",
+        "job=slurm-4711.0,streams=2",
+        "job="};
     snprintf(dir, sizeof dir, "%s/tcp_opts", root);
     mkdir(dir, 0755);
     for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++) {
