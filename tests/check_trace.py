@@ -4,7 +4,10 @@
 per stage (pids from 1), every stage's track has a forward and a backward
 slice for each micro-batch of each step, compute slices never contain a
 wait, slices carry their step, micro-batch, bytes and codec, and a flow
-arrow runs from each send to its receive on the neighbouring rank."""
+arrow runs from each send to its receive on the neighbouring rank.
+Usage: check_trace.py EPIPE_RUN MINIMAL_TRAINER EPIPE_TRACE_MERGE, or
+check_trace.py EPIPE_RUN EPIPE_TRAIN EPIPE_TRACE_MERGE VERBS_LIB: a file per
+rank over the rdma transport too (on the test verbs provider)."""
 import json
 import os
 import subprocess
@@ -12,6 +15,27 @@ import sys
 import tempfile
 
 run, trainer, merge = sys.argv[1:4]
+if len(sys.argv) > 4:
+    # Over rdma every rank used to write the one file named, over each other.
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, EPIPE_TRACE=os.path.join(d, "rd.json"), EPIPE_TRANSPORT="rdma",
+                   EPIPE_IBVERBS_LIB=sys.argv[4])
+        r = subprocess.run([run, "-n", "2", "--", trainer, "--epochs", "1", "--train-limit",
+                            "320"], env=env, capture_output=True, text=True, timeout=120)
+        names = sorted(os.listdir(d))
+        if r.returncode or names != ["rd.rank0.json", "rd.rank1.json"]:
+            sys.exit("FAIL: over rdma: exit %d, files %s\n%s" % (r.returncode, names,
+                                                                 r.stderr[-2000:]))
+        for name in names:
+            pids = {e.get("pid") for e in json.load(open(os.path.join(d, name)))["traceEvents"]
+                    if e.get("ph") == "X"}
+            if pids != {int(name[7]) + 1}:
+                sys.exit("FAIL: %s holds the slices of pids %s" % (name, sorted(pids)))
+        out = os.path.join(d, "merged.json")
+        subprocess.run([sys.executable, merge, out] + [os.path.join(d, n) for n in names],
+                       check=True, capture_output=True)
+    print("ok: over rdma each rank writes its own trace (%s), and they merge" % ", ".join(names))
+    sys.exit(0)
 STAGES, MB, STEPS = 3, 4, 100  # minimal_trainer: 100 steps of 4 micro-batches
 SPEC = "quant:bits=8"
 EPS = 0.002  # us: the files print times to 1 ns

@@ -205,7 +205,8 @@ EPIPE_API void epipe_comm_abort(epipe_comm *comm);
 
 EPIPE_API unsigned epipe_comm_rank(const epipe_comm *comm);
 EPIPE_API unsigned epipe_comm_size(const epipe_comm *comm);
-/* The transport's name: "inproc" or "tcp" (never "auto"). Static string. */
+/* The transport's name: "inproc", "tcp" or "rdma" (never "auto"). Static
+ * string. */
 EPIPE_API const char *epipe_comm_transport(const epipe_comm *comm);
 /* The message of the last failing call on this handle, or "". */
 EPIPE_API const char *epipe_comm_last_error(const epipe_comm *comm);

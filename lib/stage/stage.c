@@ -142,8 +142,9 @@ static int stage_finish(epipe_stage *st)
     if (rc || (rc = epipe_stage_stats_init(st)))
         return rc;
     st->tag = schedule_tag(st);
+    /* every transport but inproc has its ranks in processes of their own */
     st->trace = epipe_trace_open(st->comm->trace, st->s,
-                                 !strcmp(epipe_comm_transport(st->comm), "tcp"));
+                                 strcmp(epipe_comm_transport(st->comm), "inproc") != 0);
     st->tracing = st->trace != NULL;
     st->st.struct_size = sizeof st->st;
     return EPIPE_OK;

@@ -12,7 +12,7 @@ typedef struct epipe_trace epipe_trace;
 /* Opens a stage's trace into `path` (NULL: EPIPE_TRACE, read now); NULL
  * when tracing is off (or out of memory: a trace is best effort).
  * `rank` is the stage's rank; `one_process_per_rank` is set for transports
- * whose ranks are separate processes (tcp): each process then writes a file
+ * whose ranks are separate processes (tcp, rdma): each process then writes a file
  * of its own, the path with "%r" replaced by the rank, or with ".rank<R>"
  * put before its ".json" when it has no "%r". Stages of one process that
  * name the same file share it: their spans are merged into it when each
