@@ -1,5 +1,7 @@
 /* The CUDA module's entry point and plumbing: the device probe, per-handle
  * state and scratch, dtype staging on the device and the deferred status. */
+#include <dlfcn.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,6 +88,51 @@ static const epipe_codec_backend *cuda_backend(unsigned id)
 }
 
 /* ---- tensors and handles ----------------------------------------------- */
+
+/* The driver's cuDeviceGet and cuDevicePrimaryCtxGetState, looked up in the
+ * libcuda the runtime has loaded (none under the emulator). CUdevice is an
+ * int and CUDA_SUCCESS 0. */
+static int (*drv_device_get)(int *device, int ordinal);
+static int (*drv_context_state)(int device, unsigned *flags, int *active);
+static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
+
+static void drv_open(void)
+{
+    void *so = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!so)
+        return;
+    drv_device_get = (int (*)(int *, int))dlsym(so, "cuDeviceGet");
+    drv_context_state = (int (*)(int, unsigned *, int *))dlsym(so, "cuDevicePrimaryCtxGetState");
+}
+
+/* Every entry point that selects a device gives the calling thread its own
+ * back on return (the host's kernels and allocations must not move to the
+ * tensor's GPU): the device to give back, or -1 for none. A thread that
+ * never chose one reads device 0, and selecting 0 "back" would create GPU
+ * 0's context (hundreds of MB) in a process that may never use GPU 0 (a
+ * torchrun rank on cuda:3): so only a device whose context is active is
+ * given back, where the driver can say. */
+static int caller_device(void)
+{
+    int d = -1;
+    if (cudaGetDevice(&d) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    pthread_once(&drv_once, drv_open);
+    int dev = 0, active = 1;
+    unsigned flags = 0;
+    if (drv_device_get && drv_context_state && drv_device_get(&dev, d) == 0 &&
+        drv_context_state(dev, &flags, &active) == 0 && !active)
+        return -1;
+    return d;
+}
+
+static void restore_device(int device)
+{
+    if (device >= 0)
+        cudaSetDevice(device);
+}
 
 static int cuda_check(epipe_codec *c, const DLTensor *t, const char *what, int *device)
 {
@@ -432,14 +479,12 @@ static int cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n
     locate(payload, &dev);
     if (dev < 0)
         return epipe_cuda_fail(c, EPIPE_EINVAL, "%s: the payload is not CUDA memory", c->ops->name);
-    int prev = -1;
-    cudaGetDevice(&prev);
+    int prev = caller_device();
     epipe_cuda_handle *h = NULL;
     int rc = handle_state(c, dev, &h);
     if (rc == EPIPE_OK)
         rc = fetch_host_bytes(c, (const uint8_t *)payload, len, n, hdr);
-    if (prev >= 0)
-        cudaSetDevice(prev);
+    restore_device(prev);
     return rc;
 }
 
@@ -657,26 +702,22 @@ static int cuda_encode(epipe_codec *c, const epipe_codec_backend *be, const DLTe
                        uint64_t n, enum epipe_dtype dt, uint8_t *payload, const uint8_t *hdr,
                        size_t len)
 {
-    int prev = -1;
-    cudaGetDevice(&prev);
+    int prev = caller_device();
     int rc = encode_on(c, be, src, n, dt, payload, hdr, len);
     if (c->cuda)
         epipe_cuda_h(c)->dev_body = NULL;
-    if (prev >= 0)
-        cudaSetDevice(prev);
+    restore_device(prev);
     return rc;
 }
 
 static int cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload,
                        size_t len, uint64_t n, DLTensor *dst, enum epipe_dtype dt)
 {
-    int prev = -1;
-    cudaGetDevice(&prev);
+    int prev = caller_device();
     int rc = decode_on(c, be, payload, len, n, dst, dt);
     if (c->cuda)
         epipe_cuda_h(c)->dev_body = NULL;
-    if (prev >= 0)
-        cudaSetDevice(prev);
+    restore_device(prev);
     return rc;
 }
 
@@ -727,19 +768,27 @@ static int cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int enc,
                          const DLTensor *gin, uint64_t n_in, enum epipe_dtype dt_in, DLTensor *gout,
                          uint64_t n_out, enum epipe_dtype dt_out)
 {
-    int prev = -1;
-    cudaGetDevice(&prev);
+    int prev = caller_device();
     int rc = backward_on(c, be, enc, mb, gin, n_in, dt_in, gout, n_out, dt_out);
-    if (prev >= 0)
-        cudaSetDevice(prev);
+    restore_device(prev);
     return rc;
 }
+
+static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h);
 
 static int cuda_synchronize(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
     if (!h)
         return EPIPE_OK; /* nothing was ever enqueued */
+    int prev = caller_device();
+    int rc = synchronize_on(c, h);
+    restore_device(prev);
+    return rc;
+}
+
+static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h)
+{
     int rc = epipe_cuda_check(c, cudaSetDevice(h->device), "selecting the handle's device");
     if (rc)
         return rc;
@@ -786,6 +835,7 @@ static void cuda_release(epipe_codec *c)
         return;
     /* cudaFree waits for the device, so work still queued on the handle's
      * stream finishes before its scratch goes. */
+    int prev = caller_device();
     cudaSetDevice(h->device);
     cudaFree(h->status);
     cudaFree(h->stage.p);
@@ -803,6 +853,7 @@ static void cuda_release(epipe_codec *c)
     cudaFreeHost(h->status_host);
     free(h);
     c->cuda = NULL;
+    restore_device(prev);
 }
 
 /* ---- device memory for the stage runtime ------------------------------------ */
@@ -824,13 +875,11 @@ static int dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
     int rc = device_ok(device, why, cap);
     if (rc)
         return rc;
-    int prev = -1;
-    cudaGetDevice(&prev);
+    int prev = caller_device();
     cudaError_t e = cudaSetDevice(device);
     if (e == cudaSuccess)
         e = cudaMalloc(p, bytes ? bytes : 1);
-    if (prev >= 0)
-        cudaSetDevice(prev);
+    restore_device(prev);
     if (e == cudaSuccess)
         return EPIPE_OK;
     cudaGetLastError();
@@ -841,7 +890,15 @@ static int dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
 
 static void dev_free(void *p)
 {
+    /* on the memory's own device, so that a thread with none selected does
+     * not create a context on GPU 0 to free it */
+    cudaPointerAttributes a;
+    int prev = caller_device();
+    if (cudaPointerGetAttributes(&a, p) == cudaSuccess && a.device >= 0)
+        cudaSetDevice(a.device);
+    cudaGetLastError();
     cudaFree(p);
+    restore_device(prev);
 }
 
 /* Host staging's copies and the stage's hand-overs: on the handle's
@@ -849,8 +906,7 @@ static void dev_free(void *p)
  * copy complete. */
 static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, size_t bytes)
 {
-    int prev = -1;
-    cudaGetDevice(&prev);
+    int prev = caller_device();
     int rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the tensor's device");
     if (!rc)
         rc = epipe_cuda_check(
@@ -859,8 +915,7 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
     if (!rc)
         rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
                               "waiting for the handle's stream");
-    if (prev >= 0)
-        cudaSetDevice(prev);
+    restore_device(prev);
     return rc;
 }
 

@@ -224,6 +224,47 @@ static void cooperative_launch_refused(void)
     CUDA_OK(cudaFree(dx));
 }
 
+/* Each codec call gives the calling thread its current device back, on a
+ * machine of two devices: the host computes on device 1, its tensor is on
+ * device 0 (before, synchronize and destroy left it on device 0). */
+static void caller_device_kept(void)
+{
+    setenv("CUDAEMU_DEVICES", "2", 1);
+    std::vector<int64_t> shape = {4096};
+    std::vector<float> x(4096, 0.25f);
+    float *dx, *dy;
+    CUDA_OK(cudaSetDevice(0));
+    CUDA_OK(cudaMalloc((void **)&dx, 4096 * 4));
+    CUDA_OK(cudaMalloc((void **)&dy, 4096 * 4));
+    CUDA_OK(cudaMemcpy(dx, x.data(), 4096 * 4, cudaMemcpyHostToDevice));
+    DLTensor tx = tensor(kDLCUDA, dx, shape), ty = tensor(kDLCUDA, dy, shape);
+    for (const char *spec : {"quant:bits=8", "sortquant:bits=8", "topk:ratio=0.1"}) {
+        epipe_codec *c;
+        CHECK(epipe_codec_create(&c, spec) == EPIPE_OK, "%s", epipe_last_error());
+        std::vector<uint8_t> payload(1 << 16);
+        size_t w = 0;
+        int cur = -1;
+        CUDA_OK(cudaSetDevice(1));
+        const char *steps[] = {"encode", "synchronize", "decode", "synchronize", "destroy"};
+        for (int k = 0; k < 5; k++) {
+            int rc = k == 0   ? epipe_codec_encode(c, &tx, payload.data(), payload.size(), &w)
+                     : k == 2 ? epipe_codec_decode(c, payload.data(), w, &ty)
+                     : k == 4 ? (epipe_codec_destroy(c), EPIPE_OK)
+                              : epipe_codec_synchronize(c);
+            CHECK(rc == EPIPE_OK, "%s: %s: %s", spec, steps[k], epipe_last_error());
+            CUDA_OK(cudaGetDevice(&cur));
+            CHECK(cur == 1, "%s: after %s the thread is on device %d, not its own 1", spec,
+                  steps[k], cur);
+        }
+    }
+    printf("%-40s the caller's device kept through encode, decode, synchronize, destroy\n",
+           "quant, sortquant, topk");
+    CUDA_OK(cudaSetDevice(0));
+    CUDA_OK(cudaFree(dx));
+    CUDA_OK(cudaFree(dy));
+    unsetenv("CUDAEMU_DEVICES");
+}
+
 int main(void)
 {
     gpu_test_devices_or_skip();
@@ -248,6 +289,7 @@ int main(void)
     for (const fault_case &fc : cases)
         sweep(fc);
     sticky();
+    caller_device_kept();
     cooperative_launch_refused();
     return gpu_test_result();
 }
