@@ -141,8 +141,17 @@ typedef enum epipe_stage_param {
      * tensors a send returns once the payload is in host memory and a
      * receive once the tensor is decoded, so both may be used from any
      * stream; the codecs run on the stream of epipe_stage_set_cuda_stream()
-     * (the legacy default stream until it is set). Only between steps
-     * (EPIPE_ESTATE otherwise). */
+     * (the legacy default stream until it is set). A lent CUDA tensor's
+     * memory is written again, on that stream, by the call that ends its
+     * lending or a later one: the host's work that reads it on another
+     * stream must have finished by then (or that stream be the stage's).
+     * Only between steps (EPIPE_ESTATE otherwise), and only until the
+     * first tensor is received: a codec handle keeps to the memory of its
+     * first tensor, so a change after that is EPIPE_ESTATE naming where
+     * the stage's codecs write. A boundary whose trainable codec runs in
+     * the stage back-propagates the code gradient into the memory received
+     * tensors go to, so its activations must be sent from there (a CUDA
+     * activation on device d needs d here; EPIPE_EINVAL otherwise). */
     EPIPE_STAGE_CUDA_DEVICE = 5
 } epipe_stage_param;
 

@@ -244,8 +244,8 @@ int epipe_stage_lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim, co
     }
     int cuda = st->cuda_device >= 0;
     if (lt->buf && (lt->on_cuda != cuda || (cuda && lt->device != st->cuda_device)))
-        epipe_stage_lent_free(lt); /* EPIPE_STAGE_CUDA_DEVICE moved it */
-    if (lt->cap < n * esz && cuda) {
+        epipe_stage_lent_free(lt);                 /* EPIPE_STAGE_CUDA_DEVICE moved it */
+    if (cuda && (lt->cap < n * esz || !lt->buf)) { /* a first empty tensor too */
         /* cudaMalloc does not keep contents; the decode writes them all */
         char why[1400];
         void *p = NULL;
@@ -404,6 +404,8 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         if ((rc = epipe_stage_lend_shape(st, &st->grad_in, sent->ndim, sent->shape, sent->dtype)))
             return rc;
         rc = epipe_codec_encode_backward(c->enc_act, mb, &lt->t, &st->grad_in.t);
+        if (rc == EPIPE_OK && st->grad_in.on_cuda) /* a receive returns its tensor written */
+            rc = epipe_codec_synchronize(c->enc_act);
         double t3 = now();
         st->st.decode_seconds += t3 - t2;
         if (st->tracing)
@@ -456,6 +458,15 @@ static int check_grad_like_input(epipe_stage *st, const struct chunk *c, const D
 
 /* Checks a tensor the host sends; records an activation's shape. Every
  * micro-batch may send its own shape. */
+/* "CUDA device 1", or "host memory" for -1 */
+static void memory_name(char *buf, size_t cap, int cuda_device)
+{
+    if (cuda_device >= 0)
+        snprintf(buf, cap, "CUDA device %d", cuda_device);
+    else
+        snprintf(buf, cap, "host memory");
+}
+
 static int check_sent(epipe_stage *st, struct chunk *c, int dir, const DLTensor *t, unsigned mb)
 {
     const char *what = dir == DIR_ACT ? "activation" : "gradient";
@@ -468,6 +479,20 @@ static int check_sent(epipe_stage *st, struct chunk *c, int dir, const DLTensor 
                     "gives %lld",
                     what, mb, t->ndim ? (long long)t->shape[0] : 0LL, (long long)st->batch, st->m,
                     (long long)(st->batch / st->m));
+    int local = dir == DIR_ACT ? c->down_local : c->up_local;
+    int on_cuda = t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged;
+    if (dir == DIR_ACT && !local && trains(st, c->enc_act) &&
+        (on_cuda ? t->device.device_id != st->cuda_device : st->cuda_device >= 0)) {
+        char at[40], to[40];
+        memory_name(at, sizeof at, on_cuda ? t->device.device_id : -1);
+        memory_name(to, sizeof to, st->cuda_device);
+        return fail(st, EPIPE_EINVAL,
+                    "the activation of micro-batch %u is in %s, but the trainable codec '%s' "
+                    "back-propagates its code gradient into the memory received tensors go to, "
+                    "%s (EPIPE_STAGE_CUDA_DEVICE): send it from there, or set the knob to its "
+                    "device",
+                    mb, at, epipe_codec_spec(c->enc_act), to);
+    }
     if (dir == DIR_ACT) {
         struct tensor_meta *s = &c->act_out[mb];
         s->set = 1;

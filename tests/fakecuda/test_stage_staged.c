@@ -11,6 +11,167 @@
 
 static void *(*last_stream)(unsigned long *);
 
+/* One GPipe step of one micro-batch between two inproc ranks, as the cases
+ * below shape it: rank 0 sends `rows` rows from host or device memory,
+ * rank 1 receives them where its EPIPE_STAGE_CUDA_DEVICE says. */
+typedef struct knob_case {
+    const sx_memory *mem;
+    const char *act_spec;
+    int steps;
+    int64_t rows[3];   /* rows of the activation sent in each step */
+    int r0_device[3];  /* rank 0's knob before each step (-2: leave it) */
+    int r1_device[3];  /* rank 1's */
+    int act_on_device; /* rank 0 sends from device memory */
+    int rc_knob[2][3]; /* what each knob setting must return */
+    int rc_send;       /* what rank 0's first send must return */
+    const char *why;   /* ... and its message, or the knob's */
+    int recv_type[3];  /* rank 1's received tensor's device type in each step */
+} knob_case;
+
+typedef struct knob_rank {
+    knob_case *k;
+    epipe_comm *comm;
+} knob_rank;
+
+static void *knob_rank_main(void *p)
+{
+    knob_rank *kr = p;
+    knob_case *k = kr->k;
+    unsigned r = epipe_comm_rank(kr->comm);
+    epipe_stage *st;
+    SX_CHECK(epipe_stage_create(&st, kr->comm, "gpipe", 1) == EPIPE_OK, "%s", epipe_last_error());
+    epipe_stage_set_param(st, EPIPE_STAGE_TIMEOUT_MS, 5000);
+    SX_CHECK(epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, k->act_spec) ==
+                 EPIPE_OK,
+             "%s", epipe_stage_last_error(st));
+    static float host[SX_N];
+    for (int i = 0; i < SX_N; i++)
+        host[i] = (float)(i % 97) / 97.0f - 0.5f;
+    void *dev = k->mem->alloc(sizeof host);
+    SX_CHECK(dev && k->mem->copy(dev, host, sizeof host) == 0, "device memory");
+    for (int step = 0; step < k->steps; step++) {
+        int want = (r ? k->r1_device : k->r0_device)[step];
+        if (want != -2) {
+            int rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, want);
+            SX_CHECK(rc == k->rc_knob[r][step], "rank %u step %d: knob %d: %d %s", r, step, want,
+                     rc, epipe_stage_last_error(st));
+            if (rc)
+                SX_CHECK(strstr(epipe_stage_last_error(st), k->why) != NULL, "rank %u: %s", r,
+                         epipe_stage_last_error(st));
+        }
+        int64_t shape[2] = {k->rows[step], SX_COLS};
+        epipe_op op;
+        for (;;) {
+            int rc = epipe_stage_next_op(st, &op);
+            if (rc || op.kind == EPIPE_OP_NONE) {
+                SX_CHECK(rc == EPIPE_OK, "rank %u: %s", r, epipe_stage_last_error(st));
+                break;
+            }
+            DLTensor t = sx_view(kDLCPU, host);
+            t.shape = shape;
+            const DLTensor *in = NULL;
+            if (r == 0 && op.kind == EPIPE_OP_FORWARD) {
+                if (k->act_on_device)
+                    t.device.device_type = kDLCUDA, t.data = dev;
+                rc = epipe_stage_send_activation(st, 0, &t);
+                int want_rc = step == 0 ? k->rc_send : EPIPE_OK;
+                SX_CHECK(rc == want_rc, "send: %d %s", rc, epipe_stage_last_error(st));
+                if (rc) {
+                    SX_CHECK(strstr(epipe_stage_last_error(st), k->why) != NULL, "send: %s",
+                             epipe_stage_last_error(st));
+                    /* the refusal changed nothing: the same tensor from host memory */
+                    t.device.device_type = kDLCPU, t.data = host;
+                    rc = epipe_stage_send_activation(st, 0, &t);
+                }
+            } else if (r == 0) {
+                rc = epipe_stage_recv_gradient(st, 0, &in);
+            } else if (op.kind == EPIPE_OP_FORWARD) {
+                rc = epipe_stage_recv_activation(st, 0, &in);
+                if (rc == EPIPE_OK)
+                    SX_CHECK((int)in->device.device_type == k->recv_type[step],
+                             "step %d: received into device type %d, not %d", step,
+                             (int)in->device.device_type, k->recv_type[step]);
+            } else {
+                rc = epipe_stage_send_gradient(st, 0, &t);
+            }
+            SX_CHECK(rc == EPIPE_OK, "rank %u step %d op %u: %s", r, step, op.kind,
+                     epipe_stage_last_error(st));
+            if (rc) {
+                epipe_comm_abort(kr->comm);
+                break;
+            }
+        }
+    }
+    k->mem->free(dev);
+    epipe_stage_destroy(st);
+    return NULL;
+}
+
+static void knob_run(knob_case *k, const char *what)
+{
+    epipe_comm *c[2];
+    if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
+        SX_CHECK(0, "inproc: %s", epipe_last_error());
+        return;
+    }
+    int before = sx_failures;
+    knob_rank kr[2] = {{k, c[0]}, {k, c[1]}};
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++)
+        pthread_create(&th[i], NULL, knob_rank_main, &kr[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    printf("%s: %s\n", what, sx_failures == before ? "ok" : "FAILED");
+}
+
+/* EPIPE_STAGE_CUDA_DEVICE's rules (stage.h). */
+static void knob_cases(const sx_memory *mem)
+{
+    /* Moved after tensors were received on the host: refused by name (the
+     * decoders keep to host memory), and the stage goes on there. */
+    knob_case moved = {mem,
+                       "quant:bits=8",
+                       2,
+                       {SX_ROWS, SX_ROWS},
+                       {-2, -2},
+                       {-2, 0},
+                       0,
+                       {{0, 0}, {0, EPIPE_ESTATE}},
+                       EPIPE_OK,
+                       "this stage's codecs already write received tensors into host memory",
+                       {kDLCPU, kDLCPU}};
+    knob_run(&moved, "the device knob moved after the first receive: refused");
+    /* Set before the first step: both steps receive on the device, the
+     * first of them an empty tensor (lent on the device too, not the host). */
+    knob_case empty = {mem, "quant:bits=8",   2,        {0, SX_ROWS}, {-2, -2},          {0, -2},
+                       0,   {{0, 0}, {0, 0}}, EPIPE_OK, "",           {kDLCUDA, kDLCUDA}};
+    knob_run(&empty, "an empty first receive on a CUDA stage");
+    /* A trainable codec back-propagates into the memory received tensors go
+     * to: a CUDA activation sent while they go to the host is refused by
+     * name (it used to fail at the gradient's receive), and the same
+     * activation from the host then crosses. */
+    epipe_codec *probe;
+    if (epipe_codec_create(&probe, "insert:kind=linear,out=100") != EPIPE_OK) {
+        printf("SKIP the trainable case: %s\n", epipe_last_error());
+        return;
+    }
+    epipe_codec_destroy(probe);
+    knob_case trainable = {mem,
+                           "insert:kind=linear,out=100",
+                           1,
+                           {SX_ROWS},
+                           {-2},
+                           {-2},
+                           1,
+                           {{0}, {0}},
+                           EPIPE_EINVAL,
+                           "is in CUDA device 0, but the trainable codec",
+                           {kDLCPU}};
+    knob_run(&trainable, "a trainable codec's CUDA activation with received tensors on the host");
+}
+
 int main(void)
 {
     const char *path = getenv("EPIPE_CUDA_MODULE");
@@ -29,6 +190,7 @@ int main(void)
     /* The test module has one device and stages every codec. */
     const char *act = "quant:bits=8", *grad = "sortquant:bits=8,mode=sample";
     sx_run_all(&mem, act, grad, 1);
+    knob_cases(&mem);
 
     void *stream = (void *)(uintptr_t)0xbeef;
     unsigned long before = 0, after = 0;
