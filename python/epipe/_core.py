@@ -182,7 +182,8 @@ class Codec(_Handle):
         for the tensor's device, so that it is ordered after the work that
         made the tensor and before what reads the result, as a torch op
         would be. Nothing for a CPU tensor."""
-        _follow_torch_stream(self, tensor, lib.epipe_codec_set_stream, "epipe_codec_set_stream")
+        _follow_torch_stream(self, _cuda_device_of(tensor), lib.epipe_codec_set_stream,
+                             "epipe_codec_set_stream")
 
     def synchronize(self):
         """Waits for the codec's CUDA work and reports what it deferred (a
@@ -197,8 +198,9 @@ class Codec(_Handle):
         A CUDA tensor is encoded on its device, asynchronously on torch's
         current stream, into a CUDA uint8 tensor (returned, the written
         prefix) unless `out` says otherwise (a CUDA uint8 tensor, or host
-        memory, which makes the call wait); a non-finite value surfaces at
-        synchronize().
+        memory, pageable or pinned, which makes the call wait for the
+        payload and report a non-finite value at once); otherwise a
+        non-finite value surfaces at synchronize().
 
         Without `out`: returns the payload as a new ``bytes``, encoded
         straight into it (every codec's payload fills max_encoded_size()
@@ -210,7 +212,7 @@ class Codec(_Handle):
         it and a memoryview of the written prefix is returned; nothing is
         allocated or copied. Error EPIPE_ENOSPC names the size needed when
         out is too small."""
-        cuda = getattr(tensor, "device", None) is not None and tensor.device.type == "cuda"
+        cuda = _cuda_device_of(tensor) is not None
         if cuda:
             self._follow_stream(tensor)
             if out is None:
@@ -233,6 +235,8 @@ class Codec(_Handle):
                             f"out has {size} bytes; this tensor may need up to {cap.value} "
                             "(max_encoded_size)", "Codec.encode")
             n = self._encode_at(v, h, addr, size)
+            if cuda and _cuda_device_of(out) is None:
+                self.synchronize()  # a copy into pinned memory is still in flight
         mv = out if isinstance(out, memoryview) else None
         if mv is None:
             try:
@@ -420,15 +424,24 @@ _STAT_FIELDS = [f for f, _ in _lib.StageStats._fields_ if f != "struct_size"]
 _BOUNDARY_FIELDS = [f for f, _ in _lib.BoundaryStats._fields_ if f != "struct_size"]
 
 
-def _follow_torch_stream(handle, tensor, setter, name):
-    """Sets handle's CUDA stream (with setter, the C call `name`) to torch's
-    current stream on a CUDA tensor's device when it changed; nothing for
-    other tensors."""
+def _cuda_device_of(tensor):
+    """The device of a torch CUDA tensor; None for anything else: CPU
+    tensors, NumPy arrays (whose .device is the string "cpu" from NumPy 2
+    on), other libraries' arrays."""
     dev = getattr(tensor, "device", None)
-    if dev is None or dev.type != "cuda":
-        return
-    import torch
+    return dev if getattr(dev, "type", None) == "cuda" else None
 
+
+def _follow_torch_stream(handle, dev, setter, name):
+    """Sets handle's CUDA stream (with setter, the C call `name`) to torch's
+    current stream on CUDA device `dev` (a torch device or an index) when it
+    changed; nothing for None, or where torch is not installed."""
+    if dev is None:
+        return
+    try:
+        import torch
+    except ImportError:
+        return
     stream = torch.cuda.current_stream(dev).cuda_stream
     if getattr(handle, "_stream", None) != stream:
         handle._check(setter(handle._handle(), ctypes.c_void_p(stream)), name)
@@ -549,6 +562,8 @@ class Stage(_Handle):
     def set_param(self, param, value):
         self._check(lib.epipe_stage_set_param(self._handle(), int(param), int(value)),
                     "epipe_stage_set_param")
+        if int(param) == STAGE_CUDA_DEVICE:
+            self._cuda_device = int(value)
 
     def set_cuda_stream(self, stream):
         """The CUDA stream the stage's codecs work on (experimental;
@@ -561,10 +576,16 @@ class Stage(_Handle):
                     "epipe_stage_set_cuda_stream")
         self._stream = ptr
 
-    def _follow_stream(self, tensor):
-        """A torch CUDA tensor to send: the stage's codecs work on torch's
-        current stream, as Codec._follow_stream does for a codec."""
-        _follow_torch_stream(self, tensor, lib.epipe_stage_set_cuda_stream,
+    def _follow_stream(self, tensor=None):
+        """The stage's codecs work on torch's current stream, as
+        Codec._follow_stream does for a codec: that of a torch CUDA tensor
+        to send; for a receive (tensor None), that of the device received
+        tensors go to (STAGE_CUDA_DEVICE), so that the decode into a lent
+        buffer follows the host's kernels that read it last."""
+        dev = _cuda_device_of(tensor) if tensor is not None else None
+        if tensor is None and getattr(self, "_cuda_device", -1) >= 0:
+            dev = self._cuda_device
+        _follow_torch_stream(self, dev, lib.epipe_stage_set_cuda_stream,
                              "epipe_stage_set_cuda_stream")
 
     @property
@@ -600,6 +621,7 @@ class Stage(_Handle):
             yield op
 
     def recv_activation(self, microbatch, copy=False):
+        self._follow_stream()
         p = ctypes.POINTER(_lib.DLTensor)()
         self._check(lib.epipe_stage_recv_activation(self._handle(), _uint(microbatch, "microbatch"),
                                                     ctypes.byref(p)),
@@ -607,6 +629,7 @@ class Stage(_Handle):
         return wrap_lent(p, copy)
 
     def recv_gradient(self, microbatch, copy=False):
+        self._follow_stream()
         p = ctypes.POINTER(_lib.DLTensor)()
         self._check(lib.epipe_stage_recv_gradient(self._handle(), _uint(microbatch, "microbatch"),
                                                   ctypes.byref(p)),

@@ -1,4 +1,6 @@
 """epipe.Codec: round trips through the C codecs, spec errors, tensor errors."""
+import threading
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -171,3 +173,44 @@ def test_closed_handle_raises():
     with pytest.raises(epipe.Error) as ei:
         c.encode(torch.ones(2))
     assert ei.value.name == "EPIPE_ESTATE"
+
+
+def test_numpy_2_arrays_with_a_device_string():
+    # NumPy 2 gives arrays .device == "cpu" (a string, not a torch device):
+    # they encode, decode and pass through a stage as other host buffers do.
+    np = pytest.importorskip("numpy")
+
+    class Np2(np.ndarray):
+        device = "cpu"
+
+    x = np.linspace(-1, 1, 1000, dtype=np.float32).view(Np2)
+    c = epipe.Codec("quant:bits=8")
+    payload = c.encode(x)
+    assert bytes(c.encode(x, out=bytearray(c.max_encoded_size(x)))) == payload
+    y = np.zeros(1000, dtype=np.float32).view(Np2)
+    c.decode(payload, out=y)
+    assert np.abs(y - x).max() < 0.01
+    comms = epipe.Comm.inproc(2)
+    try:
+        got = []
+
+        def rank(r):
+            st = epipe.Stage(comms[r], "gpipe", 1, timeout_ms=5000)
+            for op in st.ops():
+                if op.kind == epipe.OP_FORWARD and r == 0:
+                    st.send_activation(op.microbatch, x.reshape(10, 100))
+                elif op.kind == epipe.OP_FORWARD:
+                    got.append(st.recv_activation(op.microbatch, copy=True))
+                elif r == 1:
+                    st.send_gradient(op.microbatch, y.reshape(10, 100))
+                else:
+                    st.recv_gradient(op.microbatch, copy=True)
+            st.close()
+
+        ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        assert len(got) == 1
+    finally:
+        for c2 in comms:
+            c2.close()
