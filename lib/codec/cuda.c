@@ -54,6 +54,34 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static const epipe_cuda_module *loaded;
 static char loaded_path[1024];
 
+/* CUDA cannot be used in a child forked after it was set up (a DataLoader
+ * worker): there the module counts as absent. The lock is held across
+ * fork(), so that the child does not inherit it taken by a thread it does
+ * not have. */
+static int forked_child;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void)
+{
+    pthread_mutex_lock(&lock);
+}
+
+static void fork_parent(void)
+{
+    pthread_mutex_unlock(&lock);
+}
+
+static void fork_child(void)
+{
+    forked_child |= loaded != NULL;
+    pthread_mutex_unlock(&lock);
+}
+
+static void atfork_init(void)
+{
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+}
+
 /* EPIPE_CUDA_MODULE, else epipe/libepipe-cuda.so beside libepipe itself
  * (the install layout), else the configured install path. */
 static void module_path(char *out, size_t cap)
@@ -83,7 +111,16 @@ static int module_load(const char *what, char *why, size_t cap, const epipe_cuda
 {
     char path[1024];
     module_path(path, sizeof path);
+    pthread_once(&atfork_once, atfork_init);
     pthread_mutex_lock(&lock);
+    if (forked_child) {
+        pthread_mutex_unlock(&lock);
+        snprintf(why, cap,
+                 "%s, but this process was forked after CUDA was set up in its parent, and CUDA "
+                 "cannot be used across fork() (create the CUDA work in the child, or spawn it)",
+                 what);
+        return EPIPE_ENOTSUP;
+    }
     if (!loaded || strcmp(path, loaded_path) != 0) {
         dlerror();
         void *so = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -120,11 +157,12 @@ static int module_load(const char *what, char *why, size_t cap, const epipe_cuda
     return EPIPE_OK;
 }
 
-/* The module if one is loaded, without loading it. */
+/* The module if one is loaded, without loading it; none in a forked child
+ * (freeing what the parent's CUDA made is the parent's business). */
 static const epipe_cuda_module *loaded_module(void)
 {
     pthread_mutex_lock(&lock);
-    const epipe_cuda_module *m = loaded;
+    const epipe_cuda_module *m = forked_child ? NULL : loaded;
     pthread_mutex_unlock(&lock);
     return m;
 }

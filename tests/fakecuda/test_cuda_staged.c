@@ -7,13 +7,17 @@
  * of insert's CUDA backend (cuda/insert.cu). */
 #include <dlfcn.h>
 #include <math.h>
+#include <pthread.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -542,6 +546,80 @@ static void test_insert_on_the_module(void **state)
     insert_kernels(0);
 }
 
+/* A child forked after the parent set CUDA up cannot use it: there a CUDA
+ * tensor is EPIPE_ENOTSUP saying so, host tensors still encode, and
+ * destroying the parent's CUDA handles neither touches CUDA nor hangs, even
+ * when another thread of the parent was inside the CUDA loader at fork(). */
+static int hammering = 1; /* read and written with __atomic builtins */
+
+static void *hammer(void *p)
+{
+    epipe_codec *c = p;
+    while (__atomic_load_n(&hammering, __ATOMIC_RELAXED))
+        epipe_codec_synchronize(c); /* takes the loader's lock each time */
+    return NULL;
+}
+
+static int forked_child_main(epipe_codec *parents, float *dx, float *x)
+{
+    alarm(10); /* a hang ends as SIGALRM, which the parent reports */
+    static uint8_t p[8 * N];
+    size_t w = 0;
+    epipe_codec *c = NULL;
+    if (epipe_codec_create(&c, "quant:bits=8") != EPIPE_OK)
+        return 2;
+    DLTensor gx = f32(kDLCUDA, dx), hx = f32(kDLCPU, x);
+    if (epipe_codec_encode(c, &gx, p, sizeof p, &w) != EPIPE_ENOTSUP ||
+        !strstr(epipe_codec_last_error(c), "forked after CUDA was set up"))
+        return 3;
+    epipe_codec_destroy(c);
+    if (epipe_codec_create(&c, "quant:bits=8") != EPIPE_OK ||
+        epipe_codec_encode(c, &hx, p, sizeof p, &w) != EPIPE_OK)
+        return 4;
+    epipe_codec_destroy(c);
+    epipe_codec_destroy(parents); /* the parent's handle, bound to CUDA */
+    return 0;
+}
+
+static void test_forked_child(void **state)
+{
+    (void)state;
+    static float x[N];
+    static uint8_t p[8 * N];
+    fill(x, N, 3);
+    float *dx = dev_alloc(sizeof x);
+    assert_int_equal(dev_copy(dx, x, sizeof x), 0);
+    epipe_codec *c = make("quant:bits=8"), *busy = make("quant:bits=8");
+    DLTensor gx = f32(kDLCUDA, dx);
+    size_t w = 0;
+    assert_int_equal(epipe_codec_encode(c, &gx, p, sizeof p, &w), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(busy, &gx, p, sizeof p, &w), EPIPE_OK);
+    __atomic_store_n(&hammering, 1, __ATOMIC_RELAXED);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, hammer, busy), 0);
+    for (int k = 0; k < 40; k++) {
+        fflush(NULL);
+        pid_t pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0)
+            _exit(forked_child_main(c, dx, x));
+        int st = 0;
+        assert_int_equal(waitpid(pid, &st, 0), pid);
+        if (WIFSIGNALED(st))
+            fail_msg("fork %d: the child was killed by signal %d (SIGALRM %d: it hung)", k,
+                     WTERMSIG(st), SIGALRM);
+        if (WEXITSTATUS(st))
+            fail_msg("fork %d: the child exited %d", k, WEXITSTATUS(st));
+    }
+    __atomic_store_n(&hammering, 0, __ATOMIC_RELAXED);
+    pthread_join(th, NULL);
+    /* the parent's CUDA is untouched */
+    assert_int_equal(epipe_codec_encode(c, &gx, p, sizeof p, &w), EPIPE_OK);
+    epipe_codec_destroy(c);
+    epipe_codec_destroy(busy);
+    dev_free(dx);
+}
+
 int main(void)
 {
     const char *path = getenv("EPIPE_CUDA_MODULE");
@@ -571,6 +649,7 @@ int main(void)
         cmocka_unit_test(test_copies_on_handle_stream),
         cmocka_unit_test(test_backward_equals_cpu),
         cmocka_unit_test(test_insert_on_the_module),
+        cmocka_unit_test(test_forked_child),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

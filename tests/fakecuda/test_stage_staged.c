@@ -44,11 +44,14 @@ static void *knob_rank_main(void *p)
     SX_CHECK(epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, k->act_spec) ==
                  EPIPE_OK,
              "%s", epipe_stage_last_error(st));
-    static float host[SX_N];
+    float *host = malloc(SX_N * sizeof *host); /* each rank its own */
+    SX_CHECK(host != NULL, "host memory");
+    if (!host)
+        return NULL;
     for (int i = 0; i < SX_N; i++)
         host[i] = (float)(i % 97) / 97.0f - 0.5f;
-    void *dev = k->mem->alloc(sizeof host);
-    SX_CHECK(dev && k->mem->copy(dev, host, sizeof host) == 0, "device memory");
+    void *dev = k->mem->alloc(SX_N * sizeof *host);
+    SX_CHECK(dev && k->mem->copy(dev, host, SX_N * sizeof *host) == 0, "device memory");
     for (int step = 0; step < k->steps; step++) {
         int want = (r ? k->r1_device : k->r0_device)[step];
         if (want != -2) {
@@ -103,6 +106,7 @@ static void *knob_rank_main(void *p)
         }
     }
     k->mem->free(dev);
+    free(host);
     epipe_stage_destroy(st);
     return NULL;
 }
