@@ -196,6 +196,7 @@ static void test_env_precedence(void **state)
     assert_int_equal(e.rank, 1);
     assert_int_equal(e.size, 2);
     assert_non_null(strstr(e.source, "PMI"));
+    assert_int_equal(e.master_port, EPIPE_TCP_DEFAULT_PORT + 456); /* still a Slurm job */
 
     /* Open MPI over PMI; one node means the local host; multi-node needs
      * an address (here the Slurm node list gives one). */
@@ -206,7 +207,11 @@ static void test_env_precedence(void **state)
     assert_int_equal(e.rank, 2);
     assert_non_null(strstr(e.source, "Open MPI"));
     assert_string_equal(e.master_addr, "127.0.0.1");
+    assert_int_equal(e.master_port, EPIPE_TCP_DEFAULT_PORT + 456); /* mpirun in a Slurm job */
+    unsetenv("SLURM_JOB_ID");
+    assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_OK);
     assert_int_equal(e.master_port, EPIPE_TCP_DEFAULT_PORT);
+    setenv("SLURM_JOB_ID", "123456", 1);
     setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
     unsetenv("SLURM_JOB_NODELIST");
     assert_int_equal(epipe_rdv_env_parse(&e), EPIPE_EINVAL);

@@ -371,7 +371,9 @@ int epipe_rdv_env_parse(epipe_rdv_env *e)
         port += 1;
         snprintf(e->port_source, sizeof e->port_source,
                  "MASTER_PORT+1 (torchrun's agent holds MASTER_PORT)");
-    } else if (src == SRC_SLURM && env("SLURM_JOB_ID")) {
+    } else if ((src == SRC_SLURM || src == SRC_PMI || src == SRC_OMPI) && env("SLURM_JOB_ID")) {
+        /* inside a Slurm job, whoever started the ranks (srun, srun
+         * --mpi=pmi2, mpirun): jobs sharing a node get different ports */
         unsigned long job;
         if ((rc = env_uint("SLURM_JOB_ID", 0xFFFFFFFFul, &job)))
             return rc;
