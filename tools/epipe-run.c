@@ -63,19 +63,19 @@ static double now(void)
 
 static void usage(FILE *f)
 {
-    fprintf(
-        f, "usage: epipe-run -n N [--grace SECONDS] [--] PROGRAM [ARGS...]\n"
-           "Starts N copies of PROGRAM on this machine as ranks 0..N-1 of one libepipe group:\n"
-           "each gets EPIPE_RANK, EPIPE_WORLD_SIZE, EPIPE_LOCAL_RANK, EPIPE_MASTER_ADDR=127.0.0.1\n"
-           "and EPIPE_MASTER_PORT (a free port, unless EPIPE_MASTER_PORT is set). Output lines\n"
-           "are prefixed \"[rank R] \"; stdin is /dev/null. SIGINT and SIGTERM are forwarded.\n"
-           "When a rank fails (non-zero exit or a signal), the others get GRACE seconds\n"
-           "(default 2) to end on their own, then SIGTERM, then SIGKILL 5 s later; epipe-run\n"
-           "exits with the first failing rank's status (128+signal for a signal), else 0; a\n"
-           "rank killed by a signal within 0.2 s after another failed counts as the first.\n"
-           "Each rank leads its own process group. Processes left in it after its rank\n"
-           "exits get SIGTERM once every rank has exited, then SIGKILL 5 s later. If\n"
-           "epipe-run itself is killed, the kernel sends each rank SIGTERM.\n");
+    fprintf(f, "usage: epipe-run -n N [--grace SECONDS] [--] PROGRAM [ARGS...]\n"
+               "Starts N copies of PROGRAM on this machine as ranks 0..N-1 of one libepipe group:\n"
+               "each gets EPIPE_RANK, EPIPE_WORLD_SIZE, EPIPE_LOCAL_RANK, EPIPE_LOCAL_WORLD_SIZE,\n"
+               "EPIPE_JOB_ID (a random name, unless set), EPIPE_MASTER_ADDR=127.0.0.1 and\n"
+               "EPIPE_MASTER_PORT (a free port, unless EPIPE_MASTER_PORT is set). Output lines\n"
+               "are prefixed \"[rank R] \"; stdin is /dev/null. SIGINT and SIGTERM are forwarded.\n"
+               "When a rank fails (non-zero exit or a signal), the others get GRACE seconds\n"
+               "(default 2) to end on their own, then SIGTERM, then SIGKILL 5 s later; epipe-run\n"
+               "exits with the first failing rank's status (128+signal for a signal), else 0; a\n"
+               "rank killed by a signal within 0.2 s after another failed counts as the first.\n"
+               "Each rank leads its own process group. Processes left in it after its rank\n"
+               "exits get SIGTERM once every rank has exited, then SIGKILL 5 s later. If\n"
+               "epipe-run itself is killed, the kernel sends each rank SIGTERM.\n");
 }
 
 static int free_port(void)

@@ -136,6 +136,11 @@ EPIPE_API int epipe_comm_create_inproc(epipe_comm **comms, unsigned size);
  *                      ChaCha20-Poly1305 where a side lacks AES-NI, with
  *                      per-connection keys from key_file, which it needs;
  *                      every rank must agree (docs/transport.md)
+ *   job=NAME           the job this rank belongs to, 1..127 characters
+ *                      (EPIPE_JOB_ID; else TORCHELASTIC_RUN_ID unless
+ *                      "none", else SLURM_JOB_ID; else none): a rank of
+ *                      another job that reaches this job's ports is
+ *                      refused alone (EPIPE_EINVAL on its side)
  *
  * Blocks until every rank has joined or init_timeout_ms has passed. Returns
  * EPIPE_OK and *out, owned by the caller (epipe_comm_destroy), or an error

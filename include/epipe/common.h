@@ -20,9 +20,11 @@ extern "C" {
 #endif
 
 /* EPIPE_EXPERIMENTAL marks exported calls whose signature or behaviour may
- * still change in a minor release (0.x to 0.y) without a new soname: the
- * trainable-codec calls (epipe/codec.h, epipe_stage_codec_sgd_step) and
- * the schedule simulator (epipe_sim_*, epipe/schedule.h). It exports them
+ * still change in a minor release (0.x to 0.y) without a new soname, for
+ * example the trainable-codec calls (epipe/codec.h,
+ * epipe_stage_codec_sgd_step), the schedule simulator (epipe_sim_*,
+ * epipe/schedule.h), the planner (epipe/plan.h) and the CUDA stream calls;
+ * each such declaration says EPIPE_EXPERIMENTAL. It exports them
  * as EPIPE_API does, in the same version node of lib/libepipe.map, so a
  * binary binds to them as to any other call; docs/api.md says more. */
 #define EPIPE_EXPERIMENTAL EPIPE_API
