@@ -547,9 +547,9 @@ static void test_insert_on_the_module(void **state)
 }
 
 /* A child forked after the parent set CUDA up cannot use it: there a CUDA
- * tensor is EPIPE_ENOTSUP saying so, host tensors still encode, and
- * destroying the parent's CUDA handles neither touches CUDA nor hangs, even
- * when another thread of the parent was inside the CUDA loader at fork(). */
+ * tensor is EPIPE_ENOTSUP saying so, host tensors still encode, and the
+ * parent's CUDA handles neither reach CUDA nor hang, even when another
+ * thread of the parent was inside the CUDA loader at fork(). */
 static int hammering = 1; /* read and written with __atomic builtins */
 
 static void *hammer(void *p)
@@ -577,7 +577,11 @@ static int forked_child_main(epipe_codec *parents, float *dx, float *x)
         epipe_codec_encode(c, &hx, p, sizeof p, &w) != EPIPE_OK)
         return 4;
     epipe_codec_destroy(c);
-    epipe_codec_destroy(parents); /* the parent's handle, bound to CUDA */
+    /* the parent's handle, bound to CUDA: its calls take the loader's lock
+     * and must not reach CUDA (nor is it destroyed here: CUDA's pinned
+     * memory is not mapped in a child, and is deliberately not freed) */
+    if (epipe_codec_synchronize(parents) != EPIPE_OK)
+        return 5;
     return 0;
 }
 
