@@ -705,6 +705,72 @@ static int auto_peer_main(unsigned port)
     return rc ? 1 : 0;
 }
 
+/* The roles of test_auto_three (test_rdma --auto3-peer PORT RANK): rank 0
+ * without a device, rank 2 with one; each echoes rank 1's message. */
+static int auto3_peer_main(unsigned port, unsigned rank)
+{
+    if (rank == 0)
+        setenv("EPIPE_FAKEVERBS_DEVICES", "0", 1);
+    epipe_comm *c = NULL;
+    if (epipe_comm_create(&c, "auto", rank, 3, "127.0.0.1", port, "timeout_ms=10000")) {
+        fprintf(stderr, "rank %u: %s\n", rank, epipe_last_error());
+        return 1;
+    }
+    epipe_msg *m = NULL;
+    int rc = strcmp(epipe_comm_transport(c), rank == 0 ? "tcp" : "rdma") ? 2 : 0;
+    if (!rc)
+        rc = epipe_comm_recv(c, 1, EPIPE_WIRE_ACTIVATION, 1, 0, 10000, &m);
+    if (!rc) {
+        m->hdr.src_stage = rank, m->hdr.dst_stage = 1;
+        epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE);
+        rc = epipe_comm_send(c, 1, m);
+    }
+    if (rc)
+        fprintf(stderr, "rank %u: %d %s\n", rank, rc, epipe_comm_last_error(c));
+    epipe_comm_destroy(c);
+    return rc ? 1 : 0;
+}
+
+/* auto over three ranks where the first has no device: rank 1's link to
+ * rank 2 runs verbs, its link to rank 0 tcp, and its verbs links are
+ * renumbered when the tcp one leaves the array. Messages cross both ways on
+ * both links (the receives posted before the renumbering used to carry the
+ * old number, and the first completion was a protocol error). */
+static void test_auto_three(void **state)
+{
+    (void)state;
+    unsigned port = test_free_port();
+    char ports[16];
+    snprintf(ports, sizeof ports, "%u", port);
+    pid_t pid[2];
+    for (int i = 0; i < 2; i++) {
+        pid[i] = fork();
+        assert_true(pid[i] >= 0);
+        if (pid[i] == 0) {
+            execl(self_exe, "test_rdma", "--auto3-peer", ports, i ? "2" : "0", (char *)NULL);
+            _exit(127);
+        }
+    }
+    epipe_comm *c = NULL;
+    int rc = epipe_comm_create(&c, "auto", 1, 3, "127.0.0.1", port, "timeout_ms=10000");
+    if (rc)
+        print_error("%s\n", epipe_last_error());
+    assert_int_equal(rc, EPIPE_OK);
+    assert_string_equal(epipe_comm_transport(c), "rdma");
+    for (unsigned peer = 0; peer < 3; peer += 2) {
+        assert_int_equal(epipe_comm_send(c, peer, make_act(1, peer, 1, 0, 3000, 20 + peer)),
+                         EPIPE_OK);
+        recv_act(c, peer, 1, 0, 3000, 20 + peer);
+    }
+    for (int i = 0; i < 2; i++) {
+        int st;
+        waitpid(pid[i], &st, 0);
+        assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    }
+    epipe_comm_destroy(c);
+    expect_no_leaks();
+}
+
 /* auto between a rank with a device and one without: that link is tcp. */
 static void test_auto_mixed(void **state)
 {
@@ -822,6 +888,8 @@ int main(int argc, char **argv)
         return peer_main((unsigned)atoi(argv[2]), atoi(argv[3]));
     if (argc == 3 && !strcmp(argv[1], "--auto-peer"))
         return auto_peer_main((unsigned)atoi(argv[2]));
+    if (argc == 4 && !strcmp(argv[1], "--auto3-peer"))
+        return auto3_peer_main((unsigned)atoi(argv[2]), (unsigned)atoi(argv[3]));
     fakeverbs = getenv("EPIPE_TEST_FAKEVERBS");
     if (!fakeverbs || !*fakeverbs) {
         printf("SKIP: EPIPE_TEST_FAKEVERBS (the test verbs provider) is not set\n");
@@ -848,6 +916,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup(test_fault_setup, setup_env),
         cmocka_unit_test_setup(test_every_verbs_call_fails_in_turn, setup_env),
         cmocka_unit_test_setup(test_auto_mixed, setup_env),
+        cmocka_unit_test_setup(test_auto_three, setup_env),
         cmocka_unit_test_setup(test_killed_peer, setup_env),
         cmocka_unit_test_setup(test_send_waits_for_the_verdict, setup_env),
         cmocka_unit_test_setup(test_leak_cycles, setup_env),

@@ -366,6 +366,12 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
          * waits for this rank's queue pair). */
         rc = epipe_rdma_link_alloc(r, l);
     }
+    /* A link's id (in every work request it posts) is its place among the
+     * links that keep verbs: the array is compacted to them below, after
+     * the receives carrying the id are posted. */
+    for (unsigned k = 0, kept = 0; rc == EPIPE_OK && k < npeers; k++)
+        if (both[k])
+            r->links[k].idx = kept++;
     /* Round 1: queue-pair information (or why there is none) both ways. */
     for (unsigned k = 0; rc == EPIPE_OK && k < npeers; k++) {
         struct rdma_link *l = &r->links[k];
@@ -448,8 +454,7 @@ int epipe_rdma_comm_create(epipe_comm **out, unsigned rank, unsigned size, const
                 pthread_mutex_init(&r->links[kept].lock, NULL);
                 memset(&r->links[k], 0, sizeof r->links[k]);
             }
-            r->links[kept].idx = kept;
-            r->link_of[r->links[kept].peer] = (int)kept;
+            r->link_of[r->links[kept].peer] = (int)kept; /* .idx is kept already */
             kept++;
         } else {
             epipe_rdma_link_free(&r->links[k]);
