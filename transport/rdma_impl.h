@@ -39,13 +39,14 @@ enum { WR_EAGER = 1, WR_CTS, WR_CHUNK, WR_DONE, WR_CTL, WR_RECV };
 /* A clear-to-send entry, written by the receiver into the sender's ring. */
 struct rdma_cts {
     uint64_t addr;
-    uint32_t rkey, size;
+    uint64_t size; /* 64 bits: a message of 4 GiB or more is named whole */
+    uint32_t rkey;
     uint32_t seq;  /* the receiver's CTS count: the sender expects them in order */
     uint32_t kind; /* 0: the eager slots in bitmap `tag` (slot i at addr + i * size);
                       1: the large message of sequence `tag` */
-    uint32_t tag, check;
+    uint32_t tag;
 };
-#define CTS_CHECK 0x45504354u /* "EPCT" */
+_Static_assert(sizeof(struct rdma_cts) == 32, "a CTS entry is 32 bytes (docs/rdma.md)");
 
 /* A large message on the way out. */
 struct rdma_ltx {
