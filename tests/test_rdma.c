@@ -682,53 +682,59 @@ static int peer_main(unsigned port, int delay_ms)
     return 1;
 }
 
-/* The peer role (test_rdma --auto-peer PORT): rank 1 under auto without a
- * device; echoes one message back to rank 0. */
-static int auto_peer_main(unsigned port)
+/* The peer role (test_rdma --auto-peer PORT RANK SIZE PARTNER DEVICE):
+ * rank RANK of SIZE under auto, with a device or without one (DEVICE 1 or
+ * 0), whose transport must then be rdma or tcp; it echoes one message from
+ * rank PARTNER back to it. */
+static int auto_peer_main(unsigned port, unsigned rank, unsigned size, unsigned partner, int device)
 {
-    setenv("EPIPE_FAKEVERBS_DEVICES", "0", 1);
-    epipe_comm *c = NULL;
-    if (epipe_comm_create(&c, "auto", 1, 2, "127.0.0.1", port, "timeout_ms=10000")) {
-        fprintf(stderr, "peer: %s\n", epipe_last_error());
-        return 1;
-    }
-    epipe_msg *m = NULL;
-    int rc = strcmp(epipe_comm_transport(c), "tcp") ? 2 : 0;
-    if (!rc)
-        rc = epipe_comm_recv(c, 0, EPIPE_WIRE_ACTIVATION, 1, 0, 10000, &m);
-    if (!rc) {
-        m->hdr.src_stage = 1, m->hdr.dst_stage = 0;
-        epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE);
-        rc = epipe_comm_send(c, 0, m);
-    }
-    epipe_comm_destroy(c);
-    return rc ? 1 : 0;
-}
-
-/* The roles of test_auto_three (test_rdma --auto3-peer PORT RANK): rank 0
- * without a device, rank 2 with one; each echoes rank 1's message. */
-static int auto3_peer_main(unsigned port, unsigned rank)
-{
-    if (rank == 0)
+    if (!device)
         setenv("EPIPE_FAKEVERBS_DEVICES", "0", 1);
     epipe_comm *c = NULL;
-    if (epipe_comm_create(&c, "auto", rank, 3, "127.0.0.1", port, "timeout_ms=10000")) {
+    if (epipe_comm_create(&c, "auto", rank, size, "127.0.0.1", port, "timeout_ms=10000")) {
         fprintf(stderr, "rank %u: %s\n", rank, epipe_last_error());
         return 1;
     }
     epipe_msg *m = NULL;
-    int rc = strcmp(epipe_comm_transport(c), rank == 0 ? "tcp" : "rdma") ? 2 : 0;
+    int rc = strcmp(epipe_comm_transport(c), device ? "rdma" : "tcp") ? 2 : 0;
     if (!rc)
-        rc = epipe_comm_recv(c, 1, EPIPE_WIRE_ACTIVATION, 1, 0, 10000, &m);
+        rc = epipe_comm_recv(c, partner, EPIPE_WIRE_ACTIVATION, 1, 0, 10000, &m);
     if (!rc) {
-        m->hdr.src_stage = rank, m->hdr.dst_stage = 1;
+        m->hdr.src_stage = rank, m->hdr.dst_stage = partner;
         epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE);
-        rc = epipe_comm_send(c, 1, m);
+        rc = epipe_comm_send(c, partner, m);
     }
     if (rc)
         fprintf(stderr, "rank %u: %d %s\n", rank, rc, epipe_comm_last_error(c));
     epipe_comm_destroy(c);
     return rc ? 1 : 0;
+}
+
+/* Starts that role in a process of its own. */
+static pid_t spawn_auto_peer(unsigned port, unsigned rank, unsigned size, unsigned partner,
+                             int device)
+{
+    char args[5][16];
+    snprintf(args[0], sizeof args[0], "%u", port);
+    snprintf(args[1], sizeof args[1], "%u", rank);
+    snprintf(args[2], sizeof args[2], "%u", size);
+    snprintf(args[3], sizeof args[3], "%u", partner);
+    snprintf(args[4], sizeof args[4], "%d", device);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        execl(self_exe, "test_rdma", "--auto-peer", args[0], args[1], args[2], args[3], args[4],
+              (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+static void expect_exit_0(pid_t pid)
+{
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
 }
 
 /* auto over three ranks where the first has no device: rank 1's link to
@@ -740,17 +746,7 @@ static void test_auto_three(void **state)
 {
     (void)state;
     unsigned port = test_free_port();
-    char ports[16];
-    snprintf(ports, sizeof ports, "%u", port);
-    pid_t pid[2];
-    for (int i = 0; i < 2; i++) {
-        pid[i] = fork();
-        assert_true(pid[i] >= 0);
-        if (pid[i] == 0) {
-            execl(self_exe, "test_rdma", "--auto3-peer", ports, i ? "2" : "0", (char *)NULL);
-            _exit(127);
-        }
-    }
+    pid_t pid[2] = {spawn_auto_peer(port, 0, 3, 1, 0), spawn_auto_peer(port, 2, 3, 1, 1)};
     epipe_comm *c = NULL;
     int rc = epipe_comm_create(&c, "auto", 1, 3, "127.0.0.1", port, "timeout_ms=10000");
     if (rc)
@@ -762,11 +758,8 @@ static void test_auto_three(void **state)
                          EPIPE_OK);
         recv_act(c, peer, 1, 0, 3000, 20 + peer);
     }
-    for (int i = 0; i < 2; i++) {
-        int st;
-        waitpid(pid[i], &st, 0);
-        assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-    }
+    for (int i = 0; i < 2; i++)
+        expect_exit_0(pid[i]);
     epipe_comm_destroy(c);
     expect_no_leaks();
 }
@@ -775,14 +768,7 @@ static void test_auto_three(void **state)
 static void test_auto_mixed(void **state)
 {
     unsigned port = test_free_port();
-    char ports[16];
-    snprintf(ports, sizeof ports, "%u", port);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        execl(self_exe, "test_rdma", "--auto-peer", ports, (char *)NULL);
-        _exit(127);
-    }
+    pid_t pid = spawn_auto_peer(port, 1, 2, 0, 0);
     epipe_comm *c = NULL;
     int rc = epipe_comm_create(&c, "auto", 0, 2, "127.0.0.1", port, "timeout_ms=10000");
     if (rc)
@@ -791,9 +777,7 @@ static void test_auto_mixed(void **state)
     assert_string_equal(epipe_comm_transport(c), "tcp");
     assert_int_equal(epipe_comm_send(c, 1, make_act(0, 1, 1, 0, 3000, 9)), EPIPE_OK);
     recv_act(c, 1, 1, 0, 3000, 9);
-    int st;
-    waitpid(pid, &st, 0);
-    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    expect_exit_0(pid);
     epipe_comm_destroy(c);
     expect_no_leaks();
 }
@@ -886,10 +870,9 @@ int main(int argc, char **argv)
 {
     if (argc == 4 && !strcmp(argv[1], "--peer"))
         return peer_main((unsigned)atoi(argv[2]), atoi(argv[3]));
-    if (argc == 3 && !strcmp(argv[1], "--auto-peer"))
-        return auto_peer_main((unsigned)atoi(argv[2]));
-    if (argc == 4 && !strcmp(argv[1], "--auto3-peer"))
-        return auto3_peer_main((unsigned)atoi(argv[2]), (unsigned)atoi(argv[3]));
+    if (argc == 7 && !strcmp(argv[1], "--auto-peer"))
+        return auto_peer_main((unsigned)atoi(argv[2]), (unsigned)atoi(argv[3]),
+                              (unsigned)atoi(argv[4]), (unsigned)atoi(argv[5]), atoi(argv[6]));
     fakeverbs = getenv("EPIPE_TEST_FAKEVERBS");
     if (!fakeverbs || !*fakeverbs) {
         printf("SKIP: EPIPE_TEST_FAKEVERBS (the test verbs provider) is not set\n");
