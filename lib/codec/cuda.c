@@ -293,18 +293,11 @@ int epipe_codec_check_binding(epipe_codec *c, const DLTensor *t, const char *wha
                             c->bound_id);
 }
 
-int epipe_codec_bound_elsewhere(const epipe_codec *c, int cuda_device, char *what, size_t cap)
+int epipe_codec_bound_to(const epipe_codec *c, int *cuda_device)
 {
     if (!c || !c->bound_type)
         return 0;
-    int same = cuda_device < 0 ? c->bound_type == kDLCPU
-                               : c->bound_type == kDLCUDA && c->bound_id == cuda_device;
-    if (same)
-        return 0;
-    if (c->bound_type == kDLCPU)
-        snprintf(what, cap, "host memory");
-    else
-        snprintf(what, cap, "CUDA device %d", c->bound_id);
+    *cuda_device = c->bound_type == kDLCUDA ? c->bound_id : -1;
     return 1;
 }
 

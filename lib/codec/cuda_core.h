@@ -48,10 +48,9 @@ const epipe_codec_backend *epipe_codec_cuda_loaded_backend(const epipe_codec_ops
  * is bound to; epipe_codec_bind() binds an unbound handle to t's device. */
 int epipe_codec_check_binding(epipe_codec *c, const DLTensor *t, const char *what);
 void epipe_codec_bind(epipe_codec *c, const DLTensor *t);
-/* Whether c (NULL: no) is bound to another memory than `cuda_device`'s (-1:
- * host memory); *what then names the one it is bound to ("CPU", "CUDA
- * device 1"). */
-int epipe_codec_bound_elsewhere(const epipe_codec *c, int cuda_device, char *what, size_t cap);
+/* Whether c (NULL: no) is bound to a memory yet; *cuda_device is then that
+ * memory's CUDA device index, or -1 for host memory. */
+int epipe_codec_bound_to(const epipe_codec *c, int *cuda_device);
 /* The module's checks of a CUDA tensor, then its encode or decode of a
  * whole payload (header included) in host or CUDA device memory. */
 int epipe_codec_cuda_encode(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src,

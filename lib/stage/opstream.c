@@ -458,15 +458,6 @@ static int check_grad_like_input(epipe_stage *st, const struct chunk *c, const D
 
 /* Checks a tensor the host sends; records an activation's shape. Every
  * micro-batch may send its own shape. */
-/* "CUDA device 1", or "host memory" for -1 */
-static void memory_name(char *buf, size_t cap, int cuda_device)
-{
-    if (cuda_device >= 0)
-        snprintf(buf, cap, "CUDA device %d", cuda_device);
-    else
-        snprintf(buf, cap, "host memory");
-}
-
 static int check_sent(epipe_stage *st, struct chunk *c, int dir, const DLTensor *t, unsigned mb)
 {
     const char *what = dir == DIR_ACT ? "activation" : "gradient";

@@ -459,14 +459,17 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
             const struct chunk *c = &st->ch[i];
             const epipe_codec *writers[3] = {c->dec_act, c->dec_grad,
                                              epipe_codec_trainable(c->enc_act) ? c->enc_act : NULL};
-            for (int k = 0; k < 3; k++)
-                if (epipe_codec_bound_elsewhere(writers[k], (int)value, why, sizeof why))
-                    return fail(st, EPIPE_ESTATE,
-                                "EPIPE_STAGE_CUDA_DEVICE = %lld: this stage's codecs already "
-                                "write received tensors into %s, and a codec handle keeps to "
-                                "the memory of its first tensor: set the knob before the first "
-                                "step",
-                                (long long)value, why);
+            for (int k = 0; k < 3; k++) {
+                int bound;
+                if (!epipe_codec_bound_to(writers[k], &bound) || bound == (int)value)
+                    continue;
+                memory_name(why, sizeof why, bound);
+                return fail(st, EPIPE_ESTATE,
+                            "EPIPE_STAGE_CUDA_DEVICE = %lld: this stage's codecs already write "
+                            "received tensors into %s, and a codec handle keeps to the memory of "
+                            "its first tensor: set the knob before the first step",
+                            (long long)value, why);
+            }
         }
         st->cuda_device = (int)value;
         return EPIPE_OK;

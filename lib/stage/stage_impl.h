@@ -199,6 +199,15 @@ static inline int refuse_in_callback(epipe_stage *st, const char *call)
                 call, st->in_callback, st->cur.microbatch);
 }
 
+/* "CUDA device 1", or "host memory" for -1: where tensors live, in messages. */
+static inline void memory_name(char *buf, size_t cap, int cuda_device)
+{
+    if (cuda_device >= 0)
+        snprintf(buf, cap, "CUDA device %d", cuda_device);
+    else
+        snprintf(buf, cap, "host memory");
+}
+
 /* Host compute is the time between the stage's calls within a step. */
 static inline void enter(epipe_stage *st)
 {
