@@ -110,8 +110,12 @@ static void drv_open(void)
  * tensor's GPU): the device to give back, or -1 for none. A thread that
  * never chose one reads device 0, and selecting 0 "back" would create GPU
  * 0's context (hundreds of MB) in a process that may never use GPU 0 (a
- * torchrun rank on cuda:3): so only a device whose context is active is
- * given back, where the driver can say. */
+ * torchrun rank on cuda:3): so device 0 is given back only once its
+ * context is active, where the driver can say. Any other device was chosen,
+ * which made its context; and an active context stays so (remembered, to
+ * keep the driver's calls off every encode and decode). */
+static int context0_active;
+
 static int caller_device(void)
 {
     int d = -1;
@@ -119,13 +123,18 @@ static int caller_device(void)
         cudaGetLastError();
         return -1;
     }
+    if (d != 0 || __atomic_load_n(&context0_active, __ATOMIC_RELAXED))
+        return d;
     pthread_once(&drv_once, drv_open);
-    int dev = 0, active = 1;
+    int dev = 0, active = 0;
     unsigned flags = 0;
-    if (drv_device_get && drv_context_state && drv_device_get(&dev, d) == 0 &&
-        drv_context_state(dev, &flags, &active) == 0 && !active)
+    if (!drv_device_get || !drv_context_state || drv_device_get(&dev, 0) != 0 ||
+        drv_context_state(dev, &flags, &active) != 0)
+        return 0; /* the driver cannot say: give it back, as before */
+    if (!active)
         return -1;
-    return d;
+    __atomic_store_n(&context0_active, 1, __ATOMIC_RELAXED);
+    return 0;
 }
 
 static void restore_device(int device)
