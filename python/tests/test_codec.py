@@ -1,10 +1,9 @@
 """epipe.Codec: round trips through the C codecs, spec errors, tensor errors."""
-import threading
-
 import pytest
 
 torch = pytest.importorskip("torch")
 import epipe  # noqa: E402
+from conftest import raise_first, run_threads  # noqa: E402
 
 
 def test_version():
@@ -190,27 +189,21 @@ def test_numpy_2_arrays_with_a_device_string():
     y = np.zeros(1000, dtype=np.float32).view(Np2)
     c.decode(payload, out=y)
     assert np.abs(y - x).max() < 0.01
+    got = []
+
+    def rank(r):
+        st = epipe.Stage(comms[r], "gpipe", 1, timeout_ms=5000)
+        for op in st.ops():
+            if op.kind == epipe.OP_FORWARD and r == 0:
+                st.send_activation(op.microbatch, x.reshape(10, 100))
+            elif op.kind == epipe.OP_FORWARD:
+                got.append(st.recv_activation(op.microbatch, copy=True))
+            elif r == 1:
+                st.send_gradient(op.microbatch, y.reshape(10, 100))
+            else:
+                st.recv_gradient(op.microbatch, copy=True)
+        st.close()
+
     comms = epipe.Comm.inproc(2)
-    try:
-        got = []
-
-        def rank(r):
-            st = epipe.Stage(comms[r], "gpipe", 1, timeout_ms=5000)
-            for op in st.ops():
-                if op.kind == epipe.OP_FORWARD and r == 0:
-                    st.send_activation(op.microbatch, x.reshape(10, 100))
-                elif op.kind == epipe.OP_FORWARD:
-                    got.append(st.recv_activation(op.microbatch, copy=True))
-                elif r == 1:
-                    st.send_gradient(op.microbatch, y.reshape(10, 100))
-                else:
-                    st.recv_gradient(op.microbatch, copy=True)
-            st.close()
-
-        ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        [t.start() for t in ts]
-        [t.join() for t in ts]
-        assert len(got) == 1
-    finally:
-        for c2 in comms:
-            c2.close()
+    raise_first(run_threads(comms, rank))
+    assert len(got) == 1

@@ -1,12 +1,11 @@
 """An in-process pipeline driven from Python threads through the op stream
 matches unpipelined torch; op-order and shape errors raise epipe.Error."""
-import threading
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import epipe  # noqa: E402
-from conftest import blas_codecs_missing  # noqa: E402
+from conftest import blas_codecs_missing, raise_first, run_threads  # noqa: E402
 
 BATCH, MB, IN, HID, OUT = 16, 4, 8, 12, 3
 
@@ -56,35 +55,6 @@ def drive(stage, module, xs, ts, losses):
             if not stage.is_first:
                 stage.send_gradient(mb, x.grad)
     assert not saved
-
-
-def run_threads(comms, body, join_s=60):
-    """Runs body(s) for each stage s in a thread of its own; a stage that
-    raises aborts its communicator (waking the others) and always closes it.
-    Returns each stage's exception, or None."""
-    errors = [None] * len(comms)
-
-    def worker(s):
-        try:
-            body(s)
-        except BaseException as e:  # noqa: BLE001 - reported to the caller
-            errors[s] = e
-            comms[s].abort()
-        finally:
-            comms[s].close()
-
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(len(comms))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(join_s)
-    return errors
-
-
-def raise_first(errors):
-    for e in errors:
-        if e is not None:
-            raise e
 
 
 def run_pipeline(parts, schedule, act="none", grad="none", steps=1):
