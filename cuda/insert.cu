@@ -548,7 +548,10 @@ static int ins_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
                                                             (uint8_t *)out, h->status);
     if ((rc = launched(c, "launching the code kernel")))
         return rc;
-    ins_find_input<<<epipe_cuda_blocks(n, 256), 256, 0, s>>>(x, n, h->status, h->status);
+    /* A few hundred blocks: they return at once unless a code was not
+     * finite, and a block for every 256 values (50,176 for a
+     * [32,32,112,112] input) took 33 us on an H200 just to start and end. */
+    ins_find_input<<<epipe_cuda_extent_blocks(n), 256, 0, s>>>(x, n, h->status, h->status);
     if ((rc = launched(c, "launching the input check")))
         return rc;
     return epipe_cuda_body_flush(c, body, 0, out, bytes);

@@ -18,12 +18,16 @@
 #include "../codecs/inline/poweriter.h"
 #include "cuda_impl.h"
 
-__global__ void pi_check_finite(const float *x, uint64_t n, epipe_cuda_status *st)
+/* Eight values a thread, in 16-byte loads where x is aligned (one value
+ * a thread took 38 us for a [32,32,112,112] tensor on an H200, under ncu:
+ * about 1.3 TB/s). */
+__global__ void pi_check_finite(const float *x, uint64_t n, int vec, epipe_cuda_status *st)
 {
-    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
-         i += (uint64_t)gridDim.x * blockDim.x)
-        if (!epipe_hd_finite(x[i]))
-            epipe_cuda_note_nonfinite(st, x[i], i);
+    epipe_cuda_each_group8(x, n, vec, [&](float *v, uint64_t g) {
+        for (unsigned i = 0; i < 8 && g * 8 + i < n; i++)
+            if (!epipe_hd_finite(v[i]))
+                epipe_cuda_note_nonfinite(st, v[i], g * 8 + i);
+    });
 }
 
 /* A value that is not finite, refused at once with the CPU's message. */
@@ -164,7 +168,8 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     const uint64_t nb = v[0], rows = v[1], cols = v[2];
     const size_t qs = (size_t)(nb * rows * r), ps = (size_t)(nb * cols * r);
     /* The CPU refuses a value that is not finite before it starts. */
-    pi_check_finite<<<epipe_cuda_blocks(n, 256), 256, 0, s>>>(x, n, h->status);
+    pi_check_finite<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, 0, s>>>(
+        x, n, epipe_cuda_aligned16(x), h->status);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the finiteness check")) ||
         (rc = copy(c, h->status_host, h->status, sizeof *h->status, cudaMemcpyDeviceToHost,
                    "reading the status word")) ||
