@@ -148,7 +148,8 @@ step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
 # 6. compute-sanitizer over the kernels, small tensors
 if command -v compute-sanitizer >/dev/null; then
     for tool in ${GPU_CHECK_SANITIZERS:-memcheck racecheck}; do
-        step "sanitizer-$tool" "${GPU_CHECK_SANITIZER_S:-75}" env EPIPE_GPU_TEST_QUICK=1 \
+        # racecheck took 122 s on an H200 (2026-11-27), memcheck 3 s
+        step "sanitizer-$tool" "${GPU_CHECK_SANITIZER_S:-150}" env EPIPE_GPU_TEST_QUICK=1 \
             compute-sanitizer --tool "$tool" --error-exitcode 1 "$B/tests/gpu/test_gpu_codecs"
     done
 elif wanted sanitizer; then
