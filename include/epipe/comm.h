@@ -208,6 +208,22 @@ EPIPE_API void epipe_comm_destroy(epipe_comm *comm);
  * to a pipe that a thread of yours watches, and call it from there. */
 EPIPE_API void epipe_comm_abort(epipe_comm *comm);
 
+/* Experimental (EPIPE_EXPERIMENTAL, docs/api.md). Sets a check that a
+ * receive of this handle (a stage's too) calls while it waits: from the
+ * waiting thread, with no lock of libepipe held, after each 100 ms spent
+ * waiting. A nonzero return ends that receive with EPIPE_ECALLBACK ("the
+ * host's interrupt check stopped the wait for ..."); nothing else changes:
+ * the message, when it comes, waits for a later receive, and a stage's op
+ * can be retried. For hosts whose signal handler only sets a flag that
+ * their code reads when a call returns (Python's, for Ctrl-C): the Python
+ * binding sets one on every handle it makes. A NULL check removes it; arg
+ * is passed to check. Any thread, at any time; a receive already waiting
+ * keeps the check it started with until it wakes (an arrival, a slice's
+ * end, its timeout), so set it before receives start. EPIPE_EINVAL for a
+ * NULL comm. */
+EPIPE_EXPERIMENTAL int epipe_comm_set_interrupt(epipe_comm *comm, int (*check)(void *arg),
+                                                void *arg);
+
 EPIPE_API unsigned epipe_comm_rank(const epipe_comm *comm);
 EPIPE_API unsigned epipe_comm_size(const epipe_comm *comm);
 /* The transport's name: "inproc", "tcp" or "rdma" (never "auto"). Static

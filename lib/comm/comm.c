@@ -503,6 +503,39 @@ static int spin_for_arrival(epipe_comm *c, const struct timespec *deadline)
     return changed || c->arrivals != seen; /* an arrival just before the lock */
 }
 
+/* How often a waiting receive calls the host's interrupt check. */
+#define INTERRUPT_SLICE_MS 100
+
+static int before(const struct timespec *a, const struct timespec *b)
+{
+    return a->tv_sec < b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec < b->tv_nsec);
+}
+
+/* Called with c->lock held: sleeps until an arrival, the deadline or, with
+ * an interrupt check set, the end of a slice, after which it calls the
+ * check with the lock released. 1: the deadline passed; -1: the check
+ * asked to stop; 0: look again. */
+static int wait_for_arrival(epipe_comm *c, const struct timespec *deadline)
+{
+    int (*check)(void *) = c->interrupt;
+    void *arg = c->interrupt_arg;
+    struct timespec until = *deadline;
+    if (check) {
+        struct timespec slice;
+        deadline_after(&slice, INTERRUPT_SLICE_MS);
+        if (before(&slice, deadline))
+            until = slice;
+    }
+    if (pthread_cond_timedwait(&c->arrived, &c->lock, &until) != ETIMEDOUT)
+        return 0;
+    if (!check || !before(&until, deadline))
+        return 1;
+    pthread_mutex_unlock(&c->lock);
+    int stop = check(arg);
+    pthread_mutex_lock(&c->lock);
+    return stop ? -1 : 0;
+}
+
 int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
                     uint32_t micro_batch, int64_t timeout_ms, epipe_msg **out)
 {
@@ -532,7 +565,7 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
             *out = m;
             return EPIPE_OK;
         }
-        int rc = EPIPE_OK;
+        int rc = EPIPE_OK, waited;
         if (c->aborted && c->self_status)
             rc = epipe_fail_into(c->msg, c->self_status, "rank %u: %s", c->rank, c->self_why);
         else if (c->aborted)
@@ -548,12 +581,18 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
         else if (__atomic_load_n(&c->spin_us, __ATOMIC_RELAXED) > 0 &&
                  spin_for_arrival(c, &deadline))
             continue; /* something arrived while spinning: look again */
-        else if (pthread_cond_timedwait(&c->arrived, &c->lock, &deadline) == ETIMEDOUT)
+        else if ((waited = wait_for_arrival(c, &deadline)) > 0)
             rc = epipe_fail_into(c->msg, EPIPE_ETIMEDOUT,
                                  "rank %u: no %s from rank %u for step %llu, micro-batch %u "
                                  "within %lld ms",
                                  c->rank, epipe_wire_kind_name(kind), peer,
                                  (unsigned long long)step, micro_batch, (long long)timeout_ms);
+        else if (waited < 0)
+            rc = epipe_fail_into(c->msg, EPIPE_ECALLBACK,
+                                 "rank %u: the host's interrupt check stopped the wait for %s "
+                                 "from rank %u for step %llu, micro-batch %u",
+                                 c->rank, epipe_wire_kind_name(kind), peer,
+                                 (unsigned long long)step, micro_batch);
         if (rc) {
             pthread_mutex_unlock(&c->lock);
             return rc;
@@ -562,6 +601,17 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
 }
 
 /* ---- public handle functions ------------------------------------------- */
+
+EPIPE_EXPERIMENTAL int epipe_comm_set_interrupt(epipe_comm *c, int (*check)(void *arg), void *arg)
+{
+    if (!c)
+        return epipe_fail(EPIPE_EINVAL, "epipe_comm_set_interrupt: comm is NULL");
+    pthread_mutex_lock(&c->lock);
+    c->interrupt = check;
+    c->interrupt_arg = check ? arg : NULL;
+    pthread_mutex_unlock(&c->lock);
+    return EPIPE_OK;
+}
 
 EPIPE_API void epipe_comm_destroy(epipe_comm *c)
 {

@@ -106,6 +106,8 @@ struct epipe_comm {
     pthread_cond_t arrived;
     epipe_msg *inbox, *inbox_tail;
     int aborted;
+    int (*interrupt)(void *arg); /* epipe_comm_set_interrupt(), or NULL */
+    void *interrupt_arg;
     int self_status;                    /* with self_why: this rank failed by itself
                                          (epipe_comm_fail_self); 0: aborted, or up */
     char self_why[EPIPE_ERRMSG_MAX];    /* why, without the rank ("no memory for ...") */

@@ -351,6 +351,9 @@ class Comm(_Handle):
         self._h = handle
         self._stages = weakref.WeakSet()
         self._lock = threading.Lock()
+        # Ctrl-C ends a receive that waits on the main thread (_lib.check)
+        check(lib.epipe_comm_set_interrupt(handle, _lib.INTERRUPT_CHECK, None),
+              "epipe_comm_set_interrupt")
 
     @classmethod
     def inproc(cls, size):

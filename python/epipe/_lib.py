@@ -4,6 +4,7 @@ Nothing here needs torch or numpy.
 """
 import ctypes
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -305,6 +306,8 @@ _dlp = ctypes.POINTER(DLTensor)
 # epipe_log_fn (epipe/common.h): user, level, subsystem, rank, message.
 LogFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
                          ctypes.c_char_p)
+# epipe_comm_set_interrupt()'s check: arg; nonzero stops the waiting receive.
+InterruptFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 # epipe_comm_create()'s rank and size meaning "from the environment".
 COMM_FROM_ENV = _abi.C["EPIPE_COMM_FROM_ENV"]
 
@@ -357,6 +360,7 @@ _PROTOS = {
     "epipe_comm_last_error": (_cs, [_vp]),
     "epipe_comm_set_param": (_int, [_vp, _int, ctypes.c_int64]),
     "epipe_comm_get_param": (_int, [_vp, _int, ctypes.POINTER(ctypes.c_int64)]),
+    "epipe_comm_set_interrupt": (_int, [_vp, InterruptFn, _vp]),
     # stage.h
     "epipe_stage_create": (_int, [_pp, _vp, _cs, _uint]),
     "epipe_stage_create_layout": (_int, [_pp, _vp, _cs, _uint, ctypes.POINTER(ScheduleLayout)]),
@@ -403,10 +407,34 @@ def status_name(status):
     return _s(lib.epipe_status_name(int(status)))
 
 
+# ---- Ctrl-C in a blocked receive ---------------------------------------------
+#
+# Python's own SIGINT handler only notes the signal, and the interpreter
+# runs the Python handler (which raises KeyboardInterrupt) once the C call
+# it is in returns: a receive that waits for a peer would hold Ctrl-C back
+# until its timeout. Every Comm the binding makes carries INTERRUPT_CHECK
+# (epipe_comm_set_interrupt), which a waiting receive calls every 100 ms.
+# It is CPython's PyOS_InterruptOccurred itself, called with the GIL
+# (pythonapi): 1 on the main thread when SIGINT has come, which it takes.
+# A Python function could not do this: the interpreter runs the pending
+# handler on entering it, and ctypes swallows what a callback raises.
+# check() then raises SIGINT again, so that Python's handler, the default
+# or the host's own, runs as it would have.
+
+_interrupt_occurred = ctypes.pythonapi.PyOS_InterruptOccurred
+_interrupt_occurred.restype = ctypes.c_int
+# argtypes unset: the receive passes its arg (NULL), which the function
+# does not take and, in the C calling conventions of Linux, ignores.
+INTERRUPT_CHECK = InterruptFn(_interrupt_occurred)
+INTERRUPTED = "the host's interrupt check stopped the wait"
+
+
 def check(rc, function, handle_error=None, handle=None):
     """Raises Error for a negative status. The message is the handle's last
     error when a handle is given, else the calling thread's epipe_last_error().
-    Must be called right after the failing call, on the same thread."""
+    Must be called right after the failing call, on the same thread. A
+    receive that Ctrl-C stopped runs Python's SIGINT handler first, which
+    by default raises KeyboardInterrupt."""
     if rc >= 0:
         return rc
     msg = ""
@@ -414,4 +442,6 @@ def check(rc, function, handle_error=None, handle=None):
         msg = _s(handle_error(handle))
     if not msg:
         msg = _s(lib.epipe_last_error())
+    if rc == _abi.C["EPIPE_ECALLBACK"] and INTERRUPTED in msg:
+        signal.raise_signal(signal.SIGINT)  # its handler runs here: KeyboardInterrupt
     raise Error(rc, msg, function)

@@ -1,5 +1,6 @@
 """Communicators over TCP from Python: a rendezvous from the main thread
-and from another, its errors, and Ctrl-C in the middle of one."""
+and from another, its errors, and Ctrl-C in the middle of one or of a
+blocked receive."""
 import os
 import signal
 import socket
@@ -145,6 +146,60 @@ def test_ctrl_c_interrupts_a_rendezvous():
         p.wait()
     assert "KeyboardInterrupt" in err, err
     assert waited < 10, f"Ctrl-C took {waited:.1f} s to end a rendezvous"
+
+
+def test_ctrl_c_interrupts_a_blocked_receive():
+    pytest.importorskip("numpy")  # the ranks send arrays
+    # A stage's receive waits up to 60 s for an activation rank 0 never
+    # sends; Ctrl-C must raise KeyboardInterrupt at once, and the stage and
+    # the group must still close cleanly after it.
+    # Nothing is lost: the receive, tried again once rank 0 sends, gets the
+    # activation, and the step ends.
+    script = (
+        "import threading, time, numpy as np, epipe\n"
+        "comms = epipe.Comm.inproc(2)\n"
+        "st = epipe.Stage(comms[1], 'gpipe', 1, timeout_ms=60000)\n"
+        "op = st.next_op()\n"
+        "print('waiting', flush=True)\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    st.recv_activation(op.microbatch)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted after %.2f s' % (time.monotonic() - t0), flush=True)\n"
+        "def rank0():\n"
+        "    with epipe.Stage(comms[0], 'gpipe', 1, timeout_ms=60000) as s0:\n"
+        "        s0.next_op()\n"
+        "        s0.send_activation(0, np.full(4, 7, np.float32))\n"
+        "        s0.next_op()\n"
+        "        s0.recv_gradient(0, copy=True)\n"
+        "t = threading.Thread(target=rank0)\n"
+        "t.start()\n"
+        "x = st.recv_activation(op.microbatch, copy=True)\n"
+        "st.next_op()\n"
+        "st.send_gradient(0, np.ones(4, np.float32))\n"
+        "t.join()\n"
+        "print('received', [float(v) for v in x], flush=True)\n"
+        "st.close()\n"
+        "for c in comms:\n"
+        "    c.close()\n"
+        "print('closed', flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "waiting"
+        time.sleep(0.5)  # inside the receive by now
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=90)
+        waited = time.monotonic() - t0
+    finally:
+        p.kill()
+        p.wait()
+    assert p.returncode == 0, err
+    assert "interrupted after" in out and "closed" in out, (out, err)
+    assert "received [7.0, 7.0, 7.0, 7.0]" in out, (out, err)
+    assert waited < 10, f"Ctrl-C took {waited:.1f} s to end a receive"
 
 
 @pytest.mark.parametrize("env, lines, said", [

@@ -1,6 +1,8 @@
 /* Conformance tests of message delivery: ordering, tag matching, large and
- * zero-length messages, many in flight, flush at exit, overlap, timeouts. */
+ * zero-length messages, many in flight, flush at exit, overlap, timeouts,
+ * the host's interrupt check. */
 #define _GNU_SOURCE
+#include <pthread.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -276,6 +278,63 @@ static int test_timeout(void)
     return conf_run(2, opts, timeout_rank, NULL, 0, 60);
 }
 
+/* ---- the host's interrupt check (epipe_comm_set_interrupt) ------------- */
+
+struct interrupt_count {
+    int calls, stop_at; /* the check returns 1 at call stop_at (never for 0) */
+    pthread_t waiter;
+    int other_thread;
+};
+
+static int count_and_stop(void *p)
+{
+    struct interrupt_count *k = p;
+    k->other_thread |= !pthread_equal(pthread_self(), k->waiter);
+    return ++k->calls == k->stop_at;
+}
+
+static int interrupt_rank(epipe_comm *c, unsigned rank, unsigned size, void *arg)
+{
+    (void)size, (void)arg;
+    epipe_msg *m;
+    if (rank == 0) {
+        CHECK(epipe_comm_set_interrupt(NULL, count_and_stop, NULL) == EPIPE_EINVAL);
+        /* Stopped at the third check, about 300 ms in, not at the timeout. */
+        struct interrupt_count k = {0, 3, pthread_self(), 0};
+        CHECK(epipe_comm_set_interrupt(c, count_and_stop, &k) == EPIPE_OK);
+        double t0 = conf_now();
+        CHECK_RC(c, epipe_comm_recv(c, 1, ACT, 1, 0, LONG_MS, &m), EPIPE_ECALLBACK);
+        CHECK_WITHIN(conf_now() - t0, 3.0);
+        CHECK(k.calls == 3 && !k.other_thread);
+        CHECK_MSG(c, "interrupt check stopped the wait for");
+        CHECK_MSG(c, "from rank 1");
+        /* A check that never stops: the timeout still ends the wait. */
+        struct interrupt_count never = {0, 0, pthread_self(), 0};
+        CHECK(epipe_comm_set_interrupt(c, count_and_stop, &never) == EPIPE_OK);
+        CHECK_RC(c, epipe_comm_recv(c, 1, ACT, 1, 0, 350, &m), EPIPE_ETIMEDOUT);
+        CHECK(never.calls >= 2 && !never.other_thread);
+        /* The interrupted receive lost nothing: the message sent after it
+         * is received, with the check still set, and then without one. */
+        SEND(c, 1, GRAD, 1, 0, 3, 7);
+        EXPECT(c, 1, ACT, 1, 0, 3, 8, LONG_MS);
+        CHECK(epipe_comm_set_interrupt(c, NULL, NULL) == EPIPE_OK);
+        SEND(c, 1, GRAD, 2, 0, 3, 9);
+        EXPECT(c, 1, ACT, 2, 0, 3, 10, LONG_MS);
+    } else {
+        EXPECT(c, 0, GRAD, 1, 0, 3, 7, LONG_MS);
+        SEND(c, 0, ACT, 1, 0, 3, 8);
+        EXPECT(c, 0, GRAD, 2, 0, 3, 9, LONG_MS);
+        SEND(c, 0, ACT, 2, 0, 3, 10);
+    }
+    epipe_comm_destroy(c);
+    return CONF_PASS;
+}
+
+static int test_interrupt(void)
+{
+    return conf_run(2, "timeout_ms=10000", interrupt_rank, NULL, 0, 60);
+}
+
 const struct conf_test conf_message_tests[] = {
     {"ordering", test_ordering, NULL},
     {"tags", test_tags, NULL},
@@ -285,5 +344,6 @@ const struct conf_test conf_message_tests[] = {
     {"leave", test_leave, NULL},
     {"overlap", test_overlap, NULL},
     {"timeout", test_timeout, NULL},
+    {"interrupt", test_interrupt, NULL},
     {NULL, NULL, NULL},
 };
