@@ -7,7 +7,7 @@
  * training must end bit for bit where the same run without them ends:
  * error-feedback residuals, codec state and the schedule's position
  * included. */
-#define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -16,10 +16,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
 #include "pipeline_host.h"
+#include "testutil.h"
 
 #define MAX_P 4
 #define STEPS 3
@@ -487,12 +489,89 @@ static void destroy_from_inside_a_callback_is_refused(void **state)
     epipe_comm_destroy(c[0]);
 }
 
+/* One thread at a time (epipe/stage.h): while one thread waits inside a
+ * receive, every call that drives the stage from another thread is
+ * refused with EPIPE_ESTATE naming the call inside, and changes nothing:
+ * the step then ends as it would have. */
+struct waiter {
+    epipe_stage *st;
+    int ready, rc[4];
+    float got[4];
+};
+
+static void *wait_in_receive(void *p)
+{
+    struct waiter *w = p;
+    epipe_op op;
+    const DLTensor *in = NULL;
+    w->rc[0] = epipe_stage_next_op(w->st, &op);
+    __atomic_store_n(&w->ready, 1, __ATOMIC_RELEASE);
+    w->rc[1] = epipe_stage_recv_activation(w->st, 0, &in);
+    if (w->rc[1] == EPIPE_OK)
+        memcpy(w->got, in->data, sizeof w->got);
+    float g[4] = {1, 1, 1, 1};
+    int64_t shape;
+    DLTensor t = test_view_f32(g, &shape, 4);
+    w->rc[2] = epipe_stage_next_op(w->st, &op) ||
+               epipe_stage_send_gradient(w->st, op.microbatch, &t);
+    w->rc[3] = epipe_stage_next_op(w->st, &op) || op.kind != EPIPE_OP_NONE;
+    return NULL;
+}
+
+static void a_second_thread_is_refused(void **state)
+{
+    (void)state;
+    epipe_comm *comms[2];
+    epipe_stage *st[2];
+    assert_int_equal(epipe_comm_create_inproc(comms, 2), EPIPE_OK);
+    for (int r = 0; r < 2; r++)
+        assert_int_equal(epipe_stage_create(&st[r], comms[r], "gpipe", 1), EPIPE_OK);
+    struct waiter w = {.st = st[1]};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, wait_in_receive, &w), 0);
+    while (!__atomic_load_n(&w.ready, __ATOMIC_ACQUIRE))
+        usleep(1000);
+    usleep(300000); /* inside the receive by now: rank 0 has sent nothing */
+    epipe_op op;
+    float x[4] = {7, 7, 7, 7};
+    int64_t shape;
+    DLTensor t = test_view_f32(x, &shape, 4);
+    assert_int_equal(epipe_stage_next_op(st[1], &op), EPIPE_ESTATE);
+    assert_non_null(strstr(epipe_last_error(), "epipe_stage_next_op: another thread is inside "
+                                               "epipe_stage_recv_activation on stage 1"));
+    assert_int_equal(epipe_stage_send_activation(st[1], 0, &t), EPIPE_ESTATE);
+    assert_int_equal(epipe_stage_set_param(st[1], EPIPE_STAGE_TIMEOUT_MS, 10), EPIPE_ESTATE);
+    assert_int_equal(epipe_stage_set_codec(st[1], EPIPE_DIR_ACTIVATION, 0, "quant:bits=4"),
+                     EPIPE_ESTATE);
+    assert_int_equal(epipe_stage_step(st[1]), EPIPE_ESTATE);
+    assert_null(strstr(epipe_stage_last_error(st[1]), "another thread"));
+    /* Rank 0 sends: the waiting receive and the rest of the step go on. */
+    const DLTensor *g = NULL;
+    assert_int_equal(epipe_stage_next_op(st[0], &op), EPIPE_OK);
+    assert_int_equal(epipe_stage_send_activation(st[0], 0, &t), EPIPE_OK);
+    assert_int_equal(epipe_stage_next_op(st[0], &op), EPIPE_OK);
+    assert_int_equal(epipe_stage_recv_gradient(st[0], 0, &g), EPIPE_OK);
+    assert_int_equal(epipe_stage_next_op(st[0], &op), EPIPE_OK);
+    assert_int_equal(op.kind, EPIPE_OP_NONE);
+    pthread_join(th, NULL);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(w.rc[i], EPIPE_OK);
+    assert_memory_equal(w.got, x, sizeof x);
+    /* The stage is free again: this thread may drive it now. */
+    assert_int_equal(epipe_stage_set_param(st[1], EPIPE_STAGE_TIMEOUT_MS, 5000), EPIPE_OK);
+    for (int r = 0; r < 2; r++) {
+        epipe_stage_destroy(st[r]);
+        epipe_comm_destroy(comms[r]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(refused_calls_change_nothing),
         cmocka_unit_test(calls_from_inside_a_callback_are_refused),
         cmocka_unit_test(destroy_from_inside_a_callback_is_refused),
+        cmocka_unit_test(a_second_thread_is_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -31,7 +31,16 @@ extern "C" {
  *
  * Thread safety: one thread at a time per handle; distinct stages (one per
  * thread, over epipe_comm_create_inproc) are independent. Calls may block
- * in receives for up to the timeout (EPIPE_STAGE_TIMEOUT_MS). */
+ * in receives for up to the timeout (EPIPE_STAGE_TIMEOUT_MS). A call that
+ * drives the stage (the op stream, epipe_stage_step and _drain, the
+ * setters, epipe_stage_reset_stats, the codecs' SGD step) made while
+ * another thread is inside one is refused with EPIPE_ESTATE naming the
+ * call inside, and changes nothing; its message is in epipe_last_error()
+ * (the stage's own belongs to the thread inside), and a refused
+ * epipe_stage_reset_stats resets nothing. epipe_stage_get_stats and
+ * epipe_stage_get_boundary_stats may be called from any thread (see
+ * there); destroying a stage while another thread uses it is not
+ * detected. */
 typedef struct epipe_stage epipe_stage;
 
 /* Returned in epipe_op.kind by epipe_stage_next_op() when the step is over. */

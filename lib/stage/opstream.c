@@ -160,7 +160,7 @@ static int advance(epipe_stage *st, epipe_op *op)
     return EPIPE_OK;
 }
 
-EPIPE_API int epipe_stage_next_op(epipe_stage *st, epipe_op *op)
+static int stage_next_op(epipe_stage *st, epipe_op *op)
 {
     if (!st || !op)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_next_op: stage or op is NULL");
@@ -168,6 +168,12 @@ EPIPE_API int epipe_stage_next_op(epipe_stage *st, epipe_op *op)
         return refuse_in_callback(st, "epipe_stage_next_op");
     enter(st);
     return leave(st, epipe_stage_advance(st, op));
+}
+
+EPIPE_API int epipe_stage_next_op(epipe_stage *st, epipe_op *op)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_next_op", &nested);
+    return rc ? rc : stage_release(st, nested, stage_next_op(st, op));
 }
 
 EPIPE_API int epipe_stage_current_op(const epipe_stage *st, epipe_op *op)
@@ -610,7 +616,7 @@ int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTenso
     return rc;
 }
 
-EPIPE_API int epipe_stage_recv_activation(epipe_stage *st, unsigned mb, const DLTensor **input)
+static int stage_recv_activation(epipe_stage *st, unsigned mb, const DLTensor **input)
 {
     if (!st || !input)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_recv_activation: stage or input is NULL");
@@ -620,7 +626,13 @@ EPIPE_API int epipe_stage_recv_activation(epipe_stage *st, unsigned mb, const DL
     return leave(st, epipe_stage_recv_tensor(st, mb, DIR_ACT, input));
 }
 
-EPIPE_API int epipe_stage_recv_gradient(epipe_stage *st, unsigned mb, const DLTensor **grad)
+EPIPE_API int epipe_stage_recv_activation(epipe_stage *st, unsigned mb, const DLTensor **input)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_recv_activation", &nested);
+    return rc ? rc : stage_release(st, nested, stage_recv_activation(st, mb, input));
+}
+
+static int stage_recv_gradient(epipe_stage *st, unsigned mb, const DLTensor **grad)
 {
     if (!st || !grad)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_recv_gradient: stage or grad is NULL");
@@ -630,7 +642,13 @@ EPIPE_API int epipe_stage_recv_gradient(epipe_stage *st, unsigned mb, const DLTe
     return leave(st, epipe_stage_recv_tensor(st, mb, DIR_GRAD, grad));
 }
 
-EPIPE_API int epipe_stage_send_activation(epipe_stage *st, unsigned mb, const DLTensor *output)
+EPIPE_API int epipe_stage_recv_gradient(epipe_stage *st, unsigned mb, const DLTensor **grad)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_recv_gradient", &nested);
+    return rc ? rc : stage_release(st, nested, stage_recv_gradient(st, mb, grad));
+}
+
+static int stage_send_activation(epipe_stage *st, unsigned mb, const DLTensor *output)
 {
     if (!st)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_send_activation: stage is NULL");
@@ -640,7 +658,13 @@ EPIPE_API int epipe_stage_send_activation(epipe_stage *st, unsigned mb, const DL
     return leave(st, epipe_stage_send_tensor(st, mb, DIR_ACT, output));
 }
 
-EPIPE_API int epipe_stage_send_gradient(epipe_stage *st, unsigned mb, const DLTensor *grad)
+EPIPE_API int epipe_stage_send_activation(epipe_stage *st, unsigned mb, const DLTensor *output)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_send_activation", &nested);
+    return rc ? rc : stage_release(st, nested, stage_send_activation(st, mb, output));
+}
+
+static int stage_send_gradient(epipe_stage *st, unsigned mb, const DLTensor *grad)
 {
     if (!st)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_send_gradient: stage is NULL");
@@ -648,4 +672,10 @@ EPIPE_API int epipe_stage_send_gradient(epipe_stage *st, unsigned mb, const DLTe
         return refuse_in_callback(st, "epipe_stage_send_gradient");
     enter(st);
     return leave(st, epipe_stage_send_tensor(st, mb, DIR_GRAD, grad));
+}
+
+EPIPE_API int epipe_stage_send_gradient(epipe_stage *st, unsigned mb, const DLTensor *grad)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_send_gradient", &nested);
+    return rc ? rc : stage_release(st, nested, stage_send_gradient(st, mb, grad));
 }

@@ -26,8 +26,7 @@ static int store(epipe_stage *st, struct sample_ids *s, const uint64_t *ids, siz
     return EPIPE_OK;
 }
 
-EPIPE_EXPERIMENTAL int epipe_stage_set_samples(epipe_stage *st, unsigned mb, const uint64_t *ids,
-                                               size_t n)
+static int stage_set_samples(epipe_stage *st, unsigned mb, const uint64_t *ids, size_t n)
 {
     epipe_clear_error();
     if (!st)
@@ -41,6 +40,13 @@ EPIPE_EXPERIMENTAL int epipe_stage_set_samples(epipe_stage *st, unsigned mb, con
                     "they receive",
                     st->s, st->place_rank[0]);
     return store(st, &st->ch[st->place_chunk[0]].samples[mb], ids, n);
+}
+
+EPIPE_EXPERIMENTAL int epipe_stage_set_samples(epipe_stage *st, unsigned mb, const uint64_t *ids,
+                                               size_t n)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_set_samples", &nested);
+    return rc ? rc : stage_release(st, nested, stage_set_samples(st, mb, ids, n));
 }
 
 int epipe_stage_samples_before_encode(epipe_stage *st, struct chunk *c, epipe_codec *enc,

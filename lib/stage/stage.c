@@ -305,8 +305,8 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
     free(st);
 }
 
-EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsigned boundary,
-                                    const char *spec)
+static int stage_set_codec(epipe_stage *st, epipe_direction dir, unsigned boundary,
+                           const char *spec)
 {
     epipe_clear_error();
     if (!st)
@@ -386,7 +386,14 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
     return EPIPE_OK;
 }
 
-EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t value)
+EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsigned boundary,
+                                    const char *spec)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_set_codec", &nested);
+    return rc ? rc : stage_release(st, nested, stage_set_codec(st, dir, boundary, spec));
+}
+
+static int stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t value)
 {
     epipe_clear_error();
     if (!st)
@@ -478,7 +485,13 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, in
     return fail(st, EPIPE_EINVAL, "unknown stage parameter %d", (int)param);
 }
 
-EPIPE_EXPERIMENTAL int epipe_stage_set_cuda_stream(epipe_stage *st, void *stream)
+EPIPE_API int epipe_stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t value)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_set_param", &nested);
+    return rc ? rc : stage_release(st, nested, stage_set_param(st, param, value));
+}
+
+static int stage_set_cuda_stream(epipe_stage *st, void *stream)
 {
     epipe_clear_error();
     if (!st)
@@ -496,6 +509,12 @@ EPIPE_EXPERIMENTAL int epipe_stage_set_cuda_stream(epipe_stage *st, void *stream
         }
     }
     return first;
+}
+
+EPIPE_EXPERIMENTAL int epipe_stage_set_cuda_stream(epipe_stage *st, void *stream)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_set_cuda_stream", &nested);
+    return rc ? rc : stage_release(st, nested, stage_set_cuda_stream(st, stream));
 }
 
 EPIPE_API int epipe_stage_get_param(const epipe_stage *st, epipe_stage_param param, int64_t *value)
@@ -569,7 +588,7 @@ EPIPE_API epipe_codec *epipe_stage_codec(epipe_stage *st, epipe_direction dir,
     return NULL;
 }
 
-EPIPE_API int epipe_stage_codec_sgd_step(epipe_stage *st, double lr, double momentum)
+static int stage_codec_sgd_step(epipe_stage *st, double lr, double momentum)
 {
     epipe_clear_error();
     if (!st)
@@ -592,4 +611,10 @@ EPIPE_API int epipe_stage_codec_sgd_step(epipe_stage *st, double lr, double mome
         }
     }
     return EPIPE_OK;
+}
+
+EPIPE_API int epipe_stage_codec_sgd_step(epipe_stage *st, double lr, double momentum)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_codec_sgd_step", &nested);
+    return rc ? rc : stage_release(st, nested, stage_codec_sgd_step(st, lr, momentum));
 }

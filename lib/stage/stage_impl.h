@@ -8,6 +8,7 @@
 
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <time.h>
 
@@ -140,6 +141,10 @@ struct epipe_stage {
     /* The callback running now ("forward", ...), or NULL: calls that
      * drive the stage are refused from inside one. */
     const char *in_callback;
+    /* The thread inside a call that drives the stage (0: none) and that
+     * call's name, both atomic: stage_claim() refuses a second thread. */
+    uintptr_t owner;
+    const char *owner_call;
     int tracing;
     epipe_trace *trace; /* this stage's spans (NULL: tracing off) */
 
@@ -209,6 +214,41 @@ static inline void memory_name(char *buf, size_t cap, int cuda_device)
 }
 
 /* Host compute is the time between the stage's calls within a step. */
+/* One thread at a time (epipe/stage.h): a call that drives the stage
+ * claims it, and a call from a second thread while the first is inside
+ * fails with EPIPE_ESTATE instead of racing it. The owner's own calls from
+ * inside its callbacks pass (*nested), and meet refuse_in_callback() as
+ * before. The refusal goes to the calling thread's epipe_last_error(), not
+ * to the stage's message, which the thread inside may be writing. A NULL
+ * stage passes, for the call to report. */
+static inline int stage_claim(epipe_stage *st, const char *call, int *nested)
+{
+    uintptr_t self = (uintptr_t)pthread_self(), seen = 0;
+    *nested = 1;
+    if (!st)
+        return EPIPE_OK;
+    if (__atomic_compare_exchange_n(&st->owner, &seen, self, 0, __ATOMIC_ACQUIRE,
+                                    __ATOMIC_RELAXED)) {
+        __atomic_store_n(&st->owner_call, call, __ATOMIC_RELAXED);
+        *nested = 0;
+        return EPIPE_OK;
+    }
+    if (seen == self)
+        return EPIPE_OK;
+    const char *inside = __atomic_load_n(&st->owner_call, __ATOMIC_RELAXED);
+    return epipe_fail(EPIPE_ESTATE,
+                      "%s: another thread is inside %s on stage %u; a stage is used by one "
+                      "thread at a time",
+                      call, inside ? inside : "a call", st->s);
+}
+
+static inline int stage_release(epipe_stage *st, int nested, int rc)
+{
+    if (!nested)
+        __atomic_store_n(&st->owner, 0, __ATOMIC_RELEASE);
+    return rc;
+}
+
 static inline void enter(epipe_stage *st)
 {
     epipe_clear_error();

@@ -202,7 +202,7 @@ EPIPE_API int epipe_stage_get_boundary_stats(const epipe_stage *st, uint32_t ind
                       "epipe_stage_get_boundary_stats (sizeof(epipe_boundary_stats))");
 }
 
-EPIPE_API void epipe_stage_reset_stats(epipe_stage *st)
+static void stage_reset_stats(epipe_stage *st)
 {
     if (!st)
         return;
@@ -214,4 +214,13 @@ EPIPE_API void epipe_stage_reset_stats(epipe_stage *st)
     clear_records(st);
     pthread_mutex_unlock(&st->stats_lock);
     epipe_stage_stats_publish(st);
+}
+
+EPIPE_API void epipe_stage_reset_stats(epipe_stage *st)
+{
+    int nested;
+    if (stage_claim(st, "epipe_stage_reset_stats", &nested))
+        return;
+    stage_reset_stats(st);
+    stage_release(st, nested, 0);
 }

@@ -7,7 +7,7 @@
 
 /* ---- the callback driver ------------------------------------------------ */
 
-EPIPE_API int epipe_stage_set_callbacks(epipe_stage *st, const epipe_stage_callbacks *cb)
+static int stage_set_callbacks(epipe_stage *st, const epipe_stage_callbacks *cb)
 {
     epipe_clear_error();
     if (!st || !cb)
@@ -43,6 +43,12 @@ EPIPE_API int epipe_stage_set_callbacks(epipe_stage *st, const epipe_stage_callb
     st->cb = c;
     st->has_cb = 1;
     return EPIPE_OK;
+}
+
+EPIPE_API int epipe_stage_set_callbacks(epipe_stage *st, const epipe_stage_callbacks *cb)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_set_callbacks", &nested);
+    return rc ? rc : stage_release(st, nested, stage_set_callbacks(st, cb));
 }
 
 static int callback_failed(epipe_stage *st, const char *which, unsigned mb, int value)
@@ -110,7 +116,7 @@ static int run_op(epipe_stage *st, const epipe_op *op)
     return EPIPE_OK;
 }
 
-EPIPE_API int epipe_stage_step(epipe_stage *st)
+static int stage_step(epipe_stage *st)
 {
     epipe_clear_error();
     if (!st)
@@ -139,7 +145,13 @@ EPIPE_API int epipe_stage_step(epipe_stage *st)
     }
 }
 
-EPIPE_API int epipe_stage_drain(epipe_stage *st)
+EPIPE_API int epipe_stage_step(epipe_stage *st)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_step", &nested);
+    return rc ? rc : stage_release(st, nested, stage_step(st));
+}
+
+static int stage_drain(epipe_stage *st)
 {
     epipe_clear_error();
     if (!st)
@@ -152,4 +164,10 @@ EPIPE_API int epipe_stage_drain(epipe_stage *st)
         return EPIPE_OK; /* a schedule that flushes, or nothing in flight */
     st->draining = 1;
     return st->has_cb ? epipe_stage_step(st) : EPIPE_OK;
+}
+
+EPIPE_API int epipe_stage_drain(epipe_stage *st)
+{
+    int nested, rc = stage_claim(st, "epipe_stage_drain", &nested);
+    return rc ? rc : stage_release(st, nested, stage_drain(st));
 }
