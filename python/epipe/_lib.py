@@ -440,8 +440,10 @@ def check(rc, function, handle_error=None, handle=None):
     msg = ""
     if handle_error is not None and handle:
         msg = _s(handle_error(handle))
-    if not msg:
-        msg = _s(lib.epipe_last_error())
+    mine = _s(lib.epipe_last_error())
+    # a stage another thread is inside refuses with this thread's message
+    if not msg or (rc == _abi.C["EPIPE_ESTATE"] and "another thread is inside" in mine):
+        msg = mine
     if rc == _abi.C["EPIPE_ECALLBACK"] and INTERRUPTED in msg:
         signal.raise_signal(signal.SIGINT)  # its handler runs here: KeyboardInterrupt
     raise Error(rc, msg, function)

@@ -1,5 +1,7 @@
 """An in-process pipeline driven from Python threads through the op stream
 matches unpipelined torch; op-order and shape errors raise epipe.Error."""
+import threading
+import time
 
 import pytest
 
@@ -182,6 +184,48 @@ def test_op_stream_order_errors():
             st.set_codec(epipe.ACTIVATION, "none")  # only before the first step
         assert ei.value.name == "EPIPE_ESTATE"
         st.close()
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_a_second_thread_is_refused():
+    # While one thread waits in a receive, a call from another is refused
+    # with a message naming the call inside, not the stage's last error
+    # (set here by an earlier mistake); the step then ends as it would have.
+    comms = epipe.Comm.inproc(2)
+    try:
+        st0 = epipe.Stage(comms[0], "gpipe", 1, timeout_ms=20000)
+        st1 = epipe.Stage(comms[1], "gpipe", 1, timeout_ms=20000)
+        with pytest.raises(epipe.Error):
+            st1.set_codec(epipe.ACTIVATION, "sortquant:bits=99")
+        inside = threading.Event()
+        got = []
+
+        def rank1():
+            st1.next_op()
+            inside.set()
+            got.append(st1.recv_activation(0, copy=True))
+            st1.next_op()
+            st1.send_gradient(0, torch.ones(4))
+            st1.next_op()
+
+        t = threading.Thread(target=rank1)
+        t.start()
+        inside.wait(10)
+        time.sleep(0.3)  # inside the receive by now
+        with pytest.raises(epipe.Error) as ei:
+            st1.next_op()
+        assert ei.value.name == "EPIPE_ESTATE"
+        assert "another thread is inside epipe_stage_recv_activation" in ei.value.message
+        st0.next_op()
+        st0.send_activation(0, torch.full((4,), 7.0))
+        st0.next_op()
+        st0.recv_gradient(0, copy=True)
+        t.join(20)
+        assert got and torch.equal(got[0], torch.full((4,), 7.0))
+        st0.close()
+        st1.close()
     finally:
         for c in comms:
             c.close()
