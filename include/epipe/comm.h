@@ -12,8 +12,9 @@ extern "C" {
 /* An opaque communicator: this rank's end of a group of `size` ranks.
  *
  * Thread safety: one thread at a time may call functions on a handle,
- * except epipe_comm_abort(), which any thread may call at any time (to
- * wake a stage blocked in a receive). Transports may run threads of their
+ * except epipe_comm_abort() and epipe_comm_set_interrupt(), which any
+ * thread may call at any time (to wake or stop a stage blocked in a
+ * receive). Transports may run threads of their
  * own; they end when the handle is destroyed.
  *
  * Fork: a child made by fork() cannot use its parent's communicators (it
@@ -210,17 +211,22 @@ EPIPE_API void epipe_comm_abort(epipe_comm *comm);
 
 /* Experimental (EPIPE_EXPERIMENTAL, docs/api.md). Sets a check that a
  * receive of this handle (a stage's too) calls while it waits: from the
- * waiting thread, with no lock of libepipe held, after each 100 ms spent
- * waiting. A nonzero return ends that receive with EPIPE_ECALLBACK ("the
- * host's interrupt check stopped the wait for ..."); nothing else changes:
- * the message, when it comes, waits for a later receive, and a stage's op
- * can be retried. For hosts whose signal handler only sets a flag that
- * their code reads when a call returns (Python's, for Ctrl-C): the Python
- * binding sets one on every handle it makes. A NULL check removes it; arg
- * is passed to check. Any thread, at any time; a receive already waiting
- * keeps the check it started with until it wakes (an arrival, a slice's
- * end, its timeout), so set it before receives start. EPIPE_EINVAL for a
- * NULL comm. */
+ * waiting thread, with no lock of libepipe held, every 100 ms of the wait
+ * (however often messages for other receives wake it; a spin, at most
+ * EPIPE_COMM_SPIN_US, can put a call off). A nonzero return ends that
+ * receive with EPIPE_ECALLBACK ("the host's interrupt check stopped the
+ * wait for ..."), and the communicator is left as it was: the message,
+ * when it comes, waits for a later receive. A stage's op-stream receive
+ * can then be called again; inside epipe_stage_step the step is lost and
+ * the stage aborts its communicator, as for a failing callback. For hosts
+ * whose signal handler only sets a flag that their code reads when a call
+ * returns (Python's, for Ctrl-C): the Python binding sets one on every
+ * handle it makes. A NULL check removes it; arg is passed to check.
+ * The check may call epipe_comm_abort() on the handle, never
+ * epipe_comm_destroy(). A receive reads the check and arg when it calls
+ * it, so after a call that replaces them the old pair may still be called
+ * once by a receive already calling it: keep both valid as long as the
+ * handle. EPIPE_EINVAL for a NULL comm. */
 EPIPE_EXPERIMENTAL int epipe_comm_set_interrupt(epipe_comm *comm, int (*check)(void *arg),
                                                 void *arg);
 

@@ -511,36 +511,44 @@ static int before(const struct timespec *a, const struct timespec *b)
     return a->tv_sec < b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec < b->tv_nsec);
 }
 
-/* Called with c->lock held: sleeps until an arrival, the deadline or, with
- * an interrupt check set, the end of a slice, after which it calls the
- * check with the lock released. 1: the deadline passed; -1: the check
- * asked to stop; 0: look again. */
-static int wait_for_arrival(epipe_comm *c, const struct timespec *deadline)
+/* Called with c->lock held: when an interrupt check is set and its time
+ * *next_check has come (every INTERRUPT_SLICE_MS of the receive, however
+ * often arrivals for other receives wake it or it spins), calls it with
+ * the lock released. -1: the check asked to stop; 1: it ran; 0: not due. */
+static int check_if_due(epipe_comm *c, struct timespec *next_check)
 {
     int (*check)(void *) = c->interrupt;
-    void *arg = c->interrupt_arg;
-    struct timespec until = *deadline;
-    if (check) {
-        struct timespec slice;
-        deadline_after(&slice, INTERRUPT_SLICE_MS);
-        if (before(&slice, deadline))
-            until = slice;
-    }
-    if (pthread_cond_timedwait(&c->arrived, &c->lock, &until) != ETIMEDOUT)
+    if (!check)
         return 0;
-    if (!check || !before(&until, deadline))
-        return 1;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (before(&now, next_check))
+        return 0;
+    void *arg = c->interrupt_arg;
+    deadline_after(next_check, INTERRUPT_SLICE_MS);
     pthread_mutex_unlock(&c->lock);
     int stop = check(arg);
     pthread_mutex_lock(&c->lock);
-    return stop ? -1 : 0;
+    return stop ? -1 : 1;
+}
+
+/* Called with c->lock held: sleeps until an arrival, the deadline or, with
+ * an interrupt check set, the check's next time. 1: the deadline passed. */
+static int wait_for_arrival(epipe_comm *c, const struct timespec *deadline,
+                            const struct timespec *next_check)
+{
+    const struct timespec *until = c->interrupt && before(next_check, deadline) ? next_check
+                                                                                : deadline;
+    return pthread_cond_timedwait(&c->arrived, &c->lock, until) == ETIMEDOUT && until == deadline;
 }
 
 int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
                     uint32_t micro_batch, int64_t timeout_ms, epipe_msg **out)
 {
-    struct timespec deadline;
+    struct timespec deadline, next_check;
     deadline_after(&deadline, timeout_ms);
+    deadline_after(&next_check, INTERRUPT_SLICE_MS);
+    uint64_t spun = UINT64_MAX; /* c->arrivals when this receive last spun */
     *out = NULL;
     if (c->orphaned)
         return orphaned(c);
@@ -565,7 +573,7 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
             *out = m;
             return EPIPE_OK;
         }
-        int rc = EPIPE_OK, waited;
+        int rc = EPIPE_OK, due;
         if (c->aborted && c->self_status)
             rc = epipe_fail_into(c->msg, c->self_status, "rank %u: %s", c->rank, c->self_why);
         else if (c->aborted)
@@ -578,21 +586,25 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
                                  c->peer_state[peer] == EPIPE_PEER_LEFT ? "left" : "failed",
                                  epipe_wire_kind_name(kind), (unsigned long long)step, micro_batch,
                                  c->peer_why[peer][0] ? ": " : "", c->peer_why[peer]);
-        else if (__atomic_load_n(&c->spin_us, __ATOMIC_RELAXED) > 0 &&
-                 spin_for_arrival(c, &deadline))
-            continue; /* something arrived while spinning: look again */
-        else if ((waited = wait_for_arrival(c, &deadline)) > 0)
-            rc = epipe_fail_into(c->msg, EPIPE_ETIMEDOUT,
-                                 "rank %u: no %s from rank %u for step %llu, micro-batch %u "
-                                 "within %lld ms",
-                                 c->rank, epipe_wire_kind_name(kind), peer,
-                                 (unsigned long long)step, micro_batch, (long long)timeout_ms);
-        else if (waited < 0)
+        else if ((due = check_if_due(c, &next_check)) < 0)
             rc = epipe_fail_into(c->msg, EPIPE_ECALLBACK,
                                  "rank %u: the host's interrupt check stopped the wait for %s "
                                  "from rank %u for step %llu, micro-batch %u",
                                  c->rank, epipe_wire_kind_name(kind), peer,
                                  (unsigned long long)step, micro_batch);
+        else if (due)
+            continue; /* the lock was let go: look again */
+        /* Spin after a wake-up that brought something, not again after a
+         * slice that ended with nothing new. */
+        else if (__atomic_load_n(&c->spin_us, __ATOMIC_RELAXED) > 0 && c->arrivals != spun &&
+                 (spun = c->arrivals, spin_for_arrival(c, &deadline)))
+            continue; /* something arrived while spinning: look again */
+        else if (wait_for_arrival(c, &deadline, &next_check))
+            rc = epipe_fail_into(c->msg, EPIPE_ETIMEDOUT,
+                                 "rank %u: no %s from rank %u for step %llu, micro-batch %u "
+                                 "within %lld ms",
+                                 c->rank, epipe_wire_kind_name(kind), peer,
+                                 (unsigned long long)step, micro_batch, (long long)timeout_ms);
         if (rc) {
             pthread_mutex_unlock(&c->lock);
             return rc;
