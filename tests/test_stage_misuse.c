@@ -16,10 +16,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
+#include "comm/comm_impl.h"
 #include "pipeline_host.h"
 #include "testutil.h"
 
@@ -506,7 +508,9 @@ static void *wait_in_receive(void *p)
     const DLTensor *in = NULL;
     w->rc[0] = epipe_stage_next_op(w->st, &op);
     __atomic_store_n(&w->ready, 1, __ATOMIC_RELEASE);
-    w->rc[1] = epipe_stage_recv_activation(w->st, 0, &in);
+    do /* this thread's claim may meet the other's probe: then again */
+        w->rc[1] = epipe_stage_recv_activation(w->st, 0, &in);
+    while (w->rc[1] == EPIPE_ESTATE && strstr(epipe_last_error(), "another thread is inside"));
     if (w->rc[1] == EPIPE_OK)
         memcpy(w->got, in->data, sizeof w->got);
     float g[4] = {1, 1, 1, 1};
@@ -531,7 +535,14 @@ static void a_second_thread_is_refused(void **state)
     assert_int_equal(pthread_create(&th, NULL, wait_in_receive, &w), 0);
     while (!__atomic_load_n(&w.ready, __ATOMIC_ACQUIRE))
         usleep(1000);
-    usleep(300000); /* inside the receive by now: rank 0 has sent nothing */
+    /* A harmless probe (the timeout it has) until the receive holds the
+     * stage: rank 0 has sent nothing, so it waits there. */
+    int probe;
+    while ((probe = epipe_stage_set_param(st[1], EPIPE_STAGE_TIMEOUT_MS, 30000)) == EPIPE_OK)
+        usleep(1000);
+    assert_int_equal(probe, EPIPE_ESTATE);
+    assert_non_null(strstr(epipe_last_error(), "epipe_stage_set_param: another thread is inside "
+                                               "epipe_stage_recv_activation"));
     epipe_op op;
     float x[4] = {7, 7, 7, 7};
     int64_t shape;
@@ -544,6 +555,9 @@ static void a_second_thread_is_refused(void **state)
     assert_int_equal(epipe_stage_set_codec(st[1], EPIPE_DIR_ACTIVATION, 0, "quant:bits=4"),
                      EPIPE_ESTATE);
     assert_int_equal(epipe_stage_step(st[1]), EPIPE_ESTATE);
+    epipe_stage_reset_stats(st[1]);
+    assert_non_null(strstr(epipe_last_error(), "epipe_stage_reset_stats: another thread"));
+    epipe_stage_destroy(st[1]); /* refused and logged: the stage stays */
     assert_null(strstr(epipe_stage_last_error(st[1]), "another thread"));
     /* Rank 0 sends: the waiting receive and the rest of the step go on. */
     const DLTensor *g = NULL;
@@ -565,6 +579,67 @@ static void a_second_thread_is_refused(void **state)
     }
 }
 
+/* A receive inside epipe_stage_step that the host's interrupt check stops
+ * (Ctrl-C) ends the step with EPIPE_ECALLBACK and aborts the communicator,
+ * as a failing callback does: the peer waiting for this rank hears of it
+ * at once, not at its timeout. */
+static int stop_at_once(void *arg)
+{
+    (void)arg;
+    return 1;
+}
+
+static int no_forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
+{
+    (void)user, (void)mb, (void)in, (void)out;
+    return 1; /* never reached: the receive before it is stopped */
+}
+
+static int no_backward(void *user, unsigned mb, const DLTensor *g, const DLTensor **out)
+{
+    (void)user, (void)mb, (void)g, (void)out;
+    return 1;
+}
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static void *wait_for_gradient(void *p)
+{
+    epipe_msg *m = NULL;
+    epipe_comm *c = p;
+    double t0 = now_s();
+    int rc = epipe_comm_recv(c, 1, EPIPE_WIRE_GRADIENT, 0, 0, 20000, &m);
+    return (void *)(intptr_t)(rc == EPIPE_EPEER && now_s() - t0 < 10 ? 1 : 0);
+}
+
+static void an_interrupted_step_aborts(void **state)
+{
+    (void)state;
+    epipe_comm *comms[2];
+    epipe_stage *st;
+    assert_int_equal(epipe_comm_create_inproc(comms, 2), EPIPE_OK);
+    assert_int_equal(epipe_stage_create(&st, comms[1], "gpipe", 1), EPIPE_OK);
+    epipe_stage_callbacks cb = {
+        .struct_size = sizeof cb, .forward = no_forward, .backward = no_backward};
+    assert_int_equal(epipe_stage_set_callbacks(st, &cb), EPIPE_OK);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, wait_for_gradient, comms[0]), 0);
+    assert_int_equal(epipe_comm_set_interrupt(comms[1], stop_at_once, NULL), EPIPE_OK);
+    assert_int_equal(epipe_stage_step(st), EPIPE_ECALLBACK);
+    assert_non_null(strstr(epipe_stage_last_error(st), "interrupt check stopped the wait"));
+    void *heard;
+    pthread_join(th, &heard);
+    assert_true(heard != NULL); /* EPIPE_EPEER, well before its timeout */
+    epipe_stage_destroy(st);
+    epipe_comm_destroy(comms[0]);
+    epipe_comm_destroy(comms[1]);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -572,6 +647,7 @@ int main(void)
         cmocka_unit_test(calls_from_inside_a_callback_are_refused),
         cmocka_unit_test(destroy_from_inside_a_callback_is_refused),
         cmocka_unit_test(a_second_thread_is_refused),
+        cmocka_unit_test(an_interrupted_step_aborts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -39,8 +39,10 @@ extern "C" {
  * (the stage's own belongs to the thread inside), and a refused
  * epipe_stage_reset_stats resets nothing. epipe_stage_get_stats and
  * epipe_stage_get_boundary_stats may be called from any thread (see
- * there); destroying a stage while another thread uses it is not
- * detected. */
+ * there). epipe_stage_destroy while another thread is inside such a call
+ * is not carried out (an error is logged, the stage is not freed), as from
+ * inside a callback; a destroy that races the start of another thread's
+ * call is not detected. */
 typedef struct epipe_stage epipe_stage;
 
 /* Returned in epipe_op.kind by epipe_stage_next_op() when the step is over. */

@@ -273,6 +273,15 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
                       st->in_callback);
         return;
     }
+    uintptr_t owner = __atomic_load_n(&st->owner, __ATOMIC_ACQUIRE);
+    if (owner && owner != (uintptr_t)pthread_self()) { /* it would free the stage under it */
+        const char *inside = __atomic_load_n(&st->owner_call, __ATOMIC_RELAXED);
+        epipe_log_msg(EPIPE_LOG_ERROR, (int)st->s, "stage",
+                      "epipe_stage_destroy called while another thread is inside %s: ignored, "
+                      "the stage is not freed; destroy it once that call has returned",
+                      inside ? inside : "a call");
+        return;
+    }
     for (unsigned i = 0; st->ch && i < st->nch; i++) {
         struct chunk *c = &st->ch[i];
         free_lent(c->act_in, st->m);

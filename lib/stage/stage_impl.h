@@ -244,8 +244,10 @@ static inline int stage_claim(epipe_stage *st, const char *call, int *nested)
 
 static inline int stage_release(epipe_stage *st, int nested, int rc)
 {
-    if (!nested)
+    if (!nested) {
+        __atomic_store_n(&st->owner_call, NULL, __ATOMIC_RELAXED);
         __atomic_store_n(&st->owner, 0, __ATOMIC_RELEASE);
+    }
     return rc;
 }
 

@@ -219,6 +219,7 @@ static void stage_reset_stats(epipe_stage *st)
 EPIPE_API void epipe_stage_reset_stats(epipe_stage *st)
 {
     int nested;
+    epipe_clear_error(); /* a refusal is seen in epipe_last_error() */
     if (stage_claim(st, "epipe_stage_reset_stats", &nested))
         return;
     stage_reset_stats(st);

@@ -137,7 +137,11 @@ static int stage_step(epipe_stage *st)
             rc = run_op(st, &op);
         if (rc) {
             /* the step is lost, and any micro-batches in flight: the next
-             * step starts afresh */
+             * step starts afresh. A receive the host's interrupt check
+             * stopped (Ctrl-C) ends the run as a failing callback does: the
+             * peers must not wait for what will not come. */
+            if (rc == EPIPE_ECALLBACK)
+                epipe_comm_abort(st->comm);
             st->in_step = st->cur_valid = 0;
             st->flowing = st->draining = 0;
             return rc;

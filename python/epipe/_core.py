@@ -696,6 +696,9 @@ class Stage(_Handle):
 
     def reset_stats(self):
         lib.epipe_stage_reset_stats(self._handle())
+        msg = _s(lib.epipe_last_error())  # cleared by the call: set only by a refusal
+        if _lib.REFUSED_THREAD in msg:
+            raise Error(_abi.C["EPIPE_ESTATE"], msg, "epipe_stage_reset_stats")
 
     def codec_sgd_step(self, lr, momentum=0.0):
         """One step of the built-in SGD (with momentum) on this stage's

@@ -414,19 +414,25 @@ def status_name(status):
 # it is in returns: a receive that waits for a peer would hold Ctrl-C back
 # until its timeout. Every Comm the binding makes carries INTERRUPT_CHECK
 # (epipe_comm_set_interrupt), which a waiting receive calls every 100 ms.
-# It is CPython's PyOS_InterruptOccurred itself, called with the GIL
-# (pythonapi): 1 on the main thread when SIGINT has come, which it takes.
-# A Python function could not do this: the interpreter runs the pending
-# handler on entering it, and ctypes swallows what a callback raises.
-# check() then raises SIGINT again, so that Python's handler, the default
-# or the host's own, runs as it would have.
+# It is a ctypes callback whose target is the ctypes function object of
+# CPython's PyOS_InterruptOccurred (through pythonapi): the callback's thunk
+# takes the GIL (PyGILState_Ensure, so any thread may call it) and calls
+# the C function without running any Python code. It returns 1 on the main
+# thread when SIGINT has come, which it takes. Do not pass the function's
+# raw address instead: called without the GIL it has no thread state. Nor
+# a Python function: the interpreter runs the pending handler on entering
+# it, and ctypes swallows what a callback raises. check() then raises
+# SIGINT again, so that Python's handler, the default or the host's own,
+# runs as it would have. A receive waiting on another thread takes the GIL
+# for that moment every 100 ms.
 
 _interrupt_occurred = ctypes.pythonapi.PyOS_InterruptOccurred
 _interrupt_occurred.restype = ctypes.c_int
-# argtypes unset: the receive passes its arg (NULL), which the function
-# does not take and, in the C calling conventions of Linux, ignores.
+# argtypes unset: the receive passes its arg (NULL, as None), which the
+# function does not take and, in the C calling conventions of Linux, ignores.
 INTERRUPT_CHECK = InterruptFn(_interrupt_occurred)
 INTERRUPTED = "the host's interrupt check stopped the wait"
+REFUSED_THREAD = "another thread is inside"
 
 
 def check(rc, function, handle_error=None, handle=None):
@@ -437,13 +443,12 @@ def check(rc, function, handle_error=None, handle=None):
     by default raises KeyboardInterrupt."""
     if rc >= 0:
         return rc
-    msg = ""
-    if handle_error is not None and handle:
-        msg = _s(handle_error(handle))
-    mine = _s(lib.epipe_last_error())
-    # a stage another thread is inside refuses with this thread's message
-    if not msg or (rc == _abi.C["EPIPE_ESTATE"] and "another thread is inside" in mine):
-        msg = mine
+    # A stage another thread is inside refuses with this thread's message;
+    # the stage's own is the other thread's, not to be read meanwhile.
+    msg = _s(lib.epipe_last_error())
+    if not (rc == _abi.C["EPIPE_ESTATE"] and REFUSED_THREAD in msg):
+        if handle_error is not None and handle:
+            msg = _s(handle_error(handle)) or msg
     if rc == _abi.C["EPIPE_ECALLBACK"] and INTERRUPTED in msg:
         signal.raise_signal(signal.SIGINT)  # its handler runs here: KeyboardInterrupt
     raise Error(rc, msg, function)

@@ -205,7 +205,13 @@ def test_a_second_thread_is_refused():
         def rank1():
             st1.next_op()
             inside.set()
-            got.append(st1.recv_activation(0, copy=True))
+            while True:  # this thread's own claim may meet the probe below
+                try:
+                    got.append(st1.recv_activation(0, copy=True))
+                    break
+                except epipe.Error as e:
+                    if "another thread is inside" not in e.message:
+                        raise
             st1.next_op()
             st1.send_gradient(0, torch.ones(4))
             st1.next_op()
@@ -213,11 +219,23 @@ def test_a_second_thread_is_refused():
         t = threading.Thread(target=rank1)
         t.start()
         inside.wait(10)
-        time.sleep(0.3)  # inside the receive by now
+        for _ in range(1000):  # a harmless probe, until the receive holds the stage
+            try:
+                st1.set_param(epipe.STAGE_TIMEOUT_MS, 20000)
+            except epipe.Error as e:
+                assert e.name == "EPIPE_ESTATE"
+                assert "another thread is inside epipe_stage_recv_activation" in e.message
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the receive never held the stage")
         with pytest.raises(epipe.Error) as ei:
             st1.next_op()
         assert ei.value.name == "EPIPE_ESTATE"
         assert "another thread is inside epipe_stage_recv_activation" in ei.value.message
+        with pytest.raises(epipe.Error) as ei:
+            st1.reset_stats()
+        assert "epipe_stage_reset_stats: another thread is inside" in ei.value.message
         st0.next_op()
         st0.send_activation(0, torch.full((4,), 7.0))
         st0.next_op()
