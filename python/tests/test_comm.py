@@ -124,6 +124,27 @@ def test_rendezvous_errors_keep_their_message():
         raise AssertionError("an unknown option was accepted")
 
 
+def ctrl_c_after_waiting(script, timeout):
+    """Runs script, which prints 'waiting' just before the call to
+    interrupt, and sends it SIGINT 0.5 s later (inside the call by then).
+    Returns its exit status, stdout, stderr and the seconds from the signal
+    to its exit."""
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "waiting"
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=timeout)
+        waited = time.monotonic() - t0
+    finally:
+        p.kill()
+        p.wait()
+    return p.returncode, out, err, waited
+
+
 def test_ctrl_c_interrupts_a_rendezvous():
     # Rank 0 of 2 waits for a rank 1 that never comes, for up to 60 s; Ctrl-C
     # must end it at once, not when the C call gives up.
@@ -131,19 +152,7 @@ def test_ctrl_c_interrupts_a_rendezvous():
         "import sys, epipe\n"
         "print('waiting', flush=True)\n"
         f"epipe.Comm.tcp(0, 2, '127.0.0.1', {free_port()}, 'init_timeout_ms=60000')\n")
-    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "waiting"
-        time.sleep(0.5)  # inside the rendezvous by now
-        t0 = time.monotonic()
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=30)
-        waited = time.monotonic() - t0
-    finally:
-        p.kill()
-        p.wait()
+    _, _, err, waited = ctrl_c_after_waiting(script, 30)
     assert "KeyboardInterrupt" in err, err
     assert waited < 10, f"Ctrl-C took {waited:.1f} s to end a rendezvous"
 
@@ -183,20 +192,8 @@ def test_ctrl_c_interrupts_a_blocked_receive():
         "for c in comms:\n"
         "    c.close()\n"
         "print('closed', flush=True)\n")
-    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "waiting"
-        time.sleep(0.5)  # inside the receive by now
-        t0 = time.monotonic()
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=90)
-        waited = time.monotonic() - t0
-    finally:
-        p.kill()
-        p.wait()
-    assert p.returncode == 0, err
+    rc, out, err, waited = ctrl_c_after_waiting(script, 90)
+    assert rc == 0, err
     assert "interrupted after" in out and "closed" in out, (out, err)
     assert "received [7.0, 7.0, 7.0, 7.0]" in out, (out, err)
     assert waited < 10, f"Ctrl-C took {waited:.1f} s to end a receive"
