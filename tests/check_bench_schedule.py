@@ -7,14 +7,9 @@ import re
 import subprocess
 import sys
 
+from checks import fail, finish
+
 bench = sys.argv[1]
-ok = True
-
-
-def fail(msg):
-    global ok
-    print("FAIL:", msg)
-    ok = False
 
 
 def run(*args):
@@ -155,5 +150,4 @@ for args, needle in ((["--placement", ""], "--placement"),
     if r.returncode != 2 or needle not in r.stderr:
         fail(f"{args}: exit {r.returncode}, stderr {r.stderr!r}")
 
-print("ok" if ok else "failed")
-sys.exit(0 if ok else 1)
+finish(summary=True)

@@ -7,15 +7,10 @@ import os
 import subprocess
 import sys
 
+from checks import fail, finish
+
 bench, run = sys.argv[1], sys.argv[2]
 train = sys.argv[3] if len(sys.argv) > 3 else None
-ok = True
-
-
-def fail(msg):
-    global ok
-    print("FAIL:", msg)
-    ok = False
 
 
 def call(*args):
@@ -158,5 +153,4 @@ if train:
         else:
             print(f"ok: epipe-train {' '.join(args)}: {lines[0]}")
 
-print("ok" if ok else "failed")
-sys.exit(0 if ok else 1)
+finish(summary=True)

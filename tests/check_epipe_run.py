@@ -12,14 +12,9 @@ import sys
 import tempfile
 import time
 
+from checks import fail, finish
+
 run = sys.argv[1]
-ok = True
-
-
-def fail(msg):
-    global ok
-    print("FAIL:", msg)
-    ok = False
 
 
 def alive(pid):
@@ -169,4 +164,4 @@ with tempfile.TemporaryDirectory() as d:
     else:
         print(f"hard limit 64: {r.stderr.strip()}")
 
-sys.exit(0 if ok else 1)
+finish()

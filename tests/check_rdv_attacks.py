@@ -16,14 +16,9 @@ import rdv_peer  # noqa: E402 (tests/support/rdv_peer.py)
 from rdv_peer import (ERROR, HELLO, HT_CHALLENGE, HT_PROOF, HT_REGISTER, Rank, frame, free_port,
                       hello, rank_env, recv_msg, status_kb, wait_listening)
 
+from checks import fail, finish  # noqa: E402 (tests/checks.py)
+
 trainer = rdv_peer.trainer = sys.argv[1]
-ok = True
-
-
-def fail(msg):
-    global ok
-    print("FAIL:", msg)
-    ok = False
 
 
 def group(n, port, extra, first=None):
@@ -278,4 +273,4 @@ for path, want in (("/dev/zero", "not a regular file"), (fifo, "not a regular fi
         fail("key file %s was accepted:\n%s%s" % (path, r.stdout, r.stderr))
     elif have_auth and (want not in line[0] or path not in line[0]):
         fail("key file %s: the message should name it and say '%s': %s" % (path, want, line[0]))
-sys.exit(0 if ok else 1)
+finish()

@@ -7,23 +7,17 @@ named as the origin on every rank: the conformance suite's train-dead-peer.)
 Usage: check_rdv_failures.py EPIPE_RUN TCP_TRAINER."""
 import os
 import socket
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'support'))
 import rdv_peer  # noqa: E402 (tests/support/rdv_peer.py)
 from rdv_peer import HELLO, HT_TABLE, Rank, error, free_port, recv_msg, register
 
+from checks import fail, finish  # noqa: E402 (tests/checks.py)
+
 run, trainer = sys.argv[1], sys.argv[2]
 rdv_peer.trainer = trainer
-ok = True
 LONG = {"EPIPE_INIT_TIMEOUT_MS": "60000"}  # a rank that waited for it would be caught
-
-
-def fail(msg):
-    global ok
-    print("FAIL:", msg)
-    ok = False
 
 
 def failed_line(r):
@@ -115,4 +109,4 @@ if not all([r.finish(timeout=30) for r in (r0, r1)]):
 else:
     print("the job trained after refusing another job's rank twice")
 
-sys.exit(0 if ok else 1)
+finish()

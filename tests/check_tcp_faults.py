@@ -11,14 +11,9 @@ import sys
 import tempfile
 import time
 
+from checks import fail, finish
+
 run, trainer = sys.argv[1], sys.argv[2]
-ok = True
-
-
-def fail(msg):
-    global ok
-    print("FAIL:", msg)
-    ok = False
 
 
 def launch(args, timeout=30, env=None):
@@ -228,4 +223,4 @@ for k, (q, (o, er)) in enumerate(zip((a0, a1), outs)):
 refusals = [l for l in outs[0][1].splitlines() if "from another job" in l]
 print("job A trained; its rank 0 logged %d refusal(s): %s" % (len(refusals),
                                                              refusals[0][:160] if refusals else ""))
-sys.exit(0 if ok else 1)
+finish()

@@ -11,15 +11,10 @@ import sys
 import tempfile
 import time
 
+from checks import fail, finish
+
 run, trainer = sys.argv[1], sys.argv[2]
-ok = True
 STEPS, MICRO = "12", "4"
-
-
-def fail(msg):
-    global ok
-    print("FAIL:", msg)
-    ok = False
 
 
 def floats(path):
@@ -109,4 +104,4 @@ with tempfile.TemporaryDirectory() as d:
                    open("%s.layer%d" % (ref, l), "rb").read() for l in range(5))
         if same:
             fail("%s: equals the flush reference" % tag)
-sys.exit(0 if ok else 1)
+finish()

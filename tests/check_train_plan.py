@@ -8,15 +8,10 @@ import subprocess
 import sys
 import tempfile
 
+from checks import fail, finish
+
 train, run = sys.argv[1], sys.argv[2]
 SMALL = ["--train-limit", "640", "--epochs", "1", "--quiet"]
-ok = True
-
-
-def fail(msg):
-    global ok
-    print("FAIL:", msg)
-    ok = False
 
 
 def call(*args):
@@ -125,4 +120,4 @@ with tempfile.TemporaryDirectory() as tmp:
     else:
         print("ok: a failed --plan-out leaves the file there as it was")
 
-sys.exit(0 if ok else 1)
+finish()
