@@ -730,6 +730,19 @@ static pid_t spawn_auto_peer(unsigned port, unsigned rank, unsigned size, unsign
     return pid;
 }
 
+/* This rank's end of an "auto" group on the local master port, which
+ * must pick `transport`. */
+static epipe_comm *auto_comm(unsigned rank, unsigned size, unsigned port, const char *transport)
+{
+    epipe_comm *c = NULL;
+    int rc = epipe_comm_create(&c, "auto", rank, size, "127.0.0.1", port, "timeout_ms=10000");
+    if (rc)
+        print_error("%s\n", epipe_last_error());
+    assert_int_equal(rc, EPIPE_OK);
+    assert_string_equal(epipe_comm_transport(c), transport);
+    return c;
+}
+
 static void expect_exit_0(pid_t pid)
 {
     int st;
@@ -747,12 +760,7 @@ static void test_auto_three(void **state)
     (void)state;
     unsigned port = test_free_port();
     pid_t pid[2] = {spawn_auto_peer(port, 0, 3, 1, 0), spawn_auto_peer(port, 2, 3, 1, 1)};
-    epipe_comm *c = NULL;
-    int rc = epipe_comm_create(&c, "auto", 1, 3, "127.0.0.1", port, "timeout_ms=10000");
-    if (rc)
-        print_error("%s\n", epipe_last_error());
-    assert_int_equal(rc, EPIPE_OK);
-    assert_string_equal(epipe_comm_transport(c), "rdma");
+    epipe_comm *c = auto_comm(1, 3, port, "rdma");
     for (unsigned peer = 0; peer < 3; peer += 2) {
         assert_int_equal(epipe_comm_send(c, peer, make_act(1, peer, 1, 0, 3000, 20 + peer)),
                          EPIPE_OK);
@@ -769,12 +777,7 @@ static void test_auto_mixed(void **state)
 {
     unsigned port = test_free_port();
     pid_t pid = spawn_auto_peer(port, 1, 2, 0, 0);
-    epipe_comm *c = NULL;
-    int rc = epipe_comm_create(&c, "auto", 0, 2, "127.0.0.1", port, "timeout_ms=10000");
-    if (rc)
-        print_error("%s\n", epipe_last_error());
-    assert_int_equal(rc, EPIPE_OK);
-    assert_string_equal(epipe_comm_transport(c), "tcp");
+    epipe_comm *c = auto_comm(0, 2, port, "tcp");
     assert_int_equal(epipe_comm_send(c, 1, make_act(0, 1, 1, 0, 3000, 9)), EPIPE_OK);
     recv_act(c, 1, 1, 0, 3000, 9);
     expect_exit_0(pid);

@@ -213,7 +213,6 @@ static inline void memory_name(char *buf, size_t cap, int cuda_device)
         snprintf(buf, cap, "host memory");
 }
 
-/* Host compute is the time between the stage's calls within a step. */
 /* One thread at a time (epipe/stage.h): a call that drives the stage
  * claims it, and a call from a second thread while the first is inside
  * fails with EPIPE_ESTATE instead of racing it. The owner's own calls from
@@ -251,6 +250,7 @@ static inline int stage_release(epipe_stage *st, int nested, int rc)
     return rc;
 }
 
+/* Host compute is the time between the stage's calls within a step. */
 static inline void enter(epipe_stage *st)
 {
     epipe_clear_error();
