@@ -77,8 +77,12 @@ check_leftovers("ranks succeed, children left", start_two + "exit 0", 0, (0, 3))
 check_leftovers("a rank fails, children left",
                 start_two + '[ "$EPIPE_RANK" = 1 ] && exit 5; exit 0', 5, (0, 3))
 # Children that ignore SIGTERM (and hold no output open) get SIGKILL 5 s later.
-ignore = ('(trap "" TERM; exec sleep 60) >/dev/null 2>&1 & echo $! >> "$1/$EPIPE_RANK"; '
-          '(trap "" TERM; exec sleep 60) >/dev/null 2>&1 & echo $! >> "$1/$EPIPE_RANK"; exit 0')
+# Each child writes its pid once it ignores SIGTERM, and the rank exits only
+# then: a SIGTERM sent before the trap was set would end it at once.
+ignore_one = ('sh -c \'trap "" TERM; echo $$ >> "$1/$EPIPE_RANK"; exec sleep 60\' sh "$1" '
+              '>/dev/null 2>&1 & ')
+ignore = (ignore_one * 2 + 'while [ "$(cat "$1/$EPIPE_RANK" 2>/dev/null | wc -l)" -lt 2 ]; '
+          'do sleep 0.01; done; exit 0')
 check_leftovers("children ignore SIGTERM", ignore, 0, (4.5, 8), n=2)
 
 # A rank whose children have all ended: nothing to say, no delay.
