@@ -147,7 +147,11 @@ static int run_decode(void *p)
     X(fwd, cudnnConvolutionForward)                                                                \
     X(find_bwd, cudnnFindConvolutionBackwardDataAlgorithm)                                         \
     X(bwd_space, cudnnGetConvolutionBackwardDataWorkspaceSize)                                     \
-    X(bwd, cudnnConvolutionBackwardData)
+    X(bwd, cudnnConvolutionBackwardData)                                                           \
+    X(destroy, cudnnDestroy)                                                                       \
+    X(tensor_destroy, cudnnDestroyTensorDescriptor)                                                \
+    X(filter_destroy, cudnnDestroyFilterDescriptor)                                                \
+    X(conv_destroy, cudnnDestroyConvolutionDescriptor)
 
 static struct {
     DNN_FNS(EPIPE_CUDA_FIELD)
@@ -176,6 +180,22 @@ struct dnn_ctx {
     const float *in, *wt;
     float *code, *out;
 };
+
+/* What dnn_reference() made (NULL members skipped). */
+static void dnn_release(dnn_ctx *d)
+{
+    if (d->conv)
+        dnn.conv_destroy(d->conv);
+    if (d->w)
+        dnn.filter_destroy(d->w);
+    if (d->z)
+        dnn.tensor_destroy(d->z);
+    if (d->x)
+        dnn.tensor_destroy(d->x);
+    if (d->h)
+        dnn.destroy(d->h);
+    cudaFree(d->space);
+}
 
 static int dnn_forward(void *p)
 {
@@ -210,7 +230,7 @@ static int dnn_reference(const int64_t *s, int K, int k, const float *x, float *
     int n = 0;
     cudnnConvolutionFwdAlgoPerf_t fp[8];
     cudnnConvolutionBwdDataAlgoPerf_t bp[8];
-    float *wt, *code;
+    float *wt = NULL, *code = NULL;
     if (cudaMalloc((void **)&wt, (size_t)K * C * k * k * 4) ||
         cudaMalloc((void **)&code, (size_t)B * K * (H / k) * (W / k) * 4) ||
         cudaMemset(wt, 0, (size_t)K * C * k * k * 4) || dnn.create(&d.h) ||
@@ -224,20 +244,24 @@ static int dnn_reference(const int64_t *s, int K, int k, const float *x, float *
         dnn.find_fwd(d.h, d.x, d.w, d.conv, d.z, 8, &n, fp) || n < 1 || fp[0].status ||
         dnn.find_bwd(d.h, d.w, d.z, d.conv, d.x, 8, &n, bp) || n < 1 || bp[0].status) {
         printf("  --cudnn: cuDNN could not run these convolutions\n");
+        dnn_release(&d), cudaFree(wt), cudaFree(code);
         return 0;
     }
     d.fa = fp[0].algo, d.ba = bp[0].algo;
     dnn.fwd_space(d.h, d.x, d.w, d.conv, d.z, d.fa, &d.fs);
     dnn.bwd_space(d.h, d.w, d.z, d.conv, d.x, d.ba, &d.bs);
-    if (cudaMalloc(&d.space, (d.fs > d.bs ? d.fs : d.bs) + 1))
+    if (cudaMalloc(&d.space, (d.fs > d.bs ? d.fs : d.bs) + 1)) {
+        d.space = NULL;
+        dnn_release(&d), cudaFree(wt), cudaFree(code);
         return 0;
+    }
     d.in = x, d.wt = wt, d.code = code, d.out = y;
     *tf = per_call(reps, a, b, dnn_forward, NULL, &d);
     *tb = per_call(reps, a, b, dnn_backward, NULL, &d);
     printf("  cuDNN directly (algorithms %d and %d, as cudnnFind ranks them in FMA math): "
            "forward %.3f ms, transposed %.3f ms\n",
            (int)d.fa, (int)d.ba, *tf * 1e3, *tb * 1e3);
-    cudaFree(d.space), cudaFree(wt), cudaFree(code);
+    dnn_release(&d), cudaFree(wt), cudaFree(code);
     return !isnan(*tf) && !isnan(*tb);
 }
 
@@ -369,5 +393,7 @@ int main(int argc, char **argv)
             cudaFree(k.payload);
         epipe_codec_destroy(k.c);
     }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
     return 0;
 }

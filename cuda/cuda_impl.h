@@ -23,8 +23,21 @@ struct epipe_cuda_status {
      * (the input is not, or the products overflow fp32), else that of a
      * code beyond fp16 (code=fp16) with EPIPE_CUDA_CODE_FP16 set. */
     unsigned long long code;
+    /* poweriter's encode, read by its own wait and never reported by
+     * synchronize: the smallest matrix whose Q the device's Cholesky
+     * refused (the encode starts over on the host's QR), and the smallest
+     * b << 1 | kind of a matrix whose factors the CPU would refuse (kind
+     * 0: not finite; 1: the scale overflows). Adjacent: cleared together. */
+    unsigned long long refused, factor;
 };
-enum { EPIPE_CUDA_BAD_RANGE = 1, EPIPE_CUDA_BAD_ORDER = 2, EPIPE_CUDA_BAD_VALUE = 3 };
+/* The kinds of a bad payload entry; BOUNDS: a poweriter scale or factor
+ * that is not finite or is outside its range. */
+enum {
+    EPIPE_CUDA_BAD_BOUNDS = 0,
+    EPIPE_CUDA_BAD_RANGE = 1,
+    EPIPE_CUDA_BAD_ORDER = 2,
+    EPIPE_CUDA_BAD_VALUE = 3
+};
 #define EPIPE_CUDA_CODE_FP16 (1ull << 63)
 
 /* A device buffer grown on demand (stream-ordered, on the handle's stream). */
@@ -60,7 +73,11 @@ struct epipe_cuda_handle {
     size_t peeked_len;
     epipe_cuda_status *status_host; /* pinned: where synchronize reads it */
     void *blas;                     /* cublasHandle_t, made on first use (cuda/cublas.cu) */
-    void *dnn;                      /* insert's cuDNN state, made on first use */
+    /* poweriter's warm starts (EPIPE_CUDA_PI_SLOTS buffers, made on first
+     * use) and its factors' statistics (cuda/poweriter.cu) */
+    epipe_cuda_buf *pi_slots;
+    epipe_cuda_buf pi_stats;
+    void *dnn; /* insert's cuDNN state, made on first use */
 };
 
 /* The core's helpers, set at init. */

@@ -376,8 +376,8 @@ static int pinned_get(epipe_codec *c, size_t bytes, uint8_t **out)
 static void host_read_span(const epipe_codec *c, uint64_t n, size_t len, size_t *head, size_t *tail)
 {
     *head = *tail = 0;
-    if (c->ops->id == EPIPE_CODEC_ID_POWERITER) { /* all of it: the factors are small */
-        *head = len;
+    if (c->ops->id == EPIPE_CODEC_ID_POWERITER) { /* its header: the kernel checks the rest */
+        *head = len < 32 ? len : 32;
         return;
     }
     unsigned bits = 0;
@@ -821,7 +821,9 @@ static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h)
                                st.bad >> 2,
                                kind == EPIPE_CUDA_BAD_RANGE   ? "has an index out of range"
                                : kind == EPIPE_CUDA_BAD_ORDER ? "breaks the ascending index order"
-                                                              : "has a value that is not finite");
+                               : kind == EPIPE_CUDA_BAD_VALUE ? "has a value that is not finite"
+                                                              : "is not finite or is outside its "
+                                                                "range");
     }
     if (first == ~0ull) /* insert: every input value is finite, a code is not */
         return epipe_cuda_fail(c, EPIPE_EINVAL,
@@ -853,6 +855,10 @@ static void cuda_release(epipe_codec *c)
         cudaFree(h->work[i].p);
     cudaFree(h->ef_work.p);
     cudaFree(h->grad_out.p);
+    cudaFree(h->pi_stats.p);
+    for (int i = 0; h->pi_slots && i < EPIPE_CUDA_PI_SLOTS; i++)
+        cudaFree(h->pi_slots[i].p);
+    free(h->pi_slots);
     epipe_cuda_blas_release(h);
     epipe_cuda_dnn_release(h);
     free(h->host);

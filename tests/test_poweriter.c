@@ -265,27 +265,6 @@ static void fast_path_agrees_with_reference(void **state)
     }
 }
 
-/* The host's part of the CUDA backend (cuda/poweriter.cu), run here with
- * plain loops where the module calls cuBLAS: plan, starts, Q = M P, the
- * QR of each Q, P = Mt Q, the records and warm starts; and the decoder's
- * read, then Y = (sP) Qt. Over a warm sequence, the payload it makes
- * decodes within 1e-4 of max|x| of the CPU encoder's, and its rebuild of
- * the CPU's payload within 1e-5: the module's split is the CPU codec's
- * algorithm, and every layout it assumes is checked on every CI run. */
-static void split_products(const float *m, uint64_t rows, uint64_t cols, const float *in,
-                           unsigned r, float *out, int transpose)
-{
-    /* transpose 0: out (rows x r) = M in (cols x r); 1: out (cols x r) = Mt in (rows x r) */
-    uint64_t on = transpose ? cols : rows, inn = transpose ? rows : cols;
-    for (unsigned k = 0; k < r; k++)
-        for (uint64_t i = 0; i < on; i++) {
-            double acc = 0;
-            for (uint64_t j = 0; j < inn; j++)
-                acc += (double)(transpose ? m[j * cols + i] : m[i * cols + j]) * in[k * inn + j];
-            out[k * on + i] = (float)acc;
-        }
-}
-
 /* The module's orthonormalisation: CholeskyQR2 with the shared functions
  * (G = QᵀQ in float as cuBLAS computes it, in double here), and the host's
  * Householder QR for a Q the Cholesky refuses. 0, or the QR's status. */
@@ -309,19 +288,6 @@ static int cholesky_qr2(float *q, unsigned rows, unsigned r)
     return refused;
 }
 
-static int device_qr(epipe_codec *c, float *q, unsigned rows, unsigned r, uint64_t b)
-{
-    float *keep = malloc(sizeof(float) * rows * r);
-    memcpy(keep, q, sizeof(float) * rows * r);
-    int rc = EPIPE_OK;
-    if (cholesky_qr2(q, rows, r)) {
-        memcpy(q, keep, sizeof(float) * rows * r);
-        rc = epipe_pi_cuda_orthonormalize(c, q, rows, r, b);
-    }
-    free(keep);
-    return rc;
-}
-
 /* CholeskyQR2 gives the Q of the CPU's Householder QR (signs flipped so R's
  * diagonal is positive) within 1e-5, with orthonormal columns, on well
  * and moderately conditioned Q; and refuses a rank-deficient or zero Q,
@@ -334,8 +300,6 @@ static void cholesky_qr_matches_householder(void **state)
     int64_t shape[2] = {300, 40};
     c->ndim = 2;
     memcpy(c->shape, shape, sizeof shape);
-    float p[40 * 8];
-    assert_int_equal(epipe_pi_cuda_start(c, 300 * 40, p), EPIPE_OK); /* the QR's workspace */
     enum { ROWS = 300 };
     static float q[ROWS * 8], h[ROWS * 8];
     const unsigned ranks[] = {1, 3, 8};
@@ -377,97 +341,75 @@ static void cholesky_qr_matches_householder(void **state)
     epipe_codec_destroy(c);
 }
 
-static void cuda_host_side_matches_cpu(void **state)
+/* The host's part of the CUDA backend (cuda/poweriter.cu keeps the warm
+ * starts in device memory and does the rest in kernels): a slot is warm
+ * for the module only after it committed that view, cold again after a
+ * failed encode, a new view or a CPU encode, and a CPU encode never starts
+ * from what the module committed; the refusals of factors carry the CPU
+ * encoder's messages; the header check is the CPU decoder's. */
+static void cuda_host_side(void **state)
 {
     (void)state;
     enum { B = 4, R = 12, C = 40, N = B * R * C };
-    static float x[N], yc[N], ys[N], yr[N];
-    static uint8_t pc[1 << 16], ps[1 << 16];
-    const char *specs[] = {"poweriter:rank=3", "poweriter:rank=2,iters=2,factors=fp16",
-                           "poweriter:rank=5,warm=0"};
-    for (size_t sp = 0; sp < 3; sp++) {
-        epipe_codec *cpu, *split, *dec;
-        assert_int_equal(epipe_codec_create(&cpu, specs[sp]), EPIPE_OK);
-        assert_int_equal(epipe_codec_create(&split, specs[sp]), EPIPE_OK);
-        assert_int_equal(epipe_codec_create(&dec, specs[sp]), EPIPE_OK);
-        int64_t shape[3] = {B, R, C};
-        split->ndim = dec->ndim = 3;
-        memcpy(split->shape, shape, sizeof shape);
-        memcpy(dec->shape, shape, sizeof shape);
-        for (int t = 0; t < 3; t++) {
-            low_rank(x, B, R, C, 6, 0.05, 40 + (uint64_t)t);
-            size_t lc;
-            free(roundtrip(cpu, x, yc, shape, 3, &lc));
-            DLTensor tx = view(x, shape, 3);
-            size_t w = 0;
-            epipe_codec *again;
-            assert_int_equal(epipe_codec_create(&again, specs[sp]), EPIPE_OK);
-            assert_int_equal(epipe_codec_encode(again, &tx, pc, sizeof pc, &w), EPIPE_OK);
-            epipe_codec_destroy(again); /* only its 16-byte header is used */
+    static float x[N];
+    static uint8_t pw[1 << 16], pf[1 << 16];
+    epipe_codec *c, *fresh, *off;
+    assert_int_equal(epipe_codec_create(&c, "poweriter:rank=3"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&fresh, "poweriter:rank=3"), EPIPE_OK);
+    assert_int_equal(epipe_codec_create(&off, "poweriter:rank=3,warm=0"), EPIPE_OK);
+    int64_t shape[3] = {B, R, C};
+    c->ndim = off->ndim = 3;
+    memcpy(c->shape, shape, sizeof shape);
+    memcpy(off->shape, shape, sizeof shape);
+    int index = 0, warm = 1;
+    assert_int_equal(epipe_pi_cuda_slot(off, N, &index, &warm), EPIPE_OK);
+    assert_true(index == -1 && warm == 0);
+    epipe_pi_cuda_commit(off, N, 1); /* no slot: nothing to mark */
 
-            uint64_t v[4];
-            unsigned r;
-            size_t len;
-            uint8_t *body = ps + 16;
-            assert_int_equal(epipe_pi_cuda_plan(split, N, body, v, &r, &len), EPIPE_OK);
-            assert_int_equal(len + 16, lc);
-            assert_true(v[0] == B && v[1] == R && v[2] == C && r > 0);
-            float *q = malloc(sizeof(float) * B * R * r), *p = malloc(sizeof(float) * B * C * r);
-            float *p2 = malloc(sizeof(float) * B * C * r);
-            assert_int_equal(epipe_pi_cuda_start(split, N, p), EPIPE_OK);
-            for (uint64_t it = 0; it < v[3]; it++) {
-                for (unsigned b = 0; b < B; b++)
-                    split_products(x + b * R * C, R, C, p + b * C * r, r, q + b * R * r, 0);
-                for (unsigned b = 0; b < B; b++)
-                    assert_int_equal(device_qr(split, q + b * R * r, R, r, b), EPIPE_OK);
-                for (unsigned b = 0; b < B; b++)
-                    split_products(x + b * R * C, R, C, q + b * R * r, r, p + b * C * r, 1);
-            }
-            assert_int_equal(epipe_pi_cuda_finish(split, N, q, p, body), EPIPE_OK);
-            memcpy(ps, pc, 16); /* the payload header */
-            DLTensor ty = view(ys, shape, 3);
-            assert_int_equal(epipe_codec_decode(dec, ps, lc, &ty), EPIPE_OK);
-            double d = 0, xm = 0;
-            for (int i = 0; i < N; i++) {
-                d = fmax(d, fabs((double)ys[i] - yc[i]));
-                xm = fmax(xm, fabs((double)x[i]));
-            }
-            if (!(d <= 1e-4 * xm))
-                fail_msg("%s step %d: the split encode decodes %g from the CPU's (max|x| %g)",
-                         specs[sp], t, d, xm);
+    c->microbatch = 300; /* slots wrap at 256 */
+    assert_int_equal(epipe_pi_cuda_slot(c, N, &index, &warm), EPIPE_OK);
+    assert_true(index == 300 % 256 && warm == 0);
+    epipe_pi_cuda_commit(c, N, 1);
+    assert_int_equal(epipe_pi_cuda_slot(c, N, &index, &warm), EPIPE_OK);
+    assert_true(index == 300 % 256 && warm == 1);
+    int64_t half[3] = {B, R, C / 2}; /* another view */
+    memcpy(c->shape, half, sizeof half);
+    assert_int_equal(epipe_pi_cuda_slot(c, N / 2, &index, &warm), EPIPE_OK);
+    assert_int_equal(warm, 0);
+    assert_int_equal(epipe_pi_cuda_slot(c, N, &index, &warm), EPIPE_EOVERFLOW); /* not its n */
+    memcpy(c->shape, shape, sizeof shape);
+    epipe_pi_cuda_commit(c, N, 0); /* a failed encode */
+    assert_int_equal(epipe_pi_cuda_slot(c, N, &index, &warm), EPIPE_OK);
+    assert_int_equal(warm, 0);
 
-            /* the decoder's half: read the CPU's payload, rebuild (sP) Qt */
-            assert_int_equal(epipe_pi_cuda_read(dec, pc + 16, N, q, p2), EPIPE_OK);
-            for (unsigned b = 0; b < B; b++)
-                for (unsigned i = 0; i < R; i++)
-                    for (unsigned j = 0; j < C; j++) {
-                        double acc = 0;
-                        for (unsigned k = 0; k < r; k++)
-                            acc += (double)q[b * R * r + k * R + i] * p2[b * C * r + k * C + j];
-                        yr[b * R * C + i * C + j] = (float)acc;
-                    }
-            DLTensor tc = view(ys, shape, 3);
-            assert_int_equal(epipe_codec_decode(dec, pc, lc, &tc), EPIPE_OK);
-            d = 0;
-            for (int i = 0; i < N; i++)
-                d = fmax(d, fabs((double)yr[i] - ys[i]));
-            if (!(d <= 1e-5 * xm))
-                fail_msg("%s step %d: the split rebuild is %g from the CPU's", specs[sp], t, d);
-            free(q);
-            free(p);
-            free(p2);
-        }
-        /* a corrupt factor: the CPU decoder's check, with its message */
-        pc[16 + 32 + 4 + 3] = 0x7f;
-        float *q = malloc(sizeof(float) * B * R * 8), *p = malloc(sizeof(float) * B * C * 8);
-        assert_int_equal(epipe_pi_cuda_read(dec, pc + 16, N, q, p), EPIPE_EPROTO);
-        assert_non_null(strstr(epipe_codec_last_error(dec), "within [-1, 1]"));
-        free(q);
-        free(p);
-        epipe_codec_destroy(cpu);
-        epipe_codec_destroy(split);
-        epipe_codec_destroy(dec);
-    }
+    /* committed by the module, then encoded on the CPU: the CPU starts
+     * cold (a fresh codec's payload), and the module's slot is cold */
+    epipe_pi_cuda_commit(c, N, 1);
+    low_rank(x, B, R, C, 6, 0.05, 41);
+    DLTensor t = view(x, shape, 3);
+    size_t w = 0, wf = 0;
+    fresh->microbatch = 300;
+    assert_int_equal(epipe_codec_encode(c, &t, pw, sizeof pw, &w), EPIPE_OK);
+    assert_int_equal(epipe_codec_encode(fresh, &t, pf, sizeof pf, &wf), EPIPE_OK);
+    assert_true(w == wf && memcmp(pw, pf, w) == 0);
+    assert_int_equal(epipe_pi_cuda_slot(c, N, &index, &warm), EPIPE_OK);
+    assert_int_equal(warm, 0);
+
+    /* the refusals, with the CPU encoder's messages */
+    assert_int_equal(epipe_pi_cuda_refuse(c, N, 2, 0, 0.0f), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_codec_last_error(c), "matrix 2: the power iteration gave "
+                                                      "non-finite factors"));
+    assert_int_equal(epipe_pi_cuda_refuse(c, N, 3, 1, 3e38f), EPIPE_EINVAL);
+    assert_non_null(strstr(epipe_codec_last_error(c), "matrix 3: its factors overflow (scale"));
+
+    /* the header: the CPU's passes, another view's does not */
+    assert_int_equal(epipe_pi_cuda_check_header(c, pw + 16, N), EPIPE_OK);
+    pw[16] = 2; /* rank 2 */
+    assert_int_equal(epipe_pi_cuda_check_header(c, pw + 16, N), EPIPE_EPROTO);
+    assert_non_null(strstr(epipe_codec_last_error(c), "payload holds 4 matrices 12x40 at rank 2"));
+    epipe_codec_destroy(c);
+    epipe_codec_destroy(fresh);
+    epipe_codec_destroy(off);
 }
 
 static void expect_spec_error(const char *spec, const char *needle)
@@ -726,7 +668,7 @@ int main(void)
         cmocka_unit_test(warm_start_per_slot_and_shape),
         cmocka_unit_test(fast_path_agrees_with_reference),
         cmocka_unit_test(cholesky_qr_matches_householder),
-        cmocka_unit_test(cuda_host_side_matches_cpu),
+        cmocka_unit_test(cuda_host_side),
         cmocka_unit_test(spec_errors_name_the_key),
         cmocka_unit_test(corrupt_payloads_are_rejected),
         cmocka_unit_test(shapes_and_views),

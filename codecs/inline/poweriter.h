@@ -9,9 +9,36 @@
 #ifndef EPIPE_CODECS_INLINE_POWERITER_H
 #define EPIPE_CODECS_INLINE_POWERITER_H
 
+#include <float.h>
 #include <math.h>
 
 #include "hd.h"
+
+/* The deterministic start of a cold matrix: uniform in [-1, 1) from a hash
+ * of (row j of P, column k), the same for every matrix and every call. */
+EPIPE_HD float epipe_hd_pi_start_value(uint64_t j, unsigned k)
+{
+    uint64_t z = j * 0x9e3779b97f4a7c15ull + (uint64_t)k * 0xbf58476d1ce4e5b9ull +
+                 0x632be59bd9b4e5bull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 40) * 0x1p-23 - 1.0);
+}
+
+/* The largest scale a record may carry: with |Q|, |P| <= 1 every rebuilt
+ * value is at most scale * r, which then stays below FLT_MAX / 2. */
+EPIPE_HD float epipe_hd_pi_max_scale(unsigned r)
+{
+    return (float)(FLT_MAX / (2.0 * (r ? r : 1)));
+}
+
+/* A factor value as a record holds it: f times mul, clamped to [-1, 1]. */
+EPIPE_HD float epipe_hd_pi_factor_value(float f, float mul)
+{
+    float v = f * mul;
+    return v > 1.0f ? 1.0f : v < -1.0f ? -1.0f : v;
+}
 
 /* Smallest pivot, over G's largest diagonal, the Cholesky accepts: below
  * it Q's condition number is above about 1000, where CholeskyQR2 in fp32

@@ -34,7 +34,11 @@ static int pi_orthonormalize(pi_state *st, float *q, int m, int r)
 /* The CUDA backend's orthonormalisation of one matrix's q on the host. */
 int epipe_pi_cuda_orthonormalize(epipe_codec *c, float *q, unsigned rows, unsigned r, uint64_t b)
 {
-    if (pi_orthonormalize(c->state, q, (int)rows, (int)r))
+    pi_state *st = c->state;
+    if (epipe_pi_grow(&st->tau, &st->taucap, r) ||
+        epipe_pi_grow(&st->work, &st->workcap, 64 * (size_t)r + 64))
+        return epipe_codec_fail(c, EPIPE_ENOMEM, "poweriter: out of memory");
+    if (pi_orthonormalize(st, q, (int)rows, (int)r))
         return epipe_codec_fail(c, EPIPE_EINVAL, "poweriter: QR failed on matrix %llu",
                                 (unsigned long long)b);
     return EPIPE_OK;
@@ -151,7 +155,7 @@ int epipe_pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
             return rc;
     }
     if (slot)
-        slot->v = v; /* warm from now on */
+        slot->v = v, slot->on_device = 0; /* warm from now on */
     return EPIPE_OK;
 }
 

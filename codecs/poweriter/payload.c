@@ -3,14 +3,8 @@
 #include <float.h>
 #include <math.h>
 
+#include "../inline/poweriter.h"
 #include "poweriter.h"
-
-/* The largest scale a record may carry: with |Q|, |P| <= 1 every rebuilt
- * value is at most scale * r, which then stays below FLT_MAX / 2. */
-static float pi_max_scale(unsigned r)
-{
-    return (float)(FLT_MAX / (2.0 * (r ? r : 1)));
-}
 
 /* ---- writing and reading records -------------------------------------- */
 
@@ -49,8 +43,7 @@ static size_t pi_write_factor(uint8_t *out, const float *f, uint64_t n, unsigned
     size_t es = fp16 ? 2 : 4;
     for (uint64_t i = 0; i < n; i++)
         for (unsigned k = 0; k < r; k++) {
-            float v = f[(size_t)k * n + i] * mul;
-            v = v > 1.0f ? 1.0f : v < -1.0f ? -1.0f : v;
+            float v = epipe_hd_pi_factor_value(f[(size_t)k * n + i], mul);
             uint8_t *o = out + (i * r + k) * es;
             if (fp16) {
                 uint16_t h = epipe_f32_to_f16(v);
@@ -61,6 +54,24 @@ static size_t pi_write_factor(uint8_t *out, const float *f, uint64_t n, unsigned
             }
         }
     return (size_t)n * r * es;
+}
+
+/* Matrix b's factors, from their largest |P| s and whether all of them
+ * are finite: EPIPE_EINVAL naming it when they cannot be sent. */
+int epipe_pi_check_factors(epipe_codec *c, uint64_t b, float s, int finite, unsigned r)
+{
+    if (!finite)
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "poweriter: matrix %llu: the power iteration gave non-finite "
+                                "factors: its values overflow fp32 products (about 1e37 and "
+                                "up cannot be sent as low-rank factors)",
+                                (unsigned long long)b);
+    if (!(s <= epipe_hd_pi_max_scale(r)))
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "poweriter: matrix %llu: its factors overflow (scale %g); values "
+                                "this large (about 1e37 and up) cannot be sent as low-rank factors",
+                                (unsigned long long)b, (double)s);
+    return EPIPE_OK;
 }
 
 /* Writes matrix b's record: the scale s = max|P|, Q, then P / s. */
@@ -79,17 +90,9 @@ int epipe_pi_write_record(epipe_codec *c, const pi_view *v, uint64_t b, const fl
     }
     for (size_t i = 0; i < nq; i++)
         finite &= fabsf(q[i]) <= FLT_MAX;
-    if (!finite)
-        return epipe_codec_fail(c, EPIPE_EINVAL,
-                                "poweriter: matrix %llu: the power iteration gave non-finite "
-                                "factors: its values overflow fp32 products (about 1e37 and "
-                                "up cannot be sent as low-rank factors)",
-                                (unsigned long long)b);
-    if (!(s <= pi_max_scale(r)))
-        return epipe_codec_fail(c, EPIPE_EINVAL,
-                                "poweriter: matrix %llu: its factors overflow (scale %g); values "
-                                "this large (about 1e37 and up) cannot be sent as low-rank factors",
-                                (unsigned long long)b, (double)s);
+    int rc = epipe_pi_check_factors(c, b, s, finite, r);
+    if (rc)
+        return rc;
     /* A matrix whose P is all below FLT_MIN (a vanishing gradient) is sent
      * as zero: 1/s would overflow to inf and make 0*inf = NaN factors. */
     if (s < FLT_MIN)
@@ -141,10 +144,10 @@ int epipe_pi_read_factor(epipe_codec *c, const uint8_t *in, uint64_t n, unsigned
 int epipe_pi_read_scale(epipe_codec *c, const uint8_t *rec, unsigned r, uint64_t b, float *s)
 {
     *s = pi_get_f32(rec);
-    if (!(*s >= 0.0f && *s <= pi_max_scale(r)) || signbit(*s))
-        return epipe_codec_fail(c, EPIPE_EPROTO,
-                                "poweriter: matrix %llu: scale %g is not in [0, %g]",
-                                (unsigned long long)b, (double)*s, (double)pi_max_scale(r));
+    if (!(*s >= 0.0f && *s <= epipe_hd_pi_max_scale(r)) || signbit(*s))
+        return epipe_codec_fail(
+            c, EPIPE_EPROTO, "poweriter: matrix %llu: scale %g is not in [0, %g]",
+            (unsigned long long)b, (double)*s, (double)epipe_hd_pi_max_scale(r));
     return EPIPE_OK;
 }
 

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../inline/poweriter.h"
 #include "poweriter.h"
 
 static const char *const pi_factor_types[] = {"fp32", "fp16", NULL};
@@ -165,6 +166,12 @@ static pi_slot *pi_slot_of(epipe_codec *c)
     return &st->slots[(c->microbatch > 0 ? (uint64_t)c->microbatch : 0) % PI_MAX_SLOTS];
 }
 
+/* Whether the slot's warm start is for view v. */
+static int pi_slot_holds(const pi_slot *s, const pi_view *v)
+{
+    return s->v.nb == v->nb && s->v.rows == v->rows && s->v.cols == v->cols && s->v.r == v->r;
+}
+
 /* Scratch for one matrix of the view, and the slot's warm start in
  * *slot_out (NULL when warm starts are off). Returns 1 when the slot is
  * cold (new, reset, or for another shape), 0 when it holds a warm start,
@@ -182,7 +189,7 @@ int epipe_pi_prepare(epipe_codec *c, const pi_view *v, pi_slot **slot_out)
     if (!s)
         return 1;
     *slot_out = s;
-    if (s->p && s->v.nb == v->nb && s->v.rows == v->rows && s->v.cols == v->cols && s->v.r == v->r)
+    if (s->p && !s->on_device && pi_slot_holds(s, v))
         return 0;
     /* A new slot or a new shape: start cold. s->v stays zero (matching no
      * view) until an encode has filled the warm start completely. */
@@ -193,23 +200,11 @@ int epipe_pi_prepare(epipe_codec *c, const pi_view *v, pi_slot **slot_out)
     return 1;
 }
 
-/* The deterministic start for a cold matrix: uniform in [-1, 1) from a
- * hash of (row j, column k), the same for every matrix and every call. */
-static float pi_start_value(uint64_t j, unsigned k)
-{
-    uint64_t z = j * 0x9e3779b97f4a7c15ull + (uint64_t)k * 0xbf58476d1ce4e5b9ull +
-                 0x632be59bd9b4e5bull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return (float)((double)(z >> 40) * 0x1p-23 - 1.0);
-}
-
 void epipe_pi_cold_start(float *p, uint64_t cols, unsigned r)
 {
     for (unsigned k = 0; k < r; k++)
         for (uint64_t j = 0; j < cols; j++)
-            p[k * cols + j] = pi_start_value(j, k);
+            p[k * cols + j] = epipe_hd_pi_start_value(j, k);
 }
 
 /* Scales each column of p (cols x r, column-major) to unit length for the
@@ -226,7 +221,7 @@ static void pi_keep_warm(float *dst, const float *p, uint64_t cols, unsigned r)
          * to inf and turn its zeros into NaN) restarts like a cold one. */
         if (!(ss > (double)FLT_MIN * FLT_MIN) || !isfinite(ss)) {
             for (uint64_t j = 0; j < cols; j++)
-                out[j] = pi_start_value(j, k);
+                out[j] = epipe_hd_pi_start_value(j, k);
             continue;
         }
         double inv = 1.0 / sqrt(ss);
@@ -283,70 +278,56 @@ int epipe_pi_cuda_plan(epipe_codec *c, uint64_t n, uint8_t *body, uint64_t view[
     return EPIPE_OK;
 }
 
-/* The starts of all matrices (nb blocks of cols x r, column-major) into
- * p: the slot's warm start, else the cold start the CPU uses. */
-int epipe_pi_cuda_start(epipe_codec *c, uint64_t n, float *p)
+/* The warm-start slot of c's micro-batch for a CUDA encode of n values:
+ * *index (PI_MAX_SLOTS of them; -1 when warm starts are off) and *warm, 1
+ * when the module's device copy of that slot holds the start for this
+ * view (the module keeps the starts themselves). */
+int epipe_pi_cuda_slot(epipe_codec *c, uint64_t n, int *index, int *warm)
 {
     pi_view v;
-    pi_slot *slot;
     if (epipe_pi_view_of(c, n, &v))
         return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
-    int cold = epipe_pi_prepare(c, &v, &slot);
-    if (cold < 0)
-        return cold;
-    size_t psize = (size_t)v.cols * v.r;
-    for (uint64_t b = 0; b < v.nb; b++) {
-        if (slot && !cold)
-            memcpy(p + b * psize, slot->p + b * psize, psize * sizeof *p);
-        else
-            epipe_pi_cold_start(p + b * psize, v.cols, v.r);
-    }
+    pi_slot *s = pi_slot_of(c);
+    pi_state *st = c->state;
+    *index = s ? (int)(s - st->slots) : -1;
+    *warm = s && s->on_device && pi_slot_holds(s, &v);
     return EPIPE_OK;
 }
 
-/* Every matrix's record from q (nb blocks of rows x r) and p (cols x r),
- * and p kept as the slot's next start, as epipe_pi_finish_matrix() does. */
-int epipe_pi_cuda_finish(epipe_codec *c, uint64_t n, const float *q, const float *p, uint8_t *body)
+/* After a CUDA encode of n values: ok, the slot holds the device's warm
+ * start for this view from now on; else it starts cold next time. */
+void epipe_pi_cuda_commit(epipe_codec *c, uint64_t n, int ok)
 {
     pi_view v;
-    uint64_t rec = 0;
-    if (epipe_pi_view_of(c, n, &v) || epipe_pi_record_size(c, &v, &rec))
-        return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
-    pi_slot *slot = pi_slot_of(c);
-    size_t psize = (size_t)v.cols * v.r, qsize = (size_t)v.rows * v.r;
-    for (uint64_t b = 0; b < v.nb; b++) {
-        int rc = epipe_pi_finish_matrix(c, &v, b, slot, slot ? slot->p + b * psize : NULL,
-                                        q + b * qsize, p + b * psize,
-                                        body + PI_BODY_HEADER + b * rec);
-        if (rc)
-            return rc;
-    }
-    if (slot)
-        slot->v = v;
-    return EPIPE_OK;
+    pi_slot *s = pi_slot_of(c);
+    if (!s)
+        return;
+    memset(&s->v, 0, sizeof s->v);
+    if (ok && epipe_pi_view_of(c, n, &v) == EPIPE_OK)
+        s->v = v, s->on_device = 1;
 }
 
-/* A body's header and every record checked as the CPU decoder checks
- * them, the factors into q and p (P multiplied by its matrix's scale). */
-int epipe_pi_cuda_read(epipe_codec *c, const uint8_t *body, uint64_t n, float *q, float *p)
+/* The CPU encoder's refusal of matrix b's factors (kind 0: not finite,
+ * 1: the scale s overflows), with its message. */
+int epipe_pi_cuda_refuse(epipe_codec *c, uint64_t n, uint64_t b, int kind, float s)
 {
     pi_view v;
-    uint64_t rec = 0;
-    if (epipe_pi_view_of(c, n, &v) || epipe_pi_record_size(c, &v, &rec))
+    if (epipe_pi_view_of(c, n, &v))
         return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
-    int rc = epipe_pi_check_header(c, body, &v);
-    if (rc || v.r == 0)
-        return rc;
-    size_t psize = (size_t)v.cols * v.r, qsize = (size_t)v.rows * v.r;
-    for (uint64_t b = 0; b < v.nb; b++) {
-        float s, *pb = p + b * psize;
-        if ((rc = epipe_pi_read_record(c, &v, b, body + PI_BODY_HEADER + b * rec, &s, q + b * qsize,
-                                       pb)))
-            return rc;
-        for (size_t i = 0; i < psize; i++)
-            pb[i] *= s;
-    }
-    return EPIPE_OK;
+    int rc = epipe_pi_check_factors(c, b, s, kind != 0, v.r);
+    return rc ? rc
+              : epipe_codec_fail(c, EPIPE_EINVAL, "poweriter: matrix %llu refused",
+                                 (unsigned long long)b);
+}
+
+/* A body's header checked as the CPU decoder checks it (its records are
+ * checked by the decode kernel). */
+int epipe_pi_cuda_check_header(epipe_codec *c, const uint8_t *body, uint64_t n)
+{
+    pi_view v;
+    if (epipe_pi_view_of(c, n, &v))
+        return epipe_codec_fail(c, EPIPE_EOVERFLOW, "poweriter: shape does not fit");
+    return epipe_pi_check_header(c, body, &v);
 }
 
 static const epipe_codec_backend poweriter_cpu = {

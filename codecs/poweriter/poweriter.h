@@ -18,6 +18,7 @@ enum { PI_F32 = 0, PI_F16 = 1 };
 /* Warm starts are kept for slots 0..PI_MAX_SLOTS-1; higher slots share
  * slot % PI_MAX_SLOTS. */
 #define PI_MAX_SLOTS 256
+_Static_assert(PI_MAX_SLOTS == EPIPE_CUDA_PI_SLOTS, "the CUDA module keeps as many slots");
 
 /* The matrix view of a tensor shape (docs/codecs.md). */
 typedef struct pi_view {
@@ -29,6 +30,9 @@ typedef struct pi_slot {
     pi_view v; /* the view the warm start belongs to */
     float *p;  /* nb blocks of cols x r, column-major; NULL = cold */
     size_t cap;
+    /* 1: the warm start is the CUDA module's, in device memory (the
+     * handle is bound to a device: cuda/poweriter.cu), and p is unused */
+    int on_device;
 } pi_slot;
 
 typedef struct pi_state {
@@ -56,6 +60,7 @@ int epipe_pi_finish_matrix(epipe_codec *c, const pi_view *v, uint64_t b, pi_slot
 
 /* payload.c: the body header and the per-matrix records. */
 void epipe_pi_write_header(uint8_t *body, const pi_view *v);
+int epipe_pi_check_factors(epipe_codec *c, uint64_t b, float s, int finite, unsigned r);
 int epipe_pi_write_record(epipe_codec *c, const pi_view *v, uint64_t b, const float *q,
                           const float *p, uint8_t *rec);
 int epipe_pi_check_header(epipe_codec *c, const uint8_t *body, const pi_view *v);

@@ -115,7 +115,7 @@ int epipe_pi_encode_ref(epipe_codec *c, const float *x, size_t n, uint8_t *body)
             return rc;
     }
     if (slot)
-        slot->v = v; /* warm from now on */
+        slot->v = v, slot->on_device = 0; /* warm from now on */
     return EPIPE_OK;
 }
 

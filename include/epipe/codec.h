@@ -325,8 +325,9 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * CUDA tensors must be dense and aligned to their element size.
  *
  * Kernels exist for none, cast, quant (rows=1 and group=K too), sortquant in its three
- * modes, topk, kmeans and poweriter (cuBLAS; its payloads are the CPU's
- * within a tolerance, docs/codec-backends.md), with or without error
+ * modes, topk, kmeans and poweriter (its own kernels up to rank 8, cuBLAS
+ * above; its payloads are the CPU's within a tolerance,
+ * docs/codec-backends.md), with or without error
  * feedback (ef=1). The other codecs (insert, chains) and activation
  * deltas (delta=1) run on
  * the CPU backend through host staging: the tensor is copied to host
@@ -359,7 +360,8 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * One exception: `sortquant` mode=fit (its default) plans its chunks on the
  * host from the tensor's extent and a sample, so its encode waits for the
  * stream once, mid-call, before it enqueues the codes (kmeans too: once,
- * or twice above its sampling threshold); and with ef=1 an
+ * or twice above its sampling threshold; poweriter once, before it writes
+ * the payload, so that it refuses what the CPU refuses at once); and with ef=1 an
  * encode waits once, between the encode and the decode of its own payload
  * (the decoders check its tables on the host), so a value that is not
  * finite is refused by that call, the residual kept.
@@ -370,9 +372,10 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * are returned at once with the CPU's statuses. Errors that depend on
  * values a kernel sees are recorded on the device and returned by the next
  * epipe_codec_synchronize(): a NaN or infinity given to a quantizer or to
- * topk (EPIPE_EINVAL naming the first index), and a bad topk entry in a
- * payload to decode (EPIPE_EPROTO naming the first entry: index out of
- * range or order, value not finite). The payload of such an encode, or the
+ * topk (EPIPE_EINVAL naming the first index), and a bad topk entry or
+ * poweriter scale or factor in a payload to decode (EPIPE_EPROTO naming
+ * the first entry: index out of range or order, value not finite or out of
+ * its range). The payload of such an encode, or the
  * tensor of such a decode, is garbage and must not be used. A failed CUDA call is
  * EPIPE_ENOMEM (allocation) or EPIPE_EIO with the CUDA error's name and
  * text. A sticky CUDA error (an illegal address, from any kernel of the

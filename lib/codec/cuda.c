@@ -38,10 +38,11 @@ static const epipe_cuda_core core_fns = {
     .km_read_table = epipe_km_read_table,
 #ifdef EPIPE_HAVE_BLAS
     .pi_plan = epipe_pi_cuda_plan,
-    .pi_start = epipe_pi_cuda_start,
+    .pi_slot = epipe_pi_cuda_slot,
     .pi_orthonormalize = epipe_pi_cuda_orthonormalize,
-    .pi_finish = epipe_pi_cuda_finish,
-    .pi_read = epipe_pi_cuda_read,
+    .pi_commit = epipe_pi_cuda_commit,
+    .pi_refuse = epipe_pi_cuda_refuse,
+    .pi_check_header = epipe_pi_cuda_check_header,
     .ins_plan = epipe_insert_cuda_plan,
     .ins_check_backward = epipe_insert_cuda_check_backward,
 #endif

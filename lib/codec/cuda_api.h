@@ -16,7 +16,10 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 10
+#define EPIPE_CUDA_ABI 11
+
+/* poweriter's warm-start slots (PI_MAX_SLOTS, codecs/poweriter/). */
+#define EPIPE_CUDA_PI_SLOTS 256
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
@@ -89,18 +92,21 @@ typedef struct epipe_cuda_core {
      * in a build without BLAS: the view of n values (view: matrices, rows,
      * cols, iterations; *r the rank) checked as the CPU's encoder checks
      * it, with the body's header written, or (body NULL) as its decoder
-     * does, and the body's size; the starts of
-     * all matrices (warm or cold) into p; one matrix's Q orthonormalised
-     * as the CPU does it (LAPACK); the records and the next warm start
-     * from all matrices' Q and P; and a body checked as the CPU decoder
-     * checks it, its factors into q and p (P times its scale). Factors are
-     * column-major blocks, matrix after matrix. */
+     * does, and the body's size; the warm-start slot of the call (*index,
+     * of EPIPE_CUDA_PI_SLOTS, -1 when warm starts are off) and whether the
+     * module's device copy of it holds this view's start (*warm); one
+     * matrix's Q (column-major) orthonormalised as the CPU does it
+     * (LAPACK); the slot marked as holding this view's start (ok) or none,
+     * at the end of an encode; the CPU encoder's refusal of matrix b's
+     * factors (kind 0 not finite, 1 the scale s overflows); and a body's
+     * header checked as the CPU decoder checks it. */
     int (*pi_plan)(epipe_codec *c, uint64_t n, uint8_t *body, uint64_t view[4], unsigned *r,
                    size_t *bytes);
-    int (*pi_start)(epipe_codec *c, uint64_t n, float *p);
+    int (*pi_slot)(epipe_codec *c, uint64_t n, int *index, int *warm);
     int (*pi_orthonormalize)(epipe_codec *c, float *q, unsigned rows, unsigned r, uint64_t b);
-    int (*pi_finish)(epipe_codec *c, uint64_t n, const float *q, const float *p, uint8_t *body);
-    int (*pi_read)(epipe_codec *c, const uint8_t *body, uint64_t n, float *q, float *p);
+    void (*pi_commit)(epipe_codec *c, uint64_t n, int ok);
+    int (*pi_refuse)(epipe_codec *c, uint64_t n, uint64_t b, int kind, float s);
+    int (*pi_check_header)(epipe_codec *c, const uint8_t *body, uint64_t n);
     /* insert, the host's part (codecs/insert/), NULL in a build without
      * BLAS: the view of a tensor of that shape (n values), checked as the
      * CPU checks it, with the parameters made on first use; and a
@@ -191,10 +197,11 @@ int epipe_km_read_table(epipe_codec *c, const uint8_t *body, size_t n, float *ce
 /* The core's poweriter functions (codecs/poweriter/), in BLAS builds. */
 int epipe_pi_cuda_plan(epipe_codec *c, uint64_t n, uint8_t *body, uint64_t view[4], unsigned *r,
                        size_t *bytes);
-int epipe_pi_cuda_start(epipe_codec *c, uint64_t n, float *p);
+int epipe_pi_cuda_slot(epipe_codec *c, uint64_t n, int *index, int *warm);
 int epipe_pi_cuda_orthonormalize(epipe_codec *c, float *q, unsigned rows, unsigned r, uint64_t b);
-int epipe_pi_cuda_finish(epipe_codec *c, uint64_t n, const float *q, const float *p, uint8_t *body);
-int epipe_pi_cuda_read(epipe_codec *c, const uint8_t *body, uint64_t n, float *q, float *p);
+void epipe_pi_cuda_commit(epipe_codec *c, uint64_t n, int ok);
+int epipe_pi_cuda_refuse(epipe_codec *c, uint64_t n, uint64_t b, int kind, float s);
+int epipe_pi_cuda_check_header(epipe_codec *c, const uint8_t *body, uint64_t n);
 /* The core's insert functions (codecs/insert/), in BLAS builds. */
 int epipe_insert_cuda_plan(epipe_codec *c, const int64_t *shape, int ndim, uint64_t n,
                            epipe_cuda_insert_view *v);

@@ -673,7 +673,7 @@ static bool cpu_side_or_skip(epipe_codec **cpu, const char *spec)
     return rc == EPIPE_OK;
 }
 
-/* poweriter on the GPU (cuBLAS products, CholeskyQR2 on the device): over
+/* poweriter on the GPU (fused products or cuBLAS, CholeskyQR2 on the device): over
  * four warm-started steps, the last of rank 1 (the host's QR), the GPU's
  * payload decoded on the CPU stays within 1e-4 of max|x| of the CPU's own
  * round trip, and the CPU's payload decoded on the GPU within 1e-5; a
@@ -760,14 +760,50 @@ static void poweriter_close_to_cpu(const char *spec, int64_t nb, int64_t rows, i
           epipe_codec_last_error(gpu));
     CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s: after the NaN: %s", spec,
           epipe_codec_last_error(gpu));
-    /* a corrupt factor in a device payload: the CPU's check, at once */
+    /* Corrupt payloads, from device and from host memory: a bad header is
+     * refused at once (the host reads it), a bad factor or scale by the
+     * next synchronize (the decode kernel checks them), naming its entry:
+     * record b's scale is entry b * (1 + (rows + cols) * r), its Q and P
+     * values follow. Then the handle decodes again as before. */
     size_t wc = 0;
     fill(x, 5);
     CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "cpu encode");
-    pc[16 + 32 + 4 + 3] = 0x7f; /* Q[0][0]'s high byte: |v| > 1 */
-    CUDA_OK(cudaMemcpy(dp, pc.data(), wc, cudaMemcpyHostToDevice));
-    CHECK(epipe_codec_decode(gpu, dp, wc, &dd) == EPIPE_EPROTO, "%s: corrupt factor accepted",
-          spec);
+    std::vector<uint8_t> good(pc);
+    unsigned r = (unsigned)good[16]; /* the body header's rank */
+    uint64_t per = 1 + (uint64_t)(rows + cols) * r;
+    size_t es = strstr(spec, "fp16") ? 2 : 4, rec = 4 + (size_t)(rows + cols) * r * es;
+    struct {
+        size_t at;
+        uint8_t byte;
+        uint64_t entry; /* ~0: the header, refused at once */
+    } bad[] = {
+        {16 + 32 + 4 + es - 1, 0x7f, 1},                      /* Q[0][0] of matrix 0: |v| > 1 */
+        {16 + 32 + rec + 3, 0x80, per},                       /* matrix 1's scale negative */
+        {16 + 32 + rec + 4 + (size_t)rows * r * es + es - 1, 0xff, per + 1 + (uint64_t)rows * r},
+        {16 + 4, 1, ~0ull},                                   /* the reserved field */
+    };
+    for (auto &b : bad)
+        for (int from_device = 0; from_device < 2; from_device++) {
+            pc = good;
+            pc[b.at] = b.byte;
+            if (from_device)
+                CUDA_OK(cudaMemcpy(dp, pc.data(), wc, cudaMemcpyHostToDevice));
+            int rc = epipe_codec_decode(gpu, from_device ? (const void *)dp : pc.data(), wc, &dd);
+            if (b.entry == ~0ull) {
+                CHECK(rc == EPIPE_EPROTO && strstr(epipe_codec_last_error(gpu), "reserved"),
+                      "%s: a bad header: %d %s", spec, rc, epipe_codec_last_error(gpu));
+                continue;
+            }
+            CHECK(rc == EPIPE_OK, "%s: %s", spec, epipe_codec_last_error(gpu));
+            char want[64];
+            snprintf(want, sizeof want, "payload entry %llu is not finite or is outside",
+                     (unsigned long long)b.entry);
+            rc = epipe_codec_synchronize(gpu);
+            CHECK(rc == EPIPE_EPROTO && strstr(epipe_codec_last_error(gpu), want),
+                  "%s: byte %zu: %d %s (wanted '%s')", spec, b.at, rc,
+                  epipe_codec_last_error(gpu), want);
+        }
+    decode_on_gpu(gpu, spec, good, wc, dp, 1, &dd, yg);
     cudaFree(dx);
     cudaFree(dy);
     cudaFree(dp);
@@ -785,6 +821,71 @@ static double rel_diff(const float *a, const float *b, const float *ref, size_t 
     }
     return m > 0 ? d / m : d;
 }
+
+/* The warm start the GPU keeps is the one the CPU keeps: on random
+ * tensors (no dominant subspace, so the start decides the factors), the
+ * second of two encodes decodes within 1e-4 of the CPU's second, while a
+ * cold start's second encode is far from it (the start matters). Slots of
+ * two micro-batches are kept apart. Needs a BLAS build. */
+static void poweriter_warm_start_follows_cpu(void)
+{
+    const char *spec = "poweriter:rank=3";
+    epipe_codec *cpu, *gpu, *cold;
+    if (!cpu_side_or_skip(&cpu, spec))
+        return;
+    CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    CHECK(epipe_codec_create(&cold, "poweriter:rank=3,warm=0") == EPIPE_OK, "cold");
+    int64_t shape[3] = {4, 16, 300};
+    const size_t n = 4 * 16 * 300;
+    std::vector<float> x(n), yc(n), yg(n), y0(n);
+    float *dx;
+    CUDA_OK(cudaMalloc((void **)&dx, n * 4));
+    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat), ds = hs;
+    hs.ndim = ds.ndim = 3;
+    ds.data = dx;
+    ds.device.device_type = kDLCUDA;
+    size_t cap = 0;
+    CHECK(epipe_codec_max_encoded_size(cpu, &hs, &cap) == EPIPE_OK, "size");
+    std::vector<uint8_t> pc(cap), pg(cap), p0(cap);
+    uint8_t *pin;
+    CUDA_OK(cudaHostAlloc((void **)&pin, cap, cudaHostAllocDefault));
+    auto decode = [&](const uint8_t *p, size_t w, std::vector<float> &y) {
+        DLTensor t = hs;
+        t.data = y.data();
+        CHECK(epipe_codec_decode(cpu, p, w, &t) == EPIPE_OK, "decode: %s",
+              epipe_codec_last_error(cpu));
+    };
+    for (unsigned step = 0; step < 2; step++)
+        for (int mb = 0; mb < 2; mb++) {
+            fill(x, 300 + step * 2 + (unsigned)mb);
+            CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+            CHECK(epipe_codec_set_param(cpu, EPIPE_CODEC_MICROBATCH, mb) == EPIPE_OK &&
+                      epipe_codec_set_param(gpu, EPIPE_CODEC_MICROBATCH, mb) == EPIPE_OK,
+                  "micro-batch");
+            size_t wc = 0, wg = 0, w0 = 0;
+            CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "cpu");
+            CHECK(epipe_codec_encode(gpu, &ds, pin, cap, &wg) == EPIPE_OK, "gpu: %s",
+                  epipe_codec_last_error(gpu));
+            CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+            CHECK(epipe_codec_encode(cold, &hs, p0.data(), cap, &w0) == EPIPE_OK, "cold");
+            decode(pc.data(), wc, yc);
+            decode(pin, wg, yg);
+            decode(p0.data(), w0, y0);
+            double d = rel_diff(yg.data(), yc.data(), yc.data(), n),
+                   dcold = rel_diff(y0.data(), yc.data(), yc.data(), n);
+            CHECK(d <= 1e-4, "step %u micro-batch %d: the GPU's payload decodes %.3g from the "
+                  "CPU's", step, mb, d);
+            if (step == 1)
+                CHECK(dcold > 1e-2, "step 1 micro-batch %d: a cold start is only %.3g from the "
+                      "warm one: the test cannot tell starts apart", mb, dcold);
+        }
+    cudaFree(dx);
+    cudaFreeHost(pin);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+    epipe_codec_destroy(cold);
+}
+
 
 /* A body's codes as floats (fp32, or fp16 with code16). */
 static std::vector<float> codes_of(const uint8_t *body, size_t count, int code16)
@@ -1141,6 +1242,13 @@ int main(void)
     poweriter_close_to_cpu("poweriter:rank=3", 8, 16, 64);
     poweriter_close_to_cpu("poweriter:rank=2,iters=2,factors=fp16", 4, 32, 200);
     poweriter_close_to_cpu("poweriter:rank=4,warm=0", 3, 8, 8);
+    /* the fused products over several tiles of columns and groups of rows;
+     * then cuBLAS with the device's QR (rank above 8), and with the host's
+     * (rank above 64) */
+    poweriter_close_to_cpu("poweriter:rank=3,iters=2", 2, 70, 600);
+    poweriter_close_to_cpu("poweriter:rank=12", 3, 16, 40);
+    poweriter_close_to_cpu("poweriter:rank=70", 2, 72, 80);
+    poweriter_warm_start_follows_cpu();
     gpu_test_part("hostile payloads, mix-ups");
     hostile_table();
     hostile_device_payload();
