@@ -206,8 +206,8 @@ static void launch_product_q(unsigned r, unsigned blocks, cudaStream_t s, const 
 {
 #define PI_Q_CASE(R)                                                                               \
     case R:                                                                                        \
-        pi_product_q<R><<<blocks, PI_THREADS, 0, s>>>(x, nb, rows, cols, start, tiles, groups,    \
-                                                       check, part, st);                          \
+        pi_product_q<R><<<blocks, PI_THREADS, 0, s>>>(x, nb, rows, cols, start, tiles, groups,     \
+                                                      check, part, st);                            \
         break;
     switch (r) {
         PI_Q_CASE(1)
@@ -245,11 +245,12 @@ template <class T> __device__ static inline T pi_block_sum(T v)
  * (column-major rows x r a matrix). A Cholesky that refuses is noted in
  * the status word. */
 __global__ void __launch_bounds__(PI_THREADS)
-    pi_qr_small(const float *part, uint64_t nb, uint64_t rows, unsigned r, uint64_t tiles,
-                float *q, epipe_cuda_status *st)
+    pi_qr_small(const float *part, uint64_t nb, uint64_t rows, unsigned r, uint64_t tiles, float *q,
+                epipe_cuda_status *st)
 {
     extern __shared__ float qs[]; /* rows x r, column-major */
-    __shared__ float g[PI_FUSED_MAX_RANK * PI_FUSED_MAX_RANK], R[PI_FUSED_MAX_RANK * PI_FUSED_MAX_RANK];
+    __shared__ float g[PI_FUSED_MAX_RANK * PI_FUSED_MAX_RANK],
+        R[PI_FUSED_MAX_RANK * PI_FUSED_MAX_RANK];
     __shared__ int refused;
     for (uint64_t b = blockIdx.x; b < nb; b += gridDim.x) {
         for (uint64_t e = threadIdx.x; e < rows * r; e += blockDim.x) {
@@ -359,8 +360,8 @@ __global__ void __launch_bounds__(PI_THREADS)
             }
             ss = pi_block_sum(ss);
             if (threadIdx.x == 0)
-                inv[b * r + k] =
-                    ss > (double)FLT_MIN * FLT_MIN && ss <= DBL_MAX ? 1.0 / sqrt(ss) : 0.0;
+                inv[b * r + k] = ss > (double)FLT_MIN * FLT_MIN && ss <= DBL_MAX ? 1.0 / sqrt(ss)
+                                                                                 : 0.0;
         }
         for (uint64_t e = threadIdx.x; e < rows * r; e += blockDim.x)
             bad |= !(fabsf(q[b * rows * r + e]) <= FLT_MAX);
@@ -407,7 +408,7 @@ __device__ static inline float pi_get(const uint8_t *at, int fp16)
 {
     if (fp16)
         return epipe_hd_f16_to_f32(((uintptr_t)at & 1) == 0 ? *(const uint16_t *)at
-                                                             : (uint16_t)(at[0] | at[1] << 8));
+                                                            : (uint16_t)(at[0] | at[1] << 8));
     return ((uintptr_t)at & 3) == 0 ? *(const float *)at : epipe_cuda_get_f32(at);
 }
 
@@ -443,8 +444,8 @@ __global__ void pi_write_records(const float *q, const float *p, const float *sc
             v = epipe_hd_pi_factor_value(f, s > 0.0f ? 1.0f / s : 0.0f);
             if (slot) {
                 const double iv = inv[b * r + k];
-                slot[(b * r + k) * cols + j] =
-                    iv > 0 ? (float)(f * iv) : epipe_hd_pi_start_value(j, k);
+                slot[(b * r + k) * cols + j] = iv > 0 ? (float)(f * iv)
+                                                      : epipe_hd_pi_start_value(j, k);
             }
         }
         pi_put(out + 4 + o * es, v, fp16);
@@ -591,7 +592,8 @@ static int clear_pi_fields(epipe_codec *c)
 {
     epipe_cuda_status *st = epipe_cuda_h(c)->status;
     return epipe_cuda_check(c,
-                            cudaMemsetAsync(&st->refused, 0xff, sizeof st->refused + sizeof st->factor,
+                            cudaMemsetAsync(&st->refused, 0xff,
+                                            sizeof st->refused + sizeof st->factor,
                                             epipe_cuda_stream(c)),
                             "clearing the status word");
 }
@@ -617,8 +619,7 @@ static int slot_buffer(epipe_codec *c, int index, size_t count, int *warm, float
  * the device's QR where device_qr, else the host's), the finiteness of
  * the input and the factors' statistics, and the status word read. */
 static int factorize(epipe_codec *c, const float *x, size_t n, const uint64_t v[4], unsigned r,
-                     int path, const float *start, float *dq, float *dp, float *scale,
-                     double *inv)
+                     int path, const float *start, float *dq, float *dp, float *scale, double *inv)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
     cudaStream_t s = epipe_cuda_stream(c);
@@ -670,8 +671,7 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         (index >= 0 && (rc = slot_buffer(c, index, ps, &warm, &slot))) ||
         (rc = epipe_cuda_grow(c, &h->work[0], qs * sizeof(float), &dq)) ||
         (rc = epipe_cuda_grow(c, &h->work[1], ps * sizeof(float), &dp)) ||
-        (rc = epipe_cuda_grow(c, &h->pi_stats, nb * (sizeof(float) + r * sizeof(double)),
-                              &stats)))
+        (rc = epipe_cuda_grow(c, &h->pi_stats, nb * (sizeof(float) + r * sizeof(double)), &stats)))
         return rc;
     double *inv = (double *)stats;
     float *scale = (float *)(inv + nb * r);
@@ -732,8 +732,8 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
         (rc = epipe_cuda_body_in(c, body, PI_HEADER_BYTES, nb * rec, &recs)))
         return rc;
     pi_unpack<<<epipe_cuda_blocks(nb * (1 + (rows + cols) * r), 256), 256, 0, s>>>(
-        (const uint8_t *)recs, rec, nb, rows, cols, r, (int)c->p[PI_PARAM_FACTORS] == 1, (float *)dq,
-        (float *)dp, h->status);
+        (const uint8_t *)recs, rec, nb, rows, cols, r, (int)c->p[PI_PARAM_FACTORS] == 1,
+        (float *)dq, (float *)dp, h->status);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the factors' checks")))
         return rc;
     /* Y = s Q Pᵀ: row-major rows x cols is column-major cols x rows = (sP) Qᵀ. */

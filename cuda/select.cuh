@@ -1,6 +1,8 @@
 /* Selection on a sample, shared by sortquant (its boundaries) and topk (its
  * staging threshold): the sample drawn as sortquant's CPU code draws it, a
- * warp-aggregated histogram count, and a radix select by one block. */
+ * warp-aggregated histogram count, a radix select by one block (topk: one
+ * rank of a small sample), and a radix select of many ranks at once by the
+ * whole GPU (sortquant). */
 #ifndef EPIPE_CUDA_SELECT_CUH
 #define EPIPE_CUDA_SELECT_CUH
 
@@ -107,6 +109,124 @@ __device__ static uint32_t epipe_cuda_select(const float *smp, uint64_t m, int v
         __syncthreads(); /* all have read found_* before the next pass writes them */
     }
     return prefix;
+}
+
+/* ---- many ranks at once, by the whole GPU ------------------------------------
+ *
+ * The same three radix passes (11, 11 and 10 bits) for `count` ranks, each
+ * pass two launches: a histogram of the sample by many blocks, then one
+ * block a rank finding the bin that holds it. Ranks whose keys share the
+ * bits fixed so far share a histogram: a value counts in the one of its
+ * prefix, found by a binary search of the ranks' prefixes (ascending,
+ * since the ranks are). sortquant's one-block-a-rank select read its
+ * 65,536-value sample three times in each of its blocks: 94 us for three
+ * ranks on an H200 (ncu), nearly the time of the pass over the tensor. */
+
+enum { EPIPE_CUDA_MSEL_THREADS = 256, EPIPE_CUDA_MSEL_MAX = 256 };
+
+/* Bits each pass fixes: its shift, its bins, and the mask of the bits the
+ * passes before it fixed. */
+__host__ __device__ static inline unsigned epipe_cuda_msel_shift(int pass)
+{
+    return pass == 0 ? 21u : pass == 1 ? 10u : 0u;
+}
+__host__ __device__ static inline unsigned epipe_cuda_msel_bins(int pass)
+{
+    return pass < 2 ? 2048u : 1024u;
+}
+
+/* Pass `pass`'s histograms: pass 0 one (every rank's prefix is empty);
+ * later passes one per distinct prefix, at the index of the first rank
+ * that has it (2048 or 1024 bins apart). */
+template <class Key>
+__global__ static void __launch_bounds__(EPIPE_CUDA_MSEL_THREADS)
+    epipe_cuda_msel_hist(const float *smp, uint64_t m, unsigned count, const uint32_t *prefix,
+                         int pass, uint32_t *hist, Key key)
+{
+    __shared__ uint32_t pre[EPIPE_CUDA_MSEL_MAX];
+    __shared__ uint32_t block_hist[EPIPE_CUDA_SEL_BINS];
+    const unsigned shift = epipe_cuda_msel_shift(pass), bins = epipe_cuda_msel_bins(pass);
+    const uint32_t mask = pass == 0 ? 0u : pass == 1 ? 0xffe00000u : 0xfffffc00u;
+    for (unsigned i = threadIdx.x; pass && i < count; i += blockDim.x)
+        pre[i] = prefix[i];
+    for (unsigned i = threadIdx.x; !pass && i < EPIPE_CUDA_SEL_BINS; i += blockDim.x)
+        block_hist[i] = 0;
+    __syncthreads();
+    /* every thread runs the same rounds: the counts are warp-aggregated */
+    const uint64_t per = (uint64_t)gridDim.x * blockDim.x, rounds = (m + per - 1) / per;
+    for (uint64_t r = 0; r < rounds; r++) {
+        const uint64_t i = r * per + blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
+        bool on = i < m;
+        const uint32_t k = on ? key(smp[i]) : 0u;
+        if (pass == 0) { /* one histogram: in shared memory, added to hist at the end */
+            epipe_cuda_hist_add(block_hist, k >> shift, on);
+            continue;
+        }
+        unsigned lo = 0, hi = count; /* the first rank whose prefix is k's */
+        const uint32_t want = k & mask;
+        while (lo < hi) {
+            unsigned mid = (lo + hi) / 2;
+            if (pre[mid] < want)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        on = on && lo < count && pre[lo] == want;
+        const unsigned slot = on ? lo * bins + (k >> shift & (bins - 1)) : 0xffffffffu;
+        const unsigned peers = __match_any_sync(0xffffffffu, slot);
+        if (on && (threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1))
+            atomicAdd(&hist[slot], (uint32_t)__popc(peers));
+    }
+    if (pass == 0) {
+        __syncthreads();
+        for (unsigned i = threadIdx.x; i < EPIPE_CUDA_SEL_BINS; i += blockDim.x)
+            if (block_hist[i])
+                atomicAdd(&hist[i], block_hist[i]);
+    }
+}
+
+/* Block j: rank j's bin in its prefix's histogram of pass `pass`; its
+ * prefix and rank within the bin to pout, rout (pass 0 takes the rank from
+ * rank_of(j) and the empty prefix; later passes from pin, rin). */
+template <class Rank>
+__global__ static void __launch_bounds__(EPIPE_CUDA_SEL_THREADS)
+    epipe_cuda_msel_find(int pass, Rank rank_of, const uint32_t *pin, const uint32_t *rin,
+                         const uint32_t *hist, uint32_t *pout, uint32_t *rout)
+{
+    typedef cub::BlockScan<uint32_t, EPIPE_CUDA_SEL_THREADS> scan_t;
+    __shared__ typename scan_t::TempStorage tmp;
+    __shared__ uint32_t found_bin, found_rank;
+    const unsigned j = blockIdx.x, shift = epipe_cuda_msel_shift(pass),
+                   bins = epipe_cuda_msel_bins(pass);
+    const uint32_t pre = pass ? pin[j] : 0u, rank = pass ? rin[j] : rank_of(j);
+    unsigned g = j; /* the first rank with this prefix: its histogram */
+    while (pass && g > 0 && pin[g - 1] == pre)
+        g--;
+    const uint32_t *h = hist + (size_t)(pass ? g : 0) * bins;
+    const unsigned b0 = 2 * threadIdx.x, b1 = b0 + 1;
+    uint32_t c0 = b0 < bins ? h[b0] : 0u, c1 = b1 < bins ? h[b1] : 0u, before;
+    scan_t(tmp).ExclusiveSum(c0 + c1, before);
+    if (before <= rank && rank < before + c0) {
+        found_bin = b0;
+        found_rank = rank - before;
+    } else if (before + c0 <= rank && rank < before + c0 + c1) {
+        found_bin = b1;
+        found_rank = rank - before - c0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        pout[j] = pre | found_bin << shift;
+        rout[j] = found_rank;
+    }
+}
+
+/* Bytes of device scratch the select of count ranks takes (the launches
+ * are in the .cu files that use it: the emulator's translation rewrites
+ * the launches of the file it is given, not those of its headers). */
+static inline size_t epipe_cuda_select_many_bytes(unsigned count)
+{
+    return sizeof(uint32_t) *
+           ((size_t)EPIPE_CUDA_SEL_BINS + (size_t)count * (2048 + 1024) + 4 * (size_t)count);
 }
 
 #endif

@@ -47,22 +47,20 @@ __global__ void sq_bounds(const float *sorted, uint64_t m, unsigned k, sq_tab t)
     sq_bounds_set(sorted, m, k, 0, t);
 }
 
-/* mode=sample's boundaries without sorting the sample: block j - 1 finds the
- * key of rank epipe_hd_sq_rank(j, m, k) among the m sample keys by radix
- * select, 11, 11 and 10 bits a pass over the sample (4m bytes, which stay
- * in L2 up to SQ_SEL_MAX_M values). CUB's sort of 65,536 values took five
- * launches and about 55 us of a 144 us encode on an H100 (ncu); this is
- * one launch of k - 1 blocks reading the sample three times. The keys
- * order floats as CUB's sort does, so each boundary is the value the sort
- * put at that rank. Block 0 also sets the ends and the empty extents, as
- * sq_bounds does. */
-enum { SQ_SEL_THREADS = EPIPE_CUDA_SEL_THREADS };
+/* mode=sample's boundaries without sorting the sample: the keys of ranks
+ * epipe_hd_sq_rank(j, m, k), j = 1 .. k - 1, among the m sample keys, by
+ * the whole GPU's radix select (sq_select_many(), select.cuh's kernels).
+ * CUB's sort of 65,536 values took five launches and about 55 us of a 144 us
+ * encode on an H100 (ncu); a select of one block a rank, 94 us for three
+ * ranks on an H200. The keys order floats as CUB's sort does, so each
+ * boundary is the value the sort put at that rank. */
 
-/* The select's reach: each block reads 12m bytes at one SM's rate, so past
- * about 2^18 sample values CUB's sort (the whole GPU) is faster; and k - 1
- * blocks beyond 255 would take more than about two waves of SMs. */
+/* The select's reach: the sample sizes and chunk counts the one-block-a-
+ * rank select took (it read the sample once a rank; past 2^18 values CUB's
+ * sort was faster), not yet measured again for this one; each rank's
+ * histograms take 12 KiB. */
 #define SQ_SEL_MAX_M (1u << 18)
-#define SQ_SEL_MAX_K 256u
+#define SQ_SEL_MAX_K ((unsigned)EPIPE_CUDA_MSEL_MAX)
 
 /* The sample's order: CUB's sort's, -0.0 a key of its own below +0.0. */
 struct sq_sel_key {
@@ -72,16 +70,51 @@ struct sq_sel_key {
     }
 };
 
-__global__ void __launch_bounds__(SQ_SEL_THREADS)
-    sq_select(const float *smp, uint64_t m, int vec, unsigned k, sq_tab t)
+/* Boundary j + 1's rank in the sample. */
+struct sq_sel_rank {
+    uint64_t m;
+    unsigned k;
+    __device__ uint32_t operator()(unsigned j) const
+    {
+        return (uint32_t)epipe_hd_sq_rank(j + 1, m, k); /* m <= 2^24 */
+    }
+};
+
+/* The select of many ranks (select.cuh): keys[j] = the key of rank
+ * rank_of(j) (from 0, ascending; non-decreasing in j, each below m) among
+ * key(smp[i]), i < m <= 2^32, for j < count <= EPIPE_CUDA_MSEL_MAX:
+ * enqueued on s, seven launches; scratch holds
+ * epipe_cuda_select_many_bytes(count). The launches' error, if any. */
+template <class Key, class Rank>
+static cudaError_t sq_select_many(const float *smp, uint64_t m, unsigned count, Rank rank_of,
+                                  Key key, void *scratch, uint32_t *keys, cudaStream_t s)
 {
-    if (blockIdx.x == 0)
-        sq_bounds_set(NULL, 0, k, 1, t);
-    unsigned j = blockIdx.x + 1;
-    uint32_t rank = (uint32_t)epipe_hd_sq_rank(j, m, k); /* m <= 2^24 */
-    uint32_t key = epipe_cuda_select(smp, m, vec, rank, sq_sel_key());
-    if (threadIdx.x == 0)
-        t.bnd[j] = epipe_cuda_key_float(key);
+    uint32_t *h0 = (uint32_t *)scratch, *h1 = h0 + EPIPE_CUDA_SEL_BINS,
+             *h2 = h1 + (size_t)count * 2048, *pa = h2 + (size_t)count * 1024, *ra = pa + count,
+             *pb = ra + count, *rb = pb + count;
+    cudaError_t e = cudaMemsetAsync(scratch, 0, (size_t)(pa - h0) * sizeof(uint32_t), s);
+    if (e != cudaSuccess)
+        return e;
+    uint64_t want = (m + EPIPE_CUDA_MSEL_THREADS - 1) / EPIPE_CUDA_MSEL_THREADS;
+    const unsigned blocks = want < 1 ? 1u : want > 1024 ? 1024u : (unsigned)want;
+    /* pass 0 writes a, pass 1 reads a and writes b, pass 2 reads b */
+    uint32_t *hist[3] = {h0, h1, h2}, *pin[3] = {NULL, pa, pb}, *rin[3] = {NULL, ra, rb},
+             *pout[3] = {pa, pb, keys}, *rout[3] = {ra, rb, ra};
+    for (int pass = 0; pass < 3; pass++) {
+        epipe_cuda_msel_hist<Key><<<blocks, EPIPE_CUDA_MSEL_THREADS, 0, s>>>(
+            smp, m, count, pin[pass], pass, hist[pass], key);
+        epipe_cuda_msel_find<Rank><<<count, EPIPE_CUDA_SEL_THREADS, 0, s>>>(
+            pass, rank_of, pin[pass], rin[pass], hist[pass], pout[pass], rout[pass]);
+    }
+    return cudaGetLastError();
+}
+
+/* The boundaries from the selected keys, the ends, every extent empty. */
+__global__ void sq_select_done(const uint32_t *keys, unsigned k, sq_tab t)
+{
+    sq_bounds_set(NULL, 0, k, 1, t);
+    for (unsigned j = threadIdx.x + 1; j < k; j += blockDim.x)
+        t.bnd[j] = epipe_cuda_key_float(keys[j - 1]);
 }
 
 __global__ void sq_extent(const float *x, uint64_t n, unsigned k, sq_tab t, epipe_cuda_status *st)
@@ -579,7 +612,10 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     size_t tab_bytes = sizeof(float) * (4 * (size_t)k + 1) + sizeof(uint32_t) * 2 * k;
     if ((rc = epipe_cuda_body_out(c, 0, tb + cb, &d)) ||
         (rc = epipe_cuda_grow(c, &h->work[0], tab_bytes, &tw)) ||
-        (rc = epipe_cuda_grow(c, &h->work[1], 2 * m * sizeof(float) + sort_bytes + 256, &sw)))
+        (rc = epipe_cuda_grow(c, &h->work[1],
+                              2 * m * sizeof(float) + 256 + sort_bytes +
+                                  (select ? epipe_cuda_select_many_bytes(k - 1) + 4 * k : 0),
+                              &sw)))
         return rc;
     sq_tab t;
     t.bnd = (float *)tw;
@@ -611,7 +647,13 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
         if (k >= 2)
             epipe_cuda_sample<<<epipe_cuda_blocks(m, 256), 256, 0, s>>>(x, n, m, smp);
         if (select) {
-            sq_select<<<k - 1, SQ_SEL_THREADS, 0, s>>>(smp, m, epipe_cuda_aligned16(smp), k, t);
+            uint32_t *keys = (uint32_t *)tmp;
+            if ((rc = epipe_cuda_check(c,
+                                       sq_select_many(smp, m, k - 1, sq_sel_rank{m, k},
+                                                      sq_sel_key(), keys + k, keys, s),
+                                       "launching the sample's select")))
+                return rc;
+            sq_select_done<<<1, tpb, 0, s>>>(keys, k, t);
             int blocks, *coop;
             const void *fused = sq_fused(k, h->device, &blocks, &coop);
             if (n >= SQ_FUSED_MIN && blocks > 0) {
