@@ -94,8 +94,9 @@ int epipe_cuda_status_clear(epipe_codec *c);
 /* For the encoders that refuse a value that is not finite at once (kmeans,
  * poweriter), from the status word read to the host: 0 when it holds
  * none; else 1, with the smallest index and its kind (0 NaN, 1 +inf,
- * 2 -inf), and the word cleared on the handle's stream (or that clear's
- * error status). */
+ * 2 -inf), and those three fields cleared on the handle's stream (or that
+ * clear's error status); a deferred decode error the word holds stays for
+ * the next synchronize. Adjacent: nan, pinf, ninf. */
 int epipe_cuda_take_nonfinite(epipe_codec *c, const epipe_cuda_status *st,
                               unsigned long long *index, int *kind);
 /* The smallest index of a value that is not finite the status holds, of

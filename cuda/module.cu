@@ -748,7 +748,13 @@ int epipe_cuda_take_nonfinite(epipe_codec *c, const epipe_cuda_status *st,
         return 0;
     *index = first;
     *kind = first == st->nan ? 0 : first == st->pinf ? 1 : 2;
-    int rc = epipe_cuda_status_clear(c);
+    /* only these: a decode's deferred error (bad) waits for synchronize */
+    epipe_cuda_status *dev = epipe_cuda_h(c)->status;
+    int rc = epipe_cuda_check(c,
+                              cudaMemsetAsync(&dev->nan, 0xff,
+                                              sizeof dev->nan + sizeof dev->pinf + sizeof dev->ninf,
+                                              epipe_cuda_stream(c)),
+                              "clearing the status word");
     return rc ? rc : 1;
 }
 

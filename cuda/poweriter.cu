@@ -651,24 +651,43 @@ static int factorize(epipe_codec *c, const float *x, size_t n, const uint64_t v[
     return wait(c, "waiting for the factors");
 }
 
+static int encode_slot(epipe_codec *c, const float *x, size_t n, uint8_t *body,
+                       const uint64_t v[4], unsigned r, size_t len, int index, int warm);
+
 static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
     const epipe_cuda_core *core = epipe_cuda_core_fns;
-    epipe_cuda_handle *h = epipe_cuda_h(c);
-    cudaStream_t s = epipe_cuda_stream(c);
     uint64_t v[4];
     unsigned r;
     size_t len;
     int rc = core->pi_plan(c, n, body, v, &r, &len);
     if (rc || r == 0)
         return rc ? rc : epipe_cuda_body_push(c, body, 0, len);
+    int index, warm;
+    if ((rc = core->pi_slot(c, n, &index, &warm)))
+        return rc;
+    /* From here on every exit marks the slot: warm for this view after a
+     * success, cold after a failure (its buffer may have been reallocated,
+     * or half written). */
+    rc = encode_slot(c, x, n, body, v, r, len, index, warm);
+    core->pi_commit(c, n, rc == EPIPE_OK);
+    return rc;
+}
+
+/* pi_encode's work once the slot is known (index, -1 for none; warm: its
+ * buffer holds this view's start). */
+static int encode_slot(epipe_codec *c, const float *x, size_t n, uint8_t *body,
+                       const uint64_t v[4], unsigned r, size_t len, int index, int warm)
+{
+    const epipe_cuda_core *core = epipe_cuda_core_fns;
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    cudaStream_t s = epipe_cuda_stream(c);
     const uint64_t nb = v[0], rows = v[1], cols = v[2], rec = (len - PI_HEADER_BYTES) / nb;
     const size_t qs = (size_t)(nb * rows * r), ps = (size_t)(nb * cols * r);
-    int index, warm;
     float *slot = NULL;
     void *dq, *dp, *stats;
-    if ((rc = core->pi_slot(c, n, &index, &warm)) ||
-        (index >= 0 && (rc = slot_buffer(c, index, ps, &warm, &slot))) ||
+    int rc;
+    if ((index >= 0 && (rc = slot_buffer(c, index, ps, &warm, &slot))) ||
         (rc = epipe_cuda_grow(c, &h->work[0], qs * sizeof(float), &dq)) ||
         (rc = epipe_cuda_grow(c, &h->work[1], ps * sizeof(float), &dp)) ||
         (rc = epipe_cuda_grow(c, &h->pi_stats, nb * (sizeof(float) + r * sizeof(double)), &stats)))
@@ -708,7 +727,6 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
             !(rc = epipe_cuda_body_flush(c, body, PI_HEADER_BYTES, recs, nb * rec)))
             rc = epipe_cuda_body_push(c, body, 0, PI_HEADER_BYTES);
     }
-    core->pi_commit(c, n, rc == EPIPE_OK);
     return rc;
 }
 

@@ -330,6 +330,30 @@ static void cholesky_qr_matches_householder(void **state)
                 fail_msg("rank %u%s: %g from Householder, %g from orthonormal", r,
                          scaled ? " scaled" : "", d, o);
         }
+    /* columns of very different lengths but well apart in angle (Q of a
+     * warm start: about sigma_k u_k): accepted, and the Householder Q */
+    for (unsigned t = 0; t < 2; t++) {
+        const unsigned r = 3;
+        const double spread[] = {1e4, 1e9};
+        uint64_t s = 7 + t;
+        for (unsigned i = 0; i < ROWS * r; i++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            q[i] = (float)((double)(s >> 11) / 9007199254740992.0 - 0.5) /
+                   (float)pow(spread[t], (double)(i / ROWS) / (r - 1));
+        }
+        memcpy(h, q, sizeof(float) * ROWS * r);
+        assert_int_equal(epipe_pi_cuda_orthonormalize(c, h, ROWS, r, 0), EPIPE_OK);
+        assert_int_equal(cholesky_qr2(q, ROWS, r), 0);
+        double d = 0;
+        for (unsigned i = 0; i < ROWS * r; i++)
+            d = fmax(d, fabs((double)q[i] - h[i]));
+        if (!(d <= 1e-5))
+            fail_msg("columns %g apart in length: %g from Householder", spread[t], d);
+    }
+    /* a column too short to sum in fp32 (length 1e-16): the host's QR */
+    for (unsigned i = 0; i < ROWS; i++)
+        q[i + 2 * ROWS] = q[i + 2 * ROWS] * 1e-16f;
+    assert_int_equal(cholesky_qr2(q, ROWS, 3), 1);
     /* a repeated column, and zeros: refused */
     for (unsigned i = 0; i < ROWS; i++)
         q[i + ROWS] = q[i];

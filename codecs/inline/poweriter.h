@@ -40,22 +40,29 @@ EPIPE_HD float epipe_hd_pi_factor_value(float f, float mul)
     return v > 1.0f ? 1.0f : v < -1.0f ? -1.0f : v;
 }
 
-/* Smallest pivot, over G's largest diagonal, the Cholesky accepts: below
- * it Q's condition number is above about 1000, where CholeskyQR2 in fp32
- * loses orthogonality. */
+/* Smallest pivot, over its own diagonal of G, the Cholesky accepts: the
+ * squared sine of the angle between column j of Q and the span of the
+ * columns before it. Below it Q with its columns scaled to unit length has
+ * a condition number above about 1000, where CholeskyQR2 in fp32 loses
+ * orthogonality. Columns of very different lengths alone do not count:
+ * CholeskyQR does not see the scaling of the columns (Q D has the Q factor
+ * of Q), and in warm power iteration Q's columns are about sigma_k u_k. */
 #define EPIPE_PI_CHOL_TOL 1e-6
 
 /* R (r x r, column-major; its upper triangle written) from G (column-major,
  * its upper triangle read), in double arithmetic. 0, or 1 when a pivot is
- * not above EPIPE_PI_CHOL_TOL times G's largest diagonal (or G holds a NaN):
- * R is then unfinished. */
+ * not above EPIPE_PI_CHOL_TOL times its diagonal of G (a column too close
+ * to the span of those before it), a diagonal is below about 2e-31 (a
+ * zero or vanishing column), or G holds a NaN: R is then unfinished. */
 EPIPE_HD int epipe_hd_pi_chol(const float *g, unsigned r, float *R)
 {
-    double dmax = 0;
+    /* A column whose squared length is this close to fp32's underflow
+     * (length about 1e-15) was summed into G with subnormal products: its
+     * pivot means little, and the host's Householder QR takes it. */
+    const double tiny = (double)FLT_MIN * 16777216.0;
     for (unsigned k = 0; k < r; k++)
-        dmax = (double)g[k + k * r] > dmax ? (double)g[k + k * r] : dmax;
-    if (!(dmax > 0))
-        return 1;
+        if (!((double)g[k + k * r] >= tiny))
+            return 1;
     for (unsigned j = 0; j < r; j++)
         for (unsigned i = 0; i <= j; i++) {
             double s = g[i + j * r];
@@ -64,7 +71,7 @@ EPIPE_HD int epipe_hd_pi_chol(const float *g, unsigned r, float *R)
             if (i < j) {
                 R[i + j * r] = (float)(s / R[i + i * r]);
             } else {
-                if (!(s > EPIPE_PI_CHOL_TOL * dmax))
+                if (!(s > EPIPE_PI_CHOL_TOL * (double)g[j + j * r]))
                     return 1;
                 R[j + j * r] = (float)sqrt(s);
             }

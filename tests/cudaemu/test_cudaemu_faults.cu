@@ -9,6 +9,7 @@
  * cooperative launch refused for want of SMs: the encodes fall back. Exit
  * 77 without the emulator's device. */
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -265,6 +266,86 @@ static void caller_device_kept(void)
     unsetenv("CUDAEMU_DEVICES");
 }
 
+/* poweriter's warm start after a failed encode: a handle warm for view A
+ * encodes view B (a larger slot buffer) with each of B's CUDA calls failed
+ * in turn; whether B failed or not, the slot no longer holds A's start, so
+ * the next encode of A starts cold: the bytes of a fresh handle's encode.
+ * (The slot once kept claiming A over a reallocated buffer when an
+ * allocation after it failed, and started from garbage.) Then a deferred
+ * decode error survives an encode refused at once for a NaN. */
+static void poweriter_slot_after_failures(void)
+{
+    const char *spec = "poweriter:rank=2";
+    std::vector<int64_t> sa = {4, 16, 20}, sb = {4, 16, 200};
+    const size_t na = 4 * 16 * 20, nb = 4 * 16 * 200;
+    std::vector<float> x(nb);
+    uint64_t r = 99;
+    for (size_t i = 0; i < nb; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        x[i] = (float)((double)(r >> 11) / 9007199254740992.0 - 0.5) * (float)(1 + i % 3);
+    }
+    float *dx;
+    uint8_t *pin;
+    CUDA_OK(cudaMalloc((void **)&dx, nb * 4));
+    CUDA_OK(cudaMemcpy(dx, x.data(), nb * 4, cudaMemcpyHostToDevice));
+    DLTensor ta = tensor(kDLCUDA, dx, sa), tb = tensor(kDLCUDA, dx, sb);
+    epipe_codec *fresh;
+    if (epipe_codec_create(&fresh, spec) != EPIPE_OK) {
+        printf("SKIP %s: %s\n", spec, epipe_last_error());
+        return;
+    }
+    size_t cap = 0, w = 0, wc = 0;
+    CHECK(epipe_codec_max_encoded_size(fresh, &tb, &cap) == EPIPE_OK, "size");
+    CUDA_OK(cudaHostAlloc((void **)&pin, cap, cudaHostAllocDefault));
+    std::vector<uint8_t> cold(cap);
+    CHECK(epipe_codec_encode(fresh, &ta, pin, cap, &wc) == EPIPE_OK &&
+              epipe_codec_synchronize(fresh) == EPIPE_OK,
+          "cold encode: %s", epipe_codec_last_error(fresh));
+    memcpy(cold.data(), pin, wc);
+    long calls = 0;
+    for (long k = 0; k <= calls; k++) {
+        epipe_codec *c;
+        CHECK(epipe_codec_create(&c, spec) == EPIPE_OK, "create");
+        CHECK(epipe_codec_encode(c, &ta, pin, cap, &w) == EPIPE_OK &&
+                  epipe_codec_synchronize(c) == EPIPE_OK,
+              "warm-up: %s", epipe_codec_last_error(c));
+        cudaemu_fail_at(k, 0); /* counts the calls from here */
+        int rc = epipe_codec_encode(c, &tb, pin, cap, &w);
+        int rs = epipe_codec_synchronize(c);
+        if (k == 0) /* the clean run: B's calls */
+            calls = cudaemu_fallible_calls();
+        cudaemu_fail_at(0, 0);
+        CHECK(k == 0 ? rc == EPIPE_OK && rs == EPIPE_OK : rc != EPIPE_OK || rs != EPIPE_OK,
+              "%s: B with call %ld failed: %d %d", spec, k, rc, rs);
+        CHECK(epipe_codec_encode(c, &ta, pin, cap, &w) == EPIPE_OK &&
+                  epipe_codec_synchronize(c) == EPIPE_OK,
+              "A again: %s", epipe_codec_last_error(c));
+        CHECK(w == wc && memcmp(pin, cold.data(), wc) == 0,
+              "%s: after B with call %ld failed, A did not start cold", spec, k);
+        epipe_codec_destroy(c);
+    }
+    printf("%-40s slot cold again after each of %ld failed calls of an encode\n", spec, calls);
+
+    /* a corrupt factor decoded (deferred), then a NaN encoded (at once):
+     * the next synchronize still reports the decode's error */
+    std::vector<uint8_t> bad(cold.begin(), cold.begin() + (long)wc);
+    bad[16 + 32 + 4 + 3] = 0x7f; /* Q[0][0] of matrix 0: |v| > 1 */
+    float *dy, nan = NAN;
+    CUDA_OK(cudaMalloc((void **)&dy, na * 4));
+    DLTensor ty = tensor(kDLCUDA, dy, sa);
+    CHECK(epipe_codec_decode(fresh, bad.data(), wc, &ty) == EPIPE_OK, "decode");
+    CUDA_OK(cudaMemcpy(dx + 3, &nan, 4, cudaMemcpyHostToDevice));
+    CHECK(epipe_codec_encode(fresh, &ta, pin, cap, &w) == EPIPE_EINVAL, "NaN accepted");
+    int rs = epipe_codec_synchronize(fresh);
+    CHECK(rs == EPIPE_EPROTO && strstr(epipe_codec_last_error(fresh), "payload entry 1 "),
+          "the decode's deferred error after a refused encode: %d %s", rs,
+          epipe_codec_last_error(fresh));
+    CUDA_OK(cudaFree(dx));
+    CUDA_OK(cudaFree(dy));
+    CUDA_OK(cudaFreeHost(pin));
+    epipe_codec_destroy(fresh);
+}
+
 int main(void)
 {
     gpu_test_devices_or_skip();
@@ -288,6 +369,7 @@ int main(void)
     };
     for (const fault_case &fc : cases)
         sweep(fc);
+    poweriter_slot_after_failures();
     sticky();
     caller_device_kept();
     cooperative_launch_refused();
