@@ -27,10 +27,11 @@
  * differently from OpenBLAS, so payloads are the CPU's within a tolerance
  * (docs/codecs.md), not byte for byte.
  *
- * Decoding checks every scale and factor on the device (pi_unpack), as
- * the CPU decoder does, and reports the first bad one at the next
- * synchronize (a deferred error, as for topk's entries); the header is
- * checked on the host at once. Y = (sP) Qᵀ is one cuBLAS GEMM.
+ * Decoding checks every scale and factor on the device, as the CPU
+ * decoder does, and reports the first bad one at the next synchronize (a
+ * deferred error, as for topk's entries); the header is checked on the
+ * host at once. Up to rank 8 one kernel checks and rebuilds (pi_rebuild);
+ * above, pi_unpack checks and a cuBLAS GEMM rebuilds Y = (sP) Qᵀ.
  * Without cuBLAS (not found at run time, cuda/cublas.cu) poweriter's CUDA
  * tensors go through host staging instead (cuda_backend() in module.cu). */
 #include <float.h>
@@ -493,6 +494,87 @@ __global__ void pi_unpack(const uint8_t *recs, uint64_t rec, uint64_t nb, uint64
     }
 }
 
+/* The decode up to rank PI_FUSED_MAX_RANK, one kernel: block (b, tile)
+ * checks and loads matrix b's scale and Q (rows x R, in shared memory),
+ * then each thread rebuilds a column j of the tile, Y[i][j] = sum_k Q[i][k]
+ * (s P[j][k]) for every row i (its writes coalesced across the block), from
+ * P's row j, checked as it is read. Bad values are noted as pi_unpack
+ * notes them (the scale and Q by the matrix's first tile only). The
+ * tensor is written once and the payload read once, where pi_unpack and
+ * a GEMM wrote and read the factors twice more. */
+template <unsigned R>
+__global__ void __launch_bounds__(PI_THREADS)
+    pi_rebuild(const uint8_t *recs, uint64_t rec, uint64_t nb, uint64_t rows, uint64_t cols,
+               int fp16, uint64_t tiles, float *y, epipe_cuda_status *st)
+{
+    extern __shared__ float qs[]; /* rows x R, row-major as in the record */
+    __shared__ float scale;
+    const uint64_t per = 1 + (rows + cols) * R, es = fp16 ? 2 : 4;
+    for (uint64_t it = blockIdx.x; it < nb * tiles; it += gridDim.x) {
+        const uint64_t b = it / tiles, tile = it % tiles;
+        const uint8_t *in = recs + b * rec;
+        for (uint64_t e = threadIdx.x; e < rows * R; e += blockDim.x) {
+            const float v = pi_get(in + 4 + e * es, fp16);
+            if (tile == 0 && !(fabsf(v) <= 1.0f))
+                atomicMin(&st->bad, (b * per + 1 + e) << 2 | EPIPE_CUDA_BAD_BOUNDS);
+            qs[e] = v;
+        }
+        if (threadIdx.x == 0) {
+            const float s = pi_get(in, 0);
+            if (tile == 0 && (!(s >= 0.0f && s <= epipe_hd_pi_max_scale(R)) ||
+                              (__float_as_uint(s) >> 31)))
+                atomicMin(&st->bad, (b * per) << 2 | EPIPE_CUDA_BAD_BOUNDS);
+            scale = s;
+        }
+        __syncthreads();
+        const uint64_t j = tile * PI_TILE + threadIdx.x;
+        if (j < cols) {
+            float p[R];
+#pragma unroll
+            for (unsigned k = 0; k < R; k++) {
+                const uint64_t e = rows * R + j * R + k;
+                const float v = pi_get(in + 4 + e * es, fp16);
+                if (!(fabsf(v) <= 1.0f))
+                    atomicMin(&st->bad, (b * per + 1 + e) << 2 | EPIPE_CUDA_BAD_BOUNDS);
+                p[k] = v * scale;
+            }
+            float *out = y + b * rows * cols + j;
+            for (uint64_t i = 0; i < rows; i++) {
+                float acc = 0.0f;
+#pragma unroll
+                for (unsigned k = 0; k < R; k++)
+                    acc += qs[i * R + k] * p[k];
+                out[i * cols] = acc;
+            }
+        }
+        __syncthreads(); /* qs and scale free for the next item */
+    }
+}
+
+/* pi_rebuild for rank r (1 .. PI_FUSED_MAX_RANK). */
+static void launch_rebuild(unsigned r, unsigned blocks, size_t shared, cudaStream_t s,
+                           const uint8_t *recs, uint64_t rec, uint64_t nb, uint64_t rows,
+                           uint64_t cols, int fp16, uint64_t tiles, float *y,
+                           epipe_cuda_status *st)
+{
+#define PI_R_CASE(R)                                                                               \
+    case R:                                                                                        \
+        pi_rebuild<R><<<blocks, PI_THREADS, shared, s>>>(recs, rec, nb, rows, cols, fp16, tiles,  \
+                                                          y, st);                                 \
+        break;
+    switch (r) {
+        PI_R_CASE(1)
+        PI_R_CASE(2)
+        PI_R_CASE(3)
+        PI_R_CASE(4)
+        PI_R_CASE(5)
+        PI_R_CASE(6)
+        PI_R_CASE(7)
+        PI_R_CASE(8)
+    }
+#undef PI_R_CASE
+}
+
 /* ---- the encode and the decode ------------------------------------------ */
 
 /* The fused iterations (pi_fused()): Q and P of every matrix into dq, dp,
@@ -745,6 +827,15 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     const size_t qs = (size_t)(nb * rows * r), ps = (size_t)(nb * cols * r);
     const void *recs;
     void *dq, *dp;
+    if (pi_fused(rows, r)) {
+        const uint64_t tiles = (cols + PI_TILE - 1) / PI_TILE;
+        if ((rc = epipe_cuda_body_in(c, body, PI_HEADER_BYTES, nb * rec, &recs)))
+            return rc;
+        launch_rebuild(r, epipe_cuda_blocks(nb * tiles, 1), (size_t)(rows * r * sizeof(float)), s,
+                       (const uint8_t *)recs, rec, nb, rows, cols,
+                       (int)c->p[PI_PARAM_FACTORS] == 1, tiles, y, h->status);
+        return epipe_cuda_check(c, cudaGetLastError(), "launching the rebuild");
+    }
     if ((rc = epipe_cuda_grow(c, &h->work[0], qs * sizeof(float), &dq)) ||
         (rc = epipe_cuda_grow(c, &h->work[1], ps * sizeof(float), &dp)) ||
         (rc = epipe_cuda_body_in(c, body, PI_HEADER_BYTES, nb * rec, &recs)))
