@@ -199,9 +199,14 @@ __global__ static void __launch_bounds__(EPIPE_CUDA_SEL_THREADS)
     const unsigned j = blockIdx.x, shift = epipe_cuda_msel_shift(pass),
                    bins = epipe_cuda_msel_bins(pass);
     const uint32_t pre = pass ? pin[j] : 0u, rank = pass ? rin[j] : rank_of(j);
-    unsigned g = j; /* the first rank with this prefix: its histogram */
-    while (pass && g > 0 && pin[g - 1] == pre)
-        g--;
+    unsigned g = 0, hi = j; /* the first rank with this prefix (pin ascends): its histogram */
+    while (pass && g < hi) {
+        unsigned mid = (g + hi) / 2;
+        if (pin[mid] < pre)
+            g = mid + 1;
+        else
+            hi = mid;
+    }
     const uint32_t *h = hist + (size_t)(pass ? g : 0) * bins;
     const unsigned b0 = 2 * threadIdx.x, b1 = b0 + 1;
     uint32_t c0 = b0 < bins ? h[b0] : 0u, c1 = b1 < bins ? h[b1] : 0u, before;

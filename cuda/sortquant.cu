@@ -82,8 +82,8 @@ struct sq_sel_rank {
 
 /* The select of many ranks (select.cuh): keys[j] = the key of rank
  * rank_of(j) (from 0, ascending; non-decreasing in j, each below m) among
- * key(smp[i]), i < m <= 2^32, for j < count <= EPIPE_CUDA_MSEL_MAX:
- * enqueued on s, seven launches; scratch holds
+ * key(smp[i]), i < m < 2^32 (the counts are 32-bit), for j < count <=
+ * EPIPE_CUDA_MSEL_MAX: enqueued on s, seven launches; scratch holds
  * epipe_cuda_select_many_bytes(count). The launches' error, if any. */
 template <class Key, class Rank>
 static cudaError_t sq_select_many(const float *smp, uint64_t m, unsigned count, Rank rank_of,
