@@ -827,6 +827,59 @@ static double rel_diff(const float *a, const float *b, const float *ref, size_t 
     return m > 0 ? d / m : d;
 }
 
+/* poweriter with error feedback on the GPU: step after step, the payload
+ * (from x plus the residual the device keeps) decodes within 1e-4 of
+ * max|x| of the CPU's, whose residual evolves the same way. */
+static void poweriter_ef_follows_cpu(void)
+{
+    const char *spec = "poweriter:rank=2,ef=1";
+    epipe_codec *cpu, *gpu;
+    if (!cpu_side_or_skip(&cpu, spec))
+        return;
+    CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    int64_t shape[3] = {8, 16, 64};
+    const size_t n = 8 * 16 * 64;
+    std::vector<float> x(n), yc(n), yg(n);
+    float *dx;
+    CUDA_OK(cudaMalloc((void **)&dx, n * 4));
+    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat), ds = hs;
+    hs.ndim = ds.ndim = 3;
+    ds.data = dx;
+    ds.device.device_type = kDLCUDA;
+    size_t cap = 0;
+    CHECK(epipe_codec_max_encoded_size(cpu, &hs, &cap) == EPIPE_OK, "size");
+    std::vector<uint8_t> pc(cap);
+    uint8_t *pin;
+    CUDA_OK(cudaHostAlloc((void **)&pin, cap, cudaHostAllocDefault));
+    for (unsigned step = 0; step < 4; step++) {
+        fill(x, 500 + step);
+        for (size_t i = 0; i < n; i++) /* low rank plus noise, the noise fed back */
+            x[i] = x[i] * 0.05f + (float)((i / 64) % 5) * (float)(i % 13);
+        CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+        size_t wc = 0, wg = 0;
+        CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "cpu: %s",
+              epipe_codec_last_error(cpu));
+        setenv("EPIPE_CUDA_TEST_NO_RESTART", "1", 1);
+        CHECK(epipe_codec_encode(gpu, &ds, pin, cap, &wg) == EPIPE_OK &&
+                  epipe_codec_synchronize(gpu) == EPIPE_OK,
+              "gpu: %s", epipe_codec_last_error(gpu));
+        unsetenv("EPIPE_CUDA_TEST_NO_RESTART");
+        DLTensor tc = hs, tg = hs;
+        tc.data = yc.data();
+        tg.data = yg.data();
+        CHECK(epipe_codec_decode(cpu, pc.data(), wc, &tc) == EPIPE_OK &&
+                  epipe_codec_decode(cpu, pin, wg, &tg) == EPIPE_OK,
+              "decode: %s", epipe_codec_last_error(cpu));
+        double d = rel_diff(yg.data(), yc.data(), x.data(), n);
+        CHECK(d <= 1e-4, "%s step %u: the GPU's payload decodes %.3g from the CPU's", spec, step,
+              d);
+    }
+    cudaFree(dx);
+    cudaFreeHost(pin);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+}
+
 /* The warm start the GPU keeps is the one the CPU keeps: on random
  * tensors (no dominant subspace, so the start decides the factors), the
  * second of two encodes decodes within 1e-4 of the CPU's second, while a
@@ -1258,6 +1311,7 @@ int main(void)
     poweriter_close_to_cpu("poweriter:rank=12", 3, 16, 40);
     poweriter_close_to_cpu("poweriter:rank=70", 2, 72, 80);
     poweriter_warm_start_follows_cpu();
+    poweriter_ef_follows_cpu();
     gpu_test_part("hostile payloads, mix-ups");
     hostile_table();
     hostile_device_payload();
