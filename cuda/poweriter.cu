@@ -5,8 +5,9 @@
  * bookkeeping and words the refusals (the core's pi_* functions).
  *
  * The products that read the tensor, matrix by matrix:
- *  - rank <= PI_FUSED_MAX_RANK and Q small enough for shared memory (the
- *    common case: activations [B,C,H,W] at rank 1 to 8): Q = M P as
+ *  - rank <= PI_FUSED_MAX_RANK, Q small enough for shared memory and
+ *    enough blocks (pi_fused(); the common case: activations [B,C,H,W]
+ *    at rank 1 to 8): Q = M P as
  *    per-tile partial sums (pi_product_q, which also checks every value is
  *    finite), their sum and CholeskyQR2 in one block per matrix
  *    (pi_qr_small), and P = Mᵀ Q (pi_product_p). Three launches an
