@@ -127,6 +127,9 @@ __global__ void pi_solve_kernel(float *Q, uint64_t nb, uint64_t rows, unsigned r
 /* ---- the fused products, for ranks up to PI_FUSED_MAX_RANK -------------- */
 
 #define PI_FUSED_MAX_RANK 8
+/* X(R) for each rank 1 .. PI_FUSED_MAX_RANK: the ranks the templated
+ * kernels (P or Q in registers, R values a row) are built for. */
+#define PI_EACH_RANK(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
 /* Q (rows x r floats) in shared memory for pi_qr_small and pi_product_p. */
 #define PI_FUSED_MAX_Q 4096
 /* A block of 256 threads takes 256 columns of a matrix: pi_product_q 8 a
@@ -214,20 +217,18 @@ static void launch_product_q(unsigned r, unsigned blocks, cudaStream_t s, const 
                              uint64_t tiles, uint64_t groups, int check, float *part,
                              epipe_cuda_status *st)
 {
+    /* clang-format would put a line break between the kernel's name and its
+     * launch configuration, which the emulator's translation
+     * (tests/cudaemu/translate.py) needs together */
+    // clang-format off
 #define PI_Q_CASE(R)                                                                               \
     case R:                                                                                        \
         pi_product_q<R><<<blocks, PI_THREADS, 0, s>>>(x, nb, rows, cols, start, tiles, groups,     \
                                                       check, part, st);                            \
         break;
+    // clang-format on
     switch (r) {
-        PI_Q_CASE(1)
-        PI_Q_CASE(2)
-        PI_Q_CASE(3)
-        PI_Q_CASE(4)
-        PI_Q_CASE(5)
-        PI_Q_CASE(6)
-        PI_Q_CASE(7)
-        PI_Q_CASE(8)
+        PI_EACH_RANK(PI_Q_CASE)
     }
 #undef PI_Q_CASE
 }
@@ -480,7 +481,6 @@ __global__ void pi_unpack(const uint8_t *recs, uint64_t rec, uint64_t nb, uint64
                           epipe_cuda_status *st)
 {
     const uint64_t per = 1 + (rows + cols) * r, es = fp16 ? 2 : 4;
-    const float top = epipe_hd_pi_max_scale(r);
     for (uint64_t e = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; e < nb * per;
          e += (uint64_t)gridDim.x * blockDim.x) {
         const uint64_t b = e / per;
@@ -488,13 +488,13 @@ __global__ void pi_unpack(const uint8_t *recs, uint64_t rec, uint64_t nb, uint64
         const uint8_t *in = recs + b * rec;
         const float s = pi_get(in, 0);
         if (o == 0) {
-            if (!(s >= 0.0f && s <= top) || (__float_as_uint(s) >> 31))
+            if (!epipe_hd_pi_scale_ok(s, r))
                 atomicMin(&st->bad, e << 2 | EPIPE_CUDA_BAD_BOUNDS);
             continue;
         }
         o -= 1;
         const float v = pi_get(in + 4 + o * es, fp16);
-        if (!(fabsf(v) <= 1.0f))
+        if (!epipe_hd_pi_factor_ok(v))
             atomicMin(&st->bad, e << 2 | EPIPE_CUDA_BAD_BOUNDS);
         if (o < rows * r)
             q[(b * r + o % r) * rows + o / r] = v;
@@ -528,14 +528,13 @@ __global__ void __launch_bounds__(PI_THREADS)
         const uint8_t *in = recs + b * rec;
         for (uint64_t e = threadIdx.x; e < n * R; e += blockDim.x) {
             const float v = pi_get(in + 4 + (i0 * R + e) * es, fp16);
-            if (tile == 0 && !(fabsf(v) <= 1.0f))
+            if (tile == 0 && !epipe_hd_pi_factor_ok(v))
                 atomicMin(&st->bad, (b * per + 1 + i0 * R + e) << 2 | EPIPE_CUDA_BAD_BOUNDS);
             qs[e] = v;
         }
         if (threadIdx.x == 0) {
             const float s = pi_get(in, 0);
-            if (tile == 0 && g == 0 &&
-                (!(s >= 0.0f && s <= epipe_hd_pi_max_scale(R)) || (__float_as_uint(s) >> 31)))
+            if (tile == 0 && g == 0 && !epipe_hd_pi_scale_ok(s, R))
                 atomicMin(&st->bad, (b * per) << 2 | EPIPE_CUDA_BAD_BOUNDS);
             scale = s;
         }
@@ -547,7 +546,7 @@ __global__ void __launch_bounds__(PI_THREADS)
             for (unsigned k = 0; k < R; k++) {
                 const uint64_t e = rows * R + j * R + k;
                 const float v = pi_get(in + 4 + e * es, fp16);
-                if (!(fabsf(v) <= 1.0f))
+                if (!epipe_hd_pi_factor_ok(v))
                     atomicMin(&st->bad, (b * per + 1 + e) << 2 | EPIPE_CUDA_BAD_BOUNDS);
                 p[k] = v * scale;
             }
@@ -569,20 +568,15 @@ static void launch_rebuild(unsigned r, unsigned blocks, cudaStream_t s, const ui
                            uint64_t rec, uint64_t nb, uint64_t rows, uint64_t cols, int fp16,
                            uint64_t tiles, uint64_t groups, float *y, epipe_cuda_status *st)
 {
+    // clang-format off
 #define PI_R_CASE(R)                                                                               \
     case R:                                                                                        \
         pi_rebuild<R><<<blocks, PI_THREADS, 0, s>>>(recs, rec, nb, rows, cols, fp16, tiles,       \
                                                      groups, y, st);                              \
         break;
+    // clang-format on
     switch (r) {
-        PI_R_CASE(1)
-        PI_R_CASE(2)
-        PI_R_CASE(3)
-        PI_R_CASE(4)
-        PI_R_CASE(5)
-        PI_R_CASE(6)
-        PI_R_CASE(7)
-        PI_R_CASE(8)
+        PI_EACH_RANK(PI_R_CASE)
     }
 #undef PI_R_CASE
 }
@@ -755,8 +749,8 @@ static int factorize(epipe_codec *c, const float *x, size_t n, const uint64_t v[
     return wait(c, "waiting for the factors");
 }
 
-static int encode_slot(epipe_codec *c, const float *x, size_t n, uint8_t *body,
-                       const uint64_t v[4], unsigned r, size_t len, int index, int warm);
+static int encode_slot(epipe_codec *c, const float *x, size_t n, uint8_t *body, const uint64_t v[4],
+                       unsigned r, size_t len, int index, int warm);
 
 static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 {
@@ -780,8 +774,8 @@ static int pi_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
 
 /* pi_encode's work once the slot is known (index, -1 for none; warm: its
  * buffer holds this view's start). */
-static int encode_slot(epipe_codec *c, const float *x, size_t n, uint8_t *body,
-                       const uint64_t v[4], unsigned r, size_t len, int index, int warm)
+static int encode_slot(epipe_codec *c, const float *x, size_t n, uint8_t *body, const uint64_t v[4],
+                       unsigned r, size_t len, int index, int warm)
 {
     const epipe_cuda_core *core = epipe_cuda_core_fns;
     epipe_cuda_handle *h = epipe_cuda_h(c);
@@ -861,8 +855,8 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
                        groups = (rows + PI_ROW_GROUP - 1) / PI_ROW_GROUP;
         if ((rc = epipe_cuda_body_in(c, body, PI_HEADER_BYTES, nb * rec, &recs)))
             return rc;
-        launch_rebuild(r, epipe_cuda_blocks(nb * tiles * groups, 1), s, (const uint8_t *)recs,
-                       rec, nb, rows, cols, (int)c->p[PI_PARAM_FACTORS] == 1, tiles, groups, y,
+        launch_rebuild(r, epipe_cuda_blocks(nb * tiles * groups, 1), s, (const uint8_t *)recs, rec,
+                       nb, rows, cols, (int)c->p[PI_PARAM_FACTORS] == 1, tiles, groups, y,
                        h->status);
         return epipe_cuda_check(c, cudaGetLastError(), "launching the rebuild");
     }

@@ -33,6 +33,19 @@ EPIPE_HD float epipe_hd_pi_max_scale(unsigned r)
     return (float)(FLT_MAX / (2.0 * (r ? r : 1)));
 }
 
+/* A record's scale as a decoder accepts it: in [0, epipe_hd_pi_max_scale(r)],
+ * not -0. */
+EPIPE_HD int epipe_hd_pi_scale_ok(float s, unsigned r)
+{
+    return s >= 0.0f && s <= epipe_hd_pi_max_scale(r) && !(epipe_hd_f2u(s) >> 31);
+}
+
+/* A record's factor value as a decoder accepts it: finite, in [-1, 1]. */
+EPIPE_HD int epipe_hd_pi_factor_ok(float v)
+{
+    return fabsf(v) <= 1.0f;
+}
+
 /* A factor value as a record holds it: f times mul, clamped to [-1, 1]. */
 EPIPE_HD float epipe_hd_pi_factor_value(float f, float mul)
 {

@@ -130,7 +130,7 @@ int epipe_pi_read_factor(epipe_codec *c, const uint8_t *in, uint64_t n, unsigned
         for (unsigned k = 0; k < r; k++) {
             const uint8_t *o = in + (i * r + k) * es;
             float v = fp16 ? epipe_f16_to_f32((uint16_t)(o[0] | o[1] << 8)) : pi_get_f32(o);
-            if (!(fabsf(v) <= 1.0f))
+            if (!epipe_hd_pi_factor_ok(v))
                 return epipe_codec_fail(c, EPIPE_EPROTO,
                                         "poweriter: matrix %llu: %s[%llu][%u] is %g; factors "
                                         "must be finite and within [-1, 1]",
@@ -144,7 +144,7 @@ int epipe_pi_read_factor(epipe_codec *c, const uint8_t *in, uint64_t n, unsigned
 int epipe_pi_read_scale(epipe_codec *c, const uint8_t *rec, unsigned r, uint64_t b, float *s)
 {
     *s = pi_get_f32(rec);
-    if (!(*s >= 0.0f && *s <= epipe_hd_pi_max_scale(r)) || signbit(*s))
+    if (!epipe_hd_pi_scale_ok(*s, r))
         return epipe_codec_fail(
             c, EPIPE_EPROTO, "poweriter: matrix %llu: scale %g is not in [0, %g]",
             (unsigned long long)b, (double)*s, (double)epipe_hd_pi_max_scale(r));
