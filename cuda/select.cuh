@@ -40,6 +40,56 @@ __device__ static inline void epipe_cuda_hist_add(uint32_t *hist, unsigned bin, 
 
 enum { EPIPE_CUDA_SEL_THREADS = 1024, EPIPE_CUDA_SEL_BINS = 2048, EPIPE_CUDA_SEL_UNROLL = 4 };
 
+/* Bits each radix pass fixes (11, 11, then 10): its shift and its bins. */
+__host__ __device__ static inline unsigned epipe_cuda_sel_shift(int pass)
+{
+    return pass == 0 ? 21u : pass == 1 ? 10u : 0u;
+}
+__host__ __device__ static inline unsigned epipe_cuda_sel_bins(int pass)
+{
+    return pass < 2 ? 2048u : 1024u;
+}
+
+/* The bin of the histogram hist (bins <= EPIPE_CUDA_SEL_BINS, two a
+ * thread) that holds the candidate of rank `rank`, and that candidate's
+ * rank within it, in every thread. Called by all EPIPE_CUDA_SEL_THREADS
+ * threads of the block, with rank below the histogram's total. */
+__device__ static inline void epipe_cuda_sel_bin(const uint32_t *hist, unsigned bins, uint32_t rank,
+                                                 uint32_t *bin, uint32_t *rank_in)
+{
+    typedef cub::BlockScan<uint32_t, EPIPE_CUDA_SEL_THREADS> scan_t;
+    __shared__ typename scan_t::TempStorage tmp;
+    __shared__ uint32_t found_bin, found_rank;
+    const unsigned b0 = 2 * threadIdx.x, b1 = b0 + 1;
+    uint32_t c0 = b0 < bins ? hist[b0] : 0u, c1 = b1 < bins ? hist[b1] : 0u, before;
+    scan_t(tmp).ExclusiveSum(c0 + c1, before);
+    if (before <= rank && rank < before + c0) {
+        found_bin = b0;
+        found_rank = rank - before;
+    } else if (before + c0 <= rank && rank < before + c0 + c1) {
+        found_bin = b1;
+        found_rank = rank - before - c0;
+    }
+    __syncthreads();
+    *bin = found_bin;
+    *rank_in = found_rank;
+    __syncthreads(); /* all have read found_* and tmp before a next call */
+}
+
+/* The first i < n with a[i] >= v (a ascending), or n. */
+__device__ static inline unsigned epipe_cuda_lower_bound(const uint32_t *a, unsigned n, uint32_t v)
+{
+    unsigned lo = 0;
+    while (lo < n) {
+        unsigned mid = (lo + n) / 2;
+        if (a[mid] < v)
+            lo = mid + 1;
+        else
+            n = mid;
+    }
+    return lo;
+}
+
 /* The key of rank `rank` (from 0, ascending) among key(smp[i]), i < m, by
  * radix select: 11, 11 and 10 bits a pass over the sample (4m bytes, which
  * stay in L2 for the samples used here). Called by all
@@ -49,17 +99,13 @@ template <class Key>
 __device__ static uint32_t epipe_cuda_select(const float *smp, uint64_t m, int vec, uint32_t rank,
                                              Key key)
 {
-    typedef cub::BlockScan<uint32_t, EPIPE_CUDA_SEL_THREADS> scan_t;
-    __shared__ typename scan_t::TempStorage tmp;
     __shared__ uint32_t hist[EPIPE_CUDA_SEL_BINS];
-    __shared__ uint32_t found_bin, found_rank;
     enum { T = EPIPE_CUDA_SEL_THREADS, U = EPIPE_CUDA_SEL_UNROLL };
     uint32_t prefix = 0, mask = 0;
     const float4 *s4 = (const float4 *)smp;
     uint64_t quads = (m + 3) / 4, per_round = (uint64_t)T * U;
     for (unsigned pass = 0; pass < 3; pass++) {
-        unsigned shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
-        uint32_t bins = pass < 2 ? 2048u : 1024u;
+        unsigned shift = epipe_cuda_sel_shift(pass), bins = epipe_cuda_sel_bins(pass);
         for (unsigned b = threadIdx.x; b < EPIPE_CUDA_SEL_BINS; b += blockDim.x)
             hist[b] = 0;
         __syncthreads();
@@ -93,20 +139,10 @@ __device__ static uint32_t epipe_cuda_select(const float *smp, uint64_t m, int v
         }
         __syncthreads();
         /* the bin holding the rank-th candidate, and its rank there */
-        uint32_t c0 = hist[2 * threadIdx.x], c1 = hist[2 * threadIdx.x + 1], before;
-        scan_t(tmp).ExclusiveSum(c0 + c1, before);
-        if (before <= rank && rank < before + c0) {
-            found_bin = 2 * threadIdx.x;
-            found_rank = rank - before;
-        } else if (before + c0 <= rank && rank < before + c0 + c1) {
-            found_bin = 2 * threadIdx.x + 1;
-            found_rank = rank - before - c0;
-        }
-        __syncthreads();
-        prefix |= found_bin << shift;
+        uint32_t bin;
+        epipe_cuda_sel_bin(hist, bins, rank, &bin, &rank);
+        prefix |= bin << shift;
         mask |= (bins - 1) << shift;
-        rank = found_rank;
-        __syncthreads(); /* all have read found_* before the next pass writes them */
     }
     return prefix;
 }
@@ -124,17 +160,6 @@ __device__ static uint32_t epipe_cuda_select(const float *smp, uint64_t m, int v
 
 enum { EPIPE_CUDA_MSEL_THREADS = 256, EPIPE_CUDA_MSEL_MAX = 256 };
 
-/* Bits each pass fixes: its shift, its bins, and the mask of the bits the
- * passes before it fixed. */
-__host__ __device__ static inline unsigned epipe_cuda_msel_shift(int pass)
-{
-    return pass == 0 ? 21u : pass == 1 ? 10u : 0u;
-}
-__host__ __device__ static inline unsigned epipe_cuda_msel_bins(int pass)
-{
-    return pass < 2 ? 2048u : 1024u;
-}
-
 /* Pass `pass`'s histograms: pass 0 one (every rank's prefix is empty);
  * later passes one per distinct prefix, at the index of the first rank
  * that has it (2048 or 1024 bins apart). */
@@ -145,7 +170,7 @@ __global__ static void __launch_bounds__(EPIPE_CUDA_MSEL_THREADS)
 {
     __shared__ uint32_t pre[EPIPE_CUDA_MSEL_MAX];
     __shared__ uint32_t block_hist[EPIPE_CUDA_SEL_BINS];
-    const unsigned shift = epipe_cuda_msel_shift(pass), bins = epipe_cuda_msel_bins(pass);
+    const unsigned shift = epipe_cuda_sel_shift(pass), bins = epipe_cuda_sel_bins(pass);
     const uint32_t mask = pass == 0 ? 0u : pass == 1 ? 0xffe00000u : 0xfffffc00u;
     for (unsigned i = threadIdx.x; pass && i < count; i += blockDim.x)
         pre[i] = prefix[i];
@@ -162,15 +187,8 @@ __global__ static void __launch_bounds__(EPIPE_CUDA_MSEL_THREADS)
             epipe_cuda_hist_add(block_hist, k >> shift, on);
             continue;
         }
-        unsigned lo = 0, hi = count; /* the first rank whose prefix is k's */
         const uint32_t want = k & mask;
-        while (lo < hi) {
-            unsigned mid = (lo + hi) / 2;
-            if (pre[mid] < want)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
+        const unsigned lo = epipe_cuda_lower_bound(pre, count, want); /* the first rank with it */
         on = on && lo < count && pre[lo] == want;
         const unsigned slot = on ? lo * bins + (k >> shift & (bins - 1)) : 0xffffffffu;
         const unsigned peers = __match_any_sync(0xffffffffu, slot);
@@ -193,35 +211,16 @@ __global__ static void __launch_bounds__(EPIPE_CUDA_SEL_THREADS)
     epipe_cuda_msel_find(int pass, Rank rank_of, const uint32_t *pin, const uint32_t *rin,
                          const uint32_t *hist, uint32_t *pout, uint32_t *rout)
 {
-    typedef cub::BlockScan<uint32_t, EPIPE_CUDA_SEL_THREADS> scan_t;
-    __shared__ typename scan_t::TempStorage tmp;
-    __shared__ uint32_t found_bin, found_rank;
-    const unsigned j = blockIdx.x, shift = epipe_cuda_msel_shift(pass),
-                   bins = epipe_cuda_msel_bins(pass);
+    const unsigned j = blockIdx.x, shift = epipe_cuda_sel_shift(pass),
+                   bins = epipe_cuda_sel_bins(pass);
     const uint32_t pre = pass ? pin[j] : 0u, rank = pass ? rin[j] : rank_of(j);
-    unsigned g = 0, hi = j; /* the first rank with this prefix (pin ascends): its histogram */
-    while (pass && g < hi) {
-        unsigned mid = (g + hi) / 2;
-        if (pin[mid] < pre)
-            g = mid + 1;
-        else
-            hi = mid;
-    }
-    const uint32_t *h = hist + (size_t)(pass ? g : 0) * bins;
-    const unsigned b0 = 2 * threadIdx.x, b1 = b0 + 1;
-    uint32_t c0 = b0 < bins ? h[b0] : 0u, c1 = b1 < bins ? h[b1] : 0u, before;
-    scan_t(tmp).ExclusiveSum(c0 + c1, before);
-    if (before <= rank && rank < before + c0) {
-        found_bin = b0;
-        found_rank = rank - before;
-    } else if (before + c0 <= rank && rank < before + c0 + c1) {
-        found_bin = b1;
-        found_rank = rank - before - c0;
-    }
-    __syncthreads();
+    /* the first rank with this prefix (pin ascends) owns its histogram */
+    const unsigned g = pass ? epipe_cuda_lower_bound(pin, j, pre) : 0u;
+    uint32_t bin, rank_in;
+    epipe_cuda_sel_bin(hist + (size_t)g * bins, bins, rank, &bin, &rank_in);
     if (threadIdx.x == 0) {
-        pout[j] = pre | found_bin << shift;
-        rout[j] = found_rank;
+        pout[j] = pre | bin << shift;
+        rout[j] = rank_in;
     }
 }
 
