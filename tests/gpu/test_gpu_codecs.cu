@@ -827,57 +827,97 @@ static double rel_diff(const float *a, const float *b, const float *ref, size_t 
     return m > 0 ? d / m : d;
 }
 
+/* One poweriter spec on both sides for [nb, rows, cols] tensors: the CPU's
+ * codec and the GPU's, x on the host and on the device, a host payload for
+ * the CPU's encodes and a pinned one for the GPU's. */
+struct pi_pair {
+    const char *spec = NULL;
+    epipe_codec *cpu = NULL, *gpu = NULL;
+    int64_t shape[3] = {0, 0, 0};
+    size_t n = 0, cap = 0;
+    std::vector<float> x;
+    std::vector<uint8_t> pc;
+    float *dx = NULL;
+    uint8_t *pin = NULL;
+    DLTensor hs, ds;
+
+    /* false, with a SKIP line, where this build has no CPU side */
+    bool open(const char *s, int64_t nb, int64_t rows, int64_t cols)
+    {
+        spec = s;
+        if (!cpu_side_or_skip(&cpu, spec))
+            return false;
+        CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+        shape[0] = nb, shape[1] = rows, shape[2] = cols;
+        n = (size_t)(nb * rows * cols);
+        x.resize(n);
+        CUDA_OK(cudaMalloc((void **)&dx, n * 4));
+        hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
+        hs.ndim = 3;
+        ds = hs;
+        ds.data = dx;
+        ds.device.device_type = kDLCUDA;
+        CHECK(epipe_codec_max_encoded_size(cpu, &hs, &cap) == EPIPE_OK, "%s: size", spec);
+        pc.resize(cap);
+        CUDA_OK(cudaHostAlloc((void **)&pin, cap, cudaHostAllocDefault));
+        return true;
+    }
+
+    /* x encoded on both sides (into pc and pin), the GPU's with its own QR
+     * (EPIPE_CUDA_TEST_NO_RESTART: the tensors here are well conditioned)
+     * and synchronized */
+    void encode(size_t *wc, size_t *wg)
+    {
+        CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+        CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, wc) == EPIPE_OK, "%s: cpu: %s", spec,
+              epipe_codec_last_error(cpu));
+        setenv("EPIPE_CUDA_TEST_NO_RESTART", "1", 1);
+        CHECK(epipe_codec_encode(gpu, &ds, pin, cap, wg) == EPIPE_OK &&
+                  epipe_codec_synchronize(gpu) == EPIPE_OK,
+              "%s: gpu: %s", spec, epipe_codec_last_error(gpu));
+        unsetenv("EPIPE_CUDA_TEST_NO_RESTART");
+    }
+
+    /* a payload decoded on the CPU into y */
+    void decode(const uint8_t *p, size_t w, std::vector<float> &y)
+    {
+        y.resize(n);
+        DLTensor t = hs;
+        t.data = y.data();
+        CHECK(epipe_codec_decode(cpu, p, w, &t) == EPIPE_OK, "%s: decode: %s", spec,
+              epipe_codec_last_error(cpu));
+    }
+
+    ~pi_pair()
+    {
+        cudaFree(dx);
+        cudaFreeHost(pin);
+        epipe_codec_destroy(cpu);
+        epipe_codec_destroy(gpu);
+    }
+};
+
 /* poweriter with error feedback on the GPU: step after step, the payload
  * (from x plus the residual the device keeps) decodes within 1e-4 of
  * max|x| of the CPU's, whose residual evolves the same way. */
 static void poweriter_ef_follows_cpu(void)
 {
-    const char *spec = "poweriter:rank=2,ef=1";
-    epipe_codec *cpu, *gpu;
-    if (!cpu_side_or_skip(&cpu, spec))
+    pi_pair t;
+    if (!t.open("poweriter:rank=2,ef=1", 8, 16, 64))
         return;
-    CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
-    int64_t shape[3] = {8, 16, 64};
-    const size_t n = 8 * 16 * 64;
-    std::vector<float> x(n), yc(n), yg(n);
-    float *dx;
-    CUDA_OK(cudaMalloc((void **)&dx, n * 4));
-    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat), ds = hs;
-    hs.ndim = ds.ndim = 3;
-    ds.data = dx;
-    ds.device.device_type = kDLCUDA;
-    size_t cap = 0;
-    CHECK(epipe_codec_max_encoded_size(cpu, &hs, &cap) == EPIPE_OK, "size");
-    std::vector<uint8_t> pc(cap);
-    uint8_t *pin;
-    CUDA_OK(cudaHostAlloc((void **)&pin, cap, cudaHostAllocDefault));
+    std::vector<float> yc, yg;
     for (unsigned step = 0; step < 4; step++) {
-        fill(x, 500 + step);
-        for (size_t i = 0; i < n; i++) /* low rank plus noise, the noise fed back */
-            x[i] = x[i] * 0.05f + (float)((i / 64) % 5) * (float)(i % 13);
-        CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+        fill(t.x, 500 + step);
+        for (size_t i = 0; i < t.n; i++) /* low rank plus noise, the noise fed back */
+            t.x[i] = t.x[i] * 0.05f + (float)((i / 64) % 5) * (float)(i % 13);
         size_t wc = 0, wg = 0;
-        CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "cpu: %s",
-              epipe_codec_last_error(cpu));
-        setenv("EPIPE_CUDA_TEST_NO_RESTART", "1", 1);
-        CHECK(epipe_codec_encode(gpu, &ds, pin, cap, &wg) == EPIPE_OK &&
-                  epipe_codec_synchronize(gpu) == EPIPE_OK,
-              "gpu: %s", epipe_codec_last_error(gpu));
-        unsetenv("EPIPE_CUDA_TEST_NO_RESTART");
-        DLTensor tc = hs, tg = hs;
-        tc.data = yc.data();
-        tg.data = yg.data();
-        CHECK(epipe_codec_decode(cpu, pc.data(), wc, &tc) == EPIPE_OK &&
-                  epipe_codec_decode(cpu, pin, wg, &tg) == EPIPE_OK,
-              "decode: %s", epipe_codec_last_error(cpu));
-        double d = rel_diff(yg.data(), yc.data(), x.data(), n);
-        CHECK(d <= 1e-4, "%s step %u: the GPU's payload decodes %.3g from the CPU's", spec, step,
+        t.encode(&wc, &wg);
+        t.decode(t.pc.data(), wc, yc);
+        t.decode(t.pin, wg, yg);
+        double d = rel_diff(yg.data(), yc.data(), t.x.data(), t.n);
+        CHECK(d <= 1e-4, "%s step %u: the GPU's payload decodes %.3g from the CPU's", t.spec, step,
               d);
     }
-    cudaFree(dx);
-    cudaFreeHost(pin);
-    epipe_codec_destroy(cpu);
-    epipe_codec_destroy(gpu);
 }
 
 /* The warm start the GPU keeps is the one the CPU keeps: on random
@@ -887,62 +927,33 @@ static void poweriter_ef_follows_cpu(void)
  * two micro-batches are kept apart. Needs a BLAS build. */
 static void poweriter_warm_start_follows_cpu(void)
 {
-    const char *spec = "poweriter:rank=3";
-    epipe_codec *cpu, *gpu, *cold;
-    if (!cpu_side_or_skip(&cpu, spec))
+    pi_pair t;
+    if (!t.open("poweriter:rank=3", 4, 16, 300))
         return;
-    CHECK(epipe_codec_create(&gpu, spec) == EPIPE_OK, "%s", epipe_last_error());
+    epipe_codec *cold;
     CHECK(epipe_codec_create(&cold, "poweriter:rank=3,warm=0") == EPIPE_OK, "cold");
-    int64_t shape[3] = {4, 16, 300};
-    const size_t n = 4 * 16 * 300;
-    std::vector<float> x(n), yc(n), yg(n), y0(n);
-    float *dx;
-    CUDA_OK(cudaMalloc((void **)&dx, n * 4));
-    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat), ds = hs;
-    hs.ndim = ds.ndim = 3;
-    ds.data = dx;
-    ds.device.device_type = kDLCUDA;
-    size_t cap = 0;
-    CHECK(epipe_codec_max_encoded_size(cpu, &hs, &cap) == EPIPE_OK, "size");
-    std::vector<uint8_t> pc(cap), pg(cap), p0(cap);
-    uint8_t *pin;
-    CUDA_OK(cudaHostAlloc((void **)&pin, cap, cudaHostAllocDefault));
-    auto decode = [&](const uint8_t *p, size_t w, std::vector<float> &y) {
-        DLTensor t = hs;
-        t.data = y.data();
-        CHECK(epipe_codec_decode(cpu, p, w, &t) == EPIPE_OK, "decode: %s",
-              epipe_codec_last_error(cpu));
-    };
+    std::vector<uint8_t> p0(t.cap);
+    std::vector<float> yc, yg, y0;
     for (unsigned step = 0; step < 2; step++)
         for (int mb = 0; mb < 2; mb++) {
-            fill(x, 300 + step * 2 + (unsigned)mb);
-            CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
-            CHECK(epipe_codec_set_param(cpu, EPIPE_CODEC_MICROBATCH, mb) == EPIPE_OK &&
-                      epipe_codec_set_param(gpu, EPIPE_CODEC_MICROBATCH, mb) == EPIPE_OK,
+            fill(t.x, 300 + step * 2 + (unsigned)mb);
+            CHECK(epipe_codec_set_param(t.cpu, EPIPE_CODEC_MICROBATCH, mb) == EPIPE_OK &&
+                      epipe_codec_set_param(t.gpu, EPIPE_CODEC_MICROBATCH, mb) == EPIPE_OK,
                   "micro-batch");
             size_t wc = 0, wg = 0, w0 = 0;
-            CHECK(epipe_codec_encode(cpu, &hs, pc.data(), cap, &wc) == EPIPE_OK, "cpu");
-            setenv("EPIPE_CUDA_TEST_NO_RESTART", "1", 1); /* the device's own QR */
-            CHECK(epipe_codec_encode(gpu, &ds, pin, cap, &wg) == EPIPE_OK, "gpu: %s",
-                  epipe_codec_last_error(gpu));
-            unsetenv("EPIPE_CUDA_TEST_NO_RESTART");
-            CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
-            CHECK(epipe_codec_encode(cold, &hs, p0.data(), cap, &w0) == EPIPE_OK, "cold");
-            decode(pc.data(), wc, yc);
-            decode(pin, wg, yg);
-            decode(p0.data(), w0, y0);
-            double d = rel_diff(yg.data(), yc.data(), yc.data(), n),
-                   dcold = rel_diff(y0.data(), yc.data(), yc.data(), n);
+            t.encode(&wc, &wg);
+            CHECK(epipe_codec_encode(cold, &t.hs, p0.data(), t.cap, &w0) == EPIPE_OK, "cold");
+            t.decode(t.pc.data(), wc, yc);
+            t.decode(t.pin, wg, yg);
+            t.decode(p0.data(), w0, y0);
+            double d = rel_diff(yg.data(), yc.data(), yc.data(), t.n),
+                   dcold = rel_diff(y0.data(), yc.data(), yc.data(), t.n);
             CHECK(d <= 1e-4, "step %u micro-batch %d: the GPU's payload decodes %.3g from the "
                   "CPU's", step, mb, d);
             if (step == 1)
                 CHECK(dcold > 1e-2, "step 1 micro-batch %d: a cold start is only %.3g from the "
                       "warm one: the test cannot tell starts apart", mb, dcold);
         }
-    cudaFree(dx);
-    cudaFreeHost(pin);
-    epipe_codec_destroy(cpu);
-    epipe_codec_destroy(gpu);
     epipe_codec_destroy(cold);
 }
 
