@@ -377,7 +377,7 @@ static void host_read_span(const epipe_codec *c, uint64_t n, size_t len, size_t 
 {
     *head = *tail = 0;
     if (c->ops->id == EPIPE_CODEC_ID_POWERITER) { /* its header: the kernel checks the rest */
-        *head = len < 32 ? len : 32;
+        *head = len < EPIPE_CUDA_PI_HEADER ? len : EPIPE_CUDA_PI_HEADER;
         return;
     }
     unsigned bits = 0;

@@ -81,14 +81,6 @@ static int wait(epipe_codec *c, const char *what)
     return epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)), what);
 }
 
-/* The body's header (PI_BODY_HEADER, codecs/poweriter/poweriter.h): the
- * records follow it. */
-#define PI_HEADER_BYTES 32
-
-/* poweriter's `factors` parameter (codecs/poweriter/poweriter.h: PI_FACTORS;
- * 1 = fp16). */
-#define PI_PARAM_FACTORS 3
-
 /* Up to this rank each Q is orthonormalised on the device (CholeskyQR2,
  * one thread a matrix for the r x r Cholesky); above it, on the host. */
 #define PI_DEVICE_QR_MAX_RANK 64
@@ -780,7 +772,7 @@ static int encode_slot(epipe_codec *c, const float *x, size_t n, uint8_t *body, 
     const epipe_cuda_core *core = epipe_cuda_core_fns;
     epipe_cuda_handle *h = epipe_cuda_h(c);
     cudaStream_t s = epipe_cuda_stream(c);
-    const uint64_t nb = v[0], rows = v[1], cols = v[2], rec = (len - PI_HEADER_BYTES) / nb;
+    const uint64_t nb = v[0], rows = v[1], cols = v[2], rec = (len - EPIPE_CUDA_PI_HEADER) / nb;
     const size_t qs = (size_t)(nb * rows * r), ps = (size_t)(nb * cols * r);
     float *slot = NULL;
     void *dq, *dp, *stats;
@@ -824,13 +816,13 @@ static int encode_slot(epipe_codec *c, const float *x, size_t n, uint8_t *body, 
             rc = core->pi_refuse(c, n, bad >> 1, (int)(bad & 1), sb);
     }
     void *recs;
-    if (!rc && !(rc = epipe_cuda_body_out(c, PI_HEADER_BYTES, nb * rec, &recs))) {
+    if (!rc && !(rc = epipe_cuda_body_out(c, EPIPE_CUDA_PI_HEADER, nb * rec, &recs))) {
         pi_write_records<<<epipe_cuda_blocks(nb * (1 + (rows + cols) * r), 256), 256, 0, s>>>(
             (const float *)dq, (const float *)dp, scale, inv, nb, rows, cols, r,
-            (int)c->p[PI_PARAM_FACTORS] == 1, (uint8_t *)recs, rec, slot);
+            (int)c->p[EPIPE_CUDA_PI_FACTORS] == EPIPE_CUDA_PI_F16, (uint8_t *)recs, rec, slot);
         if (!(rc = epipe_cuda_check(c, cudaGetLastError(), "launching the records")) &&
-            !(rc = epipe_cuda_body_flush(c, body, PI_HEADER_BYTES, recs, nb * rec)))
-            rc = epipe_cuda_body_push(c, body, 0, PI_HEADER_BYTES);
+            !(rc = epipe_cuda_body_flush(c, body, EPIPE_CUDA_PI_HEADER, recs, nb * rec)))
+            rc = epipe_cuda_body_push(c, body, 0, EPIPE_CUDA_PI_HEADER);
     }
     return rc;
 }
@@ -846,27 +838,27 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     int rc = core->pi_plan(c, n, NULL, v, &r, &len);
     if (rc || (rc = core->pi_check_header(c, body, n)) || r == 0)
         return rc;
-    const uint64_t nb = v[0], rows = v[1], cols = v[2], rec = (len - PI_HEADER_BYTES) / nb;
+    const uint64_t nb = v[0], rows = v[1], cols = v[2], rec = (len - EPIPE_CUDA_PI_HEADER) / nb;
     const size_t qs = (size_t)(nb * rows * r), ps = (size_t)(nb * cols * r);
     const void *recs;
     void *dq, *dp;
     if (r <= PI_FUSED_MAX_RANK) {
         const uint64_t tiles = (cols + PI_TILE - 1) / PI_TILE,
                        groups = (rows + PI_ROW_GROUP - 1) / PI_ROW_GROUP;
-        if ((rc = epipe_cuda_body_in(c, body, PI_HEADER_BYTES, nb * rec, &recs)))
+        if ((rc = epipe_cuda_body_in(c, body, EPIPE_CUDA_PI_HEADER, nb * rec, &recs)))
             return rc;
         launch_rebuild(r, epipe_cuda_blocks(nb * tiles * groups, 1), s, (const uint8_t *)recs, rec,
-                       nb, rows, cols, (int)c->p[PI_PARAM_FACTORS] == 1, tiles, groups, y,
-                       h->status);
+                       nb, rows, cols, (int)c->p[EPIPE_CUDA_PI_FACTORS] == EPIPE_CUDA_PI_F16, tiles,
+                       groups, y, h->status);
         return epipe_cuda_check(c, cudaGetLastError(), "launching the rebuild");
     }
     if ((rc = epipe_cuda_grow(c, &h->work[0], qs * sizeof(float), &dq)) ||
         (rc = epipe_cuda_grow(c, &h->work[1], ps * sizeof(float), &dp)) ||
-        (rc = epipe_cuda_body_in(c, body, PI_HEADER_BYTES, nb * rec, &recs)))
+        (rc = epipe_cuda_body_in(c, body, EPIPE_CUDA_PI_HEADER, nb * rec, &recs)))
         return rc;
     pi_unpack<<<epipe_cuda_blocks(nb * (1 + (rows + cols) * r), 256), 256, 0, s>>>(
-        (const uint8_t *)recs, rec, nb, rows, cols, r, (int)c->p[PI_PARAM_FACTORS] == 1,
-        (float *)dq, (float *)dp, h->status);
+        (const uint8_t *)recs, rec, nb, rows, cols, r,
+        (int)c->p[EPIPE_CUDA_PI_FACTORS] == EPIPE_CUDA_PI_F16, (float *)dq, (float *)dp, h->status);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the factors' checks")))
         return rc;
     /* Y = s Q Pᵀ: row-major rows x cols is column-major cols x rows = (sP) Qᵀ. */

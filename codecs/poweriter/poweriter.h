@@ -19,6 +19,9 @@ enum { PI_F32 = 0, PI_F16 = 1 };
  * slot % PI_MAX_SLOTS. */
 #define PI_MAX_SLOTS 256
 _Static_assert(PI_MAX_SLOTS == EPIPE_CUDA_PI_SLOTS, "the CUDA module keeps as many slots");
+_Static_assert(PI_BODY_HEADER == EPIPE_CUDA_PI_HEADER, "the CUDA module's body header");
+_Static_assert(PI_FACTORS == EPIPE_CUDA_PI_FACTORS && PI_F16 == EPIPE_CUDA_PI_F16,
+               "the CUDA module's factors parameter");
 
 /* The matrix view of a tensor shape (docs/codecs.md). */
 typedef struct pi_view {

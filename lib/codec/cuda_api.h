@@ -18,8 +18,14 @@ extern "C" {
  * from another build is refused rather than misread. */
 #define EPIPE_CUDA_ABI 11
 
-/* poweriter's warm-start slots (PI_MAX_SLOTS, codecs/poweriter/). */
+/* What the module knows of poweriter's layout (codecs/poweriter/poweriter.h
+ * checks each against its own): its warm-start slots (PI_MAX_SLOTS), its
+ * body header's bytes, before the records (PI_BODY_HEADER), and its
+ * `factors` parameter's index (PI_FACTORS) and fp16 value (PI_F16). */
 #define EPIPE_CUDA_PI_SLOTS 256
+#define EPIPE_CUDA_PI_HEADER 32
+#define EPIPE_CUDA_PI_FACTORS 3
+#define EPIPE_CUDA_PI_F16 1
 
 /* The name of the function the module exports (default visibility). */
 #define EPIPE_CUDA_INIT_SYMBOL "epipe_cuda_module_init"
