@@ -81,6 +81,12 @@ static int wait(epipe_codec *c, const char *what)
     return epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)), what);
 }
 
+/* Whether the records hold fp16 factors (factors=fp16), else fp32. */
+static int pi_fp16(const epipe_codec *c)
+{
+    return (int)c->p[EPIPE_CUDA_PI_FACTORS] == EPIPE_CUDA_PI_F16;
+}
+
 /* Up to this rank each Q is orthonormalised on the device (CholeskyQR2,
  * one thread a matrix for the r x r Cholesky); above it, on the host. */
 #define PI_DEVICE_QR_MAX_RANK 64
@@ -818,8 +824,8 @@ static int encode_slot(epipe_codec *c, const float *x, size_t n, uint8_t *body, 
     void *recs;
     if (!rc && !(rc = epipe_cuda_body_out(c, EPIPE_CUDA_PI_HEADER, nb * rec, &recs))) {
         pi_write_records<<<epipe_cuda_blocks(nb * (1 + (rows + cols) * r), 256), 256, 0, s>>>(
-            (const float *)dq, (const float *)dp, scale, inv, nb, rows, cols, r,
-            (int)c->p[EPIPE_CUDA_PI_FACTORS] == EPIPE_CUDA_PI_F16, (uint8_t *)recs, rec, slot);
+            (const float *)dq, (const float *)dp, scale, inv, nb, rows, cols, r, pi_fp16(c),
+            (uint8_t *)recs, rec, slot);
         if (!(rc = epipe_cuda_check(c, cudaGetLastError(), "launching the records")) &&
             !(rc = epipe_cuda_body_flush(c, body, EPIPE_CUDA_PI_HEADER, recs, nb * rec)))
             rc = epipe_cuda_body_push(c, body, 0, EPIPE_CUDA_PI_HEADER);
@@ -848,8 +854,7 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
         if ((rc = epipe_cuda_body_in(c, body, EPIPE_CUDA_PI_HEADER, nb * rec, &recs)))
             return rc;
         launch_rebuild(r, epipe_cuda_blocks(nb * tiles * groups, 1), s, (const uint8_t *)recs, rec,
-                       nb, rows, cols, (int)c->p[EPIPE_CUDA_PI_FACTORS] == EPIPE_CUDA_PI_F16, tiles,
-                       groups, y, h->status);
+                       nb, rows, cols, pi_fp16(c), tiles, groups, y, h->status);
         return epipe_cuda_check(c, cudaGetLastError(), "launching the rebuild");
     }
     if ((rc = epipe_cuda_grow(c, &h->work[0], qs * sizeof(float), &dq)) ||
@@ -857,8 +862,8 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
         (rc = epipe_cuda_body_in(c, body, EPIPE_CUDA_PI_HEADER, nb * rec, &recs)))
         return rc;
     pi_unpack<<<epipe_cuda_blocks(nb * (1 + (rows + cols) * r), 256), 256, 0, s>>>(
-        (const uint8_t *)recs, rec, nb, rows, cols, r,
-        (int)c->p[EPIPE_CUDA_PI_FACTORS] == EPIPE_CUDA_PI_F16, (float *)dq, (float *)dp, h->status);
+        (const uint8_t *)recs, rec, nb, rows, cols, r, pi_fp16(c), (float *)dq, (float *)dp,
+        h->status);
     if ((rc = epipe_cuda_check(c, cudaGetLastError(), "launching the factors' checks")))
         return rc;
     /* Y = s Q Pᵀ: row-major rows x cols is column-major cols x rows = (sP) Qᵀ. */
