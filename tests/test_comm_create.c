@@ -363,6 +363,175 @@ static void buffer_caches_are_per_handle(void **state)
     epipe_comm_destroy(a[1]);
 }
 
+/* ---- pinned buffers ------------------------------------------------------ */
+
+/* A stand-in for pinned memory: malloc'd, each buffer remembered so that
+ * the test sees which buffers came from it and that each went back. */
+enum { PIN_MAX = 64 };
+static struct {
+    void *live[PIN_MAX];
+    int allocs, releases, fail;
+} pin;
+
+static int pin_alloc(int device, size_t bytes, void **p)
+{
+    assert_int_equal(device, 3);
+    if (pin.fail || !(*p = malloc(bytes)))
+        return EPIPE_ENOMEM;
+    for (int i = 0; i < PIN_MAX; i++)
+        if (!pin.live[i]) {
+            pin.live[i] = *p;
+            pin.allocs++;
+            return EPIPE_OK;
+        }
+    free(*p);
+    return EPIPE_ENOMEM;
+}
+
+static void pin_release(int device, void *p)
+{
+    assert_int_equal(device, 3); /* the device it was made through */
+    for (int i = 0; i < PIN_MAX; i++)
+        if (pin.live[i] == p) {
+            pin.live[i] = NULL;
+            pin.releases++;
+            free(p);
+            return;
+        }
+    fail_msg("a buffer the allocator did not make was given to its release");
+}
+
+static int pinned(const epipe_msg *m)
+{
+    for (int i = 0; i < PIN_MAX; i++)
+        if (pin.live[i] && pin.live[i] == m->data)
+            return 1;
+    return 0;
+}
+
+/* Sends m from c[0] to c[1] and frees it there (back to c[0]'s cache). */
+static void pass(epipe_comm **c, epipe_msg *m, uint32_t mb)
+{
+    assert_int_equal(epipe_comm_send(c[0], 1, m), EPIPE_OK);
+    assert_int_equal(epipe_comm_recv(c[1], 0, EPIPE_WIRE_ERROR, 0, mb, 1000, &m), EPIPE_OK);
+    epipe_msg_free(m);
+}
+
+static const epipe_msgbuf_allocator pin_allocator = {pin_alloc, pin_release};
+
+static void pinned_buffers_are_cached_and_released(void **state)
+{
+    (void)state;
+    memset(&pin, 0, sizeof pin);
+    epipe_comm *c[2];
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    enum { BIG = 1 << 20 };
+    uint64_t hits, misses, bytes;
+    pass(c, make_msg(c[0], 1, BIG, 0), 0); /* a pageable buffer, cached */
+    epipe_comm_cache_stats(c[0], NULL, NULL, &bytes);
+    assert_true(bytes >= BIG);
+    /* pinning frees the cached pageable buffer: it would not serve again */
+    epipe_comm_pin_buffers(c[0], &pin_allocator, 3);
+    epipe_comm_pin_buffers(c[0], &pin_allocator, 5); /* idempotent: device 3 stays */
+    epipe_comm_cache_stats(c[0], &hits, &misses, &bytes);
+    assert_int_equal(bytes, 0);
+    epipe_msg *m = make_msg(c[0], 1, BIG, 1);
+    assert_true(pinned(m));
+    pass(c, m, 1);
+    m = make_msg(c[0], 1, BIG, 2); /* the same pinned buffer again */
+    assert_true(pinned(m));
+    assert_int_equal(pin.allocs, 1);
+    pass(c, m, 2);
+    epipe_comm_cache_stats(c[0], &hits, NULL, &bytes);
+    assert_int_equal(hits, 1);
+    assert_true(bytes >= BIG);
+    /* small messages, and those the cache could not keep, stay malloc's */
+    m = make_msg(c[0], 1, 1000, 3);
+    assert_false(pinned(m));
+    pass(c, m, 3);
+    assert_int_equal(epipe_comm_set_param(c[0], EPIPE_COMM_BUFFER_CACHE, BIG), EPIPE_OK);
+    assert_int_equal(pin.releases, 1); /* lowering the cap freed the held one */
+    m = make_msg(c[0], 1, BIG, 4);
+    assert_false(pinned(m));
+    pass(c, m, 4);
+    assert_int_equal(epipe_comm_set_param(c[0], EPIPE_COMM_BUFFER_CACHE, 512 << 20), EPIPE_OK);
+    /* no pinned memory: a pageable buffer serves, and is not cached */
+    pin.fail = 1;
+    m = make_msg(c[0], 1, BIG, 5);
+    assert_false(pinned(m));
+    pass(c, m, 5);
+    epipe_comm_cache_stats(c[0], NULL, NULL, &bytes);
+    assert_int_equal(bytes, 0);
+    pin.fail = 0;
+    /* a message outlives its handle; the last buffer goes back to release */
+    m = make_msg(c[0], 1, BIG, 6);
+    assert_true(pinned(m));
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    assert_int_equal(pin.releases, pin.allocs - 1);
+    epipe_msg_free(m);
+    assert_int_equal(pin.releases, pin.allocs);
+}
+
+/* Sends n messages of `payload` bytes from c[0] before c[1] frees any:
+ * how many were pinned. */
+static int round_trip(epipe_comm **c, int n, size_t payload, uint32_t mb0)
+{
+    epipe_msg *m[40];
+    int npinned = 0;
+    for (int i = 0; i < n; i++) {
+        m[i] = make_msg(c[0], 1, payload, mb0 + (uint32_t)i);
+        npinned += pinned(m[i]);
+        assert_int_equal(epipe_comm_send(c[0], 1, m[i]), EPIPE_OK);
+    }
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(
+            epipe_comm_recv(c[1], 0, EPIPE_WIRE_ERROR, 0, mb0 + (uint32_t)i, 1000, &m[i]),
+            EPIPE_OK);
+    }
+    for (int i = 0; i < n; i++)
+        epipe_msg_free(m[i]);
+    return npinned;
+}
+
+/* At most 32 pinned buffers and buffer_cache bytes alive: a message past
+ * them gets malloc's, so no pinned buffer is ever pushed out of the cache
+ * and pinned afresh, step after step. */
+static void pinned_buffers_are_bounded(void **state)
+{
+    (void)state;
+    memset(&pin, 0, sizeof pin);
+    epipe_comm *c[2];
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    epipe_comm_pin_buffers(c[0], &pin_allocator, 3);
+    enum { MID = 300 << 10, BIG = 1 << 20 };
+    uint64_t bytes;
+    for (int round = 0; round < 3; round++) {
+        assert_int_equal(round_trip(c, 40, MID, 100u * (uint32_t)round), 32);
+        assert_int_equal(pin.allocs, 32);
+        assert_int_equal(pin.releases, 0);
+    }
+    epipe_comm_cache_stats(c[0], NULL, NULL, &bytes);
+    assert_true(bytes >= 32u * MID);
+    /* a cap of 4.5 MiB: four 1 MiB buffers alive, the cached 300 KiB ones
+     * freed to make room for them */
+    assert_int_equal(epipe_comm_set_param(c[0], EPIPE_COMM_BUFFER_CACHE, (9 << 20) / 2), EPIPE_OK);
+    assert_int_equal(pin.releases, 32); /* over the new cap: all freed */
+    for (int round = 0; round < 3; round++)
+        assert_int_equal(round_trip(c, 6, BIG, 1000u + 100u * (uint32_t)round), 4);
+    assert_int_equal(pin.allocs, 36);
+    /* other sizes: cached buffers that do not fit make room, only as many
+     * as needed (1 + 1.5 + 1.5 MiB fit in 4.5, so one 1 MiB buffer stays) */
+    assert_int_equal(round_trip(c, 2, (3 << 20) / 2, 2000), 2);
+    assert_int_equal(pin.allocs, 38);
+    assert_int_equal(pin.releases, 35);
+    epipe_comm_cache_stats(c[0], NULL, NULL, &bytes);
+    assert_true(bytes <= (9 << 20) / 2);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    assert_int_equal(pin.releases, pin.allocs);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -373,6 +542,8 @@ int main(void)
         cmocka_unit_test_setup(settings_follow_one_precedence, clean_env),
         cmocka_unit_test_setup(stages_follow_the_comm_timeout, clean_env),
         cmocka_unit_test_setup(buffer_caches_are_per_handle, clean_env),
+        cmocka_unit_test_setup(pinned_buffers_are_cached_and_released, clean_env),
+        cmocka_unit_test_setup(pinned_buffers_are_bounded, clean_env),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -257,9 +257,13 @@ typedef enum epipe_comm_param {
      * 50. */
     EPIPE_COMM_SPIN_US = 3,
     /* The most bytes of message buffers this handle keeps for reuse
-     * (at most 8 buffers of 256 KiB or more), 0 .. 2^40; 0 keeps none.
+     * (at most 32 buffers of 256 KiB or more), 0 .. 2^40; 0 keeps none.
      * Every handle has a cache of its own, shared with no other handle;
-     * lowering the cap frees what it holds. Default: buffer_cache /
+     * lowering the cap frees what it holds. Once a stage on the handle
+     * has a CUDA device (EPIPE_STAGE_CUDA_DEVICE), the buffers it may keep
+     * (up to half the cap each) are pinned host memory: at most 32 of them
+     * and the cap in bytes alive at once, cached or in messages; a message
+     * past that gets a malloc'd buffer. Default: buffer_cache /
      * EPIPE_BUFFER_CACHE, else 512 MiB. */
     EPIPE_COMM_BUFFER_CACHE = 4
 } epipe_comm_param;

@@ -21,17 +21,35 @@
  * buffer came from, so the cache lives until the handle is gone and the
  * last of its messages (perhaps freed by a peer's thread) is freed. */
 #define MSGBUF_MIN ((size_t)256 << 10)
-#define MSGBUF_SLOTS 8
+#define MSGBUF_SLOTS 32
+
+/* A cache may be told to hand out pinned (page-locked) buffers, for a
+ * stage that encodes CUDA tensors into its messages and decodes them
+ * from there (epipe_comm_pin_buffers). Pinning costs far more than
+ * malloc, and freeing pinned memory may wait for the device, so the cache
+ * pins only what it can keep: buffers of at most half its cap, and no
+ * more than MSGBUF_SLOTS of them and `cap` bytes alive (cached or out) at
+ * once; past that a message gets a malloc'd buffer. A pinned buffer is
+ * then never pushed out for want of a slot or of bytes: every one alive
+ * fits. Each buffer carries the function that frees it, and buffers are
+ * freed outside the cache's lock (fork() takes it, and a free may wait). */
+typedef struct msgbuf {
+    void *p;
+    size_t cap;
+    void (*release)(int device, void *p); /* NULL: free() */
+    int device;                           /* release's argument */
+} msgbuf;
 
 struct epipe_msgpool {
     pthread_mutex_t lock;
-    unsigned refs; /* the handle's and one per message out; atomic */
-    int closed;    /* the handle is gone: keep nothing more */
-    uint64_t cap;  /* bytes the cache may hold */
-    struct {
-        void *p;
-        size_t cap;
-    } slot[MSGBUF_SLOTS];
+    unsigned refs;                     /* the handle's and one per message out; atomic */
+    int closed;                        /* the handle is gone: keep nothing more */
+    uint64_t cap;                      /* bytes the cache may hold */
+    const epipe_msgbuf_allocator *pin; /* NULL: malloc's buffers */
+    int pin_device;                    /* the CUDA device pin allocates through */
+    unsigned pinned;                   /* pinned buffers alive, cached or out */
+    uint64_t pinned_bytes;             /* ... and their bytes */
+    msgbuf slot[MSGBUF_SLOTS];
     uint64_t bytes, hits, misses;
     unsigned next;
 };
@@ -45,12 +63,49 @@ void epipe_msgbuf_free_hook_set(void (*fn)(void *p, size_t cap))
     __atomic_store_n(&free_hook, fn, __ATOMIC_RELEASE);
 }
 
-static void buf_free(void *p, size_t cap)
+static void buf_free(msgbuf b)
 {
     void (*fn)(void *, size_t) = __atomic_load_n(&free_hook, __ATOMIC_ACQUIRE);
-    if (fn && p)
-        fn(p, cap);
-    free(p);
+    if (fn && b.p)
+        fn(b.p, b.cap);
+    if (b.release && b.p)
+        b.release(b.device, b.p);
+    else
+        free(b.p);
+}
+
+/* Buffers taken out of the cache under its lock, freed after it. */
+typedef struct msgbuf_list {
+    msgbuf b[MSGBUF_SLOTS + 1];
+    int n;
+} msgbuf_list;
+
+static void list_free(msgbuf_list *l)
+{
+    for (int i = 0; i < l->n; i++)
+        buf_free(l->b[i]);
+    l->n = 0;
+}
+
+/* b leaves the cache's accounts for good (it is about to be freed). */
+static void forget(epipe_msgpool *pool, msgbuf b, msgbuf_list *l)
+{
+    if (!b.p)
+        return;
+    if (b.release) {
+        pool->pinned--;
+        pool->pinned_bytes -= b.cap;
+    }
+    l->b[l->n++] = b;
+}
+
+static void slot_take(epipe_msgpool *pool, int i, msgbuf_list *l)
+{
+    if (pool->slot[i].p) {
+        pool->bytes -= pool->slot[i].cap;
+        forget(pool, pool->slot[i], l);
+        pool->slot[i].p = NULL;
+    }
 }
 
 static epipe_msgpool *pool_new(void)
@@ -67,20 +122,19 @@ static epipe_msgpool *pool_new(void)
     return pool;
 }
 
-/* Frees what the cache holds. */
-static void pool_drain(epipe_msgpool *pool)
+/* Takes everything the cache holds into l (the caller frees it). */
+static void pool_drain(epipe_msgpool *pool, msgbuf_list *l)
 {
-    for (int i = 0; i < MSGBUF_SLOTS; i++) {
-        buf_free(pool->slot[i].p, pool->slot[i].cap);
-        pool->slot[i].p = NULL;
-    }
-    pool->bytes = 0;
+    for (int i = 0; i < MSGBUF_SLOTS; i++)
+        slot_take(pool, i, l);
 }
 
 static void pool_unref(epipe_msgpool *pool)
 {
     if (pool && __atomic_sub_fetch(&pool->refs, 1, __ATOMIC_ACQ_REL) == 0) {
-        pool_drain(pool);
+        msgbuf_list l = {.n = 0};
+        pool_drain(pool, &l);
+        list_free(&l);
         pthread_mutex_destroy(&pool->lock);
         free(pool);
     }
@@ -90,67 +144,111 @@ static void pool_unref(epipe_msgpool *pool)
  * handle's reference (messages still out hold theirs). */
 static void pool_close(epipe_msgpool *pool)
 {
+    msgbuf_list l = {.n = 0};
     pthread_mutex_lock(&pool->lock);
     pool->closed = 1;
-    pool_drain(pool);
+    pool_drain(pool, &l);
     pthread_mutex_unlock(&pool->lock);
+    list_free(&l);
     pool_unref(pool);
 }
 
-static void *pool_get(epipe_msgpool *pool, size_t *cap)
+/* A buffer of at least b->cap bytes (its size into b->cap, and how to free
+ * it), or b->p NULL when out of memory. */
+static void pool_get(epipe_msgpool *pool, msgbuf *b)
 {
-    if (*cap >= MSGBUF_MIN) {
+    b->release = NULL;
+    if (b->cap >= MSGBUF_MIN) {
+        msgbuf_list l = {.n = 0};
         pthread_mutex_lock(&pool->lock);
+        void (*want)(int, void *) = pool->pin ? pool->pin->release : NULL;
         int best = -1;
         for (int i = 0; i < MSGBUF_SLOTS; i++)
-            if (pool->slot[i].p && pool->slot[i].cap >= *cap && pool->slot[i].cap / 2 <= *cap &&
+            if (pool->slot[i].p && pool->slot[i].release == want && pool->slot[i].cap >= b->cap &&
+                pool->slot[i].cap / 2 <= b->cap &&
                 (best < 0 || pool->slot[i].cap < pool->slot[best].cap))
                 best = i;
         if (best >= 0) {
-            void *p = pool->slot[best].p;
-            *cap = pool->slot[best].cap;
-            pool->bytes -= *cap;
+            *b = pool->slot[best];
+            pool->bytes -= b->cap;
             pool->slot[best].p = NULL;
             pool->hits++;
             pthread_mutex_unlock(&pool->lock);
-            return p;
+            return;
         }
         pool->misses++;
+        const epipe_msgbuf_allocator *pin = NULL;
+        if (pool->pin && b->cap <= pool->cap / 2) {
+            /* Past the bounds, the cached pinned buffers (none of which
+             * fits this message) make room, the longest-held first. */
+            for (int k = 0; k < MSGBUF_SLOTS && (pool->pinned >= MSGBUF_SLOTS ||
+                                                 pool->pinned_bytes + b->cap > pool->cap);
+                 k++)
+                slot_take(pool, (int)((pool->next + k) % MSGBUF_SLOTS), &l);
+            if (pool->pinned < MSGBUF_SLOTS && pool->pinned_bytes + b->cap <= pool->cap) {
+                pin = pool->pin;
+                pool->pinned++; /* reserved until the allocation says */
+                pool->pinned_bytes += b->cap;
+            }
+        }
+        int device = pool->pin_device;
         pthread_mutex_unlock(&pool->lock);
+        list_free(&l);
+        if (pin) {
+            b->p = NULL;
+            if (pin->alloc(device, b->cap, &b->p) == EPIPE_OK && b->p) {
+                b->release = pin->release;
+                b->device = device;
+                return;
+            }
+            pthread_mutex_lock(&pool->lock);
+            pool->pinned--;
+            pool->pinned_bytes -= b->cap;
+            pthread_mutex_unlock(&pool->lock);
+            /* no pinned memory: a pageable buffer serves, only slower */
+        }
     }
-    return malloc(*cap);
+    b->p = malloc(b->cap);
 }
 
-static void pool_put(epipe_msgpool *pool, void *p, size_t cap)
+static void pool_put(epipe_msgpool *pool, msgbuf b)
 {
-    void *old = NULL;
-    size_t old_cap = 0;
+    msgbuf_list l = {.n = 0};
     pthread_mutex_lock(&pool->lock);
-    if (p && !pool->closed && cap >= MSGBUF_MIN && cap <= pool->cap / 2) {
+    /* Only the kind of buffer the cache now hands out is kept. */
+    void (*want)(int, void *) = pool->pin ? pool->pin->release : NULL;
+    if (b.p && !pool->closed && b.release == want && b.cap >= MSGBUF_MIN &&
+        b.cap <= pool->cap / 2) {
         int slot = -1;
         for (int i = 0; i < MSGBUF_SLOTS && slot < 0; i++)
             if (!pool->slot[i].p)
                 slot = i;
         if (slot < 0) /* full: the oldest-placed slot in turn makes room */
             slot = (int)(pool->next++ % MSGBUF_SLOTS);
-        old = pool->slot[slot].p;
-        old_cap = pool->slot[slot].cap;
-        if (old)
-            pool->bytes -= pool->slot[slot].cap;
-        for (int i = 0; i < MSGBUF_SLOTS && pool->bytes + cap > pool->cap; i++)
-            if (pool->slot[i].p && i != slot) {
-                pool->bytes -= pool->slot[i].cap;
-                buf_free(pool->slot[i].p, pool->slot[i].cap);
-                pool->slot[i].p = NULL;
-            }
-        pool->slot[slot].p = p;
-        pool->slot[slot].cap = cap;
-        pool->bytes += cap;
-        p = NULL;
+        slot_take(pool, slot, &l);
+        for (int i = 0; i < MSGBUF_SLOTS && pool->bytes + b.cap > pool->cap; i++)
+            slot_take(pool, i, &l);
+        pool->slot[slot] = b;
+        pool->bytes += b.cap;
+    } else {
+        forget(pool, b, &l);
     }
     pthread_mutex_unlock(&pool->lock);
-    buf_free(old, old_cap);
-    buf_free(p, cap);
+    list_free(&l);
+}
+
+void epipe_comm_pin_buffers(epipe_comm *c, const epipe_msgbuf_allocator *pin, int device)
+{
+    epipe_msgpool *pool = c->pool;
+    msgbuf_list l = {.n = 0};
+    pthread_mutex_lock(&pool->lock);
+    if (pool->pin != pin) {
+        pool->pin = pin;
+        pool->pin_device = device;
+        pool_drain(pool, &l); /* buffers of the other kind would never serve again */
+    }
+    pthread_mutex_unlock(&pool->lock);
+    list_free(&l);
 }
 
 void epipe_comm_cache_stats(const epipe_comm *c, uint64_t *hits, uint64_t *misses, uint64_t *bytes)
@@ -173,8 +271,15 @@ static epipe_msg *msg_new(epipe_msgpool *pool, size_t payload_cap)
     epipe_msg *m = calloc(1, sizeof *m);
     if (!m)
         return NULL;
-    m->cap = EPIPE_WIRE_HEADER_SIZE + payload_cap;
-    m->data = pool ? pool_get(pool, &m->cap) : malloc(m->cap);
+    msgbuf b = {.cap = EPIPE_WIRE_HEADER_SIZE + payload_cap};
+    if (pool)
+        pool_get(pool, &b);
+    else
+        b.p = malloc(b.cap);
+    m->data = b.p;
+    m->cap = b.cap;
+    m->release = b.release;
+    m->release_device = b.device;
     if (!m->data) {
         free(m);
         return NULL;
@@ -199,11 +304,12 @@ epipe_msg *epipe_comm_msg_new(epipe_comm *c, size_t payload_cap)
 void epipe_msg_free(epipe_msg *m)
 {
     if (m) {
+        msgbuf b = {m->data, m->cap, m->release, m->release_device};
         if (m->pool) {
-            pool_put(m->pool, m->data, m->cap);
+            pool_put(m->pool, b);
             pool_unref(m->pool);
         } else {
-            buf_free(m->data, m->cap);
+            buf_free(b);
         }
         free(m);
     }
@@ -724,11 +830,13 @@ EPIPE_API int epipe_comm_set_param(epipe_comm *c, epipe_comm_param param, int64_
             return epipe_fail_into(c->msg, EPIPE_EINVAL,
                                    "EPIPE_COMM_BUFFER_CACHE = %lld is out of range 0..2^40",
                                    (long long)value);
+        msgbuf_list l = {.n = 0};
         pthread_mutex_lock(&c->pool->lock);
         c->pool->cap = (uint64_t)value;
         if (c->pool->bytes > c->pool->cap)
-            pool_drain(c->pool);
+            pool_drain(c->pool, &l);
         pthread_mutex_unlock(&c->pool->lock);
+        list_free(&l);
         return EPIPE_OK;
     }
     return epipe_fail_into(c->msg, EPIPE_EINVAL, "unknown communicator parameter %d", (int)param);

@@ -21,6 +21,8 @@ typedef struct epipe_msg {
     uint8_t *data;         /* header bytes, then payload */
     size_t len;            /* bytes used in data */
     size_t cap;
+    void (*release)(int device, void *p); /* frees data (NULL: free()) */
+    int release_device;                   /* ... given this */
 } epipe_msg;
 
 /* A message with room for a payload of `payload_cap` bytes after the
@@ -168,6 +170,23 @@ int epipe_comm_recv(epipe_comm *c, unsigned peer, unsigned kind, uint64_t step,
 /* Sets the function called with every message buffer (data, cap) just
  * before it is freed: the rdma registration cache drops what covers it. */
 void epipe_msgbuf_free_hook_set(void (*fn)(void *p, size_t cap));
+
+/* Pinned host memory for message buffers: alloc returns EPIPE_OK with a
+ * buffer of `bytes` in *p, made through CUDA device `device`; release
+ * frees one. Both must stay callable for as long as any communicator or
+ * message may hold such a buffer. */
+typedef struct epipe_msgbuf_allocator {
+    int (*alloc)(int device, size_t bytes, void **p);
+    void (*release)(int device, void *p); /* the device p was made through */
+} epipe_msgbuf_allocator;
+
+/* From now on, c's cache draws the buffers it may keep from `pin` through
+ * CUDA device `device` (pin NULL: from malloc again), and frees those it
+ * holds of the other kind. It pins at most 32 buffers and `buffer_cache`
+ * bytes alive at once; a message past that, or one pin cannot serve,
+ * gets a malloc'd buffer. Any thread; idempotent (the device named first
+ * stays: pinned memory serves every device). */
+void epipe_comm_pin_buffers(epipe_comm *c, const epipe_msgbuf_allocator *pin, int device);
 
 /* Buffer-cache counters of c's cache (tests, epipe-bench): buffers reused
  * and freshly allocated for epipe_comm_msg_new(), and the bytes held now. */
