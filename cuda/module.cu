@@ -805,14 +805,20 @@ static int cuda_synchronize(epipe_codec *c)
 static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h)
 {
     int rc = epipe_cuda_check(c, cudaSetDevice(h->device), "selecting the handle's device");
-    if (rc)
-        return rc;
     /* The status word rides on the stream: one wait for both. */
-    if ((rc = epipe_cuda_check(c,
-                               cudaMemcpyAsync(h->status_host, h->status, sizeof *h->status,
-                                               cudaMemcpyDeviceToHost, epipe_cuda_stream(c)),
-                               "reading the status word")) ||
-        (rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
+    if (!rc)
+        rc = epipe_cuda_check(c,
+                              cudaMemcpyAsync(h->status_host, h->status, sizeof *h->status,
+                                              cudaMemcpyDeviceToHost, epipe_cuda_stream(c)),
+                              "reading the status word");
+    if (rc) {
+        /* Still wait: the caller frees buffers the stream's copies use
+         * once this returns (a stream names its device itself). */
+        cudaStreamSynchronize(epipe_cuda_stream(c));
+        cudaGetLastError();
+        return rc;
+    }
+    if ((rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
                                "waiting for the handle's stream")))
         return rc;
     epipe_cuda_status st = *h->status_host;
@@ -909,14 +915,13 @@ static int dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
     return e == cudaErrorMemoryAllocation ? EPIPE_ENOMEM : EPIPE_EIO;
 }
 
-static void dev_free(void *p)
+static void dev_free(int device, void *p)
 {
-    /* on the memory's own device, so that a thread with none selected does
-     * not create a context on GPU 0 to free it */
-    cudaPointerAttributes a;
+    /* on the memory's own device, selected before any other call: on a
+     * thread with none selected, any call that needs a context (asking
+     * where p lives, too) would create GPU 0's */
     int prev = caller_device();
-    if (cudaPointerGetAttributes(&a, p) == cudaSuccess && a.device >= 0)
-        cudaSetDevice(a.device);
+    cudaSetDevice(device);
     cudaGetLastError();
     cudaFree(p);
     restore_device(prev);
@@ -940,20 +945,31 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
     return rc;
 }
 
-static int host_alloc(size_t bytes, void **p, char *why, size_t cap)
+/* Pinned memory through `device`'s context, and freed through the context
+ * that made it: a thread with no device selected (a transport's) would
+ * otherwise create GPU 0's. */
+static int host_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
 {
-    cudaError_t e = cudaHostAlloc(p, bytes, cudaHostAllocDefault);
+    int prev = caller_device();
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess)
+        e = cudaHostAlloc(p, bytes, cudaHostAllocDefault);
+    restore_device(prev);
     if (e == cudaSuccess)
         return EPIPE_OK;
     cudaGetLastError();
-    snprintf(why, cap, "allocating %zu bytes of pinned host memory: %s", bytes,
-             cudaGetErrorString(e));
+    snprintf(why, cap, "allocating %zu bytes of pinned host memory through CUDA device %d: %s",
+             bytes, device, cudaGetErrorString(e));
     return e == cudaErrorMemoryAllocation ? EPIPE_ENOMEM : EPIPE_EIO;
 }
 
-static void host_free(void *p)
+static void host_free(int device, void *p)
 {
+    int prev = caller_device();
+    cudaSetDevice(device); /* before any other call: see dev_free() */
+    cudaGetLastError();
     cudaFreeHost(p);
+    restore_device(prev);
 }
 
 static const epipe_cuda_module module = {

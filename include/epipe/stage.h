@@ -162,7 +162,13 @@ typedef enum epipe_stage_param {
      * the stage's codecs write. A boundary whose trainable codec runs in
      * the stage back-propagates the code gradient into the memory received
      * tensors go to, so its activations must be sent from there (a CUDA
-     * activation on device d needs d here; EPIPE_EINVAL otherwise). */
+     * activation on device d needs d here; EPIPE_EINVAL otherwise).
+     * Setting d >= 0 also makes the stage's communicator keep pinned
+     * message buffers (EPIPE_COMM_BUFFER_CACHE in epipe/comm.h), so that
+     * payloads cross PCIe in one DMA each, unless the environment has
+     * EPIPE_CUDA_PINNED_MESSAGES=0 (1, the default: pinned; another value
+     * is EPIPE_EINVAL naming it). The communicator stays so when the knob
+     * goes back to -1 (other stages may share it). */
     EPIPE_STAGE_CUDA_DEVICE = 5
 } epipe_stage_param;
 

@@ -74,7 +74,8 @@ static void fork_parent(void)
 
 static void fork_child(void)
 {
-    forked_child |= loaded != NULL;
+    if (loaded)
+        __atomic_store_n(&forked_child, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&lock);
 }
 
@@ -143,7 +144,7 @@ static int module_load(const char *what, char *why, size_t cap, const epipe_cuda
                      path, init ? "its interface version differs" : "no " EPIPE_CUDA_INIT_SYMBOL);
             return EPIPE_ENOTSUP;
         }
-        loaded = m;
+        __atomic_store_n(&loaded, m, __ATOMIC_RELEASE);
         snprintf(loaded_path, sizeof loaded_path, "%s", path);
     }
     const epipe_cuda_module *m = loaded;
@@ -159,13 +160,14 @@ static int module_load(const char *what, char *why, size_t cap, const epipe_cuda
 }
 
 /* The module if one is loaded, without loading it; none in a forked child
- * (freeing what the parent's CUDA made is the parent's business). */
+ * (freeing what the parent's CUDA made is the parent's business). It takes
+ * no lock: the frees that ask run under other handles' locks, and fork()
+ * takes this file's lock and theirs in its own order. */
 static const epipe_cuda_module *loaded_module(void)
 {
-    pthread_mutex_lock(&lock);
-    const epipe_cuda_module *m = forked_child ? NULL : loaded;
-    pthread_mutex_unlock(&lock);
-    return m;
+    if (__atomic_load_n(&forked_child, __ATOMIC_ACQUIRE))
+        return NULL;
+    return __atomic_load_n(&loaded, __ATOMIC_ACQUIRE);
 }
 
 /* module_load() for a codec call: the message on the handle. */
@@ -191,11 +193,20 @@ int epipe_cuda_dev_alloc(int device, size_t bytes, void **p, char *why, size_t c
     return rc ? rc : m->alloc(device, bytes, p, why, cap);
 }
 
-void epipe_cuda_dev_free(void *p)
+void epipe_cuda_dev_free(int device, void *p)
 {
     const epipe_cuda_module *m = loaded_module();
     if (m && p) /* device memory exists only if a module made it */
-        m->free(p);
+        m->free(device, p);
+}
+
+int epipe_cuda_pinned_alloc(int device, size_t bytes, void **p)
+{
+    const epipe_cuda_module *m = loaded_module();
+    char why[256];
+    if (!m) /* loads nothing: a caller that wants pinned memory has a module */
+        return EPIPE_ENOTSUP;
+    return m->host_alloc(device, bytes ? bytes : 1, p, why, sizeof why);
 }
 
 const epipe_codec_backend *epipe_codec_cuda_loaded_backend(const epipe_codec_ops *ops)
@@ -253,23 +264,23 @@ int epipe_codec_cuda_check(epipe_codec *c, const DLTensor *t, const char *what, 
     return rc ? rc : m->check(c, t, what, device);
 }
 
-int epipe_codec_cuda_host_alloc(epipe_codec *c, size_t bytes, void **p)
+int epipe_codec_cuda_host_alloc(epipe_codec *c, int device, size_t bytes, void **p)
 {
     const epipe_cuda_module *m;
     char why[256];
     int rc = module_get(c, "a staged tensor", &m);
     if (rc)
         return rc;
-    if ((rc = m->host_alloc(bytes ? bytes : 1, p, why, sizeof why)))
+    if ((rc = m->host_alloc(device, bytes ? bytes : 1, p, why, sizeof why)))
         return epipe_codec_fail(c, rc, "%s: %s", c->ops->name, why);
     return EPIPE_OK;
 }
 
-void epipe_codec_cuda_host_free(void *p)
+void epipe_codec_cuda_host_free(int device, void *p)
 {
     const epipe_cuda_module *m = loaded_module();
     if (m && p) /* pinned memory exists only if a module made it */
-        m->host_free(p);
+        m->host_free(device, p);
 }
 
 int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const void *src,

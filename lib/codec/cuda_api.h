@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 11
+#define EPIPE_CUDA_ABI 12
 
 /* What the module knows of poweriter's layout (codecs/poweriter/poweriter.h
  * checks each against its own): its warm-start slots (PI_MAX_SLOTS), its
@@ -163,7 +163,7 @@ typedef struct epipe_cuda_module {
      * `bytes` (> 0) on it, and free. Errors as a status with `why`. */
     int (*device_ok)(int device, char *why, size_t cap);
     int (*alloc)(int device, size_t bytes, void **p, char *why, size_t cap);
-    void (*free)(void *p);
+    void (*free)(int device, void *p); /* p was allocated on `device` */
     /* Host staging (lib/codec/cuda_staged.c), and the stage's hand-over of
      * a CUDA tensor between its chunks: a copy of `bytes` between host and
      * device memory of CUDA device `device` (cudaMemcpyDefault),
@@ -172,9 +172,12 @@ typedef struct epipe_cuda_module {
     int (*stream_copy)(epipe_codec *c, int device, void *dst, const void *src, size_t bytes);
     /* Host staging's buffers: pinned host memory (cudaHostAlloc), which the
      * staging copies read and write at the link's speed, without a bounce
-     * through the driver's own buffers; and its free. */
-    int (*host_alloc)(size_t bytes, void **p, char *why, size_t cap);
-    void (*host_free)(void *p);
+     * through the driver's own buffers (and the stage's message buffers),
+     * made through the context of CUDA device `device`; and its free,
+     * given the same device: a thread that selected none must not create
+     * GPU 0's context to free it. */
+    int (*host_alloc)(int device, size_t bytes, void **p, char *why, size_t cap);
+    void (*host_free)(int device, void *p);
     /* A trainable codec's backward (be->train's encode_backward, enc = 1,
      * or decode_backward) on CUDA tensors gin (n_in values of dt_in, read)
      * and gout (n_out of dt_out, written), both checked by the core and on

@@ -21,9 +21,10 @@ int epipe_codec_cuda_check(epipe_codec *c, const DLTensor *t, const char *what, 
  * stream after its work and complete on return. */
 int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const void *src,
                                  size_t bytes);
-/* Pinned host memory of at least `bytes` for host staging, and its free. */
-int epipe_codec_cuda_host_alloc(epipe_codec *c, size_t bytes, void **p);
-void epipe_codec_cuda_host_free(void *p);
+/* Pinned host memory of at least `bytes` for host staging, made through
+ * CUDA device `device`, and its free (given the same device). */
+int epipe_codec_cuda_host_alloc(epipe_codec *c, int device, size_t bytes, void **p);
+void epipe_codec_cuda_host_free(int device, void *p);
 /* Host staging for CUDA tensors (lib/codec/cuda_staged.c): encode src (a
  * CUDA tensor of n values of dt, into host or device memory dst of
  * `capacity` >= the payload's size) and decode a payload (host or device
@@ -76,7 +77,11 @@ int epipe_codec_cuda_is_device_memory(const void *p);
  * (EPIPE_ENOTSUP naming what is missing where there is no CUDA backend). */
 int epipe_cuda_device_ok(int device, char *why, size_t cap);
 int epipe_cuda_dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap);
-void epipe_cuda_dev_free(void *p);
+void epipe_cuda_dev_free(int device, void *p); /* p allocated on `device` */
+/* Pinned host memory from the loaded module, made through CUDA device
+ * `device` (EPIPE_ENOTSUP where no module is loaded: it loads nothing),
+ * freed by epipe_codec_cuda_host_free(). */
+int epipe_cuda_pinned_alloc(int device, size_t bytes, void **p);
 /* Frees the module's per-handle state (epipe_codec_destroy). */
 void epipe_codec_cuda_release(epipe_codec *c);
 

@@ -11,15 +11,16 @@
 #include "core.h"
 #include "cuda_core.h"
 
-/* One of the handle's two host buffers (pinned, from the module), at least
- * `bytes` long, in *out; its contents are not kept when it grows. */
-static int grow(epipe_codec *c, void **buf, size_t *cap, size_t bytes, void **out)
+/* One of the handle's two host buffers (pinned, from the module through
+ * CUDA device `device`), at least `bytes` long, in *out; its contents are
+ * not kept when it grows. */
+static int grow(epipe_codec *c, int device, void **buf, size_t *cap, size_t bytes, void **out)
 {
     if (*cap < bytes || !*buf) {
-        epipe_codec_cuda_host_free(*buf);
+        epipe_codec_cuda_host_free(device, *buf);
         *buf = NULL;
         *cap = 0;
-        int rc = epipe_codec_cuda_host_alloc(c, bytes, buf);
+        int rc = epipe_codec_cuda_host_alloc(c, device, bytes, buf);
         if (rc)
             return rc; /* the module said why */
         *cap = bytes ? bytes : 1;
@@ -46,7 +47,7 @@ static int to_host(epipe_codec *c, const DLTensor *t, const char *what, uint64_t
         return epipe_codec_fail(c, EPIPE_EOVERFLOW, "%s: %s has too many values to stage",
                                 c->ops->name, what);
     void *v;
-    if ((rc = grow(c, &c->staged_values, &c->staged_values_cap, (size_t)n * esz, &v)))
+    if ((rc = grow(c, *device, &c->staged_values, &c->staged_values_cap, (size_t)n * esz, &v)))
         return rc;
     *host = *t;
     host->data = v;
@@ -67,7 +68,7 @@ int epipe_codec_staged_encode(epipe_codec *c, const DLTensor *src, uint64_t n, e
         return rc;
     int up = epipe_codec_cuda_is_device_memory(dst);
     void *out = dst;
-    if (up && (rc = grow(c, &c->staged_payload, &c->staged_payload_cap, capacity, &out)))
+    if (up && (rc = grow(c, device, &c->staged_payload, &c->staged_payload_cap, capacity, &out)))
         return rc;
     rc = epipe_codec_encode_host(c, c->ops->cpu, &host, n, dt, out, capacity, written);
     if (rc == EPIPE_OK && up)
@@ -87,7 +88,7 @@ int epipe_codec_staged_decode(epipe_codec *c, const void *src, size_t len, DLTen
     const void *payload = src;
     if (src && epipe_codec_cuda_is_device_memory(src)) {
         void *p;
-        if ((rc = grow(c, &c->staged_payload, &c->staged_payload_cap, len, &p)) ||
+        if ((rc = grow(c, device, &c->staged_payload, &c->staged_payload_cap, len, &p)) ||
             (rc = epipe_codec_cuda_stream_copy(c, device, p, src, len)))
             return rc;
         payload = p;
@@ -126,8 +127,10 @@ int epipe_codec_staged_f32_out(epipe_codec *c, DLTensor *t, const char *what, ui
 
 void epipe_codec_staged_release(epipe_codec *c)
 {
-    epipe_codec_cuda_host_free(c->staged_values);
-    epipe_codec_cuda_host_free(c->staged_payload);
+    int device = 0; /* staged buffers exist only for a handle bound to a device */
+    epipe_codec_bound_to(c, &device);
+    epipe_codec_cuda_host_free(device, c->staged_values);
+    epipe_codec_cuda_host_free(device, c->staged_payload);
     c->staged_values = c->staged_payload = NULL;
     c->staged_values_cap = c->staged_payload_cap = 0;
 }

@@ -34,7 +34,7 @@ static void residual_free(float *r, int device)
     if (device < 0)
         free(r);
     else /* cudaFree: it waits for the work queued on the device */
-        epipe_cuda_dev_free(r);
+        epipe_cuda_dev_free(device, r);
 }
 
 void epipe_codec_ef_release(epipe_codec *c)

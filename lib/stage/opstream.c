@@ -311,6 +311,21 @@ static int check_tag(epipe_stage *st, const epipe_wire_header *h, unsigned peer)
                 peer, theirs, mine, h->schedule_tag, st->tag);
 }
 
+/* The wait after a codec call on CUDA tensors whose status was rc. A
+ * failed call waits too: it may have queued a copy into or out of the
+ * message (pinned memory, see pin_messages() in stage.c), whose buffer
+ * must not go back to the cache, and to another message, while the copy
+ * runs. The failed call's message stays the codec's last error. */
+static int settle(epipe_codec *codec, int rc)
+{
+    if (rc == EPIPE_OK)
+        return epipe_codec_synchronize(codec);
+    char why[EPIPE_ERRMSG_MAX];
+    snprintf(why, sizeof why, "%s", epipe_codec_last_error(codec));
+    (void)epipe_codec_synchronize(codec);
+    return epipe_codec_fail(codec, rc, "%s", why);
+}
+
 static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, const DLTensor **t)
 {
     unsigned peer = dir == DIR_ACT ? c->up_rank : c->down_rank;
@@ -370,8 +385,8 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     if (dir == DIR_ACT && epipe_codec_trainable(codec))
         epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
     rc = epipe_codec_decode(codec, msg->data + h->header_len, (size_t)h->payload_len, &lt->t);
-    if (rc == EPIPE_OK && lt->on_cuda) /* usable from any stream when the call returns */
-        rc = epipe_codec_synchronize(codec);
+    if (lt->on_cuda) /* usable from any stream when the call returns */
+        rc = settle(codec, rc);
     double t2 = now();
     st->st.decode_seconds += t2 - t1;
     if (st->tracing)
@@ -550,8 +565,8 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);
     double t0 = now();
     rc = epipe_codec_encode_checked(codec, t, n, dt, epipe_msg_payload(msg), cap, &len);
-    if (rc == EPIPE_OK && epipe_tensor_is_cuda(t)) /* the payload complete, its errors known */
-        rc = epipe_codec_synchronize(codec);
+    if (epipe_tensor_is_cuda(t)) /* the payload complete, its errors known */
+        rc = settle(codec, rc);
     double t1 = now();
     st->st.encode_seconds += t1 - t0;
     if (st->tracing)

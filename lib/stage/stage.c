@@ -7,6 +7,7 @@
 
 #include "../codec/codec_internal.h"
 #include "../codec/cuda_core.h"
+#include "../comm/comm_impl.h"
 #include "../log.h"
 #include "stage_impl.h"
 
@@ -247,7 +248,7 @@ int epipe_stage_create_raw(epipe_stage **out, epipe_comm *comm, unsigned microba
 void epipe_stage_lent_free(struct lent_tensor *lt)
 {
     if (lt->on_cuda)
-        epipe_cuda_dev_free(lt->buf);
+        epipe_cuda_dev_free(lt->device, lt->buf);
     else
         free(lt->buf);
     lt->buf = NULL;
@@ -402,6 +403,30 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
     return rc ? rc : stage_release(st, nested, stage_set_codec(st, dir, boundary, spec));
 }
 
+/* A stage on a CUDA device has its codecs copy each payload from the
+ * device into its message and each received one back: from pinned memory
+ * such a copy is one DMA the host does not wait for; from malloc's, the
+ * driver stages it through a bounce buffer of its own and may hold the
+ * host until it is done. So its communicator's cached message
+ * buffers are pinned, unless EPIPE_CUDA_PINNED_MESSAGES=0 (for measuring
+ * the difference). The communicator is told once and stays so: other
+ * stages on it lose nothing by pinned buffers. */
+static int pin_messages(epipe_stage *st, int device)
+{
+    static const epipe_msgbuf_allocator pinned = {epipe_cuda_pinned_alloc,
+                                                  epipe_codec_cuda_host_free};
+    const char *env = getenv("EPIPE_CUDA_PINNED_MESSAGES");
+    if (env && strcmp(env, "0") && strcmp(env, "1"))
+        return fail(
+            st, EPIPE_EINVAL,
+            "EPIPE_STAGE_CUDA_DEVICE: the environment's EPIPE_CUDA_PINNED_MESSAGES = '%.40s': use "
+            "1 (pinned message buffers, the default) or 0 (pageable)",
+            env);
+    if (!env || !strcmp(env, "1"))
+        epipe_comm_pin_buffers(st->comm, &pinned, device);
+    return EPIPE_OK;
+}
+
 static int stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t value)
 {
     epipe_clear_error();
@@ -487,6 +512,8 @@ static int stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t val
                             (long long)value, why);
             }
         }
+        if (value >= 0 && (rc = pin_messages(st, (int)value)))
+            return rc;
         st->cuda_device = (int)value;
         return EPIPE_OK;
     }

@@ -34,6 +34,7 @@ FAKE_EXPORT void fakecuda_free(void *p);
 FAKE_EXPORT int fakecuda_copy(void *dst, const void *src, size_t bytes);
 FAKE_EXPORT void *fakecuda_last_stream(unsigned long *copies);
 FAKE_EXPORT unsigned long fakecuda_host_allocs(void);
+FAKE_EXPORT long fakecuda_host_live(void);
 FAKE_EXPORT void fakecuda_insert_kernels(int on);
 FAKE_EXPORT unsigned long fakecuda_insert_calls(void);
 FAKE_EXPORT int epipe_cuda_module_init(const epipe_cuda_core *c, const epipe_cuda_module **out);
@@ -557,27 +558,45 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
 }
 
 /* Pinned host memory is host memory: malloc, counted so a test can see
- * that host staging asks the module for it. */
+ * that host staging and message buffers ask the module for it, and give
+ * it all back to the module. */
 static unsigned long host_allocs;
+static long host_live;
 
-static int host_alloc(size_t bytes, void **p, char *why, size_t cap)
+static int host_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
 {
+    (void)device;
     if ((*p = malloc(bytes))) {
         __atomic_add_fetch(&host_allocs, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&host_live, 1, __ATOMIC_RELAXED);
         return EPIPE_OK;
     }
     snprintf(why, cap, "fakecuda: no host memory for %zu bytes", bytes);
     return EPIPE_ENOMEM;
 }
 
-static void host_free(void *p)
+static void host_free(int device, void *p)
 {
+    (void)device;
+    if (p)
+        __atomic_sub_fetch(&host_live, 1, __ATOMIC_RELAXED);
     free(p);
+}
+
+FAKE_EXPORT long fakecuda_host_live(void)
+{
+    return __atomic_load_n(&host_live, __ATOMIC_RELAXED);
 }
 
 FAKE_EXPORT unsigned long fakecuda_host_allocs(void)
 {
     return __atomic_load_n(&host_allocs, __ATOMIC_RELAXED);
+}
+
+static void module_free(int device, void *p)
+{
+    (void)device;
+    fakecuda_free(p);
 }
 
 static int synchronize(epipe_codec *c)
@@ -606,7 +625,7 @@ static const epipe_cuda_module module = {
     .decode = decode,
     .device_ok = device_ok,
     .alloc = dev_alloc,
-    .free = fakecuda_free,
+    .free = module_free,
     .stream_copy = stream_copy,
     .host_alloc = host_alloc,
     .host_free = host_free,

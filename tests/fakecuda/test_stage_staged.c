@@ -5,6 +5,7 @@
  * copies are checked here as tests/gpu/test_gpu_stage.cu checks them on a
  * GPU; then that the stage's CUDA stream reaches every staging copy. */
 #include <dlfcn.h>
+#include <math.h>
 #include <stdint.h>
 
 #include "stage_exchange.h"
@@ -176,6 +177,158 @@ static void knob_cases(const sx_memory *mem)
     knob_run(&trainable, "a trainable codec's CUDA activation with received tensors on the host");
 }
 
+/* ---- message buffers of CUDA stages are pinned ------------------------- */
+
+static unsigned long (*host_allocs)(void);
+static long (*host_live)(void);
+
+/* 70,000 values: a message the communicator's buffer cache keeps */
+enum { PIN_ROWS = 70, PIN_N = PIN_ROWS * SX_COLS };
+
+typedef struct pin_rank {
+    epipe_comm *comm;
+    const sx_memory *mem;
+    int steps;
+    int nan; /* rank 0 sends a NaN through quant: its send must fail */
+    int knob_rc;
+    char why[256];
+} pin_rank;
+
+static void *pin_rank_main(void *p)
+{
+    pin_rank *pr = p;
+    unsigned r = epipe_comm_rank(pr->comm);
+    epipe_stage *st;
+    SX_CHECK(epipe_stage_create(&st, pr->comm, "gpipe", 1) == EPIPE_OK, "%s", epipe_last_error());
+    epipe_stage_set_param(st, EPIPE_STAGE_TIMEOUT_MS, 5000);
+    if (pr->nan)
+        SX_CHECK(epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES,
+                                       "quant:bits=8") == EPIPE_OK,
+                 "%s", epipe_stage_last_error(st));
+    pr->knob_rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0);
+    snprintf(pr->why, sizeof pr->why, "%s", epipe_stage_last_error(st));
+    float *host = malloc(PIN_N * sizeof *host);
+    void *dev = pr->mem->alloc(PIN_N * sizeof *host);
+    SX_CHECK(host && dev, "memory");
+    if (pr->knob_rc || !host || !dev) {
+        epipe_comm_abort(pr->comm);
+        pr->steps = 0;
+    } else {
+        for (int i = 0; i < PIN_N; i++)
+            host[i] = (float)(i % 89) / 89.0f - 0.5f;
+        if (pr->nan)
+            host[PIN_N / 2] = NAN;
+        SX_CHECK(pr->mem->copy(dev, host, PIN_N * sizeof *host) == 0, "copy to the device");
+    }
+    int64_t shape[2] = {PIN_ROWS, SX_COLS};
+    DLTensor t = sx_view(kDLCUDA, dev);
+    t.shape = shape;
+    for (int step = 0; step < pr->steps; step++) {
+        epipe_op op;
+        int rc;
+        while ((rc = epipe_stage_next_op(st, &op)) == EPIPE_OK && op.kind != EPIPE_OP_NONE) {
+            const DLTensor *in = NULL;
+            if (op.kind == EPIPE_OP_FORWARD && r == 0 && pr->nan) {
+                rc = epipe_stage_send_activation(st, 0, &t);
+                SX_CHECK(rc == EPIPE_EINVAL && strstr(epipe_stage_last_error(st), "finite"),
+                         "a NaN sent: %d %s", rc, epipe_stage_last_error(st));
+                epipe_comm_abort(pr->comm);
+                rc = EPIPE_OK;
+                break;
+            }
+            if (op.kind == EPIPE_OP_FORWARD)
+                rc = r == 0 ? epipe_stage_send_activation(st, 0, &t)
+                            : epipe_stage_recv_activation(st, 0, &in);
+            else
+                rc = r == 0 ? epipe_stage_recv_gradient(st, 0, &in)
+                            : epipe_stage_send_gradient(st, 0, &t);
+            if (rc)
+                break;
+            if (in) {
+                float got[4];
+                SX_CHECK(in->device.device_type == kDLCUDA &&
+                             pr->mem->copy(got, in->data, sizeof got) == 0 && got[1] == host[1],
+                         "rank %u step %d: the tensor received", r, step);
+            }
+        }
+        SX_CHECK(rc == EPIPE_OK || pr->nan, "rank %u step %d: %s", r, step,
+                 epipe_stage_last_error(st));
+        if (rc || pr->nan) {
+            epipe_comm_abort(pr->comm);
+            break;
+        }
+    }
+    pr->mem->free(dev);
+    free(host);
+    epipe_stage_destroy(st);
+    return NULL;
+}
+
+/* Two ranks of `steps` GPipe steps with CUDA tensors of PIN_N values
+ * under EPIPE_CUDA_PINNED_MESSAGES = env (NULL: unset); the pinned
+ * allocations they made, and each rank's knob status and message. */
+static unsigned long pin_run(const sx_memory *mem, const char *env, int steps, int nan,
+                             pin_rank pr[2])
+{
+    if (env)
+        setenv("EPIPE_CUDA_PINNED_MESSAGES", env, 1);
+    else
+        unsetenv("EPIPE_CUDA_PINNED_MESSAGES");
+    epipe_comm *c[2];
+    if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
+        SX_CHECK(0, "inproc: %s", epipe_last_error());
+        return 0;
+    }
+    long live = host_live();
+    unsigned long before = host_allocs();
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) {
+        pr[i] = (pin_rank){.comm = c[i], .mem = mem, .steps = steps, .nan = nan};
+        pthread_create(&th[i], NULL, pin_rank_main, &pr[i]);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    unsetenv("EPIPE_CUDA_PINNED_MESSAGES");
+    SX_CHECK(host_live() == live, "%ld pinned buffers not given back to the module",
+             host_live() - live);
+    return host_allocs() - before;
+}
+
+static void pinned_message_cases(const sx_memory *mem)
+{
+    int before = sx_failures;
+    pin_rank pr[2];
+    unsigned long pageable = pin_run(mem, "0", 1, 0, pr);
+    unsigned long pinned = pin_run(mem, NULL, 1, 0, pr);
+    unsigned long pinned3 = pin_run(mem, "1", 3, 0, pr);
+    unsigned long pageable3 = pin_run(mem, "0", 3, 0, pr);
+    /* each rank's one message buffer: pinned, and drawn from the cache again
+     * in later steps (host staging's own buffers are in both counts) */
+    SX_CHECK(pinned >= pageable + 2, "pinned: %lu allocations, pageable: %lu", pinned, pageable);
+    SX_CHECK(pinned3 == pinned && pageable3 == pageable,
+             "3 steps made %lu and %lu pinned allocations, 1 step %lu and %lu", pinned3, pageable3,
+             pinned, pageable);
+    printf("CUDA stages' message buffers pinned and cached: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+    before = sx_failures;
+    pin_run(mem, "yes", 1, 0, pr);
+    for (int r = 0; r < 2; r++)
+        SX_CHECK(pr[r].knob_rc == EPIPE_EINVAL &&
+                     strstr(pr[r].why, "EPIPE_CUDA_PINNED_MESSAGES = 'yes'") != NULL,
+                 "rank %d: %d %s", r, pr[r].knob_rc, pr[r].why);
+    printf("a bad EPIPE_CUDA_PINNED_MESSAGES refused by name: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+    /* a failed encode into a pinned message: refused by name, and its
+     * buffer goes back (pin_run counts). That the stage waits for the
+     * stream first (opstream.c, settle()) no test here can see: this
+     * module's copies, and the emulator's, are done when they return. */
+    before = sx_failures;
+    pin_run(mem, NULL, 1, 1, pr);
+    printf("a failed CUDA send of a pinned message: %s\n", sx_failures == before ? "ok" : "FAILED");
+}
+
 int main(void)
 {
     const char *path = getenv("EPIPE_CUDA_MODULE");
@@ -186,8 +339,10 @@ int main(void)
         *(void **)&mem.free = dlsym(so, "fakecuda_free");
         *(void **)&mem.copy = dlsym(so, "fakecuda_copy");
         *(void **)&last_stream = dlsym(so, "fakecuda_last_stream");
+        *(void **)&host_allocs = dlsym(so, "fakecuda_host_allocs");
+        *(void **)&host_live = dlsym(so, "fakecuda_host_live");
     }
-    if (!mem.alloc || !mem.free || !mem.copy || !last_stream) {
+    if (!mem.alloc || !mem.free || !mem.copy || !last_stream || !host_allocs || !host_live) {
         fprintf(stderr, "EPIPE_CUDA_MODULE must name the test module (fakecuda)\n");
         return 1;
     }
@@ -195,6 +350,7 @@ int main(void)
     const char *act = "quant:bits=8", *grad = "sortquant:bits=8,mode=sample";
     sx_run_all(&mem, act, grad, 1);
     knob_cases(&mem);
+    pinned_message_cases(&mem);
 
     void *stream = (void *)(uintptr_t)0xbeef;
     unsigned long before = 0, after = 0;
