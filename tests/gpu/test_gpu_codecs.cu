@@ -1179,6 +1179,81 @@ static void insert_close_to_cpu(const char *spec, const std::vector<int64_t> &di
     epipe_codec_destroy(gpu);
 }
 
+/* Host staging (lib/codec/cuda_staged.c): a chain and activation deltas
+ * take CUDA tensors through the CPU backend on pinned host copies, so
+ * their payloads, into pinned and device memory in turn, are the CPU's
+ * bytes, and their decodes the CPU's floats, step after step (the deltas'
+ * rows seen again in every other step). */
+static void staged_matches_cpu(const char *spec, int64_t rows, int64_t cols, int delta)
+{
+    int64_t shape[2] = {rows, cols};
+    size_t n = (size_t)(rows * cols);
+    epipe_codec *c[4]; /* CPU encode, CPU decode, GPU encode, GPU decode */
+    for (int i = 0; i < 4; i++)
+        CHECK(epipe_codec_create(&c[i], spec) == EPIPE_OK, "%s: %s", spec, epipe_last_error());
+    std::vector<float> x(n), yc(n), yg(n);
+    float *dx, *dy;
+    CUDA_OK(cudaMalloc((void **)&dx, n * 4));
+    CUDA_OK(cudaMalloc((void **)&dy, n * 4));
+    DLTensor hx = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
+    DLTensor gx = tensor(kDLCUDA, dx, shape, 32, kDLFloat);
+    DLTensor hy = tensor(kDLCPU, yc.data(), shape, 32, kDLFloat);
+    DLTensor gy = tensor(kDLCUDA, dy, shape, 32, kDLFloat);
+    hx.ndim = gx.ndim = hy.ndim = gy.ndim = 2;
+    size_t cap = 0;
+    CHECK(epipe_codec_max_encoded_size(c[2], &gx, &cap) == EPIPE_OK, "%s: size", spec);
+    std::vector<uint8_t> pc(cap), back(cap);
+    uint8_t *pinned, *dp;
+    CUDA_OK(cudaHostAlloc((void **)&pinned, cap, cudaHostAllocDefault));
+    CUDA_OK(cudaMalloc((void **)&dp, cap));
+    std::vector<uint64_t> ids((size_t)rows);
+    for (unsigned step = 0; step < 4; step++) {
+        fill(x, 17 + step);
+        CUDA_OK(cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice));
+        for (int64_t r = 0; delta && r < rows; r++)
+            ids[(size_t)r] = (uint64_t)r + (step % 2) * 3;
+        for (int i = 0; delta && i < 4; i += 2)
+            CHECK(epipe_codec_set_samples(c[i], ids.data(), ids.size()) == EPIPE_OK, "%s",
+                  epipe_codec_last_error(c[i]));
+        int on_device = step % 2;
+        uint8_t *pg = on_device ? dp : pinned;
+        size_t wc = 0, wg = 0;
+        CHECK(epipe_codec_encode(c[0], &hx, pc.data(), cap, &wc) == EPIPE_OK, "%s: %s", spec,
+              epipe_codec_last_error(c[0]));
+        CHECK(epipe_codec_encode(c[2], &gx, pg, cap, &wg) == EPIPE_OK &&
+                  epipe_codec_synchronize(c[2]) == EPIPE_OK,
+              "%s step %u: gpu encode: %s", spec, step, epipe_codec_last_error(c[2]));
+        CUDA_OK(cudaMemcpy(back.data(), pg, wg, cudaMemcpyDefault));
+        CHECK(wc == wg && memcmp(back.data(), pc.data(), wc) == 0,
+              "%s step %u: the %s payload is not the CPU's (%zu vs %zu bytes)", spec, step,
+              on_device ? "device" : "pinned", wg, wc);
+        CHECK(epipe_codec_decode(c[1], pc.data(), wc, &hy) == EPIPE_OK, "%s: cpu decode: %s",
+              spec, epipe_codec_last_error(c[1]));
+        CHECK(epipe_codec_decode(c[3], pg, wg, &gy) == EPIPE_OK &&
+                  epipe_codec_synchronize(c[3]) == EPIPE_OK,
+              "%s step %u: gpu decode: %s", spec, step, epipe_codec_last_error(c[3]));
+        CUDA_OK(cudaMemcpy(yg.data(), dy, n * 4, cudaMemcpyDeviceToHost));
+        CHECK(memcmp(yg.data(), yc.data(), n * 4) == 0, "%s step %u: decoded floats differ",
+              spec, step);
+        const uint64_t *got = NULL;
+        size_t ng = 0;
+        CHECK(!delta || (epipe_codec_decoded_samples(c[3], &got, &ng) == EPIPE_OK &&
+                         ng == ids.size() && memcmp(got, ids.data(), ng * 8) == 0),
+              "%s step %u: the decoded rows' ids", spec, step);
+    }
+    if (delta) {
+        epipe_codec_delta_info info;
+        CHECK(epipe_codec_delta_stats(c[2], &info) == EPIPE_OK && info.delta_rows > 0,
+              "%s: no row went as a delta", spec);
+    }
+    for (int i = 0; i < 4; i++)
+        epipe_codec_destroy(c[i]);
+    cudaFree(dx);
+    cudaFree(dy);
+    cudaFree(dp);
+    cudaFreeHost(pinned);
+}
+
 int main(void)
 {
     gpu_test_devices_or_skip();
@@ -1309,6 +1384,10 @@ int main(void)
     insert_close_to_cpu("insert:kind=conv,out=4,kernel=2", {32, 32, 28, 28}, 32 * 4 * 14 * 14, 0);
     insert_close_to_cpu("insert:kind=linear,out=2,seed=3", {5, 7, 16}, 5 * 7 * 2, 0);
     insert_close_to_cpu("insert:kind=linear,out=8,code=fp16", {33, 64}, 33 * 8, 1);
+    gpu_test_part("host staging: a chain, activation deltas");
+    staged_matches_cpu("insert:kind=linear,out=8,seed=3|quant:bits=8", 12, 64, 0);
+    staged_matches_cpu("quant:bits=2,rows=1,delta=1", 8, 300, 1);
+    staged_matches_cpu("sortquant:bits=4,delta=1", 6, 1000, 1);
     gpu_test_part("poweriter");
     poweriter_close_to_cpu("poweriter:rank=3", 8, 16, 64);
     poweriter_close_to_cpu("poweriter:rank=2,iters=2,factors=fp16", 4, 32, 200);
