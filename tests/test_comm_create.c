@@ -455,14 +455,21 @@ static void pinned_buffers_are_cached_and_released(void **state)
     assert_false(pinned(m));
     pass(c, m, 4);
     assert_int_equal(epipe_comm_set_param(c[0], EPIPE_COMM_BUFFER_CACHE, 512 << 20), EPIPE_OK);
-    /* no pinned memory: a pageable buffer serves, and is not cached */
+    /* no pinned memory: a pageable buffer serves, and is not cached; and
+     * the failed pinnings hold nothing back (after 32 of them, a leaked
+     * reservation each would leave no room for the next) */
     pin.fail = 1;
-    m = make_msg(c[0], 1, BIG, 5);
-    assert_false(pinned(m));
-    pass(c, m, 5);
+    for (uint32_t i = 0; i < 32; i++) {
+        m = make_msg(c[0], 1, BIG, 100 + i);
+        assert_false(pinned(m));
+        pass(c, m, 100 + i);
+    }
     epipe_comm_cache_stats(c[0], NULL, NULL, &bytes);
     assert_int_equal(bytes, 0);
     pin.fail = 0;
+    m = make_msg(c[0], 1, BIG, 5);
+    assert_true(pinned(m));
+    pass(c, m, 5);
     /* a message outlives its handle; the last buffer goes back to release */
     m = make_msg(c[0], 1, BIG, 6);
     assert_true(pinned(m));
@@ -527,6 +534,19 @@ static void pinned_buffers_are_bounded(void **state)
     assert_int_equal(pin.releases, 35);
     epipe_comm_cache_stats(c[0], NULL, NULL, &bytes);
     assert_true(bytes <= (9 << 20) / 2);
+    /* freeing cached buffers that could not make room frees none: with two
+     * 1.5 MiB buffers out (3 MiB), no 1.5 MiB more fits in 4.5 MiB however
+     * many small ones go */
+    epipe_msg *out[2] = {make_msg(c[0], 1, (3 << 20) / 2, 3000),
+                         make_msg(c[0], 1, (3 << 20) / 2, 3001)};
+    assert_true(pinned(out[0]) && pinned(out[1]));
+    int released = pin.releases;
+    epipe_msg *more = make_msg(c[0], 1, (3 << 20) / 2, 3002);
+    assert_false(pinned(more));
+    assert_int_equal(pin.releases, released);
+    epipe_msg_free(more);
+    epipe_msg_free(out[0]);
+    epipe_msg_free(out[1]);
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
     assert_int_equal(pin.releases, pin.allocs);

@@ -179,10 +179,18 @@ static void pool_get(epipe_msgpool *pool, msgbuf *b)
         pool->misses++;
         const epipe_msgbuf_allocator *pin = NULL;
         if (pool->pin && b->cap <= pool->cap / 2) {
-            /* Past the bounds, the cached pinned buffers (none of which
-             * fits this message) make room, the longest-held first. */
-            for (int k = 0; k < MSGBUF_SLOTS && (pool->pinned >= MSGBUF_SLOTS ||
-                                                 pool->pinned_bytes + b->cap > pool->cap);
+            /* Past the bounds, cached pinned buffers (none of which fits
+             * this message; while pinning, every cached one is pinned) make
+             * room, in slot order from pool->next; but only where freeing
+             * them all would make enough, or they would go for nothing. */
+            unsigned held = 0;
+            for (int i = 0; i < MSGBUF_SLOTS; i++)
+                held += pool->slot[i].p != NULL;
+            int room = pool->pinned - held < MSGBUF_SLOTS &&
+                       pool->pinned_bytes - pool->bytes + b->cap <= pool->cap;
+            for (int k = 0;
+                 room && k < MSGBUF_SLOTS &&
+                 (pool->pinned >= MSGBUF_SLOTS || pool->pinned_bytes + b->cap > pool->cap);
                  k++)
                 slot_take(pool, (int)((pool->next + k) % MSGBUF_SLOTS), &l);
             if (pool->pinned < MSGBUF_SLOTS && pool->pinned_bytes + b->cap <= pool->cap) {

@@ -4,7 +4,8 @@
  * cache's lock asked the loader for the module under it, the two handlers
  * took the locks in the other order, and a fork could deadlock (about one
  * in a few hundred did). Buffers are now freed outside the cache's lock,
- * and the loader answers without a lock. Through the test CUDA module
+ * and the loader answers without a lock; either alone prevents it, so
+ * this test fails only when both are undone. Through the test CUDA module
  * (fakecuda.c), whose pinned memory is malloc's. */
 #define _GNU_SOURCE
 #include <pthread.h>
