@@ -5,8 +5,9 @@
  * What it checks that a GPU would not always report: launch
  * configurations (as the driver does), copies and sets that run past a
  * device allocation or name the wrong kind of memory, kernels that do not
- * meet at a barrier (a deadlock is reported, not waited on), and warps
- * whose lanes disagree on an intrinsic's mask. */
+ * meet at a barrier (a deadlock is reported, not waited on), warps whose
+ * lanes disagree on an intrinsic's mask, and host code that reads what an
+ * asynchronous copy into pinned memory brings before waiting for it. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -879,6 +880,8 @@ cudaError_t cudaMalloc(void **p, size_t size)
     return note(allocate(p, size, MEM_DEVICE));
 }
 
+static void deliver(int all, cudaStream_t s); /* below: copies that land late */
+
 cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t stream)
 {
     (void)stream;
@@ -887,6 +890,7 @@ cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t stream)
 
 cudaError_t cudaFree(void *p)
 {
+    deliver(1, NULL); /* it waits for the device */
     return note(release(p, MEM_DEVICE));
 }
 
@@ -909,6 +913,7 @@ cudaError_t cudaMallocHost(void **p, size_t size)
 
 cudaError_t cudaFreeHost(void *p)
 {
+    deliver(1, NULL); /* it waits for the device */
     return note(release(p, MEM_HOST));
 }
 
@@ -932,8 +937,75 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *attr, const void *p)
     return cudaSuccess;
 }
 
+/* ---- copies into pinned memory land late --------------------------------
+ * On a GPU, cudaMemcpyAsync from device to pinned memory returns before the
+ * bytes arrive, and the host may read them only after a wait: on the
+ * stream, an event after the copy, or the device. Here such a copy reads
+ * its source at once (stream order on the device side), fills its
+ * destination with 0xee, and writes the bytes at the next wait, so that
+ * host code that reads them without one sees poison and its test fails.
+ * Pageable destinations are written at once, as the runtime does. A copy
+ * that reads host memory, and every synchronous call, first delivers what
+ * is pending (it may read what arrived). */
+struct late_copy {
+    cudaStream_t s;
+    char *dst;
+    std::vector<char> bytes;
+};
+static std::mutex late_lock;
+static std::vector<late_copy> late;
+
+/* Writes the pending copies of stream s (and of the legacy default stream,
+ * which the others wait for), or all of them when `all`. */
+static void deliver(int all, cudaStream_t s)
+{
+    std::lock_guard<std::mutex> g(late_lock);
+    size_t kept = 0;
+    for (size_t i = 0; i < late.size(); i++) {
+        if (all || late[i].s == s || late[i].s == NULL) {
+            memcpy(late[i].dst, late[i].bytes.data(), late[i].bytes.size());
+        } else {
+            if (kept != i)
+                late[kept] = std::move(late[i]);
+            kept++;
+        }
+    }
+    late.resize(kept);
+}
+
+static int is_pinned(const void *p)
+{
+    uintptr_t base;
+    int partial;
+    const allocation *a = find_allocation(p, 1, &base, &partial);
+    return a && a->kind == MEM_HOST;
+}
+
+static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kind);
+
+/* An asynchronous copy on s: from the device into pinned memory, late. */
+static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKind kind,
+                              cudaStream_t s)
+{
+    int to_host = kind == cudaMemcpyDeviceToHost ||
+                  (kind == cudaMemcpyDefault && is_device(src) && !is_device(dst));
+    if (!n || !to_host || !is_pinned(dst) || !is_device(src))
+        return copy(dst, src, n, kind);
+    if (cudaError_t e = injected(cudaErrorLaunchFailure))
+        return note(e);
+    if (check_side(dst, n, 0, "a copy's destination") || check_side(src, n, 1, "a copy's source"))
+        return note(cudaErrorInvalidValue);
+    late_copy c{s, (char *)dst, std::vector<char>((const char *)src, (const char *)src + n)};
+    memset(dst, 0xee, n);
+    std::lock_guard<std::mutex> g(late_lock);
+    late.push_back(std::move(c));
+    return cudaSuccess;
+}
+
 static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
 {
+    if (n && !is_device(src)) /* it may read what a pending copy brings */
+        deliver(1, NULL);
     if (!n)
         return cudaSuccess;
     if (cudaError_t e = injected(cudaErrorLaunchFailure))
@@ -956,24 +1028,24 @@ static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kin
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
 {
+    deliver(1, NULL); /* synchronous: after all the work before it */
     return copy(dst, src, n, kind);
 }
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind,
                             cudaStream_t stream)
 {
-    (void)stream;
-    return copy(dst, src, n, kind);
+    return copy_async(dst, src, n, kind, stream);
 }
 
 cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
                               size_t width, size_t height, cudaMemcpyKind kind, cudaStream_t stream)
 {
-    (void)stream;
     if (width > dpitch || width > spitch)
         return note(cudaErrorInvalidPitchValue);
     for (size_t r = 0; r < height; r++) {
-        cudaError_t e = copy((char *)dst + r * dpitch, (const char *)src + r * spitch, width, kind);
+        cudaError_t e = copy_async((char *)dst + r * dpitch, (const char *)src + r * spitch, width,
+                                   kind, stream);
         if (e != cudaSuccess)
             return e;
     }
@@ -997,7 +1069,8 @@ cudaError_t cudaMemsetAsync(void *p, int value, size_t n, cudaStream_t stream)
 }
 
 /* Streams and events: every call above runs to its end before it returns,
- * so a stream is a name and synchronising is free. */
+ * but for the copies into pinned memory, which land at the waits below;
+ * otherwise a stream is a name. */
 cudaError_t cudaStreamCreate(cudaStream_t *s)
 {
     if (!s)
@@ -1020,18 +1093,19 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s)
 {
-    (void)s;
+    deliver(s == NULL, s); /* the legacy default stream waits for every other */
     return note(injected(cudaErrorLaunchFailure));
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t s)
 {
-    (void)s;
+    deliver(s == NULL, s); /* done: what it copied has arrived */
     return cudaSuccess;
 }
 
 cudaError_t cudaDeviceSynchronize(void)
 {
+    deliver(1, NULL);
     return note(injected(cudaErrorLaunchFailure));
 }
 
@@ -1070,12 +1144,18 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
 
 cudaError_t cudaEventSynchronize(cudaEvent_t e)
 {
-    return e ? note(injected(cudaErrorLaunchFailure)) : note(cudaErrorInvalidResourceHandle);
+    if (!e)
+        return note(cudaErrorInvalidResourceHandle);
+    deliver(1, NULL); /* the event's stream is not kept: every stream */
+    return note(injected(cudaErrorLaunchFailure));
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t e)
 {
-    return e ? cudaSuccess : note(cudaErrorInvalidResourceHandle);
+    if (!e)
+        return note(cudaErrorInvalidResourceHandle);
+    deliver(1, NULL);
+    return cudaSuccess;
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)

@@ -187,6 +187,57 @@ static void test_bad_copies(void)
     CUDA_OK(cudaFree(d));
 }
 
+/* An asynchronous copy from the device into pinned memory lands at the next
+ * wait (poison until then), one into pageable memory at once; a copy that
+ * reads host memory, and the device's own later work, see what it brought. */
+static void test_late_copies(void)
+{
+    unsigned char *d, *d2, *pin, *pin2, page[16];
+    cudaStream_t s, other;
+    CUDA_OK(cudaMalloc((void **)&d, 16));
+    CUDA_OK(cudaMalloc((void **)&d2, 16));
+    CUDA_OK(cudaHostAlloc((void **)&pin, 16, cudaHostAllocDefault));
+    CUDA_OK(cudaHostAlloc((void **)&pin2, 16, cudaHostAllocDefault));
+    CUDA_OK(cudaStreamCreate(&s));
+    CUDA_OK(cudaStreamCreate(&other));
+    CUDA_OK(cudaMemset(d, 7, 16));
+    CUDA_OK(cudaMemcpyAsync(pin, d, 16, cudaMemcpyDeviceToHost, s));
+    CUDA_OK(cudaMemset(d, 9, 16)); /* after the copy in stream order: not what it reads */
+    CHECK(pin[0] == 0xee && pin[15] == 0xee, "pinned bytes before a wait: %#x", pin[0]);
+    CUDA_OK(cudaStreamSynchronize(other));
+    CHECK(pin[0] == 0xee, "another stream's wait delivered the copy");
+    CUDA_OK(cudaStreamSynchronize(s));
+    CHECK(pin[0] == 7 && pin[15] == 7, "pinned bytes after the wait: %u", pin[0]);
+    CUDA_OK(cudaMemcpyAsync(page, d, 16, cudaMemcpyDeviceToHost, s));
+    CHECK(page[0] == 9, "pageable bytes land at once: %u", page[0]);
+    /* a copy out of the pinned buffer reads what the pending copy brings */
+    CUDA_OK(cudaMemcpyAsync(pin2, d, 16, cudaMemcpyDefault, s));
+    CUDA_OK(cudaMemcpyAsync(d2, pin2, 16, cudaMemcpyHostToDevice, s));
+    CUDA_OK(cudaMemcpy(page, d2, 16, cudaMemcpyDeviceToHost));
+    CHECK(page[0] == 9, "a copy from pinned memory after a pending one: %u", page[0]);
+    /* an event, the device, a query and the frees wait too */
+    CUDA_OK(cudaMemset(d, 3, 16));
+    cudaEvent_t e;
+    CUDA_OK(cudaEventCreate(&e));
+    CUDA_OK(cudaMemcpyAsync(pin, d, 16, cudaMemcpyDeviceToHost, s));
+    CUDA_OK(cudaEventRecord(e, s));
+    CUDA_OK(cudaEventSynchronize(e));
+    CHECK(pin[0] == 3, "after an event's wait: %u", pin[0]);
+    CUDA_OK(cudaMemcpyAsync(pin, d2, 16, cudaMemcpyDeviceToHost, s));
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK(pin[0] == 9, "after the device's wait: %u", pin[0]);
+    CUDA_OK(cudaMemcpyAsync(pin, d, 16, cudaMemcpyDeviceToHost, s));
+    CHECK(cudaStreamQuery(s) == cudaSuccess && pin[0] == 3, "after a query that says done");
+    CUDA_OK(cudaMemcpyAsync(pin2, d, 16, cudaMemcpyDeviceToHost, s));
+    CUDA_OK(cudaFreeHost(pin2)); /* it waits: the copy lands before the memory goes */
+    CUDA_OK(cudaEventDestroy(e));
+    CUDA_OK(cudaStreamDestroy(s));
+    CUDA_OK(cudaStreamDestroy(other));
+    CUDA_OK(cudaFreeHost(pin));
+    CUDA_OK(cudaFree(d));
+    CUDA_OK(cudaFree(d2));
+}
+
 /* Blocks take tickets in the order they run. */
 __global__ void tickets(unsigned *next, unsigned *ticket)
 {
@@ -294,6 +345,7 @@ int main(void)
     test_grid_sync();
     test_bad_launches();
     test_bad_copies();
+    test_late_copies();
     test_order();
     CHECK(dies(run_overrun, SIGSEGV, "SEGV", NULL), "a write past the block faults");
     CHECK(dies(run_deadlock, SIGABRT, NULL, "wait for each other"), "a deadlock is reported");
