@@ -7,7 +7,8 @@
  * device allocation or name the wrong kind of memory, kernels that do not
  * meet at a barrier (a deadlock is reported, not waited on), warps whose
  * lanes disagree on an intrinsic's mask, and host code that reads what an
- * asynchronous copy into pinned memory brings before waiting for it. */
+ * asynchronous copy into pinned memory brings, or writes what one out of
+ * pinned memory is to read, before waiting for it. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -880,7 +881,7 @@ cudaError_t cudaMalloc(void **p, size_t size)
     return note(allocate(p, size, MEM_DEVICE));
 }
 
-static void deliver(int all, cudaStream_t s); /* below: copies that land late */
+static void wait_point(int all, cudaStream_t s); /* below: copies that land late */
 
 cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t stream)
 {
@@ -890,7 +891,7 @@ cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t stream)
 
 cudaError_t cudaFree(void *p)
 {
-    deliver(1, NULL); /* it waits for the device */
+    wait_point(1, NULL); /* it waits for the device */
     return note(release(p, MEM_DEVICE));
 }
 
@@ -913,7 +914,7 @@ cudaError_t cudaMallocHost(void **p, size_t size)
 
 cudaError_t cudaFreeHost(void *p)
 {
-    deliver(1, NULL); /* it waits for the device */
+    wait_point(1, NULL); /* it waits for the device */
     return note(release(p, MEM_HOST));
 }
 
@@ -973,6 +974,45 @@ static void deliver(int all, cudaStream_t s)
     late.resize(kept);
 }
 
+/* A copy from pinned memory to the device reads its source, on a GPU, when
+ * the stream gets to it: host code must not write that memory (nor hand it
+ * on to be written) before a wait. Here the copy reads at once, and keeps a
+ * snapshot of what it read; at the next wait, a source that changed since
+ * is reported and the process aborts (on a GPU the copy might have read
+ * the new bytes). */
+struct watched_read {
+    cudaStream_t s;
+    const char *src;
+    std::vector<char> bytes;
+};
+static std::vector<watched_read> watched;
+
+/* A wait for stream s (every stream when `all`): what it copied into pinned
+ * memory lands, and what it read from pinned memory must be unchanged. */
+static void wait_point(int all, cudaStream_t s)
+{
+    deliver(all, s);
+    std::lock_guard<std::mutex> g(late_lock);
+    size_t kept = 0;
+    for (size_t i = 0; i < watched.size(); i++) {
+        watched_read &w = watched[i];
+        if (all || w.s == s || w.s == NULL) {
+            if (memcmp(w.src, w.bytes.data(), w.bytes.size()) != 0) {
+                fprintf(stderr,
+                        "cudaemu: the host wrote %zu bytes of pinned memory at %p that an "
+                        "asynchronous copy to the device was still to read (no wait between)\n",
+                        w.bytes.size(), (const void *)w.src);
+                abort();
+            }
+        } else {
+            if (kept != i)
+                watched[kept] = std::move(watched[i]);
+            kept++;
+        }
+    }
+    watched.resize(kept);
+}
+
 static int is_pinned(const void *p)
 {
     uintptr_t base;
@@ -989,6 +1029,16 @@ static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKi
 {
     int to_host = kind == cudaMemcpyDeviceToHost ||
                   (kind == cudaMemcpyDefault && is_device(src) && !is_device(dst));
+    if (n && !to_host && is_pinned(src) && is_device(dst)) {
+        cudaError_t e = copy(dst, src, n, kind);
+        if (e == cudaSuccess) {
+            watched_read w{s, (const char *)src,
+                           std::vector<char>((const char *)src, (const char *)src + n)};
+            std::lock_guard<std::mutex> g(late_lock);
+            watched.push_back(std::move(w));
+        }
+        return e;
+    }
     if (!n || !to_host || !is_pinned(dst) || !is_device(src))
         return copy(dst, src, n, kind);
     if (cudaError_t e = injected(cudaErrorLaunchFailure))
@@ -1028,7 +1078,7 @@ static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kin
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
 {
-    deliver(1, NULL); /* synchronous: after all the work before it */
+    wait_point(1, NULL); /* synchronous: after all the work before it */
     return copy(dst, src, n, kind);
 }
 
@@ -1093,19 +1143,19 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s)
 {
-    deliver(s == NULL, s); /* the legacy default stream waits for every other */
+    wait_point(s == NULL, s); /* the legacy default stream waits for every other */
     return note(injected(cudaErrorLaunchFailure));
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t s)
 {
-    deliver(s == NULL, s); /* done: what it copied has arrived */
+    wait_point(s == NULL, s); /* done: what it copied has arrived */
     return cudaSuccess;
 }
 
 cudaError_t cudaDeviceSynchronize(void)
 {
-    deliver(1, NULL);
+    wait_point(1, NULL);
     return note(injected(cudaErrorLaunchFailure));
 }
 
@@ -1146,7 +1196,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e)
 {
     if (!e)
         return note(cudaErrorInvalidResourceHandle);
-    deliver(1, NULL); /* the event's stream is not kept: every stream */
+    wait_point(1, NULL); /* the event's stream is not kept: every stream */
     return note(injected(cudaErrorLaunchFailure));
 }
 
@@ -1154,7 +1204,7 @@ cudaError_t cudaEventQuery(cudaEvent_t e)
 {
     if (!e)
         return note(cudaErrorInvalidResourceHandle);
-    deliver(1, NULL);
+    wait_point(1, NULL);
     return cudaSuccess;
 }
 

@@ -238,6 +238,35 @@ static void test_late_copies(void)
     CUDA_OK(cudaFree(d2));
 }
 
+/* A copy from pinned memory to the device may read its source until the
+ * next wait: the host writing it before one is reported (and aborts), in a
+ * child; writing it after the wait is not. */
+static void test_pinned_source_written(void)
+{
+    unsigned char *d, *pin;
+    CUDA_OK(cudaMalloc((void **)&d, 64));
+    CUDA_OK(cudaHostAlloc((void **)&pin, 64, cudaHostAllocDefault));
+    memset(pin, 1, 64);
+    CUDA_OK(cudaMemcpyAsync(d, pin, 64, cudaMemcpyHostToDevice, 0));
+    CUDA_OK(cudaStreamSynchronize(0));
+    memset(pin, 2, 64); /* after the wait: fine */
+    CUDA_OK(cudaStreamSynchronize(0));
+    fflush(NULL);
+    pid_t p = fork();
+    if (p == 0) {
+        cudaMemcpyAsync(d, pin, 64, cudaMemcpyHostToDevice, 0);
+        pin[63] = 3; /* before the wait */
+        cudaStreamSynchronize(0);
+        _exit(0);
+    }
+    int status = 0;
+    CHECK(p > 0 && waitpid(p, &status, 0) == p, "fork");
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT,
+          "a pinned source written before the wait was not reported (status %#x)", status);
+    CUDA_OK(cudaFreeHost(pin));
+    CUDA_OK(cudaFree(d));
+}
+
 /* Blocks take tickets in the order they run. */
 __global__ void tickets(unsigned *next, unsigned *ticket)
 {
@@ -346,6 +375,7 @@ int main(void)
     test_bad_launches();
     test_bad_copies();
     test_late_copies();
+    test_pinned_source_written();
     test_order();
     CHECK(dies(run_overrun, SIGSEGV, "SEGV", NULL), "a write past the block faults");
     CHECK(dies(run_deadlock, SIGABRT, NULL, "wait for each other"), "a deadlock is reported");
