@@ -18,7 +18,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -948,31 +950,13 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *attr, const void *p)
  * Pageable destinations are written at once, as the runtime does. A copy
  * that reads host memory, and every synchronous call, first delivers what
  * is pending (it may read what arrived). */
-struct late_copy {
+struct pending {
     cudaStream_t s;
-    char *dst;
-    std::vector<char> bytes;
+    char *host;              /* a copy's pinned destination, or its pinned source */
+    std::vector<char> bytes; /* what lands there, or what the copy read there */
 };
 static std::mutex late_lock;
-static std::vector<late_copy> late;
-
-/* Writes the pending copies of stream s (and of the legacy default stream,
- * which the others wait for), or all of them when `all`. */
-static void deliver(int all, cudaStream_t s)
-{
-    std::lock_guard<std::mutex> g(late_lock);
-    size_t kept = 0;
-    for (size_t i = 0; i < late.size(); i++) {
-        if (all || late[i].s == s || late[i].s == NULL) {
-            memcpy(late[i].dst, late[i].bytes.data(), late[i].bytes.size());
-        } else {
-            if (kept != i)
-                late[kept] = std::move(late[i]);
-            kept++;
-        }
-    }
-    late.resize(kept);
-}
+static std::vector<pending> late;
 
 /* A copy from pinned memory to the device reads its source, on a GPU, when
  * the stream gets to it: host code must not write that memory (nor hand it
@@ -980,12 +964,27 @@ static void deliver(int all, cudaStream_t s)
  * snapshot of what it read; at the next wait, a source that changed since
  * is reported and the process aborts (on a GPU the copy might have read
  * the new bytes). */
-struct watched_read {
-    cudaStream_t s;
-    const char *src;
-    std::vector<char> bytes;
-};
-static std::vector<watched_read> watched;
+static std::vector<pending> watched;
+
+/* Takes out of v, in their order, the entries a wait for stream s reaches:
+ * those of s and of the legacy default stream (which the others wait for),
+ * or all of them when `all`. Under late_lock. */
+static std::vector<pending> take_due(std::vector<pending> &v, int all, cudaStream_t s)
+{
+    auto due = std::stable_partition(
+        v.begin(), v.end(), [&](const pending &p) { return !(all || p.s == s || p.s == NULL); });
+    std::vector<pending> out(std::make_move_iterator(due), std::make_move_iterator(v.end()));
+    v.erase(due, v.end());
+    return out;
+}
+
+/* Writes the pending copies a wait for stream s reaches. */
+static void deliver(int all, cudaStream_t s)
+{
+    std::lock_guard<std::mutex> g(late_lock);
+    for (const pending &p : take_due(late, all, s))
+        memcpy(p.host, p.bytes.data(), p.bytes.size());
+}
 
 /* A wait for stream s (every stream when `all`): what it copied into pinned
  * memory lands, and what it read from pinned memory must be unchanged. */
@@ -993,24 +992,14 @@ static void wait_point(int all, cudaStream_t s)
 {
     deliver(all, s);
     std::lock_guard<std::mutex> g(late_lock);
-    size_t kept = 0;
-    for (size_t i = 0; i < watched.size(); i++) {
-        watched_read &w = watched[i];
-        if (all || w.s == s || w.s == NULL) {
-            if (memcmp(w.src, w.bytes.data(), w.bytes.size()) != 0) {
-                fprintf(stderr,
-                        "cudaemu: the host wrote %zu bytes of pinned memory at %p that an "
-                        "asynchronous copy to the device was still to read (no wait between)\n",
-                        w.bytes.size(), (const void *)w.src);
-                abort();
-            }
-        } else {
-            if (kept != i)
-                watched[kept] = std::move(watched[i]);
-            kept++;
+    for (const pending &p : take_due(watched, all, s))
+        if (memcmp(p.host, p.bytes.data(), p.bytes.size()) != 0) {
+            fprintf(stderr,
+                    "cudaemu: the host wrote %zu bytes of pinned memory at %p that an "
+                    "asynchronous copy to the device was still to read (no wait between)\n",
+                    p.bytes.size(), (const void *)p.host);
+            abort();
         }
-    }
-    watched.resize(kept);
 }
 
 static int is_pinned(const void *p)
@@ -1032,8 +1021,7 @@ static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKi
     if (n && !to_host && is_pinned(src) && is_device(dst)) {
         cudaError_t e = copy(dst, src, n, kind);
         if (e == cudaSuccess) {
-            watched_read w{s, (const char *)src,
-                           std::vector<char>((const char *)src, (const char *)src + n)};
+            pending w{s, (char *)src, std::vector<char>((const char *)src, (const char *)src + n)};
             std::lock_guard<std::mutex> g(late_lock);
             watched.push_back(std::move(w));
         }
@@ -1045,7 +1033,7 @@ static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKi
         return note(e);
     if (check_side(dst, n, 0, "a copy's destination") || check_side(src, n, 1, "a copy's source"))
         return note(cudaErrorInvalidValue);
-    late_copy c{s, (char *)dst, std::vector<char>((const char *)src, (const char *)src + n)};
+    pending c{s, (char *)dst, std::vector<char>((const char *)src, (const char *)src + n)};
     memset(dst, 0xee, n);
     std::lock_guard<std::mutex> g(late_lock);
     late.push_back(std::move(c));
