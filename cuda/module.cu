@@ -915,16 +915,21 @@ static int dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
     return e == cudaErrorMemoryAllocation ? EPIPE_ENOMEM : EPIPE_EIO;
 }
 
-static void dev_free(int device, void *p)
+/* release(p) on `device`, selected before any other call: on a thread with
+ * none selected, any call that needs a context (asking where p lives, too)
+ * would create GPU 0's. The caller's device is given back. */
+static void free_on(int device, void *p, cudaError_t (*release)(void *))
 {
-    /* on the memory's own device, selected before any other call: on a
-     * thread with none selected, any call that needs a context (asking
-     * where p lives, too) would create GPU 0's */
     int prev = caller_device();
     cudaSetDevice(device);
     cudaGetLastError();
-    cudaFree(p);
+    release(p);
     restore_device(prev);
+}
+
+static void dev_free(int device, void *p)
+{
+    free_on(device, p, cudaFree);
 }
 
 /* Host staging's copies and the stage's hand-overs: on the handle's
@@ -965,11 +970,7 @@ static int host_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
 
 static void host_free(int device, void *p)
 {
-    int prev = caller_device();
-    cudaSetDevice(device); /* before any other call: see dev_free() */
-    cudaGetLastError();
-    cudaFreeHost(p);
-    restore_device(prev);
+    free_on(device, p, cudaFreeHost);
 }
 
 static const epipe_cuda_module module = {
