@@ -552,6 +552,122 @@ static void pinned_buffers_are_bounded(void **state)
     assert_int_equal(pin.releases, pin.allocs);
 }
 
+/* ---- device payloads between ranks of one process ------------------------ */
+
+/* A message of `payload` bytes at m->dev (the allocator above stands in
+ * for device memory), or NULL where the cache gives none. */
+static epipe_msg *make_dev_msg(epipe_comm *c, unsigned dst, size_t payload, uint32_t mb)
+{
+    epipe_msg *m = epipe_comm_msg_new_device(c, payload);
+    if (!m)
+        return NULL;
+    assert_true(m->dev_cap >= payload);
+    memset(&m->hdr, 0, sizeof m->hdr);
+    m->hdr.kind = EPIPE_WIRE_ACTIVATION;
+    m->hdr.dtype = EPIPE_DTYPE_F32;
+    m->hdr.ndim = 1;
+    m->hdr.shape[0] = payload / 4;
+    m->hdr.codec_id = 1;
+    m->hdr.src_stage = epipe_comm_rank(c);
+    m->hdr.dst_stage = dst;
+    m->hdr.micro_batch = mb;
+    assert_int_equal(epipe_msg_seal_device(m, payload), EPIPE_OK);
+    return m;
+}
+
+static int fake_send(epipe_comm *c, unsigned peer, epipe_msg *m)
+{
+    (void)c, (void)peer;
+    epipe_msg_free(m);
+    return EPIPE_OK;
+}
+
+static void fake_destroy(epipe_comm *c)
+{
+    epipe_comm_free(c);
+}
+
+/* A stage on a CUDA device encodes into device memory for a peer that is
+ * a thread of its process and decodes there: the message carries its
+ * header on the host and the payload at m->dev, which goes back to the
+ * sender's cache, bounded as pinned buffers are; no other transport is
+ * given one. */
+static void device_payloads_stay_in_process(void **state)
+{
+    (void)state;
+    memset(&pin, 0, sizeof pin);
+    epipe_comm *c[2];
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    enum { SIZE = 8000, MID = 300 << 10 };
+    assert_int_equal(epipe_comm_peer_device(c[0], 1), -1);
+    assert_null(epipe_comm_msg_new_device(c[0], SIZE)); /* none set up */
+    assert_int_equal(epipe_comm_device_buffers(c[1], &pin_allocator, 3), 1);
+    assert_int_equal(epipe_comm_peer_device(c[0], 1), 3);
+    assert_int_equal(epipe_comm_peer_device(c[0], 0), -1); /* itself */
+    assert_int_equal(epipe_comm_peer_device(c[0], 7), -1);
+    assert_int_equal(epipe_comm_device_buffers(c[0], &pin_allocator, 3), 1);
+    assert_int_equal(epipe_comm_device_buffers(c[0], &pin_allocator, 5), 1); /* 3 stays */
+    assert_int_equal(epipe_comm_peer_device(c[1], 0), 3);
+    assert_null(epipe_comm_msg_new_device(c[0], 4000)); /* under 4 KiB: a host message */
+    epipe_msg *m = make_dev_msg(c[0], 1, SIZE, 0);
+    assert_non_null(m);
+    void *dev = m->dev;
+    assert_int_equal(m->dev_device, 3);
+    assert_int_equal(m->len, EPIPE_WIRE_HEADER_SIZE);
+    assert_int_equal(epipe_msg_wire_len(m), EPIPE_WIRE_HEADER_SIZE + SIZE);
+    assert_int_equal(epipe_comm_send(c[0], 1, m), EPIPE_OK);
+    assert_int_equal(epipe_comm_recv(c[1], 0, EPIPE_WIRE_ACTIVATION, 0, 0, 1000, &m), EPIPE_OK);
+    assert_ptr_equal(m->dev, dev); /* handed over, not copied */
+    assert_int_equal(m->hdr.payload_len, SIZE);
+    epipe_msg_free(m);
+    m = make_dev_msg(c[0], 1, SIZE, 1); /* the cached buffer again */
+    assert_ptr_equal(m->dev, dev);
+    assert_int_equal(pin.allocs, 1);
+    epipe_msg_free(m);
+    /* 32 alive at once at most; past that, none (a host message serves) */
+    epipe_msg *out[40];
+    int got = 0;
+    for (int i = 0; i < 40; i++)
+        got += (out[i] = make_dev_msg(c[0], 1, MID, (uint32_t)i)) != NULL;
+    assert_int_equal(got, 32);
+    for (int i = 0; i < 40; i++)
+        epipe_msg_free(out[i]);
+    /* no device memory: none either, and nothing held back */
+    pin.fail = 1;
+    assert_null(epipe_comm_msg_new_device(c[0], 2 * MID));
+    pin.fail = 0;
+    /* a header that does not fit what it carries fails at the receiver as
+     * a corrupt message would */
+    m = make_dev_msg(c[0], 1, SIZE, 2);
+    m->hdr.payload_len = m->dev_cap + 1;
+    assert_int_equal(epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE), EPIPE_OK);
+    assert_int_equal(epipe_comm_send(c[0], 1, m), EPIPE_EPROTO);
+    assert_non_null(strstr(epipe_comm_last_error(c[0]), "device message"));
+    /* a transport that cannot carry them is given none */
+    static const epipe_transport_ops fake = {
+        .name = "fake", .send = fake_send, .destroy = fake_destroy};
+    epipe_comm_settings st = {.timeout_ms = 1000, .buffer_cache = 1 << 20};
+    epipe_comm *f = epipe_comm_alloc(&fake, 0, 2, &st);
+    assert_non_null(f);
+    assert_int_equal(epipe_comm_device_buffers(f, &pin_allocator, 3), 0);
+    assert_int_equal(epipe_comm_peer_device(f, 1), -1);
+    assert_null(epipe_comm_msg_new_device(f, SIZE));
+    m = make_dev_msg(c[0], 1, SIZE, 4);
+    int releases = pin.releases;
+    assert_int_equal(epipe_comm_send(f, 1, m), EPIPE_EINTERNAL); /* freed all the same */
+    assert_non_null(strstr(epipe_comm_last_error(f), "cannot go to rank 1 over fake"));
+    assert_int_equal(pin.releases, releases); /* back to c[0]'s cache */
+    epipe_comm_destroy(f);
+    /* a message outlives its handle; every buffer goes back to release */
+    m = make_dev_msg(c[1], 0, SIZE, 3);
+    assert_non_null(m);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    assert_int_equal(pin.releases, pin.allocs - 1);
+    epipe_msg_free(m);
+    assert_int_equal(pin.releases, pin.allocs);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -564,6 +680,7 @@ int main(void)
         cmocka_unit_test_setup(buffer_caches_are_per_handle, clean_env),
         cmocka_unit_test_setup(pinned_buffers_are_cached_and_released, clean_env),
         cmocka_unit_test_setup(pinned_buffers_are_bounded, clean_env),
+        cmocka_unit_test_setup(device_payloads_stay_in_process, clean_env),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -24,6 +24,43 @@ static struct inproc_hub *hub_of(epipe_comm *c)
     return c->tp;
 }
 
+/* A message whose payload stays in device memory (epipe_comm_msg_new_device):
+ * its header alone, checked as any; the payload, which the host does not
+ * read, is the decoder's to check (it reads its header and tables from the
+ * device first, epipe/codec.h). It must be on the device dst decodes on. */
+static int parse_device_message(epipe_msg *m, epipe_comm *dst, const epipe_wire_limits *lim)
+{
+    int rc = epipe_wire_parse_header(m->data, m->len, lim, &m->hdr);
+    if (rc)
+        return rc;
+    if (m->hdr.header_len != m->len || m->hdr.payload_len > m->dev_cap)
+        return epipe_fail(EPIPE_EPROTO,
+                          "wire: a device message of %zu header bytes and %zu payload bytes "
+                          "says %u and %llu",
+                          m->len, m->dev_cap, m->hdr.header_len,
+                          (unsigned long long)m->hdr.payload_len);
+    if (m->hdr.kind != EPIPE_WIRE_ACTIVATION && m->hdr.kind != EPIPE_WIRE_GRADIENT)
+        return epipe_fail(EPIPE_EPROTO, "wire: a device message of kind %s carries no tensor",
+                          epipe_wire_kind_name(m->hdr.kind));
+    int device = __atomic_load_n(&dst->dev_device, __ATOMIC_ACQUIRE);
+    if (device != m->dev_device)
+        return epipe_fail(EPIPE_EINTERNAL,
+                          "a payload in the memory of CUDA device %d for a rank that decodes "
+                          "on %d",
+                          m->dev_device, device);
+    return EPIPE_OK;
+}
+
+static int inproc_peer_device(epipe_comm *c, unsigned peer)
+{
+    struct inproc_hub *hub = hub_of(c);
+    pthread_mutex_lock(&hub->lock);
+    epipe_comm *dst = hub->members[peer];
+    int device = dst ? __atomic_load_n(&dst->dev_device, __ATOMIC_ACQUIRE) : -1;
+    pthread_mutex_unlock(&hub->lock);
+    return device;
+}
+
 static int inproc_send(epipe_comm *c, unsigned peer, epipe_msg *m)
 {
     struct inproc_hub *hub = hub_of(c);
@@ -39,7 +76,8 @@ static int inproc_send(epipe_comm *c, unsigned peer, epipe_msg *m)
      * a failed peer and to the sender as the parse error. */
     epipe_wire_limits lim = {.max_payload = __atomic_load_n(&dst->max_message, __ATOMIC_RELAXED)};
     const uint8_t *payload;
-    int rc = epipe_wire_parse(m->data, m->len, &lim, &m->hdr, &payload);
+    int rc = m->dev ? parse_device_message(m, dst, &lim)
+                    : epipe_wire_parse(m->data, m->len, &lim, &m->hdr, &payload);
     if (rc == EPIPE_OK && (m->hdr.src_stage != c->rank || m->hdr.dst_stage != peer))
         rc = epipe_fail(EPIPE_EPROTO, "wire: message from rank %u to %u claims %u to %u", c->rank,
                         peer, m->hdr.src_stage, m->hdr.dst_stage);
@@ -106,6 +144,7 @@ static const epipe_transport_ops inproc_ops = {
     .send = inproc_send,
     .destroy = inproc_destroy,
     .abort = inproc_abort,
+    .peer_device = inproc_peer_device,
 };
 
 static struct inproc_hub *hub_new(unsigned size)

@@ -330,6 +330,12 @@ int epipe_codec_encode_checked(epipe_codec *c, const DLTensor *src, uint64_t n, 
     return epipe_codec_encode_host(c, be, src, n, dt, dst, need, written);
 }
 
+void epipe_codec_payload_ident(const epipe_codec *c, unsigned *codec_id, uint32_t *param_word)
+{
+    *codec_id = c->ops->id;
+    *param_word = c->ops->param_word(c);
+}
+
 int epipe_codec_encode_host(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src,
                             uint64_t n, enum epipe_dtype dt, uint8_t *h, size_t need,
                             size_t *written)

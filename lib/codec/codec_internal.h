@@ -23,5 +23,8 @@ int epipe_codec_decode_checked(epipe_codec *c, const void *src, size_t len, DLTe
  * dt) and a dense fp32 grad_code the caller made. */
 int epipe_codec_decode_backward_checked(epipe_codec *c, unsigned mb, const DLTensor *grad_output,
                                         uint64_t n, enum epipe_dtype dt, DLTensor *grad_code);
+/* The codec id and parameter word c's payloads begin with (payload.h):
+ * what a payload encoded in device memory says, without reading it. */
+void epipe_codec_payload_ident(const epipe_codec *c, unsigned *codec_id, uint32_t *param_word);
 
 #endif

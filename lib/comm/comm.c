@@ -22,6 +22,9 @@
  * last of its messages (perhaps freed by a peer's thread) is freed. */
 #define MSGBUF_MIN ((size_t)256 << 10)
 #define MSGBUF_SLOTS 32
+/* Device payload buffers (epipe_comm_device_buffers) serve smaller
+ * messages too: the alternative is two copies across PCIe. */
+#define DEVBUF_MIN ((size_t)4 << 10)
 
 /* A cache may be told to hand out pinned (page-locked) buffers, for a
  * stage that encodes CUDA tensors into its messages and decodes them
@@ -47,6 +50,8 @@ struct epipe_msgpool {
     uint64_t cap;                      /* bytes the cache may hold */
     const epipe_msgbuf_allocator *pin; /* NULL: malloc's buffers */
     int pin_device;                    /* the CUDA device pin allocates through */
+    int device_memory;                 /* a cache of device payload buffers: pin's
+                                          or none (never malloc's) */
     unsigned pinned;                   /* pinned buffers alive, cached or out */
     uint64_t pinned_bytes;             /* ... and their bytes */
     msgbuf slot[MSGBUF_SLOTS];
@@ -153,12 +158,18 @@ static void pool_close(epipe_msgpool *pool)
     pool_unref(pool);
 }
 
+static size_t pool_min(const epipe_msgpool *pool)
+{
+    return pool->device_memory ? DEVBUF_MIN : MSGBUF_MIN;
+}
+
 /* A buffer of at least b->cap bytes (its size into b->cap, and how to free
- * it), or b->p NULL when out of memory. */
+ * it), or b->p NULL when out of memory (or, in a cache of device memory,
+ * when it has none to give). */
 static void pool_get(epipe_msgpool *pool, msgbuf *b)
 {
     b->release = NULL;
-    if (b->cap >= MSGBUF_MIN) {
+    if (b->cap >= pool_min(pool)) {
         msgbuf_list l = {.n = 0};
         pthread_mutex_lock(&pool->lock);
         void (*want)(int, void *) = pool->pin ? pool->pin->release : NULL;
@@ -216,7 +227,7 @@ static void pool_get(epipe_msgpool *pool, msgbuf *b)
             /* no pinned memory: a pageable buffer serves, only slower */
         }
     }
-    b->p = malloc(b->cap);
+    b->p = pool->device_memory ? NULL : malloc(b->cap);
 }
 
 static void pool_put(epipe_msgpool *pool, msgbuf b)
@@ -225,7 +236,7 @@ static void pool_put(epipe_msgpool *pool, msgbuf b)
     pthread_mutex_lock(&pool->lock);
     /* Only the kind of buffer the cache now hands out is kept. */
     void (*want)(int, void *) = pool->pin ? pool->pin->release : NULL;
-    if (b.p && !pool->closed && b.release == want && b.cap >= MSGBUF_MIN &&
+    if (b.p && !pool->closed && b.release == want && b.cap >= pool_min(pool) &&
         b.cap <= pool->cap / 2) {
         int slot = -1;
         for (int i = 0; i < MSGBUF_SLOTS && slot < 0; i++)
@@ -309,6 +320,55 @@ epipe_msg *epipe_comm_msg_new(epipe_comm *c, size_t payload_cap)
     return msg_new(c->pool, payload_cap);
 }
 
+int epipe_comm_device_buffers(epipe_comm *c, const epipe_msgbuf_allocator *dev, int device)
+{
+    if (!c->ops->peer_device || !dev || device < 0)
+        return 0;
+    pthread_mutex_lock(&c->pool->lock);
+    uint64_t cap = c->pool->cap;
+    pthread_mutex_unlock(&c->pool->lock);
+    pthread_mutex_lock(&c->lock);
+    if (!c->dev_pool && (c->dev_pool = pool_new())) {
+        c->dev_pool->device_memory = 1;
+        c->dev_pool->pin = dev;
+        c->dev_pool->pin_device = device;
+        c->dev_pool->cap = cap;
+        __atomic_store_n(&c->dev_device, device, __ATOMIC_RELEASE);
+    }
+    int ok = c->dev_pool != NULL;
+    pthread_mutex_unlock(&c->lock);
+    return ok;
+}
+
+int epipe_comm_peer_device(epipe_comm *c, unsigned peer)
+{
+    return c->ops->peer_device && peer < c->size && peer != c->rank ? c->ops->peer_device(c, peer)
+                                                                    : -1;
+}
+
+epipe_msg *epipe_comm_msg_new_device(epipe_comm *c, size_t payload_cap)
+{
+    /* dev_pool is set once, before dev_device says so */
+    if (__atomic_load_n(&c->dev_device, __ATOMIC_ACQUIRE) < 0)
+        return NULL;
+    msgbuf b = {.cap = payload_cap};
+    pool_get(c->dev_pool, &b);
+    if (!b.p)
+        return NULL;
+    epipe_msg *m = msg_new(NULL, 0); /* the header */
+    if (!m) {
+        pool_put(c->dev_pool, b);
+        return NULL;
+    }
+    m->dev = b.p;
+    m->dev_cap = b.cap;
+    m->dev_release = b.release;
+    m->dev_device = b.device;
+    m->dev_pool = c->dev_pool;
+    __atomic_add_fetch(&c->dev_pool->refs, 1, __ATOMIC_RELAXED);
+    return m;
+}
+
 void epipe_msg_free(epipe_msg *m)
 {
     if (m) {
@@ -318,6 +378,11 @@ void epipe_msg_free(epipe_msg *m)
             pool_unref(m->pool);
         } else {
             buf_free(b);
+        }
+        if (m->dev) {
+            msgbuf d = {m->dev, m->dev_cap, m->dev_release, m->dev_device};
+            pool_put(m->dev_pool, d);
+            pool_unref(m->dev_pool);
         }
         free(m);
     }
@@ -329,6 +394,16 @@ int epipe_msg_seal(epipe_msg *m, size_t payload_len)
     int rc = epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE);
     if (rc == EPIPE_OK)
         m->len = EPIPE_WIRE_HEADER_SIZE + payload_len;
+    return rc;
+}
+
+int epipe_msg_seal_device(epipe_msg *m, size_t payload_len)
+{
+    m->hdr.payload_len = payload_len;
+    m->hdr.payload_crc = 0;
+    int rc = epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE);
+    if (rc == EPIPE_OK)
+        m->len = EPIPE_WIRE_HEADER_SIZE;
     return rc;
 }
 
@@ -372,6 +447,7 @@ epipe_comm *epipe_comm_alloc(const epipe_transport_ops *ops, unsigned rank, unsi
     c->max_message = s->max_message;
     c->spin_us = s->spin_us;
     c->pool->cap = s->buffer_cache;
+    c->dev_device = -1;
     return c;
 }
 
@@ -384,6 +460,8 @@ void epipe_comm_free(epipe_comm *c)
     pthread_cond_destroy(&c->arrived);
     pthread_mutex_destroy(&c->lock);
     pool_close(c->pool);
+    if (c->dev_pool)
+        pool_close(c->dev_pool);
     free(c->trace);
     free(c->peer_state);
     free(c->peer_why);
@@ -473,14 +551,27 @@ static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void fork_prepare(void)
 {
     pthread_mutex_lock(&live_lock);
-    for (epipe_comm *c = live; c; c = c->live_next)
+    for (epipe_comm *c = live; c; c = c->live_next) {
         pthread_mutex_lock(&c->pool->lock);
+        /* the device cache may appear meanwhile: unlock what was locked */
+        c->fork_dev_pool = __atomic_load_n(&c->dev_device, __ATOMIC_ACQUIRE) >= 0 ? c->dev_pool
+                                                                                  : NULL;
+        if (c->fork_dev_pool)
+            pthread_mutex_lock(&c->fork_dev_pool->lock);
+    }
+}
+
+static void fork_unlock_pools(epipe_comm *c)
+{
+    if (c->fork_dev_pool)
+        pthread_mutex_unlock(&c->fork_dev_pool->lock);
+    pthread_mutex_unlock(&c->pool->lock);
 }
 
 static void fork_parent(void)
 {
     for (epipe_comm *c = live; c; c = c->live_next)
-        pthread_mutex_unlock(&c->pool->lock);
+        fork_unlock_pools(c);
     pthread_mutex_unlock(&live_lock);
 }
 
@@ -490,7 +581,7 @@ static void fork_child(void)
         c->orphaned = 1;
         if (c->ops->forked)
             c->ops->forked(c);
-        pthread_mutex_unlock(&c->pool->lock);
+        fork_unlock_pools(c);
     }
     live = NULL; /* this process owns none of them */
     /* rdma's hook looks freed buffers up in registration caches that are
@@ -550,6 +641,14 @@ int epipe_comm_send(epipe_comm *c, unsigned peer, epipe_msg *m)
         epipe_msg_free(m);
         return epipe_fail_into(c->msg, EPIPE_EINVAL, "rank %u: cannot send to rank %u of %u",
                                c->rank, peer, c->size);
+    }
+    if (m->dev && !c->ops->peer_device) {
+        int device = m->dev_device;
+        epipe_msg_free(m);
+        return epipe_fail_into(c->msg, EPIPE_EINTERNAL,
+                               "rank %u: a payload in the memory of CUDA device %d cannot go to "
+                               "rank %u over %s",
+                               c->rank, device, peer, c->ops->name);
     }
     pthread_mutex_lock(&c->lock);
     if (c->aborted || c->peer_state[peer] != EPIPE_PEER_UP) {
@@ -838,13 +937,18 @@ EPIPE_API int epipe_comm_set_param(epipe_comm *c, epipe_comm_param param, int64_
             return epipe_fail_into(c->msg, EPIPE_EINVAL,
                                    "EPIPE_COMM_BUFFER_CACHE = %lld is out of range 0..2^40",
                                    (long long)value);
-        msgbuf_list l = {.n = 0};
-        pthread_mutex_lock(&c->pool->lock);
-        c->pool->cap = (uint64_t)value;
-        if (c->pool->bytes > c->pool->cap)
-            pool_drain(c->pool, &l);
-        pthread_mutex_unlock(&c->pool->lock);
-        list_free(&l);
+        epipe_msgpool *pools[2] = {c->pool, NULL};
+        if (__atomic_load_n(&c->dev_device, __ATOMIC_ACQUIRE) >= 0)
+            pools[1] = c->dev_pool;
+        for (int i = 0; i < 2 && pools[i]; i++) {
+            msgbuf_list l = {.n = 0};
+            pthread_mutex_lock(&pools[i]->lock);
+            pools[i]->cap = (uint64_t)value;
+            if (pools[i]->bytes > pools[i]->cap)
+                pool_drain(pools[i], &l);
+            pthread_mutex_unlock(&pools[i]->lock);
+            list_free(&l);
+        }
         return EPIPE_OK;
     }
     return epipe_fail_into(c->msg, EPIPE_EINVAL, "unknown communicator parameter %d", (int)param);

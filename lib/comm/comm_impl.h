@@ -13,16 +13,23 @@
 
 typedef struct epipe_msgpool epipe_msgpool;
 
-/* One framed message: wire header and payload in one allocation. */
+/* One framed message: wire header and payload in one allocation; or,
+ * between ranks of one process (epipe_comm_msg_new_device), the header in
+ * data and the payload in CUDA device memory at dev. */
 typedef struct epipe_msg {
     struct epipe_msg *next;
     epipe_msgpool *pool;   /* the cache its buffer returns to, or NULL */
     epipe_wire_header hdr; /* parsed on receipt; filled by the sender */
-    uint8_t *data;         /* header bytes, then payload */
+    uint8_t *data;         /* header bytes, then payload (none when dev is set) */
     size_t len;            /* bytes used in data */
     size_t cap;
     void (*release)(int device, void *p); /* frees data (NULL: free()) */
     int release_device;                   /* ... given this */
+    uint8_t *dev;                         /* the payload in device memory, or NULL */
+    size_t dev_cap;
+    int dev_device; /* the CUDA device dev is on */
+    void (*dev_release)(int device, void *p);
+    epipe_msgpool *dev_pool; /* the cache dev returns to */
 } epipe_msg;
 
 /* A message with room for a payload of `payload_cap` bytes after the
@@ -41,6 +48,15 @@ static inline uint8_t *epipe_msg_payload(epipe_msg *m)
 /* Frames m in place: sets the payload length and CRC in m->hdr from the
  * `payload_len` bytes at epipe_msg_payload(m) and writes the header. */
 int epipe_msg_seal(epipe_msg *m, size_t payload_len);
+/* The same for a message whose payload is at m->dev: the payload length
+ * only (its CRC field stays 0: device memory never crosses a wire, and
+ * the host does not read it). */
+int epipe_msg_seal_device(epipe_msg *m, size_t payload_len);
+/* The bytes m stands for on a wire: header and payload. */
+static inline size_t epipe_msg_wire_len(const epipe_msg *m)
+{
+    return m->dev ? m->len + (size_t)m->hdr.payload_len : m->len;
+}
 
 typedef struct epipe_transport_ops {
     const char *name;
@@ -56,6 +72,11 @@ typedef struct epipe_transport_ops {
      * child has only the thread that forked, and a lock another thread
      * held stays held there. */
     void (*forked)(epipe_comm *c);
+    /* Optional, for a transport whose ranks share the process (inproc):
+     * the CUDA device whose payloads peer decodes in place
+     * (epipe_comm_device_buffers), or -1. A transport without it is
+     * never given a message with a device payload. */
+    int (*peer_device)(epipe_comm *c, unsigned peer);
 } epipe_transport_ops;
 
 enum epipe_peer_state { EPIPE_PEER_UP = 0, EPIPE_PEER_LEFT = 1, EPIPE_PEER_FAILED = 2 };
@@ -96,9 +117,12 @@ struct epipe_comm {
     unsigned rank, size;
     int64_t timeout_ms; /* read and written atomically */
     uint64_t max_message;
-    int64_t spin_us;     /* a receive busy-waits this long before sleeping */
-    epipe_msgpool *pool; /* this handle's buffer cache */
-    char *trace;         /* trace=PATH, or NULL */
+    int64_t spin_us;              /* a receive busy-waits this long before sleeping */
+    epipe_msgpool *pool;          /* this handle's buffer cache */
+    epipe_msgpool *dev_pool;      /* its device payload buffers, or NULL (set once) */
+    int dev_device;               /* their CUDA device, or -1; atomic, set once */
+    epipe_msgpool *fork_dev_pool; /* the device cache fork_prepare locked */
+    char *trace;                  /* trace=PATH, or NULL */
     char msg[EPIPE_ERRMSG_MAX];
     /* The live handles of this process (epipe_comm_publish), for fork. */
     epipe_comm *live_prev, *live_next;
@@ -187,6 +211,25 @@ typedef struct epipe_msgbuf_allocator {
  * gets a malloc'd buffer. Any thread; idempotent (the device named first
  * stays: pinned memory serves every device). */
 void epipe_comm_pin_buffers(epipe_comm *c, const epipe_msgbuf_allocator *pin, int device);
+
+/* Device memory for the payloads of messages between ranks of one
+ * process: a stage on CUDA device `device` whose peers are threads of its
+ * process (inproc) encodes into such a buffer and its peer decodes from
+ * it, so that the payload never crosses PCIe. From now on c draws them
+ * from `dev` (the same bounds as pinned buffers: 32 and `buffer_cache`
+ * bytes alive at once, none under 4 KiB; past them a message gets a host
+ * buffer), and its peers may send it device payloads on `device`.
+ * Returns 1, or 0 where c's transport cannot carry them (tcp, rdma) or no
+ * memory. Idempotent: the device named first stays. Any thread. */
+int epipe_comm_device_buffers(epipe_comm *c, const epipe_msgbuf_allocator *dev, int device);
+/* The CUDA device whose payloads peer decodes in place, or -1. */
+int epipe_comm_peer_device(epipe_comm *c, unsigned peer);
+/* A message with its header in host memory and room for a payload of
+ * `payload_cap` bytes at m->dev, on c's device (above): NULL where c has
+ * none to give (none set up, past the bounds, too small, out of device
+ * memory): then use epipe_comm_msg_new(). Seal it with
+ * epipe_msg_seal_device(). */
+epipe_msg *epipe_comm_msg_new_device(epipe_comm *c, size_t payload_cap);
 
 /* Buffer-cache counters of c's cache (tests, epipe-bench): buffers reused
  * and freshly allocated for epipe_comm_msg_new(), and the bytes held now. */

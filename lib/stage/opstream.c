@@ -313,7 +313,7 @@ static int check_tag(epipe_stage *st, const epipe_wire_header *h, unsigned peer)
 
 /* The wait after a codec call on CUDA tensors whose status was rc. A
  * failed call waits too: it may have queued a copy into or out of the
- * message (pinned memory, see pin_messages() in stage.c), whose buffer
+ * message (pinned memory, see cuda_messages() in stage.c), whose buffer
  * must not go back to the cache, and to another message, while the copy
  * runs. The failed call's message stays the codec's last error. */
 static int settle(epipe_codec *codec, int rc)
@@ -324,6 +324,34 @@ static int settle(epipe_codec *codec, int rc)
     snprintf(why, sizeof why, "%s", epipe_codec_last_error(codec));
     (void)epipe_codec_synchronize(codec);
     return epipe_codec_fail(codec, rc, "%s", why);
+}
+
+/* Where the decode reads msg's payload: in its message; a device payload
+ * (epipe_comm_msg_new_device) in place when the tensor goes to that
+ * device, else copied to host memory first (the stage was moved to
+ * another device, or to the host, while the message was on its way):
+ * *payload is then malloc'd, for the caller to free. */
+static int device_payload_here(epipe_stage *st, epipe_msg *msg, const struct lent_tensor *lt,
+                               epipe_codec *codec, const uint8_t **payload)
+{
+    *payload = msg->data + msg->hdr.header_len;
+    if (!msg->dev)
+        return EPIPE_OK;
+    *payload = msg->dev;
+    if (lt->on_cuda && lt->device == msg->dev_device)
+        return EPIPE_OK;
+    size_t len = (size_t)msg->hdr.payload_len;
+    uint8_t *host = malloc(len ? len : 1);
+    if (!host)
+        return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte payload", len);
+    int rc = epipe_codec_cuda_stream_copy(codec, msg->dev_device, host, msg->dev, len);
+    if (rc) {
+        free(host);
+        return fail(st, rc, "copying a payload from CUDA device %d: %s", msg->dev_device,
+                    epipe_codec_last_error(codec));
+    }
+    *payload = host;
+    return EPIPE_OK;
 }
 
 static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, const DLTensor **t)
@@ -384,16 +412,23 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     epipe_codec *codec = dir == DIR_ACT ? c->dec_act : c->dec_grad;
     if (dir == DIR_ACT && epipe_codec_trainable(codec))
         epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
-    rc = epipe_codec_decode(codec, msg->data + h->header_len, (size_t)h->payload_len, &lt->t);
-    if (lt->on_cuda) /* usable from any stream when the call returns */
+    const uint8_t *payload;
+    if ((rc = device_payload_here(st, msg, lt, codec, &payload))) {
+        epipe_msg_free(msg);
+        return rc;
+    }
+    rc = epipe_codec_decode(codec, payload, (size_t)h->payload_len, &lt->t);
+    if (payload != msg->dev && payload != msg->data + h->header_len)
+        free((void *)payload);
+    if (lt->on_cuda || msg->dev) /* usable from any stream when the call returns */
         rc = settle(codec, rc);
     double t2 = now();
     st->st.decode_seconds += t2 - t1;
     if (st->tracing)
         epipe_trace_span(st->trace, "decode", "decode", t1, t2);
-    uint64_t wire = msg->len;
+    uint64_t wire = epipe_msg_wire_len(msg);
     epipe_trace_args(st->trace, msg_step(st, c, mb, dir), mb, dir, wire, epipe_codec_spec(codec));
-    epipe_msg_free(msg);
+    epipe_msg_free(msg); /* a device payload: the wait above is done with it */
     if (rc) {
         lt->t.data = NULL;
         return fail(st, rc, "decoding the %s of micro-batch %u from rank %u: %s",
@@ -560,11 +595,20 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     /* t was checked above: the codec checks it no more (codec_internal.h). */
     if ((rc = epipe_codec_size_checked(codec, t, n, &cap)))
         return fail(st, rc, "%s", epipe_codec_last_error(codec));
-    epipe_msg *msg = epipe_comm_msg_new(st->comm, cap);
-    if (!msg)
+    /* A CUDA tensor for a rank of this process that decodes on its device:
+     * the payload stays there (cuda_messages() in stage.c) */
+    epipe_msg *msg = NULL;
+    if (epipe_tensor_is_cuda(t) && epipe_comm_peer_device(st->comm, peer) == t->device.device_id)
+        msg = epipe_comm_msg_new_device(st->comm, cap);
+    if (msg && msg->dev_device != t->device.device_id) {
+        epipe_msg_free(msg); /* this rank's device buffers are on another device */
+        msg = NULL;
+    }
+    if (!msg && !(msg = epipe_comm_msg_new(st->comm, cap)))
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);
+    uint8_t *payload = msg->dev ? msg->dev : epipe_msg_payload(msg);
     double t0 = now();
-    rc = epipe_codec_encode_checked(codec, t, n, dt, epipe_msg_payload(msg), cap, &len);
+    rc = epipe_codec_encode_checked(codec, t, n, dt, payload, cap, &len);
     if (epipe_tensor_is_cuda(t)) /* the payload complete, its errors known */
         rc = settle(codec, rc);
     double t1 = now();
@@ -577,7 +621,13 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
                     dir == DIR_ACT ? "activation" : "gradient", mb, epipe_codec_last_error(codec));
     }
     epipe_payload_header ph;
-    epipe_payload_get(epipe_msg_payload(msg), len, &ph); /* the codec just wrote it */
+    if (msg->dev) { /* what it wrote there, without reading the device */
+        unsigned id;
+        epipe_codec_payload_ident(codec, &id, &ph.param_word);
+        ph.codec_id = (uint8_t)id;
+    } else {
+        epipe_payload_get(payload, len, &ph); /* the codec just wrote it */
+    }
     epipe_wire_header *h = &msg->hdr;
     memset(h, 0, sizeof *h);
     h->kind = dir == DIR_ACT ? EPIPE_WIRE_ACTIVATION : EPIPE_WIRE_GRADIENT;
@@ -592,11 +642,11 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     h->src_stage = st->s;
     h->dst_stage = peer;
     h->schedule_tag = st->tag;
-    if ((rc = epipe_msg_seal(msg, len))) {
+    if ((rc = msg->dev ? epipe_msg_seal_device(msg, len) : epipe_msg_seal(msg, len))) {
         epipe_msg_free(msg);
         return fail(st, rc, "framing: %s", epipe_last_error());
     }
-    uint64_t wire = msg->len;
+    uint64_t wire = epipe_msg_wire_len(msg);
     epipe_trace_args(st->trace, h->step, mb, dir, wire, epipe_codec_spec(codec));
     if ((rc = epipe_comm_send(st->comm, peer, msg)))
         return fail(st, rc, "%s", epipe_comm_last_error(st->comm));

@@ -403,27 +403,55 @@ EPIPE_API int epipe_stage_set_codec(epipe_stage *st, epipe_direction dir, unsign
     return rc ? rc : stage_release(st, nested, stage_set_codec(st, dir, boundary, spec));
 }
 
+/* A switch of the environment for a stage on a CUDA device: 1 (the
+ * default) or 0, anything else refused by name. */
+static int env_switch(epipe_stage *st, const char *name, const char *on, const char *off,
+                      int *value)
+{
+    const char *env = getenv(name);
+    if (env && strcmp(env, "0") && strcmp(env, "1"))
+        return fail(st, EPIPE_EINVAL,
+                    "EPIPE_STAGE_CUDA_DEVICE: the environment's %s = '%.40s': use 1 (%s, the "
+                    "default) or 0 (%s)",
+                    name, env, on, off);
+    *value = !env || !strcmp(env, "1");
+    return EPIPE_OK;
+}
+
+static int devbuf_alloc(int device, size_t bytes, void **p)
+{
+    char why[256];
+    return epipe_cuda_dev_alloc(device, bytes, p, why, sizeof why);
+}
+
 /* A stage on a CUDA device has its codecs copy each payload from the
  * device into its message and each received one back: from pinned memory
  * such a copy is one DMA the host does not wait for; from malloc's, the
  * driver stages it through a bounce buffer of its own and may hold the
  * host until it is done. So its communicator's cached message
  * buffers are pinned, unless EPIPE_CUDA_PINNED_MESSAGES=0 (for measuring
- * the difference). The communicator is told once and stays so: other
- * stages on it lose nothing by pinned buffers. */
-static int pin_messages(epipe_stage *st, int device)
+ * the difference). Between stages that are threads of one process
+ * (inproc) the payload need not leave the device at all: the sender
+ * encodes into device memory and the receiver decodes from there, when
+ * both are on this device, unless EPIPE_CUDA_DEVICE_MESSAGES=0. The
+ * communicator is told once and stays so: other stages on it lose
+ * nothing by either. */
+static int cuda_messages(epipe_stage *st, int device)
 {
     static const epipe_msgbuf_allocator pinned = {epipe_cuda_pinned_alloc,
                                                   epipe_codec_cuda_host_free};
-    const char *env = getenv("EPIPE_CUDA_PINNED_MESSAGES");
-    if (env && strcmp(env, "0") && strcmp(env, "1"))
-        return fail(
-            st, EPIPE_EINVAL,
-            "EPIPE_STAGE_CUDA_DEVICE: the environment's EPIPE_CUDA_PINNED_MESSAGES = '%.40s': use "
-            "1 (pinned message buffers, the default) or 0 (pageable)",
-            env);
-    if (!env || !strcmp(env, "1"))
+    static const epipe_msgbuf_allocator on_device = {devbuf_alloc, epipe_cuda_dev_free};
+    int pin = 1, dev = 1, rc;
+    if ((rc = env_switch(st, "EPIPE_CUDA_PINNED_MESSAGES", "pinned message buffers", "pageable",
+                         &pin)) ||
+        (rc = env_switch(st, "EPIPE_CUDA_DEVICE_MESSAGES",
+                         "payloads stay on the device between stages of one process",
+                         "they cross to the host", &dev)))
+        return rc;
+    if (pin)
         epipe_comm_pin_buffers(st->comm, &pinned, device);
+    if (dev)
+        epipe_comm_device_buffers(st->comm, &on_device, device);
     return EPIPE_OK;
 }
 
@@ -512,7 +540,7 @@ static int stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t val
                             (long long)value, why);
             }
         }
-        if (value >= 0 && (rc = pin_messages(st, (int)value)))
+        if (value >= 0 && (rc = cuda_messages(st, (int)value)))
             return rc;
         st->cuda_device = (int)value;
         return EPIPE_OK;

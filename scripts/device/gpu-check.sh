@@ -139,11 +139,16 @@ for codec in sortquant:bits=8 none; do
         python/bench/bench_pipeline_overhead.py --device cuda --codec "$codec" \
         --trace "$O/overhead-${codec%%:*}"
 done
-# ... and `none` again with pageable message buffers, in the same run: what
-# pinning them (EPIPE_STAGE_CUDA_DEVICE's default) saves
+# ... and `none` again with its payloads through host messages, pinned and
+# then pageable, in the same run: what keeping them on the device and
+# pinning host messages (EPIPE_STAGE_CUDA_DEVICE's defaults) each save
 # shellcheck disable=SC2086
-step overhead-none-pageable "${GPU_CHECK_PYTHON_S:-120}" env EPIPE_CUDA_PINNED_MESSAGES=0 $PY \
+step overhead-none-hostmsg "${GPU_CHECK_PYTHON_S:-120}" env EPIPE_CUDA_DEVICE_MESSAGES=0 $PY \
     python/bench/bench_pipeline_overhead.py --device cuda --codec none
+# shellcheck disable=SC2086
+step overhead-none-pageable "${GPU_CHECK_PYTHON_S:-120}" env EPIPE_CUDA_DEVICE_MESSAGES=0 \
+    EPIPE_CUDA_PINNED_MESSAGES=0 $PY python/bench/bench_pipeline_overhead.py --device cuda \
+    --codec none
 # 5. Throughput against a device-to-device copy, 12.8M values
 specs="none cast:dtype=fp16 cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:bits=8,mode=sample
        sortquant:bits=8 sortquant:bits=4 sortquant:bits=8,mode=exact topk:ratio=0.1 topk:ratio=0.01

@@ -54,6 +54,7 @@ namespace
  * cudaErrorIllegalAddress, as every call does after a kernel faults. */
 std::atomic<long> fallible_calls{0}, fail_at{0};
 std::atomic<int> fail_sticky{0}, failed_sticky{0};
+std::atomic<int> injected_kind{0}; /* the error the failed call returned */
 
 /* cudaSuccess, or the error to return instead of doing the call */
 cudaError_t injected(cudaError_t kind)
@@ -63,6 +64,7 @@ cudaError_t injected(cudaError_t kind)
     long n = ++fallible_calls;
     if (!fail_at || n != fail_at)
         return cudaSuccess;
+    injected_kind = fail_sticky ? cudaErrorIllegalAddress : kind;
     if (!fail_sticky)
         return kind;
     failed_sticky = 1;
@@ -712,6 +714,7 @@ extern "C" {
 void cudaemu_fail_at(long n, int sticky)
 {
     fallible_calls = 0;
+    injected_kind = cudaSuccess;
     fail_sticky = sticky;
     failed_sticky = 0;
     fail_at = n;
@@ -725,6 +728,11 @@ void cudaemu_limit_coop_sms(int sms)
 long cudaemu_fallible_calls(void)
 {
     return fallible_calls;
+}
+
+cudaError_t cudaemu_injected_error(void)
+{
+    return (cudaError_t)injected_kind.load();
 }
 
 cudaError_t cudaGetDeviceCount(int *count)

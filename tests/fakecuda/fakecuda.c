@@ -35,6 +35,8 @@ FAKE_EXPORT int fakecuda_copy(void *dst, const void *src, size_t bytes);
 FAKE_EXPORT void *fakecuda_last_stream(unsigned long *copies);
 FAKE_EXPORT unsigned long fakecuda_host_allocs(void);
 FAKE_EXPORT long fakecuda_host_live(void);
+FAKE_EXPORT unsigned long fakecuda_dev_allocs(void);
+FAKE_EXPORT long fakecuda_dev_live(void);
 FAKE_EXPORT void fakecuda_insert_kernels(int on);
 FAKE_EXPORT unsigned long fakecuda_insert_calls(void);
 FAKE_EXPORT int epipe_cuda_module_init(const epipe_cuda_core *c, const epipe_cuda_module **out);
@@ -534,13 +536,31 @@ static int device_ok(int device, char *why, size_t cap)
     return EPIPE_EINVAL;
 }
 
+/* Device memory the library asked the module for (not the tests' own),
+ * counted so a test can see that each allocation went back. */
+static unsigned long dev_allocs;
+static long dev_live;
+
+FAKE_EXPORT unsigned long fakecuda_dev_allocs(void)
+{
+    return __atomic_load_n(&dev_allocs, __ATOMIC_RELAXED);
+}
+
+FAKE_EXPORT long fakecuda_dev_live(void)
+{
+    return __atomic_load_n(&dev_live, __ATOMIC_RELAXED);
+}
+
 static int dev_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
 {
     int rc = device_ok(device, why, cap);
     if (rc)
         return rc;
-    if ((*p = fakecuda_alloc(bytes)))
+    if ((*p = fakecuda_alloc(bytes))) {
+        __atomic_add_fetch(&dev_allocs, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&dev_live, 1, __ATOMIC_RELAXED);
         return EPIPE_OK;
+    }
     snprintf(why, cap, "fakecuda: no memory for %zu bytes", bytes);
     return EPIPE_ENOMEM;
 }
@@ -596,6 +616,8 @@ FAKE_EXPORT unsigned long fakecuda_host_allocs(void)
 static void module_free(int device, void *p)
 {
     (void)device;
+    if (p)
+        __atomic_sub_fetch(&dev_live, 1, __ATOMIC_RELAXED);
     fakecuda_free(p);
 }
 

@@ -181,6 +181,8 @@ static void knob_cases(const sx_memory *mem)
 
 static unsigned long (*host_allocs)(void);
 static long (*host_live)(void);
+static unsigned long (*dev_allocs)(void);
+static long (*dev_live)(void);
 
 /* 70,000 values: a message the communicator's buffer cache keeps */
 enum { PIN_ROWS = 70, PIN_N = PIN_ROWS * SX_COLS };
@@ -189,7 +191,9 @@ typedef struct pin_rank {
     epipe_comm *comm;
     const sx_memory *mem;
     int steps;
-    int nan; /* rank 0 sends a NaN through quant: its send must fail */
+    int nan;                  /* rank 0 sends a NaN through quant: its send must fail */
+    int moved;                /* rank 1 is put on device 0, then back on the host */
+    pthread_barrier_t *ready; /* both ranks have set their knobs */
     int knob_rc;
     char why[256];
 } pin_rank;
@@ -207,6 +211,12 @@ static void *pin_rank_main(void *p)
                  "%s", epipe_stage_last_error(st));
     pr->knob_rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0);
     snprintf(pr->why, sizeof pr->why, "%s", epipe_stage_last_error(st));
+    int on_host = pr->moved && r == 1;
+    if (on_host && !pr->knob_rc)
+        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, -1) == EPIPE_OK, "%s",
+                 epipe_stage_last_error(st));
+    /* a message sent before the peer is on its device goes through the host */
+    pthread_barrier_wait(pr->ready);
     float *host = malloc(PIN_N * sizeof *host);
     void *dev = pr->mem->alloc(PIN_N * sizeof *host);
     SX_CHECK(host && dev, "memory");
@@ -244,7 +254,11 @@ static void *pin_rank_main(void *p)
                             : epipe_stage_send_gradient(st, 0, &t);
             if (rc)
                 break;
-            if (in) {
+            if (in && on_host) {
+                SX_CHECK(in->device.device_type == kDLCPU &&
+                             memcmp(in->data, host, PIN_N * sizeof *host) == 0,
+                         "rank %u step %d: the tensor received on the host", r, step);
+            } else if (in) {
                 float got[4];
                 SX_CHECK(in->device.device_type == kDLCUDA &&
                              pr->mem->copy(got, in->data, sizeof got) == 0 && got[1] == host[1],
@@ -264,46 +278,69 @@ static void *pin_rank_main(void *p)
     return NULL;
 }
 
-/* Two ranks of `steps` GPipe steps with CUDA tensors of PIN_N values
- * under EPIPE_CUDA_PINNED_MESSAGES = env (NULL: unset); the pinned
- * allocations they made, and each rank's knob status and message. */
-static unsigned long pin_run(const sx_memory *mem, const char *env, int steps, int nan,
-                             pin_rank pr[2])
+static void set_env(const char *name, const char *value)
 {
-    if (env)
-        setenv("EPIPE_CUDA_PINNED_MESSAGES", env, 1);
+    if (value)
+        setenv(name, value, 1);
     else
-        unsetenv("EPIPE_CUDA_PINNED_MESSAGES");
+        unsetenv(name);
+}
+
+/* What a pin_run() asked of the module: pinned and device allocations. */
+typedef struct allocs {
+    unsigned long pinned, dev;
+} allocs;
+
+/* Two ranks of `steps` GPipe steps with CUDA tensors of PIN_N values
+ * under EPIPE_CUDA_PINNED_MESSAGES = pin_env and EPIPE_CUDA_DEVICE_MESSAGES
+ * = dev_env (NULL: unset); the allocations they made (every one must be
+ * given back), and each rank's knob status and message. */
+static allocs pin_run(const sx_memory *mem, const char *pin_env, const char *dev_env, int steps,
+                      int nan, int moved, pin_rank pr[2])
+{
+    set_env("EPIPE_CUDA_PINNED_MESSAGES", pin_env);
+    set_env("EPIPE_CUDA_DEVICE_MESSAGES", dev_env);
+    allocs a = {0, 0};
     epipe_comm *c[2];
     if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
         SX_CHECK(0, "inproc: %s", epipe_last_error());
-        return 0;
+        return a;
     }
-    long live = host_live();
-    unsigned long before = host_allocs();
+    long live = host_live(), dlive = dev_live();
+    unsigned long before = host_allocs(), dbefore = dev_allocs();
     pthread_t th[2];
+    pthread_barrier_t ready;
+    pthread_barrier_init(&ready, NULL, 2);
     for (int i = 0; i < 2; i++) {
-        pr[i] = (pin_rank){.comm = c[i], .mem = mem, .steps = steps, .nan = nan};
+        pr[i] = (pin_rank){
+            .comm = c[i], .mem = mem, .steps = steps, .nan = nan, .moved = moved, .ready = &ready};
         pthread_create(&th[i], NULL, pin_rank_main, &pr[i]);
     }
     for (int i = 0; i < 2; i++)
         pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&ready);
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
     unsetenv("EPIPE_CUDA_PINNED_MESSAGES");
+    unsetenv("EPIPE_CUDA_DEVICE_MESSAGES");
     SX_CHECK(host_live() == live, "%ld pinned buffers not given back to the module",
              host_live() - live);
-    return host_allocs() - before;
+    SX_CHECK(dev_live() == dlive, "%ld device buffers not given back to the module",
+             dev_live() - dlive);
+    a.pinned = host_allocs() - before;
+    a.dev = dev_allocs() - dbefore;
+    return a;
 }
 
 static void pinned_message_cases(const sx_memory *mem)
 {
     int before = sx_failures;
     pin_rank pr[2];
-    unsigned long pageable = pin_run(mem, "0", 1, 0, pr);
-    unsigned long pinned = pin_run(mem, NULL, 1, 0, pr);
-    unsigned long pinned3 = pin_run(mem, "1", 3, 0, pr);
-    unsigned long pageable3 = pin_run(mem, "0", 3, 0, pr);
+    /* payloads through host messages: EPIPE_CUDA_DEVICE_MESSAGES=0 */
+    unsigned long pageable = pin_run(mem, "0", "0", 1, 0, 0, pr).pinned;
+    unsigned long pinned = pin_run(mem, NULL, "0", 1, 0, 0, pr).pinned;
+    unsigned long pinned3 = pin_run(mem, "1", "0", 3, 0, 0, pr).pinned;
+    unsigned long pageable3 = pin_run(mem, "0", "0", 3, 0, 0, pr).pinned;
     /* each rank's one message buffer: pinned, and drawn from the cache again
      * in later steps (host staging's own buffers are in both counts) */
     SX_CHECK(pinned >= pageable + 2, "pinned: %lu allocations, pageable: %lu", pinned, pageable);
@@ -313,7 +350,7 @@ static void pinned_message_cases(const sx_memory *mem)
     printf("CUDA stages' message buffers pinned and cached: %s\n",
            sx_failures == before ? "ok" : "FAILED");
     before = sx_failures;
-    pin_run(mem, "yes", 1, 0, pr);
+    pin_run(mem, "yes", "0", 1, 0, 0, pr);
     for (int r = 0; r < 2; r++)
         SX_CHECK(pr[r].knob_rc == EPIPE_EINVAL &&
                      strstr(pr[r].why, "EPIPE_CUDA_PINNED_MESSAGES = 'yes'") != NULL,
@@ -325,8 +362,50 @@ static void pinned_message_cases(const sx_memory *mem)
      * stream first (opstream.c, settle()) no test here can see: this
      * module's copies, and the emulator's, are done when they return. */
     before = sx_failures;
-    pin_run(mem, NULL, 1, 1, pr);
+    pin_run(mem, NULL, "0", 1, 1, 0, pr);
     printf("a failed CUDA send of a pinned message: %s\n", sx_failures == before ? "ok" : "FAILED");
+}
+
+/* Between ranks of one process on one device the payload stays in device
+ * memory (the module's): the sender encodes there, the receiver decodes
+ * from there, and the buffers are cached from step to step and all given
+ * back; a receiver moved back to the host gets its payload copied out. */
+static void device_message_cases(const sx_memory *mem)
+{
+    int before = sx_failures;
+    pin_rank pr[2];
+    allocs host = pin_run(mem, NULL, "0", 1, 0, 0, pr);
+    allocs dev = pin_run(mem, NULL, NULL, 1, 0, 0, pr);
+    allocs dev3 = pin_run(mem, NULL, "1", 3, 0, 0, pr);
+    /* an activation and a gradient message in device buffers (the host
+     * staging of this module's codecs pins buffers of its own either way) */
+    SX_CHECK(dev.dev == host.dev + 2, "device messages: %lu device allocations, host ones %lu",
+             dev.dev, host.dev);
+    SX_CHECK(dev3.dev == dev.dev && dev3.pinned == dev.pinned,
+             "3 steps made %lu device and %lu pinned allocations, 1 step %lu and %lu", dev3.dev,
+             dev3.pinned, dev.dev, dev.pinned);
+    printf("CUDA stages' payloads stay on the device over inproc: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+    before = sx_failures;
+    pin_run(mem, NULL, "on", 1, 0, 0, pr);
+    for (int r = 0; r < 2; r++)
+        SX_CHECK(pr[r].knob_rc == EPIPE_EINVAL &&
+                     strstr(pr[r].why, "EPIPE_CUDA_DEVICE_MESSAGES = 'on'") != NULL,
+                 "rank %d: %d %s", r, pr[r].knob_rc, pr[r].why);
+    printf("a bad EPIPE_CUDA_DEVICE_MESSAGES refused by name: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+    before = sx_failures;
+    pin_run(mem, NULL, NULL, 1, 1, 0, pr); /* pin_run counts what goes back */
+    printf("a failed CUDA send of a device message: %s\n", sx_failures == before ? "ok" : "FAILED");
+    before = sx_failures;
+    allocs moved = pin_run(mem, NULL, NULL, 2, 0, 1, pr);
+    /* both messages in device buffers; one received tensor on the host */
+    SX_CHECK(moved.dev + 1 == dev.dev,
+             "a receiver on the host: %lu device allocations, %lu on "
+             "the device",
+             moved.dev, dev.dev);
+    printf("a device payload for a stage moved to the host: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
 }
 
 int main(void)
@@ -341,8 +420,11 @@ int main(void)
         *(void **)&last_stream = dlsym(so, "fakecuda_last_stream");
         *(void **)&host_allocs = dlsym(so, "fakecuda_host_allocs");
         *(void **)&host_live = dlsym(so, "fakecuda_host_live");
+        *(void **)&dev_allocs = dlsym(so, "fakecuda_dev_allocs");
+        *(void **)&dev_live = dlsym(so, "fakecuda_dev_live");
     }
-    if (!mem.alloc || !mem.free || !mem.copy || !last_stream || !host_allocs || !host_live) {
+    if (!mem.alloc || !mem.free || !mem.copy || !last_stream || !host_allocs || !host_live ||
+        !dev_allocs || !dev_live) {
         fprintf(stderr, "EPIPE_CUDA_MODULE must name the test module (fakecuda)\n");
         return 1;
     }
@@ -351,6 +433,7 @@ int main(void)
     sx_run_all(&mem, act, grad, 1);
     knob_cases(&mem);
     pinned_message_cases(&mem);
+    device_message_cases(&mem);
 
     void *stream = (void *)(uintptr_t)0xbeef;
     unsigned long before = 0, after = 0;

@@ -53,6 +53,9 @@
  * kernel fault); n = 0 turns it off. The count of such calls since. */
 extern "C" void cudaemu_fail_at(long n, int sticky);
 extern "C" long cudaemu_fallible_calls(void);
+/* The error the failed call of cudaemu_fail_at() returned (cudaSuccess
+ * while none has failed since): an allocation's cudaErrorMemoryAllocation. */
+extern "C" cudaError_t cudaemu_injected_error(void);
 /* Cooperative launches may fill only `sms` of the device's SMs (a context
  * given fewer than the device reports, as under MPS): bigger ones fail with
  * cudaErrorCooperativeLaunchTooLarge. 0 lifts the limit. */
