@@ -558,7 +558,7 @@ static void pinned_buffers_are_bounded(void **state)
  * for device memory), or NULL where the cache gives none. */
 static epipe_msg *make_dev_msg(epipe_comm *c, unsigned dst, size_t payload, uint32_t mb)
 {
-    epipe_msg *m = epipe_comm_msg_new_device(c, payload);
+    epipe_msg *m = epipe_comm_msg_new_device(c, 3, payload);
     if (!m)
         return NULL;
     assert_true(m->dev_cap >= payload);
@@ -600,7 +600,7 @@ static void device_payloads_stay_in_process(void **state)
     assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
     enum { SIZE = 8000, MID = 300 << 10 };
     assert_int_equal(epipe_comm_peer_device(c[0], 1), -1);
-    assert_null(epipe_comm_msg_new_device(c[0], SIZE)); /* none set up */
+    assert_null(epipe_comm_msg_new_device(c[0], 3, SIZE)); /* none set up */
     assert_int_equal(epipe_comm_device_buffers(c[1], &pin_allocator, 3), 1);
     assert_int_equal(epipe_comm_peer_device(c[0], 1), 3);
     assert_int_equal(epipe_comm_peer_device(c[0], 0), -1); /* itself */
@@ -608,7 +608,8 @@ static void device_payloads_stay_in_process(void **state)
     assert_int_equal(epipe_comm_device_buffers(c[0], &pin_allocator, 3), 1);
     assert_int_equal(epipe_comm_device_buffers(c[0], &pin_allocator, 5), 1); /* 3 stays */
     assert_int_equal(epipe_comm_peer_device(c[1], 0), 3);
-    assert_null(epipe_comm_msg_new_device(c[0], 4000)); /* under 4 KiB: a host message */
+    assert_null(epipe_comm_msg_new_device(c[0], 3, 4000)); /* under 4 KiB: a host message */
+    assert_null(epipe_comm_msg_new_device(c[0], 5, SIZE)); /* another device: none */
     epipe_msg *m = make_dev_msg(c[0], 1, SIZE, 0);
     assert_non_null(m);
     void *dev = m->dev;
@@ -634,7 +635,7 @@ static void device_payloads_stay_in_process(void **state)
         epipe_msg_free(out[i]);
     /* no device memory: none either, and nothing held back */
     pin.fail = 1;
-    assert_null(epipe_comm_msg_new_device(c[0], 2 * MID));
+    assert_null(epipe_comm_msg_new_device(c[0], 3, 2 * MID));
     pin.fail = 0;
     /* a header that does not fit what it carries fails at the receiver as
      * a corrupt message would */
@@ -651,7 +652,7 @@ static void device_payloads_stay_in_process(void **state)
     assert_non_null(f);
     assert_int_equal(epipe_comm_device_buffers(f, &pin_allocator, 3), 0);
     assert_int_equal(epipe_comm_peer_device(f, 1), -1);
-    assert_null(epipe_comm_msg_new_device(f, SIZE));
+    assert_null(epipe_comm_msg_new_device(f, 3, SIZE));
     m = make_dev_msg(c[0], 1, SIZE, 4);
     int releases = pin.releases;
     assert_int_equal(epipe_comm_send(f, 1, m), EPIPE_EINTERNAL); /* freed all the same */
@@ -665,6 +666,20 @@ static void device_payloads_stay_in_process(void **state)
     epipe_comm_destroy(c[1]);
     assert_int_equal(pin.releases, pin.allocs - 1);
     epipe_msg_free(m);
+    assert_int_equal(pin.releases, pin.allocs);
+
+    /* the device cache takes the handle's cap, and follows its changes */
+    assert_int_equal(epipe_comm_create_inproc(c, 2), EPIPE_OK);
+    assert_int_equal(epipe_comm_set_param(c[0], EPIPE_COMM_BUFFER_CACHE, 0), EPIPE_OK);
+    assert_int_equal(epipe_comm_device_buffers(c[0], &pin_allocator, 3), 1);
+    assert_int_equal(epipe_comm_device_buffers(c[1], &pin_allocator, 3), 1);
+    assert_null(epipe_comm_msg_new_device(c[0], 3, SIZE));
+    assert_int_equal(epipe_comm_set_param(c[0], EPIPE_COMM_BUFFER_CACHE, 1 << 20), EPIPE_OK);
+    m = make_dev_msg(c[0], 1, SIZE, 0);
+    assert_non_null(m);
+    epipe_msg_free(m);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
     assert_int_equal(pin.releases, pin.allocs);
 }
 

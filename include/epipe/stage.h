@@ -168,16 +168,17 @@ typedef enum epipe_stage_param {
      * payloads cross PCIe in one DMA each, unless the environment has
      * EPIPE_CUDA_PINNED_MESSAGES=0 (1, the default: pinned; another value
      * is EPIPE_EINVAL naming it). Between ranks that are threads of one
-     * process (inproc), a CUDA tensor sent from device d to a stage whose
-     * knob is also d has its payload encoded into device memory and
-     * decoded from there, never crossing PCIe (payloads of 4 KiB and up;
-     * the communicator keeps up to 32 such buffers and EPIPE_COMM_BUFFER_CACHE
-     * bytes of device memory alive), unless the environment has
-     * EPIPE_CUDA_DEVICE_MESSAGES=0 (same values). A message sent before
-     * its receiver set the knob goes through the host. The communicator
-     * stays so when the knob goes back to -1 (other stages may share it);
-     * a device payload that reaches a stage no longer on that device is
-     * copied to the host for its decode. */
+     * process (inproc), when both stages set this knob to d, a CUDA tensor
+     * on d sent from one to the other has its payload encoded into device
+     * memory and decoded from there, never crossing PCIe (payloads of
+     * 4 KiB and up; the sender's communicator keeps up to 32 such buffers
+     * and EPIPE_COMM_BUFFER_CACHE bytes of device memory alive), unless the
+     * environment has EPIPE_CUDA_DEVICE_MESSAGES=0 (same values). A
+     * message sent before its receiver set the knob goes through the host.
+     * A communicator keeps to the first device a stage on it named: a
+     * stage set to d and then to e sends and receives through the host,
+     * and one set back to -1 has the device payloads it still gets copied
+     * to the host for their decode. */
     EPIPE_STAGE_CUDA_DEVICE = 5
 } epipe_stage_param;
 

@@ -324,18 +324,20 @@ int epipe_comm_device_buffers(epipe_comm *c, const epipe_msgbuf_allocator *dev, 
 {
     if (!c->ops->peer_device || !dev || device < 0)
         return 0;
-    pthread_mutex_lock(&c->pool->lock);
-    uint64_t cap = c->pool->cap;
-    pthread_mutex_unlock(&c->pool->lock);
+    /* c->lock orders this against a change of the cap (epipe_comm_set_param);
+     * the host cache's lock, against fork_prepare, which holds it while it
+     * reads whether there is a device cache to lock too */
     pthread_mutex_lock(&c->lock);
+    pthread_mutex_lock(&c->pool->lock);
     if (!c->dev_pool && (c->dev_pool = pool_new())) {
         c->dev_pool->device_memory = 1;
         c->dev_pool->pin = dev;
         c->dev_pool->pin_device = device;
-        c->dev_pool->cap = cap;
+        c->dev_pool->cap = c->pool->cap;
         __atomic_store_n(&c->dev_device, device, __ATOMIC_RELEASE);
     }
     int ok = c->dev_pool != NULL;
+    pthread_mutex_unlock(&c->pool->lock);
     pthread_mutex_unlock(&c->lock);
     return ok;
 }
@@ -346,10 +348,10 @@ int epipe_comm_peer_device(epipe_comm *c, unsigned peer)
                                                                     : -1;
 }
 
-epipe_msg *epipe_comm_msg_new_device(epipe_comm *c, size_t payload_cap)
+epipe_msg *epipe_comm_msg_new_device(epipe_comm *c, int device, size_t payload_cap)
 {
     /* dev_pool is set once, before dev_device says so */
-    if (__atomic_load_n(&c->dev_device, __ATOMIC_ACQUIRE) < 0)
+    if (device < 0 || __atomic_load_n(&c->dev_device, __ATOMIC_ACQUIRE) != device)
         return NULL;
     msgbuf b = {.cap = payload_cap};
     pool_get(c->dev_pool, &b);
@@ -553,7 +555,8 @@ static void fork_prepare(void)
     pthread_mutex_lock(&live_lock);
     for (epipe_comm *c = live; c; c = c->live_next) {
         pthread_mutex_lock(&c->pool->lock);
-        /* the device cache may appear meanwhile: unlock what was locked */
+        /* a device cache is made under the host cache's lock: none appears
+         * now; the one there is locked too */
         c->fork_dev_pool = __atomic_load_n(&c->dev_device, __ATOMIC_ACQUIRE) >= 0 ? c->dev_pool
                                                                                   : NULL;
         if (c->fork_dev_pool)
@@ -937,9 +940,8 @@ EPIPE_API int epipe_comm_set_param(epipe_comm *c, epipe_comm_param param, int64_
             return epipe_fail_into(c->msg, EPIPE_EINVAL,
                                    "EPIPE_COMM_BUFFER_CACHE = %lld is out of range 0..2^40",
                                    (long long)value);
-        epipe_msgpool *pools[2] = {c->pool, NULL};
-        if (__atomic_load_n(&c->dev_device, __ATOMIC_ACQUIRE) >= 0)
-            pools[1] = c->dev_pool;
+        pthread_mutex_lock(&c->lock); /* a device cache made meanwhile gets the new cap */
+        epipe_msgpool *pools[2] = {c->pool, c->dev_pool};
         for (int i = 0; i < 2 && pools[i]; i++) {
             msgbuf_list l = {.n = 0};
             pthread_mutex_lock(&pools[i]->lock);
@@ -949,6 +951,7 @@ EPIPE_API int epipe_comm_set_param(epipe_comm *c, epipe_comm_param param, int64_
             pthread_mutex_unlock(&pools[i]->lock);
             list_free(&l);
         }
+        pthread_mutex_unlock(&c->lock);
         return EPIPE_OK;
     }
     return epipe_fail_into(c->msg, EPIPE_EINVAL, "unknown communicator parameter %d", (int)param);

@@ -225,11 +225,11 @@ int epipe_comm_device_buffers(epipe_comm *c, const epipe_msgbuf_allocator *dev, 
 /* The CUDA device whose payloads peer decodes in place, or -1. */
 int epipe_comm_peer_device(epipe_comm *c, unsigned peer);
 /* A message with its header in host memory and room for a payload of
- * `payload_cap` bytes at m->dev, on c's device (above): NULL where c has
- * none to give (none set up, past the bounds, too small, out of device
- * memory): then use epipe_comm_msg_new(). Seal it with
- * epipe_msg_seal_device(). */
-epipe_msg *epipe_comm_msg_new_device(epipe_comm *c, size_t payload_cap);
+ * `payload_cap` bytes at m->dev, on CUDA device `device`: NULL where c has
+ * none to give (none set up, set up on another device, past the bounds,
+ * too small, out of device memory): then use epipe_comm_msg_new(). Seal
+ * it with epipe_msg_seal_device(). */
+epipe_msg *epipe_comm_msg_new_device(epipe_comm *c, int device, size_t payload_cap);
 
 /* Buffer-cache counters of c's cache (tests, epipe-bench): buffers reused
  * and freshly allocated for epipe_comm_msg_new(), and the bytes held now. */

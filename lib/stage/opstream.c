@@ -599,11 +599,7 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
      * the payload stays there (cuda_messages() in stage.c) */
     epipe_msg *msg = NULL;
     if (epipe_tensor_is_cuda(t) && epipe_comm_peer_device(st->comm, peer) == t->device.device_id)
-        msg = epipe_comm_msg_new_device(st->comm, cap);
-    if (msg && msg->dev_device != t->device.device_id) {
-        epipe_msg_free(msg); /* this rank's device buffers are on another device */
-        msg = NULL;
-    }
+        msg = epipe_comm_msg_new_device(st->comm, t->device.device_id, cap);
     if (!msg && !(msg = epipe_comm_msg_new(st->comm, cap)))
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);
     uint8_t *payload = msg->dev ? msg->dev : epipe_msg_payload(msg);
