@@ -71,6 +71,19 @@ struct epipe_cuda_handle {
      * put into the mirror (NULL: none). */
     const uint8_t *peeked;
     size_t peeked_len;
+    /* Decodes of device payloads whose checks wait for synchronize
+     * (cuda/module.cu, "deferred checks"): the header and the bytes the
+     * host checks of each, copied on the stream into `checks` (pinned);
+     * a failure of theirs found by an earlier wait (held_rc, held_msg)
+     * for the next synchronize; and, during such a decode's backend call,
+     * defer_checks = 1: the backend launches without reading the mirror. */
+    struct epipe_cuda_pending *pending; /* [EPIPE_CUDA_PENDING_MAX] */
+    unsigned npending;
+    uint8_t *checks;
+    size_t checks_cap, checks_used;
+    int held_rc;
+    char held_msg[512];
+    int defer_checks;
     epipe_cuda_status *status_host; /* pinned: where synchronize reads it */
     void *blas;                     /* cublasHandle_t, made on first use (cuda/cublas.cu) */
     /* poweriter's warm starts (EPIPE_CUDA_PI_SLOTS buffers, made on first
@@ -442,6 +455,15 @@ __host__ __device__ static inline int epipe_cuda_aligned16(const void *p)
 #endif
 
 /* The backends, by codec. */
+/* Deferred checks (cuda/module.cu): whether sortquant's decode of c can
+ * launch before its tables are checked (mode sample and exact: its kernel
+ * reads them from the device; fit plans the launch from them), and the
+ * host checks quant's and sortquant's decoders make of a body (the
+ * mirror), with the CPU's statuses and messages. */
+int epipe_cuda_sq_defers(const epipe_codec *c);
+int epipe_cuda_quant_check(epipe_codec *c, const uint8_t *body, size_t n);
+int epipe_cuda_sq_check(epipe_codec *c, const uint8_t *body, size_t n);
+
 extern const epipe_codec_backend epipe_cuda_none;
 extern const epipe_codec_backend epipe_cuda_cast;
 extern const epipe_codec_backend epipe_cuda_quant;

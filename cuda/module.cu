@@ -406,80 +406,243 @@ static int locate(const void *p, int *device)
     return 0;
 }
 
-/* quant rows=1: the host reads each row's table (its first 8 bytes) and
- * the last byte of its codes, `size` bytes apart: two strided copies into
- * pinned staging, then into the mirror at their places. */
-static int fetch_row_tables(epipe_codec *c, const uint8_t *payload, size_t len, uint64_t rows,
-                            uint64_t size, void *hdr)
+/* Where the bytes the host reads of a device payload (len bytes, n values)
+ * are: quant rows=1's layout (`rows` rows `rsize` apart: each one's
+ * 8-byte table and last code byte), or (rows 0) one head and one tail
+ * span of the body (host_read_span). */
+struct host_spans {
+    uint64_t rows, rsize;
+    size_t head, tail;
+};
+
+static void spans_of(epipe_codec *c, size_t len, uint64_t n, host_spans *sp)
 {
-    epipe_cuda_handle *h = epipe_cuda_h(c);
+    uint64_t rows = 1, rlen = n;
+    if (c->ops->id == EPIPE_CODEC_ID_QUANT)
+        epipe_codec_ranges(c, n, c->p[QUANT_ROWS] != 0, (uint64_t)c->p[QUANT_GROUP], &rows, &rlen);
+    uint64_t rsize = 8 + (rlen * (uint64_t)c->p[QUANT_BITS] + 7) / 8;
+    size_t blen = len - EPIPE_PAYLOAD_HEADER;
+    *sp = host_spans{0, 0, 0, 0};
+    /* a body of another length is refused by the core after a peek: read
+     * it as one range, which stays inside it */
+    if (rows > 1 && rows * rsize == blen)
+        sp->rows = rows, sp->rsize = rsize;
+    else
+        host_read_span(c, n, blen, &sp->head, &sp->tail);
+}
+
+/* The pinned bytes the spans take, header first. */
+static size_t spans_bytes(const host_spans *sp)
+{
+    return EPIPE_PAYLOAD_HEADER + (sp->rows ? 9 * sp->rows : sp->head + sp->tail);
+}
+
+/* Queues the copies of the header and the spans of a device payload into
+ * pin (spans_bytes), on the handle's stream. */
+static int copy_spans(epipe_codec *c, const uint8_t *payload, size_t len, const host_spans *sp,
+                      uint8_t *pin)
+{
     cudaStream_t s = epipe_cuda_stream(c);
     const size_t H = EPIPE_PAYLOAD_HEADER, blen = len - H;
-    uint8_t *m = NULL, *pin = NULL;
+    const uint8_t *body = payload + H;
     int rc;
-    if ((rc = mirror_get(c, blen, &m)) || (rc = pinned_get(c, H + 9 * rows, &pin)))
+    if (sp->rows) {
+        uint64_t rows = sp->rows, size = sp->rsize;
+        if ((rc = epipe_cuda_check(c, cudaMemcpyAsync(pin, payload, H, cudaMemcpyDeviceToHost, s),
+                                   "reading the payload's header")) ||
+            (rc = epipe_cuda_check(
+                 c, cudaMemcpy2DAsync(pin + H, 8, body, size, 8, rows, cudaMemcpyDeviceToHost, s),
+                 "reading the payload's row tables")))
+            return rc;
+        return epipe_cuda_check(c,
+                                cudaMemcpy2DAsync(pin + H + 8 * rows, 1, body + size - 1, size, 1,
+                                                  rows, cudaMemcpyDeviceToHost, s),
+                                "reading the rows' last code bytes");
+    }
+    if ((rc = epipe_cuda_check(
+             c, cudaMemcpyAsync(pin, payload, H + sp->head, cudaMemcpyDeviceToHost, s),
+             "reading the payload's header and tables")))
         return rc;
-    if ((rc = epipe_cuda_check(c, cudaMemcpyAsync(pin, payload, H, cudaMemcpyDeviceToHost, s),
-                               "reading the payload's header")) ||
-        (rc = epipe_cuda_check(c,
-                               cudaMemcpy2DAsync(pin + H, 8, payload + H, size, 8, rows,
-                                                 cudaMemcpyDeviceToHost, s),
-                               "reading the payload's row tables")) ||
-        (rc = epipe_cuda_check(c,
-                               cudaMemcpy2DAsync(pin + H + 8 * rows, 1, payload + H + size - 1,
-                                                 size, 1, rows, cudaMemcpyDeviceToHost, s),
-                               "reading the rows' last code bytes")) ||
-        (rc = epipe_cuda_check(c, cudaStreamSynchronize(s), "reading the payload's tables")))
+    if (!sp->tail)
+        return EPIPE_OK;
+    return epipe_cuda_check(c,
+                            cudaMemcpyAsync(pin + H + sp->head, body + blen - sp->tail, sp->tail,
+                                            cudaMemcpyDeviceToHost, s),
+                            "reading the payload's end");
+}
+
+/* Once the copies have landed: the header into hdr, the spans into the
+ * mirror at their places. */
+static int land_spans(epipe_codec *c, const uint8_t *pin, size_t len, const host_spans *sp,
+                      void *hdr)
+{
+    const size_t H = EPIPE_PAYLOAD_HEADER, blen = len - H;
+    uint8_t *m = NULL;
+    int rc = mirror_get(c, blen, &m);
+    if (rc)
         return rc;
     memcpy(hdr, pin, H);
-    for (uint64_t r = 0; r < rows; r++) {
-        memcpy(m + r * size, pin + H + 8 * r, 8);
-        m[r * size + size - 1] = pin[H + 8 * rows + r];
+    if (sp->rows) {
+        for (uint64_t r = 0; r < sp->rows; r++) {
+            memcpy(m + r * sp->rsize, pin + H + 8 * r, 8);
+            m[r * sp->rsize + sp->rsize - 1] = pin[H + 8 * sp->rows + r];
+        }
+    } else {
+        memcpy(m, pin + H, sp->head);
+        memcpy(m + blen - sp->tail, pin + H + sp->head, sp->tail);
     }
+    return EPIPE_OK;
+}
+
+/* The header and the body's host-read bytes of a device payload into
+ * the mirror, through pinned staging, in one wait. */
+static int fetch_host_bytes(epipe_codec *c, const uint8_t *payload, size_t len, uint64_t n,
+                            void *hdr)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    host_spans sp;
+    spans_of(c, len, n, &sp);
+    uint8_t *pin = NULL;
+    int rc;
+    if ((rc = pinned_get(c, spans_bytes(&sp), &pin)) ||
+        (rc = copy_spans(c, payload, len, &sp, pin)) ||
+        (rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
+                               "reading the payload's header")) ||
+        (rc = land_spans(c, pin, len, &sp, hdr)))
+        return rc;
     h->peeked = payload;
     h->peeked_len = len;
     return EPIPE_OK;
 }
 
-/* The header and the body's host-read spans of a device payload into
- * pinned staging in one wait; the spans go on to the mirror. */
-static int fetch_host_bytes(epipe_codec *c, const uint8_t *payload, size_t len, uint64_t n,
-                            void *hdr)
+/* ---- deferred checks -------------------------------------------------------
+ *
+ * Reading a device payload's header and tables before the decode kernels
+ * launch costs a wait on the stream each decode (about a third of a
+ * decode of 12.8M values on an H200). The codecs whose decode kernels
+ * read all they use from the device (none, cast, topk, quant, sortquant's
+ * sample and exact modes) launch at once instead; the header and the
+ * bytes the host checks are copied on the stream into pinned memory, and
+ * checked, with the CPU's statuses and messages, by the next synchronize,
+ * whose status the first failure becomes (the tensor of such a decode is
+ * garbage, as with the errors the kernels find). The kernels keep inside
+ * the payload whatever its bytes say: its length is checked at once. Up to
+ * PENDING_MAX decodes wait for their checks; one more, or one whose bytes
+ * do not fit the pinned arena, first waits for the stream and runs the
+ * checks of those before it, holding a failure for synchronize. */
+
+#define PENDING_MAX 16
+#define CHECKS_MIN ((size_t)64 << 10)
+
+struct epipe_cuda_pending {
+    size_t len, at; /* the payload's length; its bytes' place in h->checks */
+    uint64_t n;
+    host_spans sp;
+};
+
+static int deferrable(const epipe_codec *c)
+{
+    switch (c->ops->id) {
+    case EPIPE_CODEC_ID_NONE:
+    case EPIPE_CODEC_ID_CAST:
+    case EPIPE_CODEC_ID_QUANT:
+    case EPIPE_CODEC_ID_TOPK: return 1;
+    case EPIPE_CODEC_ID_SORTQUANT: return epipe_cuda_sq_defers(c);
+    default: return 0;
+    }
+}
+
+static int body_check(epipe_codec *c, const uint8_t *body, uint64_t n)
+{
+    switch (c->ops->id) {
+    case EPIPE_CODEC_ID_QUANT: return epipe_cuda_quant_check(c, body, (size_t)n);
+    case EPIPE_CODEC_ID_SORTQUANT: return epipe_cuda_sq_check(c, body, (size_t)n);
+    default: return EPIPE_OK;
+    }
+}
+
+/* The checks of the decodes waiting for theirs, in order, once the stream
+ * has passed their copies: the first failure (its message on c), or
+ * EPIPE_OK. None waits after. */
+static int run_checks(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
-    cudaStream_t s = epipe_cuda_stream(c);
-    uint64_t rows = 1, rlen = n;
-    if (c->ops->id == EPIPE_CODEC_ID_QUANT)
-        epipe_codec_ranges(c, n, c->p[QUANT_ROWS] != 0, (uint64_t)c->p[QUANT_GROUP], &rows,
-                           &rlen);
-    uint64_t rsize = 8 + (rlen * (uint64_t)c->p[QUANT_BITS] + 7) / 8;
-    /* a body of another length is refused by the core after this peek:
-     * read it as one range, which stays inside it */
-    if (rows > 1 && rows * rsize == len - EPIPE_PAYLOAD_HEADER)
-        return fetch_row_tables(c, payload, len, rows, rsize, hdr);
-    size_t blen = len - EPIPE_PAYLOAD_HEADER, head, tail;
-    host_read_span(c, n, blen, &head, &tail);
-    const size_t H = EPIPE_PAYLOAD_HEADER;
-    uint8_t *m = NULL, *pin = NULL;
+    int first = EPIPE_OK;
+    for (unsigned i = 0; i < h->npending && !first; i++) {
+        const epipe_cuda_pending *p = &h->pending[i];
+        uint8_t hdr[EPIPE_PAYLOAD_HEADER];
+        size_t need = 0;
+        first = land_spans(c, h->checks + p->at, p->len, &p->sp, hdr);
+        if (!first)
+            first = epipe_cuda_core_fns->check_header(c, hdr, p->len, p->n, &need);
+        if (!first)
+            first = body_check(c, h->mirror, p->n);
+    }
+    h->npending = 0;
+    h->checks_used = 0;
+    return first;
+}
+
+/* Room for `bytes` more: past the bounds, the stream is waited for and
+ * the checks run (a failure held for synchronize); the arena grows. */
+static int checks_room(epipe_codec *c, size_t bytes)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
     int rc;
-    if ((rc = mirror_get(c, blen, &m)) || (rc = pinned_get(c, H + head + tail, &pin)))
-        return rc;
-    const uint8_t *body = payload + H;
-    if ((rc = epipe_cuda_check(c,
-                               cudaMemcpyAsync(pin, payload, H + head, cudaMemcpyDeviceToHost, s),
-                               "reading the payload's header and tables")) ||
-        (tail && (rc = epipe_cuda_check(c,
-                                        cudaMemcpyAsync(pin + H + head, body + blen - tail, tail,
-                                                        cudaMemcpyDeviceToHost, s),
-                                        "reading the payload's end"))) ||
-        (rc = epipe_cuda_check(c, cudaStreamSynchronize(s), "reading the payload's header")))
-        return rc;
-    memcpy(hdr, pin, H);
-    memcpy(m, pin + H, head);
-    memcpy(m + blen - tail, pin + H + head, tail);
-    h->peeked = payload;
-    h->peeked_len = len;
+    if (!h->pending &&
+        !(h->pending = (epipe_cuda_pending *)calloc(PENDING_MAX, sizeof *h->pending)))
+        return epipe_cuda_fail(c, EPIPE_ENOMEM, "%s: out of host memory", c->ops->name);
+    if (h->npending < PENDING_MAX && h->checks_used + bytes <= h->checks_cap)
+        return EPIPE_OK;
+    if (h->npending) {
+        if ((rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
+                                   "waiting for the payloads' checks")))
+            return rc;
+        if ((rc = run_checks(c)) && !h->held_rc) {
+            h->held_rc = rc;
+            snprintf(h->held_msg, sizeof h->held_msg, "%s", c->msg);
+        }
+    }
+    if (bytes > h->checks_cap) {
+        if (h->checks)
+            cudaFreeHost(h->checks); /* nothing of the stream's uses it now */
+        h->checks = NULL;
+        h->checks_cap = 0;
+        size_t cap = bytes > CHECKS_MIN ? bytes : CHECKS_MIN;
+        if ((rc = epipe_cuda_check(c, cudaHostAlloc((void **)&h->checks, cap, cudaHostAllocDefault),
+                                   "allocating pinned memory for the payloads' checks")))
+            return rc;
+        h->checks_cap = cap;
+    }
     return EPIPE_OK;
+}
+
+/* A decode of a device payload that launches before its checks: the
+ * copies of its header and host-read bytes, queued. */
+static int defer_checks(epipe_codec *c, const uint8_t *payload, size_t len, uint64_t n)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    host_spans sp;
+    spans_of(c, len, n, &sp);
+    size_t bytes = spans_bytes(&sp);
+    uint8_t *m;
+    int rc;
+    if ((rc = checks_room(c, bytes)) || (rc = mirror_get(c, len - EPIPE_PAYLOAD_HEADER, &m)) ||
+        (rc = copy_spans(c, payload, len, &sp, h->checks + h->checks_used)))
+        return rc;
+    h->pending[h->npending++] = epipe_cuda_pending{len, h->checks_used, n, sp};
+    h->checks_used += bytes;
+    return EPIPE_OK;
+}
+
+static int cuda_defers(epipe_codec *c, const void *payload)
+{
+    int dev;
+    if (!deferrable(c) || !locate(payload, &dev))
+        return 0;
+    if (c->cuda) /* the decode that follows was not peeked */
+        epipe_cuda_h(c)->peeked = NULL;
+    return 1;
 }
 
 static int cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr)
@@ -689,20 +852,29 @@ static int decode_on(epipe_codec *c, const epipe_codec_backend *be, const uint8_
     if (rc || (rc = payload_bind(c, dst, payload, len, &on_device)))
         return rc;
     const uint8_t *body = payload + EPIPE_PAYLOAD_HEADER;
+    int deferred = 0;
     if (on_device) {
-        /* What the host checks: in the mirror since the core's peek. */
+        /* What the host checks: in the mirror since the core's peek, or
+         * (not peeked: cuda_defers said so) on its way for synchronize. */
         uint8_t hdr[EPIPE_PAYLOAD_HEADER];
-        if ((h->peeked != payload || h->peeked_len != len) &&
-            (rc = fetch_host_bytes(c, payload, len, n, hdr)))
+        if (h->peeked == payload && h->peeked_len == len)
+            ;
+        else if (deferrable(c))
+            rc = defer_checks(c, payload, len, n), deferred = 1;
+        else
+            rc = fetch_host_bytes(c, payload, len, n, hdr);
+        if (rc)
             return rc;
         h->peeked = NULL;
         body = h->mirror;
     }
     float *y;
-    if ((rc = f32_out(c, &h->stage, dst, n, dt, &y)) ||
-        (rc = be->decode(c, body, (size_t)n, y)))
+    if ((rc = f32_out(c, &h->stage, dst, n, dt, &y)))
         return rc;
-    return f32_out_done(c, dst, n, dt, y, "converting the output");
+    h->defer_checks = deferred; /* the backend reads no table on the host */
+    rc = be->decode(c, body, (size_t)n, y);
+    h->defer_checks = 0;
+    return rc ? rc : f32_out_done(c, dst, n, dt, y, "converting the output");
 }
 
 /* The calls select the tensor's device and give the caller's thread its
@@ -851,6 +1023,36 @@ static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h)
                                               : "-inf");
 }
 
+/* The public synchronize: the stream and its status word, then the
+ * checks of the decodes that deferred theirs; a failure of those comes
+ * first (the one held by an earlier wait before them), as the CPU would
+ * have refused the payload before decoding it. A CUDA error drops them:
+ * their bytes may not have landed. */
+static int cuda_synchronize_checked(epipe_codec *c)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (!h)
+        return EPIPE_OK;
+    int prev = caller_device();
+    int rc = synchronize_on(c, h);
+    char why[sizeof h->held_msg];
+    snprintf(why, sizeof why, "%s", rc ? c->msg : "");
+    int lost = rc == EPIPE_EIO || rc == EPIPE_ENOMEM, checked = EPIPE_OK;
+    if (lost)
+        h->npending = 0, h->checks_used = 0;
+    else if (h->npending)
+        checked = run_checks(c);
+    restore_device(prev);
+    if (h->held_rc) {
+        int held = h->held_rc;
+        h->held_rc = 0;
+        return epipe_cuda_fail(c, held, "%s", h->held_msg);
+    }
+    if (checked && !lost)
+        return checked; /* its message is on c */
+    return rc ? epipe_cuda_fail(c, rc, "%s", why) : EPIPE_OK;
+}
+
 static void cuda_release(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
@@ -877,6 +1079,9 @@ static void cuda_release(epipe_codec *c)
     free(h->mirror);
     if (h->pinned)
         cudaFreeHost(h->pinned);
+    if (h->checks)
+        cudaFreeHost(h->checks);
+    free(h->pending);
     cudaFreeHost(h->status_host);
     free(h);
     c->cuda = NULL;
@@ -980,6 +1185,7 @@ static const epipe_cuda_module module = {
     .check = cuda_check,
     .locate = locate,
     .peek = cuda_peek,
+    .defers = cuda_defers,
     .encode = cuda_encode,
     .decode = cuda_decode,
     .device_ok = device_ok,
@@ -989,7 +1195,7 @@ static const epipe_cuda_module module = {
     .host_alloc = host_alloc,
     .host_free = host_free,
     .backward = cuda_backward,
-    .synchronize = cuda_synchronize,
+    .synchronize = cuda_synchronize_checked,
     .release = cuda_release,
 };
 

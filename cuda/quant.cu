@@ -60,10 +60,12 @@ __global__ void q_code_pack(const float *x, uint64_t n, int vec, const q_dev *t,
     code_pack_range(x, n, vec, t->min, t->inv, levels, w, codes, code_bytes);
 }
 
-__global__ void q_decode(const uint8_t *codes, uint64_t n, float min, float step, unsigned w,
-                         int vec, float *y)
+/* The table (min, step) is read from the body, on the device: a decode
+ * whose checks are deferred launches before the host has seen it. */
+__global__ void q_decode(const uint8_t *body, uint64_t n, unsigned w, int vec, float *y)
 {
-    epipe_cuda_unpack_pass(codes, n, w, vec, y,
+    float min = epipe_cuda_get_f32(body), step = epipe_cuda_get_f32(body + 4);
+    epipe_cuda_unpack_pass(body + 8, n, w, vec, y,
                            [=](uint32_t c) { return epipe_hd_q_value(min, step, c); });
 }
 
@@ -327,8 +329,22 @@ static int check_range(epipe_codec *c, const uint8_t *body, uint64_t len)
     return EPIPE_OK;
 }
 
-/* The tables and the padding bits are host memory: checked here, at once,
- * row after row as the CPU does, before any kernel runs. */
+/* The tables and the padding bits (host memory), row after row as the
+ * CPU does. */
+int epipe_cuda_quant_check(epipe_codec *c, const uint8_t *body, size_t n)
+{
+    uint64_t rows, len;
+    epipe_codec_ranges(c, n, c->p[QUANT_ROWS] != 0, (uint64_t)c->p[QUANT_GROUP], &rows, &len);
+    uint64_t size = 8 + code_bytes(len, (unsigned)c->p[QUANT_BITS]);
+    int rc;
+    for (uint64_t r = 0; r < rows; r++)
+        if ((rc = check_range(c, body + r * size, len)))
+            return rc;
+    return EPIPE_OK;
+}
+
+/* Checked at once, before any kernel runs, unless the module defers the
+ * checks (a device payload): the kernels read the tables on the device. */
 static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
 {
     unsigned w = (unsigned)c->p[QUANT_BITS];
@@ -336,9 +352,8 @@ static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     epipe_codec_ranges(c, n, c->p[QUANT_ROWS] != 0, (uint64_t)c->p[QUANT_GROUP], &rows, &len);
     uint64_t cb = code_bytes(len, w), size = 8 + cb;
     int rc;
-    for (uint64_t r = 0; r < rows; r++)
-        if ((rc = check_range(c, body + r * size, len)))
-            return rc;
+    if (!epipe_cuda_h(c)->defer_checks && (rc = epipe_cuda_quant_check(c, body, n)))
+        return rc;
     if (!n)
         return EPIPE_OK;
     cudaStream_t s = epipe_cuda_stream(c);
@@ -350,11 +365,10 @@ static int quant_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
             (const uint8_t *)d, rows, len, size, w, epipe_cuda_aligned16(y) && len % 4 == 0, y);
         return epipe_cuda_check(c, cudaGetLastError(), "launching the quant rows decode kernel");
     }
-    float min = epipe_cuda_get_f32(body), step = epipe_cuda_get_f32(body + 4);
-    if ((rc = epipe_cuda_body_in(c, body, 8, cb, &d)))
+    if ((rc = epipe_cuda_body_in(c, body, 0, 8 + cb, &d)))
         return rc;
-    q_decode<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, 0, s>>>((const uint8_t *)d, n, min, step,
-                                                                 w, epipe_cuda_aligned16(y), y);
+    q_decode<<<epipe_cuda_blocks((n + 7) / 8, 256), 256, 0, s>>>((const uint8_t *)d, n, w,
+                                                                 epipe_cuda_aligned16(y), y);
     return epipe_cuda_check(c, cudaGetLastError(), "launching the quant decode kernel");
 }
 

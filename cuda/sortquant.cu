@@ -693,12 +693,15 @@ static int sq_encode(epipe_codec *c, const float *x, size_t n, uint8_t *body)
     return epipe_cuda_body_flush(c, body, 0, d, tb + cb);
 }
 
-static int sq_decode_cuda(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+int epipe_cuda_sq_defers(const epipe_codec *c)
 {
-    int rc;
-    if ((int)c->p[SQ_MODE] == SQ_MODE_FIT)
-        return sq_decode_fit(c, body, n, y);
-    /* exact and sample bodies are one format: a table, then the codes */
+    return (int)c->p[SQ_MODE] != SQ_MODE_FIT;
+}
+
+/* An exact or sample body's table and padding bits (host memory): the
+ * CPU's checks and messages. */
+int epipe_cuda_sq_check(epipe_codec *c, const uint8_t *body, size_t n)
+{
     unsigned bits = (unsigned)c->p[SQ_BITS], split = (unsigned)c->p[SQ_SPLIT];
     unsigned k = 1u << split, q = bits - split;
     float levels = (float)((1u << q) - 1u);
@@ -726,6 +729,22 @@ static int sq_decode_cuda(epipe_codec *c, const uint8_t *body, size_t n, float *
     if (used && (body[tb + cb - 1] >> used))
         return epipe_cuda_fail(c, EPIPE_EPROTO, "%s: padding bits after the last code are not zero",
                                name);
+    return EPIPE_OK;
+}
+
+/* Checked at once, unless the module defers the checks (a device payload
+ * of mode sample or exact): the kernel reads the table on the device. */
+static int sq_decode_cuda(epipe_codec *c, const uint8_t *body, size_t n, float *y)
+{
+    int rc;
+    if ((int)c->p[SQ_MODE] == SQ_MODE_FIT)
+        return sq_decode_fit(c, body, n, y);
+    /* exact and sample bodies are one format: a table, then the codes */
+    unsigned bits = (unsigned)c->p[SQ_BITS], split = (unsigned)c->p[SQ_SPLIT];
+    unsigned k = 1u << split, q = bits - split;
+    if (!epipe_cuda_h(c)->defer_checks && (rc = epipe_cuda_sq_check(c, body, n)))
+        return rc;
+    uint64_t cb = (n * bits + 7) / 8, tb = 8ull * k;
     if (!n)
         return EPIPE_OK;
     cudaStream_t s = epipe_cuda_stream(c);

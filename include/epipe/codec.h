@@ -341,9 +341,14 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * Payload buffers: host memory (pinned, cudaHostAlloc, for the copies to
  * be fast; pageable works and makes the call wait for the copy) or CUDA
  * device memory on the tensor's device, in which case the kernels write
- * and read the payload in place and nothing crosses PCIe. Decoding a
- * device payload first reads its 16-byte header and the few bytes the
- * host checks (tables, padding) in one wait on the handle's stream, so a
+ * and read the payload in place and nothing crosses PCIe. A device
+ * payload of the length its values take, for none, cast, quant, topk and
+ * sortquant's sample and exact modes, is decoded without a wait: its
+ * 16-byte header and the few bytes the host checks (tables, padding) are
+ * copied back on the handle's stream, after the work already there, and
+ * checked at the next epipe_codec_synchronize() (below). For the other
+ * codecs, and a payload of another length, the decode first reads those
+ * bytes in one wait on the stream and checks them at once. Either way a
  * payload written on that stream is read after it is complete. A device
  * payload with a CPU tensor is EPIPE_EINVAL naming it.
  *
@@ -369,8 +374,12 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  *
  * Errors: argument, tensor, header, size and capacity errors, and a bad
  * table or padding in a payload to decode (read on the host, as above),
- * are returned at once with the CPU's statuses. Errors that depend on
- * values a kernel sees are recorded on the device and returned by the next
+ * are returned at once with the CPU's statuses, but for a device payload
+ * decoded without a wait (above), whose bad header, table or padding the
+ * next epipe_codec_synchronize() returns, with the CPU's status and
+ * message, before any error the kernels found; of several such decodes
+ * since the last synchronize, the first bad payload's. Errors that depend
+ * on values a kernel sees are recorded on the device and returned by the next
  * epipe_codec_synchronize(): a NaN or infinity given to a quantizer or to
  * topk (EPIPE_EINVAL naming the first index), and a bad topk entry or
  * poweriter scale or factor in a payload to decode (EPIPE_EPROTO naming

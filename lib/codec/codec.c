@@ -381,8 +381,17 @@ int epipe_codec_decode_with(epipe_codec *c, const epipe_codec_backend *be, const
     if (!src && len)
         return epipe_codec_fail(c, EPIPE_EINVAL, "%s: src is NULL", c->ops->name);
     const char *name = c->ops->name;
-    /* A CUDA tensor may take its payload from device memory: the header is
-     * read from a copy. A CPU tensor needs a host payload. */
+    /* A device payload of the size its values need, for a codec whose
+     * decode kernels read everything they use from the device: launched at
+     * once, its header and tables checked at the next synchronize
+     * (epipe/codec.h). Any other size takes the checks below at once, in
+     * their order. */
+    size_t need = 0;
+    if (is_cuda(dst) && !c->delta && len >= EPIPE_PAYLOAD_HEADER &&
+        epipe_codec_cuda_defers(c, src) && payload_size(c, n, &need) == EPIPE_OK && len == need)
+        return epipe_codec_cuda_decode(c, be, src, len, n, dst, dt);
+    /* Else a CUDA tensor may take its payload from device memory: the header
+     * is read from a copy. A CPU tensor needs a host payload. */
     uint8_t hdr[EPIPE_PAYLOAD_HEADER];
     const void *hp = src;
     if (is_cuda(dst) && len >= EPIPE_PAYLOAD_HEADER) {
@@ -395,34 +404,8 @@ int epipe_codec_decode_with(epipe_codec *c, const epipe_codec_backend *be, const
                                 "device payload into a CUDA tensor",
                                 name);
     }
-    epipe_payload_header ph;
-    if (epipe_payload_get(hp, len, &ph))
-        return epipe_codec_fail(c, EPIPE_ETRUNC, "%s: payload is %zu bytes; its header alone is %d",
-                                name, len, EPIPE_PAYLOAD_HEADER);
-    if (ph.codec_id != (unsigned)c->ops->id)
-        return epipe_codec_fail(
-            c, EPIPE_EPROTO, "%s: payload was made by codec id %u (%s), not this codec (id %u)",
-            name, ph.codec_id, epipe_codec_name_of_id(ph.codec_id), (unsigned)c->ops->id);
-    if (ph.version != EPIPE_PAYLOAD_VERSION)
-        return epipe_codec_fail(c, EPIPE_EVERSION,
-                                "%s: payload format version %u; this library reads %d", name,
-                                ph.version, EPIPE_PAYLOAD_VERSION);
-    if (ph.dtype > EPIPE_DTYPE_BF16 || ph.reserved != 0)
-        return epipe_codec_fail(c, EPIPE_EPROTO,
-                                "%s: payload header has bad dtype %u or reserved byte %u", name,
-                                ph.dtype, ph.reserved);
-    size_t need = 0;
-    if ((rc = payload_size(c, n, &need))) /* first: a shape the codec cannot take */
+    if ((rc = epipe_codec_check_payload_header(c, hp, len, n, &need)))
         return rc;
-    uint32_t mine = c->ops->param_word(c);
-    if (ph.param_word != mine)
-        return epipe_codec_fail(c, EPIPE_EPROTO,
-                                "%s: payload parameter word 0x%08x differs from this codec's "
-                                "0x%08x (%s)",
-                                name, ph.param_word, mine, c->spec);
-    if (ph.count != n)
-        return epipe_codec_fail(c, EPIPE_EINVAL, "%s: payload holds %llu values but dst has %llu",
-                                name, (unsigned long long)ph.count, (unsigned long long)n);
     if (c->delta)
         return epipe_codec_delta_decode(c, be, src, len, dst, n, dt);
     if (len < need)
@@ -440,6 +423,41 @@ int epipe_codec_decode_with(epipe_codec *c, const epipe_codec_backend *be, const
     if ((rc = (c->use_reference ? be->decode_ref : be->decode)(c, body, n, y)))
         return rc;
     epipe_codec_stage_out_done(dst, y, n);
+    return EPIPE_OK;
+}
+
+int epipe_codec_check_payload_header(epipe_codec *c, const void *hp, size_t len, uint64_t n,
+                                     size_t *need)
+{
+    const char *name = c->ops->name;
+    int rc;
+    epipe_payload_header ph;
+    if (epipe_payload_get(hp, len, &ph))
+        return epipe_codec_fail(c, EPIPE_ETRUNC, "%s: payload is %zu bytes; its header alone is %d",
+                                name, len, EPIPE_PAYLOAD_HEADER);
+    if (ph.codec_id != (unsigned)c->ops->id)
+        return epipe_codec_fail(
+            c, EPIPE_EPROTO, "%s: payload was made by codec id %u (%s), not this codec (id %u)",
+            name, ph.codec_id, epipe_codec_name_of_id(ph.codec_id), (unsigned)c->ops->id);
+    if (ph.version != EPIPE_PAYLOAD_VERSION)
+        return epipe_codec_fail(c, EPIPE_EVERSION,
+                                "%s: payload format version %u; this library reads %d", name,
+                                ph.version, EPIPE_PAYLOAD_VERSION);
+    if (ph.dtype > EPIPE_DTYPE_BF16 || ph.reserved != 0)
+        return epipe_codec_fail(c, EPIPE_EPROTO,
+                                "%s: payload header has bad dtype %u or reserved byte %u", name,
+                                ph.dtype, ph.reserved);
+    if ((rc = payload_size(c, n, need))) /* first: a shape the codec cannot take */
+        return rc;
+    uint32_t mine = c->ops->param_word(c);
+    if (ph.param_word != mine)
+        return epipe_codec_fail(c, EPIPE_EPROTO,
+                                "%s: payload parameter word 0x%08x differs from this codec's "
+                                "0x%08x (%s)",
+                                name, ph.param_word, mine, c->spec);
+    if (ph.count != n)
+        return epipe_codec_fail(c, EPIPE_EINVAL, "%s: payload holds %llu values but dst has %llu",
+                                name, (unsigned long long)ph.count, (unsigned long long)n);
     return EPIPE_OK;
 }
 

@@ -81,6 +81,12 @@ int epipe_codec_encode_host(epipe_codec *c, const epipe_codec_backend *be, const
                             size_t *written);
 int epipe_codec_decode_with(epipe_codec *c, const epipe_codec_backend *be, const void *src,
                             size_t len, DLTensor *dst, uint64_t n, enum epipe_dtype dt);
+/* The checks of a payload's header hp (its 16 bytes, of a payload of len
+ * bytes) for a decode of n values by c, in the decoder's order and with
+ * its statuses and messages; *need the size the values take. The length
+ * itself is the caller's to check against *need. */
+int epipe_codec_check_payload_header(epipe_codec *c, const void *hp, size_t len, uint64_t n,
+                                     size_t *need);
 /* Records t's shape as the shape of the current call (c->ndim, c->shape). */
 void epipe_codec_note_shape(epipe_codec *c, const DLTensor *t);
 

@@ -36,6 +36,7 @@ static const epipe_cuda_core core_fns = {
     .km_sample_finish = epipe_km_cuda_sample_finish,
     .km_fit = epipe_km_cuda_fit,
     .km_read_table = epipe_km_read_table,
+    .check_header = epipe_codec_check_payload_header,
 #ifdef EPIPE_HAVE_BLAS
     .pi_plan = epipe_pi_cuda_plan,
     .pi_slot = epipe_pi_cuda_slot,
@@ -353,6 +354,12 @@ int epipe_codec_cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int
     if (rc || (rc = m->check(c, gin, in_name, &dev)) || (rc = m->check(c, gout, out_name, &dev)))
         return rc;
     return m->backward(c, be, enc, mb, gin, n_in, dt_in, gout, n_out, dt_out);
+}
+
+int epipe_codec_cuda_defers(epipe_codec *c, const void *payload)
+{
+    const epipe_cuda_module *m; /* loaded on first use: the first decode defers too */
+    return module_get(c, "dst", &m) == EPIPE_OK && m->defers && m->defers(c, payload);
 }
 
 int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr)

@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 12
+#define EPIPE_CUDA_ABI 13
 
 /* What the module knows of poweriter's layout (codecs/poweriter/poweriter.h
  * checks each against its own): its warm-start slots (PI_MAX_SLOTS), its
@@ -94,6 +94,10 @@ typedef struct epipe_cuda_core {
     int (*km_fit)(epipe_codec *c, const float *x, size_t n, float lo, float hi, const float *s,
                   size_t m, float *tails, size_t t, uint8_t *body, double *mid);
     int (*km_read_table)(epipe_codec *c, const uint8_t *body, size_t n, float *cent);
+    /* The decoder's checks of a payload's header (16 bytes at hdr, of a
+     * payload of len bytes) for n values, with its statuses and messages,
+     * for a check the module defers (defers, below); *need the size. */
+    int (*check_header)(epipe_codec *c, const void *hdr, size_t len, uint64_t n, size_t *need);
     /* poweriter, the host's part (codecs/poweriter/poweriter.c), all NULL
      * in a build without BLAS: the view of n values (view: matrices, rows,
      * cols, iterations; *r the rank) checked as the CPU's encoder checks
@@ -148,6 +152,13 @@ typedef struct epipe_cuda_module {
      * body the host checks when decoding n values (tables, padding), for
      * the decode of this payload that follows on the handle. */
     int (*peek)(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr);
+    /* Optional (NULL: never): 1 when payload is device memory and c's
+     * decode kernels read all they use from it. The core then calls decode
+     * without a peek (for a payload of the exact length); the module
+     * copies the header and the bytes the host checks on the stream,
+     * launches the kernels, and runs the checks (check_header, then the
+     * codec's) in the next synchronize, whose status they become. */
+    int (*defers)(epipe_codec *c, const void *payload);
     /* Stages src (n values of dt, dense, device memory) to dense fp32 on
      * the device, writes the header `hdr` and runs be->encode into the
      * payload (len bytes, host or device memory) and returns once the work
@@ -155,7 +166,8 @@ typedef struct epipe_cuda_module {
     int (*encode)(epipe_codec *c, const epipe_codec_backend *be, const DLTensor *src, uint64_t n,
                   enum epipe_dtype dt, uint8_t *payload, const uint8_t *hdr, size_t len);
     /* The reverse: the payload's header was checked by the core (from a
-     * peek where the payload is device memory) and its length is exact. */
+     * peek where the payload is device memory, unless defers said 1) and
+     * its length is exact. */
     int (*decode)(epipe_codec *c, const epipe_codec_backend *be, const uint8_t *payload, size_t len,
                   uint64_t n, DLTensor *dst, enum epipe_dtype dt);
     /* Device memory for the stage's received tensors: EPIPE_OK when CUDA

@@ -70,6 +70,11 @@ int epipe_codec_cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int
  * from the device, with what the decode of n values reads on the host,
  * when the payload is CUDA memory. */
 int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr);
+/* 1 when the loaded module decodes the device payload at `payload` for c
+ * at once and checks its header (with the core's check_header) and
+ * tables at the next synchronize; 0 (no module, host memory, a codec
+ * whose kernels need host-read tables): peek first. */
+int epipe_codec_cuda_defers(epipe_codec *c, const void *payload);
 /* 1 when a CUDA module is loaded and says p is device memory. */
 int epipe_codec_cuda_is_device_memory(const void *p);
 /* Device memory for the stage runtime, through the CUDA module (loaded

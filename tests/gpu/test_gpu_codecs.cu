@@ -151,10 +151,20 @@ static void topk_sample_misses(size_t n, double ratio, uint64_t m)
     byte_identity_of(spec, x, 0);
 }
 
-/* Hostile bytes in a device payload: the tables and padding the host
- * checks are read back first, so a corrupt payload is refused with the
- * CPU's status before any kernel runs; a payload in device memory with a
- * CPU tensor (either way) is refused by name. */
+/* The status of a decode: its own, or where it enqueued (a device
+ * payload whose checks the module defers), the next synchronize's. */
+static int decode_status(epipe_codec *g, const void *p, size_t w, DLTensor *dst)
+{
+    int rc = epipe_codec_decode(g, p, w, dst);
+    return rc ? rc : epipe_codec_synchronize(g);
+}
+
+/* Hostile bytes in a device payload: refused with the CPU's status, by
+ * the decode (sortquant's fit mode, whose tables are read back first) or
+ * by the synchronize after it (the others: their header and tables are
+ * checked there, docs/codec-backends.md); a payload of the wrong length
+ * at once; a payload in device memory with a CPU tensor (either way) by
+ * name. */
 static void hostile_device_payload(void)
 {
     size_t n = 999;
@@ -167,6 +177,8 @@ static void hostile_device_payload(void)
     CUDA_OK(cudaMalloc((void **)&d, n * 4));
     CUDA_OK(cudaMalloc((void **)&dp, n * 4 + 1024));
     DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+    std::vector<float> ho(n);
+    DLTensor hs_out = tensor(kDLCPU, ho.data(), shape, 32, kDLFloat);
     const char *specs[] = {"quant:bits=4", "sortquant:bits=4,mode=sample",
                            "sortquant:bits=4,mode=fit", "sortquant:bits=4,mode=exact"};
     for (const char *spec : specs) {
@@ -187,10 +199,14 @@ static void hostile_device_payload(void)
             else
                 q[at[b]] ^= b == 1 ? 0x80 : 0x5a;
             CUDA_OK(cudaMemcpy(dp, q.data(), w, cudaMemcpyHostToDevice));
-            int rc = epipe_codec_decode(gpu, dp, w, &dd);
+            int rc = decode_status(gpu, dp, w, &dd);
             CHECK(rc == EPIPE_EPROTO || (b == 2 && (rc == EPIPE_EVERSION || rc == EPIPE_EINVAL)),
                   "%s: corrupt byte %zu of a device payload: rc %d (%s)", spec, at[b], rc,
                   epipe_codec_last_error(gpu));
+            int rc_cpu = epipe_codec_decode(cpu, q.data(), w, &hs_out);
+            CHECK(rc == rc_cpu && !strcmp(epipe_codec_last_error(gpu), epipe_codec_last_error(cpu)),
+                  "%s: corrupt byte %zu: the GPU says %d '%s', the CPU %d '%s'", spec, at[b], rc,
+                  epipe_codec_last_error(gpu), rc_cpu, epipe_codec_last_error(cpu));
         }
         CUDA_OK(cudaMemcpy(dp, p.data(), w, cudaMemcpyHostToDevice));
         CHECK(epipe_codec_decode(gpu, dp, w, &dd) == EPIPE_OK, "%s: %s", spec,
@@ -248,6 +264,71 @@ static void hostile_device_payload(void)
 }
 
 /* fp16 and bf16 device tensors: staged on the device as the CPU stages. */
+/* The checks a device payload's decode defers: the decode returns once
+ * enqueued, and the next synchronize returns the CPU's status and message
+ * for the first bad payload decoded since, once; a good payload decoded
+ * after it is decoded right all the same. Past 16 decodes waiting for
+ * their checks, the module waits and runs those, and holds a failure for
+ * synchronize. `corrupt` bytes of the payload are set to 0xff. */
+static void deferred_checks(const char *spec, std::vector<size_t> corrupt)
+{
+    size_t n = 4000;
+    std::vector<float> x(n), yc(n), yg(n);
+    fill(x, 11);
+    int64_t shape[1] = {(int64_t)n};
+    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
+    DLTensor hy = tensor(kDLCPU, yc.data(), shape, 32, kDLFloat);
+    epipe_codec *cpu, *gpu;
+    CHECK(epipe_codec_create(&cpu, spec) == EPIPE_OK && epipe_codec_create(&gpu, spec) == EPIPE_OK,
+          "%s", spec);
+    size_t cap = 0, w = 0;
+    epipe_codec_max_encoded_size(cpu, &hs, &cap);
+    std::vector<uint8_t> good(cap), bad;
+    CHECK(epipe_codec_encode(cpu, &hs, good.data(), cap, &w) == EPIPE_OK, "%s", spec);
+    good.resize(w);
+    bad = good;
+    for (size_t at : corrupt)
+        bad[at] = 0xff;
+    int want = epipe_codec_decode(cpu, bad.data(), w, &hy);
+    char says[512];
+    snprintf(says, sizeof says, "%s", epipe_codec_last_error(cpu));
+    CHECK(want != EPIPE_OK, "%s: the CPU takes the corrupt payload", spec);
+    CHECK(epipe_codec_decode(cpu, good.data(), w, &hy) == EPIPE_OK, "%s", spec);
+    uint8_t *dbad, *dgood;
+    float *d1, *d2;
+    CUDA_OK(cudaMalloc((void **)&dbad, w));
+    CUDA_OK(cudaMalloc((void **)&dgood, w));
+    CUDA_OK(cudaMalloc((void **)&d1, n * 4));
+    CUDA_OK(cudaMalloc((void **)&d2, n * 4));
+    CUDA_OK(cudaMemcpy(dbad, bad.data(), w, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dgood, good.data(), w, cudaMemcpyHostToDevice));
+    DLTensor t1 = tensor(kDLCUDA, d1, shape, 32, kDLFloat),
+             t2 = tensor(kDLCUDA, d2, shape, 32, kDLFloat);
+    for (int decodes = 2; decodes <= 21; decodes += 19) { /* 21: past the 16 that wait */
+        CHECK(epipe_codec_decode(gpu, dbad, w, &t1) == EPIPE_OK,
+              "%s: a corrupt device payload was refused before synchronize: %s", spec,
+              epipe_codec_last_error(gpu));
+        CUDA_OK(cudaMemset(d2, 0, n * 4));
+        for (int i = 1; i < decodes; i++)
+            CHECK(epipe_codec_decode(gpu, dgood, w, &t2) == EPIPE_OK, "%s: %s", spec,
+                  epipe_codec_last_error(gpu));
+        int rc = epipe_codec_synchronize(gpu);
+        CHECK(rc == want && !strcmp(epipe_codec_last_error(gpu), says),
+              "%s, %d decodes: synchronize says %d '%s'; the CPU %d '%s'", spec, decodes, rc,
+              epipe_codec_last_error(gpu), want, says);
+        CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "%s: reported twice", spec);
+        CUDA_OK(cudaMemcpy(yg.data(), d2, n * 4, cudaMemcpyDeviceToHost));
+        CHECK(memcmp(yc.data(), yg.data(), n * 4) == 0,
+              "%s, %d decodes: the good payload after the bad one decoded wrong", spec, decodes);
+    }
+    cudaFree(dbad);
+    cudaFree(dgood);
+    cudaFree(d1);
+    cudaFree(d2);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+}
+
 static void half_tensors(const char *spec, int bf16)
 {
     size_t n = 10007;
@@ -437,7 +518,7 @@ static void rows_match_cpu(const char *spec, int64_t rows, int64_t len)
             bad[16 + 2 * size + 7] = 0xbf; /* the sign byte of step: -x */
             CUDA_OK(cudaMemcpy(p, bad.data(), wc, cudaMemcpyDefault));
             CHECK(epipe_codec_decode(cpu, bad.data(), wc, &hd) == EPIPE_EPROTO, "cpu bad table");
-            CHECK(epipe_codec_decode(gpu, p, wc, &dd) == EPIPE_EPROTO,
+            CHECK(decode_status(gpu, p, wc, &dd) == EPIPE_EPROTO,
                   "%s (%s payload): a bad row table was not refused: %s", spec,
                   where ? "device" : "pinned", epipe_codec_last_error(gpu));
         }
@@ -1405,6 +1486,14 @@ int main(void)
     gpu_test_part("hostile payloads, mix-ups");
     hostile_table();
     hostile_device_payload();
+    /* a header byte (the codec id), then a table's min made NaN */
+    for (const char *spec : {"none", "cast:dtype=fp16", "topk:ratio=0.1"})
+        deferred_checks(spec, {0});
+    for (const char *spec : {"quant:bits=4", "quant:bits=3,group=100",
+                             "sortquant:bits=4,mode=sample", "sortquant:bits=4,mode=exact"}) {
+        deferred_checks(spec, {0});
+        deferred_checks(spec, {18, 19});
+    }
     mixups();
     gpu_test_part("done");
     return gpu_test_result();
