@@ -520,8 +520,9 @@ static int fetch_host_bytes(epipe_codec *c, const uint8_t *payload, size_t len, 
  * Reading a device payload's header and tables before the decode kernels
  * launch costs a wait on the stream each decode (about a third of a
  * decode of 12.8M values on an H200). The codecs whose decode kernels
- * read all they use from the device (none, cast, topk, quant, sortquant's
- * sample and exact modes) launch at once instead; the header and the
+ * read all they use from the device, and whose launches follow from the
+ * codec and the value count alone (none, cast, topk, quant, poweriter,
+ * insert, sortquant's sample and exact modes) launch at once instead; the header and the
  * bytes the host checks are copied on the stream into pinned memory, and
  * checked, with the CPU's statuses and messages, by the next synchronize,
  * whose status the first failure becomes (the tensor of such a decode is
@@ -546,7 +547,9 @@ static int deferrable(const epipe_codec *c)
     case EPIPE_CODEC_ID_NONE:
     case EPIPE_CODEC_ID_CAST:
     case EPIPE_CODEC_ID_QUANT:
-    case EPIPE_CODEC_ID_TOPK: return 1;
+    case EPIPE_CODEC_ID_TOPK:
+    case EPIPE_CODEC_ID_POWERITER: /* its launch follows the plan: c and n */
+    case EPIPE_CODEC_ID_INSERT: return 1;
     case EPIPE_CODEC_ID_SORTQUANT: return epipe_cuda_sq_defers(c);
     default: return 0;
     }
@@ -557,6 +560,10 @@ static int body_check(epipe_codec *c, const uint8_t *body, uint64_t n)
     switch (c->ops->id) {
     case EPIPE_CODEC_ID_QUANT: return epipe_cuda_quant_check(c, body, (size_t)n);
     case EPIPE_CODEC_ID_SORTQUANT: return epipe_cuda_sq_check(c, body, (size_t)n);
+    case EPIPE_CODEC_ID_POWERITER: /* NULL without BLAS, where the CPU backend stages it */
+        return epipe_cuda_core_fns->pi_check_header
+                   ? epipe_cuda_core_fns->pi_check_header(c, body, n)
+                   : EPIPE_OK;
     default: return EPIPE_OK;
     }
 }

@@ -842,7 +842,9 @@ static int pi_decode(epipe_codec *c, const uint8_t *body, size_t n, float *y)
     unsigned r;
     size_t len;
     int rc = core->pi_plan(c, n, NULL, v, &r, &len);
-    if (rc || (rc = core->pi_check_header(c, body, n)) || r == 0)
+    /* the body's header is checked at once, unless the module defers it:
+     * the launch below depends on the plan only */
+    if (rc || (!h->defer_checks && (rc = core->pi_check_header(c, body, n))) || r == 0)
         return rc;
     const uint64_t nb = v[0], rows = v[1], cols = v[2], rec = (len - EPIPE_CUDA_PI_HEADER) / nb;
     const size_t qs = (size_t)(nb * rows * r), ps = (size_t)(nb * cols * r);

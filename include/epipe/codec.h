@@ -342,8 +342,9 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * be fast; pageable works and makes the call wait for the copy) or CUDA
  * device memory on the tensor's device, in which case the kernels write
  * and read the payload in place and nothing crosses PCIe. A device
- * payload of the length its values take, for none, cast, quant, topk and
- * sortquant's sample and exact modes, is decoded without a wait: its
+ * payload of the length its values take, for none, cast, quant, topk,
+ * poweriter, insert and sortquant's sample and exact modes, is decoded
+ * without a wait: its
  * 16-byte header and the few bytes the host checks (tables, padding) are
  * copied back on the handle's stream, after the work already there, and
  * checked at the next epipe_codec_synchronize() (below). For the other
