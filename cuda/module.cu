@@ -539,6 +539,10 @@ struct epipe_cuda_pending {
     size_t len, at; /* the payload's length; its bytes' place in h->checks */
     uint64_t n;
     host_spans sp;
+    /* the decode's tensor shape (c->shape, which quant's rows and groups
+     * follow, and which later calls overwrite) */
+    int ndim;
+    int64_t shape[16];
 };
 
 static int deferrable(const epipe_codec *c)
@@ -575,16 +579,27 @@ static int run_checks(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
     int first = EPIPE_OK;
+    int ndim = c->ndim;
+    int64_t shape[16];
+    memcpy(shape, c->shape, sizeof shape);
     for (unsigned i = 0; i < h->npending && !first; i++) {
         const epipe_cuda_pending *p = &h->pending[i];
         uint8_t hdr[EPIPE_PAYLOAD_HEADER];
         size_t need = 0;
+        c->ndim = p->ndim; /* the checks read the shape of their own decode */
+        memcpy(c->shape, p->shape, sizeof shape);
         first = land_spans(c, h->checks + p->at, p->len, &p->sp, hdr);
         if (!first)
             first = epipe_cuda_core_fns->check_header(c, hdr, p->len, p->n, &need);
+        if (!first && need != p->len) /* the core checked it: only a bug gets here */
+            first = epipe_cuda_fail(c, EPIPE_EINTERNAL,
+                                    "%s: a deferred check found %zu bytes where %zu were decoded",
+                                    c->ops->name, need, p->len);
         if (!first)
             first = body_check(c, h->mirror, p->n);
     }
+    c->ndim = ndim;
+    memcpy(c->shape, shape, sizeof shape);
     h->npending = 0;
     h->checks_used = 0;
     return first;
@@ -637,8 +652,43 @@ static int defer_checks(epipe_codec *c, const uint8_t *payload, size_t len, uint
     if ((rc = checks_room(c, bytes)) || (rc = mirror_get(c, len - EPIPE_PAYLOAD_HEADER, &m)) ||
         (rc = copy_spans(c, payload, len, &sp, h->checks + h->checks_used)))
         return rc;
-    h->pending[h->npending++] = epipe_cuda_pending{len, h->checks_used, n, sp};
+    epipe_cuda_pending *p = &h->pending[h->npending++];
+    *p = epipe_cuda_pending{len, h->checks_used, n, sp, c->ndim, {0}};
+    memcpy(p->shape, c->shape, sizeof p->shape);
     h->checks_used += bytes;
+    return EPIPE_OK;
+}
+
+/* A deferred decode that failed after its checks were queued: they go
+ * (the call reported its own error; its copies land unread). */
+static void drop_last_check(epipe_codec *c)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (h->npending) {
+        epipe_cuda_pending *p = &h->pending[--h->npending];
+        h->checks_used = p->at;
+    }
+}
+
+/* Before a call that reads the status word or adds its own errors to it
+ * (an encode, a backward): the decodes still waiting for their checks
+ * are checked now, after a wait. A failure is held for synchronize, and
+ * what their kernels noted of the payload the CPU would have refused
+ * goes with it: the call's own errors are its own. */
+static int settle_checks(epipe_codec *c)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (!h || !h->npending)
+        return EPIPE_OK;
+    int rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
+                              "waiting for the payloads' checks");
+    if (rc)
+        return rc;
+    if ((rc = run_checks(c)) && !h->held_rc) {
+        h->held_rc = rc;
+        snprintf(h->held_msg, sizeof h->held_msg, "%s", c->msg);
+        return epipe_cuda_status_clear(c);
+    }
     return EPIPE_OK;
 }
 
@@ -829,7 +879,7 @@ static int encode_on(epipe_codec *c, const epipe_codec_backend *be, const DLTens
 {
     epipe_cuda_handle *h = NULL;
     int on_device, rc = handle_state(c, src->device.device_id, &h);
-    if (rc || (rc = payload_bind(c, src, payload, len, &on_device)))
+    if (rc || (rc = settle_checks(c)) || (rc = payload_bind(c, src, payload, len, &on_device)))
         return rc;
     cudaStream_t s = epipe_cuda_stream(c);
     uint8_t *body = payload + EPIPE_PAYLOAD_HEADER;
@@ -876,12 +926,16 @@ static int decode_on(epipe_codec *c, const epipe_codec_backend *be, const uint8_
         body = h->mirror;
     }
     float *y;
-    if ((rc = f32_out(c, &h->stage, dst, n, dt, &y)))
-        return rc;
-    h->defer_checks = deferred; /* the backend reads no table on the host */
-    rc = be->decode(c, body, (size_t)n, y);
-    h->defer_checks = 0;
-    return rc ? rc : f32_out_done(c, dst, n, dt, y, "converting the output");
+    if (!(rc = f32_out(c, &h->stage, dst, n, dt, &y))) {
+        h->defer_checks = deferred; /* the backend reads no table on the host */
+        rc = be->decode(c, body, (size_t)n, y);
+        h->defer_checks = 0;
+    }
+    if (!rc)
+        rc = f32_out_done(c, dst, n, dt, y, "converting the output");
+    if (rc && deferred)
+        drop_last_check(c);
+    return rc;
 }
 
 /* The calls select the tensor's device and give the caller's thread its
@@ -948,7 +1002,8 @@ static int backward_on(epipe_codec *c, const epipe_codec_backend *be, int enc, u
     const float *a;
     float *b;
     int rc = handle_state(c, gin->device.device_id, &h);
-    if (rc || (rc = f32_in(c, &h->stage, gin, n_in, dt_in, "staging the gradient", &a)) ||
+    if (rc || (rc = settle_checks(c)) ||
+        (rc = f32_in(c, &h->stage, gin, n_in, dt_in, "staging the gradient", &a)) ||
         (rc = f32_out(c, &h->grad_out, gout, n_out, dt_out, &b)))
         return rc;
     const epipe_codec_train_ops *t = be->train;

@@ -348,8 +348,10 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * 16-byte header and the few bytes the host checks (tables, padding) are
  * copied back on the handle's stream, after the work already there, and
  * checked at the next epipe_codec_synchronize() (below). For the other
- * codecs, and a payload of another length, the decode first reads those
- * bytes in one wait on the stream and checks them at once. Either way a
+ * codecs, a payload of another length, and with EPIPE_CUDA_DEFER_CHECKS=0
+ * in the environment (1, the default: deferred; another value is
+ * EPIPE_EINVAL naming it), the decode first reads those bytes in one wait
+ * on the stream and checks them at once. Either way a
  * payload written on that stream is read after it is complete. A device
  * payload with a CPU tensor is EPIPE_EINVAL naming it.
  *
@@ -377,9 +379,12 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * table or padding in a payload to decode (read on the host, as above),
  * are returned at once with the CPU's statuses, but for a device payload
  * decoded without a wait (above), whose bad header, table or padding the
- * next epipe_codec_synchronize() returns, with the CPU's status and
- * message, before any error the kernels found; of several such decodes
- * since the last synchronize, the first bad payload's. Errors that depend
+ * next epipe_codec_synchronize() returns (or epipe_codec_set_stream(),
+ * which waits the same way), with the CPU's status and message, before
+ * any error the kernels found; of several such decodes since, the first
+ * bad payload's. An encode or backward on the handle in between first
+ * waits for such decodes and checks them, keeping a failure for
+ * synchronize, so that what their kernels noted is not its error. Errors that depend
  * on values a kernel sees are recorded on the device and returned by the next
  * epipe_codec_synchronize(): a NaN or infinity given to a quantizer or to
  * topk (EPIPE_EINVAL naming the first index), and a bad topk entry or

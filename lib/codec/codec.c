@@ -387,9 +387,13 @@ int epipe_codec_decode_with(epipe_codec *c, const epipe_codec_backend *be, const
      * (epipe/codec.h). Any other size takes the checks below at once, in
      * their order. */
     size_t need = 0;
-    if (is_cuda(dst) && !c->delta && len >= EPIPE_PAYLOAD_HEADER &&
-        epipe_codec_cuda_defers(c, src) && payload_size(c, n, &need) == EPIPE_OK && len == need)
-        return epipe_codec_cuda_decode(c, be, src, len, n, dst, dt);
+    if (is_cuda(dst) && !c->delta && len >= EPIPE_PAYLOAD_HEADER) {
+        int defers = epipe_codec_cuda_defers(c, src);
+        if (defers < 0)
+            return defers;
+        if (defers && payload_size(c, n, &need) == EPIPE_OK && len == need)
+            return epipe_codec_cuda_decode(c, be, src, len, n, dst, dt);
+    }
     /* Else a CUDA tensor may take its payload from device memory: the header
      * is read from a copy. A CPU tensor needs a host payload. */
     uint8_t hdr[EPIPE_PAYLOAD_HEADER];

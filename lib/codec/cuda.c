@@ -358,6 +358,17 @@ int epipe_codec_cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int
 
 int epipe_codec_cuda_defers(epipe_codec *c, const void *payload)
 {
+    /* 0 reads a device payload's checked bytes at once, for measuring the
+     * difference in one run (scripts/device/gpu-check.sh) */
+    const char *env = getenv("EPIPE_CUDA_DEFER_CHECKS");
+    if (env && strcmp(env, "1"))
+        return strcmp(env, "0") ? epipe_codec_fail(c, EPIPE_EINVAL,
+                                                   "%s: the environment's EPIPE_CUDA_DEFER_CHECKS "
+                                                   "= '%.40s': use 1 (a device payload's header "
+                                                   "and tables checked at synchronize, the "
+                                                   "default) or 0 (at once)",
+                                                   c->ops->name, env)
+                                : 0;
     const epipe_cuda_module *m; /* loaded on first use: the first decode defers too */
     return module_get(c, "dst", &m) == EPIPE_OK && m->defers && m->defers(c, payload);
 }

@@ -73,8 +73,9 @@ int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint6
 /* 1 when the loaded module decodes the device payload at `payload` for c
  * at once and checks its header (with the core's check_header) and
  * tables at the next synchronize; 0 (no module, host memory, a codec
- * whose launch needs host-read tables: kmeans, sortquant's fit mode):
- * peek first. */
+ * whose launch needs host-read tables: kmeans, sortquant's fit mode;
+ * EPIPE_CUDA_DEFER_CHECKS=0 in the environment): peek first. A negative
+ * status for any other value of that variable, its message on c. */
 int epipe_codec_cuda_defers(epipe_codec *c, const void *payload);
 /* 1 when a CUDA module is loaded and says p is device memory. */
 int epipe_codec_cuda_is_device_memory(const void *p);

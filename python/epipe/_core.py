@@ -187,8 +187,8 @@ class Codec(_Handle):
 
     def synchronize(self):
         """Waits for the codec's CUDA work and reports what it deferred (a
-        non-finite input value to a quantizer); nothing to do for CPU
-        tensors."""
+        non-finite input value to a quantizer, a bad header or table in a
+        CUDA payload decoded since); nothing to do for CPU tensors."""
         self._check(lib.epipe_codec_synchronize(self._handle()), "epipe_codec_synchronize")
 
     def encode(self, tensor, out=None):
@@ -273,7 +273,9 @@ class Codec(_Handle):
         writable tensor, written in place through DLPack, returned), or into
         a new torch tensor of `shape`, `dtype` (default torch.float32) and
         `device` (default: the payload's, so a CUDA payload decodes on its
-        GPU). Decoding into a CUDA tensor runs on torch's current stream."""
+        GPU). Decoding into a CUDA tensor runs on torch's current stream;
+        a CUDA payload's header and tables may be checked only by the next
+        synchronize() (epipe/codec.h), which raises for a bad one."""
         if out is None:
             import torch
 

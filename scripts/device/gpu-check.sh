@@ -155,6 +155,11 @@ specs="none cast:dtype=fp16 cast:dtype=bf16 quant:bits=8 quant:bits=4 sortquant:
        kmeans:bits=4 kmeans:bits=8"
 # shellcheck disable=SC2086 # $specs: one word a spec
 step bench-codec "${GPU_CHECK_BENCH_S:-90}" "$B/cuda/epipe-bench-cuda" $specs
+# ... and the decodes whose checks wait for synchronize, with them at once
+# (the wait before each launch), in the same run: what deferring saves
+step bench-codec-checks-first "${GPU_CHECK_BENCH_S:-90}" env EPIPE_CUDA_DEFER_CHECKS=0 \
+    "$B/cuda/epipe-bench-cuda" cast:dtype=fp16 quant:bits=8 sortquant:bits=8,mode=sample \
+    topk:ratio=0.1
 # 6. compute-sanitizer over the kernels, small tensors
 if command -v compute-sanitizer >/dev/null; then
     for tool in ${GPU_CHECK_SANITIZERS:-memcheck racecheck}; do

@@ -340,6 +340,131 @@ static void deferred_checks(const char *spec, std::vector<size_t> corrupt, int64
     epipe_codec_destroy(gpu);
 }
 
+/* A deferred check reads the shape of its own decode (quant rows=1: one
+ * table a row), whatever calls on the handle came between; and an encode
+ * between a bad payload's decode and synchronize (ef=1 reads the status
+ * word mid-call) is not failed by what that decode's kernels noted. */
+static void deferred_checks_keep_to_their_call(void)
+{
+    epipe_codec *cpu, *gpu;
+    epipe_codec_create(&cpu, "quant:bits=8,rows=1");
+    epipe_codec_create(&gpu, "quant:bits=8,rows=1");
+    std::vector<float> x(256);
+    fill(x, 9);
+    int64_t s4[2] = {4, 64}, s1[1] = {256};
+    DLTensor h4 = tensor(kDLCPU, x.data(), s4, 32, kDLFloat);
+    h4.ndim = 2;
+    std::vector<uint8_t> p(1024), q(1024);
+    size_t w4 = 0, w1 = 0;
+    CHECK(epipe_codec_encode(cpu, &h4, p.data(), p.size(), &w4) == EPIPE_OK, "encode [4,64]");
+    DLTensor h1 = tensor(kDLCPU, x.data(), s1, 32, kDLFloat);
+    CHECK(epipe_codec_encode(cpu, &h1, q.data(), q.size(), &w1) == EPIPE_OK, "encode [256]");
+    CHECK(w4 != w1, "the shapes' payloads differ in size");
+    size_t row = (w4 - 16) / 4;
+    p[16 + 3 * row + 7] = 0xff; /* row 3's step: NaN */
+    p[16 + 3 * row + 6] = 0xff;
+    std::vector<float> y(256);
+    DLTensor hy = tensor(kDLCPU, y.data(), s4, 32, kDLFloat);
+    hy.ndim = 2;
+    int want = epipe_codec_decode(cpu, p.data(), w4, &hy);
+    char says[512];
+    snprintf(says, sizeof says, "%s", epipe_codec_last_error(cpu));
+    uint8_t *dp, *dq;
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&dp, w4));
+    CUDA_OK(cudaMalloc((void **)&dq, w1));
+    CUDA_OK(cudaMalloc((void **)&d, 256 * 4));
+    CUDA_OK(cudaMemcpy(dp, p.data(), w4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dq, q.data(), w1, cudaMemcpyHostToDevice));
+    DLTensor d4 = tensor(kDLCUDA, d, s4, 32, kDLFloat), d1 = tensor(kDLCUDA, d, s1, 32, kDLFloat);
+    d4.ndim = 2;
+    CHECK(epipe_codec_decode(gpu, dp, w4, &d4) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_decode(gpu, dq, w1, &d1) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    int rc = epipe_codec_synchronize(gpu);
+    CHECK(want == EPIPE_EPROTO && rc == want && !strcmp(epipe_codec_last_error(gpu), says),
+          "row 3 of [4,64], then a [256] payload: synchronize says %d '%s'; the CPU %d '%s'", rc,
+          epipe_codec_last_error(gpu), want, says);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+    /* topk's kernels refuse every entry of a payload of 0xff bytes, whose
+     * codec id the CPU refuses first */
+    epipe_codec_create(&cpu, "topk:ratio=0.1,ef=1");
+    epipe_codec_create(&gpu, "topk:ratio=0.1,ef=1");
+    size_t cap = 0;
+    epipe_codec_max_encoded_size(cpu, &h1, &cap);
+    std::vector<uint8_t> junk(cap, 0xff);
+    hy.ndim = 1;
+    hy.shape = s1;
+    want = epipe_codec_decode(cpu, junk.data(), cap, &hy);
+    snprintf(says, sizeof says, "%s", epipe_codec_last_error(cpu));
+    uint8_t *dj, *out;
+    float *dx;
+    CUDA_OK(cudaMalloc((void **)&dj, cap));
+    CUDA_OK(cudaMalloc((void **)&out, cap));
+    CUDA_OK(cudaMalloc((void **)&dx, 256 * 4));
+    CUDA_OK(cudaMemcpy(dj, junk.data(), cap, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dx, x.data(), 256 * 4, cudaMemcpyHostToDevice));
+    DLTensor dx1 = tensor(kDLCUDA, dx, s1, 32, kDLFloat);
+    size_t w = 0;
+    CHECK(epipe_codec_decode(gpu, dj, cap, &d1) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_encode(gpu, &dx1, out, cap, &w) == EPIPE_OK,
+          "an ef=1 encode after a bad payload's decode: %s", epipe_codec_last_error(gpu));
+    rc = epipe_codec_synchronize(gpu);
+    CHECK(rc == want && !strcmp(epipe_codec_last_error(gpu), says),
+          "the bad payload at synchronize: %d '%s'; the CPU %d '%s'", rc,
+          epipe_codec_last_error(gpu), want, says);
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "reported once: %s",
+          epipe_codec_last_error(gpu));
+    cudaFree(dp);
+    cudaFree(dq);
+    cudaFree(d);
+    cudaFree(dj);
+    cudaFree(out);
+    cudaFree(dx);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+}
+
+/* EPIPE_CUDA_DEFER_CHECKS=0: a corrupt device payload refused by the
+ * decode itself, as before; another value refused by name. */
+static void checks_at_once(void)
+{
+    size_t n = 1000;
+    std::vector<float> x(n);
+    fill(x, 3);
+    int64_t shape[1] = {(int64_t)n};
+    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
+    epipe_codec *cpu, *gpu;
+    epipe_codec_create(&cpu, "quant:bits=4");
+    epipe_codec_create(&gpu, "quant:bits=4");
+    std::vector<uint8_t> p(n + 64);
+    size_t w = 0;
+    CHECK(epipe_codec_encode(cpu, &hs, p.data(), p.size(), &w) == EPIPE_OK, "encode");
+    p[0] = 0xff; /* the codec id */
+    uint8_t *dp;
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&dp, w));
+    CUDA_OK(cudaMalloc((void **)&d, n * 4));
+    CUDA_OK(cudaMemcpy(dp, p.data(), w, cudaMemcpyHostToDevice));
+    DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+    setenv("EPIPE_CUDA_DEFER_CHECKS", "0", 1);
+    CHECK(epipe_codec_decode(gpu, dp, w, &dd) == EPIPE_EPROTO &&
+              strstr(epipe_codec_last_error(gpu), "codec id 255"),
+          "EPIPE_CUDA_DEFER_CHECKS=0: %s", epipe_codec_last_error(gpu));
+    setenv("EPIPE_CUDA_DEFER_CHECKS", "later", 1);
+    CHECK(epipe_codec_decode(gpu, dp, w, &dd) == EPIPE_EINVAL &&
+              strstr(epipe_codec_last_error(gpu), "EPIPE_CUDA_DEFER_CHECKS = 'later'"),
+          "a bad EPIPE_CUDA_DEFER_CHECKS: %s", epipe_codec_last_error(gpu));
+    unsetenv("EPIPE_CUDA_DEFER_CHECKS");
+    CHECK(epipe_codec_decode(gpu, dp, w, &dd) == EPIPE_OK &&
+              epipe_codec_synchronize(gpu) == EPIPE_EPROTO,
+          "deferred again: %s", epipe_codec_last_error(gpu));
+    cudaFree(dp);
+    cudaFree(d);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+}
+
 static void half_tensors(const char *spec, int bf16)
 {
     size_t n = 10007;
@@ -1511,6 +1636,8 @@ int main(void)
     deferred_checks("poweriter:rank=2,shared=1", {0}, 40, 1e-4);
     deferred_checks("poweriter:rank=2,shared=1", {16}, 40, 1e-4);
     deferred_checks("insert:kind=linear,out=8,seed=3", {0}, 40, 1e-4);
+    deferred_checks_keep_to_their_call();
+    checks_at_once();
     mixups();
     gpu_test_part("done");
     return gpu_test_result();

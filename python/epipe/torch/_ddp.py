@@ -83,6 +83,8 @@ def compressed_allreduce_hook(state, bucket):
         for p in gathered:
             c.decode(p, out=tmp)
             out += tmp
+        if out.is_cuda:
+            c.synchronize()  # a peer's bad payload (its header, its tables) is refused here
         out /= world
         return out
 
