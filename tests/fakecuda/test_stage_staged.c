@@ -332,6 +332,21 @@ static allocs pin_run(const sx_memory *mem, const char *pin_env, const char *dev
     return a;
 }
 
+/* A bad value of either switch of a CUDA stage's messages: both ranks'
+ * EPIPE_STAGE_CUDA_DEVICE refused, naming it (`says`). */
+static void bad_switch_refused(const sx_memory *mem, const char *pin_env, const char *dev_env,
+                               const char *says)
+{
+    int before = sx_failures;
+    pin_rank pr[2];
+    pin_run(mem, pin_env, dev_env, 1, 0, 0, pr);
+    for (int r = 0; r < 2; r++)
+        SX_CHECK(pr[r].knob_rc == EPIPE_EINVAL && strstr(pr[r].why, says) != NULL, "rank %d: %d %s",
+                 r, pr[r].knob_rc, pr[r].why);
+    printf("a bad switch refused by name (%s): %s\n", says,
+           sx_failures == before ? "ok" : "FAILED");
+}
+
 static void pinned_message_cases(const sx_memory *mem)
 {
     int before = sx_failures;
@@ -349,14 +364,7 @@ static void pinned_message_cases(const sx_memory *mem)
              pinned, pageable);
     printf("CUDA stages' message buffers pinned and cached: %s\n",
            sx_failures == before ? "ok" : "FAILED");
-    before = sx_failures;
-    pin_run(mem, "yes", "0", 1, 0, 0, pr);
-    for (int r = 0; r < 2; r++)
-        SX_CHECK(pr[r].knob_rc == EPIPE_EINVAL &&
-                     strstr(pr[r].why, "EPIPE_CUDA_PINNED_MESSAGES = 'yes'") != NULL,
-                 "rank %d: %d %s", r, pr[r].knob_rc, pr[r].why);
-    printf("a bad EPIPE_CUDA_PINNED_MESSAGES refused by name: %s\n",
-           sx_failures == before ? "ok" : "FAILED");
+    bad_switch_refused(mem, "yes", "0", "EPIPE_CUDA_PINNED_MESSAGES = 'yes'");
     /* a failed encode into a pinned message: refused by name, and its
      * buffer goes back (pin_run counts). That the stage waits for the
      * stream first (opstream.c, settle()) no test here can see: this
@@ -386,14 +394,7 @@ static void device_message_cases(const sx_memory *mem)
              dev3.pinned, dev.dev, dev.pinned);
     printf("CUDA stages' payloads stay on the device over inproc: %s\n",
            sx_failures == before ? "ok" : "FAILED");
-    before = sx_failures;
-    pin_run(mem, NULL, "on", 1, 0, 0, pr);
-    for (int r = 0; r < 2; r++)
-        SX_CHECK(pr[r].knob_rc == EPIPE_EINVAL &&
-                     strstr(pr[r].why, "EPIPE_CUDA_DEVICE_MESSAGES = 'on'") != NULL,
-                 "rank %d: %d %s", r, pr[r].knob_rc, pr[r].why);
-    printf("a bad EPIPE_CUDA_DEVICE_MESSAGES refused by name: %s\n",
-           sx_failures == before ? "ok" : "FAILED");
+    bad_switch_refused(mem, NULL, "on", "EPIPE_CUDA_DEVICE_MESSAGES = 'on'");
     before = sx_failures;
     pin_run(mem, NULL, NULL, 1, 1, 0, pr); /* pin_run counts what goes back */
     printf("a failed CUDA send of a device message: %s\n", sx_failures == before ? "ok" : "FAILED");
