@@ -552,8 +552,12 @@ static int deferrable(const epipe_codec *c)
     case EPIPE_CODEC_ID_CAST:
     case EPIPE_CODEC_ID_QUANT:
     case EPIPE_CODEC_ID_TOPK:
-    case EPIPE_CODEC_ID_POWERITER: /* its launch follows the plan: c and n */
-    case EPIPE_CODEC_ID_INSERT: return 1;
+    /* poweriter's launch follows its plan, from c and n alone */
+    case EPIPE_CODEC_ID_POWERITER: return 1;
+    /* insert keeps a micro-batch's code for its backward: a payload the
+     * CPU refuses must keep none (nor replace one kept), so only
+     * forward-only decodes defer */
+    case EPIPE_CODEC_ID_INSERT: return c->microbatch < 0;
     case EPIPE_CODEC_ID_SORTQUANT: return epipe_cuda_sq_defers(c);
     default: return 0;
     }
@@ -605,6 +609,23 @@ static int run_checks(epipe_codec *c)
     return first;
 }
 
+/* After a wait: runs the checks still waiting; a failure is held for
+ * synchronize (the first one held stays), and what the kernels of such
+ * a decode noted in the status word goes with it, so that no later call
+ * reports it as its own (an ef=1 encode reads the word mid-call). */
+static int run_and_hold(epipe_codec *c)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    int rc = run_checks(c);
+    if (!rc)
+        return EPIPE_OK;
+    if (!h->held_rc) {
+        h->held_rc = rc;
+        snprintf(h->held_msg, sizeof h->held_msg, "%s", c->msg);
+    }
+    return epipe_cuda_status_clear(c);
+}
+
 /* Room for `bytes` more: past the bounds, the stream is waited for and
  * the checks run (a failure held for synchronize); the arena grows. */
 static int checks_room(epipe_codec *c, size_t bytes)
@@ -618,12 +639,9 @@ static int checks_room(epipe_codec *c, size_t bytes)
         return EPIPE_OK;
     if (h->npending) {
         if ((rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
-                                   "waiting for the payloads' checks")))
+                                   "waiting for the payloads' checks")) ||
+            (rc = run_and_hold(c)))
             return rc;
-        if ((rc = run_checks(c)) && !h->held_rc) {
-            h->held_rc = rc;
-            snprintf(h->held_msg, sizeof h->held_msg, "%s", c->msg);
-        }
     }
     if (bytes > h->checks_cap) {
         if (h->checks)
@@ -672,9 +690,8 @@ static void drop_last_check(epipe_codec *c)
 
 /* Before a call that reads the status word or adds its own errors to it
  * (an encode, a backward): the decodes still waiting for their checks
- * are checked now, after a wait. A failure is held for synchronize, and
- * what their kernels noted of the payload the CPU would have refused
- * goes with it: the call's own errors are its own. */
+ * are checked now, after a wait (run_and_hold): the call's own errors are
+ * its own. */
 static int settle_checks(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
@@ -682,14 +699,7 @@ static int settle_checks(epipe_codec *c)
         return EPIPE_OK;
     int rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
                               "waiting for the payloads' checks");
-    if (rc)
-        return rc;
-    if ((rc = run_checks(c)) && !h->held_rc) {
-        h->held_rc = rc;
-        snprintf(h->held_msg, sizeof h->held_msg, "%s", c->msg);
-        return epipe_cuda_status_clear(c);
-    }
-    return EPIPE_OK;
+    return rc ? rc : run_and_hold(c);
 }
 
 static int cuda_defers(epipe_codec *c, const void *payload)
@@ -1088,8 +1098,9 @@ static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h)
 /* The public synchronize: the stream and its status word, then the
  * checks of the decodes that deferred theirs; a failure of those comes
  * first (the one held by an earlier wait before them), as the CPU would
- * have refused the payload before decoding it. A CUDA error drops them:
- * their bytes may not have landed. */
+ * have refused the payload before decoding it. A CUDA error drops them
+ * (their bytes may not have landed) and is returned first; a failure
+ * held stays for the next synchronize. */
 static int cuda_synchronize_checked(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
@@ -1105,12 +1116,14 @@ static int cuda_synchronize_checked(epipe_codec *c)
     else if (h->npending)
         checked = run_checks(c);
     restore_device(prev);
+    if (lost) /* before a failure held: the CUDA error is the one to act on */
+        return epipe_cuda_fail(c, rc, "%s", why);
     if (h->held_rc) {
         int held = h->held_rc;
         h->held_rc = 0;
         return epipe_cuda_fail(c, held, "%s", h->held_msg);
     }
-    if (checked && !lost)
+    if (checked)
         return checked; /* its message is on c */
     return rc ? epipe_cuda_fail(c, rc, "%s", why) : EPIPE_OK;
 }

@@ -327,9 +327,10 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * Kernels exist for none, cast, quant (rows=1 and group=K too), sortquant in its three
  * modes, topk, kmeans and poweriter (its own kernels up to rank 8, cuBLAS
  * above; its payloads are the CPU's within a tolerance,
- * docs/codec-backends.md), with or without error
- * feedback (ef=1). The other codecs (insert, chains) and activation
- * deltas (delta=1) run on
+ * docs/codec-backends.md), and insert (cuDNN and cuBLAS, within a
+ * tolerance), with or without error feedback (ef=1). Chains, activation
+ * deltas (delta=1), and poweriter and insert where cuBLAS or cuDNN is not
+ * found at run time, run on
  * the CPU backend through host staging: the tensor is copied to host
  * memory on the handle's stream, encoded there, and the payload copied to
  * a device buffer if it is one (decode: the reverse). Such a call is
@@ -343,8 +344,8 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * device memory on the tensor's device, in which case the kernels write
  * and read the payload in place and nothing crosses PCIe. A device
  * payload of the length its values take, for none, cast, quant, topk,
- * poweriter, insert and sortquant's sample and exact modes, is decoded
- * without a wait: its
+ * poweriter, insert (forward only: EPIPE_CODEC_MICROBATCH -1) and
+ * sortquant's sample and exact modes, is decoded without a wait: its
  * 16-byte header and the few bytes the host checks (tables, padding) are
  * copied back on the handle's stream, after the work already there, and
  * checked at the next epipe_codec_synchronize() (below). For the other

@@ -405,16 +405,49 @@ static void deferred_checks_keep_to_their_call(void)
     CUDA_OK(cudaMemcpy(dj, junk.data(), cap, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(dx, x.data(), 256 * 4, cudaMemcpyHostToDevice));
     DLTensor dx1 = tensor(kDLCUDA, dx, s1, 32, kDLFloat);
-    size_t w = 0;
-    CHECK(epipe_codec_decode(gpu, dj, cap, &d1) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
-    CHECK(epipe_codec_encode(gpu, &dx1, out, cap, &w) == EPIPE_OK,
-          "an ef=1 encode after a bad payload's decode: %s", epipe_codec_last_error(gpu));
-    rc = epipe_codec_synchronize(gpu);
-    CHECK(rc == want && !strcmp(epipe_codec_last_error(gpu), says),
-          "the bad payload at synchronize: %d '%s'; the CPU %d '%s'", rc,
-          epipe_codec_last_error(gpu), want, says);
-    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "reported once: %s",
-          epipe_codec_last_error(gpu));
+    size_t w = 0, wg = 0;
+    /* a good payload of the GPU's own, for the decodes in between */
+    CHECK(epipe_codec_encode(gpu, &dx1, dq, w1, &wg) == EPIPE_OK &&
+              epipe_codec_synchronize(gpu) == EPIPE_OK,
+          "%s", epipe_codec_last_error(gpu));
+    for (int between = 0; between <= 16; between += 16) { /* 16: past those that wait */
+        CHECK(epipe_codec_decode(gpu, dj, cap, &d1) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+        for (int i = 0; i < between; i++)
+            CHECK(epipe_codec_decode(gpu, dq, wg, &d1) == EPIPE_OK, "%s",
+                  epipe_codec_last_error(gpu));
+        CHECK(epipe_codec_encode(gpu, &dx1, out, cap, &w) == EPIPE_OK,
+              "an ef=1 encode after a bad payload's decode and %d good ones: %s", between,
+              epipe_codec_last_error(gpu));
+        rc = epipe_codec_synchronize(gpu);
+        CHECK(rc == want && !strcmp(epipe_codec_last_error(gpu), says),
+              "the bad payload at synchronize: %d '%s'; the CPU %d '%s'", rc,
+              epipe_codec_last_error(gpu), want, says);
+        CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "reported once: %s",
+              epipe_codec_last_error(gpu));
+    }
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+    /* insert keeping a micro-batch's code for its backward checks at once:
+     * a refused payload keeps no code, as on the CPU */
+    const char *ins = "insert:kind=linear,out=8,seed=3";
+    epipe_codec_create(&cpu, ins);
+    epipe_codec_create(&gpu, ins);
+    DLTensor hx4 = tensor(kDLCPU, x.data(), s4, 32, kDLFloat);
+    hx4.ndim = 2;
+    std::vector<uint8_t> pi(1024);
+    size_t wi = 0;
+    CHECK(epipe_codec_encode(cpu, &hx4, pi.data(), pi.size(), &wi) == EPIPE_OK, "insert: %s",
+          epipe_codec_last_error(cpu));
+    pi[0] = 0xff;
+    epipe_codec_set_param(cpu, EPIPE_CODEC_MICROBATCH, 0);
+    epipe_codec_set_param(gpu, EPIPE_CODEC_MICROBATCH, 0);
+    hy.ndim = 2;
+    hy.shape = s4;
+    want = epipe_codec_decode(cpu, pi.data(), wi, &hy);
+    CUDA_OK(cudaMemcpy(dj, pi.data(), wi, cudaMemcpyHostToDevice));
+    rc = epipe_codec_decode(gpu, dj, wi, &d4);
+    CHECK(want != EPIPE_OK && rc == want,
+          "insert, kept for its backward: the decode says %d, the CPU %d", rc, want);
     cudaFree(dp);
     cudaFree(dq);
     cudaFree(d);
