@@ -84,6 +84,11 @@ struct epipe_cuda_handle {
     int held_rc;
     char held_msg[512];
     int defer_checks;
+    /* The order of the handle's calls since, so that synchronize returns
+     * the first error: seq counts encodes and deferred decodes; enc_seq
+     * is the first encode's since the status word was last read (0: none),
+     * held_seq the decode's whose failure is held. */
+    unsigned long long seq, enc_seq, held_seq;
     epipe_cuda_status *status_host; /* pinned: where synchronize reads it */
     void *blas;                     /* cublasHandle_t, made on first use (cuda/cublas.cu) */
     /* poweriter's warm starts (EPIPE_CUDA_PI_SLOTS buffers, made on first

@@ -538,6 +538,7 @@ static int fetch_host_bytes(epipe_codec *c, const uint8_t *payload, size_t len, 
 struct epipe_cuda_pending {
     size_t len, at; /* the payload's length; its bytes' place in h->checks */
     uint64_t n;
+    unsigned long long seq; /* the decode's place among the handle's calls */
     host_spans sp;
     /* the decode's tensor shape (c->shape, which quant's rows and groups
      * follow, and which later calls overwrite) */
@@ -577,9 +578,9 @@ static int body_check(epipe_codec *c, const uint8_t *body, uint64_t n)
 }
 
 /* The checks of the decodes waiting for theirs, in order, once the stream
- * has passed their copies: the first failure (its message on c), or
- * EPIPE_OK. None waits after. */
-static int run_checks(epipe_codec *c)
+ * has passed their copies: the first failure (its message on c, its
+ * decode's seq in *seq), or EPIPE_OK. None waits after. */
+static int run_checks(epipe_codec *c, unsigned long long *seq)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
     int first = EPIPE_OK;
@@ -601,6 +602,8 @@ static int run_checks(epipe_codec *c)
                                     c->ops->name, need, p->len);
         if (!first)
             first = body_check(c, h->mirror, p->n);
+        if (first)
+            *seq = p->seq;
     }
     c->ndim = ndim;
     memcpy(c->shape, shape, sizeof shape);
@@ -610,20 +613,25 @@ static int run_checks(epipe_codec *c)
 }
 
 /* After a wait: runs the checks still waiting; a failure is held for
- * synchronize (the first one held stays), and what the kernels of such
- * a decode noted in the status word goes with it, so that no later call
- * reports it as its own (an ef=1 encode reads the word mid-call). */
+ * synchronize (the first one held stays), and what decode kernels noted
+ * in the status word (its bad entry) goes with it, so that no later call
+ * reports that as its own (an ef=1 encode reads the word mid-call); what
+ * encodes noted stays for synchronize. */
 static int run_and_hold(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
-    int rc = run_checks(c);
+    unsigned long long seq = 0;
+    int rc = run_checks(c, &seq);
     if (!rc)
         return EPIPE_OK;
     if (!h->held_rc) {
         h->held_rc = rc;
+        h->held_seq = seq;
         snprintf(h->held_msg, sizeof h->held_msg, "%s", c->msg);
     }
-    return epipe_cuda_status_clear(c);
+    return epipe_cuda_check(
+        c, cudaMemsetAsync(&h->status->bad, 0xff, sizeof h->status->bad, epipe_cuda_stream(c)),
+        "clearing the status word");
 }
 
 /* Room for `bytes` more: past the bounds, the stream is waited for and
@@ -671,7 +679,7 @@ static int defer_checks(epipe_codec *c, const uint8_t *payload, size_t len, uint
         (rc = copy_spans(c, payload, len, &sp, h->checks + h->checks_used)))
         return rc;
     epipe_cuda_pending *p = &h->pending[h->npending++];
-    *p = epipe_cuda_pending{len, h->checks_used, n, sp, c->ndim, {0}};
+    *p = epipe_cuda_pending{len, h->checks_used, n, ++h->seq, sp, c->ndim, {0}};
     memcpy(p->shape, c->shape, sizeof p->shape);
     h->checks_used += bytes;
     return EPIPE_OK;
@@ -891,6 +899,9 @@ static int encode_on(epipe_codec *c, const epipe_codec_backend *be, const DLTens
     int on_device, rc = handle_state(c, src->device.device_id, &h);
     if (rc || (rc = settle_checks(c)) || (rc = payload_bind(c, src, payload, len, &on_device)))
         return rc;
+    if (!h->enc_seq) /* its notes in the status word come after the decodes before it */
+        h->enc_seq = h->seq + 1;
+    h->seq++;
     cudaStream_t s = epipe_cuda_stream(c);
     uint8_t *body = payload + EPIPE_PAYLOAD_HEADER;
     if (on_device) {
@@ -1046,8 +1057,12 @@ static int cuda_synchronize(epipe_codec *c)
     return rc;
 }
 
-static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h)
+/* Waits for the handle's stream with the status word copied on it (one
+ * wait for both): *st the word as the stream left it, cleared on the
+ * device when it holds anything. A CUDA error as a status. */
+static int wait_status(epipe_codec *c, epipe_cuda_handle *h, epipe_cuda_status *st)
 {
+    memset(st, 0xff, sizeof *st);
     int rc = epipe_cuda_check(c, cudaSetDevice(h->device), "selecting the handle's device");
     /* The status word rides on the stream: one wait for both. */
     if (!rc)
@@ -1065,12 +1080,24 @@ static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h)
     if ((rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
                                "waiting for the handle's stream")))
         return rc;
-    epipe_cuda_status st = *h->status_host;
+    *st = *h->status_host;
+    h->enc_seq = 0; /* what the encodes noted is read */
+    if (epipe_cuda_first_nonfinite(st) == ~0ull && st->bad == ~0ull && st->code == ~0ull)
+        return EPIPE_OK;
+    return epipe_cuda_status_clear(c);
+}
+
+/* The error a status word read holds, with its message, or EPIPE_OK; the
+ * decode kernels' notes (bad) left out with drop_bad: those of a payload
+ * the deferred checks refuse, which the CPU would never have decoded. */
+static int status_error(epipe_codec *c, const epipe_cuda_status *s, int drop_bad)
+{
+    epipe_cuda_status st = *s;
+    if (drop_bad)
+        st.bad = ~0ull;
     unsigned long long first = epipe_cuda_first_nonfinite(&st);
     if (first == ~0ull && st.bad == ~0ull && st.code == ~0ull)
         return EPIPE_OK;
-    if ((rc = epipe_cuda_status_clear(c)))
-        return rc;
     if (st.bad != ~0ull) {
         unsigned kind = (unsigned)(st.bad & 3u);
         return epipe_cuda_fail(c, EPIPE_EPROTO, "%s: payload entry %llu %s", c->ops->name,
@@ -1095,37 +1122,70 @@ static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h)
                                               : "-inf");
 }
 
+static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h)
+{
+    epipe_cuda_status st;
+    int rc = wait_status(c, h, &st);
+    return rc ? rc : status_error(c, &st, 0);
+}
+
 /* The public synchronize: the stream and its status word, then the
- * checks of the decodes that deferred theirs; a failure of those comes
- * first (the one held by an earlier wait before them), as the CPU would
- * have refused the payload before decoding it. A CUDA error drops them
- * (their bytes may not have landed) and is returned first; a failure
- * held stays for the next synchronize. */
+ * checks of the decodes that deferred theirs. Of a failure held by an
+ * earlier wait, a check failing now and an error an encode noted in the
+ * status word, the one of the earliest call is returned and the next one
+ * held for the next synchronize (a third, rarer still, is dropped, as the
+ * status word keeps one error of each kind); a refused payload's decode
+ * notes (bad entries) are dropped, as the CPU would never have decoded
+ * it. A CUDA error drops the checks (their bytes may not have landed) and
+ * comes first; a failure held stays. */
 static int cuda_synchronize_checked(epipe_codec *c)
 {
     epipe_cuda_handle *h = epipe_cuda_h(c);
     if (!h)
         return EPIPE_OK;
     int prev = caller_device();
-    int rc = synchronize_on(c, h);
-    char why[sizeof h->held_msg];
-    snprintf(why, sizeof why, "%s", rc ? c->msg : "");
-    int lost = rc == EPIPE_EIO || rc == EPIPE_ENOMEM, checked = EPIPE_OK;
-    if (lost)
+    unsigned long long enc_seq = h->enc_seq, seq = 0;
+    epipe_cuda_status st;
+    int rc = wait_status(c, h, &st);
+    if (rc) { /* its message is on c */
         h->npending = 0, h->checks_used = 0;
-    else if (h->npending)
-        checked = run_checks(c);
-    restore_device(prev);
-    if (lost) /* before a failure held: the CUDA error is the one to act on */
-        return epipe_cuda_fail(c, rc, "%s", why);
-    if (h->held_rc) {
-        int held = h->held_rc;
-        h->held_rc = 0;
-        return epipe_cuda_fail(c, held, "%s", h->held_msg);
+        restore_device(prev);
+        return rc;
     }
-    if (checked)
-        return checked; /* its message is on c */
-    return rc ? epipe_cuda_fail(c, rc, "%s", why) : EPIPE_OK;
+    struct {
+        int rc;
+        unsigned long long seq;
+        char msg[sizeof h->held_msg];
+    } err[3];
+    int n = 0;
+    if (h->held_rc) {
+        err[n].rc = h->held_rc, err[n].seq = h->held_seq;
+        snprintf(err[n++].msg, sizeof err[0].msg, "%s", h->held_msg);
+        h->held_rc = 0;
+    }
+    if (h->npending && (rc = run_checks(c, &seq))) {
+        err[n].rc = rc, err[n].seq = seq;
+        snprintf(err[n++].msg, sizeof err[0].msg, "%s", c->msg);
+    }
+    if ((rc = status_error(c, &st, n > 0))) {
+        err[n].rc = rc, err[n].seq = enc_seq ? enc_seq : ~0ull; /* a decode's: after checks */
+        snprintf(err[n++].msg, sizeof err[0].msg, "%s", c->msg);
+    }
+    restore_device(prev);
+    if (!n)
+        return EPIPE_OK;
+    int a = 0, b = -1; /* the earliest, and the next */
+    for (int i = 1; i < n; i++)
+        if (err[i].seq < err[a].seq)
+            a = i;
+    for (int i = 0; i < n; i++)
+        if (i != a && (b < 0 || err[i].seq < err[b].seq))
+            b = i;
+    if (b >= 0) {
+        h->held_rc = err[b].rc, h->held_seq = err[b].seq;
+        snprintf(h->held_msg, sizeof h->held_msg, "%s", err[b].msg);
+    }
+    return epipe_cuda_fail(c, err[a].rc, "%s", err[a].msg);
 }
 
 static void cuda_release(epipe_codec *c)

@@ -25,9 +25,10 @@ static struct inproc_hub *hub_of(epipe_comm *c)
 }
 
 /* A message whose payload stays in device memory (epipe_comm_msg_new_device):
- * its header alone, checked as any; the payload, which the host does not
- * read, is the decoder's to check (it reads its header and tables from the
- * device first, epipe/codec.h). It must be on the device dst decodes on. */
+ * its header alone, checked as any; the payload, which the transport does
+ * not read, is the decoder's to check (epipe/codec.h: at the receiving
+ * stage's synchronize, or before its kernels). It must be on the device
+ * dst decodes on. */
 static int parse_device_message(epipe_msg *m, epipe_comm *dst, const epipe_wire_limits *lim)
 {
     int rc = epipe_wire_parse_header(m->data, m->len, lim, &m->hdr);

@@ -344,8 +344,9 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * device memory on the tensor's device, in which case the kernels write
  * and read the payload in place and nothing crosses PCIe. A device
  * payload of the length its values take, for none, cast, quant, topk,
- * poweriter, insert (forward only: EPIPE_CODEC_MICROBATCH -1) and
- * sortquant's sample and exact modes, is decoded without a wait: its
+ * poweriter and insert on their kernels (insert forward only:
+ * EPIPE_CODEC_MICROBATCH -1) and sortquant's sample and exact modes, is
+ * decoded without a wait: its
  * 16-byte header and the few bytes the host checks (tables, padding) are
  * copied back on the handle's stream, after the work already there, and
  * checked at the next epipe_codec_synchronize() (below). For the other
@@ -381,9 +382,11 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * are returned at once with the CPU's statuses, but for a device payload
  * decoded without a wait (above), whose bad header, table or padding the
  * next epipe_codec_synchronize() returns (or epipe_codec_set_stream(),
- * which waits the same way), with the CPU's status and message, before
- * any error the kernels found; of several such decodes since, the first
- * bad payload's. An encode or backward on the handle in between first
+ * which waits the same way), with the CPU's status and message, instead
+ * of any error that payload's decode kernels found; of several such
+ * decodes since, the first bad payload's. Against an error an encode
+ * noted, the earlier call's is returned and the other kept for the next
+ * synchronize. An encode or backward on the handle in between first
  * waits for such decodes and checks them, keeping a failure for
  * synchronize, so that what their kernels noted is not its error. Errors that depend
  * on values a kernel sees are recorded on the device and returned by the next

@@ -149,7 +149,8 @@ typedef enum epipe_stage_param {
      * driver or a device; EPIPE_EINVAL for a device that does not exist).
      * Sent tensors may be CPU or CUDA tensors either way (each boundary's
      * codec handles keep to the device of their first tensor). With CUDA
-     * tensors a send returns once the payload is in host memory and a
+     * tensors a send returns once the payload is complete (in host memory,
+     * or in device memory for a peer in this process, below) and a
      * receive once the tensor is decoded, so both may be used from any
      * stream; the codecs run on the stream of epipe_stage_set_cuda_stream()
      * (the legacy default stream until it is set). A lent CUDA tensor's

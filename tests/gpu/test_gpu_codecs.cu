@@ -448,6 +448,46 @@ static void deferred_checks_keep_to_their_call(void)
     rc = epipe_codec_decode(gpu, dj, wi, &d4);
     CHECK(want != EPIPE_OK && rc == want,
           "insert, kept for its backward: the decode says %d, the CPU %d", rc, want);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+    /* a NaN an encode noted and a bad payload a decode deferred, on one
+     * handle: synchronize returns the earlier call's error, and the next
+     * synchronize the other's; neither is lost */
+    epipe_codec_create(&cpu, "quant:bits=8");
+    epipe_codec_create(&gpu, "quant:bits=8");
+    std::vector<uint8_t> qp(1024);
+    size_t wq = 0;
+    CHECK(epipe_codec_encode(cpu, &h1, qp.data(), qp.size(), &wq) == EPIPE_OK, "quant");
+    qp[0] = 0xff;
+    uint8_t *dqp, *qout;
+    CUDA_OK(cudaMalloc((void **)&dqp, wq));
+    CUDA_OK(cudaMalloc((void **)&qout, wq));
+    CUDA_OK(cudaMemcpy(dqp, qp.data(), wq, cudaMemcpyHostToDevice));
+    x[7] = NAN;
+    CUDA_OK(cudaMemcpy(dx, x.data(), 256 * 4, cudaMemcpyHostToDevice));
+    for (int encode_first = 1; encode_first >= 0; encode_first--) {
+        for (int call = 0; call < 2; call++)
+            if ((call == 0) == (encode_first == 1))
+                CHECK(epipe_codec_encode(gpu, &dx1, qout, wq, &w) == EPIPE_OK, "enqueue: %s",
+                      epipe_codec_last_error(gpu));
+            else
+                CHECK(epipe_codec_decode(gpu, dqp, wq, &d1) == EPIPE_OK, "enqueue: %s",
+                      epipe_codec_last_error(gpu));
+        int first = epipe_codec_synchronize(gpu);
+        char said[512];
+        snprintf(said, sizeof said, "%s", epipe_codec_last_error(gpu));
+        int second = epipe_codec_synchronize(gpu);
+        CHECK(first == (encode_first ? EPIPE_EINVAL : EPIPE_EPROTO) &&
+                  second == (encode_first ? EPIPE_EPROTO : EPIPE_EINVAL),
+              "%s first: synchronize says %d '%s', then %d '%s'",
+              encode_first ? "the NaN's encode" : "the bad payload's decode", first, said, second,
+              epipe_codec_last_error(gpu));
+        CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "a third error: %s",
+              epipe_codec_last_error(gpu));
+    }
+    x[7] = 0.5f;
+    cudaFree(dqp);
+    cudaFree(qout);
     cudaFree(dp);
     cudaFree(dq);
     cudaFree(d);
