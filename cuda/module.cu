@@ -1163,11 +1163,13 @@ static int cuda_synchronize_checked(epipe_codec *c)
         snprintf(err[n++].msg, sizeof err[0].msg, "%s", h->held_msg);
         h->held_rc = 0;
     }
-    if (h->npending && (rc = run_checks(c, &seq))) {
+    int refused = h->npending && (rc = run_checks(c, &seq));
+    if (refused) {
         err[n].rc = rc, err[n].seq = seq;
         snprintf(err[n++].msg, sizeof err[0].msg, "%s", c->msg);
     }
-    if ((rc = status_error(c, &st, n > 0))) {
+    /* the bad entry of a failure held was cleared when it was found */
+    if ((rc = status_error(c, &st, refused))) {
         err[n].rc = rc, err[n].seq = enc_seq ? enc_seq : ~0ull; /* a decode's: after checks */
         snprintf(err[n++].msg, sizeof err[0].msg, "%s", c->msg);
     }

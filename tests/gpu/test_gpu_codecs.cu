@@ -498,6 +498,58 @@ static void deferred_checks_keep_to_their_call(void)
     epipe_codec_destroy(gpu);
 }
 
+/* A bad payload whose failure a later decode's wait held (past the 16
+ * that wait), then a payload with a good header and a bad topk entry,
+ * which the kernels note: synchronize returns the first, and the next
+ * synchronize the second, which is not taken for the first's notes. */
+static void held_then_noted(void)
+{
+    size_t n = 1000;
+    std::vector<float> x(n);
+    fill(x, 4);
+    int64_t shape[1] = {(int64_t)n};
+    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
+    epipe_codec *cpu, *gpu;
+    epipe_codec_create(&cpu, "topk:ratio=0.1");
+    epipe_codec_create(&gpu, "topk:ratio=0.1");
+    std::vector<uint8_t> good(n * 8 + 64);
+    size_t w = 0;
+    CHECK(epipe_codec_encode(cpu, &hs, good.data(), good.size(), &w) == EPIPE_OK, "topk");
+    std::vector<uint8_t> header(good), entry(good);
+    header[0] = 0xff;    /* the codec id */
+    uint32_t far = 5000; /* entry 7's index, past the 1000 values */
+    memcpy(&entry[16 + 4 * 7], &far, 4);
+    uint8_t *dg, *dh, *de;
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&dg, w));
+    CUDA_OK(cudaMalloc((void **)&dh, w));
+    CUDA_OK(cudaMalloc((void **)&de, w));
+    CUDA_OK(cudaMalloc((void **)&d, n * 4));
+    CUDA_OK(cudaMemcpy(dg, good.data(), w, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dh, header.data(), w, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(de, entry.data(), w, cudaMemcpyHostToDevice));
+    DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+    CHECK(epipe_codec_decode(gpu, dh, w, &dd) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    for (int i = 0; i < 16; i++)
+        CHECK(epipe_codec_decode(gpu, dg, w, &dd) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_decode(gpu, de, w, &dd) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    int first = epipe_codec_synchronize(gpu);
+    char said[512];
+    snprintf(said, sizeof said, "%s", epipe_codec_last_error(gpu));
+    int second = epipe_codec_synchronize(gpu);
+    CHECK(first == EPIPE_EPROTO && strstr(said, "codec id 255") && second == EPIPE_EPROTO &&
+              strstr(epipe_codec_last_error(gpu), "entry 7 has an index out of range"),
+          "a held failure, then a noted entry: %d '%s', then %d '%s'", first, said, second,
+          epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_OK, "a third: %s", epipe_codec_last_error(gpu));
+    cudaFree(dg);
+    cudaFree(dh);
+    cudaFree(de);
+    cudaFree(d);
+    epipe_codec_destroy(cpu);
+    epipe_codec_destroy(gpu);
+}
+
 /* EPIPE_CUDA_DEFER_CHECKS=0: a corrupt device payload refused by the
  * decode itself, as before; another value refused by name. */
 static void checks_at_once(void)
@@ -1710,6 +1762,7 @@ int main(void)
     deferred_checks("poweriter:rank=2,shared=1", {16}, 40, 1e-4);
     deferred_checks("insert:kind=linear,out=8,seed=3", {0}, 40, 1e-4);
     deferred_checks_keep_to_their_call();
+    held_then_noted();
     checks_at_once();
     mixups();
     gpu_test_part("done");
