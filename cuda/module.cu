@@ -543,8 +543,10 @@ struct epipe_cuda_pending {
     /* the decode's tensor shape (c->shape, which quant's rows and groups
      * follow, and which later calls overwrite) */
     int ndim;
-    int64_t shape[16];
+    int64_t shape[EPIPE_CODEC_MAX_NDIM];
 };
+static_assert(sizeof(epipe_cuda_pending::shape) == sizeof(epipe_codec::shape),
+              "a pending check keeps the whole of c->shape");
 
 static int deferrable(const epipe_codec *c)
 {
@@ -585,7 +587,7 @@ static int run_checks(epipe_codec *c, unsigned long long *seq)
     epipe_cuda_handle *h = epipe_cuda_h(c);
     int first = EPIPE_OK;
     int ndim = c->ndim;
-    int64_t shape[16];
+    int64_t shape[EPIPE_CODEC_MAX_NDIM];
     memcpy(shape, c->shape, sizeof shape);
     for (unsigned i = 0; i < h->npending && !first; i++) {
         const epipe_cuda_pending *p = &h->pending[i];
@@ -634,6 +636,20 @@ static int run_and_hold(epipe_codec *c)
         "clearing the status word");
 }
 
+/* Before a call that reads the status word or adds its own errors to it
+ * (an encode, a backward): the decodes still waiting for their checks
+ * are checked now, after a wait (run_and_hold): the call's own errors are
+ * its own. */
+static int settle_checks(epipe_codec *c)
+{
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (!h || !h->npending)
+        return EPIPE_OK;
+    int rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
+                              "waiting for the payloads' checks");
+    return rc ? rc : run_and_hold(c);
+}
+
 /* Room for `bytes` more: past the bounds, the stream is waited for and
  * the checks run (a failure held for synchronize); the arena grows. */
 static int checks_room(epipe_codec *c, size_t bytes)
@@ -645,12 +661,8 @@ static int checks_room(epipe_codec *c, size_t bytes)
         return epipe_cuda_fail(c, EPIPE_ENOMEM, "%s: out of host memory", c->ops->name);
     if (h->npending < PENDING_MAX && h->checks_used + bytes <= h->checks_cap)
         return EPIPE_OK;
-    if (h->npending) {
-        if ((rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
-                                   "waiting for the payloads' checks")) ||
-            (rc = run_and_hold(c)))
-            return rc;
-    }
+    if ((rc = settle_checks(c)))
+        return rc;
     if (bytes > h->checks_cap) {
         if (h->checks)
             cudaFreeHost(h->checks); /* nothing of the stream's uses it now */
@@ -694,20 +706,6 @@ static void drop_last_check(epipe_codec *c)
         epipe_cuda_pending *p = &h->pending[--h->npending];
         h->checks_used = p->at;
     }
-}
-
-/* Before a call that reads the status word or adds its own errors to it
- * (an encode, a backward): the decodes still waiting for their checks
- * are checked now, after a wait (run_and_hold): the call's own errors are
- * its own. */
-static int settle_checks(epipe_codec *c)
-{
-    epipe_cuda_handle *h = epipe_cuda_h(c);
-    if (!h || !h->npending)
-        return EPIPE_OK;
-    int rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
-                              "waiting for the payloads' checks");
-    return rc ? rc : run_and_hold(c);
 }
 
 static int cuda_defers(epipe_codec *c, const void *payload)

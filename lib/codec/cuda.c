@@ -358,8 +358,12 @@ int epipe_codec_cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int
 
 int epipe_codec_cuda_defers(epipe_codec *c, const void *payload)
 {
+    const epipe_cuda_module *m; /* loaded on first use: the first decode defers too */
+    if (module_get(c, "dst", &m) != EPIPE_OK || !m->defers || !m->defers(c, payload))
+        return 0;
     /* 0 reads a device payload's checked bytes at once, for measuring the
-     * difference in one run (scripts/device/gpu-check.sh) */
+     * difference in one run (scripts/device/gpu-check.sh); read only for a
+     * decode that would defer, not for every one into a CUDA tensor */
     const char *env = getenv("EPIPE_CUDA_DEFER_CHECKS");
     if (env && strcmp(env, "1"))
         return strcmp(env, "0") ? epipe_codec_fail(c, EPIPE_EINVAL,
@@ -369,8 +373,7 @@ int epipe_codec_cuda_defers(epipe_codec *c, const void *payload)
                                                    "default) or 0 (at once)",
                                                    c->ops->name, env)
                                 : 0;
-    const epipe_cuda_module *m; /* loaded on first use: the first decode defers too */
-    return module_get(c, "dst", &m) == EPIPE_OK && m->defers && m->defers(c, payload);
+    return 1;
 }
 
 int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr)
