@@ -151,6 +151,35 @@ static void topk_sample_misses(size_t n, double ratio, uint64_t m)
     byte_identity_of(spec, x, 0);
 }
 
+/* What the CPU codec `spec` makes of n values (fill's `seed`), exactly
+ * as long as it is. */
+static std::vector<uint8_t> cpu_payload(const char *spec, size_t n, unsigned seed)
+{
+    std::vector<float> x(n);
+    fill(x, seed);
+    int64_t shape[1] = {(int64_t)n};
+    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
+    epipe_codec *cpu;
+    CHECK(epipe_codec_create(&cpu, spec) == EPIPE_OK, "%s", spec);
+    size_t cap = 0, w = 0;
+    epipe_codec_max_encoded_size(cpu, &hs, &cap);
+    std::vector<uint8_t> p(cap);
+    CHECK(epipe_codec_encode(cpu, &hs, p.data(), cap, &w) == EPIPE_OK, "%s: %s", spec,
+          epipe_codec_last_error(cpu));
+    epipe_codec_destroy(cpu);
+    p.resize(w);
+    return p;
+}
+
+/* Device memory holding the first w bytes of p (cudaFree it). */
+static uint8_t *device_copy(const std::vector<uint8_t> &p, size_t w)
+{
+    uint8_t *d;
+    CUDA_OK(cudaMalloc((void **)&d, w));
+    CUDA_OK(cudaMemcpy(d, p.data(), w, cudaMemcpyHostToDevice));
+    return d;
+}
+
 /* The status of a decode: its own, or where it enqueued (a device
  * payload whose checks the module defers), the next synchronize's. */
 static int decode_status(epipe_codec *g, const void *p, size_t w, DLTensor *dst)
@@ -298,14 +327,10 @@ static void deferred_checks(const char *spec, std::vector<size_t> corrupt, int64
     snprintf(says, sizeof says, "%s", epipe_codec_last_error(cpu));
     CHECK(want != EPIPE_OK, "%s: the CPU takes the corrupt payload", spec);
     CHECK(epipe_codec_decode(cpu, good.data(), w, &hy) == EPIPE_OK, "%s", spec);
-    uint8_t *dbad, *dgood;
+    uint8_t *dbad = device_copy(bad, w), *dgood = device_copy(good, w);
     float *d1, *d2;
-    CUDA_OK(cudaMalloc((void **)&dbad, w));
-    CUDA_OK(cudaMalloc((void **)&dgood, w));
     CUDA_OK(cudaMalloc((void **)&d1, n * 4));
     CUDA_OK(cudaMalloc((void **)&d2, n * 4));
-    CUDA_OK(cudaMemcpy(dbad, bad.data(), w, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(dgood, good.data(), w, cudaMemcpyHostToDevice));
     DLTensor t1 = tensor(kDLCUDA, d1, shape, 32, kDLFloat),
              t2 = tensor(kDLCUDA, d2, shape, 32, kDLFloat);
     t1.ndim = t2.ndim = 2;
@@ -369,13 +394,9 @@ static void deferred_checks_keep_to_their_call(void)
     int want = epipe_codec_decode(cpu, p.data(), w4, &hy);
     char says[512];
     snprintf(says, sizeof says, "%s", epipe_codec_last_error(cpu));
-    uint8_t *dp, *dq;
+    uint8_t *dp = device_copy(p, w4), *dq = device_copy(q, w1);
     float *d;
-    CUDA_OK(cudaMalloc((void **)&dp, w4));
-    CUDA_OK(cudaMalloc((void **)&dq, w1));
     CUDA_OK(cudaMalloc((void **)&d, 256 * 4));
-    CUDA_OK(cudaMemcpy(dp, p.data(), w4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(dq, q.data(), w1, cudaMemcpyHostToDevice));
     DLTensor d4 = tensor(kDLCUDA, d, s4, 32, kDLFloat), d1 = tensor(kDLCUDA, d, s1, 32, kDLFloat);
     d4.ndim = 2;
     CHECK(epipe_codec_decode(gpu, dp, w4, &d4) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
@@ -397,12 +418,10 @@ static void deferred_checks_keep_to_their_call(void)
     hy.shape = s1;
     want = epipe_codec_decode(cpu, junk.data(), cap, &hy);
     snprintf(says, sizeof says, "%s", epipe_codec_last_error(cpu));
-    uint8_t *dj, *out;
+    uint8_t *dj = device_copy(junk, cap), *out;
     float *dx;
-    CUDA_OK(cudaMalloc((void **)&dj, cap));
     CUDA_OK(cudaMalloc((void **)&out, cap));
     CUDA_OK(cudaMalloc((void **)&dx, 256 * 4));
-    CUDA_OK(cudaMemcpy(dj, junk.data(), cap, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(dx, x.data(), 256 * 4, cudaMemcpyHostToDevice));
     DLTensor dx1 = tensor(kDLCUDA, dx, s1, 32, kDLFloat);
     size_t w = 0, wg = 0;
@@ -459,10 +478,8 @@ static void deferred_checks_keep_to_their_call(void)
     size_t wq = 0;
     CHECK(epipe_codec_encode(cpu, &h1, qp.data(), qp.size(), &wq) == EPIPE_OK, "quant");
     qp[0] = 0xff;
-    uint8_t *dqp, *qout;
-    CUDA_OK(cudaMalloc((void **)&dqp, wq));
+    uint8_t *dqp = device_copy(qp, wq), *qout;
     CUDA_OK(cudaMalloc((void **)&qout, wq));
-    CUDA_OK(cudaMemcpy(dqp, qp.data(), wq, cudaMemcpyHostToDevice));
     x[7] = NAN;
     CUDA_OK(cudaMemcpy(dx, x.data(), 256 * 4, cudaMemcpyHostToDevice));
     for (int encode_first = 1; encode_first >= 0; encode_first--) {
@@ -505,29 +522,17 @@ static void deferred_checks_keep_to_their_call(void)
 static void held_then_noted(void)
 {
     size_t n = 1000;
-    std::vector<float> x(n);
-    fill(x, 4);
     int64_t shape[1] = {(int64_t)n};
-    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
-    epipe_codec *cpu, *gpu;
-    epipe_codec_create(&cpu, "topk:ratio=0.1");
+    epipe_codec *gpu;
     epipe_codec_create(&gpu, "topk:ratio=0.1");
-    std::vector<uint8_t> good(n * 8 + 64);
-    size_t w = 0;
-    CHECK(epipe_codec_encode(cpu, &hs, good.data(), good.size(), &w) == EPIPE_OK, "topk");
-    std::vector<uint8_t> header(good), entry(good);
+    std::vector<uint8_t> good = cpu_payload("topk:ratio=0.1", n, 4), header(good), entry(good);
+    size_t w = good.size();
     header[0] = 0xff;    /* the codec id */
     uint32_t far = 5000; /* entry 7's index, past the 1000 values */
     memcpy(&entry[16 + 4 * 7], &far, 4);
-    uint8_t *dg, *dh, *de;
+    uint8_t *dg = device_copy(good, w), *dh = device_copy(header, w), *de = device_copy(entry, w);
     float *d;
-    CUDA_OK(cudaMalloc((void **)&dg, w));
-    CUDA_OK(cudaMalloc((void **)&dh, w));
-    CUDA_OK(cudaMalloc((void **)&de, w));
     CUDA_OK(cudaMalloc((void **)&d, n * 4));
-    CUDA_OK(cudaMemcpy(dg, good.data(), w, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(dh, header.data(), w, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(de, entry.data(), w, cudaMemcpyHostToDevice));
     DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat);
     CHECK(epipe_codec_decode(gpu, dh, w, &dd) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
     for (int i = 0; i < 16; i++)
@@ -546,7 +551,6 @@ static void held_then_noted(void)
     cudaFree(dh);
     cudaFree(de);
     cudaFree(d);
-    epipe_codec_destroy(cpu);
     epipe_codec_destroy(gpu);
 }
 
@@ -555,22 +559,15 @@ static void held_then_noted(void)
 static void checks_at_once(void)
 {
     size_t n = 1000;
-    std::vector<float> x(n);
-    fill(x, 3);
     int64_t shape[1] = {(int64_t)n};
-    DLTensor hs = tensor(kDLCPU, x.data(), shape, 32, kDLFloat);
-    epipe_codec *cpu, *gpu;
-    epipe_codec_create(&cpu, "quant:bits=4");
+    epipe_codec *gpu;
     epipe_codec_create(&gpu, "quant:bits=4");
-    std::vector<uint8_t> p(n + 64);
-    size_t w = 0;
-    CHECK(epipe_codec_encode(cpu, &hs, p.data(), p.size(), &w) == EPIPE_OK, "encode");
+    std::vector<uint8_t> p = cpu_payload("quant:bits=4", n, 3);
+    size_t w = p.size();
     p[0] = 0xff; /* the codec id */
-    uint8_t *dp;
+    uint8_t *dp = device_copy(p, w);
     float *d;
-    CUDA_OK(cudaMalloc((void **)&dp, w));
     CUDA_OK(cudaMalloc((void **)&d, n * 4));
-    CUDA_OK(cudaMemcpy(dp, p.data(), w, cudaMemcpyHostToDevice));
     DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat);
     setenv("EPIPE_CUDA_DEFER_CHECKS", "0", 1);
     CHECK(epipe_codec_decode(gpu, dp, w, &dd) == EPIPE_EPROTO &&
@@ -586,7 +583,6 @@ static void checks_at_once(void)
           "deferred again: %s", epipe_codec_last_error(gpu));
     cudaFree(dp);
     cudaFree(d);
-    epipe_codec_destroy(cpu);
     epipe_codec_destroy(gpu);
 }
 
