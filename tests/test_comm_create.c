@@ -571,7 +571,7 @@ static epipe_msg *make_dev_msg(epipe_comm *c, unsigned dst, size_t payload, uint
     m->hdr.src_stage = epipe_comm_rank(c);
     m->hdr.dst_stage = dst;
     m->hdr.micro_batch = mb;
-    assert_int_equal(epipe_msg_seal_device(m, payload), EPIPE_OK);
+    assert_int_equal(epipe_msg_seal(m, payload), EPIPE_OK);
     return m;
 }
 

@@ -392,20 +392,15 @@ void epipe_msg_free(epipe_msg *m)
 
 int epipe_msg_seal(epipe_msg *m, size_t payload_len)
 {
-    epipe_wire_set_payload(&m->hdr, epipe_msg_payload(m), payload_len);
+    if (m->dev) { /* the host does not read device memory, which no wire carries */
+        m->hdr.payload_len = payload_len;
+        m->hdr.payload_crc = 0;
+    } else {
+        epipe_wire_set_payload(&m->hdr, epipe_msg_payload(m), payload_len);
+    }
     int rc = epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE);
     if (rc == EPIPE_OK)
-        m->len = EPIPE_WIRE_HEADER_SIZE + payload_len;
-    return rc;
-}
-
-int epipe_msg_seal_device(epipe_msg *m, size_t payload_len)
-{
-    m->hdr.payload_len = payload_len;
-    m->hdr.payload_crc = 0;
-    int rc = epipe_wire_encode_header(&m->hdr, m->data, EPIPE_WIRE_HEADER_SIZE);
-    if (rc == EPIPE_OK)
-        m->len = EPIPE_WIRE_HEADER_SIZE;
+        m->len = EPIPE_WIRE_HEADER_SIZE + (m->dev ? 0 : payload_len);
     return rc;
 }
 

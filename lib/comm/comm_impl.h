@@ -46,12 +46,10 @@ static inline uint8_t *epipe_msg_payload(epipe_msg *m)
     return m->data + EPIPE_WIRE_HEADER_SIZE;
 }
 /* Frames m in place: sets the payload length and CRC in m->hdr from the
- * `payload_len` bytes at epipe_msg_payload(m) and writes the header. */
+ * `payload_len` bytes at epipe_msg_payload(m) and writes the header; for
+ * a payload at m->dev, the length only (its CRC field stays 0: device
+ * memory never crosses a wire, and the host does not read it). */
 int epipe_msg_seal(epipe_msg *m, size_t payload_len);
-/* The same for a message whose payload is at m->dev: the payload length
- * only (its CRC field stays 0: device memory never crosses a wire, and
- * the host does not read it). */
-int epipe_msg_seal_device(epipe_msg *m, size_t payload_len);
 /* The bytes m stands for on a wire: header and payload. */
 static inline size_t epipe_msg_wire_len(const epipe_msg *m)
 {
@@ -228,7 +226,7 @@ int epipe_comm_peer_device(epipe_comm *c, unsigned peer);
  * `payload_cap` bytes at m->dev, on CUDA device `device`: NULL where c has
  * none to give (none set up, set up on another device, past the bounds,
  * too small, out of device memory): then use epipe_comm_msg_new(). Seal
- * it with epipe_msg_seal_device(). */
+ * it with epipe_msg_seal(). */
 epipe_msg *epipe_comm_msg_new_device(epipe_comm *c, int device, size_t payload_cap);
 
 /* Buffer-cache counters of c's cache (tests, epipe-bench): buffers reused

@@ -638,7 +638,7 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     h->src_stage = st->s;
     h->dst_stage = peer;
     h->schedule_tag = st->tag;
-    if ((rc = msg->dev ? epipe_msg_seal_device(msg, len) : epipe_msg_seal(msg, len))) {
+    if ((rc = epipe_msg_seal(msg, len))) {
         epipe_msg_free(msg);
         return fail(st, rc, "framing: %s", epipe_last_error());
     }
