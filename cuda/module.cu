@@ -1290,6 +1290,48 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
     return rc;
 }
 
+/* Fences (cuda_api.h): events without timing, recorded on and waited for
+ * by the handles' streams, so that a payload written on one stage's
+ * stream is read on another's with no wait on the host. */
+static int fence(epipe_codec *c, int device, void **out)
+{
+    int prev = caller_device();
+    cudaEvent_t e = NULL;
+    *out = NULL;
+    int rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the payload's device");
+    if (!rc)
+        rc = epipe_cuda_check(c, cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                              "creating a payload's fence");
+    if (!rc && (rc = epipe_cuda_check(c, cudaEventRecord(e, epipe_cuda_stream(c)),
+                                      "recording a payload's fence")))
+        cudaEventDestroy(e);
+    restore_device(prev);
+    if (!rc)
+        *out = (void *)e;
+    return rc;
+}
+
+static int fence_wait(epipe_codec *c, int device, void *f)
+{
+    int prev = caller_device();
+    int rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the payload's device");
+    if (!rc)
+        rc = epipe_cuda_check(c, cudaStreamWaitEvent(epipe_cuda_stream(c), (cudaEvent_t)f, 0),
+                              "waiting on the device for the payload's encode");
+    restore_device(prev);
+    return rc;
+}
+
+static void fence_free(int device, void *f)
+{
+    int prev = caller_device();
+    cudaSetDevice(device);
+    cudaEventSynchronize((cudaEvent_t)f); /* the payload's buffer may be written again next */
+    cudaEventDestroy((cudaEvent_t)f);
+    cudaGetLastError();
+    restore_device(prev);
+}
+
 /* Pinned memory through `device`'s context, and freed through the context
  * that made it: a thread with no device selected (a transport's) would
  * otherwise create GPU 0's. */
@@ -1330,6 +1372,9 @@ static const epipe_cuda_module module = {
     .host_alloc = host_alloc,
     .host_free = host_free,
     .backward = cuda_backward,
+    .fence = fence,
+    .fence_wait = fence_wait,
+    .fence_free = fence_free,
     .synchronize = cuda_synchronize_checked,
     .release = cuda_release,
 };

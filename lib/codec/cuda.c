@@ -292,6 +292,36 @@ int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const vo
     return rc || !bytes ? rc : m->stream_copy(c, device, dst, src, bytes);
 }
 
+/* Fences exist only where a module made them: these load none. */
+static int fence_module(epipe_codec *c, const epipe_cuda_module **m)
+{
+    if ((*m = loaded_module()))
+        return EPIPE_OK;
+    return epipe_codec_fail(c, EPIPE_ENOTSUP, "no CUDA module is loaded for a payload's fence");
+}
+
+int epipe_codec_cuda_fence(epipe_codec *c, int device, void **fence)
+{
+    const epipe_cuda_module *m;
+    *fence = NULL;
+    int rc = fence_module(c, &m);
+    return rc ? rc : m->fence(c, device, fence);
+}
+
+int epipe_codec_cuda_fence_wait(epipe_codec *c, int device, void *fence)
+{
+    const epipe_cuda_module *m;
+    int rc = fence_module(c, &m);
+    return rc ? rc : m->fence_wait(c, device, fence);
+}
+
+void epipe_cuda_fence_free(int device, void *fence)
+{
+    const epipe_cuda_module *m = loaded_module();
+    if (m && fence)
+        m->fence_free(device, fence);
+}
+
 int epipe_codec_check_binding(epipe_codec *c, const DLTensor *t, const char *what)
 {
     int type = t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged ? kDLCUDA

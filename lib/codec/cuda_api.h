@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 13
+#define EPIPE_CUDA_ABI 14
 
 /* What the module knows of poweriter's layout (codecs/poweriter/poweriter.h
  * checks each against its own): its warm-start slots (PI_MAX_SLOTS), its
@@ -198,6 +198,18 @@ typedef struct epipe_cuda_module {
     int (*backward)(epipe_codec *c, const epipe_codec_backend *be, int enc, unsigned mb,
                     const DLTensor *gin, uint64_t n_in, enum epipe_dtype dt_in, DLTensor *gout,
                     uint64_t n_out, enum epipe_dtype dt_out);
+    /* Fences for payloads that stay on the device between stages of one
+     * process (EPIPE_STAGE_CUDA_STREAM_ORDERED in epipe/stage.h): fence
+     * records, on CUDA device `device`, an event after the work already
+     * on c's stream into *fence (NULL when it fails: the status with the
+     * message on c); fence_wait makes c's stream wait for it on the device
+     * (the host does not wait); fence_free waits for it on the host, then
+     * frees it, given the same device (a thread that selected none must
+     * not create GPU 0's context). The fence may be waited for from any
+     * handle or stream, and freed from any thread. */
+    int (*fence)(epipe_codec *c, int device, void **fence);
+    int (*fence_wait)(epipe_codec *c, int device, void *fence);
+    void (*fence_free)(int device, void *fence);
     /* Waits for the handle's stream; the first deferred error since the
      * last call, or a CUDA error, as a status with the message on c. */
     int (*synchronize)(epipe_codec *c);

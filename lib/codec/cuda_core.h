@@ -21,6 +21,13 @@ int epipe_codec_cuda_check(epipe_codec *c, const DLTensor *t, const char *what, 
  * stream after its work and complete on return. */
 int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const void *src,
                                  size_t bytes);
+/* A fence after the work on c's stream, on CUDA device `device`, into
+ * *fence; c's stream made to wait for one on the device; and its free,
+ * which waits for it first, from any thread (cuda_api.h, fence). Each
+ * fails with EPIPE_ENOTSUP where no module is loaded (they load none). */
+int epipe_codec_cuda_fence(epipe_codec *c, int device, void **fence);
+int epipe_codec_cuda_fence_wait(epipe_codec *c, int device, void *fence);
+void epipe_cuda_fence_free(int device, void *fence);
 /* Pinned host memory of at least `bytes` for host staging, made through
  * CUDA device `device`, and its free (given the same device). */
 int epipe_codec_cuda_host_alloc(epipe_codec *c, int device, size_t bytes, void **p);

@@ -381,6 +381,8 @@ void epipe_msg_free(epipe_msg *m)
         } else {
             buf_free(b);
         }
+        if (m->fence)
+            m->fence_free(m->dev_device, m->fence);
         if (m->dev) {
             msgbuf d = {m->dev, m->dev_cap, m->dev_release, m->dev_device};
             pool_put(m->dev_pool, d);

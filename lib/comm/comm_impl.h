@@ -30,6 +30,13 @@ typedef struct epipe_msg {
     int dev_device; /* the CUDA device dev is on */
     void (*dev_release)(int device, void *p);
     epipe_msgpool *dev_pool; /* the cache dev returns to */
+    /* A sender that did not wait for the work writing dev (stream-ordered,
+     * see epipe/stage.h) hangs a fence on the message: the receiver's
+     * stream waits for it before reading dev, and freeing the message
+     * frees it with fence_free (given dev_device), which waits for it
+     * first, so that dev goes back to its cache only once written. */
+    void *fence;
+    void (*fence_free)(int device, void *fence);
 } epipe_msg;
 
 /* A message with room for a payload of `payload_cap` bytes after the

@@ -37,6 +37,7 @@ FAKE_EXPORT unsigned long fakecuda_host_allocs(void);
 FAKE_EXPORT long fakecuda_host_live(void);
 FAKE_EXPORT unsigned long fakecuda_dev_allocs(void);
 FAKE_EXPORT long fakecuda_dev_live(void);
+FAKE_EXPORT void fakecuda_fences(unsigned long *made, unsigned long *waited, long *live);
 FAKE_EXPORT void fakecuda_insert_kernels(int on);
 FAKE_EXPORT unsigned long fakecuda_insert_calls(void);
 FAKE_EXPORT int epipe_cuda_module_init(const epipe_cuda_core *c, const epipe_cuda_module **out);
@@ -621,6 +622,44 @@ static void module_free(int device, void *p)
     fakecuda_free(p);
 }
 
+/* Fences: this module's work is done when its calls return, so a fence
+ * is a token, counted: made, waited for, and alive (not yet freed). */
+static unsigned long fences_made, fences_waited;
+static long fences_live;
+
+FAKE_EXPORT void fakecuda_fences(unsigned long *made, unsigned long *waited, long *live)
+{
+    *made = __atomic_load_n(&fences_made, __ATOMIC_RELAXED);
+    *waited = __atomic_load_n(&fences_waited, __ATOMIC_RELAXED);
+    *live = __atomic_load_n(&fences_live, __ATOMIC_RELAXED);
+}
+
+static int fence(epipe_codec *c, int device, void **out)
+{
+    if (device != 0 || !(*out = malloc(1)))
+        return fail(c, device ? EPIPE_EINVAL : EPIPE_ENOMEM, "fakecuda: a fence on device %d",
+                    device);
+    __atomic_add_fetch(&fences_made, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&fences_live, 1, __ATOMIC_RELAXED);
+    return EPIPE_OK;
+}
+
+static int fence_wait(epipe_codec *c, int device, void *f)
+{
+    if (device != 0 || !f)
+        return fail(c, EPIPE_EINVAL, "fakecuda: waiting for fence %p on device %d", f, device);
+    __atomic_add_fetch(&fences_waited, 1, __ATOMIC_RELAXED);
+    return EPIPE_OK;
+}
+
+static void fence_free(int device, void *f)
+{
+    (void)device;
+    if (f)
+        __atomic_sub_fetch(&fences_live, 1, __ATOMIC_RELAXED);
+    free(f);
+}
+
 static int synchronize(epipe_codec *c)
 {
     (void)c;
@@ -652,6 +691,9 @@ static const epipe_cuda_module module = {
     .host_alloc = host_alloc,
     .host_free = host_free,
     .backward = backward,
+    .fence = fence,
+    .fence_wait = fence_wait,
+    .fence_free = fence_free,
     .synchronize = synchronize,
     .release = release,
 };
