@@ -179,8 +179,34 @@ typedef enum epipe_stage_param {
      * A communicator keeps to the first device a stage on it named: a
      * stage set to d and then to e sends and receives through the host,
      * and one set back to -1 has the device payloads it still gets copied
-     * to the host for their decode. */
-    EPIPE_STAGE_CUDA_DEVICE = 5
+     * to the host for their decode. With EPIPE_STAGE_CUDA_STREAM_ORDERED
+     * set, sends and receives return earlier (below). */
+    EPIPE_STAGE_CUDA_DEVICE = 5,
+    /* 0 (the default): a send of a CUDA tensor returns once its payload is
+     * complete and a receive once its tensor is written, as above. 1:
+     * stream-ordered, as a CUDA library call is: a receive into a CUDA
+     * tensor returns once its decode is queued on the stage's stream
+     * (epipe_stage_set_cuda_stream), and a send whose payload stays in
+     * device memory (a peer of this process on the tensor's device, see
+     * EPIPE_STAGE_CUDA_DEVICE) once its encode is queued there, carrying
+     * a fence the receiver's stream waits for on the device: the host
+     * waits for neither, and keeps the GPU's queue full. Sends through
+     * host memory (TCP; payloads under 4 KiB; a peer on another device or
+     * the host) still wait for their encode, as the transport reads the
+     * bytes. The host then keeps to the stream's order: a received tensor
+     * is read, and a sent one written again or freed, by work queued on
+     * the stage's stream after the call (or after waiting for that
+     * stream). What the device finds (a non-finite value sent through a
+     * quantizer, a bad payload's deferred checks, a CUDA error) is
+     * reported by the call that ends the step (epipe_stage_next_op giving
+     * EPIPE_OP_NONE, epipe_stage_step, epipe_stage_drain), which waits
+     * for the stage's CUDA work once a step; the communicator is then
+     * aborted (epipe_comm_abort), since a peer may already have decoded
+     * what a failed encode wrote. Received messages stay held until that
+     * wait (at most 32 a stage; the 33rd waits first). Only between steps
+     * (EPIPE_ESTATE otherwise); 0 or 1 (EPIPE_EINVAL otherwise). No effect
+     * on CPU tensors. */
+    EPIPE_STAGE_CUDA_STREAM_ORDERED = 6
 } epipe_stage_param;
 
 EPIPE_API int epipe_stage_set_param(epipe_stage *stage, epipe_stage_param param, int64_t value);
@@ -190,7 +216,7 @@ EPIPE_API int epipe_stage_set_param(epipe_stage *stage, epipe_stage_param param,
  * A host that computes on its own stream sets it so that the encode of a
  * sent tensor follows the kernels that made it, with no device-wide wait.
  * Sends and receives still return with their work complete, as
- * EPIPE_STAGE_CUDA_DEVICE says. Work on the previous stream is waited for
+ * EPIPE_STAGE_CUDA_DEVICE says, unless EPIPE_STAGE_CUDA_STREAM_ORDERED. Work on the previous stream is waited for
  * first, and its error returned (the stream is set whatever it is). The
  * stream must outlive the stage or the next call. Any time between calls
  * on the stage, mid-step too (the Python binding follows torch's current
@@ -440,8 +466,11 @@ typedef struct epipe_stage_stats {
     uint64_t steps;
     double step_seconds;    /* wall time inside steps */
     double compute_seconds; /* in callbacks, or between op-stream calls */
+    /* the host's time in encodes and decodes (stream-ordered: queueing
+     * them), and blocked waiting for a message or, stream-ordered, for
+     * the step's CUDA work at its end */
     double encode_seconds, decode_seconds;
-    double wait_seconds;                    /* blocked waiting for a message */
+    double wait_seconds;
     uint64_t act_sent_raw, act_sent_wire;   /* down */
     uint64_t grad_recv_raw, grad_recv_wire; /* down */
     uint64_t act_recv_raw, act_recv_wire;   /* up */

@@ -126,6 +126,8 @@ static int advance(epipe_stage *st, epipe_op *op)
     while (st->pc < st->nops && !is_compute_kind(st->ops[st->pc].kind))
         st->pc++;
     if (st->pc == st->nops) {
+        if ((rc = epipe_stage_settle(st, 1)))
+            return rc;
         end_step(st);
         st->in_step = 0;
         st->st.steps++;
@@ -326,6 +328,67 @@ static int settle(epipe_codec *codec, int rc)
     return epipe_codec_fail(codec, rc, "%s", why);
 }
 
+int epipe_stage_settle(epipe_stage *st, int report)
+{
+    if (!st->unsettled && !st->nheld)
+        return EPIPE_OK;
+    double t0 = now();
+    int first = EPIPE_OK;
+    char why[EPIPE_ERRMSG_MAX] = "";
+    for (unsigned k = 0; k < st->nch; k++) {
+        struct chunk *c = &st->ch[k];
+        epipe_codec *all[4] = {c->enc_act, c->dec_act, c->enc_grad, c->dec_grad};
+        for (int i = 0; i < 4; i++) {
+            int rc = all[i] ? epipe_codec_synchronize(all[i]) : EPIPE_OK;
+            if (rc && !first) {
+                first = rc;
+                snprintf(why, sizeof why, "%s", epipe_codec_last_error(all[i]));
+            }
+        }
+    }
+    for (unsigned i = 0; i < st->nheld; i++) /* their decodes are done */
+        epipe_msg_free(st->held[i]);
+    st->nheld = 0;
+    st->unsettled = 0;
+    double t1 = now();
+    st->st.wait_seconds += t1 - t0;
+    if (st->tracing)
+        epipe_trace_span(st->trace, "settle", "wait", t0, t1);
+    if (!first || !report)
+        return EPIPE_OK;
+    epipe_comm_abort(st->comm); /* a peer may have decoded what a failed encode wrote */
+    return fail(st, first,
+                "the CUDA work that stream-ordered sends and receives queued this step failed "
+                "(EPIPE_STAGE_CUDA_STREAM_ORDERED; the communicator is aborted): %s",
+                why);
+}
+
+/* A stream-ordered send of a device payload: a fence after its encode
+ * rides with the message in place of a wait; the receiver's stream waits
+ * for it. Where none can be made, the wait (which reports a CUDA error). */
+static int fence_payload(epipe_stage *st, epipe_codec *codec, epipe_msg *msg)
+{
+    if (epipe_codec_cuda_fence(codec, msg->dev_device, &msg->fence) != EPIPE_OK)
+        return epipe_codec_synchronize(codec);
+    msg->fence_free = epipe_cuda_fence_free;
+    st->unsettled = 1;
+    return EPIPE_OK;
+}
+
+/* A message a stream-ordered decode may still read, kept until the stage
+ * waits for its work; when STAGE_HELD_MAX are, that wait comes first. */
+static int hold_message(epipe_stage *st, epipe_msg *msg)
+{
+    int rc = st->nheld == STAGE_HELD_MAX ? epipe_stage_settle(st, 1) : EPIPE_OK;
+    if (rc) {
+        epipe_msg_free(msg); /* the wait is done with it too */
+        return rc;
+    }
+    st->held[st->nheld++] = msg;
+    st->unsettled = 1;
+    return EPIPE_OK;
+}
+
 /* Where the decode reads msg's payload: in its message; a device payload
  * (epipe_comm_msg_new_device) in place when the tensor goes to that
  * device, else copied to host memory first (the stage was moved to
@@ -413,14 +476,26 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     if (dir == DIR_ACT && epipe_codec_trainable(codec))
         epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
     const uint8_t *payload;
+    if (msg->fence && (rc = epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence))) {
+        epipe_msg_free(msg);
+        return fail(st, rc, "the %s of micro-batch %u from rank %u: %s",
+                    dir == DIR_ACT ? "activation" : "gradient", mb, peer,
+                    epipe_codec_last_error(codec));
+    }
     if ((rc = device_payload_here(st, msg, lt, codec, &payload))) {
         epipe_msg_free(msg);
         return rc;
     }
     rc = epipe_codec_decode(codec, payload, (size_t)h->payload_len, &lt->t);
-    if (payload != msg->dev && payload != msg->data + h->header_len)
+    int copied = payload != msg->dev && payload != msg->data + h->header_len;
+    if (copied)
         free((void *)payload);
-    if (lt->on_cuda || msg->dev) /* usable from any stream when the call returns */
+    /* Stream-ordered: the tensor is ready in the stream's order, and the
+     * message held until the stage waits. Otherwise usable from any
+     * stream when the call returns. */
+    int hold = rc == EPIPE_OK && st->stream_ordered && lt->on_cuda && !copied && !code_grad &&
+               !c->delta_dec;
+    if (!hold && (lt->on_cuda || msg->dev))
         rc = settle(codec, rc);
     double t2 = now();
     st->st.decode_seconds += t2 - t1;
@@ -428,7 +503,12 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         epipe_trace_span(st->trace, "decode", "decode", t1, t2);
     uint64_t wire = epipe_msg_wire_len(msg);
     epipe_trace_args(st->trace, msg_step(st, c, mb, dir), mb, dir, wire, epipe_codec_spec(codec));
-    epipe_msg_free(msg); /* a device payload: the wait above is done with it */
+    if (hold && (rc = hold_message(st, msg))) {
+        lt->t.data = NULL;
+        return rc; /* the stage's wait failed, and says so */
+    }
+    if (!hold)
+        epipe_msg_free(msg); /* a device payload: the wait above is done with it */
     if (rc) {
         lt->t.data = NULL;
         return fail(st, rc, "decoding the %s of micro-batch %u from rank %u: %s",
@@ -605,7 +685,9 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     uint8_t *payload = msg->dev ? msg->dev : epipe_msg_payload(msg);
     double t0 = now();
     rc = epipe_codec_encode_checked(codec, t, n, dt, payload, cap, &len);
-    if (epipe_tensor_is_cuda(t)) /* the payload complete, its errors known */
+    if (epipe_tensor_is_cuda(t) && msg->dev && st->stream_ordered && rc == EPIPE_OK)
+        rc = fence_payload(st, codec, msg);
+    else if (epipe_tensor_is_cuda(t)) /* the payload complete, its errors known */
         rc = settle(codec, rc);
     double t1 = now();
     st->st.encode_seconds += t1 - t0;

@@ -283,6 +283,8 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
                       inside ? inside : "a call");
         return;
     }
+    if (st->ch) /* before the codecs and the tensors their work uses go */
+        epipe_stage_settle(st, 0);
     for (unsigned i = 0; st->ch && i < st->nch; i++) {
         struct chunk *c = &st->ch[i];
         free_lent(c->act_in, st->m);
@@ -545,6 +547,19 @@ static int stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t val
         st->cuda_device = (int)value;
         return EPIPE_OK;
     }
+    case EPIPE_STAGE_CUDA_STREAM_ORDERED:
+        if (value != 0 && value != 1)
+            return fail(st, EPIPE_EINVAL,
+                        "EPIPE_STAGE_CUDA_STREAM_ORDERED = %lld: use 1 (calls return with "
+                        "their CUDA work queued) or 0 (complete)",
+                        (long long)value);
+        if (st->in_callback)
+            return refuse_in_callback(st, "EPIPE_STAGE_CUDA_STREAM_ORDERED");
+        if (st->in_step)
+            return fail(st, EPIPE_ESTATE,
+                        "EPIPE_STAGE_CUDA_STREAM_ORDERED can only change between steps");
+        st->stream_ordered = (int)value;
+        return EPIPE_OK;
     }
     return fail(st, EPIPE_EINVAL, "unknown stage parameter %d", (int)param);
 }
@@ -593,6 +608,7 @@ EPIPE_API int epipe_stage_get_param(const epipe_stage *st, epipe_stage_param par
     case EPIPE_STAGE_BATCH_SIZE: *value = st->batch; return EPIPE_OK;
     case EPIPE_STAGE_TRAINING: *value = st->training; return EPIPE_OK;
     case EPIPE_STAGE_CUDA_DEVICE: *value = st->cuda_device; return EPIPE_OK;
+    case EPIPE_STAGE_CUDA_STREAM_ORDERED: *value = st->stream_ordered; return EPIPE_OK;
     }
     /* fail() writes the handle's message, which a const handle cannot take. */
     return epipe_fail(EPIPE_EINVAL, "epipe_stage_get_param: unknown stage parameter %d",

@@ -104,6 +104,9 @@ struct chunk {
     struct boundary_rec brec[2];
 };
 
+/* Received messages a stream-ordered stage holds before it waits. */
+#define STAGE_HELD_MAX 32
+
 struct epipe_stage {
     epipe_comm *comm;
     epipe_schedule *sched;              /* NULL for raw op lists (tests) */
@@ -115,8 +118,15 @@ struct epipe_stage {
     epipe_op *eval_ops; /* forwards only, micro-batch by micro-batch, chunks in order */
     size_t neval_ops;
     int training;
-    int cuda_device;     /* EPIPE_STAGE_CUDA_DEVICE: -1 host memory */
-    void *cuda_stream;   /* epipe_stage_set_cuda_stream(): its codecs' stream */
+    int cuda_device;   /* EPIPE_STAGE_CUDA_DEVICE: -1 host memory */
+    void *cuda_stream; /* epipe_stage_set_cuda_stream(): its codecs' stream */
+    /* EPIPE_STAGE_CUDA_STREAM_ORDERED: CUDA sends and receives return
+     * with their work queued; unsettled: the codecs have such work not yet
+     * waited for; held: received messages whose decodes may still read
+     * them (epipe_stage_settle). */
+    int stream_ordered, unsettled;
+    struct epipe_msg *held[STAGE_HELD_MAX];
+    unsigned nheld;
     int splits;          /* the schedule splits the backward (BACKWARD_INPUT, BACKWARD_WEIGHT) */
     const epipe_op *ops; /* the list the current step runs */
     size_t nops;
@@ -316,6 +326,12 @@ void epipe_stage_stats_publish(epipe_stage *st);
 
 /* The op stream (opstream.c), which the callback driver (step.c) runs. */
 int epipe_stage_advance(epipe_stage *st, epipe_op *op);
+/* Waits for the CUDA work stream-ordered sends and receives left queued
+ * (every codec of the stage), then frees the messages held. `report`: the
+ * first error fails the stage, naming it, and aborts the communicator
+ * (a peer may have decoded what a failed encode wrote); 0: errors are
+ * dropped (epipe_stage_destroy). */
+int epipe_stage_settle(epipe_stage *st, int report);
 int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t);
 int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t);
 

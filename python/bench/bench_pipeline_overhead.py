@@ -21,7 +21,12 @@ little there.
 
     python/bench/bench_pipeline_overhead.py [--device cuda] [--width 4096]
         [--layers 8] [--batch 256] [--microbatches 8] [--steps 20]
-        [--codec sortquant:bits=8] [--schedule 1f1b] [--trace DIR] [--json]
+        [--codec sortquant:bits=8] [--schedule 1f1b] [--trace DIR]
+        [--stream-ordered] [--json]
+
+--stream-ordered builds the schedules with stream_ordered=True: the
+stages' sends and receives return with their codec work queued on torch's
+stream, and each stage waits for it once a step.
 """
 import argparse
 import json
@@ -119,7 +124,8 @@ def time_pipeline(a, device, data):
                                       act_codec=a.codec, grad_codec=a.codec)
             opt = torch.optim.SGD(stage.submod.parameters(), lr=1e-3)
             with SCHEDULES[a.schedule](stage, a.microbatches, loss_fn=loss_fn,
-                                       timeout_ms=120000) as sched:
+                                       timeout_ms=120000,
+                                       stream_ordered=a.stream_ordered) as sched:
                 def step(x, t):
                     opt.zero_grad(set_to_none=True)
                     sched.step(x, target=t)
@@ -173,6 +179,9 @@ def main():
     ap.add_argument("--codec", default="sortquant:bits=8")
     ap.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
     ap.add_argument("--trace", help="directory for the pipeline's trace (one file a stage)")
+    ap.add_argument("--stream-ordered", action="store_true",
+                    help="sends and receives return with their CUDA work queued "
+                         "(EPIPE_STAGE_CUDA_STREAM_ORDERED)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.batch % a.microbatches or a.layers < 2:
@@ -193,13 +202,15 @@ def main():
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     out = {"device": name, "width": a.width, "layers": a.layers, "batch": a.batch,
            "microbatches": a.microbatches, "codec": a.codec, "schedule": a.schedule,
+           "stream_ordered": a.stream_ordered,
            "compute_s": compute, "codecs_s": codecs, "pipeline_s": pipeline,
            "overhead": pipeline / ideal if ideal > 0 else float("nan"), "trace_ms_a_step": spans}
     if a.json:
         print(json.dumps(out))
         return
     print(f"{name}: MLP {a.layers} x {a.width}, batch {a.batch} in {a.microbatches} "
-          f"micro-batches, codec {a.codec}, {a.schedule}, 2 stages on one device")
+          f"micro-batches, codec {a.codec}, {a.schedule}, 2 stages on one device"
+          + (", stream-ordered" if a.stream_ordered else ""))
     print(f"  compute (one process)   {compute * 1e3:9.3f} ms a step")
     print(f"  codecs (every boundary) {codecs * 1e3:9.3f} ms a step")
     print(f"  pipeline (2 stages)     {pipeline * 1e3:9.3f} ms a step")

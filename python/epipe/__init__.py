@@ -23,6 +23,7 @@ from ._core import (
     STAGE_BATCH_SIZE,
     STAGE_CODEC_THREADS,
     STAGE_CUDA_DEVICE,
+    STAGE_CUDA_STREAM_ORDERED,
     STAGE_TIMEOUT_MS,
     STAGE_TRAINING,
     Codec,
@@ -41,6 +42,7 @@ __all__ = [
     "ACTIVATION", "ALL_BOUNDARIES", "CODEC_THREADS", "COMM_MAX_MESSAGE", "COMM_SPIN_US",
     "COMM_TIMEOUT_MS", "GRADIENT", "OP_BACKWARD", "OP_BACKWARD_INPUT",
     "OP_BACKWARD_WEIGHT", "OP_FORWARD", "OP_NONE", "STAGE_BATCH_SIZE",
-    "STAGE_CODEC_THREADS", "STAGE_CUDA_DEVICE", "STAGE_TIMEOUT_MS", "STAGE_TRAINING", "Codec", "Comm", "Error", "Op",
+    "STAGE_CODEC_THREADS", "STAGE_CUDA_DEVICE", "STAGE_CUDA_STREAM_ORDERED",
+    "STAGE_TIMEOUT_MS", "STAGE_TRAINING", "Codec", "Comm", "Error", "Op",
     "Plan", "Stage", "library_path", "status_name", "strerror", "version", "version_number",
 ]

@@ -67,6 +67,7 @@ C = {
     "EPIPE_STAGE_BATCH_SIZE": 3,
     "EPIPE_STAGE_TRAINING": 4,
     "EPIPE_STAGE_CUDA_DEVICE": 5,
+    "EPIPE_STAGE_CUDA_STREAM_ORDERED": 6,
 }
 
 STATUS_NAMES = {v: k for k, v in C.items() if k in (

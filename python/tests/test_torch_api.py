@@ -53,7 +53,7 @@ def one_process(model, device="cpu"):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), losses
 
 
-def pipelined(schedule_cls, ranks, chunks, device="cpu"):
+def pipelined(schedule_cls, ranks, chunks, device="cpu", stream_ordered=False):
     """Trains on `ranks` threads; returns the flat weights in model order and
     the last stage's losses."""
     n = ranks * chunks
@@ -73,7 +73,7 @@ def pipelined(schedule_cls, ranks, chunks, device="cpu"):
         params = [p for s in stages for p in s.submod.parameters()]
         opt = torch.optim.SGD(params, lr=LR)
         with schedule_cls(stages if chunks > 1 else stages[0], MB, loss_fn=mse,
-                          timeout_ms=20000) as sched:
+                          timeout_ms=20000, stream_ordered=stream_ordered) as sched:
             for x, t in data:
                 opt.zero_grad()
                 out = sched.step(x, target=t, losses=losses if (n - 1) in mine else None)
@@ -119,6 +119,18 @@ def test_step_on_cuda_equals_one_process(schedule_cls, ranks, chunks):
     ref, ref_losses = one_process(make_model(), "cuda")
     got, losses, ev, parts = pipelined(schedule_cls, ranks, chunks, "cuda")
     assert got.device.type == "cuda" and ev.device.type == "cuda"
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
+@pytest.mark.parametrize("schedule_cls,ranks,chunks", [
+    (ept.ScheduleGPipe, 2, 1), (ept.Schedule1F1B, 3, 1), (ept.ScheduleZBV, 2, 2)])
+def test_step_on_cuda_stream_ordered_equals_one_process(schedule_cls, ranks, chunks):
+    """With stream_ordered=True the sends and receives return with their
+    work queued on torch's stream: training still equals one process."""
+    ref, ref_losses = one_process(make_model(), "cuda")
+    got, losses, ev, parts = pipelined(schedule_cls, ranks, chunks, "cuda", stream_ordered=True)
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
 

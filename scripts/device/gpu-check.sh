@@ -139,6 +139,14 @@ for codec in sortquant:bits=8 none; do
         python/bench/bench_pipeline_overhead.py --device cuda --codec "$codec" \
         --trace "$O/overhead-${codec%%:*}"
 done
+# ... both again with stream-ordered stages (sends and receives that return
+# with their work queued, one wait a step): the hidden waits it removes
+for codec in sortquant:bits=8 none; do
+    # shellcheck disable=SC2086
+    step "overhead-${codec%%:*}-ordered" "${GPU_CHECK_PYTHON_S:-120}" $PY \
+        python/bench/bench_pipeline_overhead.py --device cuda --codec "$codec" \
+        --stream-ordered --trace "$O/overhead-${codec%%:*}-ordered"
+done
 # ... and `none` again with its payloads through host messages, pinned and
 # then pageable, in the same run: what keeping them on the device and
 # pinning host messages (EPIPE_STAGE_CUDA_DEVICE's defaults) each save

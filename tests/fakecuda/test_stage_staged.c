@@ -179,6 +179,7 @@ static void knob_cases(const sx_memory *mem)
 
 /* ---- message buffers of CUDA stages are pinned ------------------------- */
 
+static void (*fences)(unsigned long *made, unsigned long *waited, long *live);
 static unsigned long (*host_allocs)(void);
 static long (*host_live)(void);
 static unsigned long (*dev_allocs)(void);
@@ -193,6 +194,8 @@ typedef struct pin_rank {
     int steps;
     int nan;                  /* rank 0 sends a NaN through quant: its send must fail */
     int moved;                /* rank 1 is put on device 0, then back on the host */
+    int ordered;              /* EPIPE_STAGE_CUDA_STREAM_ORDERED; 2: rank 1 also destroys
+                                 its stage mid-step, after its first receive */
     pthread_barrier_t *ready; /* both ranks have set their knobs */
     int knob_rc;
     char why[256];
@@ -209,6 +212,9 @@ static void *pin_rank_main(void *p)
         SX_CHECK(epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES,
                                        "quant:bits=8") == EPIPE_OK,
                  "%s", epipe_stage_last_error(st));
+    if (pr->ordered)
+        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1) == EPIPE_OK, "%s",
+                 epipe_stage_last_error(st));
     pr->knob_rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0);
     snprintf(pr->why, sizeof pr->why, "%s", epipe_stage_last_error(st));
     int on_host = pr->moved && r == 1;
@@ -264,8 +270,22 @@ static void *pin_rank_main(void *p)
                              pr->mem->copy(got, in->data, sizeof got) == 0 && got[1] == host[1],
                          "rank %u step %d: the tensor received", r, step);
             }
+            if (in && pr->ordered) { /* held, with its fence, until the step's end */
+                unsigned long made, waited;
+                long live;
+                fences(&made, &waited, &live);
+                SX_CHECK(live >= 1 && waited >= 1, "rank %u step %d: %ld fences alive, %lu waited",
+                         r, step, live, waited);
+            }
+            if (in && pr->ordered == 2 && r == 1) { /* abandoned with a message held */
+                epipe_comm_abort(pr->comm);
+                rc = EPIPE_ECALLBACK;
+                break;
+            }
         }
-        SX_CHECK(rc == EPIPE_OK || pr->nan, "rank %u step %d: %s", r, step,
+        if (rc == EPIPE_ECALLBACK && pr->ordered == 2)
+            break;
+        SX_CHECK(rc == EPIPE_OK || pr->nan || pr->ordered == 2, "rank %u step %d: %s", r, step,
                  epipe_stage_last_error(st));
         if (rc || pr->nan) {
             epipe_comm_abort(pr->comm);
@@ -295,8 +315,8 @@ typedef struct allocs {
  * under EPIPE_CUDA_PINNED_MESSAGES = pin_env and EPIPE_CUDA_DEVICE_MESSAGES
  * = dev_env (NULL: unset); the allocations they made (every one must be
  * given back), and each rank's knob status and message. */
-static allocs pin_run(const sx_memory *mem, const char *pin_env, const char *dev_env, int steps,
-                      int nan, int moved, pin_rank pr[2])
+static allocs pin_run_ordered(const sx_memory *mem, const char *pin_env, const char *dev_env,
+                              int steps, int nan, int moved, int ordered, pin_rank pr[2])
 {
     set_env("EPIPE_CUDA_PINNED_MESSAGES", pin_env);
     set_env("EPIPE_CUDA_DEVICE_MESSAGES", dev_env);
@@ -312,8 +332,13 @@ static allocs pin_run(const sx_memory *mem, const char *pin_env, const char *dev
     pthread_barrier_t ready;
     pthread_barrier_init(&ready, NULL, 2);
     for (int i = 0; i < 2; i++) {
-        pr[i] = (pin_rank){
-            .comm = c[i], .mem = mem, .steps = steps, .nan = nan, .moved = moved, .ready = &ready};
+        pr[i] = (pin_rank){.comm = c[i],
+                           .mem = mem,
+                           .steps = steps,
+                           .nan = nan,
+                           .moved = moved,
+                           .ordered = ordered,
+                           .ready = &ready};
         pthread_create(&th[i], NULL, pin_rank_main, &pr[i]);
     }
     for (int i = 0; i < 2; i++)
@@ -330,6 +355,12 @@ static allocs pin_run(const sx_memory *mem, const char *pin_env, const char *dev
     a.pinned = host_allocs() - before;
     a.dev = dev_allocs() - dbefore;
     return a;
+}
+
+static allocs pin_run(const sx_memory *mem, const char *pin_env, const char *dev_env, int steps,
+                      int nan, int moved, pin_rank pr[2])
+{
+    return pin_run_ordered(mem, pin_env, dev_env, steps, nan, moved, 0, pr);
 }
 
 /* A bad value of either switch of a CUDA stage's messages: both ranks'
@@ -409,6 +440,64 @@ static void device_message_cases(const sx_memory *mem)
            sx_failures == before ? "ok" : "FAILED");
 }
 
+/* Stream-ordered stages: each device payload carries a fence its
+ * receiver waits for on the device, and the message (fence and buffer)
+ * is held until the step's end; a stage destroyed mid-step gives what it
+ * holds back. The knob itself: 0 or 1, between steps only. */
+static void ordered_cases(const sx_memory *mem)
+{
+    int before = sx_failures;
+    pin_rank pr[2];
+    unsigned long made0, waited0, made, waited;
+    long live;
+    fences(&made0, &waited0, &live);
+    allocs dev = pin_run(mem, NULL, NULL, 3, 0, 0, pr);
+    allocs ordered = pin_run_ordered(mem, NULL, NULL, 3, 0, 0, 1, pr);
+    fences(&made, &waited, &live);
+    /* an activation and a gradient a step, as device messages */
+    SX_CHECK(made - made0 == 6 && waited - waited0 == 6 && live == 0,
+             "%lu fences made, %lu waited, %ld alive", made - made0, waited - waited0, live);
+    SX_CHECK(ordered.dev == dev.dev, "ordered: %lu device allocations, else %lu", ordered.dev,
+             dev.dev);
+    printf("stream-ordered stages fence their device payloads: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+    before = sx_failures;
+    pin_run_ordered(mem, NULL, NULL, 2, 0, 0, 2, pr); /* pin_run counts what goes back */
+    fences(&made, &waited, &live);
+    SX_CHECK(live == 0, "%ld fences alive after a stage destroyed mid-step", live);
+    printf("a stream-ordered stage destroyed with a message held: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+
+    before = sx_failures;
+    epipe_comm *c[2];
+    epipe_stage *st = NULL;
+    SX_CHECK(epipe_comm_create_inproc(c, 2) == EPIPE_OK &&
+                 epipe_stage_create(&st, c[0], "gpipe", 1) == EPIPE_OK,
+             "%s", epipe_last_error());
+    if (st) {
+        int64_t v = -1;
+        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 2) == EPIPE_EINVAL &&
+                     strstr(epipe_stage_last_error(st), "EPIPE_STAGE_CUDA_STREAM_ORDERED = 2"),
+                 "2: %s", epipe_stage_last_error(st));
+        SX_CHECK(epipe_stage_get_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, &v) == EPIPE_OK &&
+                     v == 0,
+                 "the default: %lld", (long long)v);
+        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1) == EPIPE_OK &&
+                     epipe_stage_get_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, &v) == EPIPE_OK &&
+                     v == 1,
+                 "1: %lld", (long long)v);
+        epipe_op op;
+        SX_CHECK(epipe_stage_next_op(st, &op) == EPIPE_OK && op.kind == EPIPE_OP_FORWARD,
+                 "the first op");
+        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 0) == EPIPE_ESTATE,
+                 "mid-step: %s", epipe_stage_last_error(st));
+        epipe_stage_destroy(st);
+        epipe_comm_destroy(c[0]);
+        epipe_comm_destroy(c[1]);
+    }
+    printf("the stream-ordered knob checked: %s\n", sx_failures == before ? "ok" : "FAILED");
+}
+
 int main(void)
 {
     const char *path = getenv("EPIPE_CUDA_MODULE");
@@ -423,9 +512,10 @@ int main(void)
         *(void **)&host_live = dlsym(so, "fakecuda_host_live");
         *(void **)&dev_allocs = dlsym(so, "fakecuda_dev_allocs");
         *(void **)&dev_live = dlsym(so, "fakecuda_dev_live");
+        *(void **)&fences = dlsym(so, "fakecuda_fences");
     }
     if (!mem.alloc || !mem.free || !mem.copy || !last_stream || !host_allocs || !host_live ||
-        !dev_allocs || !dev_live) {
+        !dev_allocs || !dev_live || !fences) {
         fprintf(stderr, "EPIPE_CUDA_MODULE must name the test module (fakecuda)\n");
         return 1;
     }
@@ -435,6 +525,7 @@ int main(void)
     knob_cases(&mem);
     pinned_message_cases(&mem);
     device_message_cases(&mem);
+    ordered_cases(&mem);
 
     void *stream = (void *)(uintptr_t)0xbeef;
     unsigned long before = 0, after = 0;
@@ -442,7 +533,7 @@ int main(void)
     epipe_comm *c[2];
     if (epipe_comm_create_inproc(c, 2) != EPIPE_OK)
         return fprintf(stderr, "inproc: %s\n", epipe_last_error()), 1;
-    sx_run_pair(&mem, c[0], c[1], "1f1b", act, grad, 1, stream);
+    sx_run_pair(&mem, c[0], c[1], "1f1b", act, grad, 1, stream, 0);
     SX_CHECK(last_stream(&after) == stream, "the last staging copy was not on the stage's stream");
     SX_CHECK(after > before, "no staging copies");
     epipe_comm_destroy(c[0]);

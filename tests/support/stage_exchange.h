@@ -86,6 +86,7 @@ typedef struct sx_rank {
     const char *schedule, *act_spec, *grad_spec;
     int rank, cuda_recv; /* rank 1: receive into device memory */
     void *stream;        /* the stage's CUDA stream, when set */
+    int ordered;         /* EPIPE_STAGE_CUDA_STREAM_ORDERED */
 } sx_rank;
 
 /* A received tensor's values, wherever it is. */
@@ -116,6 +117,9 @@ static void *sx_run_rank(void *p)
                  epipe_stage_last_error(st));
     if (a->stream)
         SX_CHECK(epipe_stage_set_cuda_stream(st, a->stream) == EPIPE_OK, "%s",
+                 epipe_stage_last_error(st));
+    if (a->ordered)
+        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1) == EPIPE_OK, "%s",
                  epipe_stage_last_error(st));
     /* per rank: x, act, got, want, then SX_M gradients on the host */
     float *buf = (float *)malloc(sizeof(float) * SX_N * (4 + SX_M));
@@ -189,11 +193,14 @@ out:
     return NULL;
 }
 
+/* ordered: both stages stream-ordered (a received tensor is read by a
+ * copy, which the memory's copy orders after the stage's stream) */
 static void sx_run_pair(const sx_memory *mem, epipe_comm *c0, epipe_comm *c1, const char *schedule,
-                        const char *act_spec, const char *grad_spec, int cuda_recv, void *stream)
+                        const char *act_spec, const char *grad_spec, int cuda_recv, void *stream,
+                        int ordered)
 {
-    sx_rank a0 = {mem, c0, schedule, act_spec, grad_spec, 0, 1, stream};
-    sx_rank a1 = {mem, c1, schedule, act_spec, grad_spec, 1, cuda_recv, stream};
+    sx_rank a0 = {mem, c0, schedule, act_spec, grad_spec, 0, 1, stream, ordered};
+    sx_rank a1 = {mem, c1, schedule, act_spec, grad_spec, 1, cuda_recv, stream, ordered};
     pthread_t t0, t1;
     pthread_create(&t0, NULL, sx_run_rank, &a0);
     pthread_create(&t1, NULL, sx_run_rank, &a1);
@@ -336,8 +343,8 @@ static void sx_run_v(const sx_memory *mem, void *stream)
         SX_CHECK(0, "inproc: %s", epipe_last_error());
         return;
     }
-    sx_rank a0 = {mem, c[0], "zb-v", "none", "none", 0, 1, stream};
-    sx_rank a1 = {mem, c[1], "zb-v", "none", "none", 1, 1, stream};
+    sx_rank a0 = {mem, c[0], "zb-v", "none", "none", 0, 1, stream, 0};
+    sx_rank a1 = {mem, c[1], "zb-v", "none", "none", 1, 1, stream, 0};
     pthread_t t0, t1;
     pthread_create(&t0, NULL, sx_run_v_rank, &a0);
     pthread_create(&t1, NULL, sx_run_v_rank, &a1);
@@ -361,10 +368,20 @@ static int sx_run_all(const sx_memory *mem, const char *act_spec, const char *gr
                 SX_CHECK(0, "inproc: %s", epipe_last_error());
                 return sx_failures;
             }
-            sx_run_pair(mem, c[0], c[1], schedules[s], act_spec, grad_spec, cuda_recv, NULL);
+            sx_run_pair(mem, c[0], c[1], schedules[s], act_spec, grad_spec, cuda_recv, NULL, 0);
             epipe_comm_destroy(c[0]);
             epipe_comm_destroy(c[1]);
         }
+    /* 1F1B stream-ordered: payloads on the device, fenced, none waited for
+     * but once a step */
+    epipe_comm *o[2];
+    if (epipe_comm_create_inproc(o, 2) == EPIPE_OK) {
+        sx_run_pair(mem, o[0], o[1], "1f1b", act_spec, grad_spec, 1, NULL, 1);
+        epipe_comm_destroy(o[0]);
+        epipe_comm_destroy(o[1]);
+    } else {
+        SX_CHECK(0, "inproc: %s", epipe_last_error());
+    }
     epipe_comm *c[2] = {NULL, NULL};
     unsigned port = sx_free_port();
     sx_tcp a0 = {&c[0], 0, port}, a1 = {&c[1], 1, port};
@@ -374,7 +391,7 @@ static int sx_run_all(const sx_memory *mem, const char *act_spec, const char *gr
     pthread_join(t0, NULL);
     pthread_join(t1, NULL);
     if (c[0] && c[1])
-        sx_run_pair(mem, c[0], c[1], "1f1b", act_spec, grad_spec, 1, NULL);
+        sx_run_pair(mem, c[0], c[1], "1f1b", act_spec, grad_spec, 1, NULL, 1);
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
 

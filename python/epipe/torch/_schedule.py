@@ -20,13 +20,18 @@ class PipelineSchedule:
     codecs); a rank that does not is refused at the first message.
     batch_size: rows a step, for the stage's shape checks and samples/s;
     the first and last stages learn it from step()'s tensors, a middle
-    stage counts no samples unless told.
+    stage counts no samples unless told. stream_ordered (stages on CUDA):
+    sends and receives return with their codec work queued on torch's
+    current stream instead of waiting for it (EPIPE_STAGE_CUDA_STREAM_ORDERED
+    in epipe/stage.h); what the GPU finds wrong is then raised by the call
+    that ends the step, which waits once a step. Use the stage's tensors on
+    torch's current stream, as autograd does.
     """
 
     kind = None
 
     def __init__(self, stages, n_microbatches, loss_fn=None, *, batch_size=None,
-                 timeout_ms=None):
+                 timeout_ms=None, stream_ordered=False):
         self.stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         if not self.stages:
             raise ValueError(f"{type(self).__name__}: no stage given")
@@ -57,6 +62,8 @@ class PipelineSchedule:
                 index = first.device.index
                 self._stage.set_param(core.STAGE_CUDA_DEVICE,
                                       torch.cuda.current_device() if index is None else index)
+                if stream_ordered:
+                    self._stage.set_param(core.STAGE_CUDA_STREAM_ORDERED, 1)
         except Exception:
             self._stage.close()
             raise
