@@ -351,8 +351,8 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * copied back on the handle's stream, after the work already there, and
  * checked at the next epipe_codec_synchronize() (below). For the other
  * codecs, a payload of another length, and with EPIPE_CUDA_DEFER_CHECKS=0
- * in the environment (1, the default: deferred; another value is
- * EPIPE_EINVAL naming it), the decode first reads those bytes in one wait
+ * in the environment when the handle was made (1, the default: deferred;
+ * another value makes such decodes EPIPE_EINVAL naming it), the decode first reads those bytes in one wait
  * on the stream and checks them at once. Either way a
  * payload written on that stream is read after it is complete. A device
  * payload with a CPU tensor is EPIPE_EINVAL naming it.

@@ -90,6 +90,7 @@ EPIPE_API int epipe_codec_create(epipe_codec **out, const char *spec)
     if (!c)
         return epipe_fail(EPIPE_ENOMEM, "epipe_codec_create: out of memory");
     c->microbatch = -1;
+    epipe_codec_cuda_read_env(c);
     int rc = epipe_codec_parse_spec(c, spec);
     if (rc) {
         epipe_codec_destroy(c);

@@ -182,6 +182,11 @@ struct epipe_codec {
     void *stream;
     void *cuda;
     int bound_type, bound_id;
+    /* EPIPE_CUDA_DEFER_CHECKS as the environment had it when the handle
+     * was made (read then, not under a host's setenv() from another
+     * thread): 1 (unset too), 0, or -1 with the value in defer_env. */
+    int defer_checks;
+    char defer_env[41];
     /* Host buffers of a CUDA handle whose codec runs on the CPU backend
      * (lib/codec/cuda_staged.c): the tensor's values and the payload. */
     void *staged_values, *staged_payload;

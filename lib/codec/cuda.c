@@ -392,18 +392,24 @@ int epipe_codec_cuda_defers(epipe_codec *c, const void *payload)
     if (module_get(c, "dst", &m) != EPIPE_OK || !m->defers || !m->defers(c, payload))
         return 0;
     /* 0 reads a device payload's checked bytes at once, for measuring the
-     * difference in one run (scripts/device/gpu-check.sh); read only for a
-     * decode that would defer, not for every one into a CUDA tensor */
+     * difference in one run (scripts/device/gpu-check.sh); a bad value is
+     * refused only by a decode that would defer, not by every one into a
+     * CUDA tensor */
+    if (c->defer_checks < 0)
+        return epipe_codec_fail(c, EPIPE_EINVAL,
+                                "%s: the environment's EPIPE_CUDA_DEFER_CHECKS = '%s' (when the "
+                                "handle was made): use 1 (a device payload's header and tables "
+                                "checked at synchronize, the default) or 0 (at once)",
+                                c->ops->name, c->defer_env);
+    return c->defer_checks;
+}
+
+void epipe_codec_cuda_read_env(epipe_codec *c)
+{
     const char *env = getenv("EPIPE_CUDA_DEFER_CHECKS");
-    if (env && strcmp(env, "1"))
-        return strcmp(env, "0") ? epipe_codec_fail(c, EPIPE_EINVAL,
-                                                   "%s: the environment's EPIPE_CUDA_DEFER_CHECKS "
-                                                   "= '%.40s': use 1 (a device payload's header "
-                                                   "and tables checked at synchronize, the "
-                                                   "default) or 0 (at once)",
-                                                   c->ops->name, env)
-                                : 0;
-    return 1;
+    c->defer_checks = !env || !strcmp(env, "1") ? 1 : !strcmp(env, "0") ? 0 : -1;
+    if (c->defer_checks < 0)
+        snprintf(c->defer_env, sizeof c->defer_env, "%s", env);
 }
 
 int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint64_t n, void *hdr)

@@ -81,9 +81,12 @@ int epipe_codec_cuda_peek(epipe_codec *c, const void *payload, size_t len, uint6
  * at once and checks its header (with the core's check_header) and
  * tables at the next synchronize; 0 (no module, host memory, a codec
  * whose launch needs host-read tables: kmeans, sortquant's fit mode;
- * EPIPE_CUDA_DEFER_CHECKS=0 in the environment): peek first. A negative
- * status for any other value of that variable, its message on c. */
+ * EPIPE_CUDA_DEFER_CHECKS=0 in the environment when c was made): peek
+ * first. A negative status for any other value of that variable, its
+ * message on c. */
 int epipe_codec_cuda_defers(epipe_codec *c, const void *payload);
+/* Reads the environment's EPIPE_CUDA_DEFER_CHECKS into c (its creation). */
+void epipe_codec_cuda_read_env(epipe_codec *c);
 /* 1 when a CUDA module is loaded and says p is device memory. */
 int epipe_codec_cuda_is_device_memory(const void *p);
 /* Device memory for the stage runtime, through the CUDA module (loaded

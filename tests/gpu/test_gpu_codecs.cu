@@ -554,14 +554,28 @@ static void held_then_noted(void)
     epipe_codec_destroy(gpu);
 }
 
-/* EPIPE_CUDA_DEFER_CHECKS=0: a corrupt device payload refused by the
- * decode itself, as before; another value refused by name. */
+/* A quant:bits=4 handle made under EPIPE_CUDA_DEFER_CHECKS = value
+ * (NULL: unset), which it reads then. */
+static epipe_codec *made_under(const char *value)
+{
+    epipe_codec *c = NULL;
+    if (value)
+        setenv("EPIPE_CUDA_DEFER_CHECKS", value, 1);
+    else
+        unsetenv("EPIPE_CUDA_DEFER_CHECKS");
+    CHECK(epipe_codec_create(&c, "quant:bits=4") == EPIPE_OK, "%s", epipe_last_error());
+    unsetenv("EPIPE_CUDA_DEFER_CHECKS");
+    return c;
+}
+
+/* EPIPE_CUDA_DEFER_CHECKS=0 when the handle is made: a corrupt device
+ * payload refused by the decode itself, as before; another value refused
+ * by name; a change after the handle is made changes nothing. */
 static void checks_at_once(void)
 {
     size_t n = 1000;
     int64_t shape[1] = {(int64_t)n};
-    epipe_codec *gpu;
-    epipe_codec_create(&gpu, "quant:bits=4");
+    epipe_codec *now = made_under("0"), *bad = made_under("later"), *gpu = made_under(NULL);
     std::vector<uint8_t> p = cpu_payload("quant:bits=4", n, 3);
     size_t w = p.size();
     p[0] = 0xff; /* the codec id */
@@ -569,18 +583,19 @@ static void checks_at_once(void)
     float *d;
     CUDA_OK(cudaMalloc((void **)&d, n * 4));
     DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat);
-    setenv("EPIPE_CUDA_DEFER_CHECKS", "0", 1);
-    CHECK(epipe_codec_decode(gpu, dp, w, &dd) == EPIPE_EPROTO &&
-              strstr(epipe_codec_last_error(gpu), "codec id 255"),
-          "EPIPE_CUDA_DEFER_CHECKS=0: %s", epipe_codec_last_error(gpu));
-    setenv("EPIPE_CUDA_DEFER_CHECKS", "later", 1);
-    CHECK(epipe_codec_decode(gpu, dp, w, &dd) == EPIPE_EINVAL &&
-              strstr(epipe_codec_last_error(gpu), "EPIPE_CUDA_DEFER_CHECKS = 'later'"),
-          "a bad EPIPE_CUDA_DEFER_CHECKS: %s", epipe_codec_last_error(gpu));
-    unsetenv("EPIPE_CUDA_DEFER_CHECKS");
+    CHECK(epipe_codec_decode(now, dp, w, &dd) == EPIPE_EPROTO &&
+              strstr(epipe_codec_last_error(now), "codec id 255"),
+          "EPIPE_CUDA_DEFER_CHECKS=0: %s", epipe_codec_last_error(now));
+    CHECK(epipe_codec_decode(bad, dp, w, &dd) == EPIPE_EINVAL &&
+              strstr(epipe_codec_last_error(bad), "EPIPE_CUDA_DEFER_CHECKS = 'later'"),
+          "a bad EPIPE_CUDA_DEFER_CHECKS: %s", epipe_codec_last_error(bad));
+    setenv("EPIPE_CUDA_DEFER_CHECKS", "0", 1); /* read when the handle was made */
     CHECK(epipe_codec_decode(gpu, dp, w, &dd) == EPIPE_OK &&
               epipe_codec_synchronize(gpu) == EPIPE_EPROTO,
-          "deferred again: %s", epipe_codec_last_error(gpu));
+          "deferred: %s", epipe_codec_last_error(gpu));
+    unsetenv("EPIPE_CUDA_DEFER_CHECKS");
+    epipe_codec_destroy(now);
+    epipe_codec_destroy(bad);
     cudaFree(dp);
     cudaFree(d);
     epipe_codec_destroy(gpu);
