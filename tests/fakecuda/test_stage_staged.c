@@ -252,13 +252,7 @@ static void *pin_rank_main(void *p)
                 rc = EPIPE_OK;
                 break;
             }
-            if (op.kind == EPIPE_OP_FORWARD)
-                rc = r == 0 ? epipe_stage_send_activation(st, 0, &t)
-                            : epipe_stage_recv_activation(st, 0, &in);
-            else
-                rc = r == 0 ? epipe_stage_recv_gradient(st, 0, &in)
-                            : epipe_stage_send_gradient(st, 0, &t);
-            if (rc)
+            if ((rc = sx_pair_op(st, r, op.kind, &t, &in)))
                 break;
             if (in && on_host) {
                 SX_CHECK(in->device.device_type == kDLCPU &&

@@ -69,13 +69,7 @@ static void *nan_rank_main(void *p)
         int rc;
         while ((rc = epipe_stage_next_op(st, &op)) == EPIPE_OK && op.kind != EPIPE_OP_NONE) {
             const DLTensor *in;
-            if (op.kind == EPIPE_OP_FORWARD)
-                rc = r == 0 ? epipe_stage_send_activation(st, 0, &t)
-                            : epipe_stage_recv_activation(st, 0, &in);
-            else
-                rc = r == 0 ? epipe_stage_recv_gradient(st, 0, &in)
-                            : epipe_stage_send_gradient(st, 0, &t);
-            if (rc)
+            if ((rc = sx_pair_op(st, r, op.kind, &t, &in)))
                 break;
         }
         if (r == 0) { /* every call of the step returned at once, but its end */

@@ -98,6 +98,17 @@ static void sx_to_host(const sx_memory *mem, const DLTensor *t, float *h)
         memcpy(h, t->data, SX_N * sizeof *h);
 }
 
+/* The op `kind` of micro-batch 0 between two ranks: rank 0 sends t as
+ * the activation and receives the gradient into *in; rank 1 the reverse. */
+static int sx_pair_op(epipe_stage *st, unsigned rank, uint32_t kind, const DLTensor *t,
+                      const DLTensor **in)
+{
+    if (kind == EPIPE_OP_FORWARD)
+        return rank == 0 ? epipe_stage_send_activation(st, 0, t)
+                         : epipe_stage_recv_activation(st, 0, in);
+    return rank == 0 ? epipe_stage_recv_gradient(st, 0, in) : epipe_stage_send_gradient(st, 0, t);
+}
+
 static void *sx_run_rank(void *p)
 {
     sx_rank *a = (sx_rank *)p;
