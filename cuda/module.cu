@@ -1290,46 +1290,141 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
     return rc;
 }
 
-/* Fences (cuda_api.h): events without timing, recorded on and waited for
- * by the handles' streams, so that a payload written on one stage's
- * stream is read on another's with no wait on the host. */
+/* Fences (cuda_api.h): an event without timing, recorded on the sender's
+ * stream and waited for by the receiver's, so that a payload written on
+ * one stage's stream is read on another's with no wait on the host; and,
+ * copied on the same stream before the event, the sender's status word
+ * as the encode left it, in pinned memory, for the receiver's verdict.
+ * Fences are kept for reuse per device once freed (their event waited
+ * for): pinning and creating events for every send would cost more than
+ * the wait they save. */
+struct fence_rec {
+    cudaEvent_t ev;
+    epipe_cuda_status *seen; /* pinned */
+    int device;
+    fence_rec *next; /* idle ones */
+};
+static pthread_mutex_t fences_lock = PTHREAD_MUTEX_INITIALIZER;
+static fence_rec *fences_idle;
+
+/* An idle fence of `device` (the current device), or a new one. */
+static int fence_get(epipe_codec *c, int device, fence_rec **out)
+{
+    pthread_mutex_lock(&fences_lock);
+    fence_rec **p = &fences_idle;
+    while (*p && (*p)->device != device)
+        p = &(*p)->next;
+    fence_rec *f = *p;
+    if (f)
+        *p = f->next;
+    pthread_mutex_unlock(&fences_lock);
+    if ((*out = f))
+        return EPIPE_OK;
+    if (!(f = (fence_rec *)calloc(1, sizeof *f)))
+        return epipe_cuda_fail(c, EPIPE_ENOMEM, "%s: no memory for a payload's fence",
+                               c->ops->name);
+    f->device = device;
+    int rc = epipe_cuda_check(c, cudaEventCreateWithFlags(&f->ev, cudaEventDisableTiming),
+                              "creating a payload's fence");
+    if (!rc && (rc = epipe_cuda_check(
+                    c, cudaHostAlloc((void **)&f->seen, sizeof *f->seen, cudaHostAllocDefault),
+                    "pinning a payload's fence"))) {
+        cudaEventDestroy(f->ev);
+    }
+    if (rc) {
+        free(f);
+        return rc;
+    }
+    *out = f;
+    return EPIPE_OK;
+}
+
+static void fence_drop(fence_rec *f)
+{
+    cudaEventDestroy(f->ev);
+    cudaFreeHost(f->seen);
+    free(f);
+}
+
 static int fence(epipe_codec *c, int device, void **out)
 {
     int prev = caller_device();
-    cudaEvent_t e = NULL;
+    fence_rec *f = NULL;
     *out = NULL;
     int rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the payload's device");
     if (!rc)
-        rc = epipe_cuda_check(c, cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
-                              "creating a payload's fence");
-    if (!rc && (rc = epipe_cuda_check(c, cudaEventRecord(e, epipe_cuda_stream(c)),
-                                      "recording a payload's fence")))
-        cudaEventDestroy(e);
+        rc = fence_get(c, device, &f);
+    epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (!rc && h && h->status) /* after the encode, on its stream */
+        rc = epipe_cuda_check(c,
+                              cudaMemcpyAsync(f->seen, h->status, sizeof *f->seen,
+                                              cudaMemcpyDeviceToHost, epipe_cuda_stream(c)),
+                              "copying the encode's status for its payload's fence");
+    else if (!rc) /* nothing on the device noted anything */
+        memset(f->seen, 0xff, sizeof *f->seen);
+    if (!rc)
+        rc = epipe_cuda_check(c, cudaEventRecord(f->ev, epipe_cuda_stream(c)),
+                              "recording a payload's fence");
+    if (rc && f) { /* a copy into it may be queued */
+        cudaStreamSynchronize(epipe_cuda_stream(c));
+        cudaGetLastError();
+        fence_drop(f);
+    }
     restore_device(prev);
     if (!rc)
-        *out = (void *)e;
+        *out = (void *)f;
     return rc;
 }
 
-static int fence_wait(epipe_codec *c, int device, void *f)
+static int fence_wait(epipe_codec *c, int device, void *p)
 {
+    fence_rec *f = (fence_rec *)p;
     int prev = caller_device();
     int rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the payload's device");
     if (!rc)
-        rc = epipe_cuda_check(c, cudaStreamWaitEvent(epipe_cuda_stream(c), (cudaEvent_t)f, 0),
+        rc = epipe_cuda_check(c, cudaStreamWaitEvent(epipe_cuda_stream(c), f->ev, 0),
                               "waiting on the device for the payload's encode");
     restore_device(prev);
     return rc;
 }
 
-static void fence_free(int device, void *f)
+/* The verdict on the encode that wrote the payload: what its handle's
+ * status word held after it (errors noted since that handle's last
+ * synchronize, so a failure of an earlier encode of the same step too). */
+static int fence_status(epipe_codec *c, void *p)
 {
+    fence_rec *f = (fence_rec *)p;
+    int prev = caller_device();
+    int rc = epipe_cuda_check(c, cudaSetDevice(f->device), "selecting the payload's device");
+    if (!rc)
+        rc = epipe_cuda_check(c, cudaEventSynchronize(f->ev), "waiting for the payload's encode");
+    restore_device(prev);
+    if (rc)
+        return rc;
+    if (!(rc = status_error(c, f->seen, 1))) /* an encode notes no payload entries */
+        return EPIPE_OK;
+    char why[EPIPE_ERRMSG_MAX];
+    snprintf(why, sizeof why, "%s", c->msg);
+    return epipe_cuda_fail(c, rc, "its encode failed: %s", why);
+}
+
+static void fence_free(int device, void *p)
+{
+    fence_rec *f = (fence_rec *)p;
     int prev = caller_device();
     cudaSetDevice(device);
-    cudaEventSynchronize((cudaEvent_t)f); /* the payload's buffer may be written again next */
-    cudaEventDestroy((cudaEvent_t)f);
+    /* the payload's buffer may be written again next, and the fence reused */
+    cudaError_t e = cudaEventSynchronize(f->ev);
     cudaGetLastError();
     restore_device(prev);
+    if (e != cudaSuccess) {
+        fence_drop(f);
+        return;
+    }
+    pthread_mutex_lock(&fences_lock);
+    f->next = fences_idle;
+    fences_idle = f;
+    pthread_mutex_unlock(&fences_lock);
 }
 
 /* Pinned memory through `device`'s context, and freed through the context
@@ -1374,6 +1469,7 @@ static const epipe_cuda_module module = {
     .backward = cuda_backward,
     .fence = fence,
     .fence_wait = fence_wait,
+    .fence_status = fence_status,
     .fence_free = fence_free,
     .synchronize = cuda_synchronize_checked,
     .release = cuda_release,

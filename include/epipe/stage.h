@@ -190,22 +190,29 @@ typedef enum epipe_stage_param {
      * device memory (a peer of this process on the tensor's device, see
      * EPIPE_STAGE_CUDA_DEVICE) once its encode is queued there, carrying
      * a fence the receiver's stream waits for on the device: the host
-     * waits for neither, and keeps the GPU's queue full. Sends through
-     * host memory (TCP; payloads under 4 KiB; a peer on another device or
-     * the host) still wait for their encode, as the transport reads the
-     * bytes. The host then keeps to the stream's order: a received tensor
-     * is read, and a sent one written again or freed, by work queued on
-     * the stage's stream after the call (or after waiting for that
-     * stream). What the device finds (a non-finite value sent through a
-     * quantizer, a bad payload's deferred checks, a CUDA error) is
-     * reported by the call that ends the step (epipe_stage_next_op giving
-     * EPIPE_OP_NONE, epipe_stage_step, epipe_stage_drain), which waits
-     * for the stage's CUDA work once a step; the communicator is then
-     * aborted (epipe_comm_abort), since a peer may already have decoded
-     * what a failed encode wrote. Received messages stay held until that
-     * wait (at most 32 a stage; the 33rd waits first). Only between steps
-     * (EPIPE_ESTATE otherwise); 0 or 1 (EPIPE_EINVAL otherwise). No effect
-     * on CPU tensors. */
+     * waits for neither, and keeps the GPU's queue full. Still waiting:
+     * sends through host memory (TCP; payloads under 4 KiB; a peer on
+     * another device or the host; the sender's device buffers all out),
+     * as the transport reads the bytes; receives of a trainable codec's
+     * code gradient, of delta=1 payloads and of device payloads copied to
+     * another memory; hand-overs between chunks of this rank. The host
+     * then keeps to the stream's order: a received tensor is read, and a
+     * sent one written again or freed, by work queued on the stage's
+     * stream after the call (or after waiting for that stream). What the
+     * device finds (a non-finite value sent through a quantizer, a bad
+     * payload's deferred checks, a CUDA error) is reported by the call
+     * that ends the step (epipe_stage_next_op giving EPIPE_OP_NONE, or
+     * epipe_stage_step), which waits for the stage's CUDA work once a
+     * step, or by an earlier call that has to wait (above, or
+     * epipe_stage_set_cuda_stream): the first error found, codec by codec.
+     * A fence also carries its sender's verdict on the encode, so the
+     * receiving stage fails its step too rather than end it with what a
+     * refused encode wrote. The communicator is then aborted
+     * (epipe_comm_abort: the peers' calls fail rather than wait), and
+     * every later call that waits reports the same error. Received
+     * messages stay held until that wait (at most 32 a stage; the 33rd
+     * waits first). Only between steps (EPIPE_ESTATE otherwise); 0 or 1
+     * (EPIPE_EINVAL otherwise). No effect on CPU tensors. */
     EPIPE_STAGE_CUDA_STREAM_ORDERED = 6
 } epipe_stage_param;
 

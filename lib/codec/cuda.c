@@ -315,6 +315,13 @@ int epipe_codec_cuda_fence_wait(epipe_codec *c, int device, void *fence)
     return rc ? rc : m->fence_wait(c, device, fence);
 }
 
+int epipe_codec_cuda_fence_status(epipe_codec *c, void *fence)
+{
+    const epipe_cuda_module *m;
+    int rc = fence_module(c, &m);
+    return rc ? rc : m->fence_status(c, fence);
+}
+
 void epipe_cuda_fence_free(int device, void *fence)
 {
     const epipe_cuda_module *m = loaded_module();

@@ -203,12 +203,17 @@ typedef struct epipe_cuda_module {
      * records, on CUDA device `device`, an event after the work already
      * on c's stream into *fence (NULL when it fails: the status with the
      * message on c); fence_wait makes c's stream wait for it on the device
-     * (the host does not wait); fence_free waits for it on the host, then
-     * frees it, given the same device (a thread that selected none must
-     * not create GPU 0's context). The fence may be waited for from any
-     * handle or stream, and freed from any thread. */
+     * (the host does not wait); fence_status waits for it on the host and
+     * returns the verdict on the encode before it, as c's status and
+     * message: a fence also carries what c's status word held after that
+     * encode (a non-finite input, say), so that a receiver does not take a
+     * payload its sender's encode refused; fence_free waits for it on the
+     * host, then frees it, given the same device (a thread that selected
+     * none must not create GPU 0's context). The fence may be waited for
+     * from any handle or stream, and freed from any thread. */
     int (*fence)(epipe_codec *c, int device, void **fence);
     int (*fence_wait)(epipe_codec *c, int device, void *fence);
+    int (*fence_status)(epipe_codec *c, void *fence);
     void (*fence_free)(int device, void *fence);
     /* Waits for the handle's stream; the first deferred error since the
      * last call, or a CUDA error, as a status with the message on c. */

@@ -27,6 +27,9 @@ int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const vo
  * fails with EPIPE_ENOTSUP where no module is loaded (they load none). */
 int epipe_codec_cuda_fence(epipe_codec *c, int device, void **fence);
 int epipe_codec_cuda_fence_wait(epipe_codec *c, int device, void *fence);
+/* The verdict on the encode before the fence (cuda_api.h, fence_status):
+ * EPIPE_OK, or its error, the message on c. */
+int epipe_codec_cuda_fence_status(epipe_codec *c, void *fence);
 void epipe_cuda_fence_free(int device, void *fence);
 /* Pinned host memory of at least `bytes` for host staging, made through
  * CUDA device `device`, and its free (given the same device). */

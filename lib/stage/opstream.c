@@ -330,6 +330,8 @@ static int settle(epipe_codec *codec, int rc)
 
 int epipe_stage_settle(epipe_stage *st, int report)
 {
+    if (st->settle_rc)
+        return report ? fail(st, st->settle_rc, "%s", st->settle_why) : EPIPE_OK;
     if (!st->unsettled && !st->nheld)
         return EPIPE_OK;
     double t0 = now();
@@ -346,8 +348,17 @@ int epipe_stage_settle(epipe_stage *st, int report)
             }
         }
     }
-    for (unsigned i = 0; i < st->nheld; i++) /* their decodes are done */
-        epipe_msg_free(st->held[i]);
+    for (unsigned i = 0; i < st->nheld; i++) { /* their decodes are done */
+        epipe_msg *m = st->held[i];
+        int rc = m->fence && !first ? epipe_codec_cuda_fence_status(st->held_by[i], m->fence) : 0;
+        if (rc) {
+            first = rc;
+            snprintf(why, sizeof why, "the %s of micro-batch %u from rank %u: %s",
+                     m->hdr.kind == EPIPE_WIRE_ACTIVATION ? "activation" : "gradient",
+                     m->hdr.micro_batch, m->hdr.src_stage, epipe_codec_last_error(st->held_by[i]));
+        }
+        epipe_msg_free(m);
+    }
     st->nheld = 0;
     st->unsettled = 0;
     double t1 = now();
@@ -357,10 +368,11 @@ int epipe_stage_settle(epipe_stage *st, int report)
     if (!first || !report)
         return EPIPE_OK;
     epipe_comm_abort(st->comm); /* a peer may have decoded what a failed encode wrote */
-    return fail(st, first,
-                "the CUDA work that stream-ordered sends and receives queued this step failed "
-                "(EPIPE_STAGE_CUDA_STREAM_ORDERED; the communicator is aborted): %s",
-                why);
+    st->settle_rc = first;
+    snprintf(st->settle_why, sizeof st->settle_why,
+             "stream-ordered CUDA work failed (communicator aborted): %s",
+             why);
+    return fail(st, first, "%s", st->settle_why);
 }
 
 /* A stream-ordered send of a device payload: a fence after its encode
@@ -377,13 +389,14 @@ static int fence_payload(epipe_stage *st, epipe_codec *codec, epipe_msg *msg)
 
 /* A message a stream-ordered decode may still read, kept until the stage
  * waits for its work; when STAGE_HELD_MAX are, that wait comes first. */
-static int hold_message(epipe_stage *st, epipe_msg *msg)
+static int hold_message(epipe_stage *st, epipe_msg *msg, epipe_codec *codec)
 {
     int rc = st->nheld == STAGE_HELD_MAX ? epipe_stage_settle(st, 1) : EPIPE_OK;
     if (rc) {
         epipe_msg_free(msg); /* the wait is done with it too */
         return rc;
     }
+    st->held_by[st->nheld] = codec;
     st->held[st->nheld++] = msg;
     st->unsettled = 1;
     return EPIPE_OK;
@@ -475,6 +488,14 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     epipe_codec *codec = dir == DIR_ACT ? c->dec_act : c->dec_grad;
     if (dir == DIR_ACT && epipe_codec_trainable(codec))
         epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
+    /* Stream-ordered, the decode is held (below) unless its tensor is
+     * copied out to the host first, or it waits for more work */
+    int holds = st->stream_ordered && lt->on_cuda && !code_grad && !c->delta_dec &&
+                (!msg->dev || lt->device == msg->dev_device);
+    if (!holds && (lt->on_cuda || msg->dev) && (rc = epipe_stage_settle_first(st))) {
+        epipe_msg_free(msg);
+        return rc;
+    }
     const uint8_t *payload;
     if (msg->fence && (rc = epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence))) {
         epipe_msg_free(msg);
@@ -493,17 +514,18 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     /* Stream-ordered: the tensor is ready in the stream's order, and the
      * message held until the stage waits. Otherwise usable from any
      * stream when the call returns. */
-    int hold = rc == EPIPE_OK && st->stream_ordered && lt->on_cuda && !copied && !code_grad &&
-               !c->delta_dec;
+    int hold = rc == EPIPE_OK && holds && !copied;
     if (!hold && (lt->on_cuda || msg->dev))
         rc = settle(codec, rc);
+    if (!hold && rc == EPIPE_OK && msg->fence) /* its sender did not wait for the encode */
+        rc = epipe_codec_cuda_fence_status(codec, msg->fence);
     double t2 = now();
     st->st.decode_seconds += t2 - t1;
     if (st->tracing)
         epipe_trace_span(st->trace, "decode", "decode", t1, t2);
     uint64_t wire = epipe_msg_wire_len(msg);
     epipe_trace_args(st->trace, msg_step(st, c, mb, dir), mb, dir, wire, epipe_codec_spec(codec));
-    if (hold && (rc = hold_message(st, msg))) {
+    if (hold && (rc = hold_message(st, msg, codec))) {
         lt->t.data = NULL;
         return rc; /* the stage's wait failed, and says so */
     }
@@ -641,6 +663,8 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     if (dir == DIR_GRAD && trains(st, c->dec_act)) {
         /* The host's gradient is the restored activation's: back-propagate
          * it through the restore and send the (smaller) code gradient. */
+        if (epipe_tensor_is_cuda(t) && (rc = epipe_stage_settle_first(st)))
+            return rc;
         int zn;
         int64_t zs[EPIPE_CODEC_MAX_NDIM];
         DLDataType f32 = {kDLFloat, 32, 1};
@@ -683,9 +707,14 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     if (!msg && !(msg = epipe_comm_msg_new(st->comm, cap)))
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);
     uint8_t *payload = msg->dev ? msg->dev : epipe_msg_payload(msg);
+    int fences = epipe_tensor_is_cuda(t) && msg->dev && st->stream_ordered;
+    if (epipe_tensor_is_cuda(t) && !fences && (rc = epipe_stage_settle_first(st))) {
+        epipe_msg_free(msg);
+        return rc;
+    }
     double t0 = now();
     rc = epipe_codec_encode_checked(codec, t, n, dt, payload, cap, &len);
-    if (epipe_tensor_is_cuda(t) && msg->dev && st->stream_ordered && rc == EPIPE_OK)
+    if (fences && rc == EPIPE_OK)
         rc = fence_payload(st, codec, msg);
     else if (epipe_tensor_is_cuda(t)) /* the payload complete, its errors known */
         rc = settle(codec, rc);

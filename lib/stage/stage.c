@@ -575,8 +575,10 @@ static int stage_set_cuda_stream(epipe_stage *st, void *stream)
     epipe_clear_error();
     if (!st)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_set_cuda_stream: stage is NULL");
+    /* the work stream-ordered calls left on the old stream, reported as
+     * theirs before a codec's wait below would take it as its own */
+    int first = epipe_stage_settle_first(st);
     st->cuda_stream = stream;
-    int first = EPIPE_OK;
     for (unsigned k = 0; k < st->nch; k++) {
         struct chunk *c = &st->ch[k];
         epipe_codec *all[4] = {c->enc_act, c->dec_act, c->enc_grad, c->dec_grad};

@@ -126,7 +126,12 @@ struct epipe_stage {
      * them (epipe_stage_settle). */
     int stream_ordered, unsettled;
     struct epipe_msg *held[STAGE_HELD_MAX];
+    epipe_codec *held_by[STAGE_HELD_MAX]; /* the codec that decoded each */
     unsigned nheld;
+    /* A wait that found such work failed (the communicator is aborted):
+     * every later one reports it again. */
+    int settle_rc;
+    char settle_why[EPIPE_ERRMSG_MAX];
     int splits;          /* the schedule splits the backward (BACKWARD_INPUT, BACKWARD_WEIGHT) */
     const epipe_op *ops; /* the list the current step runs */
     size_t nops;
@@ -327,11 +332,19 @@ void epipe_stage_stats_publish(epipe_stage *st);
 /* The op stream (opstream.c), which the callback driver (step.c) runs. */
 int epipe_stage_advance(epipe_stage *st, epipe_op *op);
 /* Waits for the CUDA work stream-ordered sends and receives left queued
- * (every codec of the stage), then frees the messages held. `report`: the
- * first error fails the stage, naming it, and aborts the communicator
- * (a peer may have decoded what a failed encode wrote); 0: errors are
- * dropped (epipe_stage_destroy). */
+ * (every codec of the stage), takes the verdicts of the encodes that
+ * wrote the messages held (their fences), then frees those messages.
+ * `report`: the first error fails the stage, naming it, aborts the
+ * communicator (a peer may have decoded what a failed encode wrote), and
+ * every later call reports it again; 0: errors are dropped
+ * (epipe_stage_destroy). */
 int epipe_stage_settle(epipe_stage *st, int report);
+/* The same, before a wait on one codec that would otherwise take an error
+ * of that earlier work as its own: nothing when there is none. */
+static inline int epipe_stage_settle_first(epipe_stage *st)
+{
+    return st->unsettled || st->settle_rc ? epipe_stage_settle(st, 1) : EPIPE_OK;
+}
 int epipe_stage_recv_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor **t);
 int epipe_stage_send_tensor(epipe_stage *st, unsigned mb, int dir, const DLTensor *t);
 

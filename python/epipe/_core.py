@@ -643,7 +643,8 @@ class Stage(_Handle):
         return wrap_lent(p, copy)
 
     def send_activation(self, microbatch, tensor):
-        """Encodes and sends; the tensor may be reused as soon as this returns."""
+        """Encodes and sends; the tensor may be reused as soon as this returns
+        (with STAGE_CUDA_STREAM_ORDERED, by work on torch's current stream)."""
         self._follow_stream(tensor)
         v = DLView(tensor)
         mb = _uint(microbatch, "microbatch")

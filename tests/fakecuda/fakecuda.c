@@ -38,6 +38,7 @@ FAKE_EXPORT long fakecuda_host_live(void);
 FAKE_EXPORT unsigned long fakecuda_dev_allocs(void);
 FAKE_EXPORT long fakecuda_dev_live(void);
 FAKE_EXPORT void fakecuda_fences(unsigned long *made, unsigned long *waited, long *live);
+FAKE_EXPORT void fakecuda_fail_next_fence(int status);
 FAKE_EXPORT void fakecuda_insert_kernels(int on);
 FAKE_EXPORT unsigned long fakecuda_insert_calls(void);
 FAKE_EXPORT int epipe_cuda_module_init(const epipe_cuda_core *c, const epipe_cuda_module **out);
@@ -623,9 +624,17 @@ static void module_free(int device, void *p)
 }
 
 /* Fences: this module's work is done when its calls return, so a fence
- * is a token, counted: made, waited for, and alive (not yet freed). */
+ * is a token, counted: made, waited for, and alive (not yet freed); it
+ * carries the verdict on its encode, which a test may make a failure
+ * (fakecuda_fail_next_fence: the next fence made only). */
 static unsigned long fences_made, fences_waited;
 static long fences_live;
+static int next_verdict;
+
+FAKE_EXPORT void fakecuda_fail_next_fence(int status)
+{
+    __atomic_store_n(&next_verdict, status, __ATOMIC_RELAXED);
+}
 
 FAKE_EXPORT void fakecuda_fences(unsigned long *made, unsigned long *waited, long *live)
 {
@@ -636,9 +645,14 @@ FAKE_EXPORT void fakecuda_fences(unsigned long *made, unsigned long *waited, lon
 
 static int fence(epipe_codec *c, int device, void **out)
 {
-    if (device != 0 || !(*out = malloc(1)))
+    int *verdict = malloc(sizeof *verdict);
+    if (device != 0 || !verdict) {
+        free(verdict);
         return fail(c, device ? EPIPE_EINVAL : EPIPE_ENOMEM, "fakecuda: a fence on device %d",
                     device);
+    }
+    *verdict = __atomic_exchange_n(&next_verdict, 0, __ATOMIC_RELAXED);
+    *out = verdict;
     __atomic_add_fetch(&fences_made, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&fences_live, 1, __ATOMIC_RELAXED);
     return EPIPE_OK;
@@ -650,6 +664,12 @@ static int fence_wait(epipe_codec *c, int device, void *f)
         return fail(c, EPIPE_EINVAL, "fakecuda: waiting for fence %p on device %d", f, device);
     __atomic_add_fetch(&fences_waited, 1, __ATOMIC_RELAXED);
     return EPIPE_OK;
+}
+
+static int fence_status(epipe_codec *c, void *f)
+{
+    int verdict = *(int *)f;
+    return verdict ? fail(c, verdict, "fakecuda: its encode failed") : 0;
 }
 
 static void fence_free(int device, void *f)
@@ -693,6 +713,7 @@ static const epipe_cuda_module module = {
     .backward = backward,
     .fence = fence,
     .fence_wait = fence_wait,
+    .fence_status = fence_status,
     .fence_free = fence_free,
     .synchronize = synchronize,
     .release = release,

@@ -180,6 +180,7 @@ static void knob_cases(const sx_memory *mem)
 /* ---- message buffers of CUDA stages are pinned ------------------------- */
 
 static void (*fences)(unsigned long *made, unsigned long *waited, long *live);
+static void (*fail_next_fence)(int status);
 static unsigned long (*host_allocs)(void);
 static long (*host_live)(void);
 static unsigned long (*dev_allocs)(void);
@@ -195,10 +196,14 @@ typedef struct pin_rank {
     int nan;                  /* rank 0 sends a NaN through quant: its send must fail */
     int moved;                /* rank 1 is put on device 0, then back on the host */
     int ordered;              /* EPIPE_STAGE_CUDA_STREAM_ORDERED; 2: rank 1 also destroys
-                                 its stage mid-step, after its first receive */
+                                 its stage mid-step, after its first receive; 3: the
+                                 first fence says its encode failed */
     pthread_barrier_t *ready; /* both ranks have set their knobs */
     int knob_rc;
     char why[256];
+    unsigned long waited0; /* fences waited for before the run */
+    int end_rc;            /* ordered 3: how the first step ended, and why */
+    char end_why[256];
 } pin_rank;
 
 static void *pin_rank_main(void *p)
@@ -268,8 +273,9 @@ static void *pin_rank_main(void *p)
                 unsigned long made, waited;
                 long live;
                 fences(&made, &waited, &live);
-                SX_CHECK(live >= 1 && waited >= 1, "rank %u step %d: %ld fences alive, %lu waited",
-                         r, step, live, waited);
+                SX_CHECK(live >= 1 && waited > pr->waited0,
+                         "rank %u step %d: %ld fences alive, %lu waited", r, step, live,
+                         waited - pr->waited0);
             }
             if (in && pr->ordered == 2 && r == 1) { /* abandoned with a message held */
                 epipe_comm_abort(pr->comm);
@@ -279,7 +285,11 @@ static void *pin_rank_main(void *p)
         }
         if (rc == EPIPE_ECALLBACK && pr->ordered == 2)
             break;
-        SX_CHECK(rc == EPIPE_OK || pr->nan || pr->ordered == 2, "rank %u step %d: %s", r, step,
+        if (pr->ordered == 3 && step == 0) {
+            pr->end_rc = rc;
+            snprintf(pr->end_why, sizeof pr->end_why, "%s", epipe_stage_last_error(st));
+        }
+        SX_CHECK(rc == EPIPE_OK || pr->nan || pr->ordered >= 2, "rank %u step %d: %s", r, step,
                  epipe_stage_last_error(st));
         if (rc || pr->nan) {
             epipe_comm_abort(pr->comm);
@@ -320,8 +330,11 @@ static allocs pin_run_ordered(const sx_memory *mem, const char *pin_env, const c
         SX_CHECK(0, "inproc: %s", epipe_last_error());
         return a;
     }
-    long live = host_live(), dlive = dev_live();
-    unsigned long before = host_allocs(), dbefore = dev_allocs();
+    long live = host_live(), dlive = dev_live(), flive;
+    unsigned long before = host_allocs(), dbefore = dev_allocs(), made, waited0;
+    fences(&made, &waited0, &flive);
+    if (ordered == 3)
+        fail_next_fence(EPIPE_EINVAL);
     pthread_t th[2];
     pthread_barrier_t ready;
     pthread_barrier_init(&ready, NULL, 2);
@@ -332,7 +345,8 @@ static allocs pin_run_ordered(const sx_memory *mem, const char *pin_env, const c
                            .nan = nan,
                            .moved = moved,
                            .ordered = ordered,
-                           .ready = &ready};
+                           .ready = &ready,
+                           .waited0 = waited0};
         pthread_create(&th[i], NULL, pin_rank_main, &pr[i]);
     }
     for (int i = 0; i < 2; i++)
@@ -461,6 +475,16 @@ static void ordered_cases(const sx_memory *mem)
     SX_CHECK(live == 0, "%ld fences alive after a stage destroyed mid-step", live);
     printf("a stream-ordered stage destroyed with a message held: %s\n",
            sx_failures == before ? "ok" : "FAILED");
+    /* the verdict a fence carries: the receiver of a payload whose encode
+     * failed must not end its step as if it had not */
+    before = sx_failures;
+    pin_run_ordered(mem, NULL, NULL, 1, 0, 0, 3, pr);
+    SX_CHECK(pr[1].end_rc == EPIPE_EINVAL && strstr(pr[1].end_why, "its encode failed") &&
+                 strstr(pr[1].end_why, "activation of micro-batch 0 from rank 0") &&
+                 strstr(pr[1].end_why, "communicator aborted"),
+             "the receiver's step: %d %s", pr[1].end_rc, pr[1].end_why);
+    printf("a stream-ordered receiver of a payload whose encode failed: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
 
     before = sx_failures;
     epipe_comm *c[2];
@@ -507,9 +531,10 @@ int main(void)
         *(void **)&dev_allocs = dlsym(so, "fakecuda_dev_allocs");
         *(void **)&dev_live = dlsym(so, "fakecuda_dev_live");
         *(void **)&fences = dlsym(so, "fakecuda_fences");
+        *(void **)&fail_next_fence = dlsym(so, "fakecuda_fail_next_fence");
     }
     if (!mem.alloc || !mem.free || !mem.copy || !last_stream || !host_allocs || !host_live ||
-        !dev_allocs || !dev_live || !fences) {
+        !dev_allocs || !dev_live || !fences || !fail_next_fence) {
         fprintf(stderr, "EPIPE_CUDA_MODULE must name the test module (fakecuda)\n");
         return 1;
     }

@@ -28,6 +28,16 @@ typedef struct sx_memory {
     void *(*alloc)(size_t bytes);
     void (*free)(void *p);
     int (*copy)(void *dst, const void *src, size_t bytes);
+    /* Optional (NULL: none), for the stream-ordered runs: a stream of the
+     * host's own that does not wait for others, and its end; work that
+     * holds a stream up a while; a wait for a stream; a copy and a byte
+     * fill queued on a stream (0 on success). */
+    void *(*stream_new)(void);
+    void (*stream_free)(void *s);
+    void (*delay)(void *s);
+    int (*sync)(void *s);
+    int (*copy_on)(void *s, void *dst, const void *src, size_t bytes);
+    int (*fill_on)(void *s, void *dst, int byte, size_t bytes);
 } sx_memory;
 
 enum { SX_M = 4, SX_ROWS = 8, SX_COLS = 1000, SX_N = SX_ROWS * SX_COLS };
@@ -89,6 +99,18 @@ typedef struct sx_rank {
     int ordered;         /* EPIPE_STAGE_CUDA_STREAM_ORDERED */
 } sx_rank;
 
+/* A stream-ordered rank on a stream of its own (sx_memory's): each send
+ * and receive comes after a delay on that stream, a sent activation is
+ * overwritten and restored on it right after the send, a received tensor
+ * is read after a wait for it, and the tensors sent are written on it. A
+ * payload decoded before its encode ran, a message freed before its
+ * decode ran, or an encode not ordered on the stage's stream, would give
+ * other bytes than the CPU's. */
+static int sx_own_stream(const sx_rank *a)
+{
+    return a->ordered && a->stream && a->mem->sync;
+}
+
 /* A received tensor's values, wherever it is. */
 static void sx_to_host(const sx_memory *mem, const DLTensor *t, float *h)
 {
@@ -132,6 +154,7 @@ static void *sx_run_rank(void *p)
     if (a->ordered)
         SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1) == EPIPE_OK, "%s",
                  epipe_stage_last_error(st));
+    int own = sx_own_stream(a);
     /* per rank: x, act, got, want, then SX_M gradients on the host */
     float *buf = (float *)malloc(sizeof(float) * SX_N * (4 + SX_M));
     float *x = buf, *act = x + SX_N, *got = act + SX_N, *want = got + SX_N, *hg = want + SX_N;
@@ -151,20 +174,28 @@ static void *sx_run_rank(void *p)
             }
             if (op.kind == EPIPE_OP_NONE)
                 break;
-            if (a->stream) /* mid-step too */
+            if (a->stream && !a->ordered) /* mid-step too (it waits for the stream) */
                 SX_CHECK(epipe_stage_set_cuda_stream(st, a->stream) == EPIPE_OK, "stream mid-step");
             unsigned mb = op.microbatch;
             float *g = hg + (size_t)mb * SX_N;
             sx_input(mb, x);
             sx_through_cpu(a->act_spec, x, act);
+            if (own)
+                mem->delay(a->stream);
             if (a->rank == 0 && op.kind == EPIPE_OP_FORWARD) {
                 DLTensor t = sx_view(kDLCUDA, dx[mb]);
                 SX_CHECK(epipe_stage_send_activation(st, mb, &t) == EPIPE_OK, "send act: %s",
                          epipe_stage_last_error(st));
+                if (own) /* the encode reads it before, in the stream's order */
+                    SX_CHECK(mem->fill_on(a->stream, dx[mb], 0xff, SX_N * sizeof(float)) == 0 &&
+                                 mem->copy_on(a->stream, dx[mb], x, SX_N * sizeof *x) == 0,
+                             "overwrite and restore");
             } else if (a->rank == 0) { /* backward: the gradient of what was sent */
                 const DLTensor *r;
                 SX_CHECK(epipe_stage_recv_gradient(st, mb, &r) == EPIPE_OK, "recv grad: %s",
                          epipe_stage_last_error(st));
+                if (own)
+                    SX_CHECK(mem->sync(a->stream) == 0, "stream");
                 SX_CHECK(r->device.device_type == kDLCUDA, "gradient on device type %d",
                          (int)r->device.device_type);
                 for (size_t i = 0; i < SX_N; i++)
@@ -177,6 +208,8 @@ static void *sx_run_rank(void *p)
                 const DLTensor *r;
                 SX_CHECK(epipe_stage_recv_activation(st, mb, &r) == EPIPE_OK, "recv act: %s",
                          epipe_stage_last_error(st));
+                if (own)
+                    SX_CHECK(mem->sync(a->stream) == 0, "stream");
                 SX_CHECK(r->device.device_type == (a->cuda_recv ? kDLCUDA : kDLCPU),
                          "activation on device type %d", (int)r->device.device_type);
                 sx_to_host(mem, r, got);
@@ -184,8 +217,10 @@ static void *sx_run_rank(void *p)
                          "rank 1 step %d mb %u: activation differs from the CPU's", step, mb);
                 for (size_t i = 0; i < SX_N; i++)
                     g[i] = got[i] * 0.5f - 1.0f;
-                if (a->cuda_recv)
-                    SX_CHECK(mem->copy(dg[mb], g, SX_N * sizeof *g) == 0, "gradient up");
+                if (a->cuda_recv) /* on the stream: its last encode may still read it */
+                    SX_CHECK((own ? mem->copy_on(a->stream, dg[mb], g, SX_N * sizeof *g)
+                                  : mem->copy(dg[mb], g, SX_N * sizeof *g)) == 0,
+                             "gradient up");
             } else {
                 /* a CUDA gradient when it came to the device, else a CPU one */
                 DLTensor t = a->cuda_recv ? sx_view(kDLCUDA, dg[mb]) : sx_view(kDLCPU, g);
@@ -204,19 +239,25 @@ out:
     return NULL;
 }
 
-/* ordered: both stages stream-ordered (a received tensor is read by a
- * copy, which the memory's copy orders after the stage's stream) */
+/* ordered: both stages stream-ordered, each on a stream of its own where
+ * the memory gives one (sx_own_stream), else on `stream` */
 static void sx_run_pair(const sx_memory *mem, epipe_comm *c0, epipe_comm *c1, const char *schedule,
                         const char *act_spec, const char *grad_spec, int cuda_recv, void *stream,
                         int ordered)
 {
-    sx_rank a0 = {mem, c0, schedule, act_spec, grad_spec, 0, 1, stream, ordered};
-    sx_rank a1 = {mem, c1, schedule, act_spec, grad_spec, 1, cuda_recv, stream, ordered};
+    int own = ordered && mem->stream_new && mem->sync;
+    void *s0 = own ? mem->stream_new() : stream, *s1 = own ? mem->stream_new() : stream;
+    sx_rank a0 = {mem, c0, schedule, act_spec, grad_spec, 0, 1, s0, ordered};
+    sx_rank a1 = {mem, c1, schedule, act_spec, grad_spec, 1, cuda_recv, s1, ordered};
     pthread_t t0, t1;
     pthread_create(&t0, NULL, sx_run_rank, &a0);
     pthread_create(&t1, NULL, sx_run_rank, &a1);
     pthread_join(t0, NULL);
     pthread_join(t1, NULL);
+    if (own) {
+        mem->stream_free(s0);
+        mem->stream_free(s1);
+    }
 }
 
 static unsigned sx_free_port(void)
@@ -393,18 +434,22 @@ static int sx_run_all(const sx_memory *mem, const char *act_spec, const char *gr
     } else {
         SX_CHECK(0, "inproc: %s", epipe_last_error());
     }
+    /* over TCP as it was, then stream-ordered (held host messages) */
     epipe_comm *c[2] = {NULL, NULL};
-    unsigned port = sx_free_port();
-    sx_tcp a0 = {&c[0], 0, port}, a1 = {&c[1], 1, port};
-    pthread_t t0, t1;
-    pthread_create(&t0, NULL, sx_tcp_create, &a0);
-    pthread_create(&t1, NULL, sx_tcp_create, &a1);
-    pthread_join(t0, NULL);
-    pthread_join(t1, NULL);
-    if (c[0] && c[1])
-        sx_run_pair(mem, c[0], c[1], "1f1b", act_spec, grad_spec, 1, NULL, 1);
-    epipe_comm_destroy(c[0]);
-    epipe_comm_destroy(c[1]);
+    for (int ordered = 0; ordered < 2; ordered++) {
+        unsigned port = sx_free_port();
+        sx_tcp a0 = {&c[0], 0, port}, a1 = {&c[1], 1, port};
+        pthread_t t0, t1;
+        pthread_create(&t0, NULL, sx_tcp_create, &a0);
+        pthread_create(&t1, NULL, sx_tcp_create, &a1);
+        pthread_join(t0, NULL);
+        pthread_join(t1, NULL);
+        if (c[0] && c[1])
+            sx_run_pair(mem, c[0], c[1], "1f1b", act_spec, grad_spec, 1, NULL, ordered);
+        epipe_comm_destroy(c[0]);
+        epipe_comm_destroy(c[1]);
+        c[0] = c[1] = NULL;
+    }
 
     sx_run_v(mem, NULL);
 
