@@ -370,8 +370,7 @@ int epipe_stage_settle(epipe_stage *st, int report)
     epipe_comm_abort(st->comm); /* a peer may have decoded what a failed encode wrote */
     st->settle_rc = first;
     snprintf(st->settle_why, sizeof st->settle_why,
-             "stream-ordered CUDA work failed (communicator aborted): %s",
-             why);
+             "stream-ordered CUDA work failed (communicator aborted): %s", why);
     return fail(st, first, "%s", st->settle_why);
 }
 
