@@ -1293,19 +1293,37 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
 /* Fences (cuda_api.h): an event without timing, recorded on the sender's
  * stream and waited for by the receiver's, so that a payload written on
  * one stage's stream is read on another's with no wait on the host; and,
- * copied on the same stream before the event, the sender's status word
- * as the encode left it, in pinned memory, for the receiver's verdict.
- * Fences are kept for reuse per device once freed (their event waited
- * for): pinning and creating events for every send would cost more than
- * the wait they save. */
+ * copied on the same stream before the event, the sender's verdicts in
+ * pinned memory: seen[0] its handle's status word as the encode left it,
+ * seen[1] its stage's taint (what it was passed, below). Fences are kept
+ * for reuse per device once freed (their event waited for): pinning and
+ * creating events for every send would cost more than the wait they save. */
 struct fence_rec {
     cudaEvent_t ev;
-    epipe_cuda_status *seen; /* pinned */
+    epipe_cuda_status *seen; /* pinned, [2] */
     int device;
+    int waited;      /* fence_status waited for it: fence_free need not */
     fence_rec *next; /* idle ones */
 };
 static pthread_mutex_t fences_lock = PTHREAD_MUTEX_INITIALIZER;
 static fence_rec *fences_idle;
+
+/* A stage's taint, in device memory: [0] the worst verdict its fences
+ * brought (none: every word all ones), which its own fences pass on, so
+ * that a refused encode fails every later stage's step, not only the
+ * next; [1] and [2] where a fence's two words land before they are merged
+ * into it, in the receiver's stream order. */
+enum { TAINT_WORDS = 3 };
+
+__global__ void taint_merge_kernel(epipe_cuda_status *t)
+{
+    for (int k = 1; k < TAINT_WORDS; k++) {
+        t[0].nan = t[k].nan < t[0].nan ? t[k].nan : t[0].nan;
+        t[0].pinf = t[k].pinf < t[0].pinf ? t[k].pinf : t[0].pinf;
+        t[0].ninf = t[k].ninf < t[0].ninf ? t[k].ninf : t[0].ninf;
+        t[0].code = t[k].code < t[0].code ? t[k].code : t[0].code;
+    }
+}
 
 /* An idle fence of `device` (the current device), or a new one. */
 static int fence_get(epipe_codec *c, int device, fence_rec **out)
@@ -1327,7 +1345,7 @@ static int fence_get(epipe_codec *c, int device, fence_rec **out)
     int rc = epipe_cuda_check(c, cudaEventCreateWithFlags(&f->ev, cudaEventDisableTiming),
                               "creating a payload's fence");
     if (!rc && (rc = epipe_cuda_check(
-                    c, cudaHostAlloc((void **)&f->seen, sizeof *f->seen, cudaHostAllocDefault),
+                    c, cudaHostAlloc((void **)&f->seen, 2 * sizeof *f->seen, cudaHostAllocDefault),
                     "pinning a payload's fence"))) {
         cudaEventDestroy(f->ev);
     }
@@ -1346,7 +1364,7 @@ static void fence_drop(fence_rec *f)
     free(f);
 }
 
-static int fence(epipe_codec *c, int device, void **out)
+static int fence(epipe_codec *c, int device, const void *taint, void **out)
 {
     int prev = caller_device();
     fence_rec *f = NULL;
@@ -1355,16 +1373,23 @@ static int fence(epipe_codec *c, int device, void **out)
     if (!rc)
         rc = fence_get(c, device, &f);
     epipe_cuda_handle *h = epipe_cuda_h(c);
+    if (!rc) /* nothing on the device noted anything, where no copy comes */
+        memset(f->seen, 0xff, 2 * sizeof *f->seen);
     if (!rc && h && h->status) /* after the encode, on its stream */
         rc = epipe_cuda_check(c,
-                              cudaMemcpyAsync(f->seen, h->status, sizeof *f->seen,
+                              cudaMemcpyAsync(&f->seen[0], h->status, sizeof *f->seen,
                                               cudaMemcpyDeviceToHost, epipe_cuda_stream(c)),
                               "copying the encode's status for its payload's fence");
-    else if (!rc) /* nothing on the device noted anything */
-        memset(f->seen, 0xff, sizeof *f->seen);
+    if (!rc && taint)
+        rc = epipe_cuda_check(c,
+                              cudaMemcpyAsync(&f->seen[1], taint, sizeof *f->seen,
+                                              cudaMemcpyDeviceToHost, epipe_cuda_stream(c)),
+                              "copying what the stage was passed for its payload's fence");
     if (!rc)
         rc = epipe_cuda_check(c, cudaEventRecord(f->ev, epipe_cuda_stream(c)),
                               "recording a payload's fence");
+    if (!rc)
+        f->waited = 0;
     if (rc && f) { /* a copy into it may be queued */
         cudaStreamSynchronize(epipe_cuda_stream(c));
         cudaGetLastError();
@@ -1376,47 +1401,75 @@ static int fence(epipe_codec *c, int device, void **out)
     return rc;
 }
 
-static int fence_wait(epipe_codec *c, int device, void *p)
+static int fence_wait(epipe_codec *c, int device, void *p, void **taint)
 {
     fence_rec *f = (fence_rec *)p;
     int prev = caller_device();
+    cudaStream_t s = epipe_cuda_stream(c);
     int rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the payload's device");
     if (!rc)
-        rc = epipe_cuda_check(c, cudaStreamWaitEvent(epipe_cuda_stream(c), f->ev, 0),
+        rc = epipe_cuda_check(c, cudaStreamWaitEvent(s, f->ev, 0),
                               "waiting on the device for the payload's encode");
+    if (!rc && taint && !*taint) {
+        epipe_cuda_status *t = NULL;
+        rc = epipe_cuda_check(c, cudaMalloc((void **)&t, TAINT_WORDS * sizeof *t),
+                              "allocating the stage's taint");
+        if (!rc && (rc = epipe_cuda_check(c, cudaMemsetAsync(t, 0xff, sizeof *t, s),
+                                          "clearing the stage's taint")))
+            cudaFree(t);
+        if (!rc)
+            *taint = t;
+    }
+    if (!rc && taint) {
+        epipe_cuda_status *t = (epipe_cuda_status *)*taint;
+        rc = epipe_cuda_check(
+            c, cudaMemcpyAsync(t + 1, f->seen, 2 * sizeof *t, cudaMemcpyHostToDevice, s),
+            "passing the payload's verdict on");
+        if (!rc) {
+            taint_merge_kernel<<<1, 1, 0, s>>>(t);
+            rc = epipe_cuda_check(c, cudaGetLastError(), "passing the payload's verdict on");
+        }
+    }
     restore_device(prev);
     return rc;
 }
 
-/* The verdict on the encode that wrote the payload: what its handle's
- * status word held after it (errors noted since that handle's last
- * synchronize, so a failure of an earlier encode of the same step too). */
+/* The verdicts on the payload (seen[], above): errors noted on the
+ * sender's handle since its last synchronize, so a failure of an earlier
+ * encode of the same step too, and what the sender's stage was passed. */
 static int fence_status(epipe_codec *c, void *p)
 {
     fence_rec *f = (fence_rec *)p;
     int prev = caller_device();
     int rc = epipe_cuda_check(c, cudaSetDevice(f->device), "selecting the payload's device");
-    if (!rc)
+    if (!rc && !f->waited)
         rc = epipe_cuda_check(c, cudaEventSynchronize(f->ev), "waiting for the payload's encode");
     restore_device(prev);
     if (rc)
         return rc;
-    if (!(rc = status_error(c, f->seen, 1))) /* an encode notes no payload entries */
-        return EPIPE_OK;
-    char why[EPIPE_ERRMSG_MAX];
-    snprintf(why, sizeof why, "%s", c->msg);
-    return epipe_cuda_fail(c, rc, "its encode failed: %s", why);
+    f->waited = 1;
+    for (int k = 0; k < 2; k++) {
+        if (!(rc = status_error(c, &f->seen[k], 1))) /* an encode notes no payload entries */
+            continue;
+        char why[EPIPE_ERRMSG_MAX];
+        snprintf(why, sizeof why, "%s", c->msg);
+        return epipe_cuda_fail(
+            c, rc, k ? "an earlier stage's encode failed: %s" : "its encode failed: %s", why);
+    }
+    return EPIPE_OK;
 }
 
 static void fence_free(int device, void *p)
 {
     fence_rec *f = (fence_rec *)p;
-    int prev = caller_device();
-    cudaSetDevice(device);
-    /* the payload's buffer may be written again next, and the fence reused */
-    cudaError_t e = cudaEventSynchronize(f->ev);
-    cudaGetLastError();
-    restore_device(prev);
+    cudaError_t e = cudaSuccess;
+    if (!f->waited) { /* dropped unread: its buffer may be written again next */
+        int prev = caller_device();
+        cudaSetDevice(device);
+        e = cudaEventSynchronize(f->ev);
+        cudaGetLastError();
+        restore_device(prev);
+    }
     if (e != cudaSuccess) {
         fence_drop(f);
         return;

@@ -195,7 +195,10 @@ typedef enum epipe_stage_param {
      * another device or the host; the sender's device buffers all out),
      * as the transport reads the bytes; receives of a trainable codec's
      * code gradient, of delta=1 payloads and of device payloads copied to
-     * another memory; hand-overs between chunks of this rank. The host
+     * another memory; hand-overs between chunks of this rank; and what a
+     * codec waits for itself (ef=1, kmeans, poweriter, sortquant's fit
+     * mode, insert while training, a decode that reads its header first:
+     * docs/codec-backends.md). The host
      * then keeps to the stream's order: a received tensor is read, and a
      * sent one written again or freed, by work queued on the stage's
      * stream after the call (or after waiting for that stream). What the
@@ -203,11 +206,14 @@ typedef enum epipe_stage_param {
      * payload's deferred checks, a CUDA error) is reported by the call
      * that ends the step (epipe_stage_next_op giving EPIPE_OP_NONE, or
      * epipe_stage_step), which waits for the stage's CUDA work once a
-     * step, or by an earlier call that has to wait (above, or
-     * epipe_stage_set_cuda_stream): the first error found, codec by codec.
-     * A fence also carries its sender's verdict on the encode, so the
-     * receiving stage fails its step too rather than end it with what a
-     * refused encode wrote. The communicator is then aborted
+     * step, or by an earlier send or receive that waits in the stage
+     * (above), or epipe_stage_set_cuda_stream: the first error found, a
+     * received payload's verdict (below) before the codecs'. (A wait
+     * inside a codec may still report an earlier call's error of that
+     * codec as its own.) A fence also carries its sender's verdict on the
+     * encode, and what the sender's stage had been passed, so every later
+     * stage fails its step too rather than end it with what a refused
+     * encode wrote, or what it made of it. The communicator is then aborted
      * (epipe_comm_abort: the peers' calls fail rather than wait), and
      * every later call that waits reports the same error. Received
      * messages stay held until that wait (at most 32 a stage; the 33rd

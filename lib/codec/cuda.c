@@ -300,19 +300,19 @@ static int fence_module(epipe_codec *c, const epipe_cuda_module **m)
     return epipe_codec_fail(c, EPIPE_ENOTSUP, "no CUDA module is loaded for a payload's fence");
 }
 
-int epipe_codec_cuda_fence(epipe_codec *c, int device, void **fence)
+int epipe_codec_cuda_fence(epipe_codec *c, int device, const void *taint, void **fence)
 {
     const epipe_cuda_module *m;
     *fence = NULL;
     int rc = fence_module(c, &m);
-    return rc ? rc : m->fence(c, device, fence);
+    return rc ? rc : m->fence(c, device, taint, fence);
 }
 
-int epipe_codec_cuda_fence_wait(epipe_codec *c, int device, void *fence)
+int epipe_codec_cuda_fence_wait(epipe_codec *c, int device, void *fence, void **taint)
 {
     const epipe_cuda_module *m;
     int rc = fence_module(c, &m);
-    return rc ? rc : m->fence_wait(c, device, fence);
+    return rc ? rc : m->fence_wait(c, device, fence, taint);
 }
 
 int epipe_codec_cuda_fence_status(epipe_codec *c, void *fence)

@@ -204,15 +204,20 @@ typedef struct epipe_cuda_module {
      * on c's stream into *fence (NULL when it fails: the status with the
      * message on c); fence_wait makes c's stream wait for it on the device
      * (the host does not wait); fence_status waits for it on the host and
-     * returns the verdict on the encode before it, as c's status and
-     * message: a fence also carries what c's status word held after that
-     * encode (a non-finite input, say), so that a receiver does not take a
-     * payload its sender's encode refused; fence_free waits for it on the
-     * host, then frees it, given the same device (a thread that selected
-     * none must not create GPU 0's context). The fence may be waited for
-     * from any handle or stream, and freed from any thread. */
-    int (*fence)(epipe_codec *c, int device, void **fence);
-    int (*fence_wait)(epipe_codec *c, int device, void *fence);
+     * returns the verdict on the payload, as c's status and message. A
+     * fence carries what c's status word held after the encode (a
+     * non-finite input, say) and what the sending stage was passed: a
+     * stage's taint (device memory the module allocates into *taint at
+     * the first fence_wait given one, freed with `free`) gathers on its
+     * stream the verdicts of the fences it waited for, and fence passes
+     * it on (taint NULL: nothing), so that the stages after a refused
+     * encode all fail their step rather than the next one alone.
+     * fence_free waits for it on the host, then frees it, given the same
+     * device (a thread that selected none must not create GPU 0's
+     * context). The fence may be waited for from any handle or stream, and
+     * freed from any thread. */
+    int (*fence)(epipe_codec *c, int device, const void *taint, void **fence);
+    int (*fence_wait)(epipe_codec *c, int device, void *fence, void **taint);
     int (*fence_status)(epipe_codec *c, void *fence);
     void (*fence_free)(int device, void *fence);
     /* Waits for the handle's stream; the first deferred error since the

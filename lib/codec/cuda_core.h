@@ -22,11 +22,12 @@ int epipe_codec_cuda_check(epipe_codec *c, const DLTensor *t, const char *what, 
 int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const void *src,
                                  size_t bytes);
 /* A fence after the work on c's stream, on CUDA device `device`, into
- * *fence; c's stream made to wait for one on the device; and its free,
- * which waits for it first, from any thread (cuda_api.h, fence). Each
- * fails with EPIPE_ENOTSUP where no module is loaded (they load none). */
-int epipe_codec_cuda_fence(epipe_codec *c, int device, void **fence);
-int epipe_codec_cuda_fence_wait(epipe_codec *c, int device, void *fence);
+ * *fence, passing on a stage's taint; c's stream made to wait for one on
+ * the device, gathering its verdicts into a taint; and its free, which
+ * waits for it first, from any thread (cuda_api.h, fence). Each fails
+ * with EPIPE_ENOTSUP where no module is loaded (they load none). */
+int epipe_codec_cuda_fence(epipe_codec *c, int device, const void *taint, void **fence);
+int epipe_codec_cuda_fence_wait(epipe_codec *c, int device, void *fence, void **taint);
 /* The verdict on the encode before the fence (cuda_api.h, fence_status):
  * EPIPE_OK, or its error, the message on c. */
 int epipe_codec_cuda_fence_status(epipe_codec *c, void *fence);

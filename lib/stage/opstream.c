@@ -330,13 +330,11 @@ static int settle(epipe_codec *codec, int rc)
 
 int epipe_stage_settle(epipe_stage *st, int report)
 {
-    if (st->settle_rc)
-        return report ? fail(st, st->settle_rc, "%s", st->settle_why) : EPIPE_OK;
     if (!st->unsettled && !st->nheld)
-        return EPIPE_OK;
+        return report && st->settle_rc ? fail(st, st->settle_rc, "%s", st->settle_why) : EPIPE_OK;
     double t0 = now();
-    int first = EPIPE_OK;
-    char why[EPIPE_ERRMSG_MAX] = "";
+    int first = EPIPE_OK, verdict = EPIPE_OK;
+    char why[EPIPE_ERRMSG_MAX] = "", vwhy[EPIPE_ERRMSG_MAX] = "";
     for (unsigned k = 0; k < st->nch; k++) {
         struct chunk *c = &st->ch[k];
         epipe_codec *all[4] = {c->enc_act, c->dec_act, c->enc_grad, c->dec_grad};
@@ -348,16 +346,22 @@ int epipe_stage_settle(epipe_stage *st, int report)
             }
         }
     }
-    for (unsigned i = 0; i < st->nheld; i++) { /* their decodes are done */
+    /* Their decodes are done. A refused encode upstream is the cause of
+     * what its payload's decode found, if anything: its verdict first. */
+    for (unsigned i = 0; i < st->nheld; i++) {
         epipe_msg *m = st->held[i];
-        int rc = m->fence && !first ? epipe_codec_cuda_fence_status(st->held_by[i], m->fence) : 0;
+        int rc = m->fence && !verdict ? epipe_codec_cuda_fence_status(st->held_by[i], m->fence) : 0;
         if (rc) {
-            first = rc;
-            snprintf(why, sizeof why, "the %s of micro-batch %u from rank %u: %s",
+            verdict = rc;
+            snprintf(vwhy, sizeof vwhy, "the %s of micro-batch %u from rank %u: %s",
                      m->hdr.kind == EPIPE_WIRE_ACTIVATION ? "activation" : "gradient",
                      m->hdr.micro_batch, m->hdr.src_stage, epipe_codec_last_error(st->held_by[i]));
         }
         epipe_msg_free(m);
+    }
+    if (verdict) {
+        first = verdict;
+        memcpy(why, vwhy, sizeof why);
     }
     st->nheld = 0;
     st->unsettled = 0;
@@ -365,7 +369,11 @@ int epipe_stage_settle(epipe_stage *st, int report)
     st->st.wait_seconds += t1 - t0;
     if (st->tracing)
         epipe_trace_span(st->trace, "settle", "wait", t0, t1);
-    if (!first || !report)
+    if (!report)
+        return EPIPE_OK;
+    if (st->settle_rc) /* the first failure stays the stage's */
+        return fail(st, st->settle_rc, "%s", st->settle_why);
+    if (!first)
         return EPIPE_OK;
     epipe_comm_abort(st->comm); /* a peer may have decoded what a failed encode wrote */
     st->settle_rc = first;
@@ -376,11 +384,15 @@ int epipe_stage_settle(epipe_stage *st, int report)
 
 /* A stream-ordered send of a device payload: a fence after its encode
  * rides with the message in place of a wait; the receiver's stream waits
- * for it. Where none can be made, the wait (which reports a CUDA error). */
+ * for it. Where there is no memory for one, the wait; a CUDA error making
+ * it is the send's (after the wait, as any failed call's). */
 static int fence_payload(epipe_stage *st, epipe_codec *codec, epipe_msg *msg)
 {
-    if (epipe_codec_cuda_fence(codec, msg->dev_device, &msg->fence) != EPIPE_OK)
+    int rc = epipe_codec_cuda_fence(codec, msg->dev_device, st->taint, &msg->fence);
+    if (rc == EPIPE_ENOMEM)
         return epipe_codec_synchronize(codec);
+    if (rc)
+        return settle(codec, rc);
     msg->fence_free = epipe_cuda_fence_free;
     st->unsettled = 1;
     return EPIPE_OK;
@@ -496,13 +508,25 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         return rc;
     }
     const uint8_t *payload;
-    if (msg->fence && (rc = epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence))) {
-        epipe_msg_free(msg);
-        return fail(st, rc, "the %s of micro-batch %u from rank %u: %s",
-                    dir == DIR_ACT ? "activation" : "gradient", mb, peer,
-                    epipe_codec_last_error(codec));
+    if (msg->fence) {
+        /* a stream-ordered receiver passes the fence's verdicts on: what
+         * it sends is made of what it decodes */
+        void **taint = holds ? &st->taint : NULL;
+        int had = st->taint != NULL;
+        rc = epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence, taint);
+        if (!had && st->taint)
+            st->taint_device = msg->dev_device;
+        if (rc) {
+            (void)epipe_codec_synchronize(codec); /* before the fence goes back */
+            epipe_msg_free(msg);
+            return fail(st, rc, "the %s of micro-batch %u from rank %u: %s",
+                        dir == DIR_ACT ? "activation" : "gradient", mb, peer,
+                        epipe_codec_last_error(codec));
+        }
     }
     if ((rc = device_payload_here(st, msg, lt, codec, &payload))) {
+        if (msg->fence) /* its verdicts may still be on their way to the taint */
+            (void)epipe_codec_synchronize(codec);
         epipe_msg_free(msg);
         return rc;
     }
@@ -516,8 +540,10 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     int hold = rc == EPIPE_OK && holds && !copied;
     if (!hold && (lt->on_cuda || msg->dev))
         rc = settle(codec, rc);
-    if (!hold && rc == EPIPE_OK && msg->fence) /* its sender did not wait for the encode */
-        rc = epipe_codec_cuda_fence_status(codec, msg->fence);
+    if (!hold && msg->fence) { /* its sender did not wait for the encode: its verdict first */
+        int verdict = epipe_codec_cuda_fence_status(codec, msg->fence);
+        rc = verdict ? verdict : rc;
+    }
     double t2 = now();
     st->st.decode_seconds += t2 - t1;
     if (st->tracing)

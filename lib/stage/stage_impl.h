@@ -132,6 +132,11 @@ struct epipe_stage {
      * every later one reports it again. */
     int settle_rc;
     char settle_why[EPIPE_ERRMSG_MAX];
+    /* What the fences this stage waited for said, gathered on the device
+     * and passed on by its own fences (cuda_api.h, fence_wait), made on
+     * CUDA device taint_device at the first; NULL until then. */
+    void *taint;
+    int taint_device;
     int splits;          /* the schedule splits the backward (BACKWARD_INPUT, BACKWARD_WEIGHT) */
     const epipe_op *ops; /* the list the current step runs */
     size_t nops;

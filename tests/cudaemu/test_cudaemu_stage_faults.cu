@@ -41,9 +41,10 @@ static DLTensor view(int type, void *data)
 struct rank_run {
     epipe_comm *comm;
     int rank, device_recv;
-    int rc;          /* the first failure, or EPIPE_OK */
-    char msg[512];   /* and its message */
-    float sum;       /* rank 0: the sum of every gradient received */
+    int ordered;   /* EPIPE_STAGE_CUDA_STREAM_ORDERED */
+    int rc;        /* the first failure, or EPIPE_OK */
+    char msg[512]; /* and its message */
+    float sum;     /* rank 0: the sum of every gradient received */
 };
 
 static void *run_rank(void *p)
@@ -58,6 +59,8 @@ static void *run_rank(void *p)
         rc = epipe_stage_set_codec(st, EPIPE_DIR_GRADIENT, EPIPE_ALL_BOUNDARIES, "quant:bits=8");
     if (!rc && (a->rank == 0 || a->device_recv))
         rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0);
+    if (!rc && a->ordered)
+        rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1);
     if (!rc && (cudaMalloc((void **)&dx, N * 4) || cudaMalloc((void **)&dg, N * 4))) {
         rc = EPIPE_ENOMEM; /* the test's own allocation */
         snprintf(a->msg, sizeof a->msg, "the test's cudaMalloc failed (CUDA error while testing)");
@@ -108,7 +111,7 @@ static void *run_rank(void *p)
 }
 
 /* One 1F1B step on fresh communicators; fills r[2]. */
-static void run_pair(int device_recv, rank_run r[2])
+static void run_pair(int device_recv, int ordered, rank_run r[2])
 {
     epipe_comm *c[2];
     if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
@@ -121,6 +124,7 @@ static void run_pair(int device_recv, rank_run r[2])
         r[i].comm = c[i];
         r[i].rank = i;
         r[i].device_recv = device_recv;
+        r[i].ordered = ordered;
         pthread_create(&t[i], NULL, run_rank, &r[i]);
     }
     for (int i = 0; i < 2; i++)
@@ -132,17 +136,22 @@ static void run_pair(int device_recv, rank_run r[2])
 int main(void)
 {
     gpu_test_devices_or_skip();
-    for (int device_recv = 1; device_recv >= 0; device_recv--) {
+    /* receiving on the device, on the host, and on the device with both
+     * stages stream-ordered (fences, held messages, one wait a step) */
+    for (int mode = 0; mode < 3; mode++) {
+        int device_recv = mode != 1, ordered = mode == 2;
+        const char *where = mode == 0   ? "on the device"
+                            : mode == 1 ? "on the host"
+                                        : "on the device, stream-ordered";
         rank_run r[2];
         cudaemu_fail_at(0, 0);
-        run_pair(device_recv, r);
+        run_pair(device_recv, ordered, r);
         long calls = cudaemu_fallible_calls(), done_without = 0;
         float clean = r[0].sum;
-        CHECK(r[0].rc == EPIPE_OK && r[1].rc == EPIPE_OK, "clean run: %s / %s", r[0].msg,
-              r[1].msg);
+        CHECK(r[0].rc == EPIPE_OK && r[1].rc == EPIPE_OK, "clean run: %s / %s", r[0].msg, r[1].msg);
         for (long k = 1; k <= calls; k++) {
             cudaemu_fail_at(k, 0);
-            run_pair(device_recv, r);
+            run_pair(device_recv, ordered, r);
             long made = cudaemu_fallible_calls();
             int alloc = cudaemu_injected_error() == cudaErrorMemoryAllocation;
             cudaemu_fail_at(0, 0);
@@ -154,15 +163,14 @@ int main(void)
                 CHECK(failed && named,
                       "receive %s, CUDA call %ld of %ld failed: ranks returned %d (%s) and %d "
                       "(%s)",
-                      device_recv ? "on the device" : "on the host", k, calls, r[0].rc, r[0].msg,
-                      r[1].rc, r[1].msg);
-            run_pair(device_recv, r);
+                      where, k, calls, r[0].rc, r[0].msg, r[1].rc, r[1].msg);
+            run_pair(device_recv, ordered, r);
             CHECK(r[0].rc == EPIPE_OK && r[1].rc == EPIPE_OK && r[0].sum == clean,
                   "the clean run after call %ld failed: %s / %s (sum %g, clean %g)", k, r[0].msg,
                   r[1].msg, (double)r[0].sum, (double)clean);
         }
-        printf("receive %s: %ld CUDA calls failed in turn, %ld allocations done without\n",
-               device_recv ? "on the device" : "on the host", calls, done_without);
+        printf("receive %s: %ld CUDA calls failed in turn, %ld allocations done without\n", where,
+               calls, done_without);
     }
     return gpu_test_result();
 }

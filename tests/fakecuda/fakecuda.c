@@ -643,33 +643,51 @@ FAKE_EXPORT void fakecuda_fences(unsigned long *made, unsigned long *waited, lon
     *live = __atomic_load_n(&fences_live, __ATOMIC_RELAXED);
 }
 
-static int fence(epipe_codec *c, int device, void **out)
+/* A fence's verdicts: its encode's, and what its stage was passed. */
+typedef struct fake_fence {
+    int own, passed;
+} fake_fence;
+
+static int fence(epipe_codec *c, int device, const void *taint, void **out)
 {
-    int *verdict = malloc(sizeof *verdict);
-    if (device != 0 || !verdict) {
-        free(verdict);
+    fake_fence *f = calloc(1, sizeof *f);
+    if (device != 0 || !f || (taint && fakecuda_copy(&f->passed, taint, sizeof f->passed))) {
+        free(f);
         return fail(c, device ? EPIPE_EINVAL : EPIPE_ENOMEM, "fakecuda: a fence on device %d",
                     device);
     }
-    *verdict = __atomic_exchange_n(&next_verdict, 0, __ATOMIC_RELAXED);
-    *out = verdict;
+    f->own = __atomic_exchange_n(&next_verdict, 0, __ATOMIC_RELAXED);
+    *out = f;
     __atomic_add_fetch(&fences_made, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&fences_live, 1, __ATOMIC_RELAXED);
     return EPIPE_OK;
 }
 
-static int fence_wait(epipe_codec *c, int device, void *f)
+/* The taint: one int in this module's device memory, the first verdict
+ * that came (0: none). */
+static int fence_wait(epipe_codec *c, int device, void *p, void **taint)
 {
+    fake_fence *f = p;
+    char why[128];
+    int zero = 0, t = 0;
     if (device != 0 || !f)
-        return fail(c, EPIPE_EINVAL, "fakecuda: waiting for fence %p on device %d", f, device);
+        return fail(c, EPIPE_EINVAL, "fakecuda: waiting for fence %p on device %d", p, device);
+    if (taint && !*taint &&
+        (dev_alloc(0, sizeof zero, taint, why, sizeof why) || fakecuda_copy(*taint, &zero, 4)))
+        return fail(c, EPIPE_ENOMEM, "fakecuda: the stage's taint");
+    if (taint && (fakecuda_copy(&t, *taint, 4) ||
+                  (!t && (t = f->own ? f->own : f->passed) && fakecuda_copy(*taint, &t, 4))))
+        return fail(c, EPIPE_EINVAL, "fakecuda: the stage's taint");
     __atomic_add_fetch(&fences_waited, 1, __ATOMIC_RELAXED);
     return EPIPE_OK;
 }
 
-static int fence_status(epipe_codec *c, void *f)
+static int fence_status(epipe_codec *c, void *p)
 {
-    int verdict = *(int *)f;
-    return verdict ? fail(c, verdict, "fakecuda: its encode failed") : 0;
+    const fake_fence *f = p;
+    if (f->own)
+        return fail(c, f->own, "fakecuda: its encode failed");
+    return f->passed ? fail(c, f->passed, "fakecuda: an earlier stage's encode failed") : 0;
 }
 
 static void fence_free(int device, void *f)

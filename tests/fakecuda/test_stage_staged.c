@@ -257,7 +257,7 @@ static void *pin_rank_main(void *p)
                 rc = EPIPE_OK;
                 break;
             }
-            if ((rc = sx_pair_op(st, r, op.kind, &t, &in)))
+            if ((rc = sx_chain_op(st, r, 2, op.kind, &t, &in)))
                 break;
             if (in && on_host) {
                 SX_CHECK(in->device.device_type == kDLCPU &&
@@ -448,6 +448,86 @@ static void device_message_cases(const sx_memory *mem)
            sx_failures == before ? "ok" : "FAILED");
 }
 
+/* Three stream-ordered ranks, the first fence (rank 0's activation) saying
+ * its encode failed: rank 1 must fail its step for that payload, and rank
+ * 2, which got rank 1's well-encoded activation, for what rank 1 passed
+ * on; ends[] says how each step ended. */
+typedef struct chain_rank {
+    epipe_comm *comm;
+    const sx_memory *mem;
+    pthread_barrier_t *ready;
+    int rc;
+    char why[256];
+} chain_rank;
+
+static void *chain_rank_main(void *p)
+{
+    chain_rank *a = p;
+    unsigned r = epipe_comm_rank(a->comm);
+    epipe_stage *st = NULL;
+    float *host = malloc(PIN_N * sizeof *host);
+    void *dev = a->mem->alloc(PIN_N * sizeof *host);
+    int ok = host && dev && epipe_stage_create(&st, a->comm, "gpipe", 1) == EPIPE_OK &&
+             epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0) == EPIPE_OK &&
+             epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1) == EPIPE_OK;
+    SX_CHECK(ok, "rank %u set-up: %s", r, st ? epipe_stage_last_error(st) : epipe_last_error());
+    pthread_barrier_wait(a->ready);
+    int64_t shape[2] = {PIN_ROWS, SX_COLS};
+    DLTensor t = sx_view(kDLCUDA, dev);
+    t.shape = shape;
+    for (int i = 0; ok && i < PIN_N; i++)
+        host[i] = (float)(i % 89) / 89.0f - 0.5f;
+    int rc = ok && a->mem->copy(dev, host, PIN_N * sizeof *host) == 0 ? EPIPE_OK : EPIPE_EIO;
+    epipe_op op;
+    while (!rc && (rc = epipe_stage_next_op(st, &op)) == EPIPE_OK && op.kind != EPIPE_OP_NONE) {
+        const DLTensor *in;
+        rc = sx_chain_op(st, r, 3, op.kind, &t, &in);
+    }
+    a->rc = rc;
+    snprintf(a->why, sizeof a->why, "%s", st ? epipe_stage_last_error(st) : "");
+    if (rc)
+        epipe_comm_abort(a->comm);
+    epipe_stage_destroy(st);
+    a->mem->free(dev);
+    free(host);
+    return NULL;
+}
+
+static void chain_verdict_case(const sx_memory *mem)
+{
+    int before = sx_failures;
+    epipe_comm *c[3];
+    if (epipe_comm_create_inproc(c, 3) != EPIPE_OK) {
+        SX_CHECK(0, "inproc: %s", epipe_last_error());
+        return;
+    }
+    long dlive = dev_live();
+    pthread_barrier_t ready;
+    pthread_barrier_init(&ready, NULL, 3);
+    chain_rank a[3];
+    pthread_t th[3];
+    fail_next_fence(EPIPE_EINVAL);
+    for (int i = 0; i < 3; i++) {
+        a[i] = (chain_rank){.comm = c[i], .mem = mem, .ready = &ready};
+        pthread_create(&th[i], NULL, chain_rank_main, &a[i]);
+    }
+    for (int i = 0; i < 3; i++)
+        pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&ready);
+    for (int i = 0; i < 3; i++)
+        epipe_comm_destroy(c[i]);
+    SX_CHECK(a[1].rc == EPIPE_EINVAL && strstr(a[1].why, "fakecuda: its encode failed") &&
+                 strstr(a[1].why, "activation of micro-batch 0 from rank 0"),
+             "rank 1: %d %s", a[1].rc, a[1].why);
+    SX_CHECK(a[2].rc == EPIPE_EINVAL &&
+                 strstr(a[2].why, "fakecuda: an earlier stage's encode failed") &&
+                 strstr(a[2].why, "activation of micro-batch 0 from rank 1"),
+             "rank 2: %d %s", a[2].rc, a[2].why);
+    SX_CHECK(dev_live() == dlive, "%ld device buffers not given back", dev_live() - dlive);
+    printf("a refused encode fails every later stream-ordered stage's step: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+}
+
 /* Stream-ordered stages: each device payload carries a fence its
  * receiver waits for on the device, and the message (fence and buffer)
  * is held until the step's end; a stage destroyed mid-step gives what it
@@ -465,7 +545,8 @@ static void ordered_cases(const sx_memory *mem)
     /* an activation and a gradient a step, as device messages */
     SX_CHECK(made - made0 == 6 && waited - waited0 == 6 && live == 0,
              "%lu fences made, %lu waited, %ld alive", made - made0, waited - waited0, live);
-    SX_CHECK(ordered.dev == dev.dev, "ordered: %lu device allocations, else %lu", ordered.dev,
+    /* and each stage's taint, made once (pin_run checks it is given back) */
+    SX_CHECK(ordered.dev == dev.dev + 2, "ordered: %lu device allocations, else %lu", ordered.dev,
              dev.dev);
     printf("stream-ordered stages fence their device payloads: %s\n",
            sx_failures == before ? "ok" : "FAILED");
@@ -485,6 +566,7 @@ static void ordered_cases(const sx_memory *mem)
              "the receiver's step: %d %s", pr[1].end_rc, pr[1].end_why);
     printf("a stream-ordered receiver of a payload whose encode failed: %s\n",
            sx_failures == before ? "ok" : "FAILED");
+    chain_verdict_case(mem);
 
     before = sx_failures;
     epipe_comm *c[2];

@@ -26,14 +26,17 @@ static int dev_copy(void *dst, const void *src, size_t bytes)
     return cudaMemcpy(dst, src, bytes, cudaMemcpyDefault) == cudaSuccess ? 0 : -1;
 }
 
-/* A stream-ordered send of a NaN through quant: the send returns at once,
- * and the end of the step reports the value by name on both ranks (the
- * receiver through the fence's verdict on the encode: it must not finish
- * its step with what the refused encode wrote), aborting both
- * communicators. */
+/* A stream-ordered send of a NaN through quant from the first of three
+ * ranks: the send returns at once, and the end of the step reports the
+ * value by name on every rank (the second through the fence's verdict on
+ * the encode, the third through what the second passed on, though what
+ * the second sent it was encoded well): none may finish its step with
+ * what the refused encode wrote, or with what was made of it. */
+enum { NAN_RANKS = 3 };
+
 typedef struct nan_rank {
     epipe_comm *comm;
-    pthread_barrier_t *ready; /* both on the device: the payload stays there */
+    pthread_barrier_t *ready; /* all on the device: the payloads stay there */
     int end_rc;               /* the first step's end */
     char end_msg[768];
 } nan_rank;
@@ -70,7 +73,7 @@ static void *nan_rank_main(void *p)
     int rc;
     while ((rc = epipe_stage_next_op(st, &op)) == EPIPE_OK && op.kind != EPIPE_OP_NONE) {
         const DLTensor *in;
-        if ((rc = sx_pair_op(st, r, op.kind, &t, &in)))
+        if ((rc = sx_chain_op(st, r, NAN_RANKS, op.kind, &t, &in)))
             break; /* every call of the step returns at once, but its end */
     }
     a->end_rc = rc;
@@ -86,30 +89,31 @@ static void *nan_rank_main(void *p)
 static void ordered_nan_case(void)
 {
     int before = sx_failures;
-    epipe_comm *c[2];
-    if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
+    epipe_comm *c[NAN_RANKS];
+    if (epipe_comm_create_inproc(c, NAN_RANKS) != EPIPE_OK) {
         SX_CHECK(0, "inproc: %s", epipe_last_error());
         return;
     }
     pthread_barrier_t ready;
-    pthread_barrier_init(&ready, NULL, 2);
-    nan_rank a[2] = {{c[0], &ready, 0, ""}, {c[1], &ready, 0, ""}};
-    pthread_t th[2];
-    for (int i = 0; i < 2; i++)
+    pthread_barrier_init(&ready, NULL, NAN_RANKS);
+    nan_rank a[NAN_RANKS];
+    pthread_t th[NAN_RANKS];
+    for (int i = 0; i < NAN_RANKS; i++) {
+        a[i] = nan_rank{c[i], &ready, 0, ""};
         pthread_create(&th[i], NULL, nan_rank_main, &a[i]);
-    for (int i = 0; i < 2; i++)
+    }
+    for (int i = 0; i < NAN_RANKS; i++)
         pthread_join(th[i], NULL);
     pthread_barrier_destroy(&ready);
-    SX_CHECK(a[0].end_rc == EPIPE_EINVAL && strstr(a[0].end_msg, "NaN") &&
-                 strstr(a[0].end_msg, "stream-ordered"),
-             "the sender's step: %d %s", a[0].end_rc, a[0].end_msg);
-    SX_CHECK(a[1].end_rc == EPIPE_EINVAL && strstr(a[1].end_msg, "NaN") &&
-                 strstr(a[1].end_msg, "its encode failed") &&
-                 strstr(a[1].end_msg, "activation of micro-batch 0 from rank 0"),
-             "the receiver's step: %d %s", a[1].end_rc, a[1].end_msg);
-    epipe_comm_destroy(c[0]);
-    epipe_comm_destroy(c[1]);
-    printf("a stream-ordered send of a NaN, reported at the step's end: %s\n",
+    const char *says[NAN_RANKS] = {"stream-ordered", "its encode failed",
+                                   "an earlier stage's encode failed"};
+    for (int i = 0; i < NAN_RANKS; i++)
+        SX_CHECK(a[i].end_rc == EPIPE_EINVAL && strstr(a[i].end_msg, "NaN") &&
+                     strstr(a[i].end_msg, says[i]),
+                 "rank %d's step: %d %s", i, a[i].end_rc, a[i].end_msg);
+    for (int i = 0; i < NAN_RANKS; i++)
+        epipe_comm_destroy(c[i]);
+    printf("a stream-ordered send of a NaN, reported at the step's end on every rank: %s\n",
            sx_failures == before ? "ok" : "FAILED");
 }
 

@@ -30,8 +30,9 @@ typedef struct sx_memory {
     int (*copy)(void *dst, const void *src, size_t bytes);
     /* Optional (NULL: none), for the stream-ordered runs: a stream of the
      * host's own that does not wait for others, and its end; work that
-     * holds a stream up a while; a wait for a stream; a copy and a byte
-     * fill queued on a stream (0 on success). */
+     * holds a stream up a while; a wait for a stream (NULL: the one
+     * `copy` uses); a copy and a byte fill queued on a stream (0 on
+     * success). */
     void *(*stream_new)(void);
     void (*stream_free)(void *s);
     void (*delay)(void *s);
@@ -120,15 +121,19 @@ static void sx_to_host(const sx_memory *mem, const DLTensor *t, float *h)
         memcpy(h, t->data, SX_N * sizeof *h);
 }
 
-/* The op `kind` of micro-batch 0 between two ranks: rank 0 sends t as
- * the activation and receives the gradient into *in; rank 1 the reverse. */
-static int sx_pair_op(epipe_stage *st, unsigned rank, uint32_t kind, const DLTensor *t,
-                      const DLTensor **in)
+/* The op `kind` of micro-batch 0 of rank `rank` in a chain of `ranks`:
+ * a forward receives the activation into *in (but on rank 0), then sends
+ * t as its own (but on the last rank); a backward the reverse, with
+ * gradients. */
+static int sx_chain_op(epipe_stage *st, unsigned rank, unsigned ranks, uint32_t kind,
+                       const DLTensor *t, const DLTensor **in)
 {
-    if (kind == EPIPE_OP_FORWARD)
-        return rank == 0 ? epipe_stage_send_activation(st, 0, t)
-                         : epipe_stage_recv_activation(st, 0, in);
-    return rank == 0 ? epipe_stage_recv_gradient(st, 0, in) : epipe_stage_send_gradient(st, 0, t);
+    int rc = EPIPE_OK, fwd = kind == EPIPE_OP_FORWARD;
+    if (fwd ? rank > 0 : rank + 1 < ranks)
+        rc = fwd ? epipe_stage_recv_activation(st, 0, in) : epipe_stage_recv_gradient(st, 0, in);
+    if (!rc && (fwd ? rank + 1 < ranks : rank > 0))
+        rc = fwd ? epipe_stage_send_activation(st, 0, t) : epipe_stage_send_gradient(st, 0, t);
+    return rc;
 }
 
 static void *sx_run_rank(void *p)
@@ -165,6 +170,9 @@ static void *sx_run_rank(void *p)
         sx_input(mb, x);
         SX_CHECK(dx[mb] && dg[mb] && mem->copy(dx[mb], x, SX_N * sizeof *x) == 0, "device memory");
     }
+    if (own) /* a copy from pageable memory may land after it returns; the
+                own stream does not wait for the one it went on */
+        SX_CHECK(mem->sync(NULL) == 0, "the tensors' first copies");
     for (int step = 0; step < 2; step++) {
         epipe_op op;
         for (;;) {
