@@ -1300,9 +1300,14 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
  * creating events for every send would cost more than the wait they save. */
 struct fence_rec {
     cudaEvent_t ev;
+    /* recorded on a receiver's stream after its copy out of seen (read
+     * set), which fence_free waits for before the fence is reused */
+    cudaEvent_t read_ev;
     epipe_cuda_status *seen; /* pinned, [2] */
+    const char *name;        /* the sender's codec */
     int device;
     int waited;      /* fence_status waited for it: fence_free need not */
+    int read;        /* a receiver's copy out of seen was queued */
     fence_rec *next; /* idle ones */
 };
 static pthread_mutex_t fences_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -1344,10 +1349,15 @@ static int fence_get(epipe_codec *c, int device, fence_rec **out)
     f->device = device;
     int rc = epipe_cuda_check(c, cudaEventCreateWithFlags(&f->ev, cudaEventDisableTiming),
                               "creating a payload's fence");
+    if (!rc &&
+        (rc = epipe_cuda_check(c, cudaEventCreateWithFlags(&f->read_ev, cudaEventDisableTiming),
+                               "creating a payload's fence")))
+        cudaEventDestroy(f->ev);
     if (!rc && (rc = epipe_cuda_check(
                     c, cudaHostAlloc((void **)&f->seen, 2 * sizeof *f->seen, cudaHostAllocDefault),
                     "pinning a payload's fence"))) {
         cudaEventDestroy(f->ev);
+        cudaEventDestroy(f->read_ev);
     }
     if (rc) {
         free(f);
@@ -1360,6 +1370,7 @@ static int fence_get(epipe_codec *c, int device, fence_rec **out)
 static void fence_drop(fence_rec *f)
 {
     cudaEventDestroy(f->ev);
+    cudaEventDestroy(f->read_ev);
     cudaFreeHost(f->seen);
     free(f);
 }
@@ -1388,8 +1399,10 @@ static int fence(epipe_codec *c, int device, const void *taint, void **out)
     if (!rc)
         rc = epipe_cuda_check(c, cudaEventRecord(f->ev, epipe_cuda_stream(c)),
                               "recording a payload's fence");
-    if (!rc)
-        f->waited = 0;
+    if (!rc) {
+        f->waited = f->read = 0;
+        f->name = c->ops->name;
+    }
     if (rc && f) { /* a copy into it may be queued */
         cudaStreamSynchronize(epipe_cuda_stream(c));
         cudaGetLastError();
@@ -1425,6 +1438,11 @@ static int fence_wait(epipe_codec *c, int device, void *p, void **taint)
         rc = epipe_cuda_check(
             c, cudaMemcpyAsync(t + 1, f->seen, 2 * sizeof *t, cudaMemcpyHostToDevice, s),
             "passing the payload's verdict on");
+        if (!rc) { /* the fence is not reused before the copy ran */
+            f->read = 1;
+            rc = epipe_cuda_check(c, cudaEventRecord(f->read_ev, s),
+                                  "passing the payload's verdict on");
+        }
         if (!rc) {
             taint_merge_kernel<<<1, 1, 0, s>>>(t);
             rc = epipe_cuda_check(c, cudaGetLastError(), "passing the payload's verdict on");
@@ -1444,17 +1462,33 @@ static int fence_status(epipe_codec *c, void *p)
     int rc = epipe_cuda_check(c, cudaSetDevice(f->device), "selecting the payload's device");
     if (!rc && !f->waited)
         rc = epipe_cuda_check(c, cudaEventSynchronize(f->ev), "waiting for the payload's encode");
+    if (!rc)
+        f->waited = 1;
+    if (!rc && f->read &&
+        !(rc = epipe_cuda_check(c, cudaEventSynchronize(f->read_ev),
+                                "waiting for the payload's verdict to pass on")))
+        f->read = 0; /* the copy out of seen ran: fence_free need not wait for it */
     restore_device(prev);
     if (rc)
         return rc;
-    f->waited = 1;
-    for (int k = 0; k < 2; k++) {
-        if (!(rc = status_error(c, &f->seen[k], 1))) /* an encode notes no payload entries */
+    for (int k = 0; k < 2; k++) { /* an encode notes no payload entries (bad) */
+        const epipe_cuda_status *v = &f->seen[k];
+        unsigned long long first = epipe_cuda_first_nonfinite(v);
+        if (first == ~0ull && v->code == ~0ull)
             continue;
-        char why[EPIPE_ERRMSG_MAX];
-        snprintf(why, sizeof why, "%s", c->msg);
-        return epipe_cuda_fail(
-            c, rc, k ? "an earlier stage's encode failed: %s" : "its encode failed: %s", why);
+        char whose[96];
+        snprintf(whose, sizeof whose, k ? "an earlier stage's encode" : "its encode (%s)",
+                 f->name ? f->name : "?");
+        if (first == ~0ull) /* insert's: an input value, or a product, too large */
+            return epipe_cuda_fail(c, EPIPE_EINVAL, "%s failed: code value %llu %s", whose,
+                                   v->code & ~EPIPE_CUDA_CODE_FP16,
+                                   (v->code & EPIPE_CUDA_CODE_FP16) ? "does not fit fp16"
+                                                                    : "overflows fp32");
+        return epipe_cuda_fail(c, EPIPE_EINVAL, "%s failed: input value at index %llu is %s", whose,
+                               first,
+                               first == v->nan    ? "NaN"
+                               : first == v->pinf ? "+inf"
+                                                  : "-inf");
     }
     return EPIPE_OK;
 }
@@ -1463,10 +1497,13 @@ static void fence_free(int device, void *p)
 {
     fence_rec *f = (fence_rec *)p;
     cudaError_t e = cudaSuccess;
-    if (!f->waited) { /* dropped unread: its buffer may be written again next */
+    if (!f->waited || f->read) {
         int prev = caller_device();
         cudaSetDevice(device);
-        e = cudaEventSynchronize(f->ev);
+        if (!f->waited) /* dropped unread: its buffer may be written again next */
+            e = cudaEventSynchronize(f->ev);
+        if (f->read && e == cudaSuccess) /* and seen, once the receiver's copy ran */
+            e = cudaEventSynchronize(f->read_ev);
         cudaGetLastError();
         restore_device(prev);
     }

@@ -333,21 +333,25 @@ int epipe_stage_settle(epipe_stage *st, int report)
     if (!st->unsettled && !st->nheld)
         return report && st->settle_rc ? fail(st, st->settle_rc, "%s", st->settle_why) : EPIPE_OK;
     double t0 = now();
-    int first = EPIPE_OK, verdict = EPIPE_OK;
-    char why[EPIPE_ERRMSG_MAX] = "", vwhy[EPIPE_ERRMSG_MAX] = "";
+    /* What went wrong, the likeliest cause first: this stage's own encodes
+     * (a non-finite value the host sent), then a received payload's
+     * verdict (its encode, or an earlier stage's, refused: the cause of
+     * what its decode found), then the decodes. */
+    int first = EPIPE_OK, verdict = EPIPE_OK, decoded = EPIPE_OK;
+    char why[EPIPE_ERRMSG_MAX] = "", vwhy[EPIPE_ERRMSG_MAX] = "", dwhy[EPIPE_ERRMSG_MAX] = "";
     for (unsigned k = 0; k < st->nch; k++) {
         struct chunk *c = &st->ch[k];
-        epipe_codec *all[4] = {c->enc_act, c->dec_act, c->enc_grad, c->dec_grad};
+        epipe_codec *all[4] = {c->enc_act, c->enc_grad, c->dec_act, c->dec_grad};
         for (int i = 0; i < 4; i++) {
             int rc = all[i] ? epipe_codec_synchronize(all[i]) : EPIPE_OK;
-            if (rc && !first) {
-                first = rc;
-                snprintf(why, sizeof why, "%s", epipe_codec_last_error(all[i]));
+            int *to = i < 2 ? &first : &decoded;
+            if (rc && !*to) {
+                *to = rc;
+                snprintf(i < 2 ? why : dwhy, sizeof why, "%s", epipe_codec_last_error(all[i]));
             }
         }
     }
-    /* Their decodes are done. A refused encode upstream is the cause of
-     * what its payload's decode found, if anything: its verdict first. */
+    /* Their decodes are done. */
     for (unsigned i = 0; i < st->nheld; i++) {
         epipe_msg *m = st->held[i];
         int rc = m->fence && !verdict ? epipe_codec_cuda_fence_status(st->held_by[i], m->fence) : 0;
@@ -359,9 +363,9 @@ int epipe_stage_settle(epipe_stage *st, int report)
         }
         epipe_msg_free(m);
     }
-    if (verdict) {
-        first = verdict;
-        memcpy(why, vwhy, sizeof why);
+    if (!first && (verdict || decoded)) {
+        first = verdict ? verdict : decoded;
+        memcpy(why, verdict ? vwhy : dwhy, sizeof why);
     }
     st->nheld = 0;
     st->unsettled = 0;
@@ -388,9 +392,15 @@ int epipe_stage_settle(epipe_stage *st, int report)
  * it is the send's (after the wait, as any failed call's). */
 static int fence_payload(epipe_stage *st, epipe_codec *codec, epipe_msg *msg)
 {
-    int rc = epipe_codec_cuda_fence(codec, msg->dev_device, st->taint, &msg->fence);
+    /* What the stage was passed goes on with the fence, from its device;
+     * a payload on another (or sent without a fence) goes once the stage
+     * has waited, and found nothing passed to it. */
+    int rc, passes = !st->taint || st->taint_device == msg->dev_device;
+    if (!passes && (rc = epipe_stage_settle_first(st)))
+        return rc;
+    rc = epipe_codec_cuda_fence(codec, msg->dev_device, passes ? st->taint : NULL, &msg->fence);
     if (rc == EPIPE_ENOMEM)
-        return epipe_codec_synchronize(codec);
+        return (rc = epipe_stage_settle_first(st)) ? rc : epipe_codec_synchronize(codec);
     if (rc)
         return settle(codec, rc);
     msg->fence_free = epipe_cuda_fence_free;
@@ -511,7 +521,8 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     if (msg->fence) {
         /* a stream-ordered receiver passes the fence's verdicts on: what
          * it sends is made of what it decodes */
-        void **taint = holds ? &st->taint : NULL;
+        void **taint = holds && (!st->taint || st->taint_device == msg->dev_device) ? &st->taint
+                                                                                    : NULL;
         int had = st->taint != NULL;
         rc = epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence, taint);
         if (!had && st->taint)

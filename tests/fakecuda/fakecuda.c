@@ -652,9 +652,12 @@ static int fence(epipe_codec *c, int device, const void *taint, void **out)
 {
     fake_fence *f = calloc(1, sizeof *f);
     if (device != 0 || !f || (taint && fakecuda_copy(&f->passed, taint, sizeof f->passed))) {
-        free(f);
-        return fail(c, device ? EPIPE_EINVAL : EPIPE_ENOMEM, "fakecuda: a fence on device %d",
-                    device);
+        free(f); /* as the module: no memory is EPIPE_ENOMEM, a failed copy EPIPE_EIO */
+        return fail(c,
+                    device ? EPIPE_EINVAL
+                    : f    ? EPIPE_EIO
+                           : EPIPE_ENOMEM,
+                    "fakecuda: a fence on device %d", device);
     }
     f->own = __atomic_exchange_n(&next_verdict, 0, __ATOMIC_RELAXED);
     *out = f;

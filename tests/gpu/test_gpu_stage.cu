@@ -105,7 +105,7 @@ static void ordered_nan_case(void)
     for (int i = 0; i < NAN_RANKS; i++)
         pthread_join(th[i], NULL);
     pthread_barrier_destroy(&ready);
-    const char *says[NAN_RANKS] = {"stream-ordered", "its encode failed",
+    const char *says[NAN_RANKS] = {"stream-ordered", "its encode (quant) failed",
                                    "an earlier stage's encode failed"};
     for (int i = 0; i < NAN_RANKS; i++)
         SX_CHECK(a[i].end_rc == EPIPE_EINVAL && strstr(a[i].end_msg, "NaN") &&
