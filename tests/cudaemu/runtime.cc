@@ -77,7 +77,9 @@ enum mem_kind { MEM_DEVICE, MEM_HOST };
 struct allocation {
     size_t size;
     mem_kind kind;
+    int device; /* the device selected when it was made (CUDAEMU_DEVICES) */
 };
+thread_local int current_device = 0;
 std::mutex mem_lock;
 std::map<uintptr_t, allocation> allocations;
 
@@ -129,7 +131,7 @@ cudaError_t allocate(void **out, size_t size, mem_kind kind)
      * wrote makes wrong bytes rather than lucky zeros */
     memset(p, kind == MEM_DEVICE ? 0xcd : 0xab, used);
     std::lock_guard<std::mutex> g(mem_lock);
-    allocations[(uintptr_t)p] = allocation{size, kind};
+    allocations[(uintptr_t)p] = allocation{size, kind, current_device};
     mappings[(uintptr_t)p] = mapping{base, span};
     *out = p;
     return cudaSuccess;
@@ -203,7 +205,6 @@ int blocks_per_sm(uint64_t threads)
     return threads <= 512 ? 2 : 1;
 }
 const size_t emu_default_shared = 48 * 1024, emu_max_shared = 227 * 1024;
-thread_local int current_device = 0;
 
 int device_count()
 {
@@ -942,7 +943,7 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *attr, const void *p)
         return cudaSuccess;
     }
     attr->type = a->kind == MEM_DEVICE ? cudaMemoryTypeDevice : cudaMemoryTypeHost;
-    attr->device = 0;
+    attr->device = a->device;
     attr->devicePointer = (void *)p;
     attr->hostPointer = a->kind == MEM_HOST ? (void *)p : NULL;
     return cudaSuccess;

@@ -456,6 +456,7 @@ typedef struct chain_rank {
     epipe_comm *comm;
     const sx_memory *mem;
     pthread_barrier_t *ready;
+    int cpu; /* host tensors and a host stage: the knob changes nothing */
     int rc;
     char why[256];
 } chain_rank;
@@ -468,20 +469,24 @@ static void *chain_rank_main(void *p)
     float *host = malloc(PIN_N * sizeof *host);
     void *dev = a->mem->alloc(PIN_N * sizeof *host);
     int ok = host && dev && epipe_stage_create(&st, a->comm, "gpipe", 1) == EPIPE_OK &&
-             epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0) == EPIPE_OK &&
+             epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, a->cpu ? -1 : 0) == EPIPE_OK &&
              epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1) == EPIPE_OK;
     SX_CHECK(ok, "rank %u set-up: %s", r, st ? epipe_stage_last_error(st) : epipe_last_error());
     pthread_barrier_wait(a->ready);
     int64_t shape[2] = {PIN_ROWS, SX_COLS};
-    DLTensor t = sx_view(kDLCUDA, dev);
+    DLTensor t = a->cpu ? sx_view(kDLCPU, host) : sx_view(kDLCUDA, dev);
     t.shape = shape;
     for (int i = 0; ok && i < PIN_N; i++)
         host[i] = (float)(i % 89) / 89.0f - 0.5f;
     int rc = ok && a->mem->copy(dev, host, PIN_N * sizeof *host) == 0 ? EPIPE_OK : EPIPE_EIO;
     epipe_op op;
     while (!rc && (rc = epipe_stage_next_op(st, &op)) == EPIPE_OK && op.kind != EPIPE_OP_NONE) {
-        const DLTensor *in;
+        const DLTensor *in = NULL;
         rc = sx_chain_op(st, r, 3, op.kind, &t, &in);
+        if (!rc && in && a->cpu) /* what was sent, through none */
+            SX_CHECK(in->device.device_type == kDLCPU &&
+                         memcmp(in->data, host, PIN_N * sizeof *host) == 0,
+                     "rank %u: a host tensor received", r);
     }
     a->rc = rc;
     snprintf(a->why, sizeof a->why, "%s", st ? epipe_stage_last_error(st) : "");
@@ -525,6 +530,32 @@ static void chain_verdict_case(const sx_memory *mem)
              "rank 2: %d %s", a[2].rc, a[2].why);
     SX_CHECK(dev_live() == dlive, "%ld device buffers not given back", dev_live() - dlive);
     printf("a refused encode fails every later stream-ordered stage's step: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+
+    /* on the host, the knob changes nothing: no fence, every step good */
+    before = sx_failures;
+    unsigned long made0, made, waited;
+    long live;
+    fences(&made0, &waited, &live);
+    if (epipe_comm_create_inproc(c, 3) != EPIPE_OK) {
+        SX_CHECK(0, "inproc: %s", epipe_last_error());
+        return;
+    }
+    pthread_barrier_init(&ready, NULL, 3);
+    for (int i = 0; i < 3; i++) {
+        a[i] = (chain_rank){.comm = c[i], .mem = mem, .ready = &ready, .cpu = 1};
+        pthread_create(&th[i], NULL, chain_rank_main, &a[i]);
+    }
+    for (int i = 0; i < 3; i++)
+        pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&ready);
+    for (int i = 0; i < 3; i++) {
+        epipe_comm_destroy(c[i]);
+        SX_CHECK(a[i].rc == EPIPE_OK, "rank %d on the host: %s", i, a[i].why);
+    }
+    fences(&made, &waited, &live);
+    SX_CHECK(made == made0, "%lu fences made for host tensors", made - made0);
+    printf("stream-ordered stages with host tensors: %s\n",
            sx_failures == before ? "ok" : "FAILED");
 }
 

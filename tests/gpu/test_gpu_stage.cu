@@ -167,11 +167,16 @@ static int fill_on(void *s, void *dst, int byte, size_t bytes)
     return cudaMemsetAsync(dst, byte, bytes, (cudaStream_t)s) == cudaSuccess ? 0 : -1;
 }
 
+static int use_device(int device)
+{
+    return cudaSetDevice(device) == cudaSuccess ? 0 : -1;
+}
+
 int main(void)
 {
     int count = gpu_test_devices_or_skip();
     sx_memory mem = {dev_alloc, dev_free,    dev_copy, stream_new, stream_free,
-                     delay,     stream_sync, copy_on,  fill_on};
+                     delay,     stream_sync, copy_on,  fill_on,    use_device};
     sx_run_all(&mem, "quant:bits=8", "sortquant:bits=8,mode=sample", count);
     ordered_nan_case();
     if (sx_failures)

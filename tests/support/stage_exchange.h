@@ -39,6 +39,9 @@ typedef struct sx_memory {
     int (*sync)(void *s);
     int (*copy_on)(void *s, void *dst, const void *src, size_t bytes);
     int (*fill_on)(void *s, void *dst, int byte, size_t bytes);
+    /* Optional: selects the device the calling thread's alloc uses (0 on
+     * success), for runs with ranks on two devices. */
+    int (*use_device)(int device);
 } sx_memory;
 
 enum { SX_M = 4, SX_ROWS = 8, SX_COLS = 1000, SX_N = SX_ROWS * SX_COLS };
@@ -98,6 +101,7 @@ typedef struct sx_rank {
     int rank, cuda_recv; /* rank 1: receive into device memory */
     void *stream;        /* the stage's CUDA stream, when set */
     int ordered;         /* EPIPE_STAGE_CUDA_STREAM_ORDERED */
+    int device;          /* its CUDA device (its tensors', its stage's) */
 } sx_rank;
 
 /* A stream-ordered rank on a stream of its own (sx_memory's): each send
@@ -150,8 +154,10 @@ static void *sx_run_rank(void *p)
              "act codec");
     SX_CHECK(epipe_stage_set_codec(st, EPIPE_DIR_GRADIENT, EPIPE_ALL_BOUNDARIES, a->grad_spec) == 0,
              "grad codec");
+    if (a->device)
+        SX_CHECK(mem->use_device && mem->use_device(a->device) == 0, "device %d", a->device);
     if (a->rank == 0 || a->cuda_recv)
-        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0) == EPIPE_OK, "%s",
+        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, a->device) == EPIPE_OK, "%s",
                  epipe_stage_last_error(st));
     if (a->stream)
         SX_CHECK(epipe_stage_set_cuda_stream(st, a->stream) == EPIPE_OK, "%s",
@@ -192,6 +198,7 @@ static void *sx_run_rank(void *p)
                 mem->delay(a->stream);
             if (a->rank == 0 && op.kind == EPIPE_OP_FORWARD) {
                 DLTensor t = sx_view(kDLCUDA, dx[mb]);
+                t.device.device_id = a->device;
                 SX_CHECK(epipe_stage_send_activation(st, mb, &t) == EPIPE_OK, "send act: %s",
                          epipe_stage_last_error(st));
                 if (own) /* the encode reads it before, in the stream's order */
@@ -204,8 +211,9 @@ static void *sx_run_rank(void *p)
                          epipe_stage_last_error(st));
                 if (own)
                     SX_CHECK(mem->sync(a->stream) == 0, "stream");
-                SX_CHECK(r->device.device_type == kDLCUDA, "gradient on device type %d",
-                         (int)r->device.device_type);
+                SX_CHECK(r->device.device_type == kDLCUDA && r->device.device_id == a->device,
+                         "gradient on device type %d, %d", (int)r->device.device_type,
+                         (int)r->device.device_id);
                 for (size_t i = 0; i < SX_N; i++)
                     x[i] = act[i] * 0.5f - 1.0f;
                 sx_through_cpu(a->grad_spec, x, want);
@@ -218,8 +226,10 @@ static void *sx_run_rank(void *p)
                          epipe_stage_last_error(st));
                 if (own)
                     SX_CHECK(mem->sync(a->stream) == 0, "stream");
-                SX_CHECK(r->device.device_type == (a->cuda_recv ? kDLCUDA : kDLCPU),
-                         "activation on device type %d", (int)r->device.device_type);
+                SX_CHECK(r->device.device_type == (a->cuda_recv ? kDLCUDA : kDLCPU) &&
+                             (!a->cuda_recv || r->device.device_id == a->device),
+                         "activation on device type %d, %d", (int)r->device.device_type,
+                         (int)r->device.device_id);
                 sx_to_host(mem, r, got);
                 SX_CHECK(memcmp(got, act, SX_N * sizeof *got) == 0,
                          "rank 1 step %d mb %u: activation differs from the CPU's", step, mb);
@@ -232,6 +242,8 @@ static void *sx_run_rank(void *p)
             } else {
                 /* a CUDA gradient when it came to the device, else a CPU one */
                 DLTensor t = a->cuda_recv ? sx_view(kDLCUDA, dg[mb]) : sx_view(kDLCPU, g);
+                if (a->cuda_recv)
+                    t.device.device_id = a->device;
                 SX_CHECK(epipe_stage_send_gradient(st, mb, &t) == EPIPE_OK, "send grad: %s",
                          epipe_stage_last_error(st));
             }
@@ -255,8 +267,8 @@ static void sx_run_pair(const sx_memory *mem, epipe_comm *c0, epipe_comm *c1, co
 {
     int own = ordered && mem->stream_new && mem->sync;
     void *s0 = own ? mem->stream_new() : stream, *s1 = own ? mem->stream_new() : stream;
-    sx_rank a0 = {mem, c0, schedule, act_spec, grad_spec, 0, 1, s0, ordered};
-    sx_rank a1 = {mem, c1, schedule, act_spec, grad_spec, 1, cuda_recv, s1, ordered};
+    sx_rank a0 = {mem, c0, schedule, act_spec, grad_spec, 0, 1, s0, ordered, 0};
+    sx_rank a1 = {mem, c1, schedule, act_spec, grad_spec, 1, cuda_recv, s1, ordered, 0};
     pthread_t t0, t1;
     pthread_create(&t0, NULL, sx_run_rank, &a0);
     pthread_create(&t1, NULL, sx_run_rank, &a1);
@@ -403,8 +415,8 @@ static void sx_run_v(const sx_memory *mem, void *stream)
         SX_CHECK(0, "inproc: %s", epipe_last_error());
         return;
     }
-    sx_rank a0 = {mem, c[0], "zb-v", "none", "none", 0, 1, stream, 0};
-    sx_rank a1 = {mem, c[1], "zb-v", "none", "none", 1, 1, stream, 0};
+    sx_rank a0 = {mem, c[0], "zb-v", "none", "none", 0, 1, stream, 0, 0};
+    sx_rank a1 = {mem, c[1], "zb-v", "none", "none", 1, 1, stream, 0, 0};
     pthread_t t0, t1;
     pthread_create(&t0, NULL, sx_run_v_rank, &a0);
     pthread_create(&t1, NULL, sx_run_v_rank, &a1);
@@ -412,6 +424,39 @@ static void sx_run_v(const sx_memory *mem, void *stream)
     pthread_join(t1, NULL);
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
+}
+
+/* Ranks on two devices of one process (rank 0 on device 0, rank 1 on
+ * device 1), over inproc, as they are and stream-ordered: payloads cross
+ * through host memory (a device payload stays on its device), each
+ * tensor received on its rank's device equal to the CPU's. Nothing where
+ * the memory has one device or cannot select another. */
+static void sx_run_two_devices(const sx_memory *mem, const char *act_spec, const char *grad_spec,
+                               int devices)
+{
+    if (devices < 2 || !mem->use_device) {
+        printf("ranks on two devices: skipped, %d device(s)\n", devices);
+        return;
+    }
+    int before = sx_failures;
+    for (int ordered = 0; ordered < 2; ordered++) {
+        epipe_comm *c[2];
+        if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
+            SX_CHECK(0, "inproc: %s", epipe_last_error());
+            return;
+        }
+        sx_rank a0 = {mem, c[0], "1f1b", act_spec, grad_spec, 0, 1, NULL, ordered, 0};
+        sx_rank a1 = {mem, c[1], "1f1b", act_spec, grad_spec, 1, 1, NULL, ordered, 1};
+        pthread_t t0, t1;
+        pthread_create(&t0, NULL, sx_run_rank, &a0);
+        pthread_create(&t1, NULL, sx_run_rank, &a1);
+        pthread_join(t0, NULL);
+        pthread_join(t1, NULL);
+        epipe_comm_destroy(c[0]);
+        epipe_comm_destroy(c[1]);
+    }
+    printf("ranks on two devices, as they are and stream-ordered: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
 }
 
 /* The whole exchange: both schedules over inproc, receiving on the device
@@ -460,6 +505,7 @@ static int sx_run_all(const sx_memory *mem, const char *act_spec, const char *gr
     }
 
     sx_run_v(mem, NULL);
+    sx_run_two_devices(mem, act_spec, grad_spec, devices);
 
     /* A device that does not exist is refused by name. */
     epipe_stage *st = NULL;
