@@ -123,6 +123,14 @@ def test_step_on_cuda_equals_one_process(schedule_cls, ranks, chunks):
     assert losses == pytest.approx(ref_losses, rel=1e-6)
 
 
+def test_stream_ordered_on_cpu_changes_nothing():
+    """stream_ordered=True with CPU stages: the knob is for CUDA stages only."""
+    ref, ref_losses = one_process(make_model())
+    got, losses, _, _ = pipelined(ept.Schedule1F1B, 2, 1, stream_ordered=True)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
 @pytest.mark.parametrize("schedule_cls,ranks,chunks", [
     (ept.ScheduleGPipe, 2, 1), (ept.Schedule1F1B, 3, 1), (ept.ScheduleZBV, 2, 2)])
