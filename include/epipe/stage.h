@@ -204,9 +204,10 @@ typedef enum epipe_stage_param {
      * stream after the call (or after waiting for that stream). What the
      * device finds (a non-finite value sent through a quantizer, a bad
      * payload's deferred checks, a CUDA error) is reported by the call
-     * that ends the step (epipe_stage_next_op giving EPIPE_OP_NONE, or
-     * epipe_stage_step), which waits for the stage's CUDA work once a
-     * step, or by an earlier send or receive that waits in the stage
+     * that ends the step (epipe_stage_next_op at the step's end, which
+     * still ends it, or epipe_stage_step), which waits for the stage's
+     * CUDA work once a step, or by an earlier send or receive that waits
+     * in the stage
      * (above), or epipe_stage_set_cuda_stream: the first error found, a
      * received payload's verdict (below) before the codecs'. (A wait
      * inside a codec may still report an earlier call's error of that
@@ -215,9 +216,13 @@ typedef enum epipe_stage_param {
      * stage fails its step too rather than end it with what a refused
      * encode wrote, or what it made of it. The communicator is then aborted
      * (epipe_comm_abort: the peers' calls fail rather than wait), and
-     * every later call that waits reports the same error. Received
+     * every later op-stream call and wait reports the same error. Received
      * messages stay held until that wait (at most 32 a stage; the 33rd
-     * waits first). Only between steps (EPIPE_ESTATE otherwise); 0 or 1
+     * waits first), and with them the sender's device buffers: a sender
+     * has at most 32 alive (and EPIPE_COMM_BUFFER_CACHE bytes), past
+     * which its sends go through host memory and wait, so more than 16
+     * micro-batches a step each way, or payloads over a 32nd of the
+     * cache, lose part of the gain. Only between steps (EPIPE_ESTATE otherwise); 0 or 1
      * (EPIPE_EINVAL otherwise). No effect on CPU tensors. */
     EPIPE_STAGE_CUDA_STREAM_ORDERED = 6
 } epipe_stage_param;
@@ -335,7 +340,8 @@ EPIPE_EXPERIMENTAL int epipe_stage_codec_sgd_step(epipe_stage *stage, double lr,
  * host may keep it for autograd without a copy. A received gradient stays
  * valid until the next epipe_stage_next_op(). A tensor the host sends is
  * encoded (or copied) before the send returns; the host may reuse it at
- * once. Sent tensors: fp32, fp16 or bf16, on the CPU (any strides) or on
+ * once (a stream-ordered CUDA stage, EPIPE_STAGE_CUDA_STREAM_ORDERED:
+ * by work queued on its stream after the send). Sent tensors: fp32, fp16 or bf16, on the CPU (any strides) or on
  * a CUDA device (dense; EPIPE_STAGE_CUDA_DEVICE says where received
  * tensors go). Each
  * micro-batch may send its own shape on a boundary (variable sequence
@@ -478,10 +484,11 @@ typedef struct epipe_stage_stats {
     size_t struct_size;
     uint64_t steps;
     double step_seconds;    /* wall time inside steps */
-    double compute_seconds; /* in callbacks, or between op-stream calls */
+    double compute_seconds; /* in callbacks, or between op-stream calls, or
+                               (stream-ordered) waiting for the GPU */
     /* the host's time in encodes and decodes (stream-ordered: queueing
-     * them), and blocked waiting for a message or, stream-ordered, for
-     * the step's CUDA work at its end */
+     * them), and blocked waiting for a message; a stream-ordered stage's
+     * wait for its step's CUDA work counts as compute */
     double encode_seconds, decode_seconds;
     double wait_seconds;
     uint64_t act_sent_raw, act_sent_wire;   /* down */

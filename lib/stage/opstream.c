@@ -106,6 +106,8 @@ int epipe_stage_advance(epipe_stage *st, epipe_op *op)
 
 static int advance(epipe_stage *st, epipe_op *op)
 {
+    if (st->settle_rc) /* stream-ordered CUDA work failed: the stage stays failed */
+        return fail(st, st->settle_rc, "%s", st->settle_why);
     /* A backward or weight-gradient backward (or, forward-only, a forward)
      * that ends now gives its received activation back to the stage; an
      * input-gradient backward keeps it for its weight-gradient backward. */
@@ -126,8 +128,10 @@ static int advance(epipe_stage *st, epipe_op *op)
     while (st->pc < st->nops && !is_compute_kind(st->ops[st->pc].kind))
         st->pc++;
     if (st->pc == st->nops) {
-        if ((rc = epipe_stage_settle(st, 1)))
-            return rc;
+        /* A failure of the step's CUDA work still ends the step, so that
+         * the knobs that change between steps can, and stays the stage's
+         * (every later call returns it). */
+        int settled = epipe_stage_settle(st, 1);
         end_step(st);
         st->in_step = 0;
         st->st.steps++;
@@ -137,7 +141,7 @@ static int advance(epipe_stage *st, epipe_op *op)
         st->step++;
         memset(op, 0, sizeof *op);
         op->kind = EPIPE_OP_NONE;
-        return EPIPE_OK;
+        return settled;
     }
     st->cur = st->ops[st->pc++];
     if (st->cur.chunk >= st->nch || st->cur.microbatch >= st->m)
@@ -370,9 +374,13 @@ int epipe_stage_settle(epipe_stage *st, int report)
     st->nheld = 0;
     st->unsettled = 0;
     double t1 = now();
-    st->st.wait_seconds += t1 - t0;
-    if (st->tracing)
-        epipe_trace_span(st->trace, "settle", "wait", t0, t1);
+    /* the GPU finishing the step's work, the host's compute mostly: not a
+     * wait for a neighbour (bubble_fraction) */
+    st->st.compute_seconds += t1 - t0;
+    if (st->tracing) {
+        epipe_trace_span(st->trace, "settle", "settle", t0, t1);
+        epipe_trace_args(st->trace, st->step, 0, -1, 0, NULL);
+    }
     if (!report)
         return EPIPE_OK;
     if (st->settle_rc) /* the first failure stays the stage's */
@@ -517,6 +525,7 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         epipe_msg_free(msg);
         return rc;
     }
+    t1 = now(); /* the decode's span starts after that wait, not around it */
     const uint8_t *payload;
     if (msg->fence) {
         /* a stream-ordered receiver passes the fence's verdicts on: what
@@ -701,6 +710,7 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
          * it through the restore and send the (smaller) code gradient. */
         if (epipe_tensor_is_cuda(t) && (rc = epipe_stage_settle_first(st)))
             return rc;
+        tb = now();
         int zn;
         int64_t zs[EPIPE_CODEC_MAX_NDIM];
         DLDataType f32 = {kDLFloat, 32, 1};

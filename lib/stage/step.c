@@ -3,6 +3,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include <string.h>
 
+#include "../codec/cuda_core.h"
 #include "stage_impl.h"
 
 /* ---- the callback driver ------------------------------------------------ */
@@ -142,6 +143,11 @@ static int stage_step(epipe_stage *st)
              * peers must not wait for what will not come. */
             if (rc == EPIPE_ECALLBACK)
                 epipe_comm_abort(st->comm);
+            /* what stream-ordered calls left queued, waited for and
+             * given back now, not reported by the next step (it failed) */
+            epipe_stage_settle(st, 0);
+            epipe_cuda_dev_free(st->taint_device, st->taint); /* nor its verdicts passed on */
+            st->taint = NULL;
             st->in_step = st->cur_valid = 0;
             st->flowing = st->draining = 0;
             return rc;

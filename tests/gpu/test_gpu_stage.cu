@@ -73,13 +73,16 @@ static void *nan_rank_main(void *p)
     int rc;
     while ((rc = epipe_stage_next_op(st, &op)) == EPIPE_OK && op.kind != EPIPE_OP_NONE) {
         const DLTensor *in;
-        if ((rc = sx_chain_op(st, r, NAN_RANKS, op.kind, &t, &in)))
+        if ((rc = sx_chain_op(st, r, NAN_RANKS, &op, &t, &in)))
             break; /* every call of the step returns at once, but its end */
     }
     a->end_rc = rc;
     snprintf(a->end_msg, sizeof a->end_msg, "%s", epipe_stage_last_error(st));
-    /* the failure stays: a second end of the same step reports it again */
+    /* the failure stays: the next op-stream call reports it again; the
+     * step is over, so the knobs that change between steps can */
     SX_CHECK(epipe_stage_next_op(st, &op) == rc, "rank %u: a second end", r);
+    SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 0) == EPIPE_OK,
+             "rank %u: between steps: %s", r, epipe_stage_last_error(st));
     epipe_stage_destroy(st);
     dev_free(dev);
     free(host);

@@ -125,18 +125,18 @@ static void sx_to_host(const sx_memory *mem, const DLTensor *t, float *h)
         memcpy(h, t->data, SX_N * sizeof *h);
 }
 
-/* The op `kind` of micro-batch 0 of rank `rank` in a chain of `ranks`:
- * a forward receives the activation into *in (but on rank 0), then sends
- * t as its own (but on the last rank); a backward the reverse, with
- * gradients. */
-static int sx_chain_op(epipe_stage *st, unsigned rank, unsigned ranks, uint32_t kind,
+/* The op `op` of rank `rank` in a chain of `ranks`: a forward receives
+ * the activation into *in (but on rank 0), then sends t as its own (but
+ * on the last rank); a backward the reverse, with gradients. */
+static int sx_chain_op(epipe_stage *st, unsigned rank, unsigned ranks, const epipe_op *op,
                        const DLTensor *t, const DLTensor **in)
 {
-    int rc = EPIPE_OK, fwd = kind == EPIPE_OP_FORWARD;
+    unsigned mb = op->microbatch;
+    int rc = EPIPE_OK, fwd = op->kind == EPIPE_OP_FORWARD;
     if (fwd ? rank > 0 : rank + 1 < ranks)
-        rc = fwd ? epipe_stage_recv_activation(st, 0, in) : epipe_stage_recv_gradient(st, 0, in);
+        rc = fwd ? epipe_stage_recv_activation(st, mb, in) : epipe_stage_recv_gradient(st, mb, in);
     if (!rc && (fwd ? rank + 1 < ranks : rank > 0))
-        rc = fwd ? epipe_stage_send_activation(st, 0, t) : epipe_stage_send_gradient(st, 0, t);
+        rc = fwd ? epipe_stage_send_activation(st, mb, t) : epipe_stage_send_gradient(st, mb, t);
     return rc;
 }
 
@@ -345,6 +345,9 @@ static void *sx_run_v_rank(void *p)
         return NULL;
     SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0) == EPIPE_OK, "%s",
              epipe_stage_last_error(st));
+    if (a->ordered)
+        SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1) == EPIPE_OK, "%s",
+                 epipe_stage_last_error(st));
     if (a->stream)
         SX_CHECK(epipe_stage_set_cuda_stream(st, a->stream) == EPIPE_OK, "%s",
                  epipe_stage_last_error(st));
@@ -407,16 +410,17 @@ static void *sx_run_v_rank(void *p)
     return NULL;
 }
 
-/* One step of ZB-V over inproc, on the stage's `stream` (NULL: unset). */
-static void sx_run_v(const sx_memory *mem, void *stream)
+/* One step of ZB-V over inproc, on the stage's `stream` (NULL: unset),
+ * stream-ordered or not. */
+static void sx_run_v(const sx_memory *mem, void *stream, int ordered)
 {
     epipe_comm *c[2];
     if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
         SX_CHECK(0, "inproc: %s", epipe_last_error());
         return;
     }
-    sx_rank a0 = {mem, c[0], "zb-v", "none", "none", 0, 1, stream, 0, 0};
-    sx_rank a1 = {mem, c[1], "zb-v", "none", "none", 1, 1, stream, 0, 0};
+    sx_rank a0 = {mem, c[0], "zb-v", "none", "none", 0, 1, stream, ordered, 0};
+    sx_rank a1 = {mem, c[1], "zb-v", "none", "none", 1, 1, stream, ordered, 0};
     pthread_t t0, t1;
     pthread_create(&t0, NULL, sx_run_v_rank, &a0);
     pthread_create(&t1, NULL, sx_run_v_rank, &a1);
@@ -504,7 +508,8 @@ static int sx_run_all(const sx_memory *mem, const char *act_spec, const char *gr
         c[0] = c[1] = NULL;
     }
 
-    sx_run_v(mem, NULL);
+    sx_run_v(mem, NULL, 0);
+    sx_run_v(mem, NULL, 1);
     sx_run_two_devices(mem, act_spec, grad_spec, devices);
 
     /* A device that does not exist is refused by name. */
