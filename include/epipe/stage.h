@@ -198,32 +198,32 @@ typedef enum epipe_stage_param {
      * another memory; hand-overs between chunks of this rank; and what a
      * codec waits for itself (ef=1, kmeans, poweriter, sortquant's fit
      * mode, insert while training, a decode that reads its header first:
-     * docs/codec-backends.md). The host
-     * then keeps to the stream's order: a received tensor is read, and a
-     * sent one written again or freed, by work queued on the stage's
-     * stream after the call (or after waiting for that stream). What the
-     * device finds (a non-finite value sent through a quantizer, a bad
-     * payload's deferred checks, a CUDA error) is reported by the call
-     * that ends the step (epipe_stage_next_op at the step's end, which
-     * still ends it, or epipe_stage_step), which waits for the stage's
-     * CUDA work once a step, or by an earlier send or receive that waits
-     * in the stage
-     * (above), or epipe_stage_set_cuda_stream: the first error found, a
-     * received payload's verdict (below) before the codecs'. (A wait
-     * inside a codec may still report an earlier call's error of that
-     * codec as its own.) A fence also carries its sender's verdict on the
-     * encode, and what the sender's stage had been passed, so every later
-     * stage fails its step too rather than end it with what a refused
-     * encode wrote, or what it made of it. The communicator is then aborted
-     * (epipe_comm_abort: the peers' calls fail rather than wait), and
-     * every later op-stream call and wait reports the same error. Received
-     * messages stay held until that wait (at most 32 a stage; the 33rd
-     * waits first), and with them the sender's device buffers: a sender
-     * has at most 32 alive (and EPIPE_COMM_BUFFER_CACHE bytes), past
-     * which its sends go through host memory and wait, so more than 16
-     * micro-batches a step each way, or payloads over a 32nd of the
-     * cache, lose part of the gain. Only between steps (EPIPE_ESTATE otherwise); 0 or 1
-     * (EPIPE_EINVAL otherwise). No effect on CPU tensors. */
+     * docs/codec-backends.md). The host then keeps to the stream's order:
+     * a received tensor is read, and a sent one written again or freed, by
+     * work queued on the stage's stream after the call (or after waiting
+     * for that stream). What the device finds (a non-finite value sent
+     * through a quantizer, a bad payload's deferred checks, a CUDA error)
+     * is reported by the call that ends the step (epipe_stage_next_op at
+     * the step's end, which still ends it, or epipe_stage_step), which
+     * waits for the stage's CUDA work once a step, or by an earlier send
+     * or receive that waits in the stage (above), or by
+     * epipe_stage_set_cuda_stream: the first error found, the stage's own
+     * encodes' first, then a received payload's verdict (below), then its
+     * decodes'. (A wait inside a codec may still report an earlier call's
+     * error of that codec as its own.) A fence also carries its sender's
+     * verdict on the encode, and what the sender's stage had been passed,
+     * so every later stage fails its step too rather than end it with
+     * what a refused encode wrote, or what it made of it. The communicator
+     * is then aborted (epipe_comm_abort: the peers' calls fail rather than
+     * wait), and every later op-stream call and wait reports the same
+     * error. Received messages stay held until that wait (at most 32 a
+     * stage; the 33rd waits first), and with them the sender's device
+     * buffers: a sender has at most 32 alive (and EPIPE_COMM_BUFFER_CACHE
+     * bytes), past which its sends go through host memory and wait, so
+     * more than 16 micro-batches a step each way, or payloads over a 32nd
+     * of the cache, lose part of the gain. Only between steps (EPIPE_ESTATE
+     * otherwise); 0 or 1 (EPIPE_EINVAL otherwise). No effect on CPU
+     * tensors. */
     EPIPE_STAGE_CUDA_STREAM_ORDERED = 6
 } epipe_stage_param;
 
