@@ -458,11 +458,23 @@ static int cuda_messages(epipe_stage *st, int device)
     return EPIPE_OK;
 }
 
+/* EPIPE_ESTATE naming `knob` unless the stage is between steps (and not in
+ * one of its callbacks): for the knobs that change only there. */
+static int between_steps(epipe_stage *st, const char *knob)
+{
+    if (st->in_callback)
+        return refuse_in_callback(st, knob);
+    if (st->in_step)
+        return fail(st, EPIPE_ESTATE, "%s can only change between steps", knob);
+    return EPIPE_OK;
+}
+
 static int stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t value)
 {
     epipe_clear_error();
     if (!st)
         return epipe_fail(EPIPE_EINVAL, "epipe_stage_set_param: stage is NULL");
+    int rc;
     switch (param) {
     case EPIPE_STAGE_TIMEOUT_MS:
         if (value < 1 || value > 86400000)
@@ -499,10 +511,8 @@ static int stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t val
                         "EPIPE_STAGE_TRAINING = %lld: use 1 (train) or 0 "
                         "(forward only)",
                         (long long)value);
-        if (st->in_callback)
-            return refuse_in_callback(st, "EPIPE_STAGE_TRAINING");
-        if (st->in_step)
-            return fail(st, EPIPE_ESTATE, "EPIPE_STAGE_TRAINING can only change between steps");
+        if ((rc = between_steps(st, "EPIPE_STAGE_TRAINING")))
+            return rc;
         if (!value && st->flowing)
             return fail(st, EPIPE_ESTATE,
                         "EPIPE_STAGE_TRAINING = 0 while micro-batches of schedule '%s' are in "
@@ -516,13 +526,10 @@ static int stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t val
                         "EPIPE_STAGE_CUDA_DEVICE = %lld: use -1 (host memory) or a CUDA device "
                         "index",
                         (long long)value);
-        if (st->in_callback)
-            return refuse_in_callback(st, "EPIPE_STAGE_CUDA_DEVICE");
-        if (st->in_step)
-            return fail(st, EPIPE_ESTATE, "EPIPE_STAGE_CUDA_DEVICE can only change between steps");
+        if ((rc = between_steps(st, "EPIPE_STAGE_CUDA_DEVICE")))
+            return rc;
         char why[1400];
-        int rc = value >= 0 ? epipe_cuda_device_ok((int)value, why, sizeof why) : EPIPE_OK;
-        if (rc)
+        if (value >= 0 && (rc = epipe_cuda_device_ok((int)value, why, sizeof why)))
             return fail(st, rc, "EPIPE_STAGE_CUDA_DEVICE = %lld: %s", (long long)value, why);
         /* A codec handle keeps to the memory of its first tensor: once the
          * decoders (and a trainable codec's backward) have written received
@@ -554,11 +561,8 @@ static int stage_set_param(epipe_stage *st, epipe_stage_param param, int64_t val
                         "EPIPE_STAGE_CUDA_STREAM_ORDERED = %lld: use 1 (calls return with "
                         "their CUDA work queued) or 0 (complete)",
                         (long long)value);
-        if (st->in_callback)
-            return refuse_in_callback(st, "EPIPE_STAGE_CUDA_STREAM_ORDERED");
-        if (st->in_step)
-            return fail(st, EPIPE_ESTATE,
-                        "EPIPE_STAGE_CUDA_STREAM_ORDERED can only change between steps");
+        if ((rc = between_steps(st, "EPIPE_STAGE_CUDA_STREAM_ORDERED")))
+            return rc;
         st->stream_ordered = (int)value;
         return EPIPE_OK;
     }
