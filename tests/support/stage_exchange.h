@@ -259,6 +259,31 @@ out:
     return NULL;
 }
 
+/* fn(a0) and fn(a1) on two threads, to their end. */
+static void sx_threads(void *(*fn)(void *), sx_rank *a0, sx_rank *a1)
+{
+    pthread_t t0, t1;
+    pthread_create(&t0, NULL, fn, a0);
+    pthread_create(&t1, NULL, fn, a1);
+    pthread_join(t0, NULL);
+    pthread_join(t1, NULL);
+}
+
+/* The same over a fresh pair of inproc communicators, a0's and a1's. */
+static void sx_inproc_threads(void *(*fn)(void *), sx_rank *a0, sx_rank *a1)
+{
+    epipe_comm *c[2];
+    if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
+        SX_CHECK(0, "inproc: %s", epipe_last_error());
+        return;
+    }
+    a0->comm = c[0];
+    a1->comm = c[1];
+    sx_threads(fn, a0, a1);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+}
+
 /* ordered: both stages stream-ordered, each on a stream of its own where
  * the memory gives one (sx_own_stream), else on `stream` */
 static void sx_run_pair(const sx_memory *mem, epipe_comm *c0, epipe_comm *c1, const char *schedule,
@@ -269,15 +294,25 @@ static void sx_run_pair(const sx_memory *mem, epipe_comm *c0, epipe_comm *c1, co
     void *s0 = own ? mem->stream_new() : stream, *s1 = own ? mem->stream_new() : stream;
     sx_rank a0 = {mem, c0, schedule, act_spec, grad_spec, 0, 1, s0, ordered, 0};
     sx_rank a1 = {mem, c1, schedule, act_spec, grad_spec, 1, cuda_recv, s1, ordered, 0};
-    pthread_t t0, t1;
-    pthread_create(&t0, NULL, sx_run_rank, &a0);
-    pthread_create(&t1, NULL, sx_run_rank, &a1);
-    pthread_join(t0, NULL);
-    pthread_join(t1, NULL);
+    sx_threads(sx_run_rank, &a0, &a1);
     if (own) {
         mem->stream_free(s0);
         mem->stream_free(s1);
     }
+}
+
+/* sx_run_pair over a fresh pair of inproc communicators. */
+static void sx_inproc_pair(const sx_memory *mem, const char *schedule, const char *act_spec,
+                           const char *grad_spec, int cuda_recv, int ordered)
+{
+    epipe_comm *c[2];
+    if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
+        SX_CHECK(0, "inproc: %s", epipe_last_error());
+        return;
+    }
+    sx_run_pair(mem, c[0], c[1], schedule, act_spec, grad_spec, cuda_recv, NULL, ordered);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
 }
 
 static unsigned sx_free_port(void)
@@ -414,20 +449,9 @@ static void *sx_run_v_rank(void *p)
  * stream-ordered or not. */
 static void sx_run_v(const sx_memory *mem, void *stream, int ordered)
 {
-    epipe_comm *c[2];
-    if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
-        SX_CHECK(0, "inproc: %s", epipe_last_error());
-        return;
-    }
-    sx_rank a0 = {mem, c[0], "zb-v", "none", "none", 0, 1, stream, ordered, 0};
-    sx_rank a1 = {mem, c[1], "zb-v", "none", "none", 1, 1, stream, ordered, 0};
-    pthread_t t0, t1;
-    pthread_create(&t0, NULL, sx_run_v_rank, &a0);
-    pthread_create(&t1, NULL, sx_run_v_rank, &a1);
-    pthread_join(t0, NULL);
-    pthread_join(t1, NULL);
-    epipe_comm_destroy(c[0]);
-    epipe_comm_destroy(c[1]);
+    sx_rank a0 = {mem, NULL, "zb-v", "none", "none", 0, 1, stream, ordered, 0};
+    sx_rank a1 = {mem, NULL, "zb-v", "none", "none", 1, 1, stream, ordered, 0};
+    sx_inproc_threads(sx_run_v_rank, &a0, &a1);
 }
 
 /* Ranks on two devices of one process (rank 0 on device 0, rank 1 on
@@ -444,20 +468,9 @@ static void sx_run_two_devices(const sx_memory *mem, const char *act_spec, const
     }
     int before = sx_failures;
     for (int ordered = 0; ordered < 2; ordered++) {
-        epipe_comm *c[2];
-        if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
-            SX_CHECK(0, "inproc: %s", epipe_last_error());
-            return;
-        }
-        sx_rank a0 = {mem, c[0], "1f1b", act_spec, grad_spec, 0, 1, NULL, ordered, 0};
-        sx_rank a1 = {mem, c[1], "1f1b", act_spec, grad_spec, 1, 1, NULL, ordered, 1};
-        pthread_t t0, t1;
-        pthread_create(&t0, NULL, sx_run_rank, &a0);
-        pthread_create(&t1, NULL, sx_run_rank, &a1);
-        pthread_join(t0, NULL);
-        pthread_join(t1, NULL);
-        epipe_comm_destroy(c[0]);
-        epipe_comm_destroy(c[1]);
+        sx_rank a0 = {mem, NULL, "1f1b", act_spec, grad_spec, 0, 1, NULL, ordered, 0};
+        sx_rank a1 = {mem, NULL, "1f1b", act_spec, grad_spec, 1, 1, NULL, ordered, 1};
+        sx_inproc_threads(sx_run_rank, &a0, &a1);
     }
     printf("ranks on two devices, as they are and stream-ordered: %s\n",
            sx_failures == before ? "ok" : "FAILED");
@@ -471,26 +484,11 @@ static int sx_run_all(const sx_memory *mem, const char *act_spec, const char *gr
 {
     const char *schedules[] = {"gpipe", "1f1b"};
     for (int s = 0; s < 2; s++)
-        for (int cuda_recv = 1; cuda_recv >= 0; cuda_recv--) {
-            epipe_comm *c[2];
-            if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
-                SX_CHECK(0, "inproc: %s", epipe_last_error());
-                return sx_failures;
-            }
-            sx_run_pair(mem, c[0], c[1], schedules[s], act_spec, grad_spec, cuda_recv, NULL, 0);
-            epipe_comm_destroy(c[0]);
-            epipe_comm_destroy(c[1]);
-        }
+        for (int cuda_recv = 1; cuda_recv >= 0; cuda_recv--)
+            sx_inproc_pair(mem, schedules[s], act_spec, grad_spec, cuda_recv, 0);
     /* 1F1B stream-ordered: payloads on the device, fenced, none waited for
      * but once a step */
-    epipe_comm *o[2];
-    if (epipe_comm_create_inproc(o, 2) == EPIPE_OK) {
-        sx_run_pair(mem, o[0], o[1], "1f1b", act_spec, grad_spec, 1, NULL, 1);
-        epipe_comm_destroy(o[0]);
-        epipe_comm_destroy(o[1]);
-    } else {
-        SX_CHECK(0, "inproc: %s", epipe_last_error());
-    }
+    sx_inproc_pair(mem, "1f1b", act_spec, grad_spec, 1, 1);
     /* over TCP as it was, then stream-ordered (held host messages) */
     epipe_comm *c[2] = {NULL, NULL};
     for (int ordered = 0; ordered < 2; ordered++) {
