@@ -504,29 +504,39 @@ static void *chain_rank_main(void *p)
     return NULL;
 }
 
+/* One step of chain_rank_main on `ranks` fresh inproc ranks (a[0..ranks),
+ * which it fills): 0 when it ran. */
+static int chain_run(const sx_memory *mem, unsigned ranks, unsigned m, int cpu, chain_rank *a)
+{
+    epipe_comm *c[3];
+    if (epipe_comm_create_inproc(c, ranks) != EPIPE_OK) {
+        SX_CHECK(0, "inproc: %s", epipe_last_error());
+        return -1;
+    }
+    pthread_barrier_t ready;
+    pthread_barrier_init(&ready, NULL, ranks);
+    pthread_t th[3];
+    for (unsigned i = 0; i < ranks; i++) {
+        a[i] = (chain_rank){
+            .comm = c[i], .mem = mem, .ready = &ready, .ranks = ranks, .m = m, .cpu = cpu};
+        pthread_create(&th[i], NULL, chain_rank_main, &a[i]);
+    }
+    for (unsigned i = 0; i < ranks; i++)
+        pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&ready);
+    for (unsigned i = 0; i < ranks; i++)
+        epipe_comm_destroy(c[i]);
+    return 0;
+}
+
 static void chain_verdict_case(const sx_memory *mem)
 {
     int before = sx_failures;
-    epipe_comm *c[3];
-    if (epipe_comm_create_inproc(c, 3) != EPIPE_OK) {
-        SX_CHECK(0, "inproc: %s", epipe_last_error());
-        return;
-    }
     long dlive = dev_live();
-    pthread_barrier_t ready;
-    pthread_barrier_init(&ready, NULL, 3);
     chain_rank a[3];
-    pthread_t th[3];
-    fail_next_fence(EPIPE_EINVAL);
-    for (int i = 0; i < 3; i++) {
-        a[i] = (chain_rank){.comm = c[i], .mem = mem, .ready = &ready, .ranks = 3, .m = 1};
-        pthread_create(&th[i], NULL, chain_rank_main, &a[i]);
-    }
-    for (int i = 0; i < 3; i++)
-        pthread_join(th[i], NULL);
-    pthread_barrier_destroy(&ready);
-    for (int i = 0; i < 3; i++)
-        epipe_comm_destroy(c[i]);
+    fail_next_fence(EPIPE_EINVAL); /* the first fence made: rank 0's activation */
+    if (chain_run(mem, 3, 1, 0, a))
+        return;
     SX_CHECK(a[1].rc == EPIPE_EINVAL && strstr(a[1].why, "fakecuda: its encode failed") &&
                  strstr(a[1].why, "activation of micro-batch 0 from rank 0"),
              "rank 1: %d %s", a[1].rc, a[1].why);
@@ -543,23 +553,10 @@ static void chain_verdict_case(const sx_memory *mem)
     unsigned long made0, made, waited;
     long live;
     fences(&made0, &waited, &live);
-    if (epipe_comm_create_inproc(c, 3) != EPIPE_OK) {
-        SX_CHECK(0, "inproc: %s", epipe_last_error());
+    if (chain_run(mem, 3, 1, 1, a))
         return;
-    }
-    pthread_barrier_init(&ready, NULL, 3);
-    for (int i = 0; i < 3; i++) {
-        a[i] = (chain_rank){
-            .comm = c[i], .mem = mem, .ready = &ready, .ranks = 3, .m = 1, .cpu = 1};
-        pthread_create(&th[i], NULL, chain_rank_main, &a[i]);
-    }
     for (int i = 0; i < 3; i++)
-        pthread_join(th[i], NULL);
-    pthread_barrier_destroy(&ready);
-    for (int i = 0; i < 3; i++) {
-        epipe_comm_destroy(c[i]);
         SX_CHECK(a[i].rc == EPIPE_OK, "rank %d on the host: %s", i, a[i].why);
-    }
     fences(&made, &waited, &live);
     SX_CHECK(made == made0, "%lu fences made for host tensors", made - made0);
     printf("stream-ordered stages with host tensors: %s\n",
@@ -571,22 +568,10 @@ static void chain_verdict_case(const sx_memory *mem)
     before = sx_failures;
     long dlive2 = dev_live(), flive0;
     fences(&made0, &waited, &flive0);
-    if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
-        SX_CHECK(0, "inproc: %s", epipe_last_error());
+    if (chain_run(mem, 2, 40, 0, a))
         return;
-    }
-    pthread_barrier_init(&ready, NULL, 2);
-    for (int i = 0; i < 2; i++) {
-        a[i] = (chain_rank){.comm = c[i], .mem = mem, .ready = &ready, .ranks = 2, .m = 40};
-        pthread_create(&th[i], NULL, chain_rank_main, &a[i]);
-    }
     for (int i = 0; i < 2; i++)
-        pthread_join(th[i], NULL);
-    pthread_barrier_destroy(&ready);
-    for (int i = 0; i < 2; i++) {
-        epipe_comm_destroy(c[i]);
         SX_CHECK(a[i].rc == EPIPE_OK, "rank %d of 40 micro-batches: %s", i, a[i].why);
-    }
     fences(&made, &waited, &live);
     SX_CHECK(made > made0 && live == flive0 && dev_live() == dlive2,
              "%lu fences made, %ld alive, %ld device buffers not given back", made - made0,
