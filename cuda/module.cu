@@ -1085,10 +1085,12 @@ static int wait_status(epipe_codec *c, epipe_cuda_handle *h, epipe_cuda_status *
     return epipe_cuda_status_clear(c);
 }
 
-/* The error a status word read holds, with its message, or EPIPE_OK; the
- * decode kernels' notes (bad) left out with drop_bad: those of a payload
- * the deferred checks refuse, which the CPU would never have decoded. */
-static int status_error(epipe_codec *c, const epipe_cuda_status *s, int drop_bad)
+/* The error a status word read holds, with its message headed by `name`,
+ * or EPIPE_OK; the decode kernels' notes (bad) left out with drop_bad:
+ * those of a payload the deferred checks refuse, which the CPU would
+ * never have decoded. */
+static int status_error_as(epipe_codec *c, const epipe_cuda_status *s, int drop_bad,
+                           const char *name)
 {
     epipe_cuda_status st = *s;
     if (drop_bad)
@@ -1098,8 +1100,7 @@ static int status_error(epipe_codec *c, const epipe_cuda_status *s, int drop_bad
         return EPIPE_OK;
     if (st.bad != ~0ull) {
         unsigned kind = (unsigned)(st.bad & 3u);
-        return epipe_cuda_fail(c, EPIPE_EPROTO, "%s: payload entry %llu %s", c->ops->name,
-                               st.bad >> 2,
+        return epipe_cuda_fail(c, EPIPE_EPROTO, "%s: payload entry %llu %s", name, st.bad >> 2,
                                kind == EPIPE_CUDA_BAD_RANGE   ? "has an index out of range"
                                : kind == EPIPE_CUDA_BAD_ORDER ? "breaks the ascending index order"
                                : kind == EPIPE_CUDA_BAD_VALUE ? "has a value that is not finite"
@@ -1111,13 +1112,19 @@ static int status_error(epipe_codec *c, const epipe_cuda_status *s, int drop_bad
                                (st.code & EPIPE_CUDA_CODE_FP16)
                                    ? "%s: code value %llu does not fit fp16 (code=fp16)"
                                    : "%s: code value %llu overflows fp32 (the input is too large)",
-                               c->ops->name, st.code & ~EPIPE_CUDA_CODE_FP16);
+                               name, st.code & ~EPIPE_CUDA_CODE_FP16);
     return epipe_cuda_fail(c, EPIPE_EINVAL,
                            "%s: input value at index %llu is %s; the codec needs finite values",
-                           c->ops->name, first,
+                           name, first,
                            first == st.nan    ? "NaN"
                            : first == st.pinf ? "+inf"
                                               : "-inf");
+}
+
+/* ... headed by c's codec: a status word of c's own */
+static int status_error(epipe_codec *c, const epipe_cuda_status *s, int drop_bad)
+{
+    return status_error_as(c, s, drop_bad, c->ops->name);
 }
 
 static int synchronize_on(epipe_codec *c, epipe_cuda_handle *h)
@@ -1471,26 +1478,14 @@ static int fence_status(epipe_codec *c, void *p)
     restore_device(prev);
     if (rc)
         return rc;
-    for (int k = 0; k < 2; k++) { /* an encode notes no payload entries (bad) */
-        const epipe_cuda_status *v = &f->seen[k];
-        unsigned long long first = epipe_cuda_first_nonfinite(v);
-        if (first == ~0ull && v->code == ~0ull)
-            continue;
+    for (int k = 0; k < 2 && !rc; k++) { /* an encode notes no payload entries (bad) */
         char whose[96];
-        snprintf(whose, sizeof whose, k ? "an earlier stage's encode" : "its encode (%s)",
+        snprintf(whose, sizeof whose,
+                 k ? "an earlier stage's encode failed" : "its encode (%s) failed",
                  f->name ? f->name : "?");
-        if (first == ~0ull) /* insert's: an input value, or a product, too large */
-            return epipe_cuda_fail(c, EPIPE_EINVAL, "%s failed: code value %llu %s", whose,
-                                   v->code & ~EPIPE_CUDA_CODE_FP16,
-                                   (v->code & EPIPE_CUDA_CODE_FP16) ? "does not fit fp16"
-                                                                    : "overflows fp32");
-        return epipe_cuda_fail(c, EPIPE_EINVAL, "%s failed: input value at index %llu is %s", whose,
-                               first,
-                               first == v->nan    ? "NaN"
-                               : first == v->pinf ? "+inf"
-                                                  : "-inf");
+        rc = status_error_as(c, &f->seen[k], 1, whose);
     }
-    return EPIPE_OK;
+    return rc;
 }
 
 static void fence_free(int device, void *p)
