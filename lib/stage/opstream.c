@@ -394,6 +394,14 @@ int epipe_stage_settle(epipe_stage *st, int report)
     return fail(st, first, "%s", st->settle_why);
 }
 
+/* Whether the stage's taint (what its fences were told) can go with a
+ * payload on CUDA device `device`: it lives on the device of the first
+ * payload it gathered, and is none before that. */
+static int taint_serves(const epipe_stage *st, int device)
+{
+    return !st->taint || st->taint_device == device;
+}
+
 /* A stream-ordered send of a device payload: a fence after its encode
  * rides with the message in place of a wait; the receiver's stream waits
  * for it. Where there is no memory for one, the wait; a CUDA error making
@@ -403,7 +411,7 @@ static int fence_payload(epipe_stage *st, epipe_codec *codec, epipe_msg *msg)
     /* What the stage was passed goes on with the fence, from its device;
      * a payload on another (or sent without a fence) goes once the stage
      * has waited, and found nothing passed to it. */
-    int rc, passes = !st->taint || st->taint_device == msg->dev_device;
+    int rc, passes = taint_serves(st, msg->dev_device);
     if (!passes && (rc = epipe_stage_settle_first(st)))
         return rc;
     rc = epipe_codec_cuda_fence(codec, msg->dev_device, passes ? st->taint : NULL, &msg->fence);
@@ -530,12 +538,10 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     if (msg->fence) {
         /* a stream-ordered receiver passes the fence's verdicts on: what
          * it sends is made of what it decodes */
-        void **taint = holds && (!st->taint || st->taint_device == msg->dev_device) ? &st->taint
-                                                                                    : NULL;
-        int had = st->taint != NULL;
-        rc = epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence, taint);
-        if (!had && st->taint)
+        void **taint = holds && taint_serves(st, msg->dev_device) ? &st->taint : NULL;
+        if (taint && !st->taint) /* where the module makes it, if it does */
             st->taint_device = msg->dev_device;
+        rc = epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence, taint);
         if (rc) {
             (void)epipe_codec_synchronize(codec); /* before the fence goes back */
             epipe_msg_free(msg);
