@@ -4,6 +4,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -76,6 +77,15 @@ static void test_module_without_device(void **state)
         assert_int_equal(rc, EPIPE_EINVAL);
         assert_non_null(strstr(msg, "not CUDA device memory"));
     }
+    /* Once loaded, the module stays: the variable is no longer read, so
+     * naming another path changes nothing. */
+    char first[512];
+    snprintf(first, sizeof first, "%s", msg);
+    setenv("EPIPE_CUDA_MODULE", "/nonexistent/libepipe-cuda.so", 1);
+    assert_int_equal(epipe_codec_encode(c, &src, buf, sizeof buf, &w), rc);
+    assert_string_equal(epipe_codec_last_error(c), first);
+    assert_null(strstr(epipe_codec_last_error(c), "nonexistent"));
+    setenv("EPIPE_CUDA_MODULE", mod, 1);
     epipe_codec_destroy(c);
     /* A codec without kernels is refused by name where a device exists,
      * by the missing device elsewhere: ENOTSUP either way. */

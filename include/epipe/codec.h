@@ -322,6 +322,8 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * (libepipe-cuda.so: $EPIPE_CUDA_MODULE, else epipe/ beside libepipe, else
  * the install path), the CUDA driver and a device; otherwise EPIPE_ENOTSUP
  * with a message naming what is missing (no module, no driver, no device).
+ * The module is loaded once, by the first call that needs it, and kept:
+ * EPIPE_CUDA_MODULE is not read after that.
  * CUDA tensors must be dense and aligned to their element size.
  *
  * Kernels exist for none, cast, quant (rows=1 and group=K too), sortquant in its three

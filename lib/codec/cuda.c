@@ -49,12 +49,14 @@ static const epipe_cuda_core core_fns = {
 #endif
 };
 
-/* One module per process: the path it came from and its table. A failed
- * load is not remembered, so a host (or a test) may fix EPIPE_CUDA_MODULE
- * and try again; a loaded module is never closed. */
+/* One module per process, loaded by the first call that needs it and
+ * never closed or replaced: device memory, events and handles it made are
+ * freed by the same code. So EPIPE_CUDA_MODULE is read only until a module
+ * loads, and setting it later changes nothing (nor races with a getenv of
+ * ours). A failed load is not remembered, so a host (or a test) may fix
+ * the variable and try again. */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static const epipe_cuda_module *loaded;
-static char loaded_path[1024];
 
 /* CUDA cannot be used in a child forked after it was set up (a DataLoader
  * worker): there the module counts as absent. The lock is held across
@@ -113,7 +115,6 @@ static void module_path(char *out, size_t cap)
 static int module_load(const char *what, char *why, size_t cap, const epipe_cuda_module **out)
 {
     char path[1024];
-    module_path(path, sizeof path);
     pthread_once(&atfork_once, atfork_init);
     pthread_mutex_lock(&lock);
     if (forked_child) {
@@ -124,7 +125,8 @@ static int module_load(const char *what, char *why, size_t cap, const epipe_cuda
                  what);
         return EPIPE_ENOTSUP;
     }
-    if (!loaded || strcmp(path, loaded_path) != 0) {
+    if (!loaded) {
+        module_path(path, sizeof path);
         dlerror();
         void *so = dlopen(path, RTLD_NOW | RTLD_LOCAL);
         if (!so) {
@@ -146,7 +148,6 @@ static int module_load(const char *what, char *why, size_t cap, const epipe_cuda
             return EPIPE_ENOTSUP;
         }
         __atomic_store_n(&loaded, m, __ATOMIC_RELEASE);
-        snprintf(loaded_path, sizeof loaded_path, "%s", path);
     }
     const epipe_cuda_module *m = loaded;
     char probe[200];
