@@ -1512,6 +1512,41 @@ static void fence_free(int device, void *p)
     pthread_mutex_unlock(&fences_lock);
 }
 
+/* Marks (cuda_api.h): a plain event, so that a stage can tell without
+ * waiting that the decodes reading a held message are done. */
+static int mark(epipe_codec *c, int device, void **out)
+{
+    int prev = caller_device();
+    cudaEvent_t ev = (cudaEvent_t)*out;
+    int rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the device of a decode's mark");
+    if (!rc && !ev &&
+        !(rc = epipe_cuda_check(c, cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
+                                "creating a decode's mark")))
+        *out = (void *)ev;
+    if (!rc)
+        rc = epipe_cuda_check(c, cudaEventRecord(ev, epipe_cuda_stream(c)),
+                              "recording a decode's mark");
+    restore_device(prev);
+    return rc;
+}
+
+static int mark_passed(int device, void *p)
+{
+    int prev = caller_device();
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess)
+        e = cudaEventQuery((cudaEvent_t)p);
+    if (e != cudaSuccess) /* not ready, or broken: the stage's wait will tell */
+        cudaGetLastError();
+    restore_device(prev);
+    return e == cudaSuccess;
+}
+
+static void mark_free(int device, void *p)
+{
+    free_on(device, p, [](void *ev) { return cudaEventDestroy((cudaEvent_t)ev); });
+}
+
 /* Pinned memory through `device`'s context, and freed through the context
  * that made it: a thread with no device selected (a transport's) would
  * otherwise create GPU 0's. */
@@ -1556,6 +1591,9 @@ static const epipe_cuda_module module = {
     .fence_wait = fence_wait,
     .fence_status = fence_status,
     .fence_free = fence_free,
+    .mark = mark,
+    .mark_passed = mark_passed,
+    .mark_free = mark_free,
     .synchronize = cuda_synchronize_checked,
     .release = cuda_release,
 };

@@ -216,12 +216,14 @@ typedef enum epipe_stage_param {
      * what a refused encode wrote, or what it made of it. The communicator
      * is then aborted (epipe_comm_abort: the peers' calls fail rather than
      * wait), and every later op-stream call and wait reports the same
-     * error. Received messages stay held until that wait (at most 32 a
-     * stage; the 33rd waits first), and with them the sender's device
-     * buffers: a sender has at most 32 alive (and EPIPE_COMM_BUFFER_CACHE
-     * bytes), past which its sends go through host memory and wait, so
-     * more than 16 micro-batches a step each way, or payloads over a 32nd
-     * of the cache, lose part of the gain. Only between steps (EPIPE_ESTATE
+     * error. A received message, and with it the sender's device buffer,
+     * is held until its decode is done on the device, which a later
+     * receive finds without waiting, or until that wait; a stage holds at
+     * most 32 (the 33rd waits first). A sender has at most 32 device
+     * buffers alive (and EPIPE_COMM_BUFFER_CACHE bytes), past which its
+     * sends go through host memory and wait: so where the GPU falls far
+     * behind the host, or payloads are over a 32nd of the cache, part of
+     * the gain is lost. Only between steps (EPIPE_ESTATE
      * otherwise); 0 or 1 (EPIPE_EINVAL otherwise). No effect on CPU
      * tensors. */
     EPIPE_STAGE_CUDA_STREAM_ORDERED = 6

@@ -330,6 +330,26 @@ void epipe_cuda_fence_free(int device, void *fence)
         m->fence_free(device, fence);
 }
 
+int epipe_codec_cuda_mark(epipe_codec *c, int device, void **mark)
+{
+    const epipe_cuda_module *m;
+    int rc = fence_module(c, &m);
+    return rc ? rc : m->mark(c, device, mark);
+}
+
+int epipe_cuda_mark_passed(int device, void *mark)
+{
+    const epipe_cuda_module *m = loaded_module();
+    return m && mark ? m->mark_passed(device, mark) : 0;
+}
+
+void epipe_cuda_mark_free(int device, void *mark)
+{
+    const epipe_cuda_module *m = loaded_module();
+    if (m && mark)
+        m->mark_free(device, mark);
+}
+
 int epipe_codec_check_binding(epipe_codec *c, const DLTensor *t, const char *what)
 {
     int type = t->device.device_type == kDLCUDA || t->device.device_type == kDLCUDAManaged ? kDLCUDA

@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 14
+#define EPIPE_CUDA_ABI 15
 
 /* What the module knows of poweriter's layout (codecs/poweriter/poweriter.h
  * checks each against its own): its warm-start slots (PI_MAX_SLOTS), its
@@ -220,6 +220,18 @@ typedef struct epipe_cuda_module {
     int (*fence_wait)(epipe_codec *c, int device, void *fence, void **taint);
     int (*fence_status)(epipe_codec *c, void *fence);
     void (*fence_free)(int device, void *fence);
+    /* Marks, for a stream-ordered stage to give back a received message
+     * once the decodes that read it are done, without waiting for them:
+     * mark records, on CUDA device `device`, an event after the work on
+     * c's stream into *mark (made there when *mark is NULL, else reused:
+     * one made on `device`); the status with the message on c, *mark then
+     * NULL or as it was. mark_passed returns 1 once the work before the
+     * last record is done, and 0 while it is not or cannot be told (a CUDA
+     * error: the caller waits as it would have); it never waits. mark_free
+     * frees one without waiting, given the device it was made on. */
+    int (*mark)(epipe_codec *c, int device, void **mark);
+    int (*mark_passed)(int device, void *mark);
+    void (*mark_free)(int device, void *mark);
     /* Waits for the handle's stream; the first deferred error since the
      * last call, or a CUDA error, as a status with the message on c. */
     int (*synchronize)(epipe_codec *c);

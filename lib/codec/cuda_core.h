@@ -32,6 +32,13 @@ int epipe_codec_cuda_fence_wait(epipe_codec *c, int device, void *fence, void **
  * EPIPE_OK, or its error, the message on c. */
 int epipe_codec_cuda_fence_status(epipe_codec *c, void *fence);
 void epipe_cuda_fence_free(int device, void *fence);
+/* A mark after the work on c's stream (cuda_api.h, mark: *mark made at
+ * the first, reused after, on `device`); whether the work before it is
+ * done, never waiting (0 where it is not, or no module is loaded); its
+ * free. The mark fails with EPIPE_ENOTSUP where no module is loaded. */
+int epipe_codec_cuda_mark(epipe_codec *c, int device, void **mark);
+int epipe_cuda_mark_passed(int device, void *mark);
+void epipe_cuda_mark_free(int device, void *mark);
 /* Pinned host memory of at least `bytes` for host staging, made through
  * CUDA device `device`, and its free (given the same device). */
 int epipe_codec_cuda_host_alloc(epipe_codec *c, int device, size_t bytes, void **p);

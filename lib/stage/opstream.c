@@ -332,6 +332,59 @@ static int settle(epipe_codec *codec, int rc)
     return epipe_codec_fail(codec, rc, "%s", why);
 }
 
+/* A held message whose decode is done, freed; the verdict its fence
+ * carries into *verdict and why unless one is there already. */
+static void give_back(struct held_msg *h, int *verdict, char why[EPIPE_ERRMSG_MAX])
+{
+    epipe_msg *m = h->msg;
+    int rc = m->fence && !*verdict ? epipe_codec_cuda_fence_status(h->by, m->fence) : 0;
+    if (rc) {
+        *verdict = rc;
+        snprintf(why, EPIPE_ERRMSG_MAX, "the %s of micro-batch %u from rank %u: %s",
+                 m->hdr.kind == EPIPE_WIRE_ACTIVATION ? "activation" : "gradient",
+                 m->hdr.micro_batch, m->hdr.src_stage, epipe_codec_last_error(h->by));
+    }
+    epipe_msg_free(m);
+    h->msg = NULL;
+    h->marked = 0;
+}
+
+/* Gives back, without waiting, the held messages whose decodes are done
+ * (their marks passed), so that their senders' device buffers go back to
+ * work before this stage's step ends. The rest keep their order; the
+ * scan ends at the first mark not passed, as the later ones, queued after
+ * it on the stage's stream, are unlikely to have. */
+static void give_back_done(epipe_stage *st)
+{
+    unsigned kept = 0, i;
+    for (i = 0; i < st->nheld; i++) {
+        struct held_msg *h = &st->held[i];
+        if (h->marked && !epipe_cuda_mark_passed(h->mark_device, h->mark))
+            break;
+        if (h->marked)
+            give_back(h, &st->held_verdict, st->held_vwhy);
+        else if (kept++ != i) { /* no mark: held until the wait; slots swap */
+            struct held_msg t = st->held[kept - 1];
+            st->held[kept - 1] = *h;
+            *h = t;
+        }
+    }
+    for (; i < st->nheld; i++, kept++) {
+        struct held_msg t = st->held[kept];
+        st->held[kept] = st->held[i];
+        st->held[i] = t;
+    }
+    st->nheld = kept;
+}
+
+void epipe_stage_free_marks(epipe_stage *st)
+{
+    for (unsigned i = 0; i < STAGE_HELD_MAX; i++) {
+        epipe_cuda_mark_free(st->held[i].mark_device, st->held[i].mark);
+        st->held[i].mark = NULL;
+    }
+}
+
 int epipe_stage_settle(epipe_stage *st, int report)
 {
     if (!st->unsettled && !st->nheld)
@@ -355,23 +408,17 @@ int epipe_stage_settle(epipe_stage *st, int report)
             }
         }
     }
-    /* Their decodes are done. */
-    for (unsigned i = 0; i < st->nheld; i++) {
-        epipe_msg *m = st->held[i];
-        int rc = m->fence && !verdict ? epipe_codec_cuda_fence_status(st->held_by[i], m->fence) : 0;
-        if (rc) {
-            verdict = rc;
-            snprintf(vwhy, sizeof vwhy, "the %s of micro-batch %u from rank %u: %s",
-                     m->hdr.kind == EPIPE_WIRE_ACTIVATION ? "activation" : "gradient",
-                     m->hdr.micro_batch, m->hdr.src_stage, epipe_codec_last_error(st->held_by[i]));
-        }
-        epipe_msg_free(m);
-    }
+    /* Their decodes are done; those given back already came first. */
+    verdict = st->held_verdict;
+    memcpy(vwhy, st->held_vwhy, sizeof vwhy);
+    for (unsigned i = 0; i < st->nheld; i++)
+        give_back(&st->held[i], &verdict, vwhy);
     if (!first && (verdict || decoded)) {
         first = verdict ? verdict : decoded;
         memcpy(why, verdict ? vwhy : dwhy, sizeof why);
     }
     st->nheld = 0;
+    st->held_verdict = EPIPE_OK;
     st->unsettled = 0;
     double t1 = now();
     /* the GPU finishing the step's work, the host's compute mostly: not a
@@ -424,17 +471,28 @@ static int fence_payload(epipe_stage *st, epipe_codec *codec, epipe_msg *msg)
     return EPIPE_OK;
 }
 
-/* A message a stream-ordered decode may still read, kept until the stage
- * waits for its work; when STAGE_HELD_MAX are, that wait comes first. */
-static int hold_message(epipe_stage *st, epipe_msg *msg, epipe_codec *codec)
+/* A message a stream-ordered decode on CUDA device `device` may still
+ * read, kept until that decode is done (a mark after it, on its stream)
+ * or the stage waits for its work; when STAGE_HELD_MAX are held and none
+ * is done, that wait comes first. A mark that cannot be made costs only
+ * the early give-back of this message. */
+static int hold_message(epipe_stage *st, epipe_msg *msg, epipe_codec *codec, int device)
 {
+    give_back_done(st);
     int rc = st->nheld == STAGE_HELD_MAX ? epipe_stage_settle(st, 1) : EPIPE_OK;
     if (rc) {
         epipe_msg_free(msg); /* the wait is done with it too */
         return rc;
     }
-    st->held_by[st->nheld] = codec;
-    st->held[st->nheld++] = msg;
+    struct held_msg *h = &st->held[st->nheld++];
+    if (h->mark && h->mark_device != device) {
+        epipe_cuda_mark_free(h->mark_device, h->mark);
+        h->mark = NULL;
+    }
+    h->mark_device = device;
+    h->marked = epipe_codec_cuda_mark(codec, device, &h->mark) == EPIPE_OK;
+    h->msg = msg;
+    h->by = codec;
     st->unsettled = 1;
     return EPIPE_OK;
 }
@@ -576,7 +634,7 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         epipe_trace_span(st->trace, "decode", "decode", t1, t2);
     uint64_t wire = epipe_msg_wire_len(msg);
     epipe_trace_args(st->trace, msg_step(st, c, mb, dir), mb, dir, wire, epipe_codec_spec(codec));
-    if (hold && (rc = hold_message(st, msg, codec))) {
+    if (hold && (rc = hold_message(st, msg, codec, lt->device))) {
         lt->t.data = NULL;
         return rc; /* the stage's wait failed, and says so */
     }

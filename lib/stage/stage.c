@@ -285,6 +285,7 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
     }
     if (st->ch) /* before the codecs and the tensors their work uses go */
         epipe_stage_settle(st, 0);
+    epipe_stage_free_marks(st);
     epipe_cuda_dev_free(st->taint_device, st->taint);
     for (unsigned i = 0; st->ch && i < st->nch; i++) {
         struct chunk *c = &st->ch[i];

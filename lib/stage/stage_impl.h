@@ -107,6 +107,18 @@ struct chunk {
 /* Received messages a stream-ordered stage holds before it waits. */
 #define STAGE_HELD_MAX 32
 
+/* One of them: the message, the codec that decoded it, and a mark after
+ * that decode on its stream (cuda_api.h), by which the message is given
+ * back once the decode is done, before the stage waits. The marks stay
+ * with the slots past the held ones, for reuse. */
+struct held_msg {
+    struct epipe_msg *msg;
+    epipe_codec *by;
+    void *mark; /* made on CUDA device mark_device; NULL: none */
+    int mark_device;
+    int marked; /* recorded after this message's decode */
+};
+
 struct epipe_stage {
     epipe_comm *comm;
     epipe_schedule *sched;              /* NULL for raw op lists (tests) */
@@ -123,11 +135,14 @@ struct epipe_stage {
     /* EPIPE_STAGE_CUDA_STREAM_ORDERED: CUDA sends and receives return
      * with their work queued; unsettled: the codecs have such work not yet
      * waited for; held: received messages whose decodes may still read
-     * them (epipe_stage_settle). */
+     * them (epipe_stage_settle), in the order received; held_verdict: the
+     * first failed verdict of those given back before the wait, which
+     * reports it. */
     int stream_ordered, unsettled;
-    struct epipe_msg *held[STAGE_HELD_MAX];
-    epipe_codec *held_by[STAGE_HELD_MAX]; /* the codec that decoded each */
+    struct held_msg held[STAGE_HELD_MAX];
     unsigned nheld;
+    int held_verdict;
+    char held_vwhy[EPIPE_ERRMSG_MAX];
     /* A wait that found such work failed (the communicator is aborted):
      * every later one reports it again. */
     int settle_rc;
@@ -344,6 +359,9 @@ int epipe_stage_advance(epipe_stage *st, epipe_op *op);
  * every later call reports it again; 0: errors are dropped
  * (epipe_stage_destroy). */
 int epipe_stage_settle(epipe_stage *st, int report);
+/* Frees the marks of the held messages' slots (epipe_stage_destroy, after
+ * the settle). */
+void epipe_stage_free_marks(epipe_stage *st);
 /* The same, before a wait on one codec that would otherwise take an error
  * of that earlier work as its own: nothing when there is none. */
 static inline int epipe_stage_settle_first(epipe_stage *st)

@@ -39,6 +39,9 @@ FAKE_EXPORT unsigned long fakecuda_dev_allocs(void);
 FAKE_EXPORT long fakecuda_dev_live(void);
 FAKE_EXPORT void fakecuda_fences(unsigned long *made, unsigned long *waited, long *live);
 FAKE_EXPORT void fakecuda_fail_next_fence(int status);
+FAKE_EXPORT void fakecuda_marks(unsigned long *recorded, unsigned long *passed, long *live);
+FAKE_EXPORT void fakecuda_marks_pending(int on);
+FAKE_EXPORT void fakecuda_fail_next_mark(int status);
 FAKE_EXPORT void fakecuda_insert_kernels(int on);
 FAKE_EXPORT unsigned long fakecuda_insert_calls(void);
 FAKE_EXPORT int epipe_cuda_module_init(const epipe_cuda_core *c, const epipe_cuda_module **out);
@@ -701,6 +704,61 @@ static void fence_free(int device, void *f)
     free(f);
 }
 
+/* Marks: tokens, counted (recorded, found passed, alive). The work before
+ * one is done when it is recorded, but a test may say it is not yet
+ * (fakecuda_marks_pending), as a busy GPU would, or fail the next record
+ * (fakecuda_fail_next_mark). */
+static unsigned long marks_recorded, marks_passed;
+static long marks_live;
+static int marks_pending, next_mark_error;
+
+FAKE_EXPORT void fakecuda_marks(unsigned long *recorded, unsigned long *passed, long *live)
+{
+    *recorded = __atomic_load_n(&marks_recorded, __ATOMIC_RELAXED);
+    *passed = __atomic_load_n(&marks_passed, __ATOMIC_RELAXED);
+    *live = __atomic_load_n(&marks_live, __ATOMIC_RELAXED);
+}
+
+FAKE_EXPORT void fakecuda_marks_pending(int on)
+{
+    __atomic_store_n(&marks_pending, on, __ATOMIC_RELAXED);
+}
+
+FAKE_EXPORT void fakecuda_fail_next_mark(int status)
+{
+    __atomic_store_n(&next_mark_error, status, __ATOMIC_RELAXED);
+}
+
+static int mark(epipe_codec *c, int device, void **out)
+{
+    int err = __atomic_exchange_n(&next_mark_error, 0, __ATOMIC_RELAXED);
+    if (device != 0 || err)
+        return fail(c, device ? EPIPE_EINVAL : err, "fakecuda: a mark on device %d", device);
+    if (!*out) {
+        if (!(*out = malloc(1)))
+            return fail(c, EPIPE_ENOMEM, "fakecuda: no memory for a mark");
+        __atomic_add_fetch(&marks_live, 1, __ATOMIC_RELAXED);
+    }
+    __atomic_add_fetch(&marks_recorded, 1, __ATOMIC_RELAXED);
+    return EPIPE_OK;
+}
+
+static int mark_passed(int device, void *m)
+{
+    if (device != 0 || !m || __atomic_load_n(&marks_pending, __ATOMIC_RELAXED))
+        return 0;
+    __atomic_add_fetch(&marks_passed, 1, __ATOMIC_RELAXED);
+    return 1;
+}
+
+static void mark_free(int device, void *m)
+{
+    (void)device;
+    if (m)
+        __atomic_sub_fetch(&marks_live, 1, __ATOMIC_RELAXED);
+    free(m);
+}
+
 static int synchronize(epipe_codec *c)
 {
     (void)c;
@@ -736,6 +794,9 @@ static const epipe_cuda_module module = {
     .fence_wait = fence_wait,
     .fence_status = fence_status,
     .fence_free = fence_free,
+    .mark = mark,
+    .mark_passed = mark_passed,
+    .mark_free = mark_free,
     .synchronize = synchronize,
     .release = release,
 };

@@ -181,6 +181,9 @@ static void knob_cases(const sx_memory *mem)
 
 static void (*fences)(unsigned long *made, unsigned long *waited, long *live);
 static void (*fail_next_fence)(int status);
+static void (*marks)(unsigned long *recorded, unsigned long *passed, long *live);
+static void (*marks_pending)(int on);
+static void (*fail_next_mark)(int status);
 static unsigned long (*host_allocs)(void);
 static long (*host_live)(void);
 static unsigned long (*dev_allocs)(void);
@@ -457,6 +460,7 @@ typedef struct chain_rank {
     const sx_memory *mem;
     pthread_barrier_t *ready;
     unsigned ranks, m; /* of the chain; micro-batches a step */
+    const char *kind;  /* the schedule */
     int cpu;           /* host tensors and a host stage: the knob changes nothing */
     int rc;
     char why[256];
@@ -469,7 +473,7 @@ static void *chain_rank_main(void *p)
     epipe_stage *st = NULL;
     float *host = malloc(PIN_N * sizeof *host);
     void *dev = a->mem->alloc(PIN_N * sizeof *host);
-    int ok = host && dev && epipe_stage_create(&st, a->comm, "gpipe", a->m) == EPIPE_OK &&
+    int ok = host && dev && epipe_stage_create(&st, a->comm, a->kind, a->m) == EPIPE_OK &&
              epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, a->cpu ? -1 : 0) == EPIPE_OK &&
              epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1) == EPIPE_OK;
     SX_CHECK(ok, "rank %u set-up: %s", r, st ? epipe_stage_last_error(st) : epipe_last_error());
@@ -504,9 +508,10 @@ static void *chain_rank_main(void *p)
     return NULL;
 }
 
-/* One step of chain_rank_main on `ranks` fresh inproc ranks (a[0..ranks),
- * which it fills): 0 when it ran. */
-static int chain_run(const sx_memory *mem, unsigned ranks, unsigned m, int cpu, chain_rank *a)
+/* One step of `kind` (chain_rank_main) on `ranks` fresh inproc ranks
+ * (a[0..ranks), which it fills): 0 when it ran. */
+static int chain_run(const sx_memory *mem, const char *kind, unsigned ranks, unsigned m, int cpu,
+                     chain_rank *a)
 {
     epipe_comm *c[3];
     if (epipe_comm_create_inproc(c, ranks) != EPIPE_OK) {
@@ -517,8 +522,13 @@ static int chain_run(const sx_memory *mem, unsigned ranks, unsigned m, int cpu, 
     pthread_barrier_init(&ready, NULL, ranks);
     pthread_t th[3];
     for (unsigned i = 0; i < ranks; i++) {
-        a[i] = (chain_rank){
-            .comm = c[i], .mem = mem, .ready = &ready, .ranks = ranks, .m = m, .cpu = cpu};
+        a[i] = (chain_rank){.comm = c[i],
+                            .mem = mem,
+                            .ready = &ready,
+                            .ranks = ranks,
+                            .m = m,
+                            .kind = kind,
+                            .cpu = cpu};
         pthread_create(&th[i], NULL, chain_rank_main, &a[i]);
     }
     for (unsigned i = 0; i < ranks; i++)
@@ -535,7 +545,7 @@ static void chain_verdict_case(const sx_memory *mem)
     long dlive = dev_live();
     chain_rank a[3];
     fail_next_fence(EPIPE_EINVAL); /* the first fence made: rank 0's activation */
-    if (chain_run(mem, 3, 1, 0, a))
+    if (chain_run(mem, "gpipe", 3, 1, 0, a))
         return;
     SX_CHECK(a[1].rc == EPIPE_EINVAL && strstr(a[1].why, "fakecuda: its encode failed") &&
                  strstr(a[1].why, "activation of micro-batch 0 from rank 0"),
@@ -553,7 +563,7 @@ static void chain_verdict_case(const sx_memory *mem)
     unsigned long made0, made, waited;
     long live;
     fences(&made0, &waited, &live);
-    if (chain_run(mem, 3, 1, 1, a))
+    if (chain_run(mem, "gpipe", 3, 1, 1, a))
         return;
     for (int i = 0; i < 3; i++)
         SX_CHECK(a[i].rc == EPIPE_OK, "rank %d on the host: %s", i, a[i].why);
@@ -561,22 +571,79 @@ static void chain_verdict_case(const sx_memory *mem)
     SX_CHECK(made == made0, "%lu fences made for host tensors", made - made0);
     printf("stream-ordered stages with host tensors: %s\n",
            sx_failures == before ? "ok" : "FAILED");
+}
 
-    /* 40 micro-batches of GPipe: the receiver holds 32, then waits and
-     * gives them back; the sender, out of device buffers meanwhile, sends
-     * through host memory; every tensor right, everything given back */
-    before = sx_failures;
-    long dlive2 = dev_live(), flive0;
+/* 40 micro-batches a step, two ranks, as `kind` with the module's marks
+ * passing or not: every rank's step good, every tensor right, everything
+ * given back; what was made meanwhile. */
+typedef struct many_run {
+    unsigned long fences, marks, passed, dev_allocs;
+} many_run;
+
+static many_run many_microbatches(const sx_memory *mem, const char *kind, int pending,
+                                  int fail_mark)
+{
+    many_run d = {0, 0, 0, 0};
+    chain_rank a[2];
+    unsigned long made0, made, waited, rec0, rec, passed0, passed, dev0 = dev_allocs();
+    long dlive = dev_live(), flive0, flive, mlive;
     fences(&made0, &waited, &flive0);
-    if (chain_run(mem, 2, 40, 0, a))
-        return;
+    marks(&rec0, &passed0, &mlive);
+    marks_pending(pending);
+    if (fail_mark)
+        fail_next_mark(fail_mark);
+    int ran = chain_run(mem, kind, 2, 40, 0, a) == 0;
+    marks_pending(0);
+    if (!ran)
+        return d;
     for (int i = 0; i < 2; i++)
-        SX_CHECK(a[i].rc == EPIPE_OK, "rank %d of 40 micro-batches: %s", i, a[i].why);
-    fences(&made, &waited, &live);
-    SX_CHECK(made > made0 && live == flive0 && dev_live() == dlive2,
-             "%lu fences made, %ld alive, %ld device buffers not given back", made - made0,
-             live - flive0, dev_live() - dlive2);
+        SX_CHECK(a[i].rc == EPIPE_OK, "rank %d of 40 micro-batches (%s): %s", i, kind, a[i].why);
+    fences(&made, &waited, &flive);
+    marks(&rec, &passed, &mlive);
+    SX_CHECK(flive == flive0 && mlive == 0 && dev_live() == dlive,
+             "%ld fences, %ld marks, %ld device buffers not given back", flive - flive0, mlive,
+             dev_live() - dlive);
+    d = (many_run){made - made0, rec - rec0, passed - passed0, dev_allocs() - dev0};
+    return d;
+}
+
+/* A stream-ordered receiver gives each held message back once a mark
+ * after its decode has passed, so that its sender's device buffers go
+ * back to work; where the marks have not passed it holds 32, then waits. */
+static void many_microbatch_cases(const sx_memory *mem)
+{
+    /* GPipe, the marks not passed: the receiver holds 32, then waits and
+     * gives them back; the sender, out of device buffers meanwhile, sends
+     * the 33rd activation through host memory (no fence) */
+    int before = sx_failures;
+    many_run g = many_microbatches(mem, "gpipe", 1, 0);
+    SX_CHECK(g.fences > 0 && g.fences < 80 && g.passed == 0,
+             "GPipe, marks pending: %lu fences, %lu marks passed", g.fences, g.passed);
     printf("a stream-ordered step of 40 micro-batches (past the 32 held): %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+    /* 1F1B: each rank holds a message until its next receive finds the
+     * mark after its decode passed, so every send, gradients and
+     * activations, stays on the device; the same with the marks pending
+     * does not (the 33rd activation finds the sender's 32 buffers held) */
+    before = sx_failures;
+    many_run on = many_microbatches(mem, "1f1b", 0, 0);
+    many_run off = many_microbatches(mem, "1f1b", 1, 0);
+    SX_CHECK(on.fences == 80 && on.marks == 80 && on.passed == 78,
+             "1F1B: %lu fences, %lu marks, %lu passed (80, 80, 78)", on.fences, on.marks,
+             on.passed);
+    SX_CHECK(off.fences < 80 && off.marks == on.marks && off.passed == 0,
+             "1F1B, marks pending: %lu fences, %lu marks, %lu passed", off.fences, off.marks,
+             off.passed);
+    /* (the sender's 32 buffers all held, where buffers given back serve) */
+    SX_CHECK(off.dev_allocs >= on.dev_allocs + 32,
+             "device allocations: %lu, %lu with the marks pending", on.dev_allocs, off.dev_allocs);
+    /* a mark that cannot be made: that message is held to the step's end,
+     * the others given back */
+    many_run failed = many_microbatches(mem, "1f1b", 0, EPIPE_EIO);
+    SX_CHECK(failed.fences == 80 && failed.marks == 79 && failed.passed == 77,
+             "a failed mark: %lu fences, %lu marks, %lu passed (80, 79, 77)", failed.fences,
+             failed.marks, failed.passed);
+    printf("stream-ordered messages given back as their decodes pass (40 micro-batches): %s\n",
            sx_failures == before ? "ok" : "FAILED");
 }
 
@@ -619,6 +686,7 @@ static void ordered_cases(const sx_memory *mem)
     printf("a stream-ordered receiver of a payload whose encode failed: %s\n",
            sx_failures == before ? "ok" : "FAILED");
     chain_verdict_case(mem);
+    many_microbatch_cases(mem);
 
     before = sx_failures;
     epipe_comm *c[2];
@@ -666,9 +734,13 @@ int main(void)
         *(void **)&dev_live = dlsym(so, "fakecuda_dev_live");
         *(void **)&fences = dlsym(so, "fakecuda_fences");
         *(void **)&fail_next_fence = dlsym(so, "fakecuda_fail_next_fence");
+        *(void **)&marks = dlsym(so, "fakecuda_marks");
+        *(void **)&marks_pending = dlsym(so, "fakecuda_marks_pending");
+        *(void **)&fail_next_mark = dlsym(so, "fakecuda_fail_next_mark");
     }
     if (!mem.alloc || !mem.free || !mem.copy || !last_stream || !host_allocs || !host_live ||
-        !dev_allocs || !dev_live || !fences || !fail_next_fence) {
+        !dev_allocs || !dev_live || !fences || !fail_next_fence || !marks || !marks_pending ||
+        !fail_next_mark) {
         fprintf(stderr, "EPIPE_CUDA_MODULE must name the test module (fakecuda)\n");
         return 1;
     }
