@@ -412,7 +412,10 @@ EPIPE_EXPERIMENTAL int epipe_codec_set_stream(epipe_codec *codec, void *stream);
 
 /* Blocks until the work enqueued by the handle on its stream is done and
  * returns the first deferred error since the last call (then cleared), or
- * EPIPE_OK. EPIPE_OK at once for a handle that never ran CUDA work. */
+ * EPIPE_OK. EPIPE_OK at once for a handle that never ran CUDA work.
+ * epipe_codec_destroy() waits the same way, and a deferred error it finds,
+ * which no call returned, is logged as a warning (subsystem "codec")
+ * naming the handle's spec and the error. */
 EPIPE_EXPERIMENTAL int epipe_codec_synchronize(epipe_codec *codec);
 
 #ifdef __cplusplus

@@ -84,7 +84,7 @@ EPIPE_API const char *epipe_last_error(void);
  * libepipe logs rarely: errors and warnings by default, more with
  * EPIPE_LOG=info or debug, optionally only some subsystems with
  * EPIPE_LOG_SUBSYS=tcp,rendezvous,... (warnings and errors always pass; the
- * subsystems: auth, comm, inproc, rdma, rendezvous, stage, tcp, trace; an
+ * subsystems: auth, codec, comm, inproc, rdma, rendezvous, stage, tcp, trace; an
  * unknown value of either variable is named in a warning on stderr).
  * Those variables are read once, at the first message, and decide which
  * messages exist; the callback below decides where they go (by default one

@@ -11,6 +11,7 @@
 
 #include <epipe/codec.h>
 
+#include "../log.h"
 #include "core.h"
 #include "cuda_api.h"
 #include "cuda_core.h"
@@ -465,8 +466,17 @@ void epipe_codec_cuda_release(epipe_codec *c)
     if (!c->cuda)
         return;
     const epipe_cuda_module *m = loaded_module();
-    if (m) /* c->cuda exists only if a module made it */
-        m->release(c);
+    if (!m) /* c->cuda exists only if a module made it */
+        return;
+    /* An error the device noted that no synchronize returned: a host that
+     * destroys the handle would never learn that a tensor it may have used
+     * is garbage. The frees in release wait for the device anyway. */
+    if (m->synchronize(c) != EPIPE_OK)
+        epipe_log_msg(EPIPE_LOG_WARN, -1, "codec",
+                      "epipe_codec_destroy(%s): an error no epipe_codec_synchronize() "
+                      "returned: %s",
+                      c->spec, c->msg);
+    m->release(c);
 }
 
 static int synchronize(epipe_codec *c)

@@ -880,6 +880,46 @@ static void deferred_nonfinite(const char *spec, size_t n = 5000)
     cudaFree(d);
 }
 
+/* A handle destroyed with a deferred error no synchronize returned says
+ * so on the log, naming the error; one whose error was returned says
+ * nothing. */
+static char destroy_said[512];
+static int destroy_warnings;
+
+static void destroy_log(void *user, int level, const char *subsys, int rank, const char *message)
+{
+    (void)user;
+    (void)rank;
+    if (level == EPIPE_LOG_WARN && strcmp(subsys, "codec") == 0) {
+        destroy_warnings++;
+        snprintf(destroy_said, sizeof destroy_said, "%s", message);
+    }
+}
+
+static void destroy_reports_unreturned(const char *spec)
+{
+    std::vector<float> x(5000, 1.0f);
+    x[3001] = NAN;
+    std::vector<uint8_t> p;
+    epipe_codec *g;
+    float *d;
+    epipe_set_log_callback(destroy_log, NULL);
+    destroy_warnings = 0;
+    CHECK(encode_on_device(spec, x, p, &g, &d) == EPIPE_OK, "enqueue");
+    epipe_codec_destroy(g); /* without a synchronize */
+    CHECK(destroy_warnings == 1 && strstr(destroy_said, "index 3001 is NaN") &&
+              strstr(destroy_said, "epipe_codec_destroy"),
+          "%s: %d warnings, '%s'", spec, destroy_warnings, destroy_said);
+    cudaFree(d);
+    destroy_warnings = 0;
+    CHECK(encode_on_device(spec, x, p, &g, &d) == EPIPE_OK, "enqueue");
+    CHECK(epipe_codec_synchronize(g) == EPIPE_EINVAL, "%s: the NaN", spec);
+    epipe_codec_destroy(g);
+    CHECK(destroy_warnings == 0, "%s: a returned error said again: '%s'", spec, destroy_said);
+    epipe_set_log_callback(NULL, NULL);
+    cudaFree(d);
+}
+
 /* One infinity alone, of either sign: refused by synchronize, naming it,
  * and never a hang (a chunk whose extent reached -inf once made the table
  * kernel's step search loop forever: exact mode sorts every value, the
@@ -1707,6 +1747,8 @@ int main(void)
     /* past 64K values: quant's and sample mode's cooperative launches */
     deferred_nonfinite("quant:bits=8", 200000);
     deferred_nonfinite("sortquant:bits=8,mode=sample", 200000);
+    destroy_reports_unreturned("quant:bits=8");
+    destroy_reports_unreturned("topk:ratio=0.1");
     for (const char *s : {"quant:bits=8", "quant:bits=4,rows=1", "sortquant:bits=8,mode=sample",
                           "sortquant:bits=8,mode=fit", "sortquant:bits=8,mode=exact",
                           "sortquant:bits=12,split=6,mode=exact", "topk:ratio=0.1"})
