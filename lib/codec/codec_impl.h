@@ -182,6 +182,10 @@ struct epipe_codec {
     void *stream;
     void *cuda;
     int bound_type, bound_id;
+    /* Kernels (an encode, decode or backward) were queued since the last
+     * synchronize: errors they note are unreported until one comes (or
+     * epipe_codec_destroy, which logs them). */
+    int cuda_unsynced;
     /* EPIPE_CUDA_DEFER_CHECKS as the environment had it when the handle
      * was made (read then, not under a host's setenv() from another
      * thread): 1 (unset too), 0, or -1 with the value in defer_env. */

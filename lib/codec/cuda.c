@@ -294,33 +294,33 @@ int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const vo
     return rc || !bytes ? rc : m->stream_copy(c, device, dst, src, bytes);
 }
 
-/* Fences exist only where a module made them: these load none. */
-static int fence_module(epipe_codec *c, const epipe_cuda_module **m)
+/* Fences and marks exist only where a module made them: these load none. */
+static int fence_module(epipe_codec *c, const char *what, const epipe_cuda_module **m)
 {
     if ((*m = loaded_module()))
         return EPIPE_OK;
-    return epipe_codec_fail(c, EPIPE_ENOTSUP, "no CUDA module is loaded for a payload's fence");
+    return epipe_codec_fail(c, EPIPE_ENOTSUP, "no CUDA module is loaded for %s", what);
 }
 
 int epipe_codec_cuda_fence(epipe_codec *c, int device, const void *taint, void **fence)
 {
     const epipe_cuda_module *m;
     *fence = NULL;
-    int rc = fence_module(c, &m);
+    int rc = fence_module(c, "a payload's fence", &m);
     return rc ? rc : m->fence(c, device, taint, fence);
 }
 
 int epipe_codec_cuda_fence_wait(epipe_codec *c, int device, void *fence, void **taint)
 {
     const epipe_cuda_module *m;
-    int rc = fence_module(c, &m);
+    int rc = fence_module(c, "a payload's fence", &m);
     return rc ? rc : m->fence_wait(c, device, fence, taint);
 }
 
 int epipe_codec_cuda_fence_status(epipe_codec *c, void *fence)
 {
     const epipe_cuda_module *m;
-    int rc = fence_module(c, &m);
+    int rc = fence_module(c, "a payload's fence", &m);
     return rc ? rc : m->fence_status(c, fence);
 }
 
@@ -334,7 +334,7 @@ void epipe_cuda_fence_free(int device, void *fence)
 int epipe_codec_cuda_mark(epipe_codec *c, int device, void **mark)
 {
     const epipe_cuda_module *m;
-    int rc = fence_module(c, &m);
+    int rc = fence_module(c, "a decode's mark", &m);
     return rc ? rc : m->mark(c, device, mark);
 }
 
@@ -390,6 +390,7 @@ int epipe_codec_cuda_encode(epipe_codec *c, const epipe_codec_backend *be, const
     int dev, rc = module_get(c, "src", &m);
     if (rc || (rc = m->check(c, src, "src", &dev)))
         return rc;
+    c->cuda_unsynced = 1; /* even a failed call may have queued some */
     return m->encode(c, be, src, n, dt, payload, hdr, len);
 }
 
@@ -400,6 +401,7 @@ int epipe_codec_cuda_decode(epipe_codec *c, const epipe_codec_backend *be, const
     int dev, rc = module_get(c, "dst", &m);
     if (rc || (rc = m->check(c, dst, "dst", &dev)))
         return rc;
+    c->cuda_unsynced = 1; /* even a failed call may have queued some */
     return m->decode(c, be, payload, len, n, dst, dt);
 }
 
@@ -412,6 +414,7 @@ int epipe_codec_cuda_backward(epipe_codec *c, const epipe_codec_backend *be, int
     int dev, rc = module_get(c, in_name, &m);
     if (rc || (rc = m->check(c, gin, in_name, &dev)) || (rc = m->check(c, gout, out_name, &dev)))
         return rc;
+    c->cuda_unsynced = 1; /* even a failed call may have queued some */
     return m->backward(c, be, enc, mb, gin, n_in, dt_in, gout, n_out, dt_out);
 }
 
@@ -471,7 +474,7 @@ void epipe_codec_cuda_release(epipe_codec *c)
     /* An error the device noted that no synchronize returned: a host that
      * destroys the handle would never learn that a tensor it may have used
      * is garbage. The frees in release wait for the device anyway. */
-    if (m->synchronize(c) != EPIPE_OK)
+    if (c->cuda_unsynced && m->synchronize(c) != EPIPE_OK)
         epipe_log_msg(EPIPE_LOG_WARN, -1, "codec",
                       "epipe_codec_destroy(%s): an error no epipe_codec_synchronize() "
                       "returned: %s",
@@ -484,6 +487,7 @@ static int synchronize(epipe_codec *c)
     if (!c->cuda)
         return EPIPE_OK; /* CPU work is done when its call returns */
     const epipe_cuda_module *m = loaded_module();
+    c->cuda_unsynced = 0;
     return m ? m->synchronize(c) : EPIPE_OK;
 }
 
