@@ -1536,7 +1536,9 @@ static int mark_passed(int device, void *p)
     cudaError_t e = cudaSetDevice(device);
     if (e == cudaSuccess)
         e = cudaEventQuery((cudaEvent_t)p);
-    if (e != cudaSuccess) /* not ready, or broken: the stage's wait will tell */
+    /* not ready (which the runtime does not record as the thread's last
+     * error: the host's own stays), or broken: the stage's wait will tell */
+    if (e != cudaSuccess && e != cudaErrorNotReady)
         cudaGetLastError();
     restore_device(prev);
     return e == cudaSuccess;

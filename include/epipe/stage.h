@@ -219,7 +219,8 @@ typedef enum epipe_stage_param {
      * error. A received message, and with it the sender's device buffer,
      * is held until its decode is done on the device, which a later
      * receive finds without waiting, or until that wait; a stage holds at
-     * most 32 (the 33rd waits first). A sender has at most 32 device
+     * most 32 (with 32 held and none done, the next receive waits first).
+     * A sender has at most 32 device
      * buffers alive (and EPIPE_COMM_BUFFER_CACHE bytes), past which its
      * sends go through host memory and wait: so where the GPU falls far
      * behind the host, or payloads are over a 32nd of the cache, part of

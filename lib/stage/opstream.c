@@ -333,14 +333,17 @@ static int settle(epipe_codec *codec, int rc)
 }
 
 /* A held message whose decode is done, freed; the verdict its fence
- * carries into *verdict and why unless one is there already. */
-static void give_back(struct held_msg *h, int *verdict, char why[EPIPE_ERRMSG_MAX])
+ * carries into *v unless one received earlier is there already. */
+static void give_back(struct held_msg *h, struct held_verdict *v)
 {
     epipe_msg *m = h->msg;
-    int rc = m->fence && !*verdict ? epipe_codec_cuda_fence_status(h->by, m->fence) : 0;
+    int rc = m->fence && (!v->rc || h->seq < v->seq)
+                 ? epipe_codec_cuda_fence_status(h->by, m->fence)
+                 : EPIPE_OK;
     if (rc) {
-        *verdict = rc;
-        snprintf(why, EPIPE_ERRMSG_MAX, "the %s of micro-batch %u from rank %u: %s",
+        v->rc = rc;
+        v->seq = h->seq;
+        snprintf(v->why, sizeof v->why, "the %s of micro-batch %u from rank %u: %s",
                  m->hdr.kind == EPIPE_WIRE_ACTIVATION ? "activation" : "gradient",
                  m->hdr.micro_batch, m->hdr.src_stage, epipe_codec_last_error(h->by));
     }
@@ -362,7 +365,7 @@ static void give_back_done(epipe_stage *st)
         if (h->marked && !epipe_cuda_mark_passed(h->mark_device, h->mark))
             break;
         if (h->marked)
-            give_back(h, &st->held_verdict, st->held_vwhy);
+            give_back(h, &st->verdict);
         else if (kept++ != i) { /* no mark: held until the wait; slots swap */
             struct held_msg t = st->held[kept - 1];
             st->held[kept - 1] = *h;
@@ -394,8 +397,8 @@ int epipe_stage_settle(epipe_stage *st, int report)
      * (a non-finite value the host sent), then a received payload's
      * verdict (its encode, or an earlier stage's, refused: the cause of
      * what its decode found), then the decodes. */
-    int first = EPIPE_OK, verdict = EPIPE_OK, decoded = EPIPE_OK;
-    char why[EPIPE_ERRMSG_MAX] = "", vwhy[EPIPE_ERRMSG_MAX] = "", dwhy[EPIPE_ERRMSG_MAX] = "";
+    int first = EPIPE_OK, decoded = EPIPE_OK;
+    char why[EPIPE_ERRMSG_MAX] = "", dwhy[EPIPE_ERRMSG_MAX] = "";
     for (unsigned k = 0; k < st->nch; k++) {
         struct chunk *c = &st->ch[k];
         epipe_codec *all[4] = {c->enc_act, c->enc_grad, c->dec_act, c->dec_grad};
@@ -408,17 +411,17 @@ int epipe_stage_settle(epipe_stage *st, int report)
             }
         }
     }
-    /* Their decodes are done; those given back already came first. */
-    verdict = st->held_verdict;
-    memcpy(vwhy, st->held_vwhy, sizeof vwhy);
+    /* Their decodes are done (with those given back already, the verdict
+     * of the first received) */
+    struct held_verdict *v = &st->verdict;
     for (unsigned i = 0; i < st->nheld; i++)
-        give_back(&st->held[i], &verdict, vwhy);
-    if (!first && (verdict || decoded)) {
-        first = verdict ? verdict : decoded;
-        memcpy(why, verdict ? vwhy : dwhy, sizeof why);
+        give_back(&st->held[i], v);
+    if (!first && (v->rc || decoded)) {
+        first = v->rc ? v->rc : decoded;
+        memcpy(why, v->rc ? v->why : dwhy, sizeof why);
     }
     st->nheld = 0;
-    st->held_verdict = EPIPE_OK;
+    v->rc = EPIPE_OK;
     st->unsettled = 0;
     double t1 = now();
     /* the GPU finishing the step's work, the host's compute mostly: not a
@@ -493,6 +496,7 @@ static int hold_message(epipe_stage *st, epipe_msg *msg, epipe_codec *codec, int
     h->marked = epipe_codec_cuda_mark(codec, device, &h->mark) == EPIPE_OK;
     h->msg = msg;
     h->by = codec;
+    h->seq = ++st->held_seq;
     st->unsettled = 1;
     return EPIPE_OK;
 }

@@ -107,6 +107,14 @@ struct chunk {
 /* Received messages a stream-ordered stage holds before it waits. */
 #define STAGE_HELD_MAX 32
 
+/* The first failed verdict among held messages, by the order they were
+ * received (seq), whichever was given back first. */
+struct held_verdict {
+    int rc; /* EPIPE_OK: none yet */
+    unsigned long long seq;
+    char why[EPIPE_ERRMSG_MAX];
+};
+
 /* One of them: the message, the codec that decoded it, and a mark after
  * that decode on its stream (cuda_api.h), by which the message is given
  * back once the decode is done, before the stage waits. The marks stay
@@ -114,7 +122,8 @@ struct chunk {
 struct held_msg {
     struct epipe_msg *msg;
     epipe_codec *by;
-    void *mark; /* made on CUDA device mark_device; NULL: none */
+    unsigned long long seq; /* its place among the stage's holds */
+    void *mark;             /* made on CUDA device mark_device; NULL: none */
     int mark_device;
     int marked; /* recorded after this message's decode */
 };
@@ -135,14 +144,14 @@ struct epipe_stage {
     /* EPIPE_STAGE_CUDA_STREAM_ORDERED: CUDA sends and receives return
      * with their work queued; unsettled: the codecs have such work not yet
      * waited for; held: received messages whose decodes may still read
-     * them (epipe_stage_settle), in the order received; held_verdict: the
-     * first failed verdict of those given back before the wait, which
-     * reports it. */
+     * them (epipe_stage_settle), in the order received (held_seq counts
+     * them); verdict: the first failed verdict of those given back before
+     * the wait, which reports it. */
     int stream_ordered, unsettled;
     struct held_msg held[STAGE_HELD_MAX];
     unsigned nheld;
-    int held_verdict;
-    char held_vwhy[EPIPE_ERRMSG_MAX];
+    unsigned long long held_seq;
+    struct held_verdict verdict;
     /* A wait that found such work failed (the communicator is aborted):
      * every later one reports it again. */
     int settle_rc;

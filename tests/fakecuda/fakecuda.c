@@ -40,8 +40,9 @@ FAKE_EXPORT long fakecuda_dev_live(void);
 FAKE_EXPORT void fakecuda_fences(unsigned long *made, unsigned long *waited, long *live);
 FAKE_EXPORT void fakecuda_fail_next_fence(int status);
 FAKE_EXPORT void fakecuda_marks(unsigned long *recorded, unsigned long *passed, long *live);
-FAKE_EXPORT void fakecuda_marks_pending(int on);
-FAKE_EXPORT void fakecuda_fail_next_mark(int status);
+FAKE_EXPORT void fakecuda_marks_lag(long lag);
+FAKE_EXPORT void fakecuda_fail_mark_at(unsigned long k, int status);
+FAKE_EXPORT unsigned long fakecuda_early_frees(void);
 FAKE_EXPORT void fakecuda_insert_kernels(int on);
 FAKE_EXPORT unsigned long fakecuda_insert_calls(void);
 FAKE_EXPORT int epipe_cuda_module_init(const epipe_cuda_core *c, const epipe_cuda_module **out);
@@ -649,7 +650,40 @@ FAKE_EXPORT void fakecuda_fences(unsigned long *made, unsigned long *waited, lon
 /* A fence's verdicts: its encode's, and what its stage was passed. */
 typedef struct fake_fence {
     int own, passed;
+    epipe_codec *waiter;    /* the handle whose stream waited for it (its decode's) */
+    unsigned long long seq; /* that wait's place in the handle's queue */
 } fake_fence;
+
+/* What a real GPU would have run of each handle's queue: `queued` counts
+ * the fence waits queued on its stream (each before a decode that reads
+ * the fence's payload), `done` how many of them are known finished, by a
+ * synchronize or a mark found passed. A fence freed past `done` is a
+ * message given back while its decode could still be reading it. */
+typedef struct fake_queue {
+    const epipe_codec *c;
+    unsigned long long queued, done;
+    struct fake_queue *next;
+} fake_queue;
+static fake_queue *queues; /* under `lock` */
+static unsigned long early_frees;
+
+static fake_queue *queue_of(const epipe_codec *c)
+{
+    fake_queue *q;
+    for (q = queues; q && q->c != c; q = q->next)
+        ;
+    if (!q && (q = calloc(1, sizeof *q))) {
+        q->c = c;
+        q->next = queues;
+        queues = q;
+    }
+    return q;
+}
+
+FAKE_EXPORT unsigned long fakecuda_early_frees(void)
+{
+    return __atomic_load_n(&early_frees, __ATOMIC_RELAXED);
+}
 
 static int fence(epipe_codec *c, int device, const void *taint, void **out)
 {
@@ -684,6 +718,17 @@ static int fence_wait(epipe_codec *c, int device, void *p, void **taint)
     if (taint && (fakecuda_copy(&t, *taint, 4) ||
                   (!t && (t = f->own ? f->own : f->passed) && fakecuda_copy(*taint, &t, 4))))
         return fail(c, EPIPE_EINVAL, "fakecuda: the stage's taint");
+    /* the handle now has stream work, as far as the core can tell: its
+     * synchronize comes here (where the queue is known done) */
+    if (!c->cuda && !(c->cuda = calloc(1, sizeof(fake_handle))))
+        return fail(c, EPIPE_ENOMEM, "fakecuda: a handle's state");
+    pthread_mutex_lock(&lock);
+    fake_queue *q = queue_of(c);
+    if (q) {
+        f->waiter = c;
+        f->seq = ++q->queued;
+    }
+    pthread_mutex_unlock(&lock);
     __atomic_add_fetch(&fences_waited, 1, __ATOMIC_RELAXED);
     return EPIPE_OK;
 }
@@ -696,59 +741,98 @@ static int fence_status(epipe_codec *c, void *p)
     return f->passed ? fail(c, f->passed, "fakecuda: an earlier stage's encode failed") : 0;
 }
 
-static void fence_free(int device, void *f)
+static void fence_free(int device, void *p)
 {
+    fake_fence *f = p;
     (void)device;
-    if (f)
-        __atomic_sub_fetch(&fences_live, 1, __ATOMIC_RELAXED);
+    if (!f)
+        return;
+    pthread_mutex_lock(&lock);
+    fake_queue *q = f->waiter ? queue_of(f->waiter) : NULL;
+    if (q && f->seq > q->done)
+        early_frees++;
+    pthread_mutex_unlock(&lock);
+    __atomic_sub_fetch(&fences_live, 1, __ATOMIC_RELAXED);
     free(f);
 }
 
-/* Marks: tokens, counted (recorded, found passed, alive). The work before
- * one is done when it is recorded, but a test may say it is not yet
- * (fakecuda_marks_pending), as a busy GPU would, or fail the next record
- * (fakecuda_fail_next_mark). */
-static unsigned long marks_recorded, marks_passed;
-static long marks_live;
-static int marks_pending, next_mark_error;
+/* Marks: counted (recorded, found passed, alive). Each is stamped with
+ * a clock that every record advances; a mark passes once `lag` more have
+ * been recorded after it (fakecuda_marks_lag: 0, the default, at once; -1
+ * never), as a GPU that runs behind its host would have it, and then what
+ * its handle queued before it is done. A test may fail the k-th record
+ * from now (fakecuda_fail_mark_at). */
+typedef struct fake_mark {
+    const epipe_codec *c;
+    unsigned long long upto; /* its handle's queue when recorded */
+    unsigned long at;        /* the clock then */
+} fake_mark;
+static unsigned long marks_recorded, marks_passed, fail_mark_at;
+static long marks_live, marks_lag;
+static int fail_mark_status;
 
 FAKE_EXPORT void fakecuda_marks(unsigned long *recorded, unsigned long *passed, long *live)
 {
-    *recorded = __atomic_load_n(&marks_recorded, __ATOMIC_RELAXED);
-    *passed = __atomic_load_n(&marks_passed, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&lock);
+    *recorded = marks_recorded;
+    *passed = marks_passed;
+    pthread_mutex_unlock(&lock);
     *live = __atomic_load_n(&marks_live, __ATOMIC_RELAXED);
 }
 
-FAKE_EXPORT void fakecuda_marks_pending(int on)
+FAKE_EXPORT void fakecuda_marks_lag(long lag)
 {
-    __atomic_store_n(&marks_pending, on, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&lock);
+    marks_lag = lag;
+    pthread_mutex_unlock(&lock);
 }
 
-FAKE_EXPORT void fakecuda_fail_next_mark(int status)
+FAKE_EXPORT void fakecuda_fail_mark_at(unsigned long k, int status)
 {
-    __atomic_store_n(&next_mark_error, status, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&lock);
+    fail_mark_at = k ? marks_recorded + k : 0;
+    fail_mark_status = status;
+    pthread_mutex_unlock(&lock);
 }
 
 static int mark(epipe_codec *c, int device, void **out)
 {
-    int err = __atomic_exchange_n(&next_mark_error, 0, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&lock);
+    int err = fail_mark_at && marks_recorded + 1 == fail_mark_at ? fail_mark_status : 0;
+    if (err)
+        fail_mark_at = 0;
+    pthread_mutex_unlock(&lock);
     if (device != 0 || err)
         return fail(c, device ? EPIPE_EINVAL : err, "fakecuda: a mark on device %d", device);
-    if (!*out) {
-        if (!(*out = malloc(1)))
+    fake_mark *m = *out;
+    if (!m) {
+        if (!(m = calloc(1, sizeof *m)))
             return fail(c, EPIPE_ENOMEM, "fakecuda: no memory for a mark");
+        *out = m;
         __atomic_add_fetch(&marks_live, 1, __ATOMIC_RELAXED);
     }
-    __atomic_add_fetch(&marks_recorded, 1, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&lock);
+    fake_queue *q = queue_of(c);
+    m->c = c;
+    m->upto = q ? q->queued : 0;
+    m->at = ++marks_recorded;
+    pthread_mutex_unlock(&lock);
     return EPIPE_OK;
 }
 
-static int mark_passed(int device, void *m)
+static int mark_passed(int device, void *p)
 {
-    if (device != 0 || !m || __atomic_load_n(&marks_pending, __ATOMIC_RELAXED))
+    fake_mark *m = p;
+    if (device != 0 || !m)
         return 0;
-    __atomic_add_fetch(&marks_passed, 1, __ATOMIC_RELAXED);
-    return 1;
+    pthread_mutex_lock(&lock);
+    int passed = marks_lag >= 0 && marks_recorded - m->at >= (unsigned long)marks_lag;
+    fake_queue *q = passed ? queue_of(m->c) : NULL;
+    if (q && m->upto > q->done)
+        q->done = m->upto;
+    marks_passed += (unsigned long)passed;
+    pthread_mutex_unlock(&lock);
+    return passed;
 }
 
 static void mark_free(int device, void *m)
@@ -761,7 +845,11 @@ static void mark_free(int device, void *m)
 
 static int synchronize(epipe_codec *c)
 {
-    (void)c;
+    pthread_mutex_lock(&lock);
+    fake_queue *q = queue_of(c);
+    if (q)
+        q->done = q->queued;
+    pthread_mutex_unlock(&lock);
     return EPIPE_OK;
 }
 

@@ -182,8 +182,9 @@ static void knob_cases(const sx_memory *mem)
 static void (*fences)(unsigned long *made, unsigned long *waited, long *live);
 static void (*fail_next_fence)(int status);
 static void (*marks)(unsigned long *recorded, unsigned long *passed, long *live);
-static void (*marks_pending)(int on);
-static void (*fail_next_mark)(int status);
+static void (*marks_lag)(long lag);
+static void (*fail_mark_at)(unsigned long k, int status);
+static unsigned long (*early_frees)(void);
 static unsigned long (*host_allocs)(void);
 static long (*host_live)(void);
 static unsigned long (*dev_allocs)(void);
@@ -272,7 +273,7 @@ static void *pin_rank_main(void *p)
                              pr->mem->copy(got, in->data, sizeof got) == 0 && got[1] == host[1],
                          "rank %u step %d: the tensor received", r, step);
             }
-            if (in && pr->ordered) { /* held, with its fence, until the step's end */
+            if (in && pr->ordered) { /* held, with its fence, at least until the next hold */
                 unsigned long made, waited;
                 long live;
                 fences(&made, &waited, &live);
@@ -573,27 +574,31 @@ static void chain_verdict_case(const sx_memory *mem)
            sx_failures == before ? "ok" : "FAILED");
 }
 
-/* 40 micro-batches a step, two ranks, as `kind` with the module's marks
- * passing or not: every rank's step good, every tensor right, everything
- * given back; what was made meanwhile. */
+/* 40 micro-batches a step, two ranks, as `kind`, the module's marks
+ * passing `lag` records after they are made (-1: never), the k-th failing
+ * (fail_at, 0: none): every rank's step good, every tensor right,
+ * everything given back, and no message given back before its decode was
+ * known done; what was made meanwhile. */
 typedef struct many_run {
     unsigned long fences, marks, passed, dev_allocs;
 } many_run;
 
-static many_run many_microbatches(const sx_memory *mem, const char *kind, int pending,
-                                  int fail_mark)
+static many_run many_microbatches(const sx_memory *mem, const char *kind, long lag,
+                                  unsigned long fail_at)
 {
     many_run d = {0, 0, 0, 0};
     chain_rank a[2];
     unsigned long made0, made, waited, rec0, rec, passed0, passed, dev0 = dev_allocs();
+    unsigned long early0 = early_frees();
     long dlive = dev_live(), flive0, flive, mlive;
     fences(&made0, &waited, &flive0);
     marks(&rec0, &passed0, &mlive);
-    marks_pending(pending);
-    if (fail_mark)
-        fail_next_mark(fail_mark);
+    marks_lag(lag);
+    if (fail_at)
+        fail_mark_at(fail_at, EPIPE_EIO);
     int ran = chain_run(mem, kind, 2, 40, 0, a) == 0;
-    marks_pending(0);
+    marks_lag(0);
+    fail_mark_at(0, 0);
     if (!ran)
         return d;
     for (int i = 0; i < 2; i++)
@@ -603,6 +608,9 @@ static many_run many_microbatches(const sx_memory *mem, const char *kind, int pe
     SX_CHECK(flive == flive0 && mlive == 0 && dev_live() == dlive,
              "%ld fences, %ld marks, %ld device buffers not given back", flive - flive0, mlive,
              dev_live() - dlive);
+    SX_CHECK(early_frees() == early0,
+             "%s, lag %ld: %lu messages given back while their decodes could run", kind, lag,
+             early_frees() - early0);
     d = (many_run){made - made0, rec - rec0, passed - passed0, dev_allocs() - dev0};
     return d;
 }
@@ -612,22 +620,22 @@ static many_run many_microbatches(const sx_memory *mem, const char *kind, int pe
  * back to work; where the marks have not passed it holds 32, then waits. */
 static void many_microbatch_cases(const sx_memory *mem)
 {
-    /* GPipe, the marks not passed: the receiver holds 32, then waits and
-     * gives them back; the sender, out of device buffers meanwhile, sends
-     * the 33rd activation through host memory (no fence) */
+    /* GPipe, the marks never passing: the receiver holds 32, then waits
+     * and gives them back; the sender, out of device buffers meanwhile,
+     * sends the 33rd activation through host memory (no fence) */
     int before = sx_failures;
-    many_run g = many_microbatches(mem, "gpipe", 1, 0);
+    many_run g = many_microbatches(mem, "gpipe", -1, 0);
     SX_CHECK(g.fences > 0 && g.fences < 80 && g.passed == 0,
              "GPipe, marks pending: %lu fences, %lu marks passed", g.fences, g.passed);
     printf("a stream-ordered step of 40 micro-batches (past the 32 held): %s\n",
            sx_failures == before ? "ok" : "FAILED");
     /* 1F1B: each rank holds a message until its next receive finds the
      * mark after its decode passed, so every send, gradients and
-     * activations, stays on the device; the same with the marks pending
+     * activations, stays on the device; with the marks never passing it
      * does not (the 33rd activation finds the sender's 32 buffers held) */
     before = sx_failures;
     many_run on = many_microbatches(mem, "1f1b", 0, 0);
-    many_run off = many_microbatches(mem, "1f1b", 1, 0);
+    many_run off = many_microbatches(mem, "1f1b", -1, 0);
     SX_CHECK(on.fences == 80 && on.marks == 80 && on.passed == 78,
              "1F1B: %lu fences, %lu marks, %lu passed (80, 80, 78)", on.fences, on.marks,
              on.passed);
@@ -637,20 +645,45 @@ static void many_microbatch_cases(const sx_memory *mem)
     /* (the sender's 32 buffers all held, where buffers given back serve) */
     SX_CHECK(off.dev_allocs >= on.dev_allocs + 32,
              "device allocations: %lu, %lu with the marks pending", on.dev_allocs, off.dev_allocs);
-    /* a mark that cannot be made: that message is held to the step's end,
-     * the others given back */
-    many_run failed = many_microbatches(mem, "1f1b", 0, EPIPE_EIO);
+    /* the first mark cannot be made: that message is held to the step's
+     * end (given back early, it would count in early_frees), the others
+     * given back */
+    many_run failed = many_microbatches(mem, "1f1b", 0, 1);
     SX_CHECK(failed.fences == 80 && failed.marks == 79 && failed.passed == 77,
              "a failed mark: %lu fences, %lu marks, %lu passed (80, 79, 77)", failed.fences,
              failed.marks, failed.passed);
+    /* a GPU behind its host: marks pass three records late, and the 10th
+     * fails, so that the messages given back are some of those held,
+     * around one that is kept, and the rest move up */
+    many_run late = many_microbatches(mem, "1f1b", 3, 10);
+    SX_CHECK(late.fences == 80 && late.marks == 79 && late.passed > 0 && late.passed < 77,
+             "marks passing late: %lu fences, %lu marks, %lu passed", late.fences, late.marks,
+             late.passed);
     printf("stream-ordered messages given back as their decodes pass (40 micro-batches): %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+
+    /* Of several failed verdicts, the first received is reported, though a
+     * later one was given back first: rank 0's first activation is refused
+     * (its fence says so) and the mark after its decode cannot be made, so
+     * it is held to the step's end; its third comes after rank 0 was
+     * passed that verdict back, and goes back early, failed too. */
+    before = sx_failures;
+    chain_rank a[2];
+    fail_next_fence(EPIPE_EINVAL);
+    fail_mark_at(1, EPIPE_EIO); /* rank 1's first hold: the first activation */
+    int ran = chain_run(mem, "1f1b", 2, 4, 0, a) == 0;
+    fail_mark_at(0, 0);
+    SX_CHECK(ran && a[1].rc == EPIPE_EINVAL && strstr(a[1].why, "fakecuda: its encode failed") &&
+                 strstr(a[1].why, "activation of micro-batch 0 from rank 0"),
+             "rank 1: %d %s", a[1].rc, a[1].why);
+    printf("of failed verdicts, the first received is reported: %s\n",
            sx_failures == before ? "ok" : "FAILED");
 }
 
 /* Stream-ordered stages: each device payload carries a fence its
  * receiver waits for on the device, and the message (fence and buffer)
- * is held until the step's end; a stage destroyed mid-step gives what it
- * holds back. The knob itself: 0 or 1, between steps only. */
+ * is held until its decode is known done, at the latest the step's end; a
+ * stage destroyed mid-step gives what it holds back. The knob itself: 0 or 1, between steps only. */
 static void ordered_cases(const sx_memory *mem)
 {
     int before = sx_failures;
@@ -735,12 +768,13 @@ int main(void)
         *(void **)&fences = dlsym(so, "fakecuda_fences");
         *(void **)&fail_next_fence = dlsym(so, "fakecuda_fail_next_fence");
         *(void **)&marks = dlsym(so, "fakecuda_marks");
-        *(void **)&marks_pending = dlsym(so, "fakecuda_marks_pending");
-        *(void **)&fail_next_mark = dlsym(so, "fakecuda_fail_next_mark");
+        *(void **)&marks_lag = dlsym(so, "fakecuda_marks_lag");
+        *(void **)&fail_mark_at = dlsym(so, "fakecuda_fail_mark_at");
+        *(void **)&early_frees = dlsym(so, "fakecuda_early_frees");
     }
     if (!mem.alloc || !mem.free || !mem.copy || !last_stream || !host_allocs || !host_live ||
-        !dev_allocs || !dev_live || !fences || !fail_next_fence || !marks || !marks_pending ||
-        !fail_next_mark) {
+        !dev_allocs || !dev_live || !fences || !fail_next_fence || !marks || !marks_lag ||
+        !fail_mark_at || !early_frees) {
         fprintf(stderr, "EPIPE_CUDA_MODULE must name the test module (fakecuda)\n");
         return 1;
     }
