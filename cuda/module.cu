@@ -183,6 +183,26 @@ static int cuda_check(epipe_codec *c, const DLTensor *t, const char *what, int *
                                    "%s: %s says CUDA device %d, but its data is on device %d", name,
                                    what, (int)t->device.device_id, a.device);
     }
+    /* The work goes on the handle's stream, which belongs to one device (but
+     * for the default streams, every device's): a kernel launched there for
+     * another device's tensor fails, or worse. */
+    cudaStream_t s = epipe_cuda_stream(c);
+    if (s && s != cudaStreamLegacy && s != cudaStreamPerThread) {
+        int sd = -1;
+        cudaError_t e = cudaStreamGetDevice(s, &sd);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return epipe_cuda_fail(c, EPIPE_EINVAL,
+                                   "%s: the handle's stream (epipe_codec_set_stream) %p is not a "
+                                   "CUDA stream: %s",
+                                   name, (void *)s, cudaGetErrorString(e));
+        }
+        if (sd != t->device.device_id)
+            return epipe_cuda_fail(c, EPIPE_EINVAL,
+                                   "%s: %s is on CUDA device %d, but the handle's stream "
+                                   "(epipe_codec_set_stream) is on device %d",
+                                   name, what, (int)t->device.device_id, sd);
+    }
     *device = t->device.device_id;
     return EPIPE_OK;
 }

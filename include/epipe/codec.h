@@ -404,7 +404,9 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  * is lost and only a new process recovers. */
 
 /* Sets the cudaStream_t (passed as void *) the handle's CUDA work is
- * ordered on; NULL (the default) is the legacy default stream. Work already
+ * ordered on; NULL (the default) is the legacy default stream. A stream
+ * belongs to one device: a CUDA tensor on another is EPIPE_EINVAL naming
+ * both devices (the default streams serve every device). Work already
  * enqueued on the previous stream is waited for first, and its deferred
  * status returned (the stream is set whatever it is). The CPU backend
  * stores and ignores it. Not thread-safe: one thread per handle. */

@@ -1123,7 +1123,19 @@ cudaError_t cudaStreamCreate(cudaStream_t *s)
     if (!s)
         return note(cudaErrorInvalidValue);
     *s = (cudaStream_t)malloc(16);
-    return *s ? cudaSuccess : note(cudaErrorMemoryAllocation);
+    if (!*s)
+        return note(cudaErrorMemoryAllocation);
+    *(int *)*s = current_device; /* the device it belongs to */
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamGetDevice(cudaStream_t s, int *device)
+{
+    if (!device)
+        return note(cudaErrorInvalidValue);
+    int legacy = s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread;
+    *device = legacy ? current_device : *(const int *)s;
+    return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)

@@ -175,6 +175,49 @@ static int use_device(int device)
     return cudaSetDevice(device) == cudaSuccess ? 0 : -1;
 }
 
+/* A handle whose stream belongs to another device than its tensor's is
+ * refused by name before any work is queued; the same tensor goes on a
+ * stream of its own device. Needs two devices (the emulator's, in CI:
+ * gpu-stage-2dev-emu). */
+static void stream_of_another_device(int count)
+{
+    if (count < 2) {
+        printf("a stream of another device: skipped (one device)\n");
+        return;
+    }
+    int before = sx_failures;
+    cudaStream_t s0 = NULL, s1 = NULL;
+    float *d = NULL;
+    CUDA_OK(cudaSetDevice(1));
+    CUDA_OK(cudaStreamCreate(&s1));
+    CUDA_OK(cudaSetDevice(0));
+    CUDA_OK(cudaStreamCreate(&s0));
+    CUDA_OK(cudaMalloc((void **)&d, SX_N * sizeof *d));
+    CUDA_OK(cudaMemset(d, 0, SX_N * sizeof *d));
+    epipe_codec *c;
+    SX_CHECK(epipe_codec_create(&c, "quant:bits=8") == EPIPE_OK, "%s", epipe_last_error());
+    DLTensor t = sx_view(kDLCUDA, d);
+    static uint8_t p[SX_N * 4 + 64];
+    size_t w = 0;
+    SX_CHECK(epipe_codec_set_stream(c, s1) == EPIPE_OK, "set the stream");
+    int rc = epipe_codec_encode(c, &t, p, sizeof p, &w);
+    SX_CHECK(
+        rc == EPIPE_EINVAL &&
+            strstr(epipe_codec_last_error(c), "src is on CUDA device 0, but the handle's stream") &&
+            strstr(epipe_codec_last_error(c), "is on device 1"),
+        "a stream of device 1: %d %s", rc, epipe_codec_last_error(c));
+    SX_CHECK(epipe_codec_set_stream(c, s0) == EPIPE_OK, "set the stream");
+    SX_CHECK(epipe_codec_encode(c, &t, p, sizeof p, &w) == EPIPE_OK &&
+                 epipe_codec_synchronize(c) == EPIPE_OK,
+             "a stream of device 0: %s", epipe_codec_last_error(c));
+    epipe_codec_destroy(c);
+    cudaFree(d);
+    cudaStreamDestroy(s0);
+    cudaStreamDestroy(s1);
+    printf("a stream of another device refused by name: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+}
+
 int main(void)
 {
     int count = gpu_test_devices_or_skip();
@@ -182,6 +225,7 @@ int main(void)
                      delay,     stream_sync, copy_on,  fill_on,    use_device};
     sx_run_all(&mem, "quant:bits=8", "sortquant:bits=8,mode=sample", count);
     ordered_nan_case();
+    stream_of_another_device(count);
     if (sx_failures)
         return fprintf(stderr, "%d failures\n", sx_failures), 1;
     return gpu_test_result();
