@@ -680,6 +680,101 @@ static void many_microbatch_cases(const sx_memory *mem)
            sx_failures == before ? "ok" : "FAILED");
 }
 
+/* A failed step forgets the verdicts it was given: rank 1 (callbacks)
+ * gives back early, with a failed verdict, rank 0's first activation, then
+ * fails its step on a bad gradient of its own (not a callback error: the
+ * communicator stays up); rank 0 times out waiting for it. Both run the
+ * step again, and it must succeed: the dropped verdict is not reported. */
+typedef struct cb_rank {
+    epipe_comm *comm;
+    const sx_memory *mem;
+    DLTensor t, bad;
+    int attempt;
+    int rc[2];
+    char why[2][256];
+} cb_rank;
+
+static int cb_forward(void *user, unsigned mb, const DLTensor *in, const DLTensor **out)
+{
+    cb_rank *a = user;
+    (void)mb;
+    (void)in;
+    *out = epipe_comm_rank(a->comm) == 0 ? &a->t : NULL;
+    return 0;
+}
+
+static int cb_backward(void *user, unsigned mb, const DLTensor *g, const DLTensor **g_in)
+{
+    cb_rank *a = user;
+    (void)g;
+    int first = epipe_comm_rank(a->comm) == 0;
+    *g_in = first ? NULL : a->attempt == 0 && mb == 1 ? &a->bad : &a->t;
+    return 0;
+}
+
+static void *cb_rank_main(void *p)
+{
+    cb_rank *a = p;
+    unsigned r = epipe_comm_rank(a->comm);
+    epipe_stage *st = NULL;
+    epipe_stage_callbacks cb = EPIPE_STAGE_CALLBACKS_INIT;
+    cb.user = a;
+    cb.forward = cb_forward;
+    cb.backward = cb_backward;
+    int ok = epipe_stage_create(&st, a->comm, "gpipe", 2) == EPIPE_OK &&
+             epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0) == EPIPE_OK &&
+             epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1) == EPIPE_OK &&
+             epipe_stage_set_param(st, EPIPE_STAGE_TIMEOUT_MS, r == 0 ? 500 : 5000) == EPIPE_OK &&
+             epipe_stage_set_callbacks(st, &cb) == EPIPE_OK;
+    SX_CHECK(ok, "rank %u set-up: %s", r, st ? epipe_stage_last_error(st) : epipe_last_error());
+    for (a->attempt = 0; ok && a->attempt < 2; a->attempt++) {
+        if (a->attempt == 1) /* the step again: no timeout meant, however slow the run */
+            epipe_stage_set_param(st, EPIPE_STAGE_TIMEOUT_MS, 60000);
+        a->rc[a->attempt] = epipe_stage_step(st);
+        snprintf(a->why[a->attempt], sizeof a->why[0], "%s", epipe_stage_last_error(st));
+    }
+    epipe_stage_destroy(st);
+    return NULL;
+}
+
+static void failed_step_forgets_verdict(const sx_memory *mem)
+{
+    int before = sx_failures;
+    epipe_comm *c[2];
+    if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
+        SX_CHECK(0, "inproc: %s", epipe_last_error());
+        return;
+    }
+    static int64_t shape[2] = {PIN_ROWS, SX_COLS}, bad_shape[2] = {1, SX_COLS};
+    void *dev = mem->alloc(PIN_N * sizeof(float));
+    float *host = calloc(PIN_N, sizeof *host);
+    SX_CHECK(dev && host && mem->copy(dev, host, PIN_N * sizeof *host) == 0, "memory");
+    cb_rank a[2];
+    for (int i = 0; i < 2; i++) {
+        a[i] = (cb_rank){.comm = c[i], .mem = mem};
+        a[i].t = sx_view(kDLCUDA, dev);
+        a[i].t.shape = shape;
+        a[i].bad = a[i].t;
+        a[i].bad.shape = bad_shape;
+    }
+    fail_next_fence(EPIPE_EINVAL); /* rank 0's first activation */
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++)
+        pthread_create(&th[i], NULL, cb_rank_main, &a[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    SX_CHECK(a[1].rc[0] == EPIPE_EINVAL && a[0].rc[0] == EPIPE_ETIMEDOUT,
+             "the failed step: %d (%s), %d (%s)", a[0].rc[0], a[0].why[0], a[1].rc[0], a[1].why[0]);
+    SX_CHECK(a[0].rc[1] == EPIPE_OK && a[1].rc[1] == EPIPE_OK, "the next step: %s / %s",
+             a[0].why[1], a[1].why[1]);
+    mem->free(dev);
+    free(host);
+    epipe_comm_destroy(c[0]);
+    epipe_comm_destroy(c[1]);
+    printf("a failed stream-ordered step's verdicts are not the next step's: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+}
+
 /* Stream-ordered stages: each device payload carries a fence its
  * receiver waits for on the device, and the message (fence and buffer)
  * is held until its decode is known done, at the latest the step's end; a
@@ -720,6 +815,7 @@ static void ordered_cases(const sx_memory *mem)
            sx_failures == before ? "ok" : "FAILED");
     chain_verdict_case(mem);
     many_microbatch_cases(mem);
+    failed_step_forgets_verdict(mem);
 
     before = sx_failures;
     epipe_comm *c[2];
