@@ -209,8 +209,9 @@ typedef enum epipe_stage_param {
      * or receive that waits in the stage (above), or by
      * epipe_stage_set_cuda_stream: the first error found, the stage's own
      * encodes' first, then a received payload's verdict (below), then its
-     * decodes'. (A wait inside a codec may still report an earlier call's
-     * error of that codec as its own.) A fence also carries its sender's
+     * decodes'. (A wait inside a codec's own call may still report a CUDA
+     * error that earlier work left as its own: CUDA's sticky errors belong
+     * to the process.) A fence also carries its sender's
      * verdict on the encode, and what the sender's stage had been passed,
      * so every later stage fails its step too rather than end it with
      * what a refused encode wrote, or what it made of it. The communicator
