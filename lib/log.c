@@ -20,8 +20,8 @@ static char log_subsys[256]; /* ",tcp,rendezvous," or "" for all */
 
 /* Every subsystem a log call names: EPIPE_LOG_SUBSYS names from these
  * (common.h lists them too). */
-static const char *const log_subsystems[] = {"auth",  "comm", "inproc", "rdma", "rendezvous",
-                                             "stage", "tcp",  "trace",  "codec"};
+static const char *const log_subsystems[] = {"auth",       "codec", "comm", "inproc", "rdma",
+                                             "rendezvous", "stage", "tcp",  "trace"};
 
 /* The host's callback: process-wide by design (epipe/common.h). Callers of
  * it hold the lock for reading, so a new setting waits for calls in flight

@@ -406,7 +406,8 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
 /* Sets the cudaStream_t (passed as void *) the handle's CUDA work is
  * ordered on; NULL (the default) is the legacy default stream. A stream
  * belongs to one device: a CUDA tensor on another is EPIPE_EINVAL naming
- * both devices (the default streams serve every device). Work already
+ * both devices (the default streams serve every device; a module built
+ * before CUDA 12.8, which cannot ask, does not check). Work already
  * enqueued on the previous stream is waited for first, and its deferred
  * status returned (the stream is set whatever it is). The CPU backend
  * stores and ignores it. Not thread-safe: one thread per handle. */
@@ -415,9 +416,11 @@ EPIPE_EXPERIMENTAL int epipe_codec_set_stream(epipe_codec *codec, void *stream);
 /* Blocks until the work enqueued by the handle on its stream is done and
  * returns the first deferred error since the last call (then cleared), or
  * EPIPE_OK. EPIPE_OK at once for a handle that never ran CUDA work.
- * epipe_codec_destroy() waits the same way, and a deferred error it finds,
- * which no call returned, is logged as a warning (subsystem "codec")
- * naming the handle's spec and the error. */
+ * epipe_codec_destroy() waits the same way for a handle that queued work
+ * since its last synchronize (so the stream must stay valid until then),
+ * and a value or payload refused there, which no call returned, is logged
+ * as a warning (subsystem "codec") naming the handle's spec and the error
+ * (a CUDA error is not: every call since returned it). */
 EPIPE_EXPERIMENTAL int epipe_codec_synchronize(epipe_codec *codec);
 
 #ifdef __cplusplus

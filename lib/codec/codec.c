@@ -105,6 +105,7 @@ EPIPE_API void epipe_codec_destroy(epipe_codec *c)
 {
     if (!c)
         return;
+    epipe_codec_cuda_report_unsynced(c); /* first: its checks read the codec's state */
     if (c->ops && c->ops->release)
         c->ops->release(c);
     epipe_codec_ef_release(c);
@@ -400,7 +401,9 @@ int epipe_codec_decode_with(epipe_codec *c, const epipe_codec_backend *be, const
     uint8_t hdr[EPIPE_PAYLOAD_HEADER];
     const void *hp = src;
     if (is_cuda(dst) && len >= EPIPE_PAYLOAD_HEADER) {
-        if ((rc = epipe_codec_cuda_peek(c, src, len, n, hdr)))
+        int dev; /* dst checked (its device, the stream's) before any copy */
+        if ((rc = epipe_codec_cuda_check(c, dst, "dst", &dev)) ||
+            (rc = epipe_codec_cuda_peek(c, src, len, n, hdr)))
             return rc;
         hp = hdr;
     } else if (!is_cuda(dst) && epipe_codec_cuda_is_device_memory(src)) {

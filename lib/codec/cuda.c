@@ -464,22 +464,30 @@ int epipe_codec_cuda_is_device_memory(const void *p)
     return m && p && m->locate(p, &dev) == 1;
 }
 
-void epipe_codec_cuda_release(epipe_codec *c)
+void epipe_codec_cuda_report_unsynced(epipe_codec *c)
 {
-    if (!c->cuda)
-        return;
-    const epipe_cuda_module *m = loaded_module();
+    const epipe_cuda_module *m = c->cuda && c->cuda_unsynced ? loaded_module() : NULL;
     if (!m) /* c->cuda exists only if a module made it */
         return;
-    /* An error the device noted that no synchronize returned: a host that
-     * destroys the handle would never learn that a tensor it may have used
-     * is garbage. The frees in release wait for the device anyway. */
-    if (c->cuda_unsynced && m->synchronize(c) != EPIPE_OK)
+    /* An error the device noted (a value or a payload refused: a CUDA
+     * error, sticky, was returned by every call since) that no synchronize
+     * returned: a host that destroys the handle would never learn that a
+     * tensor it may have used is garbage. The frees in release wait for
+     * the device anyway. */
+    int rc = m->synchronize(c);
+    c->cuda_unsynced = 0;
+    if (rc == EPIPE_EINVAL || rc == EPIPE_EPROTO)
         epipe_log_msg(EPIPE_LOG_WARN, -1, "codec",
                       "epipe_codec_destroy(%s): an error no epipe_codec_synchronize() "
                       "returned: %s",
                       c->spec, c->msg);
-    m->release(c);
+}
+
+void epipe_codec_cuda_release(epipe_codec *c)
+{
+    const epipe_cuda_module *m = c->cuda ? loaded_module() : NULL;
+    if (m) /* c->cuda exists only if a module made it */
+        m->release(c);
 }
 
 static int synchronize(epipe_codec *c)
@@ -487,8 +495,10 @@ static int synchronize(epipe_codec *c)
     if (!c->cuda)
         return EPIPE_OK; /* CPU work is done when its call returns */
     const epipe_cuda_module *m = loaded_module();
-    c->cuda_unsynced = 0;
-    return m ? m->synchronize(c) : EPIPE_OK;
+    int rc = m ? m->synchronize(c) : EPIPE_OK;
+    /* a failure may hold a second one back for the next synchronize */
+    c->cuda_unsynced = rc != EPIPE_OK;
+    return rc;
 }
 
 EPIPE_EXPERIMENTAL int epipe_codec_set_stream(epipe_codec *c, void *stream)

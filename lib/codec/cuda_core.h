@@ -110,7 +110,11 @@ void epipe_cuda_dev_free(int device, void *p); /* p allocated on `device` */
  * `device` (EPIPE_ENOTSUP where no module is loaded: it loads nothing),
  * freed by epipe_codec_cuda_host_free(). */
 int epipe_cuda_pinned_alloc(int device, size_t bytes, void **p);
-/* Frees the module's per-handle state (epipe_codec_destroy). */
+/* epipe_codec_destroy: first a handle with kernels queued since its last
+ * synchronize is synchronized, and a refusal found there (a value or a
+ * payload) logged as a warning, as nothing else would report it; then the
+ * module's per-handle state is freed. */
+void epipe_codec_cuda_report_unsynced(epipe_codec *c);
 void epipe_codec_cuda_release(epipe_codec *c);
 
 #endif

@@ -203,8 +203,8 @@ def test_ctrl_c_interrupts_a_blocked_receive():
     ({"EPIPE_LOG": "loud"}, 1,
      ["EPIPE_LOG=loud is not one of error, warn, info, debug; using warn"]),
     ({"EPIPE_LOG_SUBSYS": "tcp,rendevous,,x"}, 2,
-     ["names 'rendevous', which is not a subsystem (auth, comm, inproc, rdma, rendezvous, stage, "
-      "tcp, trace)", "names 'x', which is not a subsystem"]),
+     ["names 'rendevous', which is not a subsystem (auth, codec, comm, inproc, rdma, rendezvous, "
+      "stage, tcp, trace)", "names 'x', which is not a subsystem"]),
     ({"EPIPE_LOG_SUBSYS": "tcp," * 80}, 1, ["EPIPE_LOG_SUBSYS=tcp,tcp,", "is too long"]),
     ({"EPIPE_LOG": "INFO", "EPIPE_LOG_SUBSYS": "comm,tcp"}, 0, []),
 ])

@@ -920,6 +920,41 @@ static void destroy_reports_unreturned(const char *spec)
     cudaFree(d);
 }
 
+/* Two refused payloads, one synchronize: it returns the first and holds
+ * the second, which destroy then says on the log. */
+static void destroy_reports_held(void)
+{
+    size_t n = 1000;
+    int64_t shape[1] = {(int64_t)n};
+    epipe_codec *gpu;
+    epipe_codec_create(&gpu, "topk:ratio=0.1");
+    std::vector<uint8_t> good = cpu_payload("topk:ratio=0.1", n, 4), header(good), entry(good);
+    size_t w = good.size();
+    header[0] = 0xff;
+    uint32_t far = 5000;
+    memcpy(&entry[16 + 4 * 7], &far, 4);
+    uint8_t *dg = device_copy(good, w), *dh = device_copy(header, w), *de = device_copy(entry, w);
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&d, n * 4));
+    DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat);
+    epipe_set_log_callback(destroy_log, NULL);
+    destroy_warnings = 0;
+    CHECK(epipe_codec_decode(gpu, dh, w, &dd) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    for (int i = 0; i < 16; i++)
+        CHECK(epipe_codec_decode(gpu, dg, w, &dd) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_decode(gpu, de, w, &dd) == EPIPE_OK, "%s", epipe_codec_last_error(gpu));
+    CHECK(epipe_codec_synchronize(gpu) == EPIPE_EPROTO, "the first: %s",
+          epipe_codec_last_error(gpu));
+    epipe_codec_destroy(gpu);
+    CHECK(destroy_warnings == 1 && strstr(destroy_said, "entry 7 has an index out of range"),
+          "the held one at destroy: %d warnings, '%s'", destroy_warnings, destroy_said);
+    epipe_set_log_callback(NULL, NULL);
+    cudaFree(dg);
+    cudaFree(dh);
+    cudaFree(de);
+    cudaFree(d);
+}
+
 /* One infinity alone, of either sign: refused by synchronize, naming it,
  * and never a hang (a chunk whose extent reached -inf once made the table
  * kernel's step search loop forever: exact mode sorts every value, the
@@ -1749,6 +1784,7 @@ int main(void)
     deferred_nonfinite("sortquant:bits=8,mode=sample", 200000);
     destroy_reports_unreturned("quant:bits=8");
     destroy_reports_unreturned("topk:ratio=0.1");
+    destroy_reports_held();
     for (const char *s : {"quant:bits=8", "quant:bits=4,rows=1", "sortquant:bits=8,mode=sample",
                           "sortquant:bits=8,mode=fit", "sortquant:bits=8,mode=exact",
                           "sortquant:bits=12,split=6,mode=exact", "topk:ratio=0.1"})
