@@ -143,6 +143,47 @@ static void restore_device(int device)
         cudaSetDevice(device);
 }
 
+/* The work goes on the handle's stream, which belongs to one device (the
+ * default streams serve every device): a kernel launched there for another
+ * device's tensor fails, or worse. EPIPE_EINVAL naming both, or a handle
+ * that is not a stream; another CUDA error (a sticky one) as any. Where
+ * the runtime cannot tell (built before CUDA 12.8, or a driver that old),
+ * nothing is checked. */
+static int stream_on(epipe_codec *c, int device, const char *what)
+{
+    cudaStream_t s = epipe_cuda_stream(c);
+    if (!s || s == cudaStreamLegacy || s == cudaStreamPerThread)
+        return EPIPE_OK;
+#if CUDART_VERSION >= 12080
+    int sd = -1;
+    cudaError_t e = cudaStreamGetDevice(s, &sd);
+    if (e == cudaErrorCallRequiresNewerDriver || e == cudaErrorNotSupported) {
+        cudaGetLastError();
+        return EPIPE_OK;
+    }
+    if (e == cudaErrorInvalidResourceHandle || e == cudaErrorInvalidValue ||
+        e == cudaErrorContextIsDestroyed) {
+        cudaGetLastError();
+        return epipe_cuda_fail(c, EPIPE_EINVAL,
+                               "%s: the handle's stream (epipe_codec_set_stream) %p is not a CUDA "
+                               "stream: %s",
+                               c->ops->name, (void *)s, cudaGetErrorString(e));
+    }
+    int rc = epipe_cuda_check(c, e, "asking the device of the handle's stream");
+    if (!rc && sd != device)
+        rc = epipe_cuda_fail(c, EPIPE_EINVAL,
+                             "%s: %s is on CUDA device %d, but the handle's stream "
+                             "(epipe_codec_set_stream) is on device %d",
+                             c->ops->name, what, device, sd);
+    return rc;
+#else
+    (void)c;
+    (void)device;
+    (void)what;
+    return EPIPE_OK;
+#endif
+}
+
 static int cuda_check(epipe_codec *c, const DLTensor *t, const char *what, int *device)
 {
     const char *name = c->ops->name;
@@ -183,26 +224,9 @@ static int cuda_check(epipe_codec *c, const DLTensor *t, const char *what, int *
                                    "%s: %s says CUDA device %d, but its data is on device %d", name,
                                    what, (int)t->device.device_id, a.device);
     }
-    /* The work goes on the handle's stream, which belongs to one device (but
-     * for the default streams, every device's): a kernel launched there for
-     * another device's tensor fails, or worse. */
-    cudaStream_t s = epipe_cuda_stream(c);
-    if (s && s != cudaStreamLegacy && s != cudaStreamPerThread) {
-        int sd = -1;
-        cudaError_t e = cudaStreamGetDevice(s, &sd);
-        if (e != cudaSuccess) {
-            cudaGetLastError();
-            return epipe_cuda_fail(c, EPIPE_EINVAL,
-                                   "%s: the handle's stream (epipe_codec_set_stream) %p is not a "
-                                   "CUDA stream: %s",
-                                   name, (void *)s, cudaGetErrorString(e));
-        }
-        if (sd != t->device.device_id)
-            return epipe_cuda_fail(c, EPIPE_EINVAL,
-                                   "%s: %s is on CUDA device %d, but the handle's stream "
-                                   "(epipe_codec_set_stream) is on device %d",
-                                   name, what, (int)t->device.device_id, sd);
-    }
+    int rc = stream_on(c, t->device.device_id, what);
+    if (rc)
+        return rc;
     *device = t->device.device_id;
     return EPIPE_OK;
 }
@@ -1304,8 +1328,11 @@ static void dev_free(int device, void *p)
  * copy complete. */
 static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, size_t bytes)
 {
+    int rc = stream_on(c, device, "the tensor to copy");
+    if (rc)
+        return rc;
     int prev = caller_device();
-    int rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the tensor's device");
+    rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the tensor's device");
     if (!rc)
         rc = epipe_cuda_check(
             c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, epipe_cuda_stream(c)),

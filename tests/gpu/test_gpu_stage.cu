@@ -210,6 +210,20 @@ static void stream_of_another_device(int count)
     SX_CHECK(epipe_codec_encode(c, &t, p, sizeof p, &w) == EPIPE_OK &&
                  epipe_codec_synchronize(c) == EPIPE_OK,
              "a stream of device 0: %s", epipe_codec_last_error(c));
+    /* decodes of a device payload, deferred (its own length) or read
+     * first (a longer one): refused by name too */
+    uint8_t *dp = NULL;
+    CUDA_OK(cudaMalloc((void **)&dp, w + 4));
+    CUDA_OK(cudaMemcpy(dp, p, w, cudaMemcpyHostToDevice));
+    SX_CHECK(epipe_codec_set_stream(c, s1) == EPIPE_OK, "set the stream");
+    for (size_t len = w; len <= w + 4; len += 4) {
+        rc = epipe_codec_decode(c, dp, len, &t);
+        SX_CHECK(rc == EPIPE_EINVAL && strstr(epipe_codec_last_error(c),
+                                              "dst is on CUDA device 0, but the handle's stream"),
+                 "a decode of %zu bytes on a stream of device 1: %d %s", len, rc,
+                 epipe_codec_last_error(c));
+    }
+    cudaFree(dp);
     epipe_codec_destroy(c);
     cudaFree(d);
     cudaStreamDestroy(s0);
