@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Hostile peers against a real TCP rendezvous on loopback: a memory bomb of
 huge hello headers, unauthenticated REGISTERs that claim a taken rank or
-another world size, a flood of idle connections while a rank joins, and key
-files that are not regular files. Usage: check_rdv_attacks.py TCP_TRAINER."""
+another world size, a flood of idle connections while a rank joins, an
+outsider's ERROR text made to forge log lines, and key files that are not
+regular files. Usage: check_rdv_attacks.py TCP_TRAINER."""
 import os
 import socket
 import subprocess
@@ -248,7 +249,44 @@ if not good or retried < 2:
     fail("rank 1 did not get through dropped handshakes:\n%s\n%s" % (r0.text(), r1.text()))
 stop_proxy(lst)
 
-# 4. Key files that are not regular files fail at once, with a message.
+# 4. What an outsider says is not written raw into rank 0's log: an ERROR
+# before any proof whose text would forge a log line and colour the terminal.
+port = free_port()
+r0 = Rank(0, 2, port, keyed)
+if not wait_listening(port):
+    fail("rank 0 does not listen")
+forged = "epipe[rank 0] rendezvous: rank 1 registered from 10.9.9.9:1 (forged)"
+try:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(rdv_peer.error("bad\n" + forged + "\x1b[31m red", src=1, about=0))
+    time.sleep(0.3)
+    s.close()
+except OSError as e:
+    fail("the outsider could not connect: %s" % e)
+refused = r0.wait_log("it refused this rank")
+for _ in range(25):  # and then garbage, whose refusals are logged up to 10, then counted
+    try:
+        g = socket.create_connection(("127.0.0.1", port), timeout=5)
+        g.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        g.recv(256)
+        g.close()
+    except OSError:
+        pass
+good = group(2, port, keyed, r0)
+warned = sum("refused the connection from" in l for l in r0.err)
+total = [l for l in r0.err if "connections in all; the first 10 are logged" in l]
+print("26 refused connections (and more): %d logged, then %s" % (warned, total[0].strip() if total else None))
+counted = int(total[0].split("refused ")[1].split()[0]) if total else 0
+if warned != 10 or counted < 26:  # (and wait_listening's probe)
+    fail("refusals not limited in the log:\n" + "".join(r0.err[-20:]))
+raw = [l for l in r0.err if "\x1b" in l or l.startswith(forged)]
+said = [l for l in r0.err if "it refused this rank" in l]
+print("an outsider's ERROR with a newline and an escape: logged as %r; %s" %
+      (said[0].strip()[-90:] if said else None, "the group completed" if good else "FAILED"))
+if not refused or raw or not said or "bad?epipe[rank 0]" not in said[0]:
+    fail("rank 0 logged the outsider's text raw, or not at all:\n" + "".join(r0.err))
+
+# 5. Key files that are not regular files fail at once, with a message.
 fifo = os.path.join(tmp.name, "fifo")
 os.mkfifo(fifo)
 big = os.path.join(tmp.name, "big")

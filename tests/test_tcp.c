@@ -626,6 +626,68 @@ static void test_accept_out_of_descriptors(void **state)
     assert_non_null(strstr(a0.err, strerror(EMFILE)));
 }
 
+/* A flood of idle connections that runs rank 0 out of descriptors while
+ * some are pending does not fail the rendezvous: the oldest silent one is
+ * dropped to make room, as when the pending slots are full, and rank 1
+ * (a child, let go once the flood is in) still joins. */
+static void test_accept_flood_out_of_descriptors(void **state)
+{
+    (void)state;
+    unsigned port = test_free_port();
+    int flooded[2], go[2];
+    assert_int_equal(pipe(flooded), 0);
+    assert_int_equal(pipe(go), 0);
+    pid_t flooder = fork();
+    assert_true(flooder >= 0);
+    if (flooder == 0) { /* 40 connections that never say anything */
+        int n = 0;
+        for (int i = 0; i < 40; i++) /* the first once rank 0 listens */
+            n += try_connect(port, i ? 1 : 500) >= 0;
+        char b = n == 40 ? 'y' : 'n';
+        if (write(flooded[1], &b, 1) != 1)
+            _exit(1);
+        pause();
+        _exit(0);
+    }
+    pid_t rank1 = fork(); /* before the limit below: it needs its descriptors */
+    assert_true(rank1 >= 0);
+    if (rank1 == 0) {
+        char b;
+        epipe_comm *c;
+        if (read(go[0], &b, 1) != 1 ||
+            epipe_comm_create_tcp(&c, 1, 2, "127.0.0.1", port, "init_timeout_ms=5000"))
+            _exit(1);
+        epipe_comm_destroy(c);
+        _exit(0);
+    }
+    int lowest = dup(0);
+    assert_true(lowest >= 0);
+    close(lowest);
+    struct rlimit old, lim;
+    assert_int_equal(getrlimit(RLIMIT_NOFILE, &old), 0);
+    lim = old;
+    lim.rlim_cur = (rlim_t)lowest + 6; /* the listener and five more */
+    assert_int_equal(setrlimit(RLIMIT_NOFILE, &lim), 0);
+    struct rank_arg a0;
+    start_rank(&a0, 0, 2, port, "init_timeout_ms=5000");
+    char b = 0;
+    assert_int_equal(read(flooded[0], &b, 1), 1);
+    assert_int_equal(write(go[1], "g", 1), 1);
+    pthread_join(a0.th, NULL);
+    int status = 0;
+    waitpid(rank1, &status, 0);
+    setrlimit(RLIMIT_NOFILE, &old);
+    kill(flooder, SIGKILL);
+    waitpid(flooder, NULL, 0);
+    for (int i = 0; i < 2; i++)
+        close(flooded[i]), close(go[i]);
+    print_message("%s (%.2f s)\n", a0.rc ? a0.err : "formed", a0.seconds);
+    assert_int_equal(b, 'y');
+    assert_int_equal(a0.rc, EPIPE_OK);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    epipe_comm_destroy(a0.c);
+}
+
 /* A fork's child cannot use its parent's communicator, and gives up its
  * copies of the sockets at once: a rank that dies while a child it forked
  * lives on (a data loader's worker) is seen gone by its peers at once, not
@@ -1013,6 +1075,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_port_in_use),
         cmocka_unit_test(test_unreachable_master),
         cmocka_unit_test(test_accept_out_of_descriptors),
+        cmocka_unit_test(test_accept_flood_out_of_descriptors),
         cmocka_unit_test(test_world_size_mismatch),
         cmocka_unit_test(test_garbage_and_version),
         cmocka_unit_test(test_master_version),

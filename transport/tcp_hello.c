@@ -47,6 +47,11 @@ int epipe_tcp_hello_decode(const uint8_t *p, size_t len, struct epipe_tcp_hello 
     h->stream = epipe_get_u32(p + 16);
     h->port = (uint16_t)epipe_tcp_get_u16(p + 20);
     memcpy(h->addr, p + 24, EPIPE_TCP_ADDR_MAX - 1);
+    h->addr[EPIPE_TCP_ADDR_MAX - 1] = 0;
+    for (const char *a = h->addr; *a; a++) /* logged, and resolved: text only */
+        if ((unsigned char)*a < 0x20 || (unsigned char)*a >= 0x7f)
+            return epipe_fail(EPIPE_EPROTO, "hello address has a byte that is not text (0x%02x)",
+                              (unsigned char)*a);
     memcpy(h->nonce, p + 88, EPIPE_TCP_NONCE);
     memcpy(h->mac, p + 120, EPIPE_TCP_MAC);
     h->job = epipe_get_u64(p + 152);
@@ -198,14 +203,26 @@ void epipe_tcp_send_error(int fd, unsigned src, unsigned dst, unsigned about, in
                        epipe_now_ms() + 1000);
 }
 
+char *epipe_tcp_peer_text(char *out, size_t cap, const void *text, size_t len)
+{
+    const unsigned char *p = text;
+    size_t n = 0;
+    for (size_t i = 0; cap && i < len && n + 1 < cap && p[i]; i++)
+        out[n++] = p[i] >= 0x20 && p[i] < 0x7f ? (char)p[i] : '?';
+    if (cap)
+        out[n] = 0;
+    return out;
+}
+
 /* Turns a received ERROR into a status and a message. */
 int epipe_tcp_error_from(const struct epipe_tcp_reader *r, const char *who)
 {
     int status = -(int)r->h.step;
     if (status > -1 || status < -64)
         status = EPIPE_EPEER;
-    return epipe_fail(status, "%s refused this rank: %.*s", who, (int)r->h.payload_len,
-                      (const char *)r->payload);
+    char said[200];
+    return epipe_fail(status, "%s refused this rank: %s", who,
+                      epipe_tcp_peer_text(said, sizeof said, r->payload, r->h.payload_len));
 }
 
 /* Connector: HELLO, then CHALLENGE, PROOF, WELCOME. `who` names the peer.
@@ -319,7 +336,8 @@ out:
 void epipe_tcp_refuse(struct epipe_tcp_rdv *s, struct epipe_tcp_pending *p, int status,
                       const char *why)
 {
-    epipe_log_warn((int)s->rank, "rendezvous", "refused the connection from %s: %s", p->from, why);
+    epipe_log_msg(s->refused++ < REFUSALS_LOGGED ? EPIPE_LOG_WARN : EPIPE_LOG_DEBUG, (int)s->rank,
+                  "rendezvous", "refused the connection from %s: %s", p->from, why);
     snprintf(s->last_refusal, sizeof s->last_refusal, "%.40s: %.150s", p->from, why);
     if (status)
         epipe_tcp_send_error(p->fd, s->rank, p->hi.rank, s->rank, status, why);
@@ -343,8 +361,9 @@ int epipe_tcp_accept_step(struct epipe_tcp_rdv *s, struct epipe_tcp_pending *p)
     }
     char why[EPIPE_ERRMSG_MAX];
     if (p->r.h.kind == EPIPE_WIRE_ERROR) {
-        snprintf(why, sizeof why, "it refused this rank: %.*s", (int)p->r.h.payload_len,
-                 (const char *)p->r.payload);
+        char said[200];
+        snprintf(why, sizeof why, "it refused this rank: %s",
+                 epipe_tcp_peer_text(said, sizeof said, p->r.payload, p->r.h.payload_len));
         epipe_tcp_refuse(s, p, 0, why);
         return 1;
     }

@@ -195,4 +195,10 @@ size_t epipe_tcp_record_size(void);
 int epipe_tcp_debug_send_raw(epipe_comm *c, unsigned peer, const void *bytes, size_t len,
                              int close_after);
 
+/* A peer's text (an ERROR's, up to its first NUL) as one line of printable
+ * ASCII in out[cap]: any other byte becomes '?', so that what a peer says,
+ * before it has proved anything too, cannot forge log lines or send
+ * terminal escapes into a log or an error message. Returns out. */
+char *epipe_tcp_peer_text(char *out, size_t cap, const void *text, size_t len);
+
 #endif

@@ -150,9 +150,9 @@ static void finish(struct tcp *t, struct conn *k)
         char by[32] = "";
         if (k->peer != about)
             snprintf(by, sizeof by, "reported by rank %u: ", k->peer);
-        snprintf(why, sizeof why, "%s%.*s", by,
-                 (int)(k->rx_need < sizeof why ? k->rx_need : sizeof why),
-                 (const char *)m->data + m->hdr.header_len);
+        char said[200];
+        snprintf(why, sizeof why, "%s%s", by,
+                 epipe_tcp_peer_text(said, sizeof said, m->data + m->hdr.header_len, k->rx_need));
         if (about < c->size && about != c->rank)
             peer_failed(t, about, EPIPE_EPEER, why);
         break;

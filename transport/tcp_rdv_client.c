@@ -34,8 +34,10 @@ int epipe_tcp_ctl_step(struct epipe_tcp_rdv *s)
     if (s->ctl_r.h.kind == EPIPE_WIRE_ERROR) {
         s->ctl_heard = 1;
         rc = -(int)s->ctl_r.h.step;
-        rc = epipe_fail(rc > -1 || rc < -64 ? EPIPE_EPEER : rc, "rendezvous: rank 0 reports: %.*s",
-                        (int)s->ctl_r.h.payload_len, (const char *)s->ctl_r.payload);
+        char said[200];
+        rc = epipe_fail(
+            rc > -1 || rc < -64 ? EPIPE_EPEER : rc, "rendezvous: rank 0 reports: %s",
+            epipe_tcp_peer_text(said, sizeof said, s->ctl_r.payload, s->ctl_r.h.payload_len));
     } else if ((rc = epipe_tcp_hello_decode(s->ctl_r.payload, s->ctl_r.h.payload_len, &h)) ==
                EPIPE_OK) {
         if (h.type == HT_GO)

@@ -187,7 +187,7 @@ static int watch_rank(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g, uns
     if (rc < 0)
         snprintf(why, sizeof why, "%s", epipe_last_error());
     else if (r->h.kind == EPIPE_WIRE_ERROR)
-        snprintf(why, sizeof why, "%.*s", (int)r->h.payload_len, (const char *)r->payload);
+        epipe_tcp_peer_text(why, sizeof why, r->payload, r->h.payload_len);
     else if (epipe_tcp_hello_decode(r->payload, r->h.payload_len, &h) == EPIPE_OK &&
              h.type == HT_READY && g->table_sent && !g->ready[q]) {
         epipe_tcp_reader_reset(r);
@@ -315,11 +315,30 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
             struct sockaddr_storage ss;
             socklen_t len = sizeof ss;
             int fd = accept4(lfd, (struct sockaddr *)&ss, &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
-            if (fd < 0 &&
-                (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
-                /* Out of descriptors or memory here: the connection stays
-                 * in the backlog, so polling again would spin until the
-                 * init timeout while the peer waits for an answer. */
+            int short_of = fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+                                      errno == ENOMEM);
+            if (short_of && npend > 0) {
+                /* Out of descriptors (or memory) while connections are
+                 * pending: the oldest silent or unproven one makes room, as
+                 * when the slots are full, so that a flood of idle
+                 * connections cannot fail the rendezvous of those who hold
+                 * the key; the next round accepts again. */
+                unsigned v = evictee(pend, npend);
+                epipe_log_msg(dropped++ ? EPIPE_LOG_DEBUG : EPIPE_LOG_WARN, (int)s->rank,
+                              "rendezvous",
+                              "cannot accept a connection (%s); dropping the oldest %s pending "
+                              "one, from %s",
+                              strerror(errno), pend[v].phase ? "unproven" : "silent", pend[v].from);
+                close(pend[v].fd);
+                epipe_tcp_reader_reset(&pend[v].r);
+                pend[v] = pend[--npend];
+                continue;
+            }
+            if (short_of) {
+                /* Out of descriptors or memory with nothing pending to
+                 * drop: the connection stays in the backlog, so polling
+                 * again would spin until the init timeout while the peer
+                 * waits for an answer. */
                 rc = epipe_fail(errno == EMFILE || errno == ENFILE ? EPIPE_EIO : EPIPE_ENOMEM,
                                 "rendezvous: rank %u: cannot accept a connection: %s%s", s->rank,
                                 strerror(errno),
@@ -348,6 +367,10 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
             }
         }
     }
+    if (s->refused > REFUSALS_LOGGED)
+        epipe_log_warn((int)s->rank, "rendezvous",
+                       "refused %llu connections in all; the first %d are logged above",
+                       (unsigned long long)s->refused, REFUSALS_LOGGED);
     if (dropped)
         epipe_log_info((int)s->rank, "rendezvous",
                        "dropped %llu pending connections in all "

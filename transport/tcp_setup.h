@@ -98,6 +98,7 @@ struct epipe_tcp_rdv {
     unsigned nlinks, links_cap;
     uint8_t *have;                 /* [size] bit s: stream s of that peer is connected */
     char last_refusal[200];        /* the last connection the acceptor refused, for timeouts */
+    uint64_t refused;              /* connections refused: the first REFUSALS_LOGGED are warned */
     int ctl;                       /* ranks > 0, after the table: the connection to rank 0 */
     struct epipe_tcp_reader ctl_r; /* what rank 0 says on it before GO: an ERROR, or GO */
     int go;                        /* rank 0 said GO */
@@ -152,6 +153,9 @@ int epipe_tcp_client_handshake(struct epipe_tcp_rdv *s, int fd, unsigned type, u
  * be believed, and the WELCOME is the caller's to send. */
 int epipe_tcp_accept_step(struct epipe_tcp_rdv *s, struct epipe_tcp_pending *p);
 /* Logs why p is refused, tells it (status != 0) and closes it. */
+/* Refusals logged as warnings in one rendezvous; the rest at debug level,
+ * with their count at the end (a flood must not flood the log). */
+#define REFUSALS_LOGGED 10
 void epipe_tcp_refuse(struct epipe_tcp_rdv *s, struct epipe_tcp_pending *p, int status,
                       const char *why);
 

@@ -19,6 +19,9 @@ static void check_hello(const uint8_t *p, size_t n)
     }
     if (h.addr[EPIPE_TCP_ADDR_MAX - 1] != '\0')
         abort();
+    for (const char *a = h.addr; *a; a++) /* an address is text: it is logged */
+        if ((unsigned char)*a < 0x20 || (unsigned char)*a >= 0x7f)
+            abort();
     uint8_t buf[HELLO_SIZE];
     epipe_tcp_hello_encode(&h, buf);
     if (epipe_tcp_hello_decode(buf, sizeof buf, &h2) != EPIPE_OK || h.type != h2.type ||
