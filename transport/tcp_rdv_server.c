@@ -168,6 +168,22 @@ static unsigned evictee(const struct epipe_tcp_pending *pend, unsigned n)
     return best;
 }
 
+/* Drops the pending connection evictee() picks, `why` (said once as a
+ * warning: a flood must not flood the log too, then counted in *dropped);
+ * the pending count left. */
+static unsigned drop_oldest(const struct epipe_tcp_rdv *s, struct epipe_tcp_pending *pend,
+                            unsigned npend, uint64_t *dropped, const char *why)
+{
+    unsigned v = evictee(pend, npend);
+    epipe_log_msg((*dropped)++ ? EPIPE_LOG_DEBUG : EPIPE_LOG_WARN, (int)s->rank, "rendezvous",
+                  "%s; dropping the oldest %s one, from %s", why,
+                  pend[v].phase ? "unproven" : "silent", pend[v].from);
+    close(pend[v].fd);
+    epipe_tcp_reader_reset(&pend[v].r);
+    pend[v] = pend[--npend];
+    return npend;
+}
+
 /* Something arrived on rank q's registration connection: READY once the
  * table is out, else it failed (closed, an ERROR, anything else). Before
  * the table a failed rank is forgotten and may register again; after it,
@@ -323,15 +339,9 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
                  * when the slots are full, so that a flood of idle
                  * connections cannot fail the rendezvous of those who hold
                  * the key; the next round accepts again. */
-                unsigned v = evictee(pend, npend);
-                epipe_log_msg(dropped++ ? EPIPE_LOG_DEBUG : EPIPE_LOG_WARN, (int)s->rank,
-                              "rendezvous",
-                              "cannot accept a connection (%s); dropping the oldest %s pending "
-                              "one, from %s",
-                              strerror(errno), pend[v].phase ? "unproven" : "silent", pend[v].from);
-                close(pend[v].fd);
-                epipe_tcp_reader_reset(&pend[v].r);
-                pend[v] = pend[--npend];
+                char why[96];
+                snprintf(why, sizeof why, "cannot accept a connection (%s)", strerror(errno));
+                npend = drop_oldest(s, pend, npend, &dropped, why);
                 continue;
             }
             if (short_of) {
@@ -347,16 +357,9 @@ int epipe_tcp_accept_loop(struct epipe_tcp_rdv *s, struct epipe_tcp_registry *g,
             }
             if (fd >= 0) {
                 if (npend == MAX_PENDING) {
-                    unsigned v = evictee(pend, npend);
-                    /* Said once; a flood must not flood the log too. */
-                    epipe_log_msg(dropped++ ? EPIPE_LOG_DEBUG : EPIPE_LOG_WARN, (int)s->rank,
-                                  "rendezvous",
-                                  "too many pending connections (%d); dropping the "
-                                  "oldest %s one, from %s",
-                                  MAX_PENDING, pend[v].phase ? "unproven" : "silent", pend[v].from);
-                    close(pend[v].fd);
-                    epipe_tcp_reader_reset(&pend[v].r);
-                    pend[v] = pend[--npend];
+                    char why[64];
+                    snprintf(why, sizeof why, "too many pending connections (%d)", MAX_PENDING);
+                    npend = drop_oldest(s, pend, npend, &dropped, why);
                 }
                 struct epipe_tcp_pending *p = &pend[npend++];
                 memset(p, 0, sizeof *p);
