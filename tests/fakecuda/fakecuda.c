@@ -601,12 +601,18 @@ static int host_alloc(int device, size_t bytes, void **p, char *why, size_t cap)
     return EPIPE_ENOMEM;
 }
 
+/* free(p), one fewer of `live` alive. */
+static void free_counted(long *live, void *p)
+{
+    if (p)
+        __atomic_sub_fetch(live, 1, __ATOMIC_RELAXED);
+    free(p);
+}
+
 static void host_free(int device, void *p)
 {
     (void)device;
-    if (p)
-        __atomic_sub_fetch(&host_live, 1, __ATOMIC_RELAXED);
-    free(p);
+    free_counted(&host_live, p);
 }
 
 FAKE_EXPORT long fakecuda_host_live(void)
@@ -838,9 +844,7 @@ static int mark_passed(int device, void *p)
 static void mark_free(int device, void *m)
 {
     (void)device;
-    if (m)
-        __atomic_sub_fetch(&marks_live, 1, __ATOMIC_RELAXED);
-    free(m);
+    free_counted(&marks_live, m);
 }
 
 static int synchronize(epipe_codec *c)
