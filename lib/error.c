@@ -84,3 +84,18 @@ int epipe_fail(int status, const char *fmt, ...)
     va_end(ap);
     return status;
 }
+
+void epipe_errors_keep(epipe_errors_kept *k, char *handle_msg)
+{
+    k->handle_msg = handle_msg;
+    memcpy(k->thread, thread_msg, sizeof k->thread);
+    if (handle_msg)
+        memcpy(k->handle, handle_msg, sizeof k->handle);
+}
+
+void epipe_errors_restore(const epipe_errors_kept *k)
+{
+    memcpy(thread_msg, k->thread, sizeof thread_msg);
+    if (k->handle_msg)
+        memcpy(k->handle_msg, k->handle, sizeof k->handle);
+}

@@ -21,4 +21,15 @@ int epipe_vfail_into(char *handle_msg, int status, const char *fmt, va_list ap);
  * the message always belongs to the latest call. */
 void epipe_clear_error(void);
 
+/* The calling thread's message and a handle's, kept across a step whose
+ * failure is not the call's (a best-effort one, whose loss costs only
+ * speed): epipe_errors_keep() before it, epipe_errors_restore() after a
+ * failure, so that a call that succeeds leaves no error text behind. */
+typedef struct epipe_errors_kept {
+    char *handle_msg; /* NULL: none */
+    char thread[EPIPE_ERRMSG_MAX], handle[EPIPE_ERRMSG_MAX];
+} epipe_errors_kept;
+void epipe_errors_keep(epipe_errors_kept *k, char *handle_msg);
+void epipe_errors_restore(const epipe_errors_kept *k);
+
 #endif

@@ -333,10 +333,14 @@ static int settle(epipe_codec *codec, int rc)
 }
 
 /* A held message whose decode is done, freed; the verdict its fence
- * carries into *v unless one received earlier is there already. */
+ * carries into *v unless one received earlier is there already. A failed
+ * verdict is the step's, reported where it ends (epipe_stage_settle()):
+ * its text goes into *v, not into the call that gave the message back. */
 static void give_back(struct held_msg *h, struct held_verdict *v)
 {
     epipe_msg *m = h->msg;
+    epipe_errors_kept kept;
+    epipe_errors_keep(&kept, h->by->msg);
     int rc = m->fence && (!v->rc || h->seq < v->seq)
                  ? epipe_codec_cuda_fence_status(h->by, m->fence)
                  : EPIPE_OK;
@@ -346,6 +350,7 @@ static void give_back(struct held_msg *h, struct held_verdict *v)
         snprintf(v->why, sizeof v->why, "the %s of micro-batch %u from rank %u: %s",
                  m->hdr.kind == EPIPE_WIRE_ACTIVATION ? "activation" : "gradient",
                  m->hdr.micro_batch, m->hdr.src_stage, epipe_codec_last_error(h->by));
+        epipe_errors_restore(&kept);
     }
     epipe_msg_free(m);
     h->msg = NULL;
@@ -493,7 +498,13 @@ static int hold_message(epipe_stage *st, epipe_msg *msg, epipe_codec *codec, int
         h->mark = NULL;
     }
     h->mark_device = device;
+    /* a failed mark costs only the early give-back: its text is no
+     * call's failure */
+    epipe_errors_kept kept;
+    epipe_errors_keep(&kept, codec->msg);
     h->marked = epipe_codec_cuda_mark(codec, device, &h->mark) == EPIPE_OK;
+    if (!h->marked)
+        epipe_errors_restore(&kept);
     h->msg = msg;
     h->by = codec;
     h->seq = ++st->held_seq;

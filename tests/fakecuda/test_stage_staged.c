@@ -489,6 +489,14 @@ static void *chain_rank_main(void *p)
     while (!rc && (rc = epipe_stage_next_op(st, &op)) == EPIPE_OK && op.kind != EPIPE_OP_NONE) {
         const DLTensor *in = NULL;
         rc = sx_chain_op(st, r, a->ranks, &op, &t, &in);
+        /* a call that succeeds leaves no error text: not of a verdict
+         * it took for the step's end, nor of a failed mark; nor do these
+         * become the decoding codec's last error */
+        epipe_codec *dec = r ? epipe_stage_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_SIDE_UP)
+                             : epipe_stage_codec(st, EPIPE_DIR_GRADIENT, EPIPE_SIDE_DOWN);
+        SX_CHECK(rc || (!*epipe_last_error() && (!dec || !*epipe_codec_last_error(dec))),
+                 "rank %u mb %u: a successful op left '%s' / '%s'", r, op.microbatch,
+                 epipe_last_error(), dec ? epipe_codec_last_error(dec) : "");
         if (!rc && in && a->cpu) /* what was sent, through none */
             SX_CHECK(in->device.device_type == kDLCPU &&
                          memcmp(in->data, host, PIN_N * sizeof *host) == 0,

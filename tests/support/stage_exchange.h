@@ -125,6 +125,17 @@ static void sx_to_host(const sx_memory *mem, const DLTensor *t, float *h)
         memcpy(h, t->data, SX_N * sizeof *h);
 }
 
+/* A stage call's status, and on success no error text left behind: the
+ * thread's message belongs to the latest call, and a call that succeeds
+ * leaves it empty. */
+static int sx_clean(int rc)
+{
+    if (rc || !*epipe_last_error())
+        return rc;
+    fprintf(stderr, "a call that succeeded left error text: %s\n", epipe_last_error());
+    return EPIPE_EINTERNAL;
+}
+
 /* The op `op` of rank `rank` in a chain of `ranks`: a forward receives
  * the activation into *in (but on rank 0), then sends t as its own (but
  * on the last rank); a backward the reverse, with gradients. */
@@ -134,9 +145,11 @@ static int sx_chain_op(epipe_stage *st, unsigned rank, unsigned ranks, const epi
     unsigned mb = op->microbatch;
     int rc = EPIPE_OK, fwd = op->kind == EPIPE_OP_FORWARD;
     if (fwd ? rank > 0 : rank + 1 < ranks)
-        rc = fwd ? epipe_stage_recv_activation(st, mb, in) : epipe_stage_recv_gradient(st, mb, in);
+        rc = sx_clean(fwd ? epipe_stage_recv_activation(st, mb, in)
+                          : epipe_stage_recv_gradient(st, mb, in));
     if (!rc && (fwd ? rank + 1 < ranks : rank > 0))
-        rc = fwd ? epipe_stage_send_activation(st, mb, t) : epipe_stage_send_gradient(st, mb, t);
+        rc = sx_clean(fwd ? epipe_stage_send_activation(st, mb, t)
+                          : epipe_stage_send_gradient(st, mb, t));
     return rc;
 }
 
@@ -199,16 +212,16 @@ static void *sx_run_rank(void *p)
             if (a->rank == 0 && op.kind == EPIPE_OP_FORWARD) {
                 DLTensor t = sx_view(kDLCUDA, dx[mb]);
                 t.device.device_id = a->device;
-                SX_CHECK(epipe_stage_send_activation(st, mb, &t) == EPIPE_OK, "send act: %s",
-                         epipe_stage_last_error(st));
+                SX_CHECK(sx_clean(epipe_stage_send_activation(st, mb, &t)) == EPIPE_OK,
+                         "send act: %s", epipe_stage_last_error(st));
                 if (own) /* the encode reads it before, in the stream's order */
                     SX_CHECK(mem->fill_on(a->stream, dx[mb], 0xff, SX_N * sizeof(float)) == 0 &&
                                  mem->copy_on(a->stream, dx[mb], x, SX_N * sizeof *x) == 0,
                              "overwrite and restore");
             } else if (a->rank == 0) { /* backward: the gradient of what was sent */
                 const DLTensor *r;
-                SX_CHECK(epipe_stage_recv_gradient(st, mb, &r) == EPIPE_OK, "recv grad: %s",
-                         epipe_stage_last_error(st));
+                SX_CHECK(sx_clean(epipe_stage_recv_gradient(st, mb, &r)) == EPIPE_OK,
+                         "recv grad: %s", epipe_stage_last_error(st));
                 if (own)
                     SX_CHECK(mem->sync(a->stream) == 0, "stream");
                 SX_CHECK(r->device.device_type == kDLCUDA && r->device.device_id == a->device,
@@ -222,8 +235,8 @@ static void *sx_run_rank(void *p)
                          "rank 0 step %d mb %u: gradient differs from the CPU's", step, mb);
             } else if (op.kind == EPIPE_OP_FORWARD) {
                 const DLTensor *r;
-                SX_CHECK(epipe_stage_recv_activation(st, mb, &r) == EPIPE_OK, "recv act: %s",
-                         epipe_stage_last_error(st));
+                SX_CHECK(sx_clean(epipe_stage_recv_activation(st, mb, &r)) == EPIPE_OK,
+                         "recv act: %s", epipe_stage_last_error(st));
                 if (own)
                     SX_CHECK(mem->sync(a->stream) == 0, "stream");
                 SX_CHECK(r->device.device_type == (a->cuda_recv ? kDLCUDA : kDLCPU) &&
@@ -244,8 +257,8 @@ static void *sx_run_rank(void *p)
                 DLTensor t = a->cuda_recv ? sx_view(kDLCUDA, dg[mb]) : sx_view(kDLCPU, g);
                 if (a->cuda_recv)
                     t.device.device_id = a->device;
-                SX_CHECK(epipe_stage_send_gradient(st, mb, &t) == EPIPE_OK, "send grad: %s",
-                         epipe_stage_last_error(st));
+                SX_CHECK(sx_clean(epipe_stage_send_gradient(st, mb, &t)) == EPIPE_OK,
+                         "send grad: %s", epipe_stage_last_error(st));
             }
         }
     }
@@ -417,8 +430,8 @@ static void *sx_run_v_rank(void *p)
             sx_v_expected(mb, s, grad, got);
         } else {
             const DLTensor *r;
-            int rc = grad ? epipe_stage_recv_gradient(st, mb, &r)
-                          : epipe_stage_recv_activation(st, mb, &r);
+            int rc = sx_clean(grad ? epipe_stage_recv_gradient(st, mb, &r)
+                                   : epipe_stage_recv_activation(st, mb, &r));
             SX_CHECK(rc == EPIPE_OK, "zb-v recv %s: %s", what, epipe_stage_last_error(st));
             if (rc)
                 continue;
