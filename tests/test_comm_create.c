@@ -683,6 +683,36 @@ static void device_payloads_stay_in_process(void **state)
     assert_int_equal(pin.releases, pin.allocs);
 }
 
+/* A device payload goes to a peer of this process that decodes on
+ * another device too (its stage copies it over), but not to one that
+ * decodes on none: the sender asks first (epipe_comm_peer_device), and a
+ * message sent anyway is refused, to both. */
+static void device_payloads_cross_devices(void **state)
+{
+    (void)state;
+    memset(&pin, 0, sizeof pin);
+    epipe_comm *c[3];
+    enum { SIZE = 8000 };
+    assert_int_equal(epipe_comm_create_inproc(c, 3), EPIPE_OK);
+    assert_int_equal(epipe_comm_device_buffers(c[0], &pin_allocator, 3), 1);
+    assert_int_equal(epipe_comm_device_buffers(c[1], &pin_allocator, 5), 1);
+    assert_int_equal(epipe_comm_peer_device(c[0], 1), 5);
+    assert_int_equal(epipe_comm_peer_device(c[0], 2), -1);
+    epipe_msg *m = make_dev_msg(c[0], 1, SIZE, 0);
+    void *dev = m->dev;
+    assert_int_equal(epipe_comm_send(c[0], 1, m), EPIPE_OK);
+    assert_int_equal(epipe_comm_recv(c[1], 0, EPIPE_WIRE_ACTIVATION, 0, 0, 1000, &m), EPIPE_OK);
+    assert_ptr_equal(m->dev, dev); /* handed over: device 3's, for rank 1 to copy */
+    assert_int_equal(m->dev_device, 3);
+    epipe_msg_free(m);
+    m = make_dev_msg(c[0], 2, SIZE, 0);
+    assert_int_equal(epipe_comm_send(c[0], 2, m), EPIPE_EINTERNAL);
+    assert_non_null(strstr(epipe_comm_last_error(c[0]), "decodes on no device"));
+    for (int i = 0; i < 3; i++)
+        epipe_comm_destroy(c[i]);
+    assert_int_equal(pin.releases, pin.allocs);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -696,6 +726,7 @@ int main(void)
         cmocka_unit_test_setup(pinned_buffers_are_cached_and_released, clean_env),
         cmocka_unit_test_setup(pinned_buffers_are_bounded, clean_env),
         cmocka_unit_test_setup(device_payloads_stay_in_process, clean_env),
+        cmocka_unit_test_setup(device_payloads_cross_devices, clean_env),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -169,33 +169,39 @@ typedef enum epipe_stage_param {
      * payloads cross PCIe in one DMA each, unless the environment has
      * EPIPE_CUDA_PINNED_MESSAGES=0 (1, the default: pinned; another value
      * is EPIPE_EINVAL naming it). Between ranks that are threads of one
-     * process (inproc), when both stages set this knob to d, a CUDA tensor
-     * on d sent from one to the other has its payload encoded into device
-     * memory and decoded from there, never crossing PCIe (payloads of
-     * 4 KiB and up; the sender's communicator keeps up to 32 such buffers
-     * and EPIPE_COMM_BUFFER_CACHE bytes of device memory alive), unless the
+     * process (inproc), when both stages set this knob to a device, a CUDA
+     * tensor on d sent from one to the other has its payload encoded into
+     * device memory of d, never crossing to the host (payloads of 4 KiB
+     * and up; the sender's communicator keeps up to 32 such buffers and
+     * EPIPE_COMM_BUFFER_CACHE bytes of device memory alive), unless the
      * environment has EPIPE_CUDA_DEVICE_MESSAGES=0 (same values). A
-     * message sent before its receiver set the knob goes through the host.
-     * A communicator keeps to the first device a stage on it named: a
-     * stage set to d and then to e sends and receives through the host,
-     * and one set back to -1 has the device payloads it still gets copied
-     * to the host for their decode. With EPIPE_STAGE_CUDA_STREAM_ORDERED
-     * set, sends and receives return earlier (below). */
+     * receiver on d decodes it there; one on another device e first copies
+     * it from d to e (one device-to-device copy, peer to peer where the
+     * GPUs allow it, on the stage's stream, which the receive waits for),
+     * into a buffer the stage keeps. A message sent before its receiver
+     * set the knob goes through the host. A communicator keeps to the
+     * first device a stage on it named: a stage set to d and then to e
+     * sends through the host, and one set back to -1 has the device
+     * payloads it still gets copied to the host for their decode. With
+     * EPIPE_STAGE_CUDA_STREAM_ORDERED set, sends and receives return
+     * earlier (below). */
     EPIPE_STAGE_CUDA_DEVICE = 5,
     /* 0 (the default): a send of a CUDA tensor returns once its payload is
      * complete and a receive once its tensor is written, as above. 1:
      * stream-ordered, as a CUDA library call is: a receive into a CUDA
      * tensor returns once its decode is queued on the stage's stream
      * (epipe_stage_set_cuda_stream), and a send whose payload stays in
-     * device memory (a peer of this process on the tensor's device, see
+     * device memory (a peer of this process on a device, see
      * EPIPE_STAGE_CUDA_DEVICE) once its encode is queued there, carrying
      * a fence the receiver's stream waits for on the device: the host
      * waits for neither, and keeps the GPU's queue full. Still waiting:
      * sends through host memory (TCP; payloads under 4 KiB; a peer on
-     * another device or the host; the sender's device buffers all out),
-     * as the transport reads the bytes; receives of a trainable codec's
-     * code gradient, of delta=1 payloads and of device payloads copied to
-     * another memory; hand-overs between chunks of this rank; and what a
+     * the host; the sender's device buffers all out), as the transport
+     * reads the bytes; receives of a trainable codec's code gradient, of
+     * delta=1 payloads and of device payloads copied to another memory (a
+     * sender on another device: the receive waits for the encode, on the
+     * host, then for the copy and the decode); hand-overs between chunks
+     * of this rank; and what a
      * codec waits for itself (ef=1, kmeans, poweriter, sortquant's fit
      * mode, insert while training, a decode that reads its header first:
      * docs/codec-backends.md). The host then keeps to the stream's order:

@@ -513,30 +513,51 @@ static int hold_message(epipe_stage *st, epipe_msg *msg, epipe_codec *codec, int
 }
 
 /* Where the decode reads msg's payload: in its message; a device payload
- * (epipe_comm_msg_new_device) in place when the tensor goes to that
- * device, else copied to host memory first (the stage was moved to
- * another device, or to the host, while the message was on its way):
- * *payload is then malloc'd, for the caller to free. */
+ * (epipe_comm_msg_new_device) in place when the tensor goes to its
+ * device; copied device to device (a peer copy) into the stage's peer_in
+ * when the tensor goes to another; else into host memory, *host_copy, for
+ * the caller to free (the stage was moved to the host while the message
+ * was on its way). A copy reads the payload after its encode: the sender
+ * waited for it, or its fence was waited for (fenced_on_host, whose
+ * verdict is then known). The call waits for the copy. */
 static int device_payload_here(epipe_stage *st, epipe_msg *msg, const struct lent_tensor *lt,
-                               epipe_codec *codec, const uint8_t **payload)
+                               epipe_codec *codec, const uint8_t **payload, uint8_t **host_copy)
 {
     *payload = msg->data + msg->hdr.header_len;
+    *host_copy = NULL;
     if (!msg->dev)
         return EPIPE_OK;
     *payload = msg->dev;
     if (lt->on_cuda && lt->device == msg->dev_device)
         return EPIPE_OK;
     size_t len = (size_t)msg->hdr.payload_len;
-    uint8_t *host = malloc(len ? len : 1);
-    if (!host)
+    struct lent_tensor *to = &st->peer_in;
+    int rc;
+    if (lt->on_cuda && (!to->buf || to->device != lt->device || to->cap < len)) {
+        char why[1400];
+        void *p = NULL;
+        epipe_stage_lent_free(to);
+        if ((rc = epipe_cuda_dev_alloc(lt->device, len ? len : 1, &p, why, sizeof why)))
+            return fail(st, rc, "a %zu-byte payload from CUDA device %d on device %d: %s", len,
+                        msg->dev_device, lt->device, why);
+        to->buf = p, to->cap = len ? len : 1, to->on_cuda = 1, to->device = lt->device;
+    }
+    uint8_t *dst = lt->on_cuda ? (uint8_t *)to->buf : malloc(len ? len : 1);
+    if (!dst)
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte payload", len);
-    int rc = epipe_codec_cuda_stream_copy(codec, msg->dev_device, host, msg->dev, len);
+    /* on the stream of the memory written: the stage's (a peer copy), or
+     * the payload's device's */
+    rc = epipe_codec_cuda_stream_copy(codec, lt->on_cuda ? lt->device : msg->dev_device, dst,
+                                      msg->dev, len);
     if (rc) {
-        free(host);
+        if (!lt->on_cuda)
+            free(dst);
         return fail(st, rc, "copying a payload from CUDA device %d: %s", msg->dev_device,
                     epipe_codec_last_error(codec));
     }
-    *payload = host;
+    *payload = dst;
+    if (!lt->on_cuda)
+        *host_copy = dst;
     return EPIPE_OK;
 }
 
@@ -598,10 +619,11 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     epipe_codec *codec = dir == DIR_ACT ? c->dec_act : c->dec_grad;
     if (dir == DIR_ACT && epipe_codec_trainable(codec))
         epipe_codec_set_param(codec, EPIPE_CODEC_MICROBATCH, st->training ? (int64_t)mb : -1);
-    /* Stream-ordered, the decode is held (below) unless its tensor is
-     * copied out to the host first, or it waits for more work */
-    int holds = st->stream_ordered && lt->on_cuda && !code_grad && !c->delta_dec &&
-                (!msg->dev || lt->device == msg->dev_device);
+    /* A device payload read from another memory is copied there first
+     * (device_payload_here). Stream-ordered, the decode is held (below)
+     * unless its payload is copied, or it waits for more work. */
+    int copies = msg->dev && !(lt->on_cuda && lt->device == msg->dev_device);
+    int holds = st->stream_ordered && lt->on_cuda && !code_grad && !c->delta_dec && !copies;
     if (!holds && (lt->on_cuda || msg->dev) && (rc = epipe_stage_settle_first(st))) {
         epipe_msg_free(msg);
         return rc;
@@ -614,7 +636,10 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         void **taint = holds && taint_serves(st, msg->dev_device) ? &st->taint : NULL;
         if (taint && !st->taint) /* where the module makes it, if it does */
             st->taint_device = msg->dev_device;
-        rc = epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence, taint);
+        /* A copy waits for the encode on the host (its stream may be on
+         * another device than the fence), and knows its verdict first. */
+        rc = copies ? epipe_codec_cuda_fence_status(codec, msg->fence)
+                    : epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence, taint);
         if (rc) {
             (void)epipe_codec_synchronize(codec); /* before the fence goes back */
             epipe_msg_free(msg);
@@ -623,20 +648,19 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
                         epipe_codec_last_error(codec));
         }
     }
-    if ((rc = device_payload_here(st, msg, lt, codec, &payload))) {
+    uint8_t *host_copy;
+    if ((rc = device_payload_here(st, msg, lt, codec, &payload, &host_copy))) {
         if (msg->fence) /* its verdicts may still be on their way to the taint */
             (void)epipe_codec_synchronize(codec);
         epipe_msg_free(msg);
         return rc;
     }
     rc = epipe_codec_decode(codec, payload, (size_t)h->payload_len, &lt->t);
-    int copied = payload != msg->dev && payload != msg->data + h->header_len;
-    if (copied)
-        free((void *)payload);
+    free(host_copy);
     /* Stream-ordered: the tensor is ready in the stream's order, and the
      * message held until the stage waits. Otherwise usable from any
      * stream when the call returns. */
-    int hold = rc == EPIPE_OK && holds && !copied;
+    int hold = rc == EPIPE_OK && holds;
     if (!hold && (lt->on_cuda || msg->dev))
         rc = settle(codec, rc);
     if (!hold && msg->fence) { /* its sender did not wait for the encode: its verdict first */
@@ -824,10 +848,11 @@ static int send_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     /* t was checked above: the codec checks it no more (codec_internal.h). */
     if ((rc = epipe_codec_size_checked(codec, t, n, &cap)))
         return fail(st, rc, "%s", epipe_codec_last_error(codec));
-    /* A CUDA tensor for a rank of this process that decodes on its device:
-     * the payload stays there (cuda_messages() in stage.c) */
+    /* A CUDA tensor for a rank of this process that decodes on a device:
+     * the payload stays in device memory (cuda_messages() in stage.c), on
+     * this one; a receiver on another copies it over (device_payload_here) */
     epipe_msg *msg = NULL;
-    if (epipe_tensor_is_cuda(t) && epipe_comm_peer_device(st->comm, peer) == t->device.device_id)
+    if (epipe_tensor_is_cuda(t) && epipe_comm_peer_device(st->comm, peer) >= 0)
         msg = epipe_comm_msg_new_device(st->comm, t->device.device_id, cap);
     if (!msg && !(msg = epipe_comm_msg_new(st->comm, cap)))
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte message", cap);

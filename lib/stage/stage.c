@@ -287,6 +287,7 @@ EPIPE_API void epipe_stage_destroy(epipe_stage *st)
         epipe_stage_settle(st, 0);
     epipe_stage_free_marks(st);
     epipe_cuda_dev_free(st->taint_device, st->taint);
+    epipe_stage_lent_free(&st->peer_in);
     for (unsigned i = 0; st->ch && i < st->nch; i++) {
         struct chunk *c = &st->ch[i];
         free_lent(c->act_in, st->m);
@@ -436,8 +437,9 @@ static int devbuf_alloc(int device, size_t bytes, void **p)
  * buffers are pinned, unless EPIPE_CUDA_PINNED_MESSAGES=0 (for measuring
  * the difference). Between stages that are threads of one process
  * (inproc) the payload need not leave the device at all: the sender
- * encodes into device memory and the receiver decodes from there, when
- * both are on this device, unless EPIPE_CUDA_DEVICE_MESSAGES=0. The
+ * encodes into device memory and the receiver decodes from there (when
+ * both are on a device; a receiver on another first copies the payload
+ * device to device), unless EPIPE_CUDA_DEVICE_MESSAGES=0. The
  * communicator is told once and stays so: other stages on it lose
  * nothing by either. */
 static int cuda_messages(epipe_stage *st, int device)

@@ -161,6 +161,9 @@ struct epipe_stage {
      * CUDA device taint_device at the first; NULL until then. */
     void *taint;
     int taint_device;
+    /* Where a device payload from a peer on another device is copied
+     * before its decode (device_payload_here() in opstream.c) */
+    struct lent_tensor peer_in;
     int splits;          /* the schedule splits the backward (BACKWARD_INPUT, BACKWARD_WEIGHT) */
     const epipe_op *ops; /* the list the current step runs */
     size_t nops;

@@ -1021,6 +1021,18 @@ static int is_pinned(const void *p)
 
 static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kind);
 
+/* Copies from one device's memory to another's (cudaemu_peer_copies) */
+static std::atomic<unsigned long> peer_copies;
+
+/* The device a device allocation holding p was made on */
+static int device_of(const void *p)
+{
+    uintptr_t base;
+    int partial;
+    const allocation *a = find_allocation(p, 1, &base, &partial);
+    return a ? a->device : -1;
+}
+
 /* An asynchronous copy on s: from the device into pinned memory, late. */
 static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKind kind,
                               cudaStream_t s)
@@ -1069,8 +1081,15 @@ static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kin
     if (check_side(dst, n, dst_dev, "a copy's destination") ||
         check_side(src, n, src_dev, "a copy's source"))
         return note(cudaErrorInvalidValue);
+    if (dst_dev && src_dev && device_of(dst) != device_of(src))
+        peer_copies.fetch_add(1);
     memmove(dst, src, n);
     return cudaSuccess;
+}
+
+extern "C" unsigned long cudaemu_peer_copies(void)
+{
+    return peer_copies.load();
 }
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)

@@ -10,7 +10,9 @@
  * one serves), the step must end as the clean one; and a clean run after
  * each must be right again. The payloads (4,400 values) are big enough to
  * stay on the device between the ranks (EPIPE_CUDA_DEVICE_MESSAGES).
- * Exit 77 without the emulator's device. */
+ * With two devices (CUDAEMU_DEVICES=2) the second rank also runs on the
+ * second device, as it is and stream-ordered: its payloads copied from
+ * the other device's memory. Exit 77 without the emulator's device. */
 #include <cuda_runtime.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -41,6 +43,7 @@ static DLTensor view(int type, void *data)
 struct rank_run {
     epipe_comm *comm;
     int rank, device_recv;
+    int device;    /* its CUDA device */
     int ordered;   /* EPIPE_STAGE_CUDA_STREAM_ORDERED */
     int rc;        /* the first failure, or EPIPE_OK */
     char msg[512]; /* and its message */
@@ -52,13 +55,17 @@ static void *run_rank(void *p)
     rank_run *a = (rank_run *)p;
     epipe_stage *st = NULL;
     float *dx = NULL, *dg = NULL, h[N];
-    int rc = epipe_stage_create(&st, a->comm, "1f1b", M);
+    int rc = a->device && cudaSetDevice(a->device) ? EPIPE_EIO : EPIPE_OK;
+    if (rc)
+        snprintf(a->msg, sizeof a->msg, "the test's cudaSetDevice failed (CUDA error while testing)");
+    if (!rc)
+        rc = epipe_stage_create(&st, a->comm, "1f1b", M);
     if (!rc)
         rc = epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, "quant:bits=8");
     if (!rc)
         rc = epipe_stage_set_codec(st, EPIPE_DIR_GRADIENT, EPIPE_ALL_BOUNDARIES, "quant:bits=8");
     if (!rc && (a->rank == 0 || a->device_recv))
-        rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, 0);
+        rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, a->device);
     if (!rc && a->ordered)
         rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1);
     if (!rc && (cudaMalloc((void **)&dx, N * 4) || cudaMalloc((void **)&dg, N * 4))) {
@@ -94,6 +101,7 @@ static void *run_rank(void *p)
             rc = epipe_stage_recv_activation(st, op.microbatch, &r);
         } else {
             DLTensor t = a->device_recv ? view(kDLCUDA, dx) : view(kDLCPU, h);
+            t.device.device_id = a->device_recv ? a->device : 0;
             rc = epipe_stage_send_gradient(st, op.microbatch, &t);
         }
     }
@@ -111,7 +119,7 @@ static void *run_rank(void *p)
 }
 
 /* One 1F1B step on fresh communicators; fills r[2]. */
-static void run_pair(int device_recv, int ordered, rank_run r[2])
+static void run_pair(int device_recv, int ordered, int two_devices, rank_run r[2])
 {
     epipe_comm *c[2];
     if (epipe_comm_create_inproc(c, 2) != EPIPE_OK) {
@@ -124,6 +132,7 @@ static void run_pair(int device_recv, int ordered, rank_run r[2])
         r[i].comm = c[i];
         r[i].rank = i;
         r[i].device_recv = device_recv;
+        r[i].device = two_devices ? i : 0;
         r[i].ordered = ordered;
         pthread_create(&t[i], NULL, run_rank, &r[i]);
     }
@@ -135,23 +144,30 @@ static void run_pair(int device_recv, int ordered, rank_run r[2])
 
 int main(void)
 {
-    gpu_test_devices_or_skip();
+    int devices = gpu_test_devices_or_skip();
     /* receiving on the device, on the host, and on the device with both
-     * stages stream-ordered (fences, held messages, one wait a step) */
-    for (int mode = 0; mode < 3; mode++) {
-        int device_recv = mode != 1, ordered = mode == 2;
+     * stages stream-ordered (fences, held messages, one wait a step); then
+     * on a second device, as it is and stream-ordered */
+    for (int mode = 0; mode < 5; mode++) {
+        int device_recv = mode != 1, ordered = mode == 2 || mode == 4, two = mode >= 3;
         const char *where = mode == 0   ? "on the device"
                             : mode == 1 ? "on the host"
-                                        : "on the device, stream-ordered";
+                            : mode == 2 ? "on the device, stream-ordered"
+                            : mode == 3 ? "on another device"
+                                        : "on another device, stream-ordered";
+        if (two && devices < 2) {
+            printf("receive %s: skipped, %d device(s)\n", where, devices);
+            continue;
+        }
         rank_run r[2];
         cudaemu_fail_at(0, 0);
-        run_pair(device_recv, ordered, r);
+        run_pair(device_recv, ordered, two, r);
         long calls = cudaemu_fallible_calls(), done_without = 0;
         float clean = r[0].sum;
         CHECK(r[0].rc == EPIPE_OK && r[1].rc == EPIPE_OK, "clean run: %s / %s", r[0].msg, r[1].msg);
         for (long k = 1; k <= calls; k++) {
             cudaemu_fail_at(k, 0);
-            run_pair(device_recv, ordered, r);
+            run_pair(device_recv, ordered, two, r);
             long made = cudaemu_fallible_calls();
             int alloc = cudaemu_injected_error() == cudaErrorMemoryAllocation;
             cudaemu_fail_at(0, 0);
@@ -164,7 +180,7 @@ int main(void)
                       "receive %s, CUDA call %ld of %ld failed: ranks returned %d (%s) and %d "
                       "(%s)",
                       where, k, calls, r[0].rc, r[0].msg, r[1].rc, r[1].msg);
-            run_pair(device_recv, ordered, r);
+            run_pair(device_recv, ordered, two, r);
             CHECK(r[0].rc == EPIPE_OK && r[1].rc == EPIPE_OK && r[0].sum == clean,
                   "the clean run after call %ld failed: %s / %s (sum %g, clean %g)", k, r[0].msg,
                   r[1].msg, (double)r[0].sum, (double)clean);

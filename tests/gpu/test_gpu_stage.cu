@@ -10,6 +10,10 @@
 #include "gpu_test.h"
 #include "stage_exchange.h"
 
+/* The CUDA emulator's count of copies between two devices' memory
+ * (tests/cudaemu/); NULL on a GPU, where nothing here tells them apart. */
+extern "C" __attribute__((weak)) unsigned long cudaemu_peer_copies(void);
+
 static void *dev_alloc(size_t bytes)
 {
     void *p = NULL;
@@ -235,8 +239,8 @@ static void stream_of_another_device(int count)
 int main(void)
 {
     int count = gpu_test_devices_or_skip();
-    sx_memory mem = {dev_alloc, dev_free,    dev_copy, stream_new, stream_free,
-                     delay,     stream_sync, copy_on,  fill_on,    use_device};
+    sx_memory mem = {dev_alloc,   dev_free, dev_copy, stream_new, stream_free,        delay,
+                     stream_sync, copy_on,  fill_on,  use_device, cudaemu_peer_copies};
     sx_run_all(&mem, "quant:bits=8", "sortquant:bits=8,mode=sample", count);
     ordered_nan_case();
     stream_of_another_device(count);

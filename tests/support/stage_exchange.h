@@ -42,6 +42,10 @@ typedef struct sx_memory {
     /* Optional: selects the device the calling thread's alloc uses (0 on
      * success), for runs with ranks on two devices. */
     int (*use_device)(int device);
+    /* Optional: a count of copies from one device's memory into another's
+     * (the CUDA emulator's), which says whether payloads between ranks on
+     * two devices crossed device to device. */
+    unsigned long (*peer_copies)(void);
 } sx_memory;
 
 enum { SX_M = 4, SX_ROWS = 8, SX_COLS = 1000, SX_N = SX_ROWS * SX_COLS };
@@ -102,6 +106,9 @@ typedef struct sx_rank {
     void *stream;        /* the stage's CUDA stream, when set */
     int ordered;         /* EPIPE_STAGE_CUDA_STREAM_ORDERED */
     int device;          /* its CUDA device (its tensors', its stage's) */
+    /* Optional: both ranks meet here once their stages are set up, so
+     * that no message goes before its receiver named its device */
+    pthread_barrier_t *ready;
 } sx_rank;
 
 /* A stream-ordered rank on a stream of its own (sx_memory's): each send
@@ -160,8 +167,11 @@ static void *sx_run_rank(void *p)
     epipe_stage *st = NULL;
     SX_CHECK(epipe_stage_create(&st, a->comm, a->schedule, SX_M) == EPIPE_OK, "%s",
              epipe_last_error());
-    if (!st)
+    if (!st) {
+        if (a->ready)
+            pthread_barrier_wait(a->ready);
         return NULL;
+    }
     SX_CHECK(epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, a->act_spec) ==
                  0,
              "act codec");
@@ -178,6 +188,8 @@ static void *sx_run_rank(void *p)
     if (a->ordered)
         SX_CHECK(epipe_stage_set_param(st, EPIPE_STAGE_CUDA_STREAM_ORDERED, 1) == EPIPE_OK, "%s",
                  epipe_stage_last_error(st));
+    if (a->ready)
+        pthread_barrier_wait(a->ready);
     int own = sx_own_stream(a);
     /* per rank: x, act, got, want, then SX_M gradients on the host */
     float *buf = (float *)malloc(sizeof(float) * SX_N * (4 + SX_M));
@@ -305,8 +317,8 @@ static void sx_run_pair(const sx_memory *mem, epipe_comm *c0, epipe_comm *c1, co
 {
     int own = ordered && mem->stream_new && mem->sync;
     void *s0 = own ? mem->stream_new() : stream, *s1 = own ? mem->stream_new() : stream;
-    sx_rank a0 = {mem, c0, schedule, act_spec, grad_spec, 0, 1, s0, ordered, 0};
-    sx_rank a1 = {mem, c1, schedule, act_spec, grad_spec, 1, cuda_recv, s1, ordered, 0};
+    sx_rank a0 = {mem, c0, schedule, act_spec, grad_spec, 0, 1, s0, ordered, 0, NULL};
+    sx_rank a1 = {mem, c1, schedule, act_spec, grad_spec, 1, cuda_recv, s1, ordered, 0, NULL};
     sx_threads(sx_run_rank, &a0, &a1);
     if (own) {
         mem->stream_free(s0);
@@ -462,14 +474,15 @@ static void *sx_run_v_rank(void *p)
  * stream-ordered or not. */
 static void sx_run_v(const sx_memory *mem, void *stream, int ordered)
 {
-    sx_rank a0 = {mem, NULL, "zb-v", "none", "none", 0, 1, stream, ordered, 0};
-    sx_rank a1 = {mem, NULL, "zb-v", "none", "none", 1, 1, stream, ordered, 0};
+    sx_rank a0 = {mem, NULL, "zb-v", "none", "none", 0, 1, stream, ordered, 0, NULL};
+    sx_rank a1 = {mem, NULL, "zb-v", "none", "none", 1, 1, stream, ordered, 0, NULL};
     sx_inproc_threads(sx_run_v_rank, &a0, &a1);
 }
 
 /* Ranks on two devices of one process (rank 0 on device 0, rank 1 on
- * device 1), over inproc, as they are and stream-ordered: payloads cross
- * through host memory (a device payload stays on its device), each
+ * device 1), over inproc, as they are and stream-ordered: each payload is
+ * encoded into its sender's device memory and copied device to device by
+ * its receiver (where the memory counts such copies: one a payload), each
  * tensor received on its rank's device equal to the CPU's. Nothing where
  * the memory has one device or cannot select another. */
 static void sx_run_two_devices(const sx_memory *mem, const char *act_spec, const char *grad_spec,
@@ -480,11 +493,20 @@ static void sx_run_two_devices(const sx_memory *mem, const char *act_spec, const
         return;
     }
     int before = sx_failures;
+    pthread_barrier_t ready;
+    pthread_barrier_init(&ready, NULL, 2);
     for (int ordered = 0; ordered < 2; ordered++) {
-        sx_rank a0 = {mem, NULL, "1f1b", act_spec, grad_spec, 0, 1, NULL, ordered, 0};
-        sx_rank a1 = {mem, NULL, "1f1b", act_spec, grad_spec, 1, 1, NULL, ordered, 1};
+        sx_rank a0 = {mem, NULL, "1f1b", act_spec, grad_spec, 0, 1, NULL, ordered, 0, &ready};
+        sx_rank a1 = {mem, NULL, "1f1b", act_spec, grad_spec, 1, 1, NULL, ordered, 1, &ready};
+        unsigned long copies = mem->peer_copies ? mem->peer_copies() : 0;
         sx_inproc_threads(sx_run_rank, &a0, &a1);
+        /* 2 steps of SX_M micro-batches, an activation and a gradient each */
+        if (mem->peer_copies)
+            SX_CHECK(mem->peer_copies() - copies == 2 * SX_M * 2,
+                     "ordered %d: %lu payloads copied device to device, of %d", ordered,
+                     mem->peer_copies() - copies, 2 * SX_M * 2);
     }
+    pthread_barrier_destroy(&ready);
     printf("ranks on two devices, as they are and stream-ordered: %s\n",
            sx_failures == before ? "ok" : "FAILED");
 }
