@@ -361,7 +361,9 @@ EPIPE_EXPERIMENTAL int epipe_codec_delta_stats(const epipe_codec *codec,
  *
  * Binding: a handle binds to the device of the first tensor it encodes or
  * decodes (the CPU, or CUDA device i); a tensor on another device later is
- * EPIPE_EINVAL naming both. Use one handle per device.
+ * EPIPE_EINVAL naming both. Use one handle per device. A call that fails
+ * binds nothing; one that returns EPIPE_OK binds, even where the next
+ * synchronize then refuses its payload (its work ran on that device).
  *
  * Asynchrony: on a CUDA tensor, encode and decode enqueue their work on
  * the handle's stream and return; EPIPE_OK means enqueued. *written and the

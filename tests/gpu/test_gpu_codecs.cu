@@ -934,6 +934,41 @@ static void held_then_noted(int at_destroy)
     cudaFree(d);
 }
 
+/* Binding (epipe/codec.h): a decode that fails at once binds nothing; one
+ * that returns EPIPE_OK binds its handle to the device, even where the
+ * synchronize after it refuses the payload. */
+static void refused_decode_binds(void)
+{
+    size_t n = 1000;
+    int64_t shape[1] = {(int64_t)n};
+    std::vector<uint8_t> bad = cpu_payload("topk:ratio=0.1", n, 4);
+    bad[0] = 0xff; /* the codec id: checked at the synchronize */
+    uint8_t *db = device_copy(bad, bad.size());
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&d, n * 4));
+    std::vector<float> host(n);
+    DLTensor dd = tensor(kDLCUDA, d, shape, 32, kDLFloat),
+             hd = tensor(kDLCPU, host.data(), shape, 32, kDLFloat);
+    epipe_codec *g;
+    epipe_codec_create(&g, "topk:ratio=0.1");
+    CHECK(epipe_codec_decode(g, db, bad.size() - 1, &dd) == EPIPE_EPROTO, "a short payload: %s",
+          epipe_codec_last_error(g));
+    CHECK(epipe_codec_decode(g, bad.data(), bad.size(), &hd) == EPIPE_EPROTO &&
+              !strstr(epipe_codec_last_error(g), "bound to"),
+          "after a failed decode, not bound: %s", epipe_codec_last_error(g));
+    epipe_codec_destroy(g);
+    epipe_codec_create(&g, "topk:ratio=0.1");
+    CHECK(epipe_codec_decode(g, db, bad.size(), &dd) == EPIPE_OK, "%s", epipe_codec_last_error(g));
+    CHECK(epipe_codec_synchronize(g) == EPIPE_EPROTO, "the refusal: %s",
+          epipe_codec_last_error(g));
+    CHECK(epipe_codec_decode(g, bad.data(), bad.size(), &hd) == EPIPE_EINVAL &&
+              strstr(epipe_codec_last_error(g), "bound to CUDA"),
+          "bound by the refused decode: %s", epipe_codec_last_error(g));
+    epipe_codec_destroy(g);
+    cudaFree(db);
+    cudaFree(d);
+}
+
 /* One infinity alone, of either sign: refused by synchronize, naming it,
  * and never a hang (a chunk whose extent reached -inf once made the table
  * kernel's step search loop forever: exact mode sorts every value, the
@@ -1831,6 +1866,7 @@ int main(void)
     deferred_checks("insert:kind=linear,out=8,seed=3", {0}, 40, 1e-4);
     deferred_checks_keep_to_their_call();
     held_then_noted(0);
+    refused_decode_binds();
     checks_at_once();
     mixups();
     gpu_test_part("done");
