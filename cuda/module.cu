@@ -1351,7 +1351,9 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
  * pinned memory: seen[0] its handle's status word as the encode left it,
  * seen[1] its stage's taint (what it was passed, below). Fences are kept
  * for reuse per device once freed (their event waited for): pinning and
- * creating events for every send would cost more than the wait they save. */
+ * creating events for every send would cost more than the wait they save.
+ * The idle ones are never freed, but there are never more than were out
+ * at once: one rides each device message, and a sender has at most 32. */
 struct fence_rec {
     cudaEvent_t ev;
     /* recorded on a receiver's stream after its copy out of seen (read
