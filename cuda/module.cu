@@ -1344,6 +1344,55 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
     return rc;
 }
 
+/* Peer access between two devices' memory, tried once a pair (to, from)
+ * of devices under PEER_DEVICES_MAX: set under peers_lock once tried. */
+enum { PEER_DEVICES_MAX = 64 };
+static unsigned char peers_tried[PEER_DEVICES_MAX][PEER_DEVICES_MAX];
+static pthread_mutex_t peers_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* With `device` current: its access to src_device's memory enabled where
+ * the GPUs allow it, as PyTorch does for its own copies between devices,
+ * so that a copy from there is a DMA between the two (NVLink or PCIe);
+ * without it the driver stages such a copy through host memory. Once a
+ * pair; it stays enabled. A refusal (too many peers, or the host enabled
+ * it already) leaves the copy as it was, and no error behind. */
+static void enable_peer_access(int device, int src_device)
+{
+    if (device < 0 || src_device < 0 || device >= PEER_DEVICES_MAX ||
+        src_device >= PEER_DEVICES_MAX || device == src_device)
+        return;
+    pthread_mutex_lock(&peers_lock);
+    int tried = peers_tried[device][src_device];
+    peers_tried[device][src_device] = 1;
+    pthread_mutex_unlock(&peers_lock);
+    int can = 0;
+    if (!tried && (cudaDeviceCanAccessPeer(&can, device, src_device) != cudaSuccess ||
+                   (can && cudaDeviceEnablePeerAccess(src_device, 0) != cudaSuccess)))
+        cudaGetLastError(); /* the failure just made, not the next call's */
+}
+
+static int payload_copy(epipe_codec *c, int device, void *dst, int src_device, const void *src,
+                        size_t bytes)
+{
+    int to_host = device < 0;
+    int rc = to_host ? EPIPE_OK : stream_on(c, device, "the tensor the payload is for");
+    if (rc)
+        return rc;
+    cudaStream_t s = to_host ? (cudaStream_t)0 : epipe_cuda_stream(c);
+    int prev = caller_device();
+    rc = epipe_cuda_check(c, cudaSetDevice(to_host ? src_device : device),
+                          "selecting the device a received payload is copied on");
+    if (!rc && !to_host)
+        enable_peer_access(device, src_device);
+    if (!rc)
+        rc = epipe_cuda_check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s),
+                              "copying a received payload out of its sender's device");
+    if (!rc)
+        rc = epipe_cuda_check(c, cudaStreamSynchronize(s), "waiting for a received payload's copy");
+    restore_device(prev);
+    return rc;
+}
+
 /* Fences (cuda_api.h): an event without timing, recorded on the sender's
  * stream and waited for by the receiver's, so that a payload written on
  * one stage's stream is read on another's with no wait on the host; and,
@@ -1635,6 +1684,7 @@ static const epipe_cuda_module module = {
     .alloc = dev_alloc,
     .free = dev_free,
     .stream_copy = stream_copy,
+    .payload_copy = payload_copy,
     .host_alloc = host_alloc,
     .host_free = host_free,
     .backward = cuda_backward,

@@ -294,6 +294,14 @@ int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const vo
     return rc || !bytes ? rc : m->stream_copy(c, device, dst, src, bytes);
 }
 
+int epipe_codec_cuda_payload_copy(epipe_codec *c, int device, void *dst, int src_device,
+                                  const void *src, size_t bytes)
+{
+    const epipe_cuda_module *m;
+    int rc = module_get(c, "a device payload", &m);
+    return rc || !bytes ? rc : m->payload_copy(c, device, dst, src_device, src, bytes);
+}
+
 /* Fences and marks exist only where a module made them: these load none. */
 static int fence_module(epipe_codec *c, const char *what, const epipe_cuda_module **m)
 {

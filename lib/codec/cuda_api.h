@@ -16,7 +16,7 @@ extern "C" {
 
 /* Bumped whenever a field below or struct epipe_codec changes: a module
  * from another build is refused rather than misread. */
-#define EPIPE_CUDA_ABI 15
+#define EPIPE_CUDA_ABI 16
 
 /* What the module knows of poweriter's layout (codecs/poweriter/poweriter.h
  * checks each against its own): its warm-start slots (PI_MAX_SLOTS), its
@@ -182,6 +182,18 @@ typedef struct epipe_cuda_module {
      * ordered on the handle's stream after the work already on it, and
      * complete when it returns. Errors as a status with the message on c. */
     int (*stream_copy)(epipe_codec *c, int device, void *dst, const void *src, size_t bytes);
+    /* A device payload a stage received in another memory than its
+     * tensor's (lib/stage/opstream.c): a copy of `bytes` from device
+     * memory of CUDA device src_device into dst, which is device memory of
+     * CUDA device `device`, on c's stream after the work on it, with peer
+     * access from `device` to src_device enabled first where
+     * cudaDeviceCanAccessPeer allows (once a pair: the copy is then peer
+     * to peer, not staged through the host by the driver); or, with
+     * device -1, host memory, on src_device's default stream (c's may be
+     * on a device the stage has left). Complete when it returns. Errors
+     * as a status with the message on c. */
+    int (*payload_copy)(epipe_codec *c, int device, void *dst, int src_device, const void *src,
+                        size_t bytes);
     /* Host staging's buffers: pinned host memory (cudaHostAlloc), which the
      * staging copies read and write at the link's speed, without a bounce
      * through the driver's own buffers (and the stage's message buffers),

@@ -21,6 +21,10 @@ int epipe_codec_cuda_check(epipe_codec *c, const DLTensor *t, const char *what, 
  * stream after its work and complete on return. */
 int epipe_codec_cuda_stream_copy(epipe_codec *c, int device, void *dst, const void *src,
                                  size_t bytes);
+/* A received device payload copied into another memory (cuda_api.h,
+ * payload_copy): device memory of `device`, or host memory (-1). */
+int epipe_codec_cuda_payload_copy(epipe_codec *c, int device, void *dst, int src_device,
+                                  const void *src, size_t bytes);
 /* A fence after the work on c's stream, on CUDA device `device`, into
  * *fence, passing on a stage's taint; c's stream made to wait for one on
  * the device, gathering its verdicts into a taint; and its free, which

@@ -469,9 +469,13 @@ static int fence_payload(epipe_stage *st, epipe_codec *codec, epipe_msg *msg)
     int rc, passes = taint_serves(st, msg->dev_device);
     if (!passes && (rc = epipe_stage_settle_first(st)))
         return rc;
+    epipe_errors_kept kept; /* a fence's lack of memory is no call's failure */
+    epipe_errors_keep(&kept, codec->msg);
     rc = epipe_codec_cuda_fence(codec, msg->dev_device, passes ? st->taint : NULL, &msg->fence);
-    if (rc == EPIPE_ENOMEM)
+    if (rc == EPIPE_ENOMEM) {
+        epipe_errors_restore(&kept);
         return (rc = epipe_stage_settle_first(st)) ? rc : epipe_codec_synchronize(codec);
+    }
     if (rc)
         return settle(codec, rc);
     msg->fence_free = epipe_cuda_fence_free;
@@ -512,14 +516,32 @@ static int hold_message(epipe_stage *st, epipe_msg *msg, epipe_codec *codec, int
     return EPIPE_OK;
 }
 
+/* The stage's device buffer on CUDA device `device` for a payload of len
+ * bytes copied from another device (peer_in, grown as needed): 1 when
+ * there is one, 0 without device memory for it (the payload then goes
+ * through host memory, as a host message's would). */
+static int peer_buffer(epipe_stage *st, int device, size_t len)
+{
+    struct lent_tensor *to = &st->peer_in;
+    if (to->buf && to->device == device && to->cap >= len)
+        return 1;
+    epipe_stage_lent_free(to);
+    char why[1400];
+    void *p = NULL;
+    if (epipe_cuda_dev_alloc(device, len ? len : 1, &p, why, sizeof why))
+        return 0;
+    to->buf = p, to->cap = len ? len : 1, to->on_cuda = 1, to->device = device;
+    return 1;
+}
+
 /* Where the decode reads msg's payload: in its message; a device payload
  * (epipe_comm_msg_new_device) in place when the tensor goes to its
- * device; copied device to device (a peer copy) into the stage's peer_in
- * when the tensor goes to another; else into host memory, *host_copy, for
- * the caller to free (the stage was moved to the host while the message
- * was on its way). A copy reads the payload after its encode: the sender
- * waited for it, or its fence was waited for (fenced_on_host, whose
- * verdict is then known). The call waits for the copy. */
+ * device; copied device to device into peer_in when the tensor goes to
+ * another device; else (the stage moved to the host while the message
+ * was on its way, or no device memory for peer_in) into host memory,
+ * *host_copy, for the caller to free. A copy reads the payload after its
+ * encode: the sender waited for it, or the caller waited for its fence.
+ * The call waits for the copy. */
 static int device_payload_here(epipe_stage *st, epipe_msg *msg, const struct lent_tensor *lt,
                                epipe_codec *codec, const uint8_t **payload, uint8_t **host_copy)
 {
@@ -531,32 +553,20 @@ static int device_payload_here(epipe_stage *st, epipe_msg *msg, const struct len
     if (lt->on_cuda && lt->device == msg->dev_device)
         return EPIPE_OK;
     size_t len = (size_t)msg->hdr.payload_len;
-    struct lent_tensor *to = &st->peer_in;
-    int rc;
-    if (lt->on_cuda && (!to->buf || to->device != lt->device || to->cap < len)) {
-        char why[1400];
-        void *p = NULL;
-        epipe_stage_lent_free(to);
-        if ((rc = epipe_cuda_dev_alloc(lt->device, len ? len : 1, &p, why, sizeof why)))
-            return fail(st, rc, "a %zu-byte payload from CUDA device %d on device %d: %s", len,
-                        msg->dev_device, lt->device, why);
-        to->buf = p, to->cap = len ? len : 1, to->on_cuda = 1, to->device = lt->device;
-    }
-    uint8_t *dst = lt->on_cuda ? (uint8_t *)to->buf : malloc(len ? len : 1);
+    int to_device = lt->on_cuda && peer_buffer(st, lt->device, len);
+    uint8_t *dst = to_device ? (uint8_t *)st->peer_in.buf : malloc(len ? len : 1);
     if (!dst)
         return fail(st, EPIPE_ENOMEM, "no memory for a %zu-byte payload", len);
-    /* on the stream of the memory written: the stage's (a peer copy), or
-     * the payload's device's */
-    rc = epipe_codec_cuda_stream_copy(codec, lt->on_cuda ? lt->device : msg->dev_device, dst,
-                                      msg->dev, len);
+    int rc = epipe_codec_cuda_payload_copy(codec, to_device ? lt->device : -1, dst, msg->dev_device,
+                                           msg->dev, len);
     if (rc) {
-        if (!lt->on_cuda)
+        if (!to_device)
             free(dst);
         return fail(st, rc, "copying a payload from CUDA device %d: %s", msg->dev_device,
                     epipe_codec_last_error(codec));
     }
     *payload = dst;
-    if (!lt->on_cuda)
+    if (!to_device)
         *host_copy = dst;
     return EPIPE_OK;
 }
@@ -629,24 +639,32 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
         return rc;
     }
     t1 = now(); /* the decode's span starts after that wait, not around it */
+    if (copies && msg->fence) {
+        /* A copy waits for the encode on the host (its stream may be on
+         * another device than the fence), and knows its verdict first: a
+         * wait for the sender, as for its message */
+        rc = epipe_codec_cuda_fence_status(codec, msg->fence);
+        double tw = now();
+        st->st.wait_seconds += tw - t1;
+        if (st->tracing)
+            epipe_trace_span(st->trace, dir == DIR_ACT ? "wait-act" : "wait-grad", "wait", t1, tw);
+        t1 = tw;
+    }
     const uint8_t *payload;
-    if (msg->fence) {
+    if (msg->fence && !rc && !copies) {
         /* a stream-ordered receiver passes the fence's verdicts on: what
          * it sends is made of what it decodes */
         void **taint = holds && taint_serves(st, msg->dev_device) ? &st->taint : NULL;
         if (taint && !st->taint) /* where the module makes it, if it does */
             st->taint_device = msg->dev_device;
-        /* A copy waits for the encode on the host (its stream may be on
-         * another device than the fence), and knows its verdict first. */
-        rc = copies ? epipe_codec_cuda_fence_status(codec, msg->fence)
-                    : epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence, taint);
-        if (rc) {
-            (void)epipe_codec_synchronize(codec); /* before the fence goes back */
-            epipe_msg_free(msg);
-            return fail(st, rc, "the %s of micro-batch %u from rank %u: %s",
-                        dir == DIR_ACT ? "activation" : "gradient", mb, peer,
-                        epipe_codec_last_error(codec));
-        }
+        rc = epipe_codec_cuda_fence_wait(codec, msg->dev_device, msg->fence, taint);
+    }
+    if (rc) { /* the fence, waited for on the host or on the device */
+        (void)epipe_codec_synchronize(codec); /* before the fence goes back */
+        epipe_msg_free(msg);
+        return fail(st, rc, "the %s of micro-batch %u from rank %u: %s",
+                    dir == DIR_ACT ? "activation" : "gradient", mb, peer,
+                    epipe_codec_last_error(codec));
     }
     uint8_t *host_copy;
     if ((rc = device_payload_here(st, msg, lt, codec, &payload, &host_copy))) {

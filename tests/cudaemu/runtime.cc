@@ -22,6 +22,7 @@
 #include <atomic>
 #include <iterator>
 #include <map>
+#include <set>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -745,6 +746,40 @@ cudaError_t cudaGetDeviceCount(int *count)
     return n > 0 ? cudaSuccess : note(cudaErrorNoDevice);
 }
 
+/* Peer access: from device a to b's memory once enabled with a current
+ * (cudaDeviceEnablePeerAccess(b)); every pair of two devices can. */
+static std::mutex peers_lock;
+static std::set<std::pair<int, int>> peers_enabled;
+
+static bool peer_enabled(int to, int from)
+{
+    std::lock_guard<std::mutex> g(peers_lock);
+    return peers_enabled.count({to, from}) > 0;
+}
+
+cudaError_t cudaDeviceCanAccessPeer(int *can, int device, int peer)
+{
+    int n = device_count();
+    if (!can)
+        return note(cudaErrorInvalidValue);
+    if (device < 0 || device >= n || peer < 0 || peer >= n)
+        return note(cudaErrorInvalidDevice);
+    *can = device != peer;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags)
+{
+    if (flags)
+        return note(cudaErrorInvalidValue);
+    if (peer < 0 || peer >= device_count() || peer == current_device)
+        return note(cudaErrorInvalidDevice);
+    std::lock_guard<std::mutex> g(peers_lock);
+    if (!peers_enabled.insert({current_device, peer}).second)
+        return note(cudaErrorPeerAccessAlreadyEnabled);
+    return cudaSuccess;
+}
+
 cudaError_t cudaSetDevice(int device)
 {
     if (device < 0 || device >= device_count())
@@ -1021,7 +1056,9 @@ static int is_pinned(const void *p)
 
 static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kind);
 
-/* Copies from one device's memory to another's (cudaemu_peer_copies) */
+/* Copies from one device's memory to another's that has peer access to
+ * it (cudaemu_peer_copies); without it a GPU's driver stages them through
+ * host memory, and they are not counted */
 static std::atomic<unsigned long> peer_copies;
 
 /* The device a device allocation holding p was made on */
@@ -1081,7 +1118,8 @@ static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kin
     if (check_side(dst, n, dst_dev, "a copy's destination") ||
         check_side(src, n, src_dev, "a copy's source"))
         return note(cudaErrorInvalidValue);
-    if (dst_dev && src_dev && device_of(dst) != device_of(src))
+    if (dst_dev && src_dev && device_of(dst) != device_of(src) &&
+        peer_enabled(device_of(dst), device_of(src)))
         peer_copies.fetch_add(1);
     memmove(dst, src, n);
     return cudaSuccess;

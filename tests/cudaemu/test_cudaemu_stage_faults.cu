@@ -45,8 +45,10 @@ struct rank_run {
     int rank, device_recv;
     int device;    /* its CUDA device */
     int ordered;   /* EPIPE_STAGE_CUDA_STREAM_ORDERED */
+    pthread_barrier_t *ready; /* both set up: no message before its receiver named its device */
     int rc;        /* the first failure, or EPIPE_OK */
     char msg[512]; /* and its message */
+    char left[512];  /* the error text the first call that succeeded left, if any */
     float sum;     /* rank 0: the sum of every gradient received */
 };
 
@@ -79,6 +81,7 @@ static void *run_rank(void *p)
         snprintf(a->msg, sizeof a->msg, "the test's cudaMemcpy failed (CUDA error while testing)");
     }
     a->sum = 0.0f;
+    pthread_barrier_wait(a->ready);
     while (!rc) {
         epipe_op op;
         if ((rc = epipe_stage_next_op(st, &op)) || op.kind == EPIPE_OP_NONE)
@@ -104,6 +107,8 @@ static void *run_rank(void *p)
             t.device.device_id = a->device_recv ? a->device : 0;
             rc = epipe_stage_send_gradient(st, op.microbatch, &t);
         }
+        if (!rc && *epipe_last_error() && !a->left[0]) /* what it did without is no failure */
+            snprintf(a->left, sizeof a->left, "%s", epipe_last_error());
     }
     if (rc) {
         if (!a->msg[0])
@@ -127,8 +132,11 @@ static void run_pair(int device_recv, int ordered, int two_devices, rank_run r[2
         exit(1);
     }
     pthread_t t[2];
+    pthread_barrier_t ready;
+    pthread_barrier_init(&ready, NULL, 2);
     for (int i = 0; i < 2; i++) {
         memset(&r[i], 0, sizeof r[i]);
+        r[i].ready = &ready;
         r[i].comm = c[i];
         r[i].rank = i;
         r[i].device_recv = device_recv;
@@ -138,6 +146,7 @@ static void run_pair(int device_recv, int ordered, int two_devices, rank_run r[2
     }
     for (int i = 0; i < 2; i++)
         pthread_join(t[i], NULL);
+    pthread_barrier_destroy(&ready);
     epipe_comm_destroy(c[0]);
     epipe_comm_destroy(c[1]);
 }
@@ -168,6 +177,9 @@ int main(void)
         for (long k = 1; k <= calls; k++) {
             cudaemu_fail_at(k, 0);
             run_pair(device_recv, ordered, two, r);
+            CHECK(!r[0].left[0] && !r[1].left[0],
+                  "receive %s, CUDA call %ld failed: a call that succeeded left '%s%s'", where, k,
+                  r[0].left, r[1].left);
             long made = cudaemu_fallible_calls();
             int alloc = cudaemu_injected_error() == cudaErrorMemoryAllocation;
             cudaemu_fail_at(0, 0);

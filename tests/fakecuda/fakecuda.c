@@ -39,6 +39,7 @@ FAKE_EXPORT unsigned long fakecuda_dev_allocs(void);
 FAKE_EXPORT long fakecuda_dev_live(void);
 FAKE_EXPORT void fakecuda_fences(unsigned long *made, unsigned long *waited, long *live);
 FAKE_EXPORT void fakecuda_fail_next_fence(int status);
+FAKE_EXPORT void fakecuda_no_memory_next_fence(void);
 FAKE_EXPORT void fakecuda_marks(unsigned long *recorded, unsigned long *passed, long *live);
 FAKE_EXPORT void fakecuda_marks_lag(long lag);
 FAKE_EXPORT void fakecuda_fail_mark_at(unsigned long k, int status);
@@ -583,6 +584,20 @@ static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, s
     return EPIPE_OK;
 }
 
+/* The test module has one device: a received payload is copied only to
+ * the host (a stage moved there), counted with the staging copies. */
+static int payload_copy(epipe_codec *c, int device, void *dst, int src_device, const void *src,
+                        size_t bytes)
+{
+    if (device != -1 || src_device != 0 || fakecuda_copy(dst, src, bytes))
+        return fail(c, EPIPE_EIO, "fakecuda: a payload copy of %zu bytes from device %d to %d",
+                    bytes, src_device, device);
+    pthread_mutex_lock(&lock);
+    stream_copies++;
+    pthread_mutex_unlock(&lock);
+    return EPIPE_OK;
+}
+
 /* Pinned host memory is host memory: malloc, counted so a test can see
  * that host staging and message buffers ask the module for it, and give
  * it all back to the module. */
@@ -691,9 +706,19 @@ FAKE_EXPORT unsigned long fakecuda_early_frees(void)
     return __atomic_load_n(&early_frees, __ATOMIC_RELAXED);
 }
 
+/* The next fence is not made, for lack of memory (fakecuda_no_memory_next_fence). */
+static int no_memory_next;
+
+FAKE_EXPORT void fakecuda_no_memory_next_fence(void)
+{
+    __atomic_store_n(&no_memory_next, 1, __ATOMIC_RELAXED);
+}
+
 static int fence(epipe_codec *c, int device, const void *taint, void **out)
 {
-    fake_fence *f = calloc(1, sizeof *f);
+    fake_fence *f = __atomic_exchange_n(&no_memory_next, 0, __ATOMIC_RELAXED)
+                        ? NULL
+                        : calloc(1, sizeof *f);
     if (device != 0 || !f || (taint && fakecuda_copy(&f->passed, taint, sizeof f->passed))) {
         free(f); /* as the module: no memory is EPIPE_ENOMEM, a failed copy EPIPE_EIO */
         return fail(c,
@@ -879,6 +904,7 @@ static const epipe_cuda_module module = {
     .alloc = dev_alloc,
     .free = module_free,
     .stream_copy = stream_copy,
+    .payload_copy = payload_copy,
     .host_alloc = host_alloc,
     .host_free = host_free,
     .backward = backward,

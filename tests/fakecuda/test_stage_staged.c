@@ -181,6 +181,7 @@ static void knob_cases(const sx_memory *mem)
 
 static void (*fences)(unsigned long *made, unsigned long *waited, long *live);
 static void (*fail_next_fence)(int status);
+static void (*no_memory_next_fence)(void);
 static void (*marks)(unsigned long *recorded, unsigned long *passed, long *live);
 static void (*marks_lag)(long lag);
 static void (*fail_mark_at)(unsigned long k, int status);
@@ -490,13 +491,16 @@ static void *chain_rank_main(void *p)
         const DLTensor *in = NULL;
         rc = sx_chain_op(st, r, a->ranks, &op, &t, &in);
         /* a call that succeeds leaves no error text: not of a verdict
-         * it took for the step's end, nor of a failed mark; nor do these
-         * become the decoding codec's last error */
-        epipe_codec *dec = r ? epipe_stage_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_SIDE_UP)
-                             : epipe_stage_codec(st, EPIPE_DIR_GRADIENT, EPIPE_SIDE_DOWN);
-        SX_CHECK(rc || (!*epipe_last_error() && (!dec || !*epipe_codec_last_error(dec))),
-                 "rank %u mb %u: a successful op left '%s' / '%s'", r, op.microbatch,
-                 epipe_last_error(), dec ? epipe_codec_last_error(dec) : "");
+         * it took for the step's end, nor of a failed mark, nor of a fence
+         * it could do without; nor do these become a codec's last error */
+        epipe_codec *all[4] = {epipe_stage_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_SIDE_UP),
+                               epipe_stage_codec(st, EPIPE_DIR_GRADIENT, EPIPE_SIDE_DOWN),
+                               epipe_stage_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_SIDE_DOWN),
+                               epipe_stage_codec(st, EPIPE_DIR_GRADIENT, EPIPE_SIDE_UP)};
+        for (int k = 0; k < 4; k++)
+            SX_CHECK(rc || (!*epipe_last_error() && (!all[k] || !*epipe_codec_last_error(all[k]))),
+                     "rank %u mb %u: a successful op left '%s' / '%s'", r, op.microbatch,
+                     epipe_last_error(), all[k] ? epipe_codec_last_error(all[k]) : "");
         if (!rc && in && a->cpu) /* what was sent, through none */
             SX_CHECK(in->device.device_type == kDLCPU &&
                          memcmp(in->data, host, PIN_N * sizeof *host) == 0,
@@ -565,6 +569,18 @@ static void chain_verdict_case(const sx_memory *mem)
              "rank 2: %d %s", a[2].rc, a[2].why);
     SX_CHECK(dev_live() == dlive, "%ld device buffers not given back", dev_live() - dlive);
     printf("a refused encode fails every later stream-ordered stage's step: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+
+    /* a fence that cannot be made for lack of memory: that send waits
+     * for its encode instead, and every step is good, with no error text
+     * left (chain_rank_main checks each call) */
+    before = sx_failures;
+    no_memory_next_fence();
+    if (chain_run(mem, "gpipe", 3, 1, 0, a))
+        return;
+    for (int i = 0; i < 3; i++)
+        SX_CHECK(a[i].rc == EPIPE_OK, "rank %d, a fence without memory: %s", i, a[i].why);
+    printf("a send whose fence has no memory waits instead: %s\n",
            sx_failures == before ? "ok" : "FAILED");
 
     /* on the host, the knob changes nothing: no fence, every step good */
@@ -871,14 +887,15 @@ int main(void)
         *(void **)&dev_live = dlsym(so, "fakecuda_dev_live");
         *(void **)&fences = dlsym(so, "fakecuda_fences");
         *(void **)&fail_next_fence = dlsym(so, "fakecuda_fail_next_fence");
+        *(void **)&no_memory_next_fence = dlsym(so, "fakecuda_no_memory_next_fence");
         *(void **)&marks = dlsym(so, "fakecuda_marks");
         *(void **)&marks_lag = dlsym(so, "fakecuda_marks_lag");
         *(void **)&fail_mark_at = dlsym(so, "fakecuda_fail_mark_at");
         *(void **)&early_frees = dlsym(so, "fakecuda_early_frees");
     }
     if (!mem.alloc || !mem.free || !mem.copy || !last_stream || !host_allocs || !host_live ||
-        !dev_allocs || !dev_live || !fences || !fail_next_fence || !marks || !marks_lag ||
-        !fail_mark_at || !early_frees) {
+        !dev_allocs || !dev_live || !fences || !fail_next_fence || !no_memory_next_fence ||
+        !marks || !marks_lag || !fail_mark_at || !early_frees) {
         fprintf(stderr, "EPIPE_CUDA_MODULE must name the test module (fakecuda)\n");
         return 1;
     }

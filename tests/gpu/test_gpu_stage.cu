@@ -236,6 +236,111 @@ static void stream_of_another_device(int count)
            sx_failures == before ? "ok" : "FAILED");
 }
 
+/* A stage that named device 1, with a stream there, and then went back to
+ * the host, before any receive: its communicator keeps to device 1, so a
+ * rank on device 0 sends it device payloads, which it copies to the host
+ * on device 0, not on its stream of device 1 (which would be refused).
+ * Each activation it receives must be the CPU's. Needs two devices. */
+typedef struct host_after_device {
+    sx_rank r;
+    pthread_barrier_t *ready;
+    int rc;
+    char why[512];
+} host_after_device;
+
+static void *host_after_device_main(void *p)
+{
+    host_after_device *a = (host_after_device *)p;
+    unsigned rank = (unsigned)a->r.rank;
+    epipe_stage *st = NULL;
+    cudaStream_t s = NULL;
+    float *d = NULL;
+    static float x[2][SX_N], want[SX_N];
+    int rc = cudaSetDevice((int)rank) == cudaSuccess ? EPIPE_OK : EPIPE_EIO;
+    if (!rc)
+        rc = epipe_stage_create(&st, a->r.comm, "gpipe", SX_M);
+    if (!rc)
+        rc = epipe_stage_set_codec(st, EPIPE_DIR_ACTIVATION, EPIPE_ALL_BOUNDARIES, a->r.act_spec);
+    if (!rc)
+        rc = epipe_stage_set_codec(st, EPIPE_DIR_GRADIENT, EPIPE_ALL_BOUNDARIES, "none");
+    if (!rc)
+        rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, (int)rank);
+    if (!rc && rank == 1 && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
+        rc = EPIPE_EIO;
+    if (!rc && rank == 1 && !(rc = epipe_stage_set_cuda_stream(st, s)))
+        rc = epipe_stage_set_param(st, EPIPE_STAGE_CUDA_DEVICE, -1);
+    if (!rc && rank == 0 && cudaMalloc((void **)&d, SX_N * sizeof *d) != cudaSuccess)
+        rc = EPIPE_EIO;
+    pthread_barrier_wait(a->ready);
+    epipe_op op;
+    while (!rc && !(rc = epipe_stage_next_op(st, &op)) && op.kind != EPIPE_OP_NONE) {
+        unsigned mb = op.microbatch;
+        const DLTensor *in = NULL;
+        sx_input(mb, x[rank]);
+        if (rank == 0 && op.kind == EPIPE_OP_FORWARD) {
+            DLTensor t = sx_view(kDLCUDA, d);
+            rc = cudaMemcpy(d, x[0], sizeof x[0], cudaMemcpyHostToDevice) ? EPIPE_EIO : EPIPE_OK;
+            if (!rc)
+                rc = sx_clean(epipe_stage_send_activation(st, mb, &t));
+        } else if (rank == 0) {
+            rc = sx_clean(epipe_stage_recv_gradient(st, mb, &in));
+        } else if (op.kind == EPIPE_OP_FORWARD) {
+            rc = sx_clean(epipe_stage_recv_activation(st, mb, &in));
+            sx_through_cpu(a->r.act_spec, x[1], want);
+            SX_CHECK(rc || (in->device.device_type == kDLCPU &&
+                            memcmp(in->data, want, sizeof want) == 0),
+                     "micro-batch %u: the activation on the host differs from the CPU's", mb);
+        } else {
+            DLTensor t = sx_view(kDLCPU, x[1]);
+            rc = sx_clean(epipe_stage_send_gradient(st, mb, &t));
+        }
+    }
+    a->rc = rc;
+    snprintf(a->why, sizeof a->why, "%s", st ? epipe_stage_last_error(st) : epipe_last_error());
+    if (rc)
+        epipe_comm_abort(a->r.comm);
+    epipe_stage_destroy(st);
+    cudaFree(d);
+    if (s)
+        cudaStreamDestroy(s);
+    return NULL;
+}
+
+static void host_after_a_device(int count)
+{
+    if (count < 2) {
+        printf("a stage back on the host after a device: skipped (one device)\n");
+        return;
+    }
+    int before = sx_failures;
+    pthread_barrier_t ready;
+    pthread_barrier_init(&ready, NULL, 2);
+    host_after_device a[2];
+    memset(a, 0, sizeof a);
+    for (int i = 0; i < 2; i++) {
+        a[i].r.rank = i;
+        a[i].r.act_spec = "quant:bits=8";
+        a[i].ready = &ready;
+    }
+    epipe_comm *c[2];
+    SX_CHECK(epipe_comm_create_inproc(c, 2) == EPIPE_OK, "%s", epipe_last_error());
+    a[0].r.comm = c[0];
+    a[1].r.comm = c[1];
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++)
+        pthread_create(&t[i], NULL, host_after_device_main, &a[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(t[i], NULL);
+    pthread_barrier_destroy(&ready);
+    for (int i = 0; i < 2; i++) {
+        SX_CHECK(a[i].rc == EPIPE_OK, "rank %d: %s", i, a[i].why);
+        epipe_comm_destroy(c[i]);
+    }
+    CUDA_OK(cudaSetDevice(0));
+    printf("a stage back on the host after a device: %s\n",
+           sx_failures == before ? "ok" : "FAILED");
+}
+
 int main(void)
 {
     int count = gpu_test_devices_or_skip();
@@ -244,6 +349,7 @@ int main(void)
     sx_run_all(&mem, "quant:bits=8", "sortquant:bits=8,mode=sample", count);
     ordered_nan_case();
     stream_of_another_device(count);
+    host_after_a_device(count);
     if (sx_failures)
         return fprintf(stderr, "%d failures\n", sx_failures), 1;
     return gpu_test_result();

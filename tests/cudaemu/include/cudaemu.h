@@ -56,7 +56,9 @@ extern "C" long cudaemu_fallible_calls(void);
 /* The error the failed call of cudaemu_fail_at() returned (cudaSuccess
  * while none has failed since): an allocation's cudaErrorMemoryAllocation. */
 extern "C" cudaError_t cudaemu_injected_error(void);
-/* Copies made from one device's memory into another's, since the start. */
+/* Copies made from one device's memory into another's, since the start,
+ * where the destination's device had peer access to the source's enabled
+ * (cudaDeviceEnablePeerAccess): those a GPU makes peer to peer. */
 extern "C" unsigned long cudaemu_peer_copies(void);
 /* Cooperative launches may fill only `sms` of the device's SMs (a context
  * given fewer than the device reports, as under MPS): bigger ones fail with
