@@ -176,10 +176,11 @@ typedef enum epipe_stage_param {
      * EPIPE_COMM_BUFFER_CACHE bytes of device memory alive), unless the
      * environment has EPIPE_CUDA_DEVICE_MESSAGES=0 (same values). A
      * receiver on d decodes it there; one on another device e first copies
-     * it from d to e, into a buffer the stage keeps (one copy on the
-     * stage's stream, which the receive waits for; peer to peer where the
-     * GPUs can: the library enables e's peer access to d, once, as PyTorch
-     * does, and it stays enabled). A message sent before its receiver
+     * it from d to e, into a buffer the stage keeps (host memory where e
+     * has none to spare), with one copy on the stage's stream, which the
+     * receive waits for; peer to peer where the GPUs can: the library
+     * enables e's peer access to d, once, as PyTorch does, and it stays
+     * enabled. A message sent before its receiver
      * set the knob goes through the host. A communicator keeps to the
      * first device a stage on it named: a stage set to d and then to e
      * sends through the host, and one set back to -1 has the device
