@@ -1323,25 +1323,30 @@ static void dev_free(int device, void *p)
     free_on(device, p, cudaFree);
 }
 
+/* A copy with `device` selected, on stream s after its work, waited for:
+ * the call returns with the copy complete. */
+static int copy_waited(epipe_codec *c, int device, cudaStream_t s, void *dst, const void *src,
+                       size_t bytes, const char *doing, const char *waiting)
+{
+    int prev = caller_device();
+    int rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the device of a copy");
+    if (!rc)
+        rc = epipe_cuda_check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), doing);
+    if (!rc)
+        rc = epipe_cuda_check(c, cudaStreamSynchronize(s), waiting);
+    restore_device(prev);
+    return rc;
+}
+
 /* Host staging's copies and the stage's hand-overs: on the handle's
- * stream, after its work, and waited for, so the call returns with the
- * copy complete. */
+ * stream. */
 static int stream_copy(epipe_codec *c, int device, void *dst, const void *src, size_t bytes)
 {
     int rc = stream_on(c, device, "the tensor to copy");
-    if (rc)
-        return rc;
-    int prev = caller_device();
-    rc = epipe_cuda_check(c, cudaSetDevice(device), "selecting the tensor's device");
-    if (!rc)
-        rc = epipe_cuda_check(
-            c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, epipe_cuda_stream(c)),
-            "copying a tensor between host and device for the CPU backend");
-    if (!rc)
-        rc = epipe_cuda_check(c, cudaStreamSynchronize(epipe_cuda_stream(c)),
-                              "waiting for the handle's stream");
-    restore_device(prev);
-    return rc;
+    return rc ? rc
+              : copy_waited(c, device, epipe_cuda_stream(c), dst, src, bytes,
+                            "copying a tensor between host and device for the CPU backend",
+                            "waiting for the handle's stream");
 }
 
 /* Peer access between two devices' memory, tried once a pair (to, from)
@@ -1350,12 +1355,12 @@ enum { PEER_DEVICES_MAX = 64 };
 static unsigned char peers_tried[PEER_DEVICES_MAX][PEER_DEVICES_MAX];
 static pthread_mutex_t peers_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* With `device` current: its access to src_device's memory enabled where
- * the GPUs allow it, as PyTorch does for its own copies between devices,
- * so that a copy from there is a DMA between the two (NVLink or PCIe);
- * without it the driver stages such a copy through host memory. Once a
- * pair; it stays enabled. A refusal (too many peers, or the host enabled
- * it already) leaves the copy as it was, and no error behind. */
+/* `device`'s access to src_device's memory enabled where the GPUs allow
+ * it, as PyTorch does for its own copies between devices, so that a copy
+ * from there is a DMA between the two (NVLink or PCIe); without it the
+ * driver stages such a copy through host memory. Once a pair; it stays
+ * enabled. A refusal (too many peers, or the host enabled it already)
+ * leaves the copy as it was, and no error behind. */
 static void enable_peer_access(int device, int src_device)
 {
     if (device < 0 || src_device < 0 || device >= PEER_DEVICES_MAX ||
@@ -1365,32 +1370,28 @@ static void enable_peer_access(int device, int src_device)
     int tried = peers_tried[device][src_device];
     peers_tried[device][src_device] = 1;
     pthread_mutex_unlock(&peers_lock);
-    int can = 0;
-    if (!tried && (cudaDeviceCanAccessPeer(&can, device, src_device) != cudaSuccess ||
-                   (can && cudaDeviceEnablePeerAccess(src_device, 0) != cudaSuccess)))
+    if (tried)
+        return;
+    int prev = caller_device(), can = 0;
+    if (cudaSetDevice(device) != cudaSuccess ||
+        cudaDeviceCanAccessPeer(&can, device, src_device) != cudaSuccess ||
+        (can && cudaDeviceEnablePeerAccess(src_device, 0) != cudaSuccess))
         cudaGetLastError(); /* the failure just made, not the next call's */
+    restore_device(prev);
 }
 
 static int payload_copy(epipe_codec *c, int device, void *dst, int src_device, const void *src,
                         size_t bytes)
 {
-    int to_host = device < 0;
-    int rc = to_host ? EPIPE_OK : stream_on(c, device, "the tensor the payload is for");
+    const char *doing = "copying a received payload out of its sender's device",
+               *waiting = "waiting for a received payload's copy";
+    if (device < 0) /* to the host: on the payload's device's default stream */
+        return copy_waited(c, src_device, (cudaStream_t)0, dst, src, bytes, doing, waiting);
+    int rc = stream_on(c, device, "the tensor the payload is for");
     if (rc)
         return rc;
-    cudaStream_t s = to_host ? (cudaStream_t)0 : epipe_cuda_stream(c);
-    int prev = caller_device();
-    rc = epipe_cuda_check(c, cudaSetDevice(to_host ? src_device : device),
-                          "selecting the device a received payload is copied on");
-    if (!rc && !to_host)
-        enable_peer_access(device, src_device);
-    if (!rc)
-        rc = epipe_cuda_check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s),
-                              "copying a received payload out of its sender's device");
-    if (!rc)
-        rc = epipe_cuda_check(c, cudaStreamSynchronize(s), "waiting for a received payload's copy");
-    restore_device(prev);
-    return rc;
+    enable_peer_access(device, src_device);
+    return copy_waited(c, device, epipe_cuda_stream(c), dst, src, bytes, doing, waiting);
 }
 
 /* Fences (cuda_api.h): an event without timing, recorded on the sender's

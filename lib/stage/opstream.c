@@ -243,6 +243,18 @@ const char *epipe_stage_shape_text(int ndim, const int64_t *shape, DLDataType dt
     return buf;
 }
 
+/* lt's memory, freed, made again: `bytes` of device memory of CUDA device
+ * `device` (its contents not kept); why[cap] says what failed. */
+static int lent_on_device(struct lent_tensor *lt, int device, size_t bytes, char *why, size_t cap)
+{
+    void *p = NULL;
+    epipe_stage_lent_free(lt);
+    int rc = epipe_cuda_dev_alloc(device, bytes, &p, why, cap);
+    if (!rc)
+        lt->buf = p, lt->cap = bytes, lt->on_cuda = 1, lt->device = device;
+    return rc;
+}
+
 /* Points lt at a dense CPU tensor of the given shape and dtype, growing its
  * buffer as needed. */
 int epipe_stage_lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim, const int64_t *shape,
@@ -260,13 +272,10 @@ int epipe_stage_lend_shape(epipe_stage *st, struct lent_tensor *lt, int ndim, co
     if (cuda && (lt->cap < n * esz || !lt->buf)) { /* a first empty tensor too */
         /* cudaMalloc does not keep contents; the decode writes them all */
         char why[1400];
-        void *p = NULL;
-        epipe_stage_lent_free(lt);
-        int rc = epipe_cuda_dev_alloc(st->cuda_device, n * esz, &p, why, sizeof why);
+        int rc = lent_on_device(lt, st->cuda_device, n * esz, why, sizeof why);
         if (rc)
             return fail(st, rc, "a %zu-byte tensor on CUDA device %d: %s", n * esz, st->cuda_device,
                         why);
-        lt->buf = p, lt->cap = n * esz, lt->on_cuda = 1, lt->device = st->cuda_device;
     } else if (lt->cap < n * esz) {
         void *p = realloc(lt->buf, n * esz > 0 ? n * esz : 1);
         if (!p)
@@ -523,15 +532,9 @@ static int hold_message(epipe_stage *st, epipe_msg *msg, epipe_codec *codec, int
 static int peer_buffer(epipe_stage *st, int device, size_t len)
 {
     struct lent_tensor *to = &st->peer_in;
-    if (to->buf && to->device == device && to->cap >= len)
-        return 1;
-    epipe_stage_lent_free(to);
     char why[1400];
-    void *p = NULL;
-    if (epipe_cuda_dev_alloc(device, len ? len : 1, &p, why, sizeof why))
-        return 0;
-    to->buf = p, to->cap = len ? len : 1, to->on_cuda = 1, to->device = device;
-    return 1;
+    return (to->buf && to->device == device && to->cap >= len) ||
+           lent_on_device(to, device, len ? len : 1, why, sizeof why) == EPIPE_OK;
 }
 
 /* Where the decode reads msg's payload: in its message; a device payload
@@ -681,7 +684,9 @@ static int recv_remote(epipe_stage *st, struct chunk *c, unsigned mb, int dir, c
     int hold = rc == EPIPE_OK && holds;
     if (!hold && (lt->on_cuda || msg->dev))
         rc = settle(codec, rc);
-    if (!hold && msg->fence) { /* its sender did not wait for the encode: its verdict first */
+    /* its sender did not wait for the encode: its verdict first (a copy's
+     * was taken before it) */
+    if (!hold && msg->fence && !copies) {
         int verdict = epipe_codec_cuda_fence_status(codec, msg->fence);
         rc = verdict ? verdict : rc;
     }
