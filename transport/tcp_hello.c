@@ -29,6 +29,12 @@ void epipe_tcp_hello_encode(const struct epipe_tcp_hello *h, uint8_t *p)
     epipe_put_u64(p + 152, h->job);
 }
 
+/* A byte that may go into a log line or a name as it is: printable ASCII. */
+static int is_text(unsigned char b)
+{
+    return b >= 0x20 && b < 0x7f;
+}
+
 int epipe_tcp_hello_decode(const uint8_t *p, size_t len, struct epipe_tcp_hello *h)
 {
     memset(h, 0, sizeof *h);
@@ -49,7 +55,7 @@ int epipe_tcp_hello_decode(const uint8_t *p, size_t len, struct epipe_tcp_hello 
     memcpy(h->addr, p + 24, EPIPE_TCP_ADDR_MAX - 1);
     h->addr[EPIPE_TCP_ADDR_MAX - 1] = 0;
     for (const char *a = h->addr; *a; a++) /* logged, and resolved: text only */
-        if ((unsigned char)*a < 0x20 || (unsigned char)*a >= 0x7f)
+        if (!is_text((unsigned char)*a))
             return epipe_fail(EPIPE_EPROTO, "hello address has a byte that is not text (0x%02x)",
                               (unsigned char)*a);
     memcpy(h->nonce, p + 88, EPIPE_TCP_NONCE);
@@ -208,7 +214,7 @@ char *epipe_tcp_peer_text(char *out, size_t cap, const void *text, size_t len)
     const unsigned char *p = text;
     size_t n = 0;
     for (size_t i = 0; cap && i < len && n + 1 < cap && p[i]; i++)
-        out[n++] = p[i] >= 0x20 && p[i] < 0x7f ? (char)p[i] : '?';
+        out[n++] = is_text(p[i]) ? (char)p[i] : '?';
     if (cap)
         out[n] = 0;
     return out;

@@ -152,10 +152,10 @@ int epipe_tcp_client_handshake(struct epipe_tcp_rdv *s, int fd, unsigned type, u
  * peer proved the key (or none is used): p->hi is its first hello, now to
  * be believed, and the WELCOME is the caller's to send. */
 int epipe_tcp_accept_step(struct epipe_tcp_rdv *s, struct epipe_tcp_pending *p);
-/* Logs why p is refused, tells it (status != 0) and closes it. */
 /* Refusals logged as warnings in one rendezvous; the rest at debug level,
  * with their count at the end (a flood must not flood the log). */
 #define REFUSALS_LOGGED 10
+/* Logs why p is refused, tells it (status != 0) and closes it. */
 void epipe_tcp_refuse(struct epipe_tcp_rdv *s, struct epipe_tcp_pending *p, int status,
                       const char *why);
 
